@@ -1,0 +1,169 @@
+#include "core/ragged/plan.h"
+
+#include <algorithm>
+#include <numeric>
+#include <stdexcept>
+#include <unordered_set>
+
+#include "core/ragged/int_math.h"
+
+namespace rfsdp {
+
+int64_t align_elems_for(int64_t align_bytes, int64_t elem_bytes) {
+  if (align_bytes < 1) throw std::invalid_argument("align_bytes must be positive");
+  if (elem_bytes < 1) throw std::invalid_argument("dtype_bytes must be positive");
+  return std::lcm(align_bytes, elem_bytes) / elem_bytes;
+}
+
+int64_t Plan::align_elems() const { return align_elems_for(align_bytes, elem_bytes); }
+
+int64_t Plan::total_tensor_elems() const {
+  int64_t n = 0;
+  for (const auto& t : tensors) n += t.numel();
+  return n;
+}
+
+int64_t Plan::lower_bound_shard_elems() const {
+  return round_up(ceil_div(total_tensor_elems(), world_size), align_elems());
+}
+
+double Plan::padding_fraction() const {
+  const int64_t total = buffer_elems();
+  if (total == 0) return 0.0;
+  return static_cast<double>(total - total_tensor_elems()) / static_cast<double>(total);
+}
+
+ShardRange Plan::shard(size_t tensor, int64_t rank) const {
+  if (tensor >= tensors.size()) throw std::out_of_range("tensor index out of range");
+  if (rank < 0 || rank >= world_size) {
+    throw std::out_of_range("rank " + std::to_string(rank) + " out of range for world size " +
+                            std::to_string(world_size));
+  }
+  const TensorSpec& t = tensors[tensor];
+  const int64_t off = offsets[tensor];
+  const int64_t lo = std::max(off, rank * shard_elems);
+  const int64_t hi = std::min(off + t.numel(), (rank + 1) * shard_elems);
+  ShardRange r;
+  if (lo >= hi) {
+    // Empty piece: place it at the row where the tensor would continue.
+    const int64_t row = lo >= off + t.numel() ? t.rows() : 0;
+    r.row_begin = r.row_end = row;
+    r.local_offset = 0;
+    return r;
+  }
+  // Valid plans cut only at granule (hence row) edges, so these divide exactly.
+  r.row_begin = (lo - off) / t.row_elems();
+  r.row_end = hi == off + t.numel() ? t.rows() : (hi - off) / t.row_elems();
+  r.local_offset = lo - rank * shard_elems;
+  r.numel = hi - lo;
+  return r;
+}
+
+size_t Plan::index_of(const std::string& name) const {
+  for (size_t i = 0; i < tensors.size(); ++i) {
+    if (tensors[i].name == name) return i;
+  }
+  throw std::invalid_argument("no tensor named '" + name + "' in the plan");
+}
+
+std::vector<std::string> plan_violations(const Plan& plan) {
+  std::vector<std::string> bad;
+  auto tensor_msg = [](const TensorSpec& t, const std::string& what) {
+    return "tensor '" + t.name + "': " + what;
+  };
+  if (plan.world_size < 1) {
+    bad.push_back("world_size must be >= 1, got " + std::to_string(plan.world_size));
+    return bad;
+  }
+  if (plan.offsets.size() != plan.tensors.size()) {
+    bad.push_back("plan has " + std::to_string(plan.offsets.size()) + " offsets for " +
+                  std::to_string(plan.tensors.size()) + " tensors");
+    return bad;
+  }
+  int64_t align = 0;
+  try {
+    align = plan.align_elems();
+  } catch (const std::invalid_argument& e) {
+    bad.push_back(e.what());
+    return bad;
+  }
+  const int64_t S = plan.shard_elems;
+  if (S < 1) {
+    bad.push_back("S (elements per rank) must be positive, got " + std::to_string(S));
+    return bad;
+  }
+  if (S % align != 0) {
+    bad.push_back("alignment: S = " + std::to_string(S) + " is not a multiple of " +
+                  std::to_string(align) + " elements (" + std::to_string(plan.align_bytes) +
+                  " bytes)");
+  }
+  for (size_t i = 0; i < plan.tensors.size(); ++i) {
+    const TensorSpec& t = plan.tensors[i];
+    try {
+      check_tensor_spec(t);
+    } catch (const std::invalid_argument& e) {
+      bad.push_back(e.what());
+      continue;
+    }
+    if (t.elem_bytes != plan.elem_bytes) {
+      bad.push_back(tensor_msg(t, "dtype_bytes " + std::to_string(t.elem_bytes) +
+                                      " differs from the buffer's " +
+                                      std::to_string(plan.elem_bytes)));
+    }
+    const int64_t off = plan.offsets[i];
+    const int64_t n = t.numel();
+    if (off < 0 || off + n > plan.buffer_elems()) {
+      bad.push_back(tensor_msg(t, "bounds: [" + std::to_string(off) + ", " +
+                                      std::to_string(off + n) + ") lies outside the buffer of " +
+                                      std::to_string(plan.buffer_elems()) + " elements"));
+      continue;
+    }
+    if (off % align != 0) {
+      bad.push_back(tensor_msg(t, "alignment: offset " + std::to_string(off) +
+                                      " is not a multiple of " + std::to_string(align) +
+                                      " elements"));
+    }
+    // Rank boundaries strictly inside the tensor must fall on granule edges.
+    const int64_t G = t.granule_elems();
+    for (int64_t k = off / S + 1; k * S < off + n; ++k) {
+      const int64_t cut = k * S - off;
+      if (cut % G != 0) {
+        bad.push_back(tensor_msg(
+            t, "granule: rank boundary " + std::to_string(k) + " falls " + std::to_string(cut) +
+                   " elements into the tensor, not a multiple of its granule of " +
+                   (t.is_whole() ? std::string("the whole tensor")
+                                 : std::to_string(t.effective_granule_rows()) + " rows") +
+                   " (" + std::to_string(G) + " elements)"));
+        break;
+      }
+    }
+  }
+  std::unordered_set<std::string> names;
+  for (const TensorSpec& t : plan.tensors) {
+    if (!names.insert(t.name).second) bad.push_back(tensor_msg(t, "duplicate name"));
+  }
+  // Overlap: sort by offset, compare neighbours.
+  std::vector<size_t> order(plan.tensors.size());
+  std::iota(order.begin(), order.end(), 0);
+  std::sort(order.begin(), order.end(),
+            [&](size_t a, size_t b) { return plan.offsets[a] < plan.offsets[b]; });
+  for (size_t j = 1; j < order.size(); ++j) {
+    const TensorSpec& prev = plan.tensors[order[j - 1]];
+    const TensorSpec& cur = plan.tensors[order[j]];
+    if (plan.offsets[order[j - 1]] + prev.numel() > plan.offsets[order[j]]) {
+      bad.push_back(tensor_msg(cur, "overlap: starts at " + std::to_string(plan.offsets[order[j]]) +
+                                        ", inside tensor '" + prev.name + "' [" +
+                                        std::to_string(plan.offsets[order[j - 1]]) + ", " +
+                                        std::to_string(plan.offsets[order[j - 1]] + prev.numel()) +
+                                        ")"));
+    }
+  }
+  return bad;
+}
+
+void validate_plan(const Plan& plan) {
+  const auto bad = plan_violations(plan);
+  if (!bad.empty()) throw std::invalid_argument("invalid plan: " + bad.front());
+}
+
+}  // namespace rfsdp

@@ -1,0 +1,55 @@
+// Plan: where each tensor of a unit sits in the unit's flat buffer of m x S
+// elements, and what each rank's contiguous slice [r*S, (r+1)*S) holds.
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "core/ragged/tensor_spec.h"
+
+namespace rfsdp {
+
+// Rank r's piece of one tensor: rows [row_begin, row_end) of the tensor (whole
+// granules), stored at local_offset elements into the rank's slice. May be empty.
+struct ShardRange {
+  int64_t row_begin = 0;
+  int64_t row_end = 0;
+  int64_t local_offset = 0;
+  int64_t numel = 0;
+  bool empty() const { return row_end == row_begin; }
+};
+
+struct Plan {
+  int64_t world_size = 1;
+  int64_t shard_elems = 0;  // S
+  int64_t align_bytes = 16;
+  int64_t elem_bytes = 4;
+  std::vector<TensorSpec> tensors;  // in the caller's order
+  std::vector<int64_t> offsets;     // element offset of tensors[i] in the flat buffer
+  double plan_seconds = 0.0;
+
+  int64_t buffer_elems() const { return world_size * shard_elems; }
+  // Alignment in elements: S and every offset are multiples of it.
+  int64_t align_elems() const;
+  int64_t total_tensor_elems() const;
+  // ceil(sum n / m) rounded up to the alignment: no plan can have a smaller S.
+  int64_t lower_bound_shard_elems() const;
+  // (m*S - sum n) / (m*S)
+  double padding_fraction() const;
+  ShardRange shard(size_t tensor, int64_t rank) const;
+  size_t index_of(const std::string& name) const;  // throws if absent
+};
+
+// Alignment in elements for a buffer of elem_bytes-sized elements such that
+// every aligned offset is a multiple of align_bytes bytes.
+int64_t align_elems_for(int64_t align_bytes, int64_t elem_bytes);
+
+// Every way `plan` breaks the constraints of DESIGN.md, one line each naming
+// the tensor and the constraint; empty when the plan is valid.
+std::vector<std::string> plan_violations(const Plan& plan);
+
+// Throws std::invalid_argument with the first violation.
+void validate_plan(const Plan& plan);
+
+}  // namespace rfsdp

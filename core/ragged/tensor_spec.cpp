@@ -1,0 +1,108 @@
+#include "core/ragged/tensor_spec.h"
+
+#include <stdexcept>
+#include <unordered_set>
+
+#include "core/ragged/int_math.h"
+
+namespace rfsdp {
+
+namespace {
+int64_t product(const std::vector<int64_t>& shape, size_t begin, size_t end) {
+  int64_t p = 1;
+  for (size_t i = begin; i < end; ++i) p *= shape[i];
+  return p;
+}
+}  // namespace
+
+int64_t TensorSpec::numel() const { return product(shape, 0, shape.size()); }
+
+int64_t TensorSpec::rows() const {
+  if (shape.empty()) return 1;
+  return product(shape, 0, static_cast<size_t>(row_dims));
+}
+
+int64_t TensorSpec::row_elems() const {
+  if (shape.empty()) return 1;
+  return product(shape, static_cast<size_t>(row_dims), shape.size());
+}
+
+int64_t TensorSpec::effective_granule_rows() const {
+  const int64_t r = rows();
+  return granule_rows >= r ? r : granule_rows;
+}
+
+void check_tensor_spec(const TensorSpec& t) {
+  const std::string who = "tensor '" + t.name + "': ";
+  if (t.name.empty()) throw std::invalid_argument("a tensor has an empty name");
+  for (size_t i = 0; i < t.shape.size(); ++i) {
+    if (t.shape[i] <= 0) {
+      throw std::invalid_argument(who + "dim " + std::to_string(i) + " is " +
+                                  std::to_string(t.shape[i]) + " in shape " +
+                                  shape_to_string(t.shape) + "; every dim must be positive");
+    }
+  }
+  const int max_row_dims = t.shape.empty() ? 1 : static_cast<int>(t.shape.size());
+  if (t.row_dims < 1 || t.row_dims > max_row_dims) {
+    throw std::invalid_argument(who + "row_dims " + std::to_string(t.row_dims) +
+                                " is out of range [1, " + std::to_string(max_row_dims) +
+                                "] for shape " + shape_to_string(t.shape));
+  }
+  if (t.granule_rows < 1) {
+    throw std::invalid_argument(who + "granule_rows must be a positive integer or \"whole\", got " +
+                                std::to_string(t.granule_rows));
+  }
+  if (t.elem_bytes < 1) {
+    throw std::invalid_argument(who + "dtype_bytes must be positive, got " +
+                                std::to_string(t.elem_bytes));
+  }
+  // Guard the element count against int64 overflow (buffers are addressed in int64).
+  int64_t n = 1;
+  for (int64_t d : t.shape) {
+    if (n > std::numeric_limits<int64_t>::max() / 16 / d) {
+      throw std::invalid_argument(who + "shape " + shape_to_string(t.shape) + " is too large");
+    }
+    n *= d;
+  }
+}
+
+void check_unit_specs(const std::vector<TensorSpec>& tensors) {
+  if (tensors.empty()) throw std::invalid_argument("the unit is empty: give it at least one tensor");
+  std::unordered_set<std::string> names;
+  for (const TensorSpec& t : tensors) {
+    check_tensor_spec(t);
+    if (!names.insert(t.name).second) {
+      throw std::invalid_argument("tensor '" + t.name + "': duplicate name in the unit");
+    }
+    if (t.elem_bytes != tensors.front().elem_bytes) {
+      throw std::invalid_argument(
+          "tensor '" + t.name + "': dtype_bytes " + std::to_string(t.elem_bytes) + " differs from '" +
+          tensors.front().name + "' (" + std::to_string(tensors.front().elem_bytes) +
+          "); plan each dtype's tensors as a unit of its own (one flat buffer per dtype)");
+    }
+  }
+}
+
+int64_t combine_granules(int64_t a_rows, int64_t b_rows, int64_t tensor_rows) {
+  if (a_rows < 1 || b_rows < 1) {
+    throw std::invalid_argument("granules must be positive integers or \"whole\"");
+  }
+  if (a_rows >= tensor_rows || b_rows >= tensor_rows) return kWholeTensor;
+  const int64_t l = lcm_capped(a_rows, b_rows, tensor_rows);
+  return l >= tensor_rows ? kWholeTensor : l;
+}
+
+std::string granule_to_string(const TensorSpec& t) {
+  return t.is_whole() ? "whole" : std::to_string(t.effective_granule_rows());
+}
+
+std::string shape_to_string(const std::vector<int64_t>& shape) {
+  std::string s = "[";
+  for (size_t i = 0; i < shape.size(); ++i) {
+    if (i) s += ", ";
+    s += std::to_string(shape[i]);
+  }
+  return s + "]";
+}
+
+}  // namespace rfsdp

@@ -1,0 +1,276 @@
+// The planner against (1) an exhaustive search written independently here on
+// small units, (2) the validator and a shard-tiling check on thousands of
+// random units, (3) the model zoo, and (4) bad input.
+#include <gtest/gtest.h>
+
+#include <dirent.h>
+
+#include <fstream>
+#include <map>
+#include <random>
+#include <sstream>
+
+#include "core/ragged/plan_json.h"
+#include "core/ragged/planner.h"
+
+namespace rfsdp {
+namespace {
+
+std::mt19937_64 fresh_rng(uint64_t* seed_out) {
+  *seed_out = std::random_device{}() ^ (static_cast<uint64_t>(std::random_device{}()) << 32);
+  return std::mt19937_64(*seed_out);
+}
+
+int64_t uniform(std::mt19937_64& rng, int64_t lo, int64_t hi) {
+  return std::uniform_int_distribution<int64_t>(lo, hi)(rng);
+}
+
+// ---- (1) exhaustive reference: every tensor order, every aligned offset ----
+
+struct Exhaustive {
+  std::vector<int64_t> n, G;
+  int64_t m, S, A;
+  std::map<std::pair<int64_t, unsigned>, bool> memo;
+
+  bool offset_ok(size_t t, int64_t o) const {
+    for (int64_t k = 1; k < m; ++k) {
+      const int64_t b = k * S;
+      if (b > o && b < o + n[t] && (b - o) % G[t] != 0) return false;
+    }
+    return true;
+  }
+  // Can the tensors not in `placed` be laid out at or after `cursor`?
+  bool rest_fits(int64_t cursor, unsigned placed) {
+    if (placed == (1u << n.size()) - 1) return true;
+    const auto key = std::make_pair(cursor, placed);
+    if (auto it = memo.find(key); it != memo.end()) return it->second;
+    bool ok = false;
+    for (size_t t = 0; t < n.size() && !ok; ++t) {
+      if (placed & (1u << t)) continue;
+      for (int64_t o = (cursor + A - 1) / A * A; o + n[t] <= m * S && !ok; o += A) {
+        ok = offset_ok(t, o) && rest_fits(o + n[t], placed | (1u << t));
+      }
+    }
+    return memo[key] = ok;
+  }
+};
+
+int64_t exhaustive_optimum(const std::vector<TensorSpec>& ts, int64_t m, int64_t A) {
+  Exhaustive ex;
+  int64_t total = 0;
+  for (const auto& t : ts) {
+    ex.n.push_back(t.numel());
+    ex.G.push_back(t.granule_elems());
+    total += t.numel();
+  }
+  ex.m = m;
+  ex.A = A;
+  for (int64_t S = (total + m - 1) / m; ; ++S) {
+    if (S % A) continue;
+    ex.S = S;
+    ex.memo.clear();
+    if (ex.rest_fits(0, 0)) return S;
+  }
+}
+
+TensorSpec random_small_tensor(std::mt19937_64& rng, int i) {
+  TensorSpec t;
+  t.name = "t" + std::to_string(i);
+  t.elem_bytes = 4;
+  switch (uniform(rng, 0, 2)) {
+    case 0: t.shape = {uniform(rng, 1, 12)}; break;
+    case 1: t.shape = {uniform(rng, 1, 6), uniform(rng, 1, 4)}; break;
+    default:
+      t.shape = {uniform(rng, 1, 2), uniform(rng, 1, 3), uniform(rng, 1, 3)};
+      t.row_dims = static_cast<int>(uniform(rng, 1, 2));
+  }
+  const int64_t g = uniform(rng, 0, 3);
+  t.granule_rows = g == 0 ? kWholeTensor : g;
+  return t;
+}
+
+TEST(Planner, MatchesExhaustiveSearchOnSmallUnits) {
+  uint64_t seed;
+  auto rng = fresh_rng(&seed);
+  SCOPED_TRACE("seed " + std::to_string(seed));
+  int checked = 0;
+  for (int c = 0; c < 400; ++c) {
+    std::vector<TensorSpec> unit;
+    const int T = static_cast<int>(uniform(rng, 1, 4));
+    for (int i = 0; i < T; ++i) unit.push_back(random_small_tensor(rng, i));
+    const int64_t m = uniform(rng, 1, 5);
+    const int64_t align_bytes = int64_t{4} << uniform(rng, 0, 2);  // 1, 2 or 4 fp32 elements
+    const Plan plan = plan_unit(unit, m, align_bytes);
+    ASSERT_TRUE(plan_violations(plan).empty()) << plan_violations(plan).front();
+    const int64_t best = exhaustive_optimum(unit, m, plan.align_elems());
+    ASSERT_EQ(plan.shard_elems, best) << "case " << c << ": planner S vs exhaustive optimum";
+    // The structural bound is a true lower bound.
+    ASSERT_LE(structural_lower_bound(unit, m, align_bytes), best) << "case " << c;
+    ++checked;
+  }
+  EXPECT_EQ(checked, 400);
+}
+
+// ---- (2) property test over random units, validator + tiling ----
+
+TensorSpec random_tensor(std::mt19937_64& rng, int i, int64_t elem_bytes) {
+  TensorSpec t;
+  t.name = "p" + std::to_string(i);
+  t.elem_bytes = elem_bytes;
+  switch (uniform(rng, 0, 4)) {
+    case 0: t.shape = {uniform(rng, 1, 5000)}; break;                         // 1-D
+    case 1: t.shape = {1, uniform(rng, 1, 3000)}; break;                      // one row
+    case 2: t.shape = {uniform(rng, 1, 600), uniform(rng, 1, 600)}; break;    // matrix
+    case 3:                                                                    // expert stack
+      t.shape = {uniform(rng, 1, 16), uniform(rng, 1, 64), uniform(rng, 1, 64)};
+      t.row_dims = static_cast<int>(uniform(rng, 1, 2));
+      break;
+    default: t.shape = {uniform(rng, 1, 4), uniform(rng, 1, 4), uniform(rng, 1, 4), 3};
+  }
+  switch (uniform(rng, 0, 4)) {
+    case 0: t.granule_rows = kWholeTensor; break;
+    case 1: t.granule_rows = 1; break;
+    case 2: t.granule_rows = int64_t{1} << uniform(rng, 1, 7); break;  // 2..128
+    case 3: t.granule_rows = uniform(rng, 1, 100); break;
+    default: t.granule_rows = t.rows() + uniform(rng, 0, 5);            // >= rows: whole
+  }
+  return t;
+}
+
+// Every tensor's rank pieces, in rank order, are contiguous whole granules that
+// cover its rows exactly once, at the right place in each rank's slice.
+void expect_tiles(const Plan& p) {
+  const int64_t S = p.shard_elems;
+  for (size_t i = 0; i < p.tensors.size(); ++i) {
+    const TensorSpec& t = p.tensors[i];
+    const int64_t first = p.offsets[i] / S, last = (p.offsets[i] + t.numel() - 1) / S;
+    int64_t next_row = 0, covered = 0;
+    for (int64_t r = 0; r < p.world_size; ++r) {
+      if (r < first - 1 || (r > last + 1 && r < p.world_size - 1)) continue;  // far ranks: below
+      const ShardRange s = p.shard(i, r);
+      if (r < first || r > last) {
+        ASSERT_TRUE(s.empty()) << t.name << " rank " << r;
+        continue;
+      }
+      ASSERT_FALSE(s.empty()) << t.name << " rank " << r;
+      ASSERT_EQ(s.row_begin, next_row) << t.name << " rank " << r;
+      ASSERT_EQ(s.row_begin % t.effective_granule_rows(), 0) << t.name << " rank " << r;
+      ASSERT_EQ(s.numel, (s.row_end - s.row_begin) * t.row_elems());
+      ASSERT_GE(s.local_offset, 0);
+      ASSERT_LE(s.local_offset + s.numel, S);
+      ASSERT_EQ(r * S + s.local_offset, p.offsets[i] + s.row_begin * t.row_elems());
+      next_row = s.row_end;
+      covered += s.row_end - s.row_begin;
+    }
+    ASSERT_EQ(next_row, t.rows()) << t.name;
+    ASSERT_EQ(covered, t.rows()) << t.name;
+    // A far rank (when there is one) holds nothing of the tensor.
+    if (last + 2 < p.world_size) ASSERT_TRUE(p.shard(i, last + 2).empty());
+    if (first >= 2) ASSERT_TRUE(p.shard(i, first - 2).empty());
+  }
+}
+
+TEST(Planner, RandomUnitsValidateAndTile) {
+  uint64_t seed;
+  auto rng = fresh_rng(&seed);
+  SCOPED_TRACE("seed " + std::to_string(seed));
+  const int64_t world_sizes[] = {1, 2, 3, 4, 7, 8, 64, 1000, 16384};
+  const int64_t elem_sizes[] = {1, 2, 4, 8};
+  const int64_t aligns[] = {1, 4, 16, 16, 16, 128};
+  for (int c = 0; c < 3000; ++c) {
+    const int64_t eb = elem_sizes[uniform(rng, 0, 3)];
+    std::vector<TensorSpec> unit;
+    const int T = static_cast<int>(uniform(rng, 0, 3) == 0 ? uniform(rng, 1, 3) : uniform(rng, 1, 40));
+    for (int i = 0; i < T; ++i) unit.push_back(random_tensor(rng, i, eb));
+    const int64_t m = world_sizes[uniform(rng, 0, 8)];
+    const int64_t align = aligns[uniform(rng, 0, 5)];
+    const Plan p = plan_unit(unit, m, align);
+    const auto bad = plan_violations(p);
+    ASSERT_TRUE(bad.empty()) << "case " << c << ": " << bad.front();
+    ASSERT_GE(p.shard_elems, p.lower_bound_shard_elems());
+    ASSERT_GE(p.shard_elems, structural_lower_bound(unit, m, align));
+    ASSERT_EQ(p.tensors.size(), unit.size());
+    for (size_t i = 0; i < unit.size(); ++i) ASSERT_EQ(p.tensors[i].name, unit[i].name);
+    expect_tiles(p);
+    if (HasFatalFailure()) {
+      ADD_FAILURE() << "case " << c << " m " << m;
+      return;
+    }
+  }
+}
+
+TEST(Planner, MoreRanksThanGranules) {
+  TensorSpec a;
+  a.name = "a";
+  a.shape = {3, 4};
+  a.granule_rows = 1;
+  TensorSpec b = a;
+  b.name = "b";
+  b.granule_rows = kWholeTensor;
+  const Plan p = plan_unit({a, b}, 16384, 16);
+  EXPECT_TRUE(plan_violations(p).empty());
+  EXPECT_EQ(p.shard_elems, 12);  // b whole needs 12 elements on one rank
+  expect_tiles(p);
+}
+
+// ---- (3) the zoo: every unit plans validly at small and large world sizes ----
+
+TEST(Planner, ZooUnitsPlanValidly) {
+  DIR* d = opendir(RFSDP_ZOO_DIR);
+  ASSERT_NE(d, nullptr);
+  int units = 0;
+  while (dirent* e = readdir(d)) {
+    const std::string name = e->d_name;
+    if (name.size() < 6 || name.substr(name.size() - 5) != ".json") continue;
+    std::ifstream in(std::string(RFSDP_ZOO_DIR) + "/" + name);
+    std::stringstream text;
+    text << in.rdbuf();
+    auto unit = unit_from_json(text.str());
+    for (int64_t g : {int64_t{1}, int64_t{32}}) {
+      for (auto& t : unit) t.granule_rows = g;
+      for (int64_t m : {8, 16384}) {
+        const Plan p = plan_unit(unit, m);
+        EXPECT_TRUE(plan_violations(p).empty()) << name << " m " << m;
+        EXPECT_GE(p.shard_elems, structural_lower_bound(unit, m));
+      }
+    }
+    ++units;
+  }
+  closedir(d);
+  EXPECT_GE(units, 10);
+}
+
+// ---- (4) bad input: one-line errors naming the tensor ----
+
+void expect_plan_error(const std::vector<TensorSpec>& unit, int64_t m, const std::string& needle) {
+  try {
+    plan_unit(unit, m);
+    FAIL() << "no error; expected " << needle;
+  } catch (const std::invalid_argument& e) {
+    const std::string msg = e.what();
+    EXPECT_NE(msg.find(needle), std::string::npos) << msg;
+    EXPECT_EQ(msg.find('\n'), std::string::npos) << msg;
+  }
+}
+
+TEST(Planner, BadInput) {
+  TensorSpec t;
+  t.name = "w";
+  t.shape = {4, 4};
+  expect_plan_error({}, 2, "empty");
+  expect_plan_error({t}, 0, "world size must be >= 1");
+  expect_plan_error({t}, -3, "world size must be >= 1");
+  expect_plan_error({t, t}, 2, "'w': duplicate");
+  auto bad = t;
+  bad.shape = {4, -1};
+  expect_plan_error({bad}, 2, "'w': dim 1 is -1");
+  bad = t;
+  bad.granule_rows = 0;
+  expect_plan_error({bad}, 2, "'w': granule_rows must be a positive integer");
+  bad = t;
+  bad.row_dims = 5;
+  expect_plan_error({bad}, 2, "'w': row_dims 5 is out of range");
+}
+
+}  // namespace
+}  // namespace rfsdp

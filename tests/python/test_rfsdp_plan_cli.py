@@ -1,0 +1,109 @@
+"""rfsdp-plan end to end: JSON from a file or stdin, the --json schema, the
+table, and one-line errors with a non-zero exit for bad input."""
+import json
+import math
+import os
+import random
+import subprocess
+
+import pytest
+
+
+@pytest.fixture(scope="module")
+def plan_bin(build_dir):
+    path = os.path.join(build_dir, "rfsdp-plan")
+    assert os.path.exists(path), "build rfsdp-plan first (scripts/setup.sh)"
+    return path
+
+
+def run(plan_bin, args, stdin=None):
+    return subprocess.run([plan_bin] + args, input=stdin, capture_output=True, text=True, timeout=60)
+
+
+def random_unit(rng):
+    unit = []
+    for i in range(rng.randint(1, 12)):
+        shape = [rng.randint(1, 300) for _ in range(rng.randint(1, 3))]
+        row_dims = rng.randint(1, min(2, len(shape)))
+        g = rng.choice([1, 2, 16, 32, "whole"])
+        unit.append({"name": "t%d" % i, "shape": shape, "granule_rows": g, "row_dims": row_dims,
+                     "dtype_bytes": 2})
+    return unit
+
+
+def check_plan(unit, out, world_size):
+    """Independent check of the printed plan against the layout rules."""
+    S, align_elems = out["S"], 16 // 2
+    assert out["world_size"] == world_size and out["align_bytes"] == 16
+    total = sum(math.prod(t["shape"]) for t in unit)
+    assert out["lower_bound_S"] == -(-(-(-total // world_size)) // align_elems) * align_elems
+    assert S >= out["lower_bound_S"] and S % align_elems == 0
+    assert out["padding_fraction"] == pytest.approx((world_size * S - total) / (world_size * S))
+    assert [t["name"] for t in out["tensors"]] == [t["name"] for t in unit]
+    spans = []
+    for t, p in zip(unit, out["tensors"]):
+        assert p["shape"] == t["shape"] and p["row_dims"] == t.get("row_dims", 1)
+        n = math.prod(t["shape"])
+        rows = math.prod(t["shape"][: t.get("row_dims", 1)])
+        row_len = n // rows
+        g = rows if t["granule_rows"] == "whole" else min(t["granule_rows"], rows)
+        assert p["granule_rows"] == ("whole" if g == rows else g)
+        off = p["offset"]
+        assert off % align_elems == 0 and 0 <= off and off + n <= world_size * S
+        for k in range(1, world_size):
+            if off < k * S < off + n:
+                assert (k * S - off) % (g * row_len) == 0, (t["name"], k)
+        spans.append((off, off + n))
+    spans.sort()
+    assert all(a[1] <= b[0] for a, b in zip(spans, spans[1:]))
+
+
+def test_json_output_from_file_and_stdin(plan_bin, tmp_path):
+    rng = random.Random()
+    for case in range(20):
+        unit = random_unit(rng)
+        m = rng.choice([1, 2, 3, 8, 64])
+        path = tmp_path / ("unit%d.json" % case)
+        path.write_text(json.dumps(unit))
+        r = run(plan_bin, [str(path), "--world-size", str(m), "--json"])
+        assert r.returncode == 0, r.stderr
+        out = json.loads(r.stdout)
+        check_plan(unit, out, m)
+        r2 = run(plan_bin, ["--world-size", str(m), "--json"], stdin=json.dumps(unit))
+        assert r2.returncode == 0, r2.stderr
+        out2 = json.loads(r2.stdout)
+        out.pop("plan_seconds"), out2.pop("plan_seconds")
+        assert out == out2
+
+
+def test_table_output_for_a_zoo_unit(plan_bin, zoo_dir):
+    r = run(plan_bin, [os.path.join(zoo_dir, "llama3_8b.block.json"), "--world-size", "8"])
+    assert r.returncode == 0, r.stderr
+    assert "lower bound" in r.stdout and "mlp.down_proj.weight" in r.stdout
+
+
+@pytest.mark.parametrize("args,stdin,needle", [
+    (["--world-size", "0"], '[{"name":"w","shape":[4],"granule_rows":1,"dtype_bytes":2}]',
+     "world size must be >= 1"),
+    (["--world-size", "2"], "[]", "empty"),
+    (["--world-size", "2"], '[{"name":"w","shape":[4,0],"granule_rows":1,"dtype_bytes":2}]',
+     "'w': dim 1 is 0"),
+    (["--world-size", "2"], '[{"name":"w","shape":[4],"granule_rows":"some","dtype_bytes":2}]',
+     "'w': granule_rows must be a positive integer or \"whole\""),
+    (["--world-size", "2"], '[{"name":"w","shape":[4],"granule_rows":1,"row_dims":2,"dtype_bytes":2}]',
+     "'w': row_dims 2 is out of range"),
+    (["--world-size", "2"], '[{"name":"w","shape":[4],"granule_rows":1,"dtype_bytes":2},'
+                            '{"name":"w","shape":[4],"granule_rows":1,"dtype_bytes":2}]', "'w': duplicate"),
+    (["--world-size", "2"], "not json", "not valid JSON"),
+    ([], "[]", "--world-size M is required"),
+    (["--world-size", "x"], "[]", "takes an integer"),
+    (["--world-size", "2", "--bogus"], "[]", "unknown option"),
+    (["/nonexistent.json", "--world-size", "2"], None, "cannot read"),
+])
+def test_bad_input_is_one_line_and_nonzero(plan_bin, args, stdin, needle):
+    r = run(plan_bin, args, stdin=stdin)
+    assert r.returncode != 0
+    assert r.stdout == ""
+    lines = r.stderr.strip().splitlines()
+    assert len(lines) == 1, r.stderr
+    assert needle in lines[0], lines[0]
