@@ -13,6 +13,7 @@
 #include <chrono>
 #include <limits>
 #include <map>
+#include <random>
 #include <set>
 #include <numeric>
 #include <stdexcept>
@@ -230,6 +231,16 @@ Plan plan_unit(const std::vector<TensorSpec>& tensors, int64_t world_size, int64
       return items[a].Gp != items[b].Gp ? items[a].Gp > items[b].Gp : items[a].n > items[b].n;
     });
     orders = {by_size, by_granule, input_order};
+    const int extra = items.size() <= 64 ? options.extra_orders : std::min(8, options.extra_orders);
+    if (extra > 0) {
+      orders.emplace_back(by_size.rbegin(), by_size.rend());
+      orders.emplace_back(by_granule.rbegin(), by_granule.rend());
+      std::mt19937_64 rng(items.size());  // deterministic: same unit, same plan
+      for (int k = 2; k < extra; ++k) {
+        orders.push_back(by_size);
+        std::shuffle(orders.back().begin(), orders.back().end(), rng);
+      }
+    }
   }
 
   Placer placer(items, world_size, A);

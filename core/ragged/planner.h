@@ -17,6 +17,9 @@ struct PlannerOptions {
   // Candidate S values are tried one by one from the smallest, until about
   // this many tensor placements are spent (at least 64 candidates); then the
   // search switches to doubling steps and bisection.
+  // Beyond the three fixed orders, this many more (reversed, then seeded
+  // shuffles) for units of up to 64 tensors; 8 for larger ones.
+  int extra_orders = 64;
   int64_t linear_placements = 200000;
 };
 
