@@ -5,7 +5,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 
 PACKAGES=(g++ cmake ninja-build ccache libtorch-dev python3-torch python3-dev pybind11-dev
-          libgtest-dev nlohmann-json3-dev python3-pytest)
+          libgtest-dev nlohmann-json3-dev python3-pytest libgloo-dev)
 missing=()
 for p in "${PACKAGES[@]}"; do
   dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")

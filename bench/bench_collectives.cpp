@@ -1,0 +1,219 @@
+// bench_collectives: unshard and reduce_grads of a Llama-style block unit on 2
+// ranks (threads over Gloo), RaggedFSDP's flat-buffer unit against an
+// FSDP2-style path written here for comparison:
+//   all-gather: per-parameter copy-in of the local Shard(0) chunks to a flat
+//               send buffer, all-gather, copy-out into per-parameter tensors;
+//   reduce:     chunk-cat of the full gradients into a rank-major buffer, then
+//               reduce-scatter.
+// Both use the same Comm, so a backend fallback costs both the same.
+#include <algorithm>
+#include <chrono>
+#include <cstdio>
+#include <cstring>
+#include <mutex>
+#include <vector>
+
+#include "core/comm/local_ranks.h"
+#include "core/ragged/int_math.h"
+#include "core/ragged/planner.h"
+#include "fsdp/fsdp_unit.h"
+
+namespace {
+
+using rfsdp::TensorSpec;
+using Clock = std::chrono::steady_clock;
+
+std::vector<TensorSpec> llama_block(int64_t h, int64_t kv, int64_t ffn) {
+  auto t = [](std::string n, std::vector<int64_t> s) {
+    TensorSpec x;
+    x.name = std::move(n);
+    x.shape = std::move(s);
+    return x;
+  };
+  return {t("input_layernorm", {h}), t("q_proj", {h, h}),        t("k_proj", {kv, h}),
+          t("v_proj", {kv, h}),      t("o_proj", {h, h}),        t("post_attention_layernorm", {h}),
+          t("gate_proj", {ffn, h}),  t("up_proj", {ffn, h}),     t("down_proj", {h, ffn})};
+}
+
+double median(std::vector<double> v) {
+  std::sort(v.begin(), v.end());
+  return v[v.size() / 2];
+}
+
+double ms_since(Clock::time_point t0) {
+  return std::chrono::duration<double, std::milli>(Clock::now() - t0).count();
+}
+
+// FSDP2's layout: every tensor cut along dim 0 into m chunks of ceil(d0/m) rows.
+struct Fsdp2Layout {
+  std::vector<int64_t> chunk_rows, row_elems, offset;  // offset of the chunk in a rank's piece
+  int64_t per_rank = 0;
+};
+
+Fsdp2Layout fsdp2_layout(const std::vector<TensorSpec>& unit, int m) {
+  Fsdp2Layout l;
+  for (const auto& t : unit) {
+    const int64_t d0 = t.shape[0];
+    l.chunk_rows.push_back(rfsdp::ceil_div(d0, m));
+    l.row_elems.push_back(t.numel() / d0);
+    l.offset.push_back(l.per_rank);
+    l.per_rank += l.chunk_rows.back() * l.row_elems.back();
+  }
+  return l;
+}
+
+struct Result {
+  std::vector<double> gather_ms, reduce_ms;
+  int64_t gather_copied = 0, reduce_copied = 0;
+};
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  int iters = 15;
+  int64_t hidden = 1024, kv = 256, ffn = 2816;
+  for (int i = 1; i < argc; ++i) {
+    if (!std::strcmp(argv[i], "--iters") && i + 1 < argc) {
+      iters = std::atoi(argv[++i]);
+    } else if (!std::strcmp(argv[i], "--hidden") && i + 1 < argc) {
+      hidden = std::atoll(argv[++i]);
+      kv = hidden / 4;
+      ffn = hidden * 11 / 4;
+    } else {
+      std::fprintf(stderr, "usage: bench_collectives [--iters N] [--hidden H]\n");
+      return 2;
+    }
+  }
+  const int m = 2;
+  const auto unit = llama_block(hidden, kv, ffn);
+  const rfsdp::Plan plan = rfsdp::plan_unit(unit, m, 16);
+  const Fsdp2Layout f2 = fsdp2_layout(unit, m);
+  Result ragged, fsdp2;
+  std::mutex mu;
+
+  rfsdp::run_local_ranks(m, [&](rfsdp::Comm& c) {
+    auto comm = std::shared_ptr<rfsdp::Comm>(&c, [](rfsdp::Comm*) {});
+    std::vector<at::Tensor> full;
+    for (const auto& t : unit) full.push_back(at::randn(t.shape));
+    Result mine_r, mine_f;
+
+    // RaggedFSDP: in-place gather into the unit's buffer; reduce-scatter into the local slice.
+    rfsdp::FSDPUnit u(comm, plan);
+    u.shard(full);
+    for (int it = 0; it < iters + 2; ++it) {
+      c.reset_stats();
+      c.barrier().wait();
+      auto t0 = Clock::now();
+      u.unshard().wait();
+      const double g = ms_since(t0);
+      const int64_t gc = c.stats().bytes_copied;
+      u.reshard();
+      u.prepare_grads();
+      for (size_t i = 0; i < unit.size(); ++i) u.full_grad(i).fill_(1.0f);
+      c.reset_stats();
+      c.barrier().wait();
+      t0 = Clock::now();
+      u.reduce_grads().wait();
+      const double r = ms_since(t0);
+      if (it >= 2) {  // 2 warm-up rounds
+        mine_r.gather_ms.push_back(g);
+        mine_r.reduce_ms.push_back(r);
+        mine_r.gather_copied = gc;
+        mine_r.reduce_copied = c.stats().bytes_copied;
+      }
+    }
+
+    // FSDP2-style: per-parameter chunks, copy-in / all-gather / copy-out; chunk-cat / reduce-scatter.
+    std::vector<at::Tensor> local_chunks, params, grads;
+    for (size_t i = 0; i < unit.size(); ++i) {
+      at::Tensor padded = at::zeros({f2.chunk_rows[i] * m, f2.row_elems[i]});
+      padded.narrow(0, 0, unit[i].shape[0]).copy_(full[i].reshape({unit[i].shape[0], -1}));
+      local_chunks.push_back(padded.narrow(0, c.rank() * f2.chunk_rows[i], f2.chunk_rows[i]).clone());
+      params.push_back(at::empty(unit[i].shape));
+      grads.push_back(at::ones(unit[i].shape));
+    }
+    // As FSDP2 does, every unshard allocates the all-gather output and the
+    // unsharded parameters' storage, and every reduce allocates the
+    // reduce-scatter input and output (RaggedFSDP allocates its global buffer).
+    at::Tensor send = at::empty({f2.per_rank});
+    for (int it = 0; it < iters + 2; ++it) {
+      c.reset_stats();
+      c.barrier().wait();
+      int64_t own = 0;
+      auto t0 = Clock::now();
+      at::Tensor gathered = at::empty({m * f2.per_rank});
+      for (size_t i = 0; i < unit.size(); ++i) params[i] = at::empty(unit[i].shape);
+      for (size_t i = 0; i < unit.size(); ++i) {  // copy-in
+        send.narrow(0, f2.offset[i], local_chunks[i].numel()).copy_(local_chunks[i].reshape(-1));
+        own += local_chunks[i].numel() * 4;
+      }
+      c.all_gather_flat(gathered, send).wait();
+      for (size_t i = 0; i < unit.size(); ++i) {  // copy-out
+        const int64_t d0 = unit[i].shape[0];
+        at::Tensor dst = params[i].reshape({d0, -1});
+        for (int r = 0; r < m; ++r) {
+          const int64_t row0 = r * f2.chunk_rows[i];
+          const int64_t rows = std::max<int64_t>(0, std::min(f2.chunk_rows[i], d0 - row0));
+          if (rows == 0) continue;
+          dst.narrow(0, row0, rows)
+              .copy_(gathered.narrow(0, r * f2.per_rank + f2.offset[i], rows * f2.row_elems[i])
+                         .view({rows, f2.row_elems[i]}));
+          own += rows * f2.row_elems[i] * 4;
+        }
+      }
+      const double g = ms_since(t0);
+      const int64_t gc = own + c.stats().bytes_copied;
+      c.reset_stats();
+      c.barrier().wait();
+      own = 0;
+      t0 = Clock::now();
+      at::Tensor rs_in = at::zeros({m * f2.per_rank}), rs_out = at::empty({f2.per_rank});
+      for (size_t i = 0; i < unit.size(); ++i) {  // chunk-cat
+        const int64_t d0 = unit[i].shape[0];
+        at::Tensor src = grads[i].reshape({d0, -1});
+        for (int r = 0; r < m; ++r) {
+          const int64_t row0 = r * f2.chunk_rows[i];
+          const int64_t rows = std::max<int64_t>(0, std::min(f2.chunk_rows[i], d0 - row0));
+          if (rows == 0) continue;
+          rs_in.narrow(0, r * f2.per_rank + f2.offset[i], rows * f2.row_elems[i])
+              .copy_(src.narrow(0, row0, rows).reshape(-1));
+          own += rows * f2.row_elems[i] * 4;
+        }
+      }
+      c.reduce_scatter_flat(rs_in, rs_out, rfsdp::ReduceOp::Avg).wait();
+      const double r = ms_since(t0);
+      if (it >= 2) {
+        mine_f.gather_ms.push_back(g);
+        mine_f.reduce_ms.push_back(r);
+        mine_f.gather_copied = gc;
+        mine_f.reduce_copied = own + c.stats().bytes_copied;
+      }
+    }
+    if (c.rank() == 0) {
+      std::lock_guard<std::mutex> lock(mu);
+      ragged = mine_r;
+      fsdp2 = mine_f;
+    }
+  });
+
+  const double mb = 1.0 / (1 << 20);
+  int64_t params = 0;
+  for (const auto& t : unit) params += t.numel();
+  std::printf("Llama-style block unit: hidden %lld, kv %lld, ffn %lld: %.2fM fp32 parameters, "
+              "2 ranks (threads, gloo), %d iterations, medians of rank 0\n",
+              static_cast<long long>(hidden), static_cast<long long>(kv),
+              static_cast<long long>(ffn), params / 1e6, iters);
+  std::printf("ragged plan: S = %lld (padding %.3f%%); FSDP2 Shard(0): %lld per rank\n\n",
+              static_cast<long long>(plan.shard_elems), 100 * plan.padding_fraction(),
+              static_cast<long long>(f2.per_rank));
+  std::printf("%-14s | %12s %14s | %12s %14s\n", "path", "unshard ms", "copied MiB", "reduce ms",
+              "copied MiB");
+  std::printf("%-14s | %12.2f %14.2f | %12.2f %14.2f\n", "RaggedFSDP", median(ragged.gather_ms),
+              ragged.gather_copied * mb, median(ragged.reduce_ms), ragged.reduce_copied * mb);
+  std::printf("%-14s | %12.2f %14.2f | %12.2f %14.2f\n", "FSDP2-style", median(fsdp2.gather_ms),
+              fsdp2.gather_copied * mb, median(fsdp2.reduce_ms), fsdp2.reduce_copied * mb);
+  std::printf("%-14s | %12.2f %14s | %12.2f %14s\n", "FSDP2 / ragged",
+              median(fsdp2.gather_ms) / median(ragged.gather_ms), "",
+              median(fsdp2.reduce_ms) / median(ragged.reduce_ms), "");
+  return 0;
+}

@@ -1,0 +1,48 @@
+// The one place where torch 1.13 and torch 2.x differ for this project's c10d use.
+//
+// torch 1.13 (Debian): ProcessGroupGloo *is* a ProcessGroup.
+// torch 2.x: ProcessGroupGloo is a Backend; a ProcessGroup holds backends per device type.
+#pragma once
+
+#include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
+#include <torch/csrc/distributed/c10d/ProcessGroupGloo.hpp>
+#include <torch/csrc/distributed/c10d/Store.hpp>
+#include <torch/csrc/distributed/c10d/Work.hpp>
+#include <torch/version.h>
+
+#include <chrono>
+#include <string>
+
+namespace rfsdp::compat {
+
+using Work = c10d::Work;
+
+// A Gloo process group over `store` (one per rank; ranks may be threads of one process).
+inline c10::intrusive_ptr<c10d::ProcessGroup> make_gloo_group(
+    const c10::intrusive_ptr<c10d::Store>& store, int rank, int size,
+    std::chrono::milliseconds timeout, const std::string& hostname = "127.0.0.1") {
+  auto opts = c10d::ProcessGroupGloo::Options::create(timeout);
+  opts->devices.push_back(c10d::ProcessGroupGloo::createDeviceForHostname(hostname));
+#if TORCH_VERSION_MAJOR >= 2
+  auto backend = c10::make_intrusive<c10d::ProcessGroupGloo>(store, rank, size, opts);
+  auto pg = c10::make_intrusive<c10d::ProcessGroup>(store, rank, size);
+  pg->setDefaultBackend(c10d::ProcessGroup::BackendType::GLOO);
+  pg->setBackend(c10::DeviceType::CPU, c10d::ProcessGroup::BackendType::GLOO,
+                 c10::intrusive_ptr<c10d::Backend>(backend));
+  return pg;
+#else
+  return c10::make_intrusive<c10d::ProcessGroupGloo>(store, rank, size, opts);
+#endif
+}
+
+// True when a c10d call failed because the backend lacks the operation (it
+// then throws before starting anything, on every rank alike).
+inline bool is_unsupported_op(const c10::Error& e) {
+  const std::string msg = e.what_without_backtrace();
+  return msg.find("does not support") != std::string::npos ||
+         msg.find("no support for") != std::string::npos ||
+         msg.find("not supported") != std::string::npos ||
+         msg.find("not implemented") != std::string::npos;
+}
+
+}  // namespace rfsdp::compat

@@ -1,0 +1,358 @@
+#include "core/comm/comm.h"
+
+#include <torch/csrc/distributed/c10d/TCPStore.hpp>
+#include <unistd.h>
+
+#include <cstdlib>
+#include <iostream>
+#include <numeric>
+#include <stdexcept>
+
+namespace rfsdp {
+
+namespace {
+
+// Gathers and broadcasts only move bits, so a bfloat16 tensor travels as
+// float16 bits (a view, no copy): Gloo in torch 1.13 has neither bfloat16 nor int16.
+at::Tensor as_transport(const at::Tensor& t) {
+  return t.scalar_type() == at::kBFloat16 ? t.view(at::kHalf) : t;
+}
+
+// Reductions need the real dtype; say so clearly where the backend lacks it.
+void check_reducible(const at::Tensor& t, const std::string& backend, const char* what) {
+  if (t.scalar_type() == at::kBFloat16 && backend == "gloo") {
+    throw std::invalid_argument(std::string(what) +
+                                ": the gloo backend cannot reduce bfloat16 tensors; reduce in "
+                                "float32 (MixedPrecision::reduce_dtype) or use NCCL");
+  }
+}
+
+int64_t nbytes(const at::Tensor& t) { return t.numel() * static_cast<int64_t>(t.element_size()); }
+
+std::string env_or_throw(const char* name) {
+  const char* v = std::getenv(name);
+  if (v == nullptr || *v == '\0') {
+    throw std::runtime_error(std::string(name) +
+                             " is not set: launch with torchrun (it sets RANK, WORLD_SIZE, "
+                             "MASTER_ADDR, MASTER_PORT) or build Comm from a ProcessGroup");
+  }
+  return v;
+}
+
+int env_int(const char* name) {
+  const std::string v = env_or_throw(name);
+  char* end = nullptr;
+  const long x = std::strtol(v.c_str(), &end, 10);
+  if (*end != '\0' || x < 0) {
+    throw std::runtime_error(std::string(name) + "='" + v + "' is not a non-negative integer");
+  }
+  return static_cast<int>(x);
+}
+
+c10d::ReduceOp sum_op() { return c10d::ReduceOp(c10d::ReduceOp::SUM); }
+
+}  // namespace
+
+CommHandle::CommHandle(std::vector<c10::intrusive_ptr<compat::Work>> works,
+                       std::function<void()> finish, std::string what,
+                       std::chrono::milliseconds timeout, int rank, int size)
+    : works_(std::move(works)), finish_(std::move(finish)), what_(std::move(what)),
+      timeout_(timeout), rank_(rank), size_(size), waited_(false) {}
+
+CommHandle& CommHandle::operator=(CommHandle&& o) noexcept {
+  if (this != &o) {
+    works_ = std::move(o.works_);
+    finish_ = std::move(o.finish_);
+    what_ = std::move(o.what_);
+    timeout_ = o.timeout_;
+    rank_ = o.rank_;
+    size_ = o.size_;
+    waited_ = o.waited_;
+    o.waited_ = true;  // the moved-from handle owns nothing to wait for
+  }
+  return *this;
+}
+
+CommHandle::~CommHandle() {
+  // A handle dropped unwaited still completes its operation (fallback copy-outs
+  // included); an error can only be reported, not thrown, from here.
+  if (!waited_) {
+    try {
+      wait();
+    } catch (const std::exception& e) {
+      std::cerr << "rfsdp: an unwaited collective failed: " << e.what() << "\n";
+    }
+  }
+}
+
+CommHandle&& CommHandle::then(std::function<void()> next) && {
+  if (waited_) {
+    next();
+  } else if (!finish_) {
+    finish_ = std::move(next);
+  } else {
+    finish_ = [first = std::move(finish_), second = std::move(next)] {
+      first();
+      second();
+    };
+  }
+  return std::move(*this);
+}
+
+void CommHandle::wait() {
+  if (waited_) return;
+  waited_ = true;
+  try {
+    for (auto& w : works_) w->wait(timeout_);
+  } catch (const std::exception& e) {
+    std::string cause = e.what();
+    if (const auto* ce = dynamic_cast<const c10::Error*>(&e)) cause = ce->what_without_backtrace();
+    const bool peer = cause.find("imed out") != std::string::npos ||
+                      cause.find("Connection closed") != std::string::npos ||
+                      cause.find("Connection reset") != std::string::npos;
+    const std::string where = " on rank " + std::to_string(rank_) + " of " + std::to_string(size_);
+    if (peer) {
+      throw std::runtime_error(
+          what_ + " did not complete" + where + " within " + std::to_string(timeout_.count()) +
+          " ms: a peer rank stopped taking part or is slower than the timeout (every rank must "
+          "issue the same collectives in the same order). Backend said: " + cause);
+    }
+    throw std::runtime_error(what_ + " failed" + where + ": " + cause);
+  }
+  works_.clear();
+  if (finish_) finish_();
+}
+
+Comm::Comm(c10::intrusive_ptr<c10d::ProcessGroup> pg, std::chrono::milliseconds timeout)
+    : pg_(std::move(pg)), timeout_(timeout) {
+  if (!pg_) throw std::invalid_argument("Comm needs a process group, got none");
+  rank_ = pg_->getRank();
+  size_ = pg_->getSize();
+}
+
+std::shared_ptr<Comm> Comm::from_env(std::chrono::milliseconds timeout) {
+  const int rank = env_int("RANK"), size = env_int("WORLD_SIZE");
+  if (size < 1 || rank >= size) {
+    throw std::runtime_error("RANK=" + std::to_string(rank) + " is out of range for WORLD_SIZE=" +
+                             std::to_string(size));
+  }
+  const std::string addr = env_or_throw("MASTER_ADDR");
+  const int port = env_int("MASTER_PORT");
+  c10d::TCPStoreOptions opts;
+  opts.port = static_cast<std::uint16_t>(port);
+  opts.isServer = rank == 0;
+  opts.numWorkers = size;
+  opts.timeout = timeout;
+  auto store = c10::make_intrusive<c10d::TCPStore>(addr, opts);
+  // Gloo connects to the address peers see: loopback for a one-machine job.
+  std::string host = "127.0.0.1";
+  if (addr != "localhost" && addr.rfind("127.", 0) != 0) {
+    char name[256] = {0};
+    gethostname(name, sizeof(name) - 1);
+    host = name;
+  }
+  return std::make_shared<Comm>(compat::make_gloo_group(store, rank, size, timeout, host), timeout);
+}
+
+std::string Comm::backend_name() const { return pg_->getBackendName(); }
+
+CommStats Comm::stats() const {
+  return {collectives_.load(), fallbacks_.load(), bytes_sent_.load(), bytes_copied_.load()};
+}
+
+void Comm::reset_stats() { collectives_ = fallbacks_ = bytes_sent_ = bytes_copied_ = 0; }
+
+void Comm::check_flat(const at::Tensor& t, const char* what) const {
+  if (!t.defined()) throw std::invalid_argument(std::string(what) + ": tensor is undefined");
+  if (t.dim() != 1 || !t.is_contiguous()) {
+    throw std::invalid_argument(std::string(what) + ": needs a contiguous 1-D tensor, got sizes " +
+                                c10::str(t.sizes()));
+  }
+}
+
+CommHandle Comm::make_handle(std::vector<c10::intrusive_ptr<compat::Work>> works,
+                             std::function<void()> finish, const std::string& what) {
+  return CommHandle(std::move(works), std::move(finish), what, timeout_, rank_, size_);
+}
+
+CommHandle Comm::all_gather_flat(const at::Tensor& buffer, const at::Tensor& local) {
+  check_flat(buffer, "all_gather_flat buffer");
+  if (buffer.numel() % size_ != 0) {
+    throw std::invalid_argument("all_gather_flat: buffer of " + std::to_string(buffer.numel()) +
+                                " elements is not m*S for world size " + std::to_string(size_));
+  }
+  const int64_t S = buffer.numel() / size_;
+  at::Tensor slice = buffer.narrow(0, rank_ * S, S);
+  at::Tensor input = slice;
+  if (local.defined()) {
+    check_flat(local, "all_gather_flat local");
+    if (local.numel() != S || local.scalar_type() != buffer.scalar_type() ||
+        local.device() != buffer.device()) {
+      throw std::invalid_argument("all_gather_flat: local must be " + std::to_string(S) + " " +
+                                  std::string(c10::toString(buffer.scalar_type())) +
+                                  " elements on the buffer's device");
+    }
+    input = local;
+  }
+  bytes_sent_ += nbytes(input);
+  if (native_all_gather_) {
+    try {
+      c10d::AllgatherOptions opts;
+      opts.timeout = timeout_;
+      at::Tensor out = as_transport(buffer), in = as_transport(input);
+      auto work = pg_->_allgather_base(out, in, opts);
+      ++collectives_;
+      return make_handle({work}, nullptr, "all_gather_flat");
+    } catch (const c10::Error& e) {
+      if (!compat::is_unsupported_op(e)) throw;
+      native_all_gather_ = false;
+    }
+  }
+  // Fallback: each rank broadcasts its slice in place; nothing is copied but
+  // the local input into the rank's own slice (when it is not the slice).
+  ++fallbacks_;
+  if (input.data_ptr() != slice.data_ptr()) {
+    slice.copy_(input);
+    bytes_copied_ += nbytes(slice);
+  }
+  std::vector<c10::intrusive_ptr<compat::Work>> works;
+  for (int r = 0; r < size_; ++r) {
+    std::vector<at::Tensor> t{as_transport(buffer.narrow(0, r * S, S))};
+    c10d::BroadcastOptions opts;
+    opts.rootRank = r;
+    opts.timeout = timeout_;
+    works.push_back(pg_->broadcast(t, opts));
+    ++collectives_;
+  }
+  return make_handle(std::move(works), nullptr, "all_gather_flat (broadcast fallback)");
+}
+
+CommHandle Comm::reduce_scatter_flat(const at::Tensor& buffer, const at::Tensor& out,
+                                     ReduceOp op) {
+  check_flat(buffer, "reduce_scatter_flat buffer");
+  check_flat(out, "reduce_scatter_flat out");
+  const int64_t S = out.numel();
+  if (buffer.numel() != S * size_ || out.scalar_type() != buffer.scalar_type()) {
+    throw std::invalid_argument("reduce_scatter_flat: buffer must be world size (" +
+                                std::to_string(size_) + ") x out (" + std::to_string(S) +
+                                ") elements of one dtype, got " + std::to_string(buffer.numel()));
+  }
+  check_reducible(buffer, backend_name(), "reduce_scatter_flat");
+  const double scale = op == ReduceOp::Avg ? 1.0 / size_ : 1.0;
+  auto average = [out, scale] {
+    if (scale != 1.0) out.mul_(scale);
+  };
+  bytes_sent_ += nbytes(buffer);
+  if (native_reduce_scatter_) {
+    try {
+      c10d::ReduceScatterOptions opts;
+      opts.reduceOp = sum_op();
+      opts.timeout = timeout_;
+      at::Tensor o = out, b = buffer;
+      auto work = pg_->_reduce_scatter_base(o, b, opts);
+      ++collectives_;
+      return make_handle({work}, average, "reduce_scatter_flat");
+    } catch (const c10::Error& e) {
+      if (!compat::is_unsupported_op(e)) throw;
+      native_reduce_scatter_ = false;
+    }
+  }
+  // Fallback: one in-place reduce per slice, rooted at the slice's owner; the
+  // result is then copied out of the rank's own slice (unless out is that slice).
+  ++fallbacks_;
+  std::vector<c10::intrusive_ptr<compat::Work>> works;
+  for (int r = 0; r < size_; ++r) {
+    std::vector<at::Tensor> t{buffer.narrow(0, r * S, S)};
+    c10d::ReduceOptions opts;
+    opts.reduceOp = sum_op();
+    opts.rootRank = r;
+    opts.timeout = timeout_;
+    works.push_back(pg_->reduce(t, opts));
+    ++collectives_;
+  }
+  at::Tensor own = buffer.narrow(0, rank_ * S, S);
+  const bool copy = own.data_ptr() != out.data_ptr();
+  if (copy) bytes_copied_ += nbytes(out);
+  return make_handle(
+      std::move(works),
+      [own, out, copy, average] {
+        if (copy) out.copy_(own);
+        average();
+      },
+      "reduce_scatter_flat (reduce fallback)");
+}
+
+CommHandle Comm::all_to_all(const at::Tensor& out, const at::Tensor& in,
+                            const std::vector<int64_t>& out_splits,
+                            const std::vector<int64_t>& in_splits) {
+  check_flat(out, "all_to_all out");
+  check_flat(in, "all_to_all in");
+  if (static_cast<int>(out_splits.size()) != size_ || static_cast<int>(in_splits.size()) != size_) {
+    throw std::invalid_argument("all_to_all: need one split per rank (" + std::to_string(size_) +
+                                ")");
+  }
+  const int64_t out_total = std::accumulate(out_splits.begin(), out_splits.end(), int64_t{0});
+  const int64_t in_total = std::accumulate(in_splits.begin(), in_splits.end(), int64_t{0});
+  if (out_total != out.numel() || in_total != in.numel()) {
+    throw std::invalid_argument("all_to_all: splits add up to " + std::to_string(out_total) + "/" +
+                                std::to_string(in_total) + " elements, tensors hold " +
+                                std::to_string(out.numel()) + "/" + std::to_string(in.numel()));
+  }
+  bytes_sent_ += (in_total - in_splits[rank_]) * static_cast<int64_t>(in.element_size());
+  c10d::AllToAllOptions opts;
+  opts.timeout = timeout_;
+  at::Tensor o = out, i = in;
+  std::vector<int64_t> os = out_splits, is = in_splits;
+  auto work = pg_->alltoall_base(o, i, os, is, opts);
+  ++collectives_;
+  return make_handle({work}, nullptr, "all_to_all");
+}
+
+CommHandle Comm::all_reduce(const at::Tensor& t, ReduceOp op) {
+  if (!t.defined() || !t.is_contiguous()) {
+    throw std::invalid_argument("all_reduce: needs a defined contiguous tensor");
+  }
+  check_reducible(t, backend_name(), "all_reduce");
+  bytes_sent_ += nbytes(t);
+  std::vector<at::Tensor> ts{t};
+  c10d::AllreduceOptions opts;
+  opts.reduceOp = sum_op();
+  opts.timeout = timeout_;
+  auto work = pg_->allreduce(ts, opts);
+  ++collectives_;
+  const double scale = op == ReduceOp::Avg ? 1.0 / size_ : 1.0;
+  return make_handle(
+      {work},
+      [t, scale] {
+        if (scale != 1.0) t.mul_(scale);
+      },
+      "all_reduce");
+}
+
+CommHandle Comm::broadcast(const at::Tensor& t, int root) {
+  if (!t.defined() || !t.is_contiguous()) {
+    throw std::invalid_argument("broadcast: needs a defined contiguous tensor");
+  }
+  if (root < 0 || root >= size_) {
+    throw std::invalid_argument("broadcast: root " + std::to_string(root) +
+                                " out of range for world size " + std::to_string(size_));
+  }
+  if (rank_ == root) bytes_sent_ += nbytes(t);
+  std::vector<at::Tensor> ts{as_transport(t)};
+  c10d::BroadcastOptions opts;
+  opts.rootRank = root;
+  opts.timeout = timeout_;
+  auto work = pg_->broadcast(ts, opts);
+  ++collectives_;
+  return make_handle({work}, nullptr, "broadcast");
+}
+
+CommHandle Comm::barrier() {
+  c10d::BarrierOptions opts;
+  opts.timeout = timeout_;
+  auto work = pg_->barrier(opts);
+  ++collectives_;
+  return make_handle({work}, nullptr, "barrier");
+}
+
+}  // namespace rfsdp

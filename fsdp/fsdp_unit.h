@@ -1,0 +1,94 @@
+// FSDPUnit: one unit's parameters as ragged shards of flat buffers (the DBuffer).
+//
+// Sharded state: the local slice of S fp32 elements (master weights) and of S
+// fp32 gradient elements, laid out by the unit's Plan. Unsharded state: a
+// global buffer of m*S elements in the compute dtype whose views are the full
+// parameters, filled by an in-place all-gather; and a global gradient buffer in
+// the reduce dtype whose views receive the full gradients, reduce-scattered
+// into the local gradient slice. Releasing a global buffer keeps its views
+// valid objects (the storage is emptied, then refilled on the next gather).
+#pragma once
+
+#include <ATen/ATen.h>
+
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "core/comm/comm.h"
+#include "core/ragged/plan.h"
+
+namespace rfsdp {
+
+struct MixedPrecision {
+  at::ScalarType param_dtype = at::kFloat;   // dtype of the gathered (compute) parameters
+  at::ScalarType reduce_dtype = at::kFloat;  // dtype gradients are reduced in
+};
+
+class FSDPUnit {
+ public:
+  // The plan's world size must equal the comm's; its tensors are this unit's
+  // parameters, in order.
+  FSDPUnit(std::shared_ptr<Comm> comm, Plan plan, MixedPrecision mp = {},
+           at::Device device = at::kCPU);
+  FSDPUnit(const FSDPUnit&) = delete;
+  FSDPUnit& operator=(const FSDPUnit&) = delete;
+
+  const Plan& plan() const { return plan_; }
+  Comm& comm() { return *comm_; }
+  size_t num_params() const { return plan_.tensors.size(); }
+  size_t index_of(const std::string& name) const { return plan_.index_of(name); }
+  const MixedPrecision& mixed_precision() const { return mp_; }
+
+  // Each rank keeps its rows of the full initial parameters (identical on
+  // every rank; plan order; any floating dtype). Clears the gradients.
+  void shard(const std::vector<at::Tensor>& full_params);
+
+  // All-gathers the parameters into the global buffer (allocated if released).
+  // The one cast to the compute dtype happens on the local slice, before the gather.
+  CommHandle unshard();
+  // Releases the global parameter buffer; full_param views stay valid objects.
+  void reshard();
+  bool unsharded() const { return param_storage_live_; }
+
+  // Allocates and zeroes the global gradient buffer: backward accumulates into
+  // full_grad views (set them as the parameters' .grad).
+  void prepare_grads();
+  // Reduce-scatters the global gradients into the local gradient slice, adding
+  // to what it holds (gradient accumulation), then releases the global buffer.
+  CommHandle reduce_grads(ReduceOp op = ReduceOp::Avg);
+  void zero_grad();
+
+  // Full-shape views into the global buffers (usable while allocated).
+  const at::Tensor& full_param(size_t i) const { return full_params_.at(i); }
+  const at::Tensor& full_grad(size_t i) const { return full_grads_.at(i); }
+  // This rank's rows [row_begin, row_end) of tensor i, shaped (rows, *rest): views
+  // of the fp32 local slices (possibly 0 rows).
+  at::Tensor local_param(size_t i) const { return local_view(local_param_, i); }
+  at::Tensor local_grad(size_t i) const { return local_view(local_grad_, i); }
+  ShardRange shard_range(size_t i) const { return plan_.shard(i, comm_->rank()); }
+
+  const at::Tensor& local_param_slice() const { return local_param_; }
+  const at::Tensor& local_grad_slice() const { return local_grad_; }
+  // Bytes this unit converted between dtypes on its local slices (the mixed-
+  // precision cast before the gather, and gradient reduce-dtype accumulation).
+  int64_t bytes_cast() const { return bytes_cast_; }
+
+ private:
+  at::Tensor local_view(const at::Tensor& slice, size_t i) const;
+
+  std::shared_ptr<Comm> comm_;
+  Plan plan_;
+  MixedPrecision mp_;
+  at::Device device_;
+  int64_t S_;
+  at::Tensor local_param_, local_grad_;    // fp32 [S]
+  at::Tensor global_param_, global_grad_;  // [m*S], storage released when resharded
+  std::vector<at::Tensor> full_params_, full_grads_;
+  bool param_storage_live_ = false, grad_storage_live_ = false;
+  bool gather_in_flight_ = false, reduce_in_flight_ = false;
+  bool has_grad_ = false;  // the local gradient slice holds reduced gradients
+  int64_t bytes_cast_ = 0;
+};
+
+}  // namespace rfsdp

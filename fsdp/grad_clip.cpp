@@ -1,0 +1,47 @@
+#include "fsdp/grad_clip.h"
+
+#include <cmath>
+#include <stdexcept>
+#include <string>
+
+namespace rfsdp {
+
+double clip_grad_norm(const std::vector<FSDPUnit*>& units, double max_norm,
+                      bool error_if_nonfinite) {
+  if (units.empty()) throw std::invalid_argument("clip_grad_norm: no units given");
+  if (!(max_norm > 0)) throw std::invalid_argument("clip_grad_norm: max_norm must be positive");
+  Comm& comm = units.front()->comm();
+  for (FSDPUnit* u : units) {
+    if (&u->comm() != &comm && u->comm().process_group() != comm.process_group()) {
+      throw std::invalid_argument("clip_grad_norm: the units do not share one process group");
+    }
+  }
+  // Padding in the slices is zero, so whole slices can be summed.
+  at::Tensor sq = at::zeros({1}, at::TensorOptions().dtype(at::kDouble));
+  for (FSDPUnit* u : units) sq += u->local_grad_slice().to(at::kDouble).pow(2).sum();
+  comm.all_reduce(sq, ReduceOp::Sum).wait();
+  const double norm = std::sqrt(sq.item<double>());
+  if (!std::isfinite(norm) && error_if_nonfinite) {
+    std::string where = "another rank's shard holds them";
+    for (size_t k = 0; k < units.size() && where[0] == 'a'; ++k) {
+      for (size_t i = 0; i < units[k]->num_params(); ++i) {
+        if (!units[k]->local_grad(i).isfinite().all().item<bool>()) {
+          where = "unit " + std::to_string(k) + " tensor '" + units[k]->plan().tensors[i].name +
+                  "' holds them on rank " + std::to_string(comm.rank());
+          break;
+        }
+      }
+    }
+    throw std::runtime_error("clip_grad_norm: the gradient norm is " + std::to_string(norm) +
+                             ": gradients have NaN or Inf values (" + where +
+                             "); lower the learning rate or check the loss, or pass "
+                             "error_if_nonfinite=false to clip anyway");
+  }
+  const double coef = max_norm / (norm + 1e-6);
+  if (coef < 1.0) {
+    for (FSDPUnit* u : units) u->local_grad_slice().mul_(coef);
+  }
+  return norm;
+}
+
+}  // namespace rfsdp

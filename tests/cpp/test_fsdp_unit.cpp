@@ -1,0 +1,338 @@
+// FSDPUnit on 1-4 ranks as threads: exact unshard, reduce-scatter against a
+// float64 reference, training equivalence with one rank, sharded clipping.
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <random>
+
+#include "core/comm/local_ranks.h"
+#include "core/ragged/planner.h"
+#include "fsdp/fsdp_unit.h"
+#include "fsdp/grad_clip.h"
+#include "tests/cpp/test_util.h"
+
+namespace rfsdp {
+namespace {
+
+using testing::fresh_seed;
+using testing::seeded_randn;
+
+// A random unit (identical on every rank: built from the shared seed).
+std::vector<TensorSpec> random_unit(uint64_t seed) {
+  std::mt19937_64 rng(seed);
+  auto U = [&](int64_t a, int64_t b) { return std::uniform_int_distribution<int64_t>(a, b)(rng); };
+  std::vector<TensorSpec> unit;
+  const int T = static_cast<int>(U(1, 6));
+  for (int i = 0; i < T; ++i) {
+    TensorSpec t;
+    t.name = "p" + std::to_string(i);
+    t.elem_bytes = 4;
+    switch (U(0, 2)) {
+      case 0: t.shape = {U(1, 40)}; break;
+      case 1: t.shape = {U(1, 20), U(1, 9)}; break;
+      default: t.shape = {U(1, 3), U(1, 5), U(1, 4)}; t.row_dims = static_cast<int>(U(1, 2));
+    }
+    const int64_t g = U(0, 3);
+    t.granule_rows = g == 0 ? kWholeTensor : g;
+    unit.push_back(t);
+  }
+  return unit;
+}
+
+std::vector<at::Tensor> full_values(const Plan& plan, uint64_t seed, uint64_t stream) {
+  std::vector<at::Tensor> v;
+  for (size_t i = 0; i < plan.tensors.size(); ++i) {
+    v.push_back(seeded_randn(plan.tensors[i].shape, seed, stream * 100 + i));
+  }
+  return v;
+}
+
+// Rows [row_begin, row_end) of a full tensor, shaped like FSDPUnit::local_param.
+at::Tensor rows_of(const at::Tensor& full, const TensorSpec& t, const ShardRange& r) {
+  std::vector<int64_t> shape{r.row_end - r.row_begin};
+  shape.insert(shape.end(), t.shape.begin() + t.row_dims, t.shape.end());
+  return full.reshape(-1).narrow(0, r.row_begin * t.row_elems(), r.numel).view(shape);
+}
+
+class UnitWorld : public ::testing::TestWithParam<int> {};
+
+TEST_P(UnitWorld, UnshardGivesEveryRankTheExactParameters) {
+  const int world = GetParam();
+  const uint64_t seed = fresh_seed();
+  SCOPED_TRACE("seed " + std::to_string(seed));
+  for (int rep = 0; rep < 4; ++rep) {
+    const Plan plan = plan_unit(random_unit(seed + rep), world, 16);
+    for (at::ScalarType dt : {at::kFloat, at::kBFloat16}) {
+      run_local_ranks(world, [&](Comm& c) {
+        auto comm = std::shared_ptr<Comm>(&c, [](Comm*) {});
+        FSDPUnit unit(comm, plan, MixedPrecision{dt, at::kFloat});
+        const auto full = full_values(plan, seed + rep, 0);
+        unit.shard(full);
+        for (size_t i = 0; i < full.size(); ++i) {
+          ASSERT_TRUE(at::equal(unit.local_param(i), rows_of(full[i], plan.tensors[i],
+                                                             unit.shard_range(i))));
+        }
+        for (int round = 0; round < 2; ++round) {  // views stay valid across reshard
+          unit.unshard().wait();
+          ASSERT_TRUE(unit.unsharded());
+          for (size_t i = 0; i < full.size(); ++i) {
+            ASSERT_TRUE(at::equal(unit.full_param(i), full[i].to(dt)))
+                << "tensor " << i << " rank " << c.rank() << " round " << round;
+          }
+          unit.reshard();
+          ASSERT_FALSE(unit.unsharded());
+        }
+      });
+    }
+  }
+}
+
+TEST_P(UnitWorld, ReduceGradsGivesEachRankItsSliceOfTheSum) {
+  const int world = GetParam();
+  const uint64_t seed = fresh_seed();
+  SCOPED_TRACE("seed " + std::to_string(seed));
+  const Plan plan = plan_unit(random_unit(seed), world, 16);
+  // bfloat16 reduction is NCCL's; Gloo (here) reduces float16 (see ReduceDtypeBf16OnGloo).
+  for (at::ScalarType rdt : {at::kFloat, at::kHalf}) {
+    for (ReduceOp op : {ReduceOp::Sum, ReduceOp::Avg}) {
+      run_local_ranks(world, [&](Comm& c) {
+        auto comm = std::shared_ptr<Comm>(&c, [](Comm*) {});
+        FSDPUnit unit(comm, plan, MixedPrecision{at::kFloat, rdt});
+        unit.shard(full_values(plan, seed, 0));
+        // Two accumulated backward passes, each with per-rank gradients.
+        for (int pass = 0; pass < 2; ++pass) {
+          unit.prepare_grads();
+          const auto g = full_values(plan, seed, 1 + pass * 10 + c.rank());
+          for (size_t i = 0; i < g.size(); ++i) unit.full_grad(i).copy_(g[i]);
+          unit.reduce_grads(op).wait();
+        }
+        for (size_t i = 0; i < plan.tensors.size(); ++i) {
+          at::Tensor ref = at::zeros(plan.tensors[i].shape, at::kDouble);
+          for (int pass = 0; pass < 2; ++pass) {
+            for (int r = 0; r < world; ++r) {
+              // What rank r put in: its values rounded to the reduce dtype.
+              ref += full_values(plan, seed, 1 + pass * 10 + r)[i].to(rdt).to(at::kDouble);
+            }
+          }
+          if (op == ReduceOp::Avg) ref /= world;
+          const at::Tensor want = rows_of(ref, plan.tensors[i], unit.shard_range(i));
+          const double tol = rdt == at::kFloat ? 1e-5 : 0.02;  // fp16: 11 mantissa bits
+          ASSERT_TRUE(at::allclose(unit.local_grad(i).to(at::kDouble), want, tol, tol))
+              << "tensor " << i << " rank " << c.rank();
+        }
+      });
+    }
+  }
+}
+
+// A 2-layer MLP whose parameters live in one unit; SGD on the local shards.
+struct MlpShapes {
+  static constexpr int64_t in = 7, hidden = 13, out = 5, batch = 12;
+};
+
+std::vector<TensorSpec> mlp_unit(int64_t granule_w1) {
+  auto spec = [](std::string n, std::vector<int64_t> s, int64_t g) {
+    TensorSpec t;
+    t.name = std::move(n);
+    t.shape = std::move(s);
+    t.granule_rows = g;
+    return t;
+  };
+  return {spec("w1", {MlpShapes::hidden, MlpShapes::in}, granule_w1),
+          spec("b1", {MlpShapes::hidden}, 1),
+          spec("w2", {MlpShapes::out, MlpShapes::hidden}, kWholeTensor),
+          spec("b2", {MlpShapes::out}, 1)};
+}
+
+at::Tensor mlp_loss(const std::vector<at::Tensor>& p, const at::Tensor& x, const at::Tensor& y) {
+  at::Tensor h = at::relu(at::matmul(x, p[0].t()) + p[1]);
+  return (at::matmul(h, p[2].t()) + p[3] - y).pow(2).mean();
+}
+
+TEST_P(UnitWorld, TrainingStepsEqualOneRankWithTheWholeBatch) {
+  const int world = GetParam();
+  const uint64_t seed = fresh_seed();
+  SCOPED_TRACE("seed " + std::to_string(seed));
+  constexpr int kSteps = 5;
+  constexpr double kLr = 0.1;
+  const Plan plan = plan_unit(mlp_unit(1 + static_cast<int64_t>(seed % 3)), world, 16);
+  const at::Tensor x = seeded_randn({MlpShapes::batch, MlpShapes::in}, seed, 500);
+  const at::Tensor y = seeded_randn({MlpShapes::batch, MlpShapes::out}, seed, 501);
+
+  // Reference: one device, float64, the whole batch.
+  std::vector<at::Tensor> ref;
+  for (const auto& v : full_values(plan, seed, 0)) ref.push_back(v.to(at::kDouble));
+  for (int s = 0; s < kSteps; ++s) {
+    std::vector<at::Tensor> p;
+    for (auto& r : ref) p.push_back(r.detach().requires_grad_(true));
+    mlp_loss(p, x.to(at::kDouble), y.to(at::kDouble)).backward();
+    for (size_t i = 0; i < ref.size(); ++i) ref[i] = ref[i] - kLr * p[i].grad();
+  }
+
+  run_local_ranks(world, [&](Comm& c) {
+    auto comm = std::shared_ptr<Comm>(&c, [](Comm*) {});
+    FSDPUnit unit(comm, plan);
+    unit.shard(full_values(plan, seed, 0));
+    const int64_t per = MlpShapes::batch / world;
+    const at::Tensor xs = x.narrow(0, c.rank() * per, per), ys = y.narrow(0, c.rank() * per, per);
+    for (int s = 0; s < kSteps; ++s) {
+      unit.unshard().wait();
+      unit.prepare_grads();
+      std::vector<at::Tensor> p;
+      for (size_t i = 0; i < unit.num_params(); ++i) {
+        // A leaf sharing the gathered storage, whose .grad is the gradient view.
+        at::Tensor leaf = unit.full_param(i).detach().requires_grad_(true);
+        leaf.mutable_grad() = unit.full_grad(i);
+        p.push_back(leaf);
+      }
+      mlp_loss(p, xs, ys).backward();
+      for (size_t i = 0; i < p.size(); ++i) {
+        ASSERT_EQ(p[i].grad().data_ptr(), unit.full_grad(i).data_ptr()) << "grad did not land";
+      }
+      unit.reduce_grads(ReduceOp::Avg).wait();
+      unit.local_param_slice().sub_(kLr * unit.local_grad_slice());
+      unit.zero_grad();
+      unit.reshard();
+    }
+    for (size_t i = 0; i < unit.num_params(); ++i) {
+      const at::Tensor want = rows_of(ref[i], plan.tensors[i], unit.shard_range(i));
+      ASSERT_TRUE(at::allclose(unit.local_param(i).to(at::kDouble), want, 1e-5, 1e-5))
+          << plan.tensors[i].name << " rank " << c.rank() << " max err "
+          << (unit.local_param(i).to(at::kDouble) - want).abs().max().item<double>();
+    }
+  });
+}
+
+TEST_P(UnitWorld, ShardedClippingEqualsTheSingleRankComputation) {
+  const int world = GetParam();
+  const uint64_t seed = fresh_seed();
+  SCOPED_TRACE("seed " + std::to_string(seed));
+  const Plan pa = plan_unit(random_unit(seed), world, 16);
+  const Plan pb = plan_unit(random_unit(seed + 1), world, 16);
+  // Reference: the norm of the summed full gradients of both units, in float64.
+  double sq = 0;
+  std::vector<at::Tensor> sum_a, sum_b;
+  for (const Plan* p : {&pa, &pb}) {
+    auto& sums = p == &pa ? sum_a : sum_b;
+    for (size_t i = 0; i < p->tensors.size(); ++i) {
+      at::Tensor s = at::zeros(p->tensors[i].shape, at::kDouble);
+      for (int r = 0; r < world; ++r) {
+        s += full_values(*p, seed + (p == &pb), 1 + r)[i].to(at::kDouble);
+      }
+      sq += s.pow(2).sum().item<double>();
+      sums.push_back(s);
+    }
+  }
+  const double ref_norm = std::sqrt(sq), max_norm = 0.5 * ref_norm;
+  const double coef = max_norm / (ref_norm + 1e-6);
+  run_local_ranks(world, [&](Comm& c) {
+    auto comm = std::shared_ptr<Comm>(&c, [](Comm*) {});
+    FSDPUnit a(comm, pa), b(comm, pb);
+    for (FSDPUnit* u : {&a, &b}) {
+      const Plan& p = u->plan();
+      u->shard(full_values(p, 0, 0));
+      u->prepare_grads();
+      const auto g = full_values(p, seed + (u == &b), 1 + c.rank());
+      for (size_t i = 0; i < g.size(); ++i) u->full_grad(i).copy_(g[i]);
+      u->reduce_grads(ReduceOp::Sum).wait();
+    }
+    const double norm = clip_grad_norm({&a, &b}, max_norm);
+    ASSERT_NEAR(norm, ref_norm, 1e-5 * ref_norm);
+    for (FSDPUnit* u : {&a, &b}) {
+      const auto& sums = u == &a ? sum_a : sum_b;
+      for (size_t i = 0; i < u->num_params(); ++i) {
+        const at::Tensor want = rows_of(sums[i] * coef, u->plan().tensors[i], u->shard_range(i));
+        ASSERT_TRUE(at::allclose(u->local_grad(i).to(at::kDouble), want, 1e-5, 1e-5));
+      }
+    }
+  });
+}
+
+INSTANTIATE_TEST_SUITE_P(Ranks, UnitWorld, ::testing::Values(1, 2, 3, 4));
+
+TEST(FSDPUnit, NonFiniteGradientsFailClearlyAndLeaveGradsAlone) {
+  const Plan plan = plan_unit(mlp_unit(1), 2, 16);
+  run_local_ranks(2, [&](Comm& c) {
+    auto comm = std::shared_ptr<Comm>(&c, [](Comm*) {});
+    FSDPUnit unit(comm, plan);
+    unit.shard(full_values(plan, 1, 0));
+    unit.prepare_grads();
+    unit.full_grad(0).fill_(1.0);
+    if (c.rank() == 1) unit.full_grad(0)[0][0] = std::nan("");
+    unit.reduce_grads(ReduceOp::Sum).wait();
+    const at::Tensor before = unit.local_grad_slice().clone();
+    try {
+      clip_grad_norm({&unit}, 1.0);
+      ADD_FAILURE() << "no error on rank " << c.rank();
+    } catch (const std::runtime_error& e) {
+      EXPECT_NE(std::string(e.what()).find("NaN or Inf"), std::string::npos) << e.what();
+    }
+    EXPECT_TRUE(at::equal(before.isnan(), unit.local_grad_slice().isnan()));
+    EXPECT_TRUE(at::equal(at::nan_to_num(before), at::nan_to_num(unit.local_grad_slice())));
+  });
+}
+
+TEST(FSDPUnit, CopiesOnlyWhatTheBackendFallbackNeeds) {
+  const Plan plan = plan_unit(mlp_unit(1), 2, 16);
+  run_local_ranks(2, [&](Comm& c) {
+    auto comm = std::shared_ptr<Comm>(&c, [](Comm*) {});
+    FSDPUnit unit(comm, plan);
+    unit.shard(full_values(plan, 1, 0));
+    c.reset_stats();
+    unit.unshard().wait();
+    unit.prepare_grads();
+    unit.reduce_grads().wait();
+    const CommStats st = c.stats();
+    const int64_t S = plan.shard_elems;
+    if (c.native_all_gather() && c.native_reduce_scatter()) {
+      EXPECT_EQ(st.bytes_copied, 0);
+    } else {
+      // Gloo in torch 1.13 has neither operation: the all-gather fallback copies
+      // the local slice into the buffer (S floats), the reduce-scatter fallback
+      // copies the reduced slice out (S floats). Nothing else is copied.
+      EXPECT_EQ(st.fallbacks, 2);
+      EXPECT_EQ(st.bytes_copied, 2 * S * 4);
+    }
+    EXPECT_EQ(unit.bytes_cast(), 0);  // fp32 throughout: no cast
+  });
+}
+
+TEST(FSDPUnit, ReduceDtypeBf16OnGlooIsAClearError) {
+  const Plan plan = plan_unit(mlp_unit(1), 2, 16);
+  run_local_ranks(2, [&](Comm& c) {
+    auto comm = std::shared_ptr<Comm>(&c, [](Comm*) {});
+    FSDPUnit unit(comm, plan, MixedPrecision{at::kBFloat16, at::kBFloat16});
+    unit.shard(full_values(plan, 1, 0));
+    unit.unshard().wait();  // bf16 gathers work: they move bits
+    unit.prepare_grads();
+    if (c.backend_name() == "gloo") {
+      try {
+        unit.reduce_grads();
+        ADD_FAILURE() << "no error";
+      } catch (const std::invalid_argument& e) {
+        EXPECT_NE(std::string(e.what()).find("cannot reduce bfloat16"), std::string::npos);
+      }
+    }
+  });
+}
+
+TEST(FSDPUnit, MisuseGetsClearErrors) {
+  const Plan plan2 = plan_unit(mlp_unit(1), 2, 16);
+  run_local_ranks(1, [&](Comm& c) {
+    auto comm = std::shared_ptr<Comm>(&c, [](Comm*) {});
+    EXPECT_THROW(FSDPUnit(comm, plan2), std::invalid_argument);  // world size mismatch
+    const Plan plan1 = plan_unit(mlp_unit(1), 1, 16);
+    FSDPUnit unit(comm, plan1);
+    auto full = full_values(plan1, 1, 0);
+    full[2] = at::zeros({3, 3});
+    EXPECT_THROW(unit.shard(full), std::invalid_argument);
+    EXPECT_THROW(unit.reduce_grads(), std::logic_error);  // no prepare_grads
+    CommHandle h = unit.unshard();
+    EXPECT_THROW(unit.reshard(), std::logic_error);  // gather not waited
+    h.wait();
+    EXPECT_NO_THROW(unit.reshard());
+  });
+}
+
+}  // namespace
+}  // namespace rfsdp
