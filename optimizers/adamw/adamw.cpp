@@ -1,0 +1,207 @@
+#include "optimizers/adamw/adamw.h"
+
+#include <stdexcept>
+
+#include "quant/blockwise/code_maps.h"
+#include "quant/blockwise/cpu_kernels.h"
+
+namespace rfsdp {
+
+namespace {
+
+void check_param(const ParamShard& p) {
+  const std::string who = "parameter '" + p.name + "': ";
+  for (const at::Tensor* t : {&p.param, &p.grad}) {
+    if (!t->defined() || t->scalar_type() != at::kFloat || !t->is_contiguous() ||
+        !t->device().is_cpu()) {
+      throw std::invalid_argument(who + "param and grad must be contiguous float32 CPU tensors");
+    }
+  }
+  if (p.param.numel() != p.grad.numel()) {
+    throw std::invalid_argument(who + "grad has " + std::to_string(p.grad.numel()) +
+                                " elements, param " + std::to_string(p.param.numel()));
+  }
+  if (p.row_len < 1 || p.param.numel() % p.row_len != 0 || p.row_begin < 0 ||
+      p.row_begin + p.rows() > p.full_rows) {
+    throw std::invalid_argument(who + "rows [" + std::to_string(p.row_begin) + ", " +
+                                std::to_string(p.row_begin + p.rows()) + ") of " +
+                                std::to_string(p.row_len) + " elements do not lie in a tensor of " +
+                                std::to_string(p.full_rows) + " rows");
+  }
+}
+
+quant::cpu::AdamWHyper hyper(const AdamWOptions& o, int64_t step) {
+  return {static_cast<float>(o.lr), static_cast<float>(o.beta1), static_cast<float>(o.beta2),
+          static_cast<float>(o.eps), static_cast<float>(o.weight_decay), step};
+}
+
+}  // namespace
+
+ParamShard whole_param(const std::string& name, const at::Tensor& param, const at::Tensor& grad,
+                       int row_dims) {
+  ParamShard p;
+  p.name = name;
+  p.param = param;
+  p.grad = grad;
+  int64_t rows = 1;
+  for (int d = 0; d < row_dims && d < param.dim(); ++d) rows *= param.size(d);
+  p.full_rows = rows;
+  p.row_len = rows ? param.numel() / rows : 1;
+  return p;
+}
+
+std::vector<ParamShard> param_shards(const FSDPUnit& unit) {
+  std::vector<ParamShard> out;
+  for (size_t i = 0; i < unit.num_params(); ++i) {
+    const TensorSpec& t = unit.plan().tensors[i];
+    const ShardRange r = unit.shard_range(i);
+    ParamShard p;
+    p.name = t.name;
+    p.param = unit.local_param(i);
+    p.grad = unit.local_grad(i);
+    p.full_rows = t.rows();
+    p.row_len = t.row_elems();
+    p.row_begin = r.row_begin;
+    out.push_back(p);
+  }
+  return out;
+}
+
+AdamW::AdamW(std::vector<ParamShard> params, AdamWOptions options)
+    : AdamW(std::move(params), options, std::vector<bool>()) {}
+
+AdamW::AdamW(std::vector<ParamShard> params, AdamWOptions options,
+             const std::vector<bool>& fp32_state)
+    : params_(std::move(params)), options_(options) {
+  if (!(options_.lr >= 0) || !(options_.eps > 0) || options_.beta1 < 0 || options_.beta1 >= 1 ||
+      options_.beta2 < 0 || options_.beta2 >= 1 || options_.weight_decay < 0) {
+    throw std::invalid_argument("AdamW: need lr >= 0, eps > 0, 0 <= betas < 1, weight_decay >= 0");
+  }
+  for (size_t i = 0; i < params_.size(); ++i) {
+    check_param(params_[i]);
+    const bool fp32 = fp32_state.empty() || fp32_state[i];
+    m_.push_back(fp32 ? at::zeros_like(params_[i].param) : at::Tensor());
+    v_.push_back(fp32 ? at::zeros_like(params_[i].param) : at::Tensor());
+  }
+}
+
+namespace {
+std::vector<bool> small_tensors(const std::vector<ParamShard>& params, int64_t min_8bit_size) {
+  std::vector<bool> small;
+  for (const auto& p : params) small.push_back(p.full_rows * p.row_len < min_8bit_size);
+  return small;
+}
+}  // namespace
+
+void AdamW::check_grads() const {
+  for (const auto& p : params_) {
+    if (!quant::cpu::all_finite(p.grad.data_ptr<float>(), p.grad.numel())) {
+      throw std::runtime_error("AdamW step: the gradient of parameter '" + p.name +
+                               "' holds NaN or Inf; the step was not taken (check the loss, "
+                               "lower the learning rate, or clip gradients)");
+    }
+  }
+}
+
+void AdamW::step() {
+  if (options_.check_finite) check_grads();
+  ++steps_;
+  for (size_t i = 0; i < params_.size(); ++i) update(i, steps_);
+}
+
+void AdamW::update(size_t i, int64_t step) {
+  ParamShard& p = params_[i];
+  quant::cpu::adamw32_step(p.param.data_ptr<float>(), p.grad.data_ptr<float>(),
+                           m_[i].data_ptr<float>(), v_[i].data_ptr<float>(), p.param.numel(),
+                           hyper(options_, step));
+}
+
+int64_t AdamW::state_bytes() const {
+  int64_t b = 0;
+  for (size_t i = 0; i < m_.size(); ++i) b += (m_[i].numel() + v_[i].numel()) * 4;
+  return b;
+}
+
+AdamW8bit::AdamW8bit(std::vector<ParamShard> params, AdamWOptions options,
+                     quant::BlockShape block, int64_t min_8bit_size)
+    : AdamW(params, options, small_tensors(params, min_8bit_size)), block_(block) {
+  block_.check();
+  code1_ = quant::dynamic_map(true);
+  code2_ = quant::dynamic_map(false);
+  lut1_ = quant::code_lut(code1_);
+  lut2_ = quant::code_lut(code2_);
+  for (size_t i = 0; i < params_.size(); ++i) {
+    const ParamShard& p = params_[i];
+    const bool eight = p.full_numel() >= min_8bit_size;
+    eight_bit_.push_back(eight);
+    Quantized8 q;
+    if (eight) {
+      // The shard must start on a block edge and end on one (or at the tensor's end).
+      const int64_t end_row = p.row_begin + p.rows();
+      const bool tiles = block_.is_tile();
+      const bool starts = tiles ? p.row_begin % block_.tile_rows == 0
+                                : (p.row_begin * p.row_len) % block_.block == 0;
+      const bool ends = end_row == p.full_rows ||
+                        (tiles ? end_row % block_.tile_rows == 0
+                               : (end_row * p.row_len) % block_.block == 0);
+      if (p.rows() > 0 && !(starts && ends)) {
+        throw std::invalid_argument(
+            "AdamW8bit: parameter '" + p.name + "': this shard holds rows [" +
+            std::to_string(p.row_begin) + ", " + std::to_string(end_row) + ") of " +
+            std::to_string(p.full_rows) + ", which cut its " + block_.str() +
+            "; plan the unit with the 8-bit granule (" +
+            std::to_string(block_.granule_rows(p.row_len)) +
+            " rows) so every shard holds whole blocks");
+      }
+      q.layout = quant::BlockLayout(block_, p.rows(), p.row_len);
+      q.q1 = at::full({p.param.numel()}, lut1_->nearest(0.0f), at::kByte);
+      q.q2 = at::full({p.param.numel()}, lut2_->nearest(0.0f), at::kByte);
+      q.absmax1 = at::zeros({q.layout.num_blocks});
+      q.absmax2 = at::zeros({q.layout.num_blocks});
+    }
+    q_.push_back(q);
+  }
+}
+
+void AdamW8bit::update(size_t i, int64_t step) {
+  if (!eight_bit_[i]) return AdamW::update(i, step);
+  ParamShard& p = params_[i];
+  Quantized8& q = q_[i];
+  if (p.param.numel() == 0) return;
+  quant::cpu::adamw8bit_step(p.param.data_ptr<float>(), p.grad.data_ptr<float>(),
+                             q.q1.data_ptr<uint8_t>(), q.absmax1.data_ptr<float>(),
+                             q.q2.data_ptr<uint8_t>(), q.absmax2.data_ptr<float>(), q.layout,
+                             *lut1_, *lut2_, hyper(options_, step));
+}
+
+at::Tensor AdamW8bit::exp_avg(size_t i) const {
+  if (!eight_bit_.at(i)) return m_[i];
+  const Quantized8& q = q_[i];
+  at::Tensor out = at::empty({params_[i].param.numel()});
+  quant::cpu::dequantize(q.q1.data_ptr<uint8_t>(), q.absmax1.data_ptr<float>(), q.layout,
+                         code1_.data_ptr<float>(), out.data_ptr<float>());
+  return out.view(params_[i].param.sizes());
+}
+
+at::Tensor AdamW8bit::exp_avg_sq(size_t i) const {
+  if (!eight_bit_.at(i)) return v_[i];
+  const Quantized8& q = q_[i];
+  at::Tensor out = at::empty({params_[i].param.numel()});
+  quant::cpu::dequantize(q.q2.data_ptr<uint8_t>(), q.absmax2.data_ptr<float>(), q.layout,
+                         code2_.data_ptr<float>(), out.data_ptr<float>());
+  return out.view(params_[i].param.sizes());
+}
+
+int64_t AdamW8bit::state_bytes() const {
+  int64_t b = 0;
+  for (size_t i = 0; i < params_.size(); ++i) {
+    if (eight_bit_[i]) {
+      b += q_[i].q1.numel() + q_[i].q2.numel() + (q_[i].absmax1.numel() + q_[i].absmax2.numel()) * 4;
+    } else {
+      b += (m_[i].numel() + v_[i].numel()) * 4;
+    }
+  }
+  return b;
+}
+
+}  // namespace rfsdp

@@ -1,0 +1,99 @@
+// AdamW and AdamW8bit over parameter shards (whole tensors are one-shard
+// cases). The same formula as torch.optim.AdamW: decoupled weight decay, bias
+// correction. AdamW8bit keeps both moments as 8-bit block-wise codes (signed
+// and unsigned dynamic maps) with one fp32 absmax per block; blocks are defined
+// on the global tensor, so a shard must hold whole blocks and the result never
+// depends on the world size.
+#pragma once
+
+#include <ATen/ATen.h>
+
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "fsdp/fsdp_unit.h"
+#include "quant/blockwise/block_layout.h"
+#include "quant/blockwise/cpu_kernels.h"
+
+namespace rfsdp {
+
+// One parameter as an optimizer sees it: rows [row_begin, row_begin + rows) of
+// a tensor of full_rows rows of row_len elements. param and grad: fp32,
+// contiguous, that many elements (any shape).
+struct ParamShard {
+  std::string name;
+  at::Tensor param, grad;
+  int64_t full_rows = 0, row_len = 1, row_begin = 0;
+
+  int64_t rows() const { return row_len ? param.numel() / row_len : 0; }
+  int64_t full_numel() const { return full_rows * row_len; }
+};
+
+// A whole (unsharded) tensor: rows from its first row_dims dims.
+ParamShard whole_param(const std::string& name, const at::Tensor& param, const at::Tensor& grad,
+                       int row_dims = 1);
+// The local shards of an FSDP unit's parameters (views of its local slices).
+std::vector<ParamShard> param_shards(const FSDPUnit& unit);
+
+struct AdamWOptions {
+  double lr = 1e-3, beta1 = 0.9, beta2 = 0.999, eps = 1e-8, weight_decay = 1e-2;
+  // Scan gradients for NaN/Inf before a step and throw (state untouched).
+  bool check_finite = true;
+};
+
+class AdamW {
+ public:
+  AdamW(std::vector<ParamShard> params, AdamWOptions options = {});
+  virtual ~AdamW() = default;
+  AdamW(const AdamW&) = delete;
+  AdamW& operator=(const AdamW&) = delete;
+  void step();
+  int64_t steps() const { return steps_; }
+  AdamWOptions& options() { return options_; }
+  const std::vector<ParamShard>& params() const { return params_; }
+  // The moments of parameter i, fp32 (dequantised for 8-bit state).
+  virtual at::Tensor exp_avg(size_t i) const { return m_.at(i); }
+  virtual at::Tensor exp_avg_sq(size_t i) const { return v_.at(i); }
+  // Bytes of optimizer state on this rank.
+  virtual int64_t state_bytes() const;
+
+ protected:
+  // Checks the parameters; fp32 moments only where fp32_state(i) says so.
+  AdamW(std::vector<ParamShard> params, AdamWOptions options,
+        const std::vector<bool>& fp32_state);
+  virtual void update(size_t i, int64_t step);
+  void check_grads() const;
+  std::vector<ParamShard> params_;
+  AdamWOptions options_;
+  int64_t steps_ = 0;
+  std::vector<at::Tensor> m_, v_;  // fp32 moments (for AdamW8bit: the small tensors only)
+};
+
+class AdamW8bit : public AdamW {
+ public:
+  // Tensors with fewer than min_8bit_size elements (full tensor, never the
+  // shard) keep fp32 moments, as bitsandbytes does.
+  AdamW8bit(std::vector<ParamShard> params, AdamWOptions options = {},
+            quant::BlockShape block = quant::BlockShape::blocks(256),
+            int64_t min_8bit_size = 4096);
+  bool is_8bit(size_t i) const { return eight_bit_.at(i); }
+  at::Tensor exp_avg(size_t i) const override;
+  at::Tensor exp_avg_sq(size_t i) const override;
+  int64_t state_bytes() const override;
+  const quant::BlockShape& block() const { return block_; }
+
+ private:
+  struct Quantized8 {
+    at::Tensor q1, absmax1, q2, absmax2;
+    quant::BlockLayout layout;
+  };
+  void update(size_t i, int64_t step) override;
+  quant::BlockShape block_;
+  std::vector<bool> eight_bit_;
+  std::vector<Quantized8> q_;
+  at::Tensor code1_, code2_;
+  std::shared_ptr<const quant::cpu::CodeLut> lut1_, lut2_;
+};
+
+}  // namespace rfsdp

@@ -1,0 +1,71 @@
+#include "quant/blockwise/blockwise.h"
+
+#include <stdexcept>
+
+#include "quant/blockwise/code_maps.h"
+#include "quant/blockwise/cpu_kernels.h"
+
+namespace rfsdp::quant {
+
+BlockLayout layout_of(const at::Tensor& x, BlockShape shape, int64_t row_len) {
+  shape.check();
+  const int64_t n = x.numel();
+  if (row_len < 0) row_len = x.dim() >= 2 ? x.size(-1) : 1;
+  if (row_len < 1 || (n > 0 && n % row_len != 0)) {
+    throw std::invalid_argument("row_len " + std::to_string(row_len) + " does not divide the " +
+                                std::to_string(n) + " elements");
+  }
+  return BlockLayout(shape, n / row_len, row_len);
+}
+
+namespace {
+
+void check_cpu_contiguous(const at::Tensor& t, at::ScalarType dt, const char* what) {
+  if (t.scalar_type() != dt) {
+    throw std::invalid_argument(std::string(what) + " must be " + c10::toString(dt) + ", got " +
+                                c10::toString(t.scalar_type()));
+  }
+  if (!t.device().is_cpu()) {
+    throw std::invalid_argument(std::string(what) +
+                                " is on " + t.device().str() +
+                                ": this build has CPU kernels only for the ATen entry points");
+  }
+}
+
+}  // namespace
+
+Quantized quantize_blockwise(const at::Tensor& x_in, const at::Tensor& code, BlockShape shape,
+                             int64_t row_len) {
+  check_cpu_contiguous(x_in, at::kFloat, "quantize_blockwise input");
+  const at::Tensor x = x_in.contiguous();
+  const BlockLayout L = layout_of(x, shape, row_len);
+  const auto lut = code_lut(code);
+  Quantized q{at::empty(x.sizes(), x.options().dtype(at::kByte)),
+              at::empty({L.num_blocks}, x.options())};
+  if (!cpu::quantize(x.data_ptr<float>(), L, *lut, q.codes.data_ptr<uint8_t>(),
+                     q.absmax.data_ptr<float>())) {
+    throw std::invalid_argument("quantize_blockwise: the input holds NaN or Inf values");
+  }
+  return q;
+}
+
+at::Tensor dequantize_blockwise(const Quantized& q, const at::Tensor& code, BlockShape shape,
+                                int64_t row_len) {
+  check_cpu_contiguous(q.codes, at::kByte, "dequantize_blockwise codes");
+  check_cpu_contiguous(q.absmax, at::kFloat, "dequantize_blockwise absmax");
+  const at::Tensor codes = q.codes.contiguous();
+  const BlockLayout L = layout_of(codes, shape, row_len);
+  if (q.absmax.numel() != L.num_blocks) {
+    throw std::invalid_argument("dequantize_blockwise: " + std::to_string(q.absmax.numel()) +
+                                " absmax values for " + std::to_string(L.num_blocks) + " blocks (" +
+                                shape.str() + ")");
+  }
+  const at::Tensor c = code.to(at::kFloat).contiguous();
+  if (c.numel() != 256) throw std::invalid_argument("a code map must have 256 values");
+  at::Tensor out = at::empty(codes.sizes(), codes.options().dtype(at::kFloat));
+  cpu::dequantize(codes.data_ptr<uint8_t>(), q.absmax.contiguous().data_ptr<float>(), L,
+                  c.data_ptr<float>(), out.data_ptr<float>());
+  return out;
+}
+
+}  // namespace rfsdp::quant

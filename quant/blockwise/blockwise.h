@@ -1,0 +1,28 @@
+// Block-wise 8-bit quantisation of tensors (ATen level): codes (uint8, the
+// tensor's shape) and one float32 absmax per block.
+#pragma once
+
+#include <ATen/ATen.h>
+
+#include "quant/blockwise/block_layout.h"
+
+namespace rfsdp::quant {
+
+struct Quantized {
+  at::Tensor codes;   // uint8, shape of the input
+  at::Tensor absmax;  // float32 [num_blocks]
+};
+
+// x: float32. row_len: elements per row for tiles (the tensor seen as
+// rows x row_len); ignored for 1-D blocks. Default: the last dim (1 for 1-D).
+// NaN or Inf in x is an error.
+Quantized quantize_blockwise(const at::Tensor& x, const at::Tensor& code, BlockShape shape,
+                             int64_t row_len = -1);
+
+at::Tensor dequantize_blockwise(const Quantized& q, const at::Tensor& code, BlockShape shape,
+                                int64_t row_len = -1);
+
+// The layout of x's blocks (checks the arguments).
+BlockLayout layout_of(const at::Tensor& x, BlockShape shape, int64_t row_len);
+
+}  // namespace rfsdp::quant

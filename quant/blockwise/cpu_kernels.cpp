@@ -1,0 +1,311 @@
+#include "quant/blockwise/cpu_kernels.h"
+
+#include <ATen/Parallel.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cmath>
+#include <limits>
+
+// Hot loops get an AVX2 clone and a baseline one; the loader picks (GCC ifunc).
+#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
+#define RFSDP_CLONES __attribute__((target_clones("avx2", "default")))
+#else
+#define RFSDP_CLONES
+#endif
+
+namespace rfsdp::quant::cpu {
+
+namespace {
+
+constexpr int64_t kGrain = 16;  // blocks per task, at least
+
+float bits_to_float(uint32_t b) {
+  float f;
+  __builtin_memcpy(&f, &b, 4);
+  return f;
+}
+
+}  // namespace
+
+CodeLut::CodeLut(const float* code256) {
+  for (int i = 0; i < 256; ++i) code_[i] = code256[i];
+  for (int i = 0; i < 255; ++i) {
+    if (!(code_[i] <= code_[i + 1])) throw std::invalid_argument("a code must be sorted ascending");
+    mid_[i] = (code_[i] + code_[i + 1]) * 0.5f;
+  }
+  mid_[255] = std::numeric_limits<float>::infinity();
+  // Each slot covers a value range; its entry is the nearest index at the
+  // range's lower end. Exact when no range crosses two midpoints.
+  table_.resize(8192);
+  for (uint32_t slot = 0; slot < 8192; ++slot) {
+    const uint32_t sign = slot >> 12, binade = (slot >> 7) & 31, mant = slot & 0x7F;
+    // Magnitudes of the range: binade 0 also holds everything smaller, down to 0.
+    const float lo_mag =
+        binade == 0 ? 0.0f : bits_to_float(((binade + 96) << 23) | (mant << 16));
+    const float hi_mag = bits_to_float((((binade == 0 ? 96u : binade + 96) << 23) | (mant << 16)) |
+                                       0xFFFFu);
+    float a = sign ? -hi_mag : lo_mag, b = sign ? -lo_mag : hi_mag;
+    a = std::clamp(a, -1.0f, 1.0f);
+    b = std::clamp(b, -1.0f, 1.0f);
+    const uint8_t ia = nearest_by_search(a), ib = nearest_by_search(b);
+    if (ib > ia + 1) exact_ = false;
+    table_[slot] = ia;
+  }
+  slot_mid_.resize(8192);
+  for (uint32_t slot = 0; slot < 8192; ++slot) slot_mid_[slot] = mid_[table_[slot]];
+}
+
+uint8_t CodeLut::nearest_by_search(float v) const {
+  // Smallest i with v <= mid_[i]: ties go to the lower code.
+  int lo = 0, hi = 255;
+  while (lo < hi) {
+    const int m = (lo + hi) / 2;
+    if (v <= mid_[m]) hi = m; else lo = m + 1;
+  }
+  return static_cast<uint8_t>(lo);
+}
+
+namespace {
+
+// Nearest codes of n values x[i] * scale, in two passes over a chunk: the
+// table slots (vectorisable integer work), then the table and midpoint loads,
+// the compare and the byte store (scalar). Pointers are restrict so the byte
+// stores do not force reloads.
+RFSDP_CLONES
+void nearest_codes(const float* __restrict x, float scale, int64_t n,
+                   const uint8_t* __restrict table, const float* __restrict slot_mid,
+                   uint8_t* __restrict q) {
+  constexpr int64_t C = 256;
+  float v[C];
+  uint32_t k[C];
+  for (int64_t base = 0; base < n; base += C) {
+    const int64_t len = n - base < C ? n - base : C;
+    for (int64_t j = 0; j < len; ++j) {  // vectorised: scale, slot
+      v[j] = x[base + j] * scale;
+      uint32_t bits;
+      __builtin_memcpy(&bits, &v[j], 4);
+      int32_t e = static_cast<int32_t>((bits >> 23) & 0xFF) - 96;
+      e = e < 0 ? 0 : (e > 31 ? 31 : e);
+      k[j] = ((bits >> 31) << 12) | (static_cast<uint32_t>(e) << 7) | ((bits >> 16) & 0x7F);
+    }
+    for (int64_t j = 0; j < len; ++j) {  // scalar: two independent table loads, a byte store
+      q[base + j] = static_cast<uint8_t>(table[k[j]] + (v[j] > slot_mid[k[j]] ? 1u : 0u));
+    }
+  }
+}
+
+// Max |x| over a block; *bad turns non-zero on NaN or Inf (x * 0 is then
+// NaN). Independent lanes let the compiler vectorise without reassociating.
+RFSDP_CLONES
+float block_absmax(const float* __restrict x, const BlockLayout::Block& blk, int64_t row_len,
+                   float* bad) {
+  constexpr int W = 16;
+  float am[W] = {0}, pr[W] = {0};
+  for (int64_t s = 0; s < blk.segments; ++s) {
+    const float* __restrict p = x + blk.start + s * row_len;
+    int64_t i = 0;
+    for (; i + W <= blk.seg_len; i += W) {
+      for (int j = 0; j < W; ++j) {
+        const float a = std::fabs(p[i + j]);
+        am[j] = am[j] < a ? a : am[j];
+        pr[j] += p[i + j] * 0.0f;
+      }
+    }
+    for (; i < blk.seg_len; ++i) {
+      const float a = std::fabs(p[i]);
+      am[0] = am[0] < a ? a : am[0];
+      pr[0] += p[i] * 0.0f;
+    }
+  }
+  float amax = 0.0f, probe = 0.0f;
+  for (int j = 0; j < W; ++j) {
+    amax = amax < am[j] ? am[j] : amax;
+    probe += pr[j];
+  }
+  *bad = probe;
+  return amax;
+}
+
+RFSDP_CLONES
+void quantize_blocks(const float* __restrict x, const BlockLayout& L, const CodeLut& lut,
+                     uint8_t* __restrict q, float* __restrict absmax, int64_t b0, int64_t b1,
+                     std::atomic<bool>* bad_any) {
+  const uint8_t* __restrict table = lut.table();
+  const float* __restrict mid = lut.slot_mid();
+  for (int64_t b = b0; b < b1; ++b) {
+    const auto blk = L.block(b);
+    float bad;
+    const float amax = block_absmax(x, blk, L.row_len, &bad);
+    if (bad != 0.0f || std::isnan(bad)) bad_any->store(true, std::memory_order_relaxed);
+    const float scale = amax > 0.0f ? 1.0f / amax : 0.0f;
+    for (int64_t s = 0; s < blk.segments; ++s) {
+      const int64_t off = blk.start + s * L.row_len;
+      nearest_codes(x + off, scale, blk.seg_len, table, mid, q + off);
+    }
+    absmax[b] = amax;
+  }
+}
+
+RFSDP_CLONES
+void dequantize_blocks(const uint8_t* __restrict q, const float* __restrict absmax,
+                       const BlockLayout& L, const float* __restrict code, float* __restrict out,
+                       int64_t b0, int64_t b1) {
+  for (int64_t b = b0; b < b1; ++b) {
+    const auto blk = L.block(b);
+    const float a = absmax[b];
+    for (int64_t s = 0; s < blk.segments; ++s) {
+      const int64_t off = blk.start + s * L.row_len;
+      for (int64_t i = 0; i < blk.seg_len; ++i) out[off + i] = code[q[off + i]] * a;
+    }
+  }
+}
+
+struct Coeffs {
+  float decay, b1, one_minus_b1, b2, one_minus_b2, step_size, inv_sqrt_bc2, eps;
+};
+
+Coeffs coeffs(const AdamWHyper& h) {
+  const double bc1 = 1.0 - std::pow(static_cast<double>(h.beta1), static_cast<double>(h.step));
+  const double bc2 = 1.0 - std::pow(static_cast<double>(h.beta2), static_cast<double>(h.step));
+  return {1.0f - h.lr * h.weight_decay,
+          h.beta1,
+          1.0f - h.beta1,
+          h.beta2,
+          1.0f - h.beta2,
+          static_cast<float>(h.lr / bc1),
+          static_cast<float>(1.0 / std::sqrt(bc2)),
+          h.eps};
+}
+
+// The fp32 update of one contiguous run: moments in m/v (dequantised on entry,
+// updated on exit), parameter in place. Simple loops, so each vectorises.
+RFSDP_CLONES
+void adamw8bit_run(float* __restrict p, const float* __restrict g, const uint8_t* __restrict q1,
+                   const uint8_t* __restrict q2, float a1, float a2, const float* __restrict code1,
+                   const float* __restrict code2, const Coeffs& c, int64_t n,
+                   float* __restrict m, float* __restrict v) {
+  for (int64_t i = 0; i < n; ++i) {
+    m[i] = code1[q1[i]] * a1;
+    v[i] = code2[q2[i]] * a2;
+  }
+  for (int64_t i = 0; i < n; ++i) {
+    const float gi = g[i];
+    const float mi = c.b1 * m[i] + c.one_minus_b1 * gi;
+    const float vi = c.b2 * v[i] + c.one_minus_b2 * gi * gi;
+    p[i] = p[i] * c.decay - c.step_size * (mi / (std::sqrt(vi) * c.inv_sqrt_bc2 + c.eps));
+    m[i] = mi;
+    v[i] = vi;
+  }
+}
+
+// Max of |x| over n values, in independent lanes (vectorises without reassociation).
+RFSDP_CLONES
+float max_abs(const float* __restrict x, int64_t n) {
+  constexpr int W = 16;
+  float am[W] = {0};
+  int64_t i = 0;
+  for (; i + W <= n; i += W) {
+    for (int j = 0; j < W; ++j) {
+      const float a = std::fabs(x[i + j]);
+      am[j] = am[j] < a ? a : am[j];
+    }
+  }
+  for (; i < n; ++i) am[0] = am[0] < std::fabs(x[i]) ? std::fabs(x[i]) : am[0];
+  float r = 0.0f;
+  for (int j = 0; j < W; ++j) r = r < am[j] ? am[j] : r;
+  return r;
+}
+
+void adamw8bit_blocks(float* __restrict p, const float* __restrict g, uint8_t* __restrict q1,
+                      float* __restrict absmax1, uint8_t* __restrict q2, float* __restrict absmax2,
+                      const BlockLayout& L, const CodeLut& lut1, const CodeLut& lut2,
+                      const Coeffs& c, int64_t b0, int64_t b1, float* __restrict mbuf,
+                      float* __restrict vbuf) {
+  for (int64_t b = b0; b < b1; ++b) {
+    const auto blk = L.block(b);
+    for (int64_t s = 0; s < blk.segments; ++s) {
+      const int64_t off = blk.start + s * L.row_len, k = s * blk.seg_len;
+      adamw8bit_run(p + off, g + off, q1 + off, q2 + off, absmax1[b], absmax2[b], lut1.code(),
+                    lut2.code(), c, blk.seg_len, mbuf + k, vbuf + k);
+    }
+    const float amax1 = max_abs(mbuf, blk.count), amax2 = max_abs(vbuf, blk.count);
+    const float s1 = amax1 > 0.0f ? 1.0f / amax1 : 0.0f;
+    const float s2 = amax2 > 0.0f ? 1.0f / amax2 : 0.0f;
+    for (int64_t s = 0; s < blk.segments; ++s) {
+      const int64_t off = blk.start + s * L.row_len, k = s * blk.seg_len;
+      nearest_codes(mbuf + k, s1, blk.seg_len, lut1.table(), lut1.slot_mid(), q1 + off);
+      nearest_codes(vbuf + k, s2, blk.seg_len, lut2.table(), lut2.slot_mid(), q2 + off);
+    }
+    absmax1[b] = amax1;
+    absmax2[b] = amax2;
+  }
+}
+
+RFSDP_CLONES
+void adamw32_range(float* __restrict p, const float* __restrict g, float* __restrict m,
+                   float* __restrict v, const Coeffs& c, int64_t i0, int64_t i1) {
+  for (int64_t i = i0; i < i1; ++i) {
+    const float gi = g[i];
+    const float mi = c.b1 * m[i] + c.one_minus_b1 * gi;
+    const float vi = c.b2 * v[i] + c.one_minus_b2 * gi * gi;
+    m[i] = mi;
+    v[i] = vi;
+    p[i] = p[i] * c.decay - c.step_size * (mi / (std::sqrt(vi) * c.inv_sqrt_bc2 + c.eps));
+  }
+}
+
+RFSDP_CLONES
+float nonfinite_probe(const float* x, int64_t i0, int64_t i1) {
+  float probe = 0.0f;
+  for (int64_t i = i0; i < i1; ++i) probe += x[i] * 0.0f;
+  return probe;
+}
+
+}  // namespace
+
+bool quantize(const float* x, const BlockLayout& L, const CodeLut& lut, uint8_t* q,
+              float* absmax) {
+  std::atomic<bool> bad{false};
+  at::parallel_for(0, L.num_blocks, kGrain, [&](int64_t b0, int64_t b1) {
+    quantize_blocks(x, L, lut, q, absmax, b0, b1, &bad);
+  });
+  return !bad.load();
+}
+
+void dequantize(const uint8_t* q, const float* absmax, const BlockLayout& L, const float* code,
+                float* out) {
+  at::parallel_for(0, L.num_blocks, kGrain, [&](int64_t b0, int64_t b1) {
+    dequantize_blocks(q, absmax, L, code, out, b0, b1);
+  });
+}
+
+void adamw8bit_step(float* param, const float* grad, uint8_t* q1, float* absmax1, uint8_t* q2,
+                    float* absmax2, const BlockLayout& L, const CodeLut& lut1,
+                    const CodeLut& lut2, const AdamWHyper& h) {
+  const Coeffs c = coeffs(h);
+  at::parallel_for(0, L.num_blocks, kGrain, [&](int64_t b0, int64_t b1) {
+    std::vector<float> buf(2 * L.max_block_elems());  // this task's block of moments
+    adamw8bit_blocks(param, grad, q1, absmax1, q2, absmax2, L, lut1, lut2, c, b0, b1, buf.data(),
+                     buf.data() + L.max_block_elems());
+  });
+}
+
+void adamw32_step(float* param, const float* grad, float* m, float* v, int64_t n,
+                  const AdamWHyper& h) {
+  const Coeffs c = coeffs(h);
+  at::parallel_for(0, n, 1 << 14, [&](int64_t i0, int64_t i1) {
+    adamw32_range(param, grad, m, v, c, i0, i1);
+  });
+}
+
+bool all_finite(const float* x, int64_t n) {
+  std::atomic<bool> bad{false};
+  at::parallel_for(0, n, 1 << 16, [&](int64_t i0, int64_t i1) {
+    const float p = nonfinite_probe(x, i0, i1);
+    if (p != 0.0f || std::isnan(p)) bad.store(true, std::memory_order_relaxed);
+  });
+  return !bad.load();
+}
+
+}  // namespace rfsdp::quant::cpu
