@@ -13,6 +13,12 @@
 #include <stdexcept>
 #include <string>
 
+#if defined(__CUDACC__)
+#define RFSDP_HOST_DEVICE __host__ __device__
+#else
+#define RFSDP_HOST_DEVICE
+#endif
+
 namespace rfsdp::quant {
 
 struct BlockShape {
@@ -22,7 +28,7 @@ struct BlockShape {
 
   static BlockShape blocks(int64_t b) { return {b, 0, 0}; }
   static BlockShape tiles(int64_t r, int64_t c) { return {0, r, c}; }
-  bool is_tile() const { return tile_rows > 0; }
+  RFSDP_HOST_DEVICE bool is_tile() const { return tile_rows > 0; }
 
   void check() const {
     if (is_tile() ? (tile_rows < 1 || tile_cols < 1) : block < 1) {
@@ -62,7 +68,7 @@ struct BlockLayout {
   struct Block {
     int64_t start, segments, seg_len, count;  // count = segments * seg_len
   };
-  Block block(int64_t b) const {
+  RFSDP_HOST_DEVICE Block block(int64_t b) const {
     if (!shape.is_tile()) {
       const int64_t start = b * shape.block;
       const int64_t len = numel - start < shape.block ? numel - start : shape.block;
@@ -74,7 +80,7 @@ struct BlockLayout {
     const int64_t nc = row_len - c0 < shape.tile_cols ? row_len - c0 : shape.tile_cols;
     return {r0 * row_len + c0, nr, nc, nr * nc};
   }
-  int64_t max_block_elems() const {
+  RFSDP_HOST_DEVICE int64_t max_block_elems() const {
     return shape.is_tile() ? shape.tile_rows * shape.tile_cols : shape.block;
   }
 };

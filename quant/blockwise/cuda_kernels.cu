@@ -1,0 +1,172 @@
+#include "quant/blockwise/cuda_kernels.h"
+
+#include <cmath>
+
+namespace rfsdp::quant::cuda {
+
+namespace {
+
+constexpr int kThreads = 256;
+constexpr int kItems = kMaxBlockElems / kThreads;  // elements per thread, at most
+
+// Nearest code index (ties to the lower): binary search over the midpoints.
+__device__ inline uint8_t nearest(const float* code, float v) {
+  int lo = 0, hi = 255;
+  while (lo < hi) {
+    const int m = (lo + hi) >> 1;
+    if (v <= 0.5f * (code[m] + code[m + 1])) hi = m; else lo = m + 1;
+  }
+  return static_cast<uint8_t>(lo);
+}
+
+// Element k of a block (0 <= k < count) -> its offset in the tensor.
+__device__ inline int64_t element(const BlockLayout::Block& b, int64_t row_len, int64_t k) {
+  return b.start + (k / b.seg_len) * row_len + (k % b.seg_len);
+}
+
+__device__ inline float block_max(float v, float* scratch) {
+  for (int o = 16; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, o));
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  if (lane == 0) scratch[warp] = v;
+  __syncthreads();
+  if (warp == 0) {
+    v = lane < (kThreads >> 5) ? scratch[lane] : 0.0f;
+    for (int o = 16; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, o));
+    if (lane == 0) scratch[0] = v;
+  }
+  __syncthreads();
+  const float r = scratch[0];
+  __syncthreads();
+  return r;
+}
+
+__global__ void quantize_kernel(const float* __restrict x, BlockLayout L,
+                                const float* __restrict code_g, uint8_t* __restrict q,
+                                float* __restrict absmax) {
+  __shared__ float code[256];
+  __shared__ float scratch[32];
+  code[threadIdx.x] = code_g[threadIdx.x];
+  const BlockLayout::Block b = L.block(blockIdx.x);
+  float v[kItems];
+  float amax = 0.0f;
+#pragma unroll
+  for (int i = 0; i < kItems; ++i) {
+    const int64_t k = threadIdx.x + static_cast<int64_t>(i) * kThreads;
+    v[i] = k < b.count ? x[element(b, L.row_len, k)] : 0.0f;
+    amax = fmaxf(amax, fabsf(v[i]));
+  }
+  amax = block_max(amax, scratch);  // also orders the code load
+  const float scale = amax > 0.0f ? 1.0f / amax : 0.0f;
+#pragma unroll
+  for (int i = 0; i < kItems; ++i) {
+    const int64_t k = threadIdx.x + static_cast<int64_t>(i) * kThreads;
+    if (k < b.count) q[element(b, L.row_len, k)] = nearest(code, v[i] * scale);
+  }
+  if (threadIdx.x == 0) absmax[blockIdx.x] = amax;
+}
+
+__global__ void dequantize_kernel(const uint8_t* __restrict q, const float* __restrict absmax,
+                                  BlockLayout L, const float* __restrict code_g,
+                                  float* __restrict out) {
+  __shared__ float code[256];
+  code[threadIdx.x] = code_g[threadIdx.x];
+  __syncthreads();
+  const BlockLayout::Block b = L.block(blockIdx.x);
+  const float a = absmax[blockIdx.x];
+  for (int64_t k = threadIdx.x; k < b.count; k += kThreads) {
+    const int64_t e = element(b, L.row_len, k);
+    out[e] = code[q[e]] * a;
+  }
+}
+
+struct Coeffs {
+  float decay, b1, one_minus_b1, b2, one_minus_b2, step_size, inv_sqrt_bc2, eps;
+};
+
+__global__ void adamw8bit_kernel(float* __restrict p, const float* __restrict g,
+                                 uint8_t* __restrict q1, float* __restrict absmax1,
+                                 uint8_t* __restrict q2, float* __restrict absmax2, BlockLayout L,
+                                 const float* __restrict code1_g, const float* __restrict code2_g,
+                                 Coeffs c) {
+  __shared__ float code1[256], code2[256];
+  __shared__ float scratch[32];
+  code1[threadIdx.x] = code1_g[threadIdx.x];
+  code2[threadIdx.x] = code2_g[threadIdx.x];
+  __syncthreads();
+  const BlockLayout::Block b = L.block(blockIdx.x);
+  const float a1 = absmax1[blockIdx.x], a2 = absmax2[blockIdx.x];
+  float m[kItems], v[kItems];
+  float amax1 = 0.0f, amax2 = 0.0f;
+#pragma unroll
+  for (int i = 0; i < kItems; ++i) {
+    const int64_t k = threadIdx.x + static_cast<int64_t>(i) * kThreads;
+    m[i] = v[i] = 0.0f;
+    if (k < b.count) {
+      const int64_t e = element(b, L.row_len, k);
+      const float gi = g[e];
+      m[i] = c.b1 * (code1[q1[e]] * a1) + c.one_minus_b1 * gi;
+      v[i] = c.b2 * (code2[q2[e]] * a2) + c.one_minus_b2 * gi * gi;
+      p[e] = p[e] * c.decay - c.step_size * (m[i] / (sqrtf(v[i]) * c.inv_sqrt_bc2 + c.eps));
+      amax1 = fmaxf(amax1, fabsf(m[i]));
+      amax2 = fmaxf(amax2, v[i]);
+    }
+  }
+  amax1 = block_max(amax1, scratch);
+  amax2 = block_max(amax2, scratch);
+  const float s1 = amax1 > 0.0f ? 1.0f / amax1 : 0.0f;
+  const float s2 = amax2 > 0.0f ? 1.0f / amax2 : 0.0f;
+#pragma unroll
+  for (int i = 0; i < kItems; ++i) {
+    const int64_t k = threadIdx.x + static_cast<int64_t>(i) * kThreads;
+    if (k < b.count) {
+      const int64_t e = element(b, L.row_len, k);
+      q1[e] = nearest(code1, m[i] * s1);
+      q2[e] = nearest(code2, v[i] * s2);
+    }
+  }
+  if (threadIdx.x == 0) {
+    absmax1[blockIdx.x] = amax1;
+    absmax2[blockIdx.x] = amax2;
+  }
+}
+
+cudaError_t check_layout(const BlockLayout& L) {
+  if (L.max_block_elems() > kMaxBlockElems || L.num_blocks > 0x7fffffff) return cudaErrorInvalidValue;
+  return cudaSuccess;
+}
+
+}  // namespace
+
+cudaError_t quantize(const float* x, const BlockLayout& L, const float* code, uint8_t* q,
+                     float* absmax, cudaStream_t stream) {
+  if (cudaError_t e = check_layout(L); e != cudaSuccess) return e;
+  if (L.num_blocks == 0) return cudaSuccess;
+  quantize_kernel<<<static_cast<unsigned>(L.num_blocks), kThreads, 0, stream>>>(x, L, code, q,
+                                                                                absmax);
+  return cudaGetLastError();
+}
+
+cudaError_t dequantize(const uint8_t* q, const float* absmax, const BlockLayout& L,
+                       const float* code, float* out, cudaStream_t stream) {
+  if (cudaError_t e = check_layout(L); e != cudaSuccess) return e;
+  if (L.num_blocks == 0) return cudaSuccess;
+  dequantize_kernel<<<static_cast<unsigned>(L.num_blocks), kThreads, 0, stream>>>(q, absmax, L,
+                                                                                  code, out);
+  return cudaGetLastError();
+}
+
+cudaError_t adamw8bit_step(float* param, const float* grad, uint8_t* q1, float* absmax1,
+                           uint8_t* q2, float* absmax2, const BlockLayout& L, const float* code1,
+                           const float* code2, const AdamWHyper& h, cudaStream_t stream) {
+  if (cudaError_t e = check_layout(L); e != cudaSuccess) return e;
+  if (L.num_blocks == 0) return cudaSuccess;
+  const double bc1 = 1.0 - std::pow(static_cast<double>(h.beta1), static_cast<double>(h.step));
+  const double bc2 = 1.0 - std::pow(static_cast<double>(h.beta2), static_cast<double>(h.step));
+  const Coeffs c{1.0f - h.lr * h.weight_decay, h.beta1, 1.0f - h.beta1, h.beta2, 1.0f - h.beta2,
+                 static_cast<float>(h.lr / bc1), static_cast<float>(1.0 / std::sqrt(bc2)), h.eps};
+  adamw8bit_kernel<<<static_cast<unsigned>(L.num_blocks), kThreads, 0, stream>>>(
+      param, grad, q1, absmax1, q2, absmax2, L, code1, code2, c);
+  return cudaGetLastError();
+}
+
+}  // namespace rfsdp::quant::cuda

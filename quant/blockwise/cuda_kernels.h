@@ -1,0 +1,35 @@
+// CUDA kernels of block-wise 8-bit quantisation, over raw device pointers and
+// a stream (no ATen: this library builds wherever nvcc is, and runs on a GPU).
+// One thread block per quantisation block (at most 4096 elements: 1-D blocks
+// up to 4096, tiles up to 64x64); the 256-value code lives in shared memory.
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <cstdint>
+
+#include "quant/blockwise/block_layout.h"
+
+namespace rfsdp::quant::cuda {
+
+constexpr int64_t kMaxBlockElems = 4096;
+
+cudaError_t quantize(const float* x, const BlockLayout& layout, const float* code, uint8_t* q,
+                     float* absmax, cudaStream_t stream);
+
+cudaError_t dequantize(const uint8_t* q, const float* absmax, const BlockLayout& layout,
+                       const float* code, float* out, cudaStream_t stream);
+
+struct AdamWHyper {
+  float lr, beta1, beta2, eps, weight_decay;
+  int64_t step;
+};
+
+// The fused AdamW8bit step: per block, codes/gradient/parameter read once,
+// moments updated in fp32 registers, codes and parameter written once.
+cudaError_t adamw8bit_step(float* param, const float* grad, uint8_t* q1, float* absmax1,
+                           uint8_t* q2, float* absmax2, const BlockLayout& layout,
+                           const float* code1, const float* code2, const AdamWHyper& h,
+                           cudaStream_t stream);
+
+}  // namespace rfsdp::quant::cuda
