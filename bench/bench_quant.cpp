@@ -99,7 +99,9 @@ int main(int argc, char** argv) {
       });
       const double tm8 = memcpy_s(n * 8);
       std::printf("%-7s %-10s | %9.2f %9.2f %6.2f | %9.2f %9.2f %6.2f | %9.2f %9.2f %9.2f %6.2f\n",
-                  (std::to_string(mi) + "M").c_str(), shape.str().substr(0, 10).c_str(),
+                  (std::to_string(mi) + "M").c_str(),
+                  (shape.is_tile() ? std::to_string(shape.tile_rows) + "x" + std::to_string(shape.tile_cols)
+                                   : "B=" + std::to_string(shape.block)).c_str(),
                   bytes_q / tq / 1e9, bytes_q / tmq / 1e9, tmq / tq, bytes_q / td / 1e9,
                   bytes_q / tmq / 1e9, tmq / td, n * 16.0 / t8 / 1e9, n * 28.0 / t32 / 1e9,
                   n * 16.0 / tm8 / 1e9, t32 / t8);
