@@ -13,6 +13,13 @@
 #include <chrono>
 #include <string>
 
+// NCCL: only in builds against a torch with CUDA (CMake defines RFSDP_WITH_NCCL
+// and USE_C10D_NCCL there).
+#if defined(RFSDP_WITH_NCCL)
+#include <c10/cuda/CUDAFunctions.h>
+#include <torch/csrc/distributed/c10d/ProcessGroupNCCL.hpp>
+#endif
+
 namespace rfsdp::compat {
 
 using Work = c10d::Work;
@@ -34,6 +41,29 @@ inline c10::intrusive_ptr<c10d::ProcessGroup> make_gloo_group(
   return c10::make_intrusive<c10d::ProcessGroupGloo>(store, rank, size, opts);
 #endif
 }
+
+#if defined(RFSDP_WITH_NCCL)
+// An NCCL process group over `store` (one process per GPU).
+inline c10::intrusive_ptr<c10d::ProcessGroup> make_nccl_group(
+    const c10::intrusive_ptr<c10d::Store>& store, int rank, int size,
+    std::chrono::milliseconds timeout) {
+  auto opts = c10d::ProcessGroupNCCL::Options::create();
+  opts->timeout = timeout;
+#if TORCH_VERSION_MAJOR >= 2
+  auto backend = c10::make_intrusive<c10d::ProcessGroupNCCL>(store, rank, size, opts);
+  auto pg = c10::make_intrusive<c10d::ProcessGroup>(store, rank, size);
+  pg->setDefaultBackend(c10d::ProcessGroup::BackendType::NCCL);
+  pg->setBackend(c10::DeviceType::CUDA, c10d::ProcessGroup::BackendType::NCCL,
+                 c10::intrusive_ptr<c10d::Backend>(backend));
+  return pg;
+#else
+  return c10::make_intrusive<c10d::ProcessGroupNCCL>(store, rank, size, opts);
+#endif
+}
+
+inline int cuda_device_count() { return static_cast<int>(c10::cuda::device_count()); }
+inline void set_cuda_device(int d) { c10::cuda::set_device(static_cast<c10::DeviceIndex>(d)); }
+#endif
 
 // True when a c10d call failed because the backend lacks the operation (it
 // then throws before starting anything, on every rank alike).

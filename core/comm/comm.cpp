@@ -130,7 +130,21 @@ Comm::Comm(c10::intrusive_ptr<c10d::ProcessGroup> pg, std::chrono::milliseconds 
   size_ = pg_->getSize();
 }
 
-std::shared_ptr<Comm> Comm::from_env(std::chrono::milliseconds timeout) {
+std::shared_ptr<Comm> Comm::from_env(std::chrono::milliseconds timeout,
+                                     const std::string& backend) {
+  if (backend != "auto" && backend != "gloo" && backend != "nccl") {
+    throw std::invalid_argument("Comm::from_env: backend must be \"auto\", \"gloo\" or \"nccl\", "
+                                "got \"" + backend + "\"");
+  }
+#if defined(RFSDP_WITH_NCCL)
+  const bool use_nccl = backend == "nccl" || (backend == "auto" && compat::cuda_device_count() > 0);
+#else
+  if (backend == "nccl") {
+    throw std::invalid_argument("Comm::from_env: this build has no NCCL (it was built against a "
+                                "torch without CUDA); use \"gloo\"");
+  }
+  const bool use_nccl = false;
+#endif
   const int rank = env_int("RANK"), size = env_int("WORLD_SIZE");
   if (size < 1 || rank >= size) {
     throw std::runtime_error("RANK=" + std::to_string(rank) + " is out of range for WORLD_SIZE=" +
@@ -144,6 +158,16 @@ std::shared_ptr<Comm> Comm::from_env(std::chrono::milliseconds timeout) {
   opts.numWorkers = size;
   opts.timeout = timeout;
   auto store = c10::make_intrusive<c10d::TCPStore>(addr, opts);
+#if defined(RFSDP_WITH_NCCL)
+  if (use_nccl) {
+    const int devices = compat::cuda_device_count();
+    if (devices == 0) throw std::runtime_error("Comm::from_env: NCCL asked for, but no GPU is visible");
+    const char* lr = std::getenv("LOCAL_RANK");
+    compat::set_cuda_device((lr ? std::atoi(lr) : rank) % devices);
+    return std::make_shared<Comm>(compat::make_nccl_group(store, rank, size, timeout), timeout);
+  }
+#endif
+  (void)use_nccl;
   // Gloo connects to the address peers see: loopback for a one-machine job.
   std::string host = "127.0.0.1";
   if (addr != "localhost" && addr.rfind("127.", 0) != 0) {

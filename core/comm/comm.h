@@ -63,9 +63,13 @@ class Comm {
   explicit Comm(c10::intrusive_ptr<c10d::ProcessGroup> pg,
                 std::chrono::milliseconds timeout = kDefaultTimeout);
 
-  // From torchrun's environment (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT):
-  // a TCPStore, then a Gloo group (CPU tensors).
-  static std::shared_ptr<Comm> from_env(std::chrono::milliseconds timeout = kDefaultTimeout);
+  // From torchrun's environment (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT,
+  // LOCAL_RANK): a TCPStore, then a process group. backend "auto" is NCCL when
+  // this build has it and a GPU is present (the process then uses GPU
+  // LOCAL_RANK), else Gloo; "gloo" and "nccl" ask for one (NCCL where absent
+  // is an error saying so).
+  static std::shared_ptr<Comm> from_env(std::chrono::milliseconds timeout = kDefaultTimeout,
+                                        const std::string& backend = "auto");
 
   int rank() const { return rank_; }
   int size() const { return size_; }
