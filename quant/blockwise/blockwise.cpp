@@ -20,10 +20,22 @@ BlockLayout layout_of(const at::Tensor& x, BlockShape shape, int64_t row_len) {
 
 namespace {
 
+// torch's spelling of a dtype, for messages.
+std::string dtype_name(at::ScalarType t) {
+  switch (t) {
+    case at::kFloat: return "float32";
+    case at::kDouble: return "float64";
+    case at::kHalf: return "float16";
+    case at::kBFloat16: return "bfloat16";
+    case at::kByte: return "uint8";
+    default: return c10::toString(t);
+  }
+}
+
 void check_cpu_contiguous(const at::Tensor& t, at::ScalarType dt, const char* what) {
   if (t.scalar_type() != dt) {
-    throw std::invalid_argument(std::string(what) + " must be " + c10::toString(dt) + ", got " +
-                                c10::toString(t.scalar_type()));
+    throw std::invalid_argument(std::string(what) + " must be " + dtype_name(dt) + ", got " +
+                                dtype_name(t.scalar_type()));
   }
   if (!t.device().is_cpu()) {
     throw std::invalid_argument(std::string(what) +

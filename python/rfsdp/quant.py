@@ -1,0 +1,23 @@
+"""Block-wise 8-bit quantisation (bitsandbytes' dynamic map, 1-D blocks or 2-D tiles)."""
+from . import _C
+
+
+def dynamic_map(signed=True):
+    """bitsandbytes' create_dynamic_map(signed, 7, 8): 256 float32 values."""
+    return _C.dynamic_map(bool(signed))
+
+
+def _code(code, signed):
+    return _C.code_map(code, bool(signed)) if isinstance(code, str) else code
+
+
+def quantize_blockwise(x, block=256, code="dynamic", signed=True):
+    """-> (codes uint8 of x's shape, absmax float32 per block). block: an int
+    (1-D blocks of the flattened tensor) or a pair (tiles of x seen as rows x
+    its last dim)."""
+    return _C.quantize_blockwise(x, _code(code, signed), block)
+
+
+def dequantize_blockwise(codes, absmax, block=256, code="dynamic", signed=True, shape=None):
+    out = _C.dequantize_blockwise(codes, absmax, _code(code, signed), block)
+    return out.reshape(shape) if shape is not None else out

@@ -1,0 +1,45 @@
+"""rfsdp.plan from Python: the same plan as the rfsdp-plan CLI, and its errors."""
+import json
+import os
+import subprocess
+
+import pytest
+
+import rfsdp
+
+
+def test_to_json_equals_the_cli(build_dir, zoo_dir):
+    for unit_file in ["llama3_8b.block.json", "gpt_oss_120b.block.json"]:
+        path = os.path.join(zoo_dir, unit_file)
+        with open(path) as f:
+            unit = json.load(f)
+        for m in [8, 1024]:
+            cli = subprocess.run([os.path.join(build_dir, "rfsdp-plan"), path, "--world-size", str(m),
+                                  "--json"], capture_output=True, text=True, check=True)
+            want = json.loads(cli.stdout)
+            got = json.loads(rfsdp.plan(unit, world_size=m).to_json())
+            want.pop("plan_seconds"), got.pop("plan_seconds")
+            assert got == want
+
+
+def test_shard_rows_tile_each_tensor():
+    p = rfsdp.plan([{"name": "w", "shape": [10, 3], "granule_rows": 2, "dtype_bytes": 4},
+                    {"name": "b", "shape": [7], "granule_rows": "whole", "dtype_bytes": 4}], 3)
+    assert p.names == ["w", "b"]
+    for i, rows in [(0, 10), (1, 7)]:
+        covered = []
+        for r in range(3):
+            begin, end, _, _ = p.shard(i, r)
+            covered += list(range(begin, end))
+        assert covered == list(range(rows))
+
+
+@pytest.mark.parametrize("tensors,world,needle", [
+    ([{"name": "w", "shape": [4], "granule_rows": 0, "dtype_bytes": 2}], 2, "'w': granule_rows"),
+    ([{"name": "w", "shape": [4], "granule_rows": "most", "dtype_bytes": 2}], 2, "'w': granule_rows"),
+    ([{"name": "w", "shape": [4], "granule_rows": 1, "dtype_bytes": 2}], 0, "world size"),
+    ([], 2, "empty"),
+])
+def test_errors_are_value_errors_naming_the_problem(tensors, world, needle):
+    with pytest.raises(ValueError, match=needle):
+        rfsdp.plan(tensors, world)
