@@ -4,7 +4,11 @@
 #include <pybind11/stl.h>
 #include <torch/extension.h>
 
+#include "core/comm/comm.h"
 #include "core/ragged/plan_json.h"
+#include "fsdp/fsdp_unit.h"
+#include "fsdp/grad_clip.h"
+#include "quant/blockwise/cpu_kernels.h"
 #include "core/ragged/planner.h"
 #include "quant/blockwise/blockwise.h"
 #include "quant/blockwise/code_maps.h"
@@ -19,10 +23,143 @@ rfsdp::quant::BlockShape block_shape(const py::object& block) {
   return rfsdp::quant::BlockShape::tiles(t.first, t.second);
 }
 
+// Plans from Python's spec list: [(name, shape, granule_rows (0 = whole), row_dims, dtype_bytes)].
+rfsdp::Plan plan_specs(const std::vector<std::tuple<std::string, std::vector<int64_t>, int64_t, int,
+                                                    int64_t>>& specs,
+                       int64_t world_size, int64_t align_bytes) {
+  std::vector<rfsdp::TensorSpec> ts;
+  for (const auto& [name, shape, g, row_dims, bytes] : specs) {
+    rfsdp::TensorSpec t;
+    t.name = name;
+    t.shape = shape;
+    t.granule_rows = g == 0 ? rfsdp::kWholeTensor : g;
+    t.row_dims = row_dims;
+    t.elem_bytes = bytes;
+    ts.push_back(t);
+  }
+  return rfsdp::plan_unit(ts, world_size, align_bytes);
+}
+
+// torch dtype names ("float32", ...) as Python's str(dtype) spells them, less "torch.".
+at::ScalarType dtype_of(const std::string& name) {
+  if (name == "float32") return at::kFloat;
+  if (name == "bfloat16") return at::kBFloat16;
+  if (name == "float16") return at::kHalf;
+  if (name == "float64") return at::kDouble;
+  throw std::invalid_argument("unsupported dtype '" + name +
+                              "': use float32, bfloat16, float16 or float64");
+}
+
+// The raw kernels below trust their pointers: check sizes and dtypes here.
+void expect(const at::Tensor& t, at::ScalarType dt, int64_t n, const char* what) {
+  TORCH_CHECK(t.scalar_type() == dt && t.is_contiguous() && t.device().is_cpu() && t.numel() == n,
+              what, ": expected a contiguous CPU tensor of ", n, " ", c10::toString(dt),
+              " elements, got ", t.numel(), " ", c10::toString(t.scalar_type()));
+}
+
+const rfsdp::quant::cpu::CodeLut& lut_of(const at::Tensor& code) {
+  // code_lut caches per distinct code; the shared_ptr it returns stays in the cache.
+  return *rfsdp::quant::code_lut(code);
+}
+
 }  // namespace
 
 PYBIND11_MODULE(_C, m) {
   m.doc() = "RaggedFSDP C++ core";
+
+  py::class_<rfsdp::CommHandle>(m, "CommHandle").def("wait", &rfsdp::CommHandle::wait,
+                                                      py::call_guard<py::gil_scoped_release>());
+
+  py::class_<rfsdp::FSDPUnit, std::shared_ptr<rfsdp::FSDPUnit>>(m, "FSDPUnit")
+      .def(py::init([](c10::intrusive_ptr<c10d::ProcessGroup> pg, const rfsdp::Plan& plan,
+                       const std::string& param_dtype, const std::string& reduce_dtype,
+                       double timeout_seconds) {
+             auto comm = std::make_shared<rfsdp::Comm>(
+                 pg, std::chrono::milliseconds(static_cast<int64_t>(timeout_seconds * 1000)));
+             return std::make_shared<rfsdp::FSDPUnit>(
+                 comm, plan, rfsdp::MixedPrecision{dtype_of(param_dtype), dtype_of(reduce_dtype)});
+           }),
+           py::arg("process_group"), py::arg("plan"), py::arg("param_dtype"),
+           py::arg("reduce_dtype"), py::arg("timeout_seconds") = 300.0)
+      .def("shard", &rfsdp::FSDPUnit::shard)
+      .def("unshard", &rfsdp::FSDPUnit::unshard)
+      .def("reshard", &rfsdp::FSDPUnit::reshard)
+      .def("unsharded", &rfsdp::FSDPUnit::unsharded)
+      .def("prepare_grads", &rfsdp::FSDPUnit::prepare_grads)
+      .def("reduce_grads", [](rfsdp::FSDPUnit& u, bool avg) {
+             return u.reduce_grads(avg ? rfsdp::ReduceOp::Avg : rfsdp::ReduceOp::Sum);
+           }, py::arg("average") = true)
+      .def("zero_grad", &rfsdp::FSDPUnit::zero_grad)
+      .def("full_param", &rfsdp::FSDPUnit::full_param)
+      .def("full_grad", &rfsdp::FSDPUnit::full_grad)
+      .def("local_param", &rfsdp::FSDPUnit::local_param)
+      .def("local_grad", &rfsdp::FSDPUnit::local_grad)
+      .def("local_grad_slice", &rfsdp::FSDPUnit::local_grad_slice)
+      .def("shard_range", [](const rfsdp::FSDPUnit& u, size_t i) {
+             const auto r = u.shard_range(i);
+             return py::make_tuple(r.row_begin, r.row_end);
+           })
+      .def("stats", [](rfsdp::FSDPUnit& u) {
+             const auto s = u.comm().stats();
+             return py::dict(py::arg("collectives") = s.collectives, py::arg("fallbacks") = s.fallbacks,
+                             py::arg("bytes_sent") = s.bytes_sent,
+                             py::arg("bytes_copied") = s.bytes_copied);
+           });
+
+  m.def("clip_grad_norm", [](const std::vector<std::shared_ptr<rfsdp::FSDPUnit>>& units,
+                             double max_norm, bool error_if_nonfinite) {
+          std::vector<rfsdp::FSDPUnit*> raw;
+          for (const auto& u : units) raw.push_back(u.get());
+          py::gil_scoped_release release;
+          return rfsdp::clip_grad_norm(raw, max_norm, error_if_nonfinite);
+        });
+
+  m.def("plan_specs", &plan_specs, py::arg("specs"), py::arg("world_size"),
+        py::arg("align_bytes") = 16);
+
+  // Optimizer kernels over one parameter's tensors (state lives in Python's optimizer state).
+  m.def("adamw_step", [](at::Tensor p, at::Tensor g, at::Tensor m1, at::Tensor v, double lr,
+                         double b1, double b2, double eps, double wd, int64_t step) {
+    const int64_t n = p.numel();
+    expect(p, at::kFloat, n, "param");
+    expect(g, at::kFloat, n, "grad");
+    expect(m1, at::kFloat, n, "exp_avg");
+    expect(v, at::kFloat, n, "exp_avg_sq");
+    rfsdp::quant::cpu::adamw32_step(p.data_ptr<float>(), g.data_ptr<float>(), m1.data_ptr<float>(),
+                                    v.data_ptr<float>(), p.numel(),
+                                    {float(lr), float(b1), float(b2), float(eps), float(wd), step});
+  });
+  m.def("adamw8bit_step", [](at::Tensor p, at::Tensor g, at::Tensor q1, at::Tensor a1, at::Tensor q2,
+                             at::Tensor a2, const py::object& block, int64_t row_len,
+                             const at::Tensor& code1, const at::Tensor& code2, double lr, double b1,
+                             double b2, double eps, double wd, int64_t step) {
+    const auto shape = block_shape(block);
+    const int64_t n = p.numel();
+    TORCH_CHECK(row_len > 0 && n % row_len == 0, "row_len ", row_len, " does not divide ", n);
+    const rfsdp::quant::BlockLayout L(shape, n / row_len, row_len);
+    expect(p, at::kFloat, n, "param");
+    expect(g, at::kFloat, n, "grad");
+    expect(q1, at::kByte, n, "q1");
+    expect(q2, at::kByte, n, "q2");
+    expect(a1, at::kFloat, L.num_blocks, "absmax1");
+    expect(a2, at::kFloat, L.num_blocks, "absmax2");
+    rfsdp::quant::cpu::adamw8bit_step(p.data_ptr<float>(), g.data_ptr<float>(),
+                                      q1.data_ptr<uint8_t>(), a1.data_ptr<float>(),
+                                      q2.data_ptr<uint8_t>(), a2.data_ptr<float>(), L,
+                                      lut_of(code1), lut_of(code2),
+                                      {float(lr), float(b1), float(b2), float(eps), float(wd), step});
+  });
+  m.def("all_finite", [](const at::Tensor& t) {
+    expect(t, at::kFloat, t.numel(), "tensor");
+    return rfsdp::quant::cpu::all_finite(t.data_ptr<float>(), t.numel());
+  });
+  m.def("num_blocks", [](const py::object& block, int64_t rows, int64_t row_len) {
+    return rfsdp::quant::BlockLayout(block_shape(block), rows, row_len).num_blocks;
+  });
+  m.def("granule_rows", [](const py::object& block, int64_t row_len) {
+    return block_shape(block).granule_rows(row_len);
+  });
+  m.def("nearest_code", [](const at::Tensor& code, float v) { return lut_of(code).nearest(v); });
 
   // Errors from the library are std::invalid_argument -> ValueError (pybind11's default).
   py::class_<rfsdp::Plan>(m, "Plan")

@@ -1,0 +1,198 @@
+"""rfsdp.fully_shard: FSDP2-style per-module sharding over RaggedFSDP units.
+
+Each fully_shard(module) call makes one unit of the parameters of `module` not
+claimed by an inner call. The module's parameters become this rank's shards
+(rows [row_begin, row_end) of each tensor, views of the unit's local fp32 slice;
+rfsdp.shard_info(p) describes them). Forward gathers the full parameters (and
+reshards after, if asked); backward gathers again before the module's backward,
+then reduce-scatters the gradients at the end of backward into the local
+gradient slice, which is each shard's .grad (summed across micro-batches until
+the optimizer zeroes it)."""
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from . import _C
+from . import policy as policy_mod
+
+
+@dataclass(frozen=True)
+class ShardInfo:
+    """Where a sharded parameter's rows come from."""
+    name: str
+    global_shape: tuple
+    row_dims: int
+    row_begin: int
+    row_end: int
+
+    @property
+    def row_len(self):
+        n = 1
+        for d in self.global_shape[self.row_dims:]:
+            n *= d
+        return n
+
+    @property
+    def full_rows(self):
+        n = 1
+        for d in self.global_shape[:self.row_dims]:
+            n *= d
+        return n if self.global_shape else 1
+
+
+@dataclass
+class MixedPrecisionPolicy:
+    param_dtype: torch.dtype = torch.float32
+    reduce_dtype: torch.dtype = torch.float32
+
+
+def shard_info(param):
+    """The ShardInfo of a parameter managed by fully_shard, else None."""
+    return getattr(param, "_rfsdp_shard", None)
+
+
+class _Unit:
+    def __init__(self, module, entries, pg, pol, mp, reshard_after_forward):
+        self.module = module
+        self.entries = entries  # [(owner module, attr name, fqn)]
+        self.pg = pg
+        self.reshard_after_forward = reshard_after_forward
+        params = [owner._parameters[attr] for owner, attr, _ in entries]
+        dtype_bytes = torch.empty((), dtype=mp.param_dtype).element_size()
+        specs = []
+        for (owner, attr, fqn), p in zip(entries, params):
+            g = pol.granule(fqn, p)
+            specs.append((fqn, list(p.shape), 0 if g == policy_mod.WHOLE else g,
+                          pol.row_dims(fqn, p) if p.dim() > 0 else 1, dtype_bytes))
+        self.plan = _C.plan_specs(specs, pg.size(), 16)
+        self.unit = _C.FSDPUnit(pg, self.plan, str(mp.param_dtype).replace("torch.", ""),
+                                str(mp.reduce_dtype).replace("torch.", ""))
+        # Every rank starts from rank 0's values.
+        full = []
+        for p in params:
+            t = p.detach().to(torch.float32).contiguous().clone()
+            if pg.size() > 1:
+                dist.broadcast(t, src=0, group=pg)
+            full.append(t)
+        self.unit.shard(full)
+        self.sharded, self.full = [], []
+        for i, ((owner, attr, fqn), p) in enumerate(zip(entries, params)):
+            begin, end = self.unit.shard_range(i)
+            sp = nn.Parameter(self.unit.local_param(i), requires_grad=p.requires_grad)
+            sp._rfsdp_shard = ShardInfo(fqn, tuple(p.shape), specs[i][3], begin, end)
+            p._rfsdp_replaced = fqn  # an optimizer built on the old parameter is an error
+            owner._parameters[attr] = sp
+            self.sharded.append(sp)
+            fp = nn.Parameter(self.unit.full_param(i).data, requires_grad=p.requires_grad)
+            self.full.append(fp)
+        self.in_backward = False
+
+    # -- forward --------------------------------------------------------------
+    def _use(self, tensors):
+        for (owner, attr, _), t in zip(self.entries, tensors):
+            owner._parameters[attr] = t
+
+    def unshard(self):
+        if not self.unit.unsharded():
+            self.unit.unshard().wait()
+
+    def pre_forward(self, module, args):
+        self.unshard()
+        self._use(self.full)
+
+    def post_forward(self, module, args, output):
+        self._use(self.sharded)
+        if self.reshard_after_forward:
+            self.unit.reshard()
+        if torch.is_grad_enabled():
+            for t in _tensors(output):
+                if t.requires_grad:
+                    t.register_hook(self._pre_backward_hook)
+        return output
+
+    # -- backward -------------------------------------------------------------
+    def _pre_backward_hook(self, grad):
+        if not self.in_backward:
+            self.in_backward = True
+            self.unshard()
+            self.unit.prepare_grads()
+            for fp, i in zip(self.full, range(len(self.full))):
+                fp.grad = self.unit.full_grad(i).data if fp.dtype == self.unit.full_grad(i).dtype \
+                    else None
+            torch.autograd.Variable._execution_engine.queue_callback(self._post_backward)
+        return None
+
+    def _post_backward(self):
+        for i, fp in enumerate(self.full):
+            g_full = self.unit.full_grad(i)
+            if fp.grad is not None and fp.grad.data_ptr() != g_full.data_ptr():
+                g_full.copy_(fp.grad)  # mixed precision: gradient dtype != reduce dtype
+            fp.grad = None
+        for i, sp in enumerate(self.sharded):
+            if sp.grad is None:  # the optimizer zeroed it: start accumulating afresh
+                self.unit.local_grad(i).zero_()
+        self.unit.reduce_grads(True).wait()
+        for i, sp in enumerate(self.sharded):
+            if sp.requires_grad:
+                sp.grad = self.unit.local_grad(i)
+        self.unit.reshard()
+        self.in_backward = False
+
+
+def _tensors(out):
+    if isinstance(out, torch.Tensor):
+        yield out
+    elif isinstance(out, (list, tuple)):
+        for o in out:
+            yield from _tensors(o)
+    elif isinstance(out, dict):
+        for o in out.values():
+            yield from _tensors(o)
+
+
+def fully_shard(module, *, process_group=None, policy=None, mp_policy=None,
+                reshard_after_forward=True):
+    """Shards the parameters of `module` that no inner fully_shard call claimed
+    (apply bottom-up, like FSDP2's fully_shard). Returns the module."""
+    if getattr(module, "_rfsdp_unit", None) is not None:
+        raise ValueError("fully_shard was already applied to this %s" % type(module).__name__)
+    pg = process_group if process_group is not None else dist.group.WORLD
+    if pg is None:
+        raise ValueError("fully_shard needs torch.distributed initialised "
+                         "(dist.init_process_group) or an explicit process_group")
+    pol = policy if policy is not None else policy_mod.adamw()
+    mp = mp_policy if mp_policy is not None else MixedPrecisionPolicy()
+    entries, devices = [], set()
+    for owner_name, owner in module.named_modules():
+        for attr, p in owner._parameters.items():
+            if p is None or shard_info(p) is not None:  # an inner call's shard
+                continue
+            fqn = (owner_name + "." if owner_name else "") + attr
+            entries.append((owner, attr, fqn))
+            devices.add(p.device)
+    if len(devices) > 1:
+        raise ValueError("fully_shard: the parameters of this module live on different devices (%s); "
+                         "move the module to one device first" % sorted(str(d) for d in devices))
+    if any(d.type != "cpu" for d in devices):
+        raise ValueError("fully_shard: this build shards CPU parameters only (got %s)" % devices.pop())
+    unit = _Unit(module, entries, pg, pol, mp, reshard_after_forward) if entries else None
+    module._rfsdp_unit = unit if unit is not None else False
+    if unit is not None:
+        module.register_forward_pre_hook(unit.pre_forward)
+        module.register_forward_hook(unit.post_forward)
+    return module
+
+
+def units(model):
+    return [m._rfsdp_unit for m in model.modules() if getattr(m, "_rfsdp_unit", None)]
+
+
+def clip_grad_norm_(model, max_norm, error_if_nonfinite=True):
+    """Clips the sharded gradients of all of model's units by their global L2
+    norm (one all-reduce); returns the norm."""
+    us = units(model)
+    if not us:
+        raise ValueError("clip_grad_norm_: the model has no fully_shard units")
+    return _C.clip_grad_norm([u.unit for u in us], float(max_norm), bool(error_if_nonfinite))

@@ -1,0 +1,58 @@
+"""Sharding policies: which granule (rows a rank boundary may fall at) each
+parameter asks of the planner. A policy maps (name, parameter) to an int >= 1 or
+"whole". Several users of one parameter combine by lcm (capped at the whole tensor)."""
+import math
+
+WHOLE = "whole"
+
+
+def check_granule(g, name="?"):
+    if g == WHOLE:
+        return g
+    if isinstance(g, bool) or not isinstance(g, int) or g < 1:
+        raise ValueError("parameter '%s': granule must be a positive integer or \"whole\", got %r"
+                         % (name, g))
+    return g
+
+
+def row_len(param, row_dims=1):
+    return math.prod(param.shape[row_dims:]) if param.dim() > row_dims else 1
+
+
+class Policy:
+    """granule(name, param) -> int | "whole"; row_dims(name, param) -> 1 or 2."""
+
+    def __init__(self, granule_fn, row_dims_fn=None):
+        self._granule = granule_fn
+        self._row_dims = row_dims_fn or (lambda name, p: 1)
+
+    def granule(self, name, param):
+        return check_granule(self._granule(name, param), name)
+
+    def row_dims(self, name, param):
+        return self._row_dims(name, param)
+
+
+def adamw():
+    """Plain AdamW: any row boundary (granule 1)."""
+    return Policy(lambda name, p: 1)
+
+
+def blockwise_8bit(block=256):
+    """8-bit block-wise optimizer states: every shard starts on a block edge.
+    block: int (1-D blocks of B elements: B / gcd(B, row length) rows) or (rows, cols) tiles."""
+    def granule(name, p):
+        if isinstance(block, int):
+            return block // math.gcd(block, row_len(p))
+        return int(block[0])
+    return Policy(granule)
+
+
+def combine(*policies):
+    """Granules of several users, by lcm ("whole" wins)."""
+    def granule(name, p):
+        gs = [pol.granule(name, p) for pol in policies]
+        if WHOLE in gs:
+            return WHOLE
+        return math.lcm(*gs)
+    return Policy(granule, policies[0]._row_dims if policies else None)
