@@ -24,6 +24,19 @@ namespace rfsdp::compat {
 
 using Work = c10d::Work;
 
+#if TORCH_VERSION_MAJOR >= 2
+// torch 2.x: a ProcessGroup that dispatches `device`'s tensors to `backend`.
+inline c10::intrusive_ptr<c10d::ProcessGroup> group_of(
+    const c10::intrusive_ptr<c10d::Store>& store, int rank, int size,
+    c10d::ProcessGroup::BackendType type, c10::DeviceType device,
+    c10::intrusive_ptr<c10d::Backend> backend) {
+  auto pg = c10::make_intrusive<c10d::ProcessGroup>(store, rank, size);
+  pg->setDefaultBackend(type);
+  pg->setBackend(device, type, backend);
+  return pg;
+}
+#endif
+
 // A Gloo process group over `store` (one per rank; ranks may be threads of one process).
 inline c10::intrusive_ptr<c10d::ProcessGroup> make_gloo_group(
     const c10::intrusive_ptr<c10d::Store>& store, int rank, int size,
@@ -31,12 +44,8 @@ inline c10::intrusive_ptr<c10d::ProcessGroup> make_gloo_group(
   auto opts = c10d::ProcessGroupGloo::Options::create(timeout);
   opts->devices.push_back(c10d::ProcessGroupGloo::createDeviceForHostname(hostname));
 #if TORCH_VERSION_MAJOR >= 2
-  auto backend = c10::make_intrusive<c10d::ProcessGroupGloo>(store, rank, size, opts);
-  auto pg = c10::make_intrusive<c10d::ProcessGroup>(store, rank, size);
-  pg->setDefaultBackend(c10d::ProcessGroup::BackendType::GLOO);
-  pg->setBackend(c10::DeviceType::CPU, c10d::ProcessGroup::BackendType::GLOO,
-                 c10::intrusive_ptr<c10d::Backend>(backend));
-  return pg;
+  return group_of(store, rank, size, c10d::ProcessGroup::BackendType::GLOO, c10::DeviceType::CPU,
+                  c10::make_intrusive<c10d::ProcessGroupGloo>(store, rank, size, opts));
 #else
   return c10::make_intrusive<c10d::ProcessGroupGloo>(store, rank, size, opts);
 #endif
@@ -50,12 +59,8 @@ inline c10::intrusive_ptr<c10d::ProcessGroup> make_nccl_group(
   auto opts = c10d::ProcessGroupNCCL::Options::create();
   opts->timeout = timeout;
 #if TORCH_VERSION_MAJOR >= 2
-  auto backend = c10::make_intrusive<c10d::ProcessGroupNCCL>(store, rank, size, opts);
-  auto pg = c10::make_intrusive<c10d::ProcessGroup>(store, rank, size);
-  pg->setDefaultBackend(c10d::ProcessGroup::BackendType::NCCL);
-  pg->setBackend(c10::DeviceType::CUDA, c10d::ProcessGroup::BackendType::NCCL,
-                 c10::intrusive_ptr<c10d::Backend>(backend));
-  return pg;
+  return group_of(store, rank, size, c10d::ProcessGroup::BackendType::NCCL, c10::DeviceType::CUDA,
+                  c10::make_intrusive<c10d::ProcessGroupNCCL>(store, rank, size, opts));
 #else
   return c10::make_intrusive<c10d::ProcessGroupNCCL>(store, rank, size, opts);
 #endif

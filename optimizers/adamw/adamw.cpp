@@ -174,22 +174,25 @@ void AdamW8bit::update(size_t i, int64_t step) {
                              *lut1_, *lut2_, hyper(options_, step));
 }
 
+namespace {
+at::Tensor dequantized(const at::Tensor& q, const at::Tensor& absmax,
+                       const quant::BlockLayout& layout, const at::Tensor& code,
+                       at::IntArrayRef shape) {
+  at::Tensor out = at::empty({q.numel()});
+  quant::cpu::dequantize(q.data_ptr<uint8_t>(), absmax.data_ptr<float>(), layout,
+                         code.data_ptr<float>(), out.data_ptr<float>());
+  return out.view(shape);
+}
+}  // namespace
+
 at::Tensor AdamW8bit::exp_avg(size_t i) const {
   if (!eight_bit_.at(i)) return m_[i];
-  const Quantized8& q = q_[i];
-  at::Tensor out = at::empty({params_[i].param.numel()});
-  quant::cpu::dequantize(q.q1.data_ptr<uint8_t>(), q.absmax1.data_ptr<float>(), q.layout,
-                         code1_.data_ptr<float>(), out.data_ptr<float>());
-  return out.view(params_[i].param.sizes());
+  return dequantized(q_[i].q1, q_[i].absmax1, q_[i].layout, code1_, params_[i].param.sizes());
 }
 
 at::Tensor AdamW8bit::exp_avg_sq(size_t i) const {
   if (!eight_bit_.at(i)) return v_[i];
-  const Quantized8& q = q_[i];
-  at::Tensor out = at::empty({params_[i].param.numel()});
-  quant::cpu::dequantize(q.q2.data_ptr<uint8_t>(), q.absmax2.data_ptr<float>(), q.layout,
-                         code2_.data_ptr<float>(), out.data_ptr<float>());
-  return out.view(params_[i].param.sizes());
+  return dequantized(q_[i].q2, q_[i].absmax2, q_[i].layout, code2_, params_[i].param.sizes());
 }
 
 int64_t AdamW8bit::state_bytes() const {
