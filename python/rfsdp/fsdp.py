@@ -69,13 +69,15 @@ class _Unit:
         self.plan = _C.plan_specs(specs, pg.size(), 16)
         self.unit = _C.FSDPUnit(pg, self.plan, str(mp.param_dtype).replace("torch.", ""),
                                 str(mp.reduce_dtype).replace("torch.", ""))
-        # Every rank starts from rank 0's values.
-        full = []
-        for p in params:
-            t = p.detach().to(torch.float32).contiguous().clone()
-            if pg.size() > 1:
-                dist.broadcast(t, src=0, group=pg)
-            full.append(t)
+        # Every rank starts from rank 0's values: one all-reduce of rank 0's values
+        # and zeros elsewhere (exact; Gloo broadcasts before the unit's own
+        # collectives made 2-process runs hang now and then).
+        flat = torch.cat([p.detach().to(torch.float32).reshape(-1) for p in params])
+        if pg.size() > 1:
+            if pg.rank() != 0:
+                flat.zero_()
+            dist.all_reduce(flat, group=pg)
+        full = [t.view(p.shape) for t, p in zip(flat.split([p.numel() for p in params]), params)]
         self.unit.shard(full)
         self.sharded, self.full = [], []
         for i, ((owner, attr, fqn), p) in enumerate(zip(entries, params)):

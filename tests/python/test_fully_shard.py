@@ -106,9 +106,10 @@ def worker(rank, world, seed, init_file, out_file, reshard):
     killer.cancel()
 
 
-# Two-process runs hang now and then (about 1 run in 4 here: both ranks wait in the
-# same all-gather at the first forward; under TORCH_DISTRIBUTED_DEBUG=DETAIL they
-# do not). Until that is found they run only when asked: RFSDP_MULTIPROC_TESTS=1.
+# Two-process runs hang now and then (about 1 run in 10 here: both ranks wait in the
+# same all-gather at the first forward, also under TORCH_DISTRIBUTED_DEBUG=DETAIL, so
+# the collective sequences match; never without a Python-side collective before the
+# first one of the units). Until found they run only when asked: RFSDP_MULTIPROC_TESTS=1.
 MULTIPROC = pytest.mark.skipif(os.environ.get("RFSDP_MULTIPROC_TESTS") != "1",
                                reason="2-process fully_shard runs hang intermittently (open bug)")
 
