@@ -120,9 +120,11 @@ class _Unit:
             self.in_backward = True
             self.unshard()
             self.unit.prepare_grads()
-            for fp, i in zip(self.full, range(len(self.full))):
-                fp.grad = self.unit.full_grad(i).data if fp.dtype == self.unit.full_grad(i).dtype \
-                    else None
+            for i, fp in enumerate(self.full):
+                g = self.unit.full_grad(i)
+                # Backward adds into the gradient view in place; with another reduce
+                # dtype it lands in a fresh .grad that _post_backward copies over.
+                fp.grad = g.data if fp.dtype == g.dtype else None
             torch.autograd.Variable._execution_engine.queue_callback(self._post_backward)
         return None
 

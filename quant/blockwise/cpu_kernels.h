@@ -18,7 +18,6 @@ class CodeLut {
  public:
   explicit CodeLut(const float* code256);
   const float* code() const { return code_; }
-  const float* mid() const { return mid_; }
   const uint8_t* table() const { return table_.data(); }
   // slot_mid()[slot] == mid()[table()[slot]]: the compare needs no dependent load.
   const float* slot_mid() const { return slot_mid_.data(); }
