@@ -82,13 +82,16 @@ PYBIND11_MODULE(_C, m) {
            py::arg("process_group"), py::arg("plan"), py::arg("param_dtype"),
            py::arg("reduce_dtype"), py::arg("timeout_seconds") = 300.0)
       .def("shard", &rfsdp::FSDPUnit::shard)
-      .def("unshard", &rfsdp::FSDPUnit::unshard)
+      // Calls that enqueue collectives release the GIL: a Gloo worker thread may need it
+      // to free a Python-owned tensor of an earlier collective while holding the work
+      // queue's lock, which enqueueing waits for (a deadlock otherwise).
+      .def("unshard", &rfsdp::FSDPUnit::unshard, py::call_guard<py::gil_scoped_release>())
       .def("reshard", &rfsdp::FSDPUnit::reshard)
       .def("unsharded", &rfsdp::FSDPUnit::unsharded)
       .def("prepare_grads", &rfsdp::FSDPUnit::prepare_grads)
       .def("reduce_grads", [](rfsdp::FSDPUnit& u, bool avg) {
              return u.reduce_grads(avg ? rfsdp::ReduceOp::Avg : rfsdp::ReduceOp::Sum);
-           }, py::arg("average") = true)
+           }, py::arg("average") = true, py::call_guard<py::gil_scoped_release>())
       .def("zero_grad", &rfsdp::FSDPUnit::zero_grad)
       .def("full_param", &rfsdp::FSDPUnit::full_param)
       .def("full_grad", &rfsdp::FSDPUnit::full_grad)

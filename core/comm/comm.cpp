@@ -232,26 +232,23 @@ CommHandle Comm::all_gather_flat(const at::Tensor& buffer, const at::Tensor& loc
       native_all_gather_ = false;
     }
   }
-  // Fallback: Gloo's list-form all-gather, with the buffer's slices as outputs.
-  // Gloo gathers into a flat scratch tensor and copies it out into the slices
-  // (m*S elements copied, counted here), after Comm copies a separate local
-  // input into the rank's own slice. (One broadcast per rank would copy
-  // nothing, but Gloo broadcasts on a torch.distributed group hung now and then
-  // in a 2-process test, so the single, common collective is used.)
+  // Fallback: each rank broadcasts its slice in place; nothing is copied but
+  // the local input into the rank's own slice (when it is not the slice).
   ++fallbacks_;
   if (input.data_ptr() != slice.data_ptr()) {
     slice.copy_(input);
     bytes_copied_ += nbytes(slice);
   }
-  bytes_copied_ += nbytes(buffer);
-  std::vector<std::vector<at::Tensor>> outs(1);
-  for (int r = 0; r < size_; ++r) outs[0].push_back(as_transport(buffer.narrow(0, r * S, S)));
-  std::vector<at::Tensor> ins{as_transport(slice)};
-  c10d::AllgatherOptions opts;
-  opts.timeout = timeout_;
-  std::vector<c10::intrusive_ptr<compat::Work>> works{pg_->allgather(outs, ins, opts)};
-  ++collectives_;
-  return make_handle(std::move(works), nullptr, "all_gather_flat (all-gather fallback)");
+  std::vector<c10::intrusive_ptr<compat::Work>> works;
+  for (int r = 0; r < size_; ++r) {
+    std::vector<at::Tensor> t{as_transport(buffer.narrow(0, r * S, S))};
+    c10d::BroadcastOptions opts;
+    opts.rootRank = r;
+    opts.timeout = timeout_;
+    works.push_back(pg_->broadcast(t, opts));
+    ++collectives_;
+  }
+  return make_handle(std::move(works), nullptr, "all_gather_flat (broadcast fallback)");
 }
 
 CommHandle Comm::reduce_scatter_flat(const at::Tensor& buffer, const at::Tensor& out,

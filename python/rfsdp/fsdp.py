@@ -70,8 +70,7 @@ class _Unit:
         self.unit = _C.FSDPUnit(pg, self.plan, str(mp.param_dtype).replace("torch.", ""),
                                 str(mp.reduce_dtype).replace("torch.", ""))
         # Every rank starts from rank 0's values: one all-reduce of rank 0's values
-        # and zeros elsewhere (exact; Gloo broadcasts before the unit's own
-        # collectives made 2-process runs hang now and then).
+        # and zeros elsewhere (exact; one collective for the whole unit).
         flat = torch.cat([p.detach().to(torch.float32).reshape(-1) for p in params])
         if pg.size() > 1:
             if pg.rank() != 0:

@@ -125,14 +125,14 @@ TEST(Comm, FallbackCountersOnThisBackend) {
       EXPECT_EQ(st.fallbacks, 0);
       EXPECT_EQ(st.bytes_copied, 0);
     } else {
-      // Gloo in torch 1.13 has neither: all-gather = one list-form all-gather (after a
-      // copy of the local input into the rank's slice, S floats; Gloo copies its result
-      // into the slices, 2S floats); reduce-scatter = 2 reduces, then one copy out (S).
+      // Gloo in torch 1.13 has neither: all-gather = 2 in-place broadcasts, after one
+      // copy of the local input into the rank's slice (S floats); reduce-scatter = 2
+      // reduces, then one copy out (S floats).
       EXPECT_FALSE(comm.native_all_gather());
       EXPECT_FALSE(comm.native_reduce_scatter());
       EXPECT_EQ(st.fallbacks, 2);
-      EXPECT_EQ(st.collectives, 3);
-      EXPECT_EQ(st.bytes_copied, (S + 2 * S + S) * 4);
+      EXPECT_EQ(st.collectives, 4);
+      EXPECT_EQ(st.bytes_copied, 2 * S * 4);
     }
     EXPECT_EQ(st.bytes_sent, S * 4 + 2 * S * 4);
   });

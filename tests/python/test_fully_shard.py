@@ -106,16 +106,7 @@ def worker(rank, world, seed, init_file, out_file, reshard):
     killer.cancel()
 
 
-# Two-process runs hang now and then (about 1 run in 10 here: both ranks wait in the
-# same all-gather at the first forward, also under TORCH_DISTRIBUTED_DEBUG=DETAIL, so
-# the collective sequences match; never without a Python-side collective before the
-# first one of the units). Until found they run only when asked: RFSDP_MULTIPROC_TESTS=1.
-MULTIPROC = pytest.mark.skipif(os.environ.get("RFSDP_MULTIPROC_TESTS") != "1",
-                               reason="2-process fully_shard runs hang intermittently (open bug)")
-
-
-@pytest.mark.parametrize("world,reshard", [(1, True), pytest.param(2, True, marks=MULTIPROC),
-                                           pytest.param(2, False, marks=MULTIPROC)])
+@pytest.mark.parametrize("world,reshard", [(1, True), (2, True), (2, False)])
 def test_matches_unsharded_torch_adamw(world, reshard):
     seed = int(torch.randint(0, 2 ** 30, ()).item())
     ref_losses, ref_params = reference(seed)
