@@ -6,6 +6,9 @@ cd "$(dirname "$0")/.."
 
 PACKAGES=(g++ cmake ninja-build ccache libtorch-dev python3-torch python3-dev pybind11-dev
           libgtest-dev nlohmann-json3-dev python3-pytest libgloo-dev)
+# Callers may ask for more (the main job needs fortunes and matplotlib).
+read -r -a extra <<< "${RFSDP_EXTRA_PACKAGES:-}"
+PACKAGES+=("${extra[@]}")
 missing=()
 for p in "${PACKAGES[@]}"; do
   dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")

@@ -1,0 +1,179 @@
+"""The main job: a small GPT trained on real English text (Debian's fortunes,
+byte-level tokens), fully sharded with rfsdp over torch.distributed (Gloo),
+comparing optimizers on the same data and seed.
+
+    torchrun --standalone --nproc_per_node 2 --redirects 1 --tee 1 examples/train_gpt.py --compare
+
+Prints a progress line while training and, at the end, a table (final train and
+validation loss, tokens/s, peak memory and optimizer-state bytes per rank) and a
+PNG of the loss curves."""
+import argparse
+import glob
+import math
+import os
+import resource
+import sys
+import time
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "python"))
+import rfsdp  # noqa: E402
+
+OPTIMIZERS = ["adamw", "adamw8bit"]
+FORTUNES = "/usr/share/games/fortunes"
+
+
+def load_text():
+    files = sorted(f for f in glob.glob(os.path.join(FORTUNES, "*"))
+                   if os.path.isfile(f) and not f.endswith((".dat", ".u8")))
+    if not files:
+        raise SystemExit("no text under %s: install the Debian package 'fortunes'" % FORTUNES)
+    data = b"".join(open(f, "rb").read() for f in files)
+    return torch.frombuffer(bytearray(data), dtype=torch.uint8).long()
+
+
+class Block(nn.Module):
+    def __init__(self, d, heads):
+        super().__init__()
+        self.ln1, self.ln2 = nn.LayerNorm(d), nn.LayerNorm(d)
+        self.qkv, self.proj = nn.Linear(d, 3 * d), nn.Linear(d, d)
+        self.fc, self.out = nn.Linear(d, 4 * d), nn.Linear(4 * d, d)
+        self.heads = heads
+
+    def forward(self, x):
+        b, t, d = x.shape
+        q, k, v = self.qkv(self.ln1(x)).split(d, dim=2)
+        q, k, v = (z.view(b, t, self.heads, d // self.heads).transpose(1, 2) for z in (q, k, v))
+        att = (q @ k.transpose(-2, -1)) / math.sqrt(d // self.heads)
+        att = att.masked_fill(torch.ones(t, t, dtype=torch.bool).triu(1), float("-inf")).softmax(-1)
+        x = x + self.proj((att @ v).transpose(1, 2).reshape(b, t, d))
+        return x + self.out(torch.nn.functional.gelu(self.fc(self.ln2(x))))
+
+
+class GPT(nn.Module):
+    def __init__(self, d, layers, heads, ctx):
+        super().__init__()
+        self.tok, self.pos = nn.Embedding(256, d), nn.Embedding(ctx, d)
+        self.blocks = nn.ModuleList(Block(d, heads) for _ in range(layers))
+        self.ln, self.head = nn.LayerNorm(d), nn.Linear(d, 256, bias=False)
+
+    def forward(self, idx):
+        x = self.tok(idx) + self.pos(torch.arange(idx.shape[1]))
+        for b in self.blocks:
+            x = b(x)
+        return self.head(self.ln(x))
+
+
+def batches(data, batch, ctx, gen):
+    while True:
+        i = torch.randint(0, data.numel() - ctx - 1, (batch,), generator=gen)
+        x = torch.stack([data[j:j + ctx] for j in i])
+        y = torch.stack([data[j + 1:j + ctx + 1] for j in i])
+        yield x, y
+
+
+def mean_over_ranks(v):
+    t = torch.tensor([float(v)])
+    dist.all_reduce(t)
+    return t.item() / dist.get_world_size()
+
+
+def run(name, args, train, val, rank, world):
+    torch.manual_seed(args.seed)
+    model = GPT(args.dim, args.layers, args.heads, args.ctx)
+    n_params = sum(p.numel() for p in model.parameters())
+    pol = rfsdp.policy.blockwise_8bit(256)  # one plan for both optimizers
+    for b in model.blocks:
+        rfsdp.fully_shard(b, policy=pol)
+    rfsdp.fully_shard(model, policy=pol)
+    opt_cls = {"adamw": rfsdp.optim.AdamW, "adamw8bit": rfsdp.optim.AdamW8bit}[name]
+    opt = opt_cls(model.parameters(), lr=args.lr, weight_decay=0.1)
+    sched = torch.optim.lr_scheduler.LambdaLR(
+        opt, lambda s: min(1.0, (s + 1) / 20) * 0.5 * (1 + math.cos(math.pi * min(s, args.steps) / args.steps)))
+    gen = torch.Generator().manual_seed(args.seed * 1000 + rank)  # each rank its own batches
+    data = batches(train, args.batch, args.ctx, gen)
+    curve, tokens, t0 = [], 0, time.time()
+    for step in range(1, args.steps + 1):
+        x, y = next(data)
+        loss = nn.functional.cross_entropy(model(x).view(-1, 256), y.view(-1))
+        opt.zero_grad()
+        loss.backward()
+        rfsdp.clip_grad_norm_(model, 1.0)
+        opt.step()
+        sched.step()
+        tokens += x.numel() * world
+        curve.append(mean_over_ranks(loss.item()))
+        if rank == 0 and (step % args.log_every == 0 or step == 1):
+            print("%-9s step %4d  loss %.4f  tokens/s %.0f" % (name, step, curve[-1],
+                                                               tokens / (time.time() - t0)), flush=True)
+    elapsed = time.time() - t0
+    with torch.no_grad():
+        vgen = torch.Generator().manual_seed(12345 + rank)
+        vdata = batches(val, args.batch, args.ctx, vgen)
+        vl = sum(nn.functional.cross_entropy(model(x).view(-1, 256), y.view(-1)).item()
+                 for x, y in (next(vdata) for _ in range(args.val_batches))) / args.val_batches
+    state = sum(t.numel() * t.element_size() for s in opt.state.values() for t in s.values()
+                if torch.is_tensor(t))
+    return dict(name=name, params=n_params, train=sum(curve[-10:]) / len(curve[-10:]),
+                val=mean_over_ranks(vl), tps=tokens / elapsed, curve=curve,
+                peak_mib=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
+                state_bytes=state)
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--optimizer", choices=OPTIMIZERS, default="adamw")
+    ap.add_argument("--compare", action="store_true", help="run every optimizer on the same data and seed")
+    ap.add_argument("--steps", type=int, default=100)
+    ap.add_argument("--batch", type=int, default=4, help="sequences per rank per step")
+    ap.add_argument("--ctx", type=int, default=128)
+    ap.add_argument("--dim", type=int, default=128)
+    ap.add_argument("--layers", type=int, default=4)
+    ap.add_argument("--heads", type=int, default=4)
+    ap.add_argument("--lr", type=float, default=3e-3)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--log-every", type=int, default=25)
+    ap.add_argument("--val-batches", type=int, default=8)
+    ap.add_argument("--plot", default="loss_curves.png")
+    args = ap.parse_args()
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    text = load_text()
+    cut = int(0.95 * text.numel())
+    train, val = text[:cut], text[cut:]
+    if rank == 0:
+        print("fortunes: %.2f MB of text, %d ranks, %d steps x %d x %d tokens per rank"
+              % (text.numel() / 1e6, world, args.steps, args.batch, args.ctx), flush=True)
+    results = [run(n, args, train, val, rank, world)
+               for n in (OPTIMIZERS if args.compare else [args.optimizer])]
+    if rank == 0:
+        print("\n%-10s %8s %10s %10s %10s %12s %14s" % ("optimizer", "params", "train loss",
+                                                         "val loss", "tokens/s", "peak MiB/rank",
+                                                         "opt state/rank"))
+        for r in results:
+            print("%-10s %7.2fM %10.4f %10.4f %10.0f %12.0f %13.2fM" % (
+                r["name"], r["params"] / 1e6, r["train"], r["val"], r["tps"], r["peak_mib"],
+                r["state_bytes"] / 2 ** 20))
+        try:
+            import matplotlib
+            matplotlib.use("Agg")
+            import matplotlib.pyplot as plt
+            for r in results:
+                plt.plot(r["curve"], label=r["name"])
+            plt.xlabel("step")
+            plt.ylabel("train loss (mean over ranks)")
+            plt.legend()
+            plt.title("GPT on fortunes, %d ranks" % world)
+            plt.savefig(args.plot, dpi=100)
+            print("loss curves: %s" % os.path.abspath(args.plot))
+        except ImportError:
+            print("matplotlib missing: no plot (install python3-matplotlib)")
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
