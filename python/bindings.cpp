@@ -159,6 +159,11 @@ PYBIND11_MODULE(_C, m) {
   m.def("num_blocks", [](const py::object& block, int64_t rows, int64_t row_len) {
     return rfsdp::quant::BlockLayout(block_shape(block), rows, row_len).num_blocks;
   });
+  m.def("check_whole_blocks", [](const py::object& block, const std::string& name,
+                                 int64_t full_rows, int64_t row_len, int64_t row_begin,
+                                 int64_t rows) {
+    rfsdp::quant::check_whole_blocks(block_shape(block), name, full_rows, row_len, row_begin, rows);
+  });
   m.def("granule_rows", [](const py::object& block, int64_t row_len) {
     return block_shape(block).granule_rows(row_len);
   });

@@ -136,22 +136,10 @@ AdamW8bit::AdamW8bit(std::vector<ParamShard> params, AdamWOptions options,
     eight_bit_.push_back(eight);
     Quantized8 q;
     if (eight) {
-      // The shard must start on a block edge and end on one (or at the tensor's end).
-      const int64_t end_row = p.row_begin + p.rows();
-      const bool tiles = block_.is_tile();
-      const bool starts = tiles ? p.row_begin % block_.tile_rows == 0
-                                : (p.row_begin * p.row_len) % block_.block == 0;
-      const bool ends = end_row == p.full_rows ||
-                        (tiles ? end_row % block_.tile_rows == 0
-                               : (end_row * p.row_len) % block_.block == 0);
-      if (p.rows() > 0 && !(starts && ends)) {
-        throw std::invalid_argument(
-            "AdamW8bit: parameter '" + p.name + "': this shard holds rows [" +
-            std::to_string(p.row_begin) + ", " + std::to_string(end_row) + ") of " +
-            std::to_string(p.full_rows) + ", which cut its " + block_.str() +
-            "; plan the unit with the 8-bit granule (" +
-            std::to_string(block_.granule_rows(p.row_len)) +
-            " rows) so every shard holds whole blocks");
+      try {
+        quant::check_whole_blocks(block_, p.name, p.full_rows, p.row_len, p.row_begin, p.rows());
+      } catch (const std::invalid_argument& e) {
+        throw std::invalid_argument(std::string("AdamW8bit: ") + e.what());
       }
       q.layout = quant::BlockLayout(block_, p.rows(), p.row_len);
       q.q1 = at::full({p.param.numel()}, lut1_->nearest(0.0f), at::kByte);

@@ -54,10 +54,8 @@ def shard_info(param):
 
 
 class _Unit:
-    def __init__(self, module, entries, pg, pol, mp, reshard_after_forward):
-        self.module = module
+    def __init__(self, entries, pg, pol, mp, reshard_after_forward):
         self.entries = entries  # [(owner module, attr name, fqn)]
-        self.pg = pg
         self.reshard_after_forward = reshard_after_forward
         params = [owner._parameters[attr] for owner, attr, _ in entries]
         dtype_bytes = torch.empty((), dtype=mp.param_dtype).element_size()
@@ -180,7 +178,7 @@ def fully_shard(module, *, process_group=None, policy=None, mp_policy=None,
                          "move the module to one device first" % sorted(str(d) for d in devices))
     if any(d.type != "cpu" for d in devices):
         raise ValueError("fully_shard: this build shards CPU parameters only (got %s)" % devices.pop())
-    unit = _Unit(module, entries, pg, pol, mp, reshard_after_forward) if entries else None
+    unit = _Unit(entries, pg, pol, mp, reshard_after_forward) if entries else None
     module._rfsdp_unit = unit if unit is not None else False
     if unit is not None:
         module.register_forward_pre_hook(unit.pre_forward)

@@ -45,6 +45,25 @@ struct BlockShape {
   }
 };
 
+// Throws std::invalid_argument, naming the tensor, when rows [row_begin,
+// row_begin + rows) of a full_rows x row_len tensor cut one of its blocks: a
+// shard must start on a block edge and end on one or at the tensor's end.
+inline void check_whole_blocks(const BlockShape& s, const std::string& name, int64_t full_rows,
+                               int64_t row_len, int64_t row_begin, int64_t rows) {
+  if (rows == 0) return;
+  const int64_t end = row_begin + rows;
+  auto on_edge = [&](int64_t row) {
+    return s.is_tile() ? row % s.tile_rows == 0 : (row * row_len) % s.block == 0;
+  };
+  if (!on_edge(row_begin) || !(end == full_rows || on_edge(end))) {
+    throw std::invalid_argument(
+        "parameter '" + name + "': this shard holds rows [" + std::to_string(row_begin) + ", " +
+        std::to_string(end) + ") of " + std::to_string(full_rows) + ", which cut its " + s.str() +
+        "; plan the unit with the 8-bit granule (" + std::to_string(s.granule_rows(row_len)) +
+        " rows; rfsdp.policy.blockwise_8bit in Python) so every shard holds whole blocks");
+  }
+}
+
 // The blocks of a (rows x row_len) region, each as `segments` runs of
 // `seg_len` contiguous elements, `row_len` apart.
 struct BlockLayout {

@@ -70,3 +70,12 @@ def test_bad_input():
         rfsdp.quant.quantize_blockwise(torch.zeros(4, dtype=torch.float64))
     with pytest.raises(ValueError, match="unknown code map"):
         rfsdp.quant.quantize_blockwise(torch.zeros(4), code="cubic")
+
+
+def test_shard_cutting_a_block_is_refused_by_name():
+    from rfsdp import _C
+    _C.check_whole_blocks(256, "w", 300, 40, 32, 64)  # rows [32, 96): 1280-element edges
+    with pytest.raises(ValueError, match="'w'.*32 rows"):
+        _C.check_whole_blocks(256, "w", 300, 40, 5, 10)
+    with pytest.raises(ValueError, match="'t'"):
+        _C.check_whole_blocks((32, 32), "t", 96, 96, 0, 40)  # ends mid-tile
