@@ -104,69 +104,6 @@ class AdamW8bit(AdamW):
             raise ValueError("AdamW8bit: %s" % e) from None
 
     def _init_state(self, p, state):
-        state["exp_avg"] = torch.zeros_like(p)
-        state["exp_avg_sq"] = torch.zeros_like(p)
-
-    def _update(self, p, state, group):
-        b1, b2 = group["betas"]
-        _C.adamw_step(p.data, p.grad, state["exp_avg"], state["exp_avg_sq"], group["lr"], b1, b2,
-                      group["eps"], group["weight_decay"], int(state["step"]))
-
-    @torch.no_grad()
-    def step(self, closure=None):
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
-        live = [(p, g) for g in self.param_groups for p in g["params"] if p.grad is not None]
-        for p, _ in live:
-            if p.grad.dtype != torch.float32 or not p.grad.is_contiguous():
-                raise ValueError("%s: gradients must be contiguous float32" % type(self).__name__)
-            _check_grad(type(self).__name__, p.grad)  # before any state changes
-        for p, group in live:
-            state = self.state[p]
-            if not state:
-                state["step"] = torch.tensor(0.0)
-                self._init_state(p, state)
-            state["step"] += 1
-            self._update(p, state, group)
-        return loss
-
-
-class AdamW8bit(AdamW):
-    """AdamW with both moments as 8-bit block-wise codes (bitsandbytes' dynamic
-    maps, one fp32 absmax per block). block: 256 (1-D blocks) or (32, 32) tiles.
-    Tensors with fewer than min_8bit_size elements (the full tensor's size)
-    keep fp32 moments. Shards must hold whole blocks: plan with
-    rfsdp.policy.blockwise_8bit(block)."""
-
-    def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=1e-2,
-                 block=256, min_8bit_size=4096):
-        super().__init__(params, lr, betas, eps, weight_decay)
-        self.block = block if isinstance(block, int) else tuple(block)
-        self.min_8bit_size = min_8bit_size
-        self.code1 = _C.dynamic_map(True)
-        self.code2 = _C.dynamic_map(False)
-        for g in self.param_groups:  # refuse shards that cut blocks now, not at the first step
-            for p in g["params"]:
-                self._check_blocks(p)
-
-    def _check_blocks(self, p):
-        rows, row_len, begin, full_numel = _rows(p)
-        if full_numel < self.min_8bit_size:
-            return
-        end = begin + (p.numel() // row_len if row_len else 0)
-        granule = _C.granule_rows(self.block, row_len)
-        ok_start = begin % granule == 0 if isinstance(self.block, tuple) else (begin * row_len) % self.block == 0
-        ok_end = end == rows or (end % granule == 0 if isinstance(self.block, tuple)
-                                 else (end * row_len) % self.block == 0)
-        if p.numel() and not (ok_start and ok_end):
-            name = shard_info(p).name if shard_info(p) else "?"
-            raise ValueError("AdamW8bit: parameter '%s': this shard holds rows [%d, %d), which cut its "
-                             "quantisation blocks %r; shard with rfsdp.policy.blockwise_8bit(%r) "
-                             "(granule %d rows)" % (name, begin, end, self.block, self.block, granule))
-
-    def _init_state(self, p, state):
         rows, row_len, _, full_numel = _rows(p)
         if full_numel < self.min_8bit_size:
             return super()._init_state(p, state)
