@@ -7,7 +7,13 @@ rfsdp.shard_info(p) describes them). Forward gathers the full parameters (and
 reshards after, if asked); backward gathers again before the module's backward,
 then reduce-scatters the gradients at the end of backward into the local
 gradient slice, which is each shard's .grad (summed across micro-batches until
-the optimizer zeroes it)."""
+the optimizer zeroes it).
+
+Prefetch: the units under one outer fully_shard call share a schedule that
+records their forward order; from the second forward on, a unit starting its
+forward starts the all-gather of the unit after it, and a unit starting its
+backward starts the all-gather of the unit before it, so the gather overlaps
+compute. Every rank must run the units in the same order (as with any FSDP)."""
 from dataclasses import dataclass
 
 import torch
@@ -87,6 +93,9 @@ class _Unit:
             fp = nn.Parameter(self.unit.full_param(i).data, requires_grad=p.requires_grad)
             self.full.append(fp)
         self.in_backward = False
+        self.pending = None     # handle of a prefetch all-gather not yet waited on
+        self.schedule = None    # the _Schedule of the outermost fully_shard call above
+        self.in_use = False     # between pre-forward and post-forward, or in backward
 
     # -- forward --------------------------------------------------------------
     def _use(self, tensors):
@@ -94,15 +103,33 @@ class _Unit:
             owner._parameters[attr] = t
 
     def unshard(self):
-        if not self.unit.unsharded():
+        if self.pending is not None:
+            self.pending.wait()
+            self.pending = None
+        elif not self.unit.unsharded():
             self.unit.unshard().wait()
 
+    def prefetch(self):
+        if self.pending is None and not self.unit.unsharded():
+            self.pending = self.unit.unshard()
+
+    def settle(self):
+        """A prefetch this pass did not use: finish it and free the buffer."""
+        if self.pending is not None and not self.in_use:
+            self.pending.wait()
+            self.pending = None
+            self.unit.reshard()
+
     def pre_forward(self, module, args):
+        self.in_use = True
+        if self.schedule is not None:
+            self.schedule.forward_started(self)
         self.unshard()
         self._use(self.full)
 
     def post_forward(self, module, args, output):
         self._use(self.sharded)
+        self.in_use = False
         if self.reshard_after_forward:
             self.unit.reshard()
         if torch.is_grad_enabled():
@@ -114,7 +141,9 @@ class _Unit:
     # -- backward -------------------------------------------------------------
     def _pre_backward_hook(self, grad):
         if not self.in_backward:
-            self.in_backward = True
+            self.in_backward = self.in_use = True
+            if self.schedule is not None:
+                self.schedule.backward_started(self)
             self.unshard()
             self.unit.prepare_grads()
             for i, fp in enumerate(self.full):
@@ -139,7 +168,53 @@ class _Unit:
             if sp.requires_grad:
                 sp.grad = self.unit.local_grad(i)
         self.unit.reshard()
-        self.in_backward = False
+        self.in_backward = self.in_use = False
+
+
+class _Schedule:
+    """The forward order of the units under one outer fully_shard call, recorded
+    on every forward; prefetch uses the previous forward's order."""
+
+    def __init__(self, units_):
+        self.units = units_
+        self.order, self.recording = [], []
+        self.backward_queued = False
+        for u in units_:
+            u.schedule = self
+
+    def root_pre_forward(self, module, args):
+        self.recording = []
+
+    def root_post_forward(self, module, args, output):
+        self.order = self.recording
+        for u in self.units:
+            u.settle()
+
+    def _neighbour(self, unit, step):
+        try:
+            i = self.order.index(unit) + step
+        except ValueError:
+            return None
+        return self.order[i] if 0 <= i < len(self.order) else None
+
+    def forward_started(self, unit):
+        self.recording.append(unit)
+        nxt = self._neighbour(unit, 1)
+        if nxt is not None and nxt is not unit:
+            nxt.prefetch()
+
+    def backward_started(self, unit):
+        if not self.backward_queued:
+            self.backward_queued = True
+            torch.autograd.Variable._execution_engine.queue_callback(self._backward_done)
+        prev = self._neighbour(unit, -1)
+        if prev is not None and prev is not unit and not prev.in_backward:
+            prev.prefetch()
+
+    def _backward_done(self):
+        self.backward_queued = False
+        for u in self.units:
+            u.settle()
 
 
 def _tensors(out):
@@ -180,9 +255,21 @@ def fully_shard(module, *, process_group=None, policy=None, mp_policy=None,
         raise ValueError("fully_shard: this build shards CPU parameters only (got %s)" % devices.pop())
     unit = _Unit(entries, pg, pol, mp, reshard_after_forward) if entries else None
     module._rfsdp_unit = unit if unit is not None else False
+    # This call's schedule takes over the units of the calls below it (their
+    # schedules are emptied). Its pre-hook runs before the unit's, its post-hook after.
+    inner = units(module)
+    schedule = None
+    if len(inner) > 1:
+        for u in inner:
+            if u.schedule is not None:
+                u.schedule.units = []
+        schedule = _Schedule(inner)
+        module.register_forward_pre_hook(schedule.root_pre_forward)
     if unit is not None:
         module.register_forward_pre_hook(unit.pre_forward)
         module.register_forward_hook(unit.post_forward)
+    if schedule is not None:
+        module.register_forward_hook(schedule.root_post_forward)
     return module
 
 

@@ -76,6 +76,22 @@ def worker(rank, world, seed, init_file, out_file, reshard):
     for b in model.blocks:
         rfsdp.fully_shard(b, reshard_after_forward=reshard)
     rfsdp.fully_shard(model)
+    # Prefetch probes (hooks added after fully_shard's run after its hooks): at the
+    # start of block i's forward, is block i+1 gathered (or being gathered)? At the
+    # start of block i's backward, is block i-1?
+    fwd_seen, bwd_seen = [], []
+    blocks = list(model.blocks)
+
+    def gathered(i):
+        return blocks[i]._rfsdp_unit.unit.unsharded()
+
+    for i, b in enumerate(blocks):
+        if i + 1 < len(blocks):
+            b.register_forward_pre_hook(lambda m, a, i=i: fwd_seen.append(gathered(i + 1)))
+        if i > 0:
+            def probe_backward(m, a, out, i=i):
+                out.register_hook(lambda g: bwd_seen.append(gathered(i - 1)))
+            b.register_forward_hook(probe_backward)
     opt = rfsdp.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.05)
     xs, ys = data(seed)
     per = xs.shape[1] // world
@@ -99,7 +115,7 @@ def worker(rank, world, seed, init_file, out_file, reshard):
         dist.all_reduce(rows)
         params[name] = rows.reshape(info.global_shape)
     if rank == 0:
-        torch.save({"losses": losses, "params": params}, out_file)
+        torch.save({"losses": losses, "params": params, "fwd": fwd_seen, "bwd": bwd_seen}, out_file)
     dist.barrier()
     dist.destroy_process_group()
     faulthandler.cancel_dump_traceback_later()
@@ -124,6 +140,14 @@ def test_matches_unsharded_torch_adamw(world, reshard):
     for name, ref in ref_params.items():
         torch.testing.assert_close(got["params"][name], ref, rtol=1e-5, atol=1e-5,
                                    msg=lambda m: "%s (seed %d): %s" % (name, seed, m))
+    # Prefetch: from the second step on, the next unit's gather has started before
+    # it is needed (with reshard_after_forward=False everything stays gathered).
+    per_step = len(got["fwd"]) // STEPS
+    assert per_step == Net().blocks.__len__() - 1
+    assert got["fwd"][per_step:] == [True] * (len(got["fwd"]) - per_step)
+    assert got["bwd"] == [True] * len(got["bwd"]) and len(got["bwd"]) == STEPS * per_step
+    if reshard:
+        assert got["fwd"][:per_step] == [False] * per_step  # nothing recorded yet
 
 
 @pytest.fixture
