@@ -50,8 +50,13 @@ class ShardInfo:
 
 @dataclass
 class MixedPrecisionPolicy:
+    """param_dtype: dtype of the gathered parameters forward and backward run in
+    (float32, bfloat16, float16); reduce_dtype: dtype gradients are reduce-scattered
+    in; cast_forward_inputs: cast a unit's floating-point tensor inputs to
+    param_dtype (as FSDP2 does), so a float32 batch meets bfloat16 weights."""
     param_dtype: torch.dtype = torch.float32
     reduce_dtype: torch.dtype = torch.float32
+    cast_forward_inputs: bool = True
 
 
 def shard_info(param):
@@ -93,6 +98,7 @@ class _Unit:
             fp = nn.Parameter(self.unit.full_param(i).data, requires_grad=p.requires_grad)
             self.full.append(fp)
         self.in_backward = False
+        self.cast_to = mp.param_dtype if mp.cast_forward_inputs and mp.param_dtype != torch.float32 else None
         self.pending = None     # handle of a prefetch all-gather not yet waited on
         self.schedule = None    # the _Schedule of the outermost fully_shard call above
         self.in_use = False     # between pre-forward and post-forward, or in backward
@@ -126,6 +132,9 @@ class _Unit:
             self.schedule.forward_started(self)
         self.unshard()
         self._use(self.full)
+        if self.cast_to is not None:
+            return _cast_floating(args, self.cast_to)
+        return None
 
     def post_forward(self, module, args, output):
         self._use(self.sharded)
@@ -215,6 +224,16 @@ class _Schedule:
         self.backward_queued = False
         for u in self.units:
             u.settle()
+
+
+def _cast_floating(x, dtype):
+    if isinstance(x, torch.Tensor):
+        return x.to(dtype) if x.is_floating_point() else x
+    if isinstance(x, (list, tuple)):
+        return type(x)(_cast_floating(v, dtype) for v in x)
+    if isinstance(x, dict):
+        return {k: _cast_floating(v, dtype) for k, v in x.items()}
+    return x
 
 
 def _tensors(out):

@@ -187,3 +187,77 @@ def test_8bit_optimizer_needs_whole_blocks(one_rank):
     opt2 = rfsdp.optim.AdamW8bit(model.parameters(), block=256)
     opt2.load_state_dict(sd)
     assert torch.equal(opt2.state_dict()["state"][0]["q1"], sd["state"][0]["q1"])
+
+
+def mp_worker(rank, world, seed, init_file, out_file, param_dtype):
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method="file://" + init_file, rank=rank, world_size=world)
+    torch.manual_seed(seed)
+    model = Net()
+    mp_policy = rfsdp.MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32)
+    for b in model.blocks:
+        rfsdp.fully_shard(b, mp_policy=mp_policy)
+    rfsdp.fully_shard(model, mp_policy=mp_policy)
+    xs, ys = data(seed)
+    per = xs.shape[1] // world
+    outs = []
+    for step in range(2):  # two micro-batches: the sharded .grad accumulates
+        xb = xs[step, rank * per:(rank + 1) * per]
+        out = model(xb)  # a float32 batch meets param_dtype weights: inputs are cast
+        outs.append(out.detach().float())
+        out.float().square().mean().backward()
+    grads = {}
+    for name, p in model.named_parameters():
+        info = rfsdp.shard_info(p)
+        assert p.dtype == torch.float32 and p.grad.dtype == torch.float32
+        rows = torch.zeros(info.full_rows, info.row_len)
+        rows[info.row_begin:info.row_end] = p.grad.reshape(-1, info.row_len)
+        dist.all_reduce(rows)
+        grads[name] = rows.reshape(info.global_shape)
+    outs = torch.stack(outs)
+    all_outs = [torch.zeros_like(outs) for _ in range(world)]
+    dist.all_gather(all_outs, outs)
+    if rank == 0:
+        torch.save({"outs": torch.cat(all_outs, dim=1), "grads": grads}, out_file)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+# float16 compute has no CPU matmul in torch 1.13 ("addmm_impl_cpu_" not implemented).
+@pytest.mark.parametrize("world,param_dtype", [(1, torch.bfloat16), (2, torch.bfloat16)])
+def test_mixed_precision_matches_low_precision_reference(world, param_dtype):
+    """Forward and backward in param_dtype on gathered weights, gradients averaged
+    over ranks in float32: the reference is the unsharded model cast to
+    param_dtype, each rank's micro-batch backward on its own, the float32 mean."""
+    seed = int(torch.randint(0, 2 ** 30, ()).item())
+    with tempfile.TemporaryDirectory() as d:
+        out = os.path.join(d, "out.pt")
+        mp.spawn(mp_worker, args=(world, seed, os.path.join(d, "init"), out, param_dtype), nprocs=world)
+        got = torch.load(out)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # the workers' matmul order, so low-precision results agree
+    try:
+        torch.manual_seed(seed)
+        ref = Net()
+        xs, _ = data(seed)
+        per = xs.shape[1] // world
+        ref_grads = {n: torch.zeros_like(p, dtype=torch.float64) for n, p in ref.named_parameters()}
+        low = Net().to(param_dtype)
+        low.load_state_dict(ref.state_dict())
+        ref_outs = []
+        for step in range(2):
+            row = []
+            for r in range(world):
+                low.zero_grad()
+                o = low(xs[step, r * per:(r + 1) * per].to(param_dtype))
+                row.append(o.detach().float())
+                o.float().square().mean().backward()
+                for n, p in low.named_parameters():
+                    ref_grads[n] += p.grad.double() / world
+            ref_outs.append(torch.cat(row))
+    finally:
+        torch.set_num_threads(threads)
+    torch.testing.assert_close(got["outs"], torch.stack(ref_outs), rtol=0, atol=0)
+    for n, g in ref_grads.items():
+        torch.testing.assert_close(got["grads"][n], g.float(), rtol=1e-6, atol=1e-7,
+                                   msg=lambda m: "%s (seed %d): %s" % (n, seed, m))
