@@ -50,6 +50,11 @@ class FSDPUnit {
   // Releases the global parameter buffer; full_param views stay valid objects.
   void reshard();
   bool unsharded() const { return param_storage_live_; }
+  // Bytes of the global parameter and gradient buffers allocated now.
+  int64_t gathered_bytes() const {
+    return (param_storage_live_ ? global_param_.nbytes() : 0) +
+           (grad_storage_live_ ? global_grad_.nbytes() : 0);
+  }
 
   // Allocates and zeroes the global gradient buffer: backward accumulates into
   // full_grad views (set them as the parameters' .grad).

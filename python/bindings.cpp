@@ -67,8 +67,9 @@ const rfsdp::quant::cpu::CodeLut& lut_of(const at::Tensor& code) {
 PYBIND11_MODULE(_C, m) {
   m.doc() = "RaggedFSDP C++ core";
 
-  py::class_<rfsdp::CommHandle>(m, "CommHandle").def("wait", &rfsdp::CommHandle::wait,
-                                                      py::call_guard<py::gil_scoped_release>());
+  py::class_<rfsdp::CommHandle>(m, "CommHandle")
+      .def("wait", &rfsdp::CommHandle::wait, py::call_guard<py::gil_scoped_release>())
+      .def("done", &rfsdp::CommHandle::done);
 
   py::class_<rfsdp::FSDPUnit, std::shared_ptr<rfsdp::FSDPUnit>>(m, "FSDPUnit")
       .def(py::init([](c10::intrusive_ptr<c10d::ProcessGroup> pg, const rfsdp::Plan& plan,
@@ -88,6 +89,7 @@ PYBIND11_MODULE(_C, m) {
       .def("unshard", &rfsdp::FSDPUnit::unshard, py::call_guard<py::gil_scoped_release>())
       .def("reshard", &rfsdp::FSDPUnit::reshard)
       .def("unsharded", &rfsdp::FSDPUnit::unsharded)
+      .def("gathered_bytes", &rfsdp::FSDPUnit::gathered_bytes)
       .def("prepare_grads", &rfsdp::FSDPUnit::prepare_grads)
       .def("reduce_grads", [](rfsdp::FSDPUnit& u, bool avg) {
              return u.reduce_grads(avg ? rfsdp::ReduceOp::Avg : rfsdp::ReduceOp::Sum);

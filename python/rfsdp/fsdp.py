@@ -5,9 +5,10 @@ claimed by an inner call. The module's parameters become this rank's shards
 (rows [row_begin, row_end) of each tensor, views of the unit's local fp32 slice;
 rfsdp.shard_info(p) describes them). Forward gathers the full parameters (and
 reshards after, if asked); backward gathers again before the module's backward,
-then reduce-scatters the gradients at the end of backward into the local
-gradient slice, which is each shard's .grad (summed across micro-batches until
-the optimizer zeroes it).
+then reduce-scatters each unit's gradients into the local gradient slice as soon
+as its last gradient lands (overlapping the rest of backward; at most one unit's
+reduce in flight, its gathered buffers freed when it completes). The local slice
+is each shard's .grad (summed across micro-batches until the optimizer zeroes it).
 
 Prefetch: the units under one outer fully_shard call share a schedule that
 records their forward order; from the second forward on, a unit starting its
@@ -99,6 +100,14 @@ class _Unit:
             self.full.append(fp)
         self.in_backward = False
         self.cast_to = mp.param_dtype if mp.cast_forward_inputs and mp.param_dtype != torch.float32 else None
+        # Each unit's reduce-scatter starts as soon as its last gradient lands: a hook
+        # on every full parameter's AccumulateGrad node (kept alive here; found at the
+        # first backward, when the storage is live) counts them. The reduce then
+        # overlaps the rest of backward, and the unit's gathered buffers go early.
+        # Units missing a gradient reduce at the end of backward.
+        self.grad_nodes = None
+        self.grads_waiting = 0
+        self.reduce_handle = None
         self.pending = None     # handle of a prefetch all-gather not yet waited on
         self.schedule = None    # the _Schedule of the outermost fully_shard call above
         self.in_use = False     # between pre-forward and post-forward, or in backward
@@ -160,10 +169,25 @@ class _Unit:
                 # Backward adds into the gradient view in place; with another reduce
                 # dtype it lands in a fresh .grad that _post_backward copies over.
                 fp.grad = g.data if fp.dtype == g.dtype else None
+            if self.grad_nodes is None:
+                self.grad_nodes = []
+                with torch.enable_grad():
+                    for fp in self.full:
+                        if fp.requires_grad:
+                            node = fp.expand_as(fp).grad_fn.next_functions[0][0]
+                            node.register_hook(self._grad_landed)
+                            self.grad_nodes.append(node)
+            self.grads_waiting = len(self.grad_nodes)
             torch.autograd.Variable._execution_engine.queue_callback(self._post_backward)
         return None
 
-    def _post_backward(self):
+    def _grad_landed(self, grad_inputs, grad_outputs):
+        if self.in_backward and self.reduce_handle is None:
+            self.grads_waiting -= 1
+            if self.grads_waiting == 0:
+                self._start_reduce()
+
+    def _start_reduce(self):
         for i, fp in enumerate(self.full):
             g_full = self.unit.full_grad(i)
             if fp.grad is not None and fp.grad.data_ptr() != g_full.data_ptr():
@@ -172,11 +196,28 @@ class _Unit:
         for i, sp in enumerate(self.sharded):
             if sp.grad is None:  # the optimizer zeroed it: start accumulating afresh
                 self.unit.local_grad(i).zero_()
-        self.unit.reduce_grads(True).wait()
-        for i, sp in enumerate(self.sharded):
-            if sp.requires_grad:
-                sp.grad = self.unit.local_grad(i)
+        self.reduce_handle = self.unit.reduce_grads(True)
         self.unit.reshard()
+        if self.schedule is not None:  # one reduce in flight: finish the one before
+            if self.schedule.reducing is not None:
+                self.schedule.reducing._finish_reduce()
+            self.schedule.reducing = self
+
+    def _finish_reduce(self):
+        if self.reduce_handle is not None and not self.reduce_handle.done():
+            self.reduce_handle.wait()  # frees the gathered gradient buffer
+            for i, sp in enumerate(self.sharded):
+                if sp.requires_grad:
+                    sp.grad = self.unit.local_grad(i)
+        if self.schedule is not None and self.schedule.reducing is self:
+            self.schedule.reducing = None
+
+    def _post_backward(self):
+        """End of backward: finish this unit's reduce-scatter; .grad = the local slice."""
+        if self.reduce_handle is None:
+            self._start_reduce()
+        self._finish_reduce()
+        self.reduce_handle = None
         self.in_backward = self.in_use = False
 
 
@@ -188,6 +229,7 @@ class _Schedule:
         self.units = units_
         self.order, self.recording = [], []
         self.backward_queued = False
+        self.reducing = None  # the unit whose reduce-scatter is in flight
         for u in units_:
             u.schedule = self
 

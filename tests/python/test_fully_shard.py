@@ -78,8 +78,9 @@ def worker(rank, world, seed, init_file, out_file, reshard):
     rfsdp.fully_shard(model)
     # Prefetch probes (hooks added after fully_shard's run after its hooks): at the
     # start of block i's forward, is block i+1 gathered (or being gathered)? At the
-    # start of block i's backward, is block i-1?
-    fwd_seen, bwd_seen = [], []
+    # start of block i's backward, is block i-1? And has block i+1, whose backward is
+    # done, freed its gathered parameters (its reduce-scatter started)?
+    fwd_seen, bwd_seen, bwd_freed = [], [], []
     blocks = list(model.blocks)
 
     def gathered(i):
@@ -88,10 +89,14 @@ def worker(rank, world, seed, init_file, out_file, reshard):
     for i, b in enumerate(blocks):
         if i + 1 < len(blocks):
             b.register_forward_pre_hook(lambda m, a, i=i: fwd_seen.append(gathered(i + 1)))
-        if i > 0:
-            def probe_backward(m, a, out, i=i):
-                out.register_hook(lambda g: bwd_seen.append(gathered(i - 1)))
-            b.register_forward_hook(probe_backward)
+        def probe_backward(m, a, out, i=i):
+            def probe(g):
+                if i > 0:
+                    bwd_seen.append(gathered(i - 1))
+                if i + 1 < len(blocks):
+                    bwd_freed.append(not gathered(i + 1))
+            out.register_hook(probe)
+        b.register_forward_hook(probe_backward)
     opt = rfsdp.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.05)
     xs, ys = data(seed)
     per = xs.shape[1] // world
@@ -115,7 +120,8 @@ def worker(rank, world, seed, init_file, out_file, reshard):
         dist.all_reduce(rows)
         params[name] = rows.reshape(info.global_shape)
     if rank == 0:
-        torch.save({"losses": losses, "params": params, "fwd": fwd_seen, "bwd": bwd_seen}, out_file)
+        torch.save({"losses": losses, "params": params, "fwd": fwd_seen, "bwd": bwd_seen,
+                    "bwd_freed": bwd_freed}, out_file)
     dist.barrier()
     dist.destroy_process_group()
     faulthandler.cancel_dump_traceback_later()
@@ -148,6 +154,7 @@ def test_matches_unsharded_torch_adamw(world, reshard):
     assert got["bwd"] == [True] * len(got["bwd"]) and len(got["bwd"]) == STEPS * per_step
     if reshard:
         assert got["fwd"][:per_step] == [False] * per_step  # nothing recorded yet
+    assert got["bwd_freed"] == [True] * (STEPS * per_step)
 
 
 @pytest.fixture
