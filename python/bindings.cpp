@@ -8,6 +8,7 @@
 #include "core/ragged/plan_json.h"
 #include "fsdp/fsdp_unit.h"
 #include "fsdp/grad_clip.h"
+#include "optimizers/muon/muon.h"
 #include "quant/blockwise/cpu_kernels.h"
 #include "core/ragged/planner.h"
 #include "quant/blockwise/blockwise.h"
@@ -61,6 +62,12 @@ const rfsdp::quant::cpu::CodeLut& lut_of(const at::Tensor& code) {
   // code_lut caches per distinct code; the shared_ptr it returns stays in the cache.
   return *rfsdp::quant::code_lut(code);
 }
+
+// A Muon layout with the Comm its steps run over (none: one process, no group).
+struct MuonRunner {
+  std::shared_ptr<rfsdp::Comm> comm;
+  std::unique_ptr<rfsdp::MuonLayout> layout;
+};
 
 }  // namespace
 
@@ -118,6 +125,57 @@ PYBIND11_MODULE(_C, m) {
           py::gil_scoped_release release;
           return rfsdp::clip_grad_norm(raw, max_norm, error_if_nonfinite);
         });
+
+  // Muon: params [(name, full shape, elem_begin, elem_end, ns_steps)]; hyper per
+  // parameter (lr, momentum, weight_decay, nesterov, adjust_lr).
+  py::class_<MuonRunner>(m, "MuonLayout")
+      .def(py::init([](const py::object& pg,
+                       const std::vector<std::tuple<std::string, std::vector<int64_t>, int64_t,
+                                                    int64_t, int>>& params,
+                       double timeout_seconds) {
+             auto r = std::make_unique<MuonRunner>();
+             if (!pg.is_none()) {
+               r->comm = std::make_shared<rfsdp::Comm>(
+                   pg.cast<c10::intrusive_ptr<c10d::ProcessGroup>>(),
+                   std::chrono::milliseconds(static_cast<int64_t>(timeout_seconds * 1000)));
+             }
+             std::vector<rfsdp::MuonParamGeometry> geo;
+             for (const auto& [name, shape, b, e, steps] : params) geo.push_back({name, shape, b, e, steps});
+             py::gil_scoped_release release;  // collective
+             r->layout = std::make_unique<rfsdp::MuonLayout>(r->comm.get(), std::move(geo));
+             return r;
+           }),
+           py::arg("process_group"), py::arg("params"), py::arg("timeout_seconds") = 300.0)
+      .def("matrices", [](const MuonRunner& r) {
+             py::list out;
+             for (const auto& x : r.layout->matrices()) {
+               out.append(py::dict(py::arg("param") = x.param, py::arg("offset") = x.offset,
+                                   py::arg("rows") = x.rows, py::arg("cols") = x.cols,
+                                   py::arg("root") = x.root, py::arg("flops") = x.flops));
+             }
+             return out;
+           })
+      .def("rank_flops", [](const MuonRunner& r) { return r.layout->rank_flops(); })
+      .def("flop_imbalance", [](const MuonRunner& r) { return r.layout->flop_imbalance(); })
+      .def("gather_send_elems", [](const MuonRunner& r) { return r.layout->gather_send_elems(); })
+      .def("gather_recv_elems", [](const MuonRunner& r) { return r.layout->gather_recv_elems(); })
+      .def("step", [](MuonRunner& r, const std::vector<at::Tensor>& params,
+                      const std::vector<at::Tensor>& grads, const std::vector<at::Tensor>& momenta,
+                      const std::vector<std::tuple<double, double, double, bool, std::string>>& hyper,
+                      const std::string& ns_dtype) {
+             std::vector<rfsdp::MuonHyper> h;
+             for (const auto& [lr, mom, wd, nesterov, adjust] : hyper) {
+               h.push_back({lr, mom, wd, nesterov, rfsdp::parse_muon_adjust_lr(adjust)});
+             }
+             const at::ScalarType dt = dtype_of(ns_dtype);
+             py::gil_scoped_release release;  // collectives
+             rfsdp::muon_step(r.comm.get(), *r.layout, params, grads, momenta, h, dt);
+           })
+      .def("all_ranks_finite", [](MuonRunner& r, const std::vector<at::Tensor>& tensors) {
+             py::gil_scoped_release release;
+             return rfsdp::all_ranks_finite(r.comm.get(), tensors);
+           })
+      .def("bytes_sent", [](const MuonRunner& r) { return r.comm ? r.comm->stats().bytes_sent : 0; });
 
   m.def("plan_specs", &plan_specs, py::arg("specs"), py::arg("world_size"),
         py::arg("align_bytes") = 16);

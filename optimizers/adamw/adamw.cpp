@@ -43,6 +43,7 @@ ParamShard whole_param(const std::string& name, const at::Tensor& param, const a
   p.name = name;
   p.param = param;
   p.grad = grad;
+  p.shape = param.sizes().vec();
   int64_t rows = 1;
   for (int d = 0; d < row_dims && d < param.dim(); ++d) rows *= param.size(d);
   p.full_rows = rows;
@@ -62,6 +63,7 @@ std::vector<ParamShard> param_shards(const FSDPUnit& unit) {
     p.full_rows = t.rows();
     p.row_len = t.row_elems();
     p.row_begin = r.row_begin;
+    p.shape = t.shape;
     out.push_back(p);
   }
   return out;

@@ -25,6 +25,7 @@ struct ParamShard {
   std::string name;
   at::Tensor param, grad;
   int64_t full_rows = 0, row_len = 1, row_begin = 0;
+  std::vector<int64_t> shape;  // the full tensor's shape (Muon reads matrices from it)
 
   int64_t rows() const { return row_len ? param.numel() / row_len : 0; }
   int64_t full_numel() const { return full_rows * row_len; }

@@ -1,8 +1,9 @@
-"""rfsdp.optim: AdamW and AdamW8bit as torch.optim.Optimizer subclasses over
-the C++ kernels. Parameters are the shards fully_shard made (or plain tensors);
-param_groups, zero_grad, state_dict/load_state_dict and LR schedulers work as
-with torch.optim.AdamW. Muon and Shampoo come with their issues."""
+"""rfsdp.optim: AdamW, AdamW8bit and Muon as torch.optim.Optimizer subclasses
+over the C++ kernels. Parameters are the shards fully_shard made (or plain
+tensors); param_groups, zero_grad, state_dict/load_state_dict and LR schedulers
+work as with torch.optim.AdamW. Shampoo comes with its issue."""
 import torch
+import torch.distributed as dist
 
 from . import _C
 from .fsdp import shard_info
@@ -37,6 +38,30 @@ def _check_grad(name, g):
                            "lower the learning rate, or clip gradients)" % name)
 
 
+def _check_grad_layout(name, g):
+    if g.dtype != torch.float32 or not g.is_contiguous():
+        raise ValueError("%s: gradients must be contiguous float32" % name)
+
+
+def _adam_state_step(p, state, init_state):
+    """Creates the state at the first step; counts the step."""
+    if not state:
+        state["step"] = torch.tensor(0.0)
+        init_state(p, state)
+    state["step"] += 1
+
+
+def _init_adam_state(p, state):
+    state["exp_avg"] = torch.zeros_like(p)
+    state["exp_avg_sq"] = torch.zeros_like(p)
+
+
+def _adamw_update(p, state, group):
+    b1, b2 = group["betas"]
+    _C.adamw_step(p.data, p.grad, state["exp_avg"], state["exp_avg_sq"], group["lr"], b1, b2,
+                  group["eps"], group["weight_decay"], int(state["step"]))
+
+
 class AdamW(torch.optim.Optimizer):
     def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=1e-2):
         if lr < 0 or eps <= 0 or not (0 <= betas[0] < 1 and 0 <= betas[1] < 1) or weight_decay < 0:
@@ -45,13 +70,10 @@ class AdamW(torch.optim.Optimizer):
         _check_params(type(self).__name__, self.param_groups)
 
     def _init_state(self, p, state):
-        state["exp_avg"] = torch.zeros_like(p)
-        state["exp_avg_sq"] = torch.zeros_like(p)
+        _init_adam_state(p, state)
 
     def _update(self, p, state, group):
-        b1, b2 = group["betas"]
-        _C.adamw_step(p.data, p.grad, state["exp_avg"], state["exp_avg_sq"], group["lr"], b1, b2,
-                      group["eps"], group["weight_decay"], int(state["step"]))
+        _adamw_update(p, state, group)
 
     @torch.no_grad()
     def step(self, closure=None):
@@ -61,16 +83,11 @@ class AdamW(torch.optim.Optimizer):
                 loss = closure()
         live = [(p, g) for g in self.param_groups for p in g["params"] if p.grad is not None]
         for p, _ in live:
-            if p.grad.dtype != torch.float32 or not p.grad.is_contiguous():
-                raise ValueError("%s: gradients must be contiguous float32" % type(self).__name__)
+            _check_grad_layout(type(self).__name__, p.grad)
             _check_grad(type(self).__name__, p.grad)  # before any state changes
         for p, group in live:
-            state = self.state[p]
-            if not state:
-                state["step"] = torch.tensor(0.0)
-                self._init_state(p, state)
-            state["step"] += 1
-            self._update(p, state, group)
+            _adam_state_step(p, self.state[p], self._init_state)
+            self._update(p, self.state[p], group)
         return loss
 
 
@@ -122,3 +139,114 @@ class AdamW8bit(AdamW):
                           state["absmax2"], self.block, row_len, self.code1, self.code2,
                           group["lr"], b1, b2, group["eps"], group["weight_decay"],
                           int(state["step"]))
+
+
+class Muon(torch.optim.Optimizer):
+    """Muon over ragged shards, with AdamW for the parameters outside Muon groups
+    (as the reference Muon's MuonWithAuxAdam): groups with use_muon=False take
+    AdamW's lr, betas, eps and weight_decay (defaults 3e-4, (0.9, 0.95), 1e-10, 0).
+
+    Each step: momentum on the local shard; every matrix's update gathered to its
+    root rank (one all-to-all), orthogonalised there by Newton–Schulz, scattered
+    back (one all-to-all); p <- p (1 - lr wd) - lr o. Matrices: 2-D weights; a 3-D
+    [E, H, I] expert stack is E matrices H x I; more dims are (dim 0, rest). A 0-D
+    or 1-D parameter in a Muon group is an error. adjust_lr: "original" scales
+    the update by max(1, rows/cols)^0.5; "match_rms_adamw" by 0.2 sqrt(max(rows,
+    cols)) (Moonlight; reuse AdamW's lr and weight decay). ns_dtype: Newton–Schulz
+    compute dtype (float32; bfloat16 is the usual choice on GPU).
+
+    Collective: every rank builds it from the same model and steps together;
+    process_group defaults to torch.distributed's default group (none: one process).
+    """
+
+    AUX_DEFAULTS = dict(lr=3e-4, betas=(0.9, 0.95), eps=1e-10, weight_decay=0.0)
+    ADJUST_LR = ("original", "match_rms_adamw")
+
+    def __init__(self, param_groups, lr=0.02, momentum=0.95, nesterov=True, ns_steps=5,
+                 weight_decay=0.0, adjust_lr="original", process_group=None,
+                 ns_dtype=torch.float32, timeout_seconds=300.0):
+        groups = list(param_groups)
+        if groups and not isinstance(groups[0], dict):
+            groups = [dict(params=groups)]
+        groups = [dict(g) for g in groups]
+        for g in groups:
+            g.setdefault("use_muon", True)
+            if not g["use_muon"]:
+                for k, v in self.AUX_DEFAULTS.items():
+                    g.setdefault(k, v)
+        super().__init__(groups, dict(lr=lr, momentum=momentum, nesterov=nesterov,
+                                      ns_steps=ns_steps, weight_decay=weight_decay,
+                                      adjust_lr=adjust_lr, use_muon=True))
+        _check_params(type(self).__name__, self.param_groups)
+        for g in self.param_groups:
+            if g["use_muon"]:
+                if g["adjust_lr"] not in self.ADJUST_LR:
+                    raise ValueError("Muon: adjust_lr must be one of %s, got %r"
+                                     % (self.ADJUST_LR, g["adjust_lr"]))
+                if not (0 <= g["momentum"] < 1) or g["lr"] < 0 or g["weight_decay"] < 0:
+                    raise ValueError("Muon: need 0 <= momentum < 1, lr >= 0, weight_decay >= 0")
+                if isinstance(g["ns_steps"], bool) or not isinstance(g["ns_steps"], int) \
+                        or g["ns_steps"] < 1:
+                    raise ValueError("Muon: ns_steps must be a positive integer")
+        if ns_dtype not in (torch.float32, torch.bfloat16):
+            raise ValueError("Muon: ns_dtype must be torch.float32 or torch.bfloat16")
+        self.ns_dtype = str(ns_dtype).replace("torch.", "")
+        if process_group is None and dist.is_available() and dist.is_initialized():
+            process_group = dist.group.WORLD
+        self.process_group = process_group
+        self.timeout_seconds = timeout_seconds
+        self.layout = self._build_layout()
+
+    def _muon_params(self):
+        return [(p, g) for g in self.param_groups if g["use_muon"] for p in g["params"]]
+
+    def _build_layout(self):
+        geo = []
+        for i, (p, g) in enumerate(self._muon_params()):
+            info = shard_info(p)
+            if info is None:
+                geo.append(("param %d" % i, list(p.shape), 0, p.numel(), g["ns_steps"]))
+            else:
+                geo.append((info.name, list(info.global_shape), info.row_begin * info.row_len,
+                            info.row_end * info.row_len, g["ns_steps"]))
+        return _C.MuonLayout(self.process_group, geo, self.timeout_seconds)
+
+    def add_param_group(self, param_group):
+        super().add_param_group(param_group)
+        if getattr(self, "layout", None) is not None:  # a group added later: lay out again
+            _check_params(type(self).__name__, self.param_groups)
+            self.layout = self._build_layout()
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        muon = self._muon_params()
+        for p, _ in muon:  # a rank without a gradient still takes part in the collectives
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+        aux = [(p, g) for g in self.param_groups if not g["use_muon"] for p in g["params"]
+               if p.grad is not None]
+        grads = [p.grad for p, _ in muon + aux]
+        for g in grads:
+            _check_grad_layout(type(self).__name__, g)
+        if not self.layout.all_ranks_finite(grads):  # every rank agrees, before any change
+            raise RuntimeError("Muon: a gradient on some rank holds NaN or Inf; the step was not "
+                               "taken on any rank (check the loss, lower the learning rate, or "
+                               "clip gradients)")
+        moms = []
+        for p, _ in muon:
+            state = self.state[p]
+            if not state:
+                state["momentum_buffer"] = torch.zeros_like(p)
+            moms.append(state["momentum_buffer"])
+        hyper = [(g["lr"], g["momentum"], g["weight_decay"], bool(g["nesterov"]), g["adjust_lr"])
+                 for _, g in muon]
+        self.layout.step([p.data for p, _ in muon], [p.grad for p, _ in muon], moms, hyper,
+                         self.ns_dtype)
+        for p, group in aux:
+            _adam_state_step(p, self.state[p], _init_adam_state)
+            _adamw_update(p, self.state[p], group)
+        return loss

@@ -56,3 +56,26 @@ def combine(*policies):
             return WHOLE
         return math.lcm(*gs)
     return Policy(granule, policies[0]._row_dims if policies else None)
+
+
+def is_matrix(name, p):
+    """The default Muon-matrix test: 2-D or more (embeddings and heads included;
+    pass your own to leave them to AdamW)."""
+    return p.dim() >= 2
+
+
+def muon(whole=False, matrix=is_matrix):
+    """Muon. whole=False: any row boundary (granule 1); a matrix cut across ranks
+    is gathered to its root rank each step. whole=True: the planner keeps every
+    Muon matrix on one rank (granule "whole"; a 3-D expert stack a whole expert
+    per row), so the step moves nothing; padding grows instead (see rfsdp-plan).
+    Ragged, a 3-D expert stack has rows of its last dim, so a boundary may cut an
+    expert; whole, a row is one expert."""
+    def granule(name, p):
+        if not whole or not matrix(name, p):
+            return 1
+        return 1 if p.dim() == 3 else WHOLE
+
+    def row_dims(name, p):
+        return 2 if p.dim() == 3 and not whole and matrix(name, p) else 1
+    return Policy(granule, row_dims)

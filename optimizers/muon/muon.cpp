@@ -1,0 +1,410 @@
+#include "optimizers/muon/muon.h"
+
+#include <ATen/core/grad_mode.h>
+
+#include <algorithm>
+#include <array>
+#include <cmath>
+#include <numeric>
+#include <sstream>
+#include <stdexcept>
+
+#include "quant/blockwise/cpu_kernels.h"
+
+namespace rfsdp {
+
+namespace {
+
+std::string shape_str(const std::vector<int64_t>& s) {
+  std::ostringstream o;
+  o << "[";
+  for (size_t i = 0; i < s.size(); ++i) o << (i ? ", " : "") << s[i];
+  o << "]";
+  return o.str();
+}
+
+int64_t numel_of(const std::vector<int64_t>& s) {
+  return std::accumulate(s.begin(), s.end(), int64_t{1}, std::multiplies<int64_t>());
+}
+
+// The matrices of one parameter: (offset, rows, cols).
+std::vector<std::array<int64_t, 3>> matrices_of(const std::vector<int64_t>& s) {
+  std::vector<std::array<int64_t, 3>> out;
+  if (s.size() == 3) {
+    for (int64_t e = 0; e < s[0]; ++e) out.push_back({e * s[1] * s[2], s[1], s[2]});
+  } else {
+    out.push_back({0, s[0], numel_of(s) / std::max<int64_t>(s[0], 1)});
+  }
+  return out;
+}
+
+// Order-sensitive fingerprint of the parameter list (shapes, Newton–Schulz
+// steps), so ranks passing different lists fail with a clear error.
+int64_t fingerprint(const std::vector<MuonParamGeometry>& params) {
+  uint64_t h = 1469598103934665603ULL;
+  auto mix = [&h](uint64_t v) { h = (h ^ v) * 1099511628211ULL; };
+  for (const auto& p : params) {
+    mix(p.shape.size());
+    for (int64_t d : p.shape) mix(static_cast<uint64_t>(d));
+    mix(static_cast<uint64_t>(p.ns_steps));
+  }
+  return static_cast<int64_t>(h >> 2);  // non-negative; sums of one non-zero row stay exact
+}
+
+}  // namespace
+
+MuonAdjustLr parse_muon_adjust_lr(const std::string& s) {
+  if (s == "original") return MuonAdjustLr::Original;
+  if (s == "match_rms_adamw") return MuonAdjustLr::MatchRmsAdamW;
+  throw std::invalid_argument("Muon: adjust_lr must be \"original\" or \"match_rms_adamw\", got \"" +
+                              s + "\"");
+}
+
+double muon_update_scale(int64_t rows, int64_t cols, MuonAdjustLr adjust) {
+  if (adjust == MuonAdjustLr::Original) {
+    return std::sqrt(std::max(1.0, static_cast<double>(rows) / static_cast<double>(cols)));
+  }
+  return 0.2 * std::sqrt(static_cast<double>(std::max(rows, cols)));
+}
+
+at::Tensor newton_schulz(const at::Tensor& g, int steps, at::ScalarType dtype) {
+  if (g.dim() != 2) throw std::invalid_argument("newton_schulz: needs a matrix");
+  constexpr double a = 3.4445, b = -4.7750, c = 2.0315;
+  const bool transposed = g.size(0) > g.size(1);
+  at::Tensor x = g.to(dtype);
+  if (transposed) x = x.t();
+  x = x / (x.norm() + 1e-7);
+  for (int i = 0; i < steps; ++i) {
+    const at::Tensor A = at::mm(x, x.t());
+    const at::Tensor B = at::addmm(A, A, A, /*beta=*/b, /*alpha=*/c);  // b A + c A A
+    x = at::addmm(x, B, x, /*beta=*/a, /*alpha=*/1.0);                // a X + B X
+  }
+  if (transposed) x = x.t();
+  return x.to(at::kFloat).contiguous();
+}
+
+double newton_schulz_flops(int64_t rows, int64_t cols, int steps) {
+  const double n = static_cast<double>(std::min(rows, cols));
+  const double N = static_cast<double>(std::max(rows, cols));
+  return steps * (4.0 * n * n * N + 2.0 * n * n * n);
+}
+
+int64_t MuonLayout::total(const std::vector<int64_t>& v) {
+  return std::accumulate(v.begin(), v.end(), int64_t{0});
+}
+
+MuonLayout::MuonLayout(Comm* comm, std::vector<MuonParamGeometry> params)
+    : params_(std::move(params)) {
+  world_ = comm ? comm->size() : 1;
+  rank_ = comm ? comm->rank() : 0;
+  const int64_t P = static_cast<int64_t>(params_.size());
+  for (const auto& p : params_) {
+    if (p.shape.size() < 2) {
+      throw std::invalid_argument(
+          "Muon: parameter '" + p.name + "' has shape " + shape_str(p.shape) +
+          ": Muon orthogonalises matrices (2-D weights, 3-D expert stacks); give 0-D and 1-D "
+          "parameters (biases, norm weights) to AdamW (a use_muon=False group)");
+    }
+    if (p.ns_steps < 1) {
+      throw std::invalid_argument("Muon: parameter '" + p.name + "': ns_steps must be >= 1");
+    }
+    if (p.elem_begin < 0 || p.elem_begin > p.elem_end || p.elem_end > numel_of(p.shape)) {
+      throw std::invalid_argument("Muon: parameter '" + p.name + "': shard range [" +
+                                  std::to_string(p.elem_begin) + ", " + std::to_string(p.elem_end) +
+                                  ") is not inside its " + std::to_string(numel_of(p.shape)) +
+                                  " elements");
+    }
+  }
+  // Every rank's ranges: one all-reduce of a table where each rank fills its row.
+  at::Tensor table = at::zeros({world_, 2 + 2 * P}, at::kLong);
+  auto t = table.accessor<int64_t, 2>();
+  t[rank_][0] = P;
+  t[rank_][1] = fingerprint(params_);
+  for (int64_t i = 0; i < P; ++i) {
+    t[rank_][2 + 2 * i] = params_[i].elem_begin;
+    t[rank_][3 + 2 * i] = params_[i].elem_end;
+  }
+  if (comm && world_ > 1) comm->all_reduce(table, ReduceOp::Sum).wait();
+  for (int r = 0; r < world_; ++r) {
+    if (t[r][0] != P || t[r][1] != t[rank_][1]) {
+      throw std::invalid_argument(
+          "Muon: rank " + std::to_string(r) + " passed a different parameter list (count " +
+          std::to_string(t[r][0]) + " vs " + std::to_string(P) + " here, or other shapes) than rank " +
+          std::to_string(rank_) + "; build the optimizer from the same model on every rank");
+    }
+  }
+  ranges_.assign(P, {});
+  for (int64_t i = 0; i < P; ++i) {
+    auto& rs = ranges_[i];
+    for (int r = 0; r < world_; ++r) rs.emplace_back(t[r][2 + 2 * i], t[r][3 + 2 * i]);
+    // The ranks' shards must tile the tensor: disjoint, together everything.
+    std::vector<std::pair<int64_t, int64_t>> sorted;
+    for (const auto& x : rs) {
+      if (x.first < x.second) sorted.push_back(x);
+    }
+    std::sort(sorted.begin(), sorted.end());
+    int64_t covered = 0;
+    for (const auto& x : sorted) {
+      if (x.first != covered) {
+        throw std::invalid_argument(
+            "Muon: the ranks' shards of '" + params_[i].name + "' do not tile it (a gap or an "
+            "overlap at element " + std::to_string(std::min(x.first, covered)) +
+            "); give each rank its own shard (fully_shard's parameters), not replicated tensors");
+      }
+      covered = x.second;
+    }
+    if (covered != numel_of(params_[i].shape)) {
+      throw std::invalid_argument("Muon: the ranks' shards of '" + params_[i].name +
+                                  "' cover " + std::to_string(covered) + " of its " +
+                                  std::to_string(numel_of(params_[i].shape)) + " elements");
+    }
+    for (const auto& m : matrices_of(params_[i].shape)) {
+      if (m[1] * m[2] == 0) continue;
+      MuonMatrix mat;
+      mat.param = static_cast<size_t>(i);
+      mat.offset = m[0];
+      mat.rows = m[1];
+      mat.cols = m[2];
+      mat.flops = newton_schulz_flops(m[1], m[2], params_[i].ns_steps);
+      matrices_.push_back(mat);
+    }
+  }
+  // Roots: single-holder matrices stay put; the rest longest-first to the least loaded.
+  std::vector<double> load(world_, 0.0);
+  std::vector<size_t> shared;
+  for (size_t k = 0; k < matrices_.size(); ++k) {
+    int holders = 0, holder = 0;
+    for (int r = 0; r < world_; ++r) {
+      const auto pc = piece(k, r);
+      if (pc.first < pc.second) ++holders, holder = r;
+    }
+    if (holders == 1) {
+      matrices_[k].root = holder;
+      load[holder] += matrices_[k].flops;
+    } else {
+      shared.push_back(k);
+    }
+  }
+  std::stable_sort(shared.begin(), shared.end(), [this](size_t x, size_t y) {
+    return matrices_[x].flops > matrices_[y].flops;
+  });
+  for (size_t k : shared) {
+    int best = 0;
+    int64_t best_held = -1;
+    for (int r = 0; r < world_; ++r) {
+      const auto pc = piece(k, r);
+      const int64_t held = pc.second - pc.first;
+      if (load[r] < load[best] || (load[r] == load[best] && held > best_held)) {
+        best = r;
+        best_held = held;
+      }
+    }
+    matrices_[k].root = best;
+    load[best] += matrices_[k].flops;
+  }
+  send_splits_.assign(world_, 0);
+  recv_splits_.assign(world_, 0);
+  for (size_t k = 0; k < matrices_.size(); ++k) {
+    const int root = matrices_[k].root;
+    if (root != rank_) {
+      const auto pc = piece(k, rank_);
+      send_splits_[root] += pc.second - pc.first;
+    } else {
+      for (int s = 0; s < world_; ++s) {
+        if (s == rank_) continue;
+        const auto pc = piece(k, s);
+        recv_splits_[s] += pc.second - pc.first;
+      }
+    }
+  }
+}
+
+std::pair<int64_t, int64_t> MuonLayout::piece(size_t k, int r) const {
+  const MuonMatrix& m = matrices_.at(k);
+  const auto& range = ranges_[m.param][r];
+  const int64_t b = std::max(m.offset, range.first);
+  const int64_t e = std::min(m.offset + m.rows * m.cols, range.second);
+  return b < e ? std::make_pair(b, e) : std::make_pair(b, b);
+}
+
+std::vector<double> MuonLayout::rank_flops() const {
+  std::vector<double> f(world_, 0.0);
+  for (const auto& m : matrices_) f[m.root] += m.flops;
+  return f;
+}
+
+double MuonLayout::flop_imbalance() const {
+  const auto f = rank_flops();
+  const double total = std::accumulate(f.begin(), f.end(), 0.0);
+  return total > 0 ? *std::max_element(f.begin(), f.end()) * world_ / total : 1.0;
+}
+
+void muon_step(Comm* comm, const MuonLayout& layout, const std::vector<at::Tensor>& params,
+               const std::vector<at::Tensor>& grads, const std::vector<at::Tensor>& momenta,
+               const std::vector<MuonHyper>& hyper, at::ScalarType ns_dtype) {
+  const auto& geo = layout.params();
+  const size_t P = geo.size();
+  if (params.size() != P || grads.size() != P || momenta.size() != P || hyper.size() != P) {
+    throw std::invalid_argument("muon_step: need one param, grad, momentum and hyper per layout "
+                                "parameter (" + std::to_string(P) + ")");
+  }
+  for (size_t i = 0; i < P; ++i) {
+    const int64_t n = geo[i].elem_end - geo[i].elem_begin;
+    for (const at::Tensor* t : {&params[i], &grads[i], &momenta[i]}) {
+      if (t->scalar_type() != at::kFloat || !t->is_contiguous() || t->numel() != n) {
+        throw std::invalid_argument("muon_step: parameter '" + geo[i].name + "': param, grad and "
+                                    "momentum must be contiguous float32 of its shard's " +
+                                    std::to_string(n) + " elements");
+      }
+    }
+  }
+  at::NoGradGuard no_grad;
+  const int me = layout.rank(), world = layout.world();
+  const auto& mats = layout.matrices();
+  // 1. Momentum and the update to orthogonalise, on the local shard.
+  std::vector<at::Tensor> u(P);
+  for (size_t i = 0; i < P; ++i) {
+    const at::Tensor m = momenta[i].view(-1), g = grads[i].view(-1);
+    m.lerp_(g, 1.0 - hyper[i].momentum);
+    u[i] = hyper[i].nesterov ? g.lerp(m, hyper[i].momentum) : m;
+  }
+  auto local = [&](const at::Tensor& flat, size_t k, std::pair<int64_t, int64_t> pc) {
+    return flat.narrow(0, pc.first - geo[mats[k].param].elem_begin, pc.second - pc.first);
+  };
+  auto offsets_of = [world](const std::vector<int64_t>& splits) {
+    std::vector<int64_t> off(world, 0);
+    for (int r = 1; r < world; ++r) off[r] = off[r - 1] + splits[r - 1];
+    return off;
+  };
+  const auto& send_splits = layout.send_splits();
+  const auto& recv_splits = layout.recv_splits();
+  // 2. Gather: to each root, this rank's pieces of its matrices (by root, then matrix).
+  at::Tensor send = at::empty({layout.gather_send_elems()}, at::kFloat);
+  at::Tensor recv = at::empty({layout.gather_recv_elems()}, at::kFloat);
+  {
+    auto pos = offsets_of(send_splits);
+    for (size_t k = 0; k < mats.size(); ++k) {
+      if (mats[k].root == me) continue;
+      const auto pc = layout.piece(k, me);
+      if (pc.first == pc.second) continue;
+      send.narrow(0, pos[mats[k].root], pc.second - pc.first).copy_(local(u[mats[k].param], k, pc));
+      pos[mats[k].root] += pc.second - pc.first;
+    }
+  }
+  if (comm && world > 1) comm->all_to_all(recv, send, recv_splits, send_splits).wait();
+  // 3. Newton–Schulz on this rank's roots; 4. scatter the pieces back.
+  at::Tensor back_send = at::empty({layout.gather_recv_elems()}, at::kFloat);
+  at::Tensor back_recv = at::empty({layout.gather_send_elems()}, at::kFloat);
+  std::vector<std::pair<size_t, at::Tensor>> own;  // (matrix, orthogonalised) rooted here
+  {
+    auto from = offsets_of(recv_splits);
+    auto to = offsets_of(recv_splits);
+    for (size_t k = 0; k < mats.size(); ++k) {
+      const MuonMatrix& mat = mats[k];
+      if (mat.root != me) continue;
+      at::Tensor full = at::empty({mat.rows * mat.cols}, at::kFloat);
+      for (int s = 0; s < world; ++s) {
+        const auto pc = layout.piece(k, s);
+        const int64_t n = pc.second - pc.first;
+        if (n == 0) continue;
+        at::Tensor dst = full.narrow(0, pc.first - mat.offset, n);
+        if (s == me) {
+          dst.copy_(local(u[mat.param], k, pc));
+        } else {
+          dst.copy_(recv.narrow(0, from[s], n));
+          from[s] += n;
+        }
+      }
+      at::Tensor o = newton_schulz(full.view({mat.rows, mat.cols}), geo[mat.param].ns_steps, ns_dtype)
+                         .view(-1);
+      o.mul_(muon_update_scale(mat.rows, mat.cols, hyper[mat.param].adjust_lr));
+      for (int s = 0; s < world; ++s) {
+        const auto pc = layout.piece(k, s);
+        const int64_t n = pc.second - pc.first;
+        if (n == 0 || s == me) continue;
+        back_send.narrow(0, to[s], n).copy_(o.narrow(0, pc.first - mat.offset, n));
+        to[s] += n;
+      }
+      own.emplace_back(k, o);
+    }
+  }
+  if (comm && world > 1) comm->all_to_all(back_recv, back_send, send_splits, recv_splits).wait();
+  // 5. p <- p (1 - lr wd) - lr o, piece by piece (the pieces tile the shard).
+  auto apply = [&](size_t k, std::pair<int64_t, int64_t> pc, const at::Tensor& o_piece) {
+    const MuonHyper& h = hyper[mats[k].param];
+    at::Tensor p = local(params[mats[k].param].view(-1), k, pc);
+    if (h.weight_decay != 0.0) p.mul_(1.0 - h.lr * h.weight_decay);
+    p.add_(o_piece, -h.lr);
+  };
+  for (const auto& [k, o] : own) {
+    const auto pc = layout.piece(k, me);
+    if (pc.first < pc.second) apply(k, pc, o.narrow(0, pc.first - mats[k].offset, pc.second - pc.first));
+  }
+  auto pos = offsets_of(send_splits);
+  for (size_t k = 0; k < mats.size(); ++k) {
+    if (mats[k].root == me) continue;
+    const auto pc = layout.piece(k, me);
+    const int64_t n = pc.second - pc.first;
+    if (n == 0) continue;
+    apply(k, pc, back_recv.narrow(0, pos[mats[k].root], n));
+    pos[mats[k].root] += n;
+  }
+}
+
+bool all_ranks_finite(Comm* comm, const std::vector<at::Tensor>& tensors) {
+  float bad = 0.0f;
+  for (const auto& t : tensors) {
+    const at::Tensor c = t.contiguous().to(at::kFloat);
+    if (!quant::cpu::all_finite(c.data_ptr<float>(), c.numel())) bad = 1.0f;
+  }
+  if (comm && comm->size() > 1) {
+    at::Tensor flag = at::full({1}, bad, at::kFloat);
+    comm->all_reduce(flag, ReduceOp::Sum).wait();
+    bad = flag.item<float>();
+  }
+  return bad == 0.0f;
+}
+
+std::vector<MuonParamGeometry> Muon::geometry(const std::vector<ParamShard>& params, int ns_steps) {
+  std::vector<MuonParamGeometry> out;
+  for (const auto& p : params) {
+    if (p.shape.empty() && p.full_numel() > 1) {
+      throw std::invalid_argument("Muon: parameter '" + p.name + "' has no full shape "
+                                  "(ParamShard.shape); use whole_param or param_shards");
+    }
+    MuonParamGeometry g;
+    g.name = p.name;
+    g.shape = p.shape;
+    g.elem_begin = p.row_begin * p.row_len;
+    g.elem_end = g.elem_begin + p.param.numel();
+    g.ns_steps = ns_steps;
+    out.push_back(std::move(g));
+  }
+  return out;
+}
+
+Muon::Muon(std::shared_ptr<Comm> comm, std::vector<ParamShard> params, MuonOptions options)
+    : comm_(std::move(comm)),
+      params_(std::move(params)),
+      options_(options),
+      layout_(comm_.get(), geometry(params_, options.ns_steps)) {
+  for (const auto& p : params_) momenta_.push_back(at::zeros_like(p.param));
+}
+
+void Muon::step() {
+  std::vector<at::Tensor> ps, gs;
+  for (const auto& p : params_) {
+    ps.push_back(p.param);
+    gs.push_back(p.grad);
+  }
+  if (options_.check_finite && !all_ranks_finite(comm_.get(), gs)) {
+    throw std::runtime_error("Muon step: a gradient on some rank holds NaN or Inf; the step was "
+                             "not taken on any rank (check the loss, lower the learning rate, or "
+                             "clip gradients)");
+  }
+  ++steps_;
+  muon_step(comm_.get(), layout_, ps, gs, momenta_,
+            std::vector<MuonHyper>(params_.size(), options_.hyper), options_.ns_dtype);
+}
+
+}  // namespace rfsdp

@@ -1,0 +1,135 @@
+// Distributed Muon on ragged shards. Each step, for every matrix of the Muon
+// parameters: momentum on the local shard; the shards of the update gathered to
+// the matrix's root rank (one all-to-all for all matrices); Newton–Schulz on the
+// root; the result scattered back (the reverse all-to-all); the update applied
+// locally. A matrix wholly held by one rank is rooted there and moves nothing.
+//
+// Matrices of a parameter of full shape s: 2-D, one s0 x s1 matrix; 3-D, an
+// expert stack of s0 matrices s1 x s2; more dims, one s0 x (s1*s2*...) matrix.
+// 0-D and 1-D parameters are refused (they belong with AdamW).
+#pragma once
+
+#include <ATen/ATen.h>
+
+#include <string>
+#include <vector>
+
+#include "core/comm/comm.h"
+#include "optimizers/adamw/adamw.h"
+
+namespace rfsdp {
+
+enum class MuonAdjustLr {
+  Original,       // scale the update by max(1, rows/cols)^0.5 (the reference Muon)
+  MatchRmsAdamW,  // by 0.2 * sqrt(max(rows, cols)) (Moonlight: reuse AdamW's lr and wd)
+};
+MuonAdjustLr parse_muon_adjust_lr(const std::string& s);  // "original" | "match_rms_adamw"
+double muon_update_scale(int64_t rows, int64_t cols, MuonAdjustLr adjust);
+
+// Quintic Newton–Schulz orthogonalisation (coefficients 3.4445, -4.7750, 2.0315)
+// of one matrix: X / (|X|_F + 1e-7), transposed when rows > cols, `steps`
+// iterations computed in `dtype`. Returns a float32 matrix of g's shape.
+at::Tensor newton_schulz(const at::Tensor& g, int steps, at::ScalarType dtype = at::kFloat);
+// Flops of that (2 per multiply-add): steps * (4 n^2 N + 2 n^3), n = min, N = max.
+double newton_schulz_flops(int64_t rows, int64_t cols, int steps);
+
+// One Muon parameter on this rank: its full shape and the flat element range
+// [elem_begin, elem_end) of the full tensor that this rank's shard holds.
+struct MuonParamGeometry {
+  std::string name;
+  std::vector<int64_t> shape;
+  int64_t elem_begin = 0, elem_end = 0;
+  int ns_steps = 5;
+};
+
+struct MuonMatrix {
+  size_t param = 0;     // index into the layout's parameters
+  int64_t offset = 0;   // first element in the full (flattened) parameter
+  int64_t rows = 0, cols = 0;
+  int root = 0;         // the rank that runs Newton–Schulz on it
+  double flops = 0;     // Newton–Schulz flops
+};
+
+// Where every matrix lives and which rank orthogonalises it. Built once per set
+// of shards; collective (one all-reduce to learn every rank's ranges): every
+// rank passes the same parameters in the same order, its own ranges.
+//
+// Root selection: a matrix held by one rank is rooted there; the rest go
+// longest-processing-time first (most flops first) to the least-loaded rank,
+// ties to the rank holding most of the matrix, then the lowest rank.
+class MuonLayout {
+ public:
+  // comm may be null: one rank, every shard whole.
+  MuonLayout(Comm* comm, std::vector<MuonParamGeometry> params);
+
+  int world() const { return world_; }
+  int rank() const { return rank_; }
+  const std::vector<MuonParamGeometry>& params() const { return params_; }
+  const std::vector<MuonMatrix>& matrices() const { return matrices_; }
+  // Elements of matrix k on rank r: [begin, end) in the full parameter (empty when begin == end).
+  std::pair<int64_t, int64_t> piece(size_t k, int r) const;
+  // Newton–Schulz flops rooted on each rank, and max / mean of them (1 = balanced).
+  std::vector<double> rank_flops() const;
+  double flop_imbalance() const;
+  // Elements this rank sends per step in the gather (the scatter sends as many
+  // as it received): what the all-to-alls move.
+  int64_t gather_send_elems() const { return total(send_splits_); }
+  int64_t gather_recv_elems() const { return total(recv_splits_); }
+  const std::vector<int64_t>& send_splits() const { return send_splits_; }
+  const std::vector<int64_t>& recv_splits() const { return recv_splits_; }
+
+ private:
+  static int64_t total(const std::vector<int64_t>& v);
+  int world_ = 1, rank_ = 0;
+  std::vector<MuonParamGeometry> params_;
+  std::vector<std::vector<std::pair<int64_t, int64_t>>> ranges_;  // [param][rank]
+  std::vector<MuonMatrix> matrices_;
+  std::vector<int64_t> send_splits_, recv_splits_;
+};
+
+struct MuonHyper {
+  double lr = 0.02, momentum = 0.95, weight_decay = 0.0;
+  bool nesterov = true;
+  MuonAdjustLr adjust_lr = MuonAdjustLr::Original;
+};
+
+// One step over the layout's parameters. params, grads, momenta: this rank's
+// shards (contiguous fp32, elem_end - elem_begin elements each); hyper: one per
+// parameter. ns_dtype: the Newton–Schulz compute dtype. Collective when
+// comm is set. Gradients are not checked here (see Muon::step).
+void muon_step(Comm* comm, const MuonLayout& layout, const std::vector<at::Tensor>& params,
+               const std::vector<at::Tensor>& grads, const std::vector<at::Tensor>& momenta,
+               const std::vector<MuonHyper>& hyper, at::ScalarType ns_dtype = at::kFloat);
+
+// Whether every rank's tensors are all finite (one all-reduce when comm is set).
+bool all_ranks_finite(Comm* comm, const std::vector<at::Tensor>& tensors);
+
+struct MuonOptions {
+  MuonHyper hyper;
+  int ns_steps = 5;
+  at::ScalarType ns_dtype = at::kFloat;  // bf16 is the usual choice on GPU
+  bool check_finite = true;               // refuse NaN/Inf gradients (all ranks agree)
+};
+
+// The C++ optimizer: Muon over parameter shards (ParamShard.shape must be the
+// full shape). Pair it with AdamW for 0-D/1-D parameters, embeddings and heads.
+class Muon {
+ public:
+  Muon(std::shared_ptr<Comm> comm, std::vector<ParamShard> params, MuonOptions options = {});
+  void step();
+  int64_t steps() const { return steps_; }
+  const MuonLayout& layout() const { return layout_; }
+  const at::Tensor& momentum(size_t i) const { return momenta_.at(i); }
+  MuonOptions& options() { return options_; }
+
+ private:
+  static std::vector<MuonParamGeometry> geometry(const std::vector<ParamShard>& params, int ns_steps);
+  std::shared_ptr<Comm> comm_;
+  std::vector<ParamShard> params_;
+  MuonOptions options_;
+  MuonLayout layout_;
+  std::vector<at::Tensor> momenta_;
+  int64_t steps_ = 0;
+};
+
+}  // namespace rfsdp

@@ -1,0 +1,332 @@
+// Distributed Muon on 1-4 ranks (threads) against a float64 single-device Muon
+// written here on the full matrices; root selection; errors.
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <cmath>
+#include <map>
+#include <mutex>
+#include <random>
+
+#include "core/comm/local_ranks.h"
+#include "optimizers/muon/muon.h"
+#include "tests/cpp/test_util.h"
+
+namespace rfsdp {
+namespace {
+
+using testing::fresh_seed;
+using testing::seeded_randn;
+
+struct Shape {
+  std::string name;
+  std::vector<int64_t> shape;
+  int row_dims;
+};
+
+// rows > cols, rows < cols, fewer rows than ranks, an expert stack whose rows
+// (experts x hidden) are cut anywhere, a matrix forced across three ranks.
+const std::vector<Shape> kShapes = {{"tall", {37, 11}, 1},   {"wide", {9, 30}, 1},
+                                    {"few_rows", {2, 17}, 1}, {"experts", {3, 8, 6}, 2},
+                                    {"split3", {48, 5}, 1}};
+
+int64_t rows_of(const Shape& s) {
+  int64_t r = 1;
+  for (int d = 0; d < s.row_dims; ++d) r *= s.shape[d];
+  return r;
+}
+
+int64_t numel_of(const Shape& s) {
+  int64_t n = 1;
+  for (int64_t d : s.shape) n *= d;
+  return n;
+}
+
+// Row cut points per tensor: rank r holds rows [cuts[r], cuts[r+1]). Random, or
+// (whole) each tensor on one rank.
+std::vector<std::vector<int64_t>> make_cuts(int world, uint64_t seed, bool whole) {
+  std::mt19937_64 rng(seed);
+  std::vector<std::vector<int64_t>> cuts;
+  for (size_t t = 0; t < kShapes.size(); ++t) {
+    const int64_t rows = rows_of(kShapes[t]);
+    std::vector<int64_t> c(world + 1, 0);
+    if (whole) {
+      const int owner = static_cast<int>(t % world);
+      for (int r = owner + 1; r <= world; ++r) c[r] = rows;
+    } else if (kShapes[t].name == "split3" && world >= 3) {
+      c[1] = rows / 3, c[2] = 2 * rows / 3;
+      for (int r = 3; r <= world; ++r) c[r] = rows;
+      std::shuffle(c.begin() + 1, c.begin() + 1, rng);
+    } else {
+      for (int r = 1; r < world; ++r) c[r] = static_cast<int64_t>(rng() % (rows + 1));
+      std::sort(c.begin() + 1, c.end() - 1);
+      c[world] = rows;
+    }
+    cuts.push_back(c);
+  }
+  return cuts;
+}
+
+// --- the float64 reference ---------------------------------------------------
+at::Tensor ref_orthogonalise(at::Tensor g, int steps) {
+  const bool tall = g.size(0) > g.size(1);
+  at::Tensor x = tall ? g.t() : g;
+  x = x / (std::sqrt((x * x).sum().item<double>()) + 1e-7);
+  for (int i = 0; i < steps; ++i) {
+    at::Tensor a = at::matmul(x, x.t());
+    at::Tensor b = -4.7750 * a + 2.0315 * at::matmul(a, a);
+    x = 3.4445 * x + at::matmul(b, x);
+  }
+  return tall ? x.t() : x;
+}
+
+void ref_step(at::Tensor& w, at::Tensor& m, const at::Tensor& g, const MuonHyper& h) {
+  m = h.momentum * m + (1 - h.momentum) * g;
+  at::Tensor u = h.nesterov ? (1 - h.momentum) * g + h.momentum * m : m;
+  std::vector<at::Tensor> mats;  // views of u and w, one per matrix
+  std::vector<at::Tensor> wmats;
+  if (u.dim() == 3) {
+    for (int64_t e = 0; e < u.size(0); ++e) mats.push_back(u[e]), wmats.push_back(w[e]);
+  } else {
+    mats.push_back(u.reshape({u.size(0), -1}));
+    wmats.push_back(w.view({w.size(0), -1}));
+  }
+  for (size_t i = 0; i < mats.size(); ++i) {
+    const double r = mats[i].size(0), c = mats[i].size(1);
+    const double scale = h.adjust_lr == MuonAdjustLr::Original ? std::sqrt(std::max(1.0, r / c))
+                                                                : 0.2 * std::sqrt(std::max(r, c));
+    at::Tensor o = ref_orthogonalise(mats[i], 5) * scale;
+    wmats[i].mul_(1 - h.lr * h.weight_decay).sub_(h.lr * o);
+  }
+}
+
+at::Tensor rows_view(const at::Tensor& full, const Shape& s) {
+  return full.reshape({rows_of(s), numel_of(s) / rows_of(s)});
+}
+
+struct Config {
+  int world;
+  bool whole;
+  MuonHyper hyper;
+};
+
+void run_against_reference(const Config& cfg) {
+  const uint64_t seed = fresh_seed();
+  SCOPED_TRACE("seed " + std::to_string(seed) + ", world " + std::to_string(cfg.world));
+  constexpr int kSteps = 20;
+  const auto cuts = make_cuts(cfg.world, seed, cfg.whole);
+  std::vector<at::Tensor> init;
+  for (size_t t = 0; t < kShapes.size(); ++t) init.push_back(seeded_randn(kShapes[t].shape, seed, t, at::kDouble));
+  auto grad_at = [&](int step, size_t t) {
+    return seeded_randn(kShapes[t].shape, seed, 1000 + step * 100 + t, at::kDouble);
+  };
+  // Reference.
+  std::vector<at::Tensor> w, m;
+  for (size_t t = 0; t < kShapes.size(); ++t) {
+    w.push_back(init[t].clone());
+    m.push_back(at::zeros_like(init[t]));
+  }
+  for (int step = 0; step < kSteps; ++step) {
+    for (size_t t = 0; t < kShapes.size(); ++t) ref_step(w[t], m[t], grad_at(step, t), cfg.hyper);
+  }
+  std::mutex mu;
+  std::map<int, std::string> failures;
+  run_local_ranks(cfg.world, [&](Comm& comm) {
+    const int r = comm.rank();
+    std::vector<ParamShard> shards;
+    for (size_t t = 0; t < kShapes.size(); ++t) {
+      const Shape& s = kShapes[t];
+      ParamShard p;
+      p.name = s.name;
+      p.shape = s.shape;
+      p.full_rows = rows_of(s);
+      p.row_len = numel_of(s) / p.full_rows;
+      p.row_begin = cuts[t][r];
+      const int64_t n = cuts[t][r + 1] - cuts[t][r];
+      p.param = rows_view(init[t], s).narrow(0, p.row_begin, n).to(at::kFloat).contiguous();
+      p.grad = at::zeros_like(p.param);
+      shards.push_back(p);
+    }
+    MuonOptions opt;
+    opt.hyper = cfg.hyper;
+    Muon muon(std::shared_ptr<Comm>(&comm, [](Comm*) {}), shards, opt);
+    if (cfg.whole) EXPECT_EQ(muon.layout().gather_send_elems(), 0);
+    for (int step = 0; step < kSteps; ++step) {
+      for (size_t t = 0; t < kShapes.size(); ++t) {
+        const int64_t n = shards[t].param.size(0);
+        shards[t].grad.copy_(rows_view(grad_at(step, t), kShapes[t]).narrow(0, shards[t].row_begin, n));
+      }
+      muon.step();
+    }
+    for (size_t t = 0; t < kShapes.size(); ++t) {
+      const int64_t n = shards[t].param.size(0);
+      const at::Tensor want = rows_view(w[t], kShapes[t]).narrow(0, shards[t].row_begin, n);
+      const at::Tensor got = shards[t].param.to(at::kDouble);
+      const double err = n ? (got - want).abs().max().item<double>() : 0.0;
+      const double tol = 2e-5 * (1 + (n ? want.abs().max().item<double>() : 0.0));
+      if (!(err <= tol)) {
+        std::lock_guard<std::mutex> lock(mu);
+        failures[r] += kShapes[t].name + ": max error " + std::to_string(err) + "; ";
+      }
+    }
+  });
+  for (const auto& [r, msg] : failures) ADD_FAILURE() << "rank " << r << ": " << msg;
+}
+
+class MuonRanks : public ::testing::TestWithParam<int> {};
+
+TEST_P(MuonRanks, RaggedShardsMatchSingleDeviceReference) {
+  run_against_reference({GetParam(), false, MuonHyper{0.02, 0.95, 0.01, true, MuonAdjustLr::Original}});
+}
+
+TEST_P(MuonRanks, NoNesterovMatchRmsAdamWMatchesReference) {
+  run_against_reference(
+      {GetParam(), false, MuonHyper{0.01, 0.9, 0.1, false, MuonAdjustLr::MatchRmsAdamW}});
+}
+
+TEST_P(MuonRanks, WholeMatricesMoveNothingAndMatchReference) {
+  run_against_reference({GetParam(), true, MuonHyper{0.02, 0.95, 0.0, true, MuonAdjustLr::Original}});
+}
+
+INSTANTIATE_TEST_SUITE_P(Worlds, MuonRanks, ::testing::Values(1, 2, 3, 4));
+
+TEST(MuonLayout, EveryMatrixHasExactlyOneRootAgreedByAllRanks) {
+  const uint64_t seed = fresh_seed();
+  SCOPED_TRACE("seed " + std::to_string(seed));
+  for (int world : {2, 3, 4}) {
+    const auto cuts = make_cuts(world, seed + world, false);
+    run_local_ranks(world, [&](Comm& comm) {
+      std::vector<MuonParamGeometry> geo;
+      for (size_t t = 0; t < kShapes.size(); ++t) {
+        const int64_t row_len = numel_of(kShapes[t]) / rows_of(kShapes[t]);
+        geo.push_back({kShapes[t].name, kShapes[t].shape, cuts[t][comm.rank()] * row_len,
+                       cuts[t][comm.rank() + 1] * row_len, 5});
+      }
+      MuonLayout layout(&comm, geo);
+      const auto& mats = layout.matrices();
+      ASSERT_EQ(mats.size(), 4u + 3u);  // tall, wide, few_rows, 3 experts, split3
+      // Each rank marks the matrices it roots; the sum over ranks must be 1 each.
+      at::Tensor mine = at::zeros({static_cast<int64_t>(mats.size())}, at::kFloat);
+      for (size_t k = 0; k < mats.size(); ++k) {
+        ASSERT_GE(mats[k].root, 0);
+        ASSERT_LT(mats[k].root, world);
+        if (mats[k].root == comm.rank()) mine[k] = 1.0f;
+        int holders = 0, holder = -1;
+        for (int r = 0; r < world; ++r) {
+          const auto pc = layout.piece(k, r);
+          if (pc.first < pc.second) ++holders, holder = r;
+        }
+        if (holders == 1) EXPECT_EQ(mats[k].root, holder) << "matrix " << k;
+      }
+      comm.all_reduce(mine, ReduceOp::Sum).wait();
+      for (size_t k = 0; k < mats.size(); ++k) EXPECT_EQ(mine[k].item<float>(), 1.0f) << "matrix " << k;
+      const auto f = layout.rank_flops();
+      double total = 0;
+      for (const auto& m : mats) total += m.flops;
+      EXPECT_NEAR(std::accumulate(f.begin(), f.end(), 0.0), total, 1e-6 * total);
+      EXPECT_GE(layout.flop_imbalance(), 1.0);
+    });
+  }
+}
+
+TEST(MuonLayout, BalancesEqualSharedMatricesAcrossRanks) {
+  // Eight equal matrices each cut in half between ranks 0 and 1 of 4: LPT puts two on every rank.
+  run_local_ranks(4, [](Comm& comm) {
+    std::vector<MuonParamGeometry> geo;
+    for (int i = 0; i < 8; ++i) {
+      const int64_t b = comm.rank() == 0 ? 0 : comm.rank() == 1 ? 32 : 64;
+      const int64_t e = comm.rank() == 0 ? 32 : 64;
+      geo.push_back({"w" + std::to_string(i), {8, 8}, b, e, 5});
+    }
+    MuonLayout layout(&comm, geo);
+    EXPECT_DOUBLE_EQ(layout.flop_imbalance(), 1.0);
+  });
+}
+
+TEST(Muon, RefusesVectorsNamingThem) {
+  ParamShard p = whole_param("ln.weight", at::zeros({7}), at::zeros({7}));
+  try {
+    Muon muon(nullptr, {p});
+    FAIL() << "a 1-D parameter was accepted";
+  } catch (const std::invalid_argument& e) {
+    EXPECT_NE(std::string(e.what()).find("'ln.weight'"), std::string::npos) << e.what();
+    EXPECT_NE(std::string(e.what()).find("AdamW"), std::string::npos) << e.what();
+  }
+}
+
+TEST(Muon, RanksWithDifferentParametersFailClearly) {
+  auto errors = run_local_ranks_collect(2, [](Comm& comm) {
+    std::vector<MuonParamGeometry> geo{{"w", {4, comm.rank() == 0 ? 6 : 5}, 0, 0, 5}};
+    MuonLayout layout(&comm, geo);
+  });
+  for (const auto& e : errors) {
+    ASSERT_TRUE(e);
+    try {
+      std::rethrow_exception(e);
+    } catch (const std::invalid_argument& x) {
+      EXPECT_NE(std::string(x.what()).find("different parameter list"), std::string::npos) << x.what();
+    }
+  }
+}
+
+TEST(Muon, ReplicatedTensorsAreRefused) {
+  auto errors = run_local_ranks_collect(2, [](Comm& comm) {
+    MuonLayout layout(&comm, {{"w", {4, 6}, 0, 24, 5}});  // both ranks claim everything
+  });
+  for (const auto& e : errors) {
+    ASSERT_TRUE(e);
+    try {
+      std::rethrow_exception(e);
+    } catch (const std::invalid_argument& x) {
+      EXPECT_NE(std::string(x.what()).find("do not tile"), std::string::npos) << x.what();
+    }
+  }
+}
+
+TEST(Muon, NanGradientOnOneRankStopsEveryRankBeforeAnyChange) {
+  auto errors = run_local_ranks_collect(2, [](Comm& comm) {
+    const int64_t b = comm.rank() * 3;
+    ParamShard p;
+    p.name = "w";
+    p.shape = {6, 4};
+    p.full_rows = 6;
+    p.row_len = 4;
+    p.row_begin = b;
+    p.param = at::ones({3, 4});
+    p.grad = at::ones({3, 4});
+    if (comm.rank() == 1) p.grad[1][2] = std::nan("");
+    Muon muon(std::shared_ptr<Comm>(&comm, [](Comm*) {}), {p});
+    try {
+      muon.step();
+    } catch (...) {
+      EXPECT_TRUE(at::equal(p.param, at::ones({3, 4})));
+      EXPECT_TRUE(at::equal(muon.momentum(0), at::zeros({3, 4})));
+      throw;
+    }
+  });
+  for (const auto& e : errors) EXPECT_TRUE(e) << "a rank took the step";
+}
+
+TEST(NewtonSchulz, SingularValuesNearOneInFloat32AndBf16) {
+  const uint64_t seed = fresh_seed();
+  for (auto dtype : {at::kFloat, at::kBFloat16}) {
+    const at::Tensor g = seeded_randn({24, 40}, seed, 0);
+    const at::Tensor o = newton_schulz(g, 5, dtype);
+    ASSERT_EQ(o.scalar_type(), at::kFloat);
+    const at::Tensor sv = std::get<1>(at::linalg_svd(o.to(at::kDouble), false));
+    // The quintic iteration drives singular values into a band around 1 (about
+    // [0.6, 1.2] after 5 steps for a Gaussian matrix), not to 1 exactly.
+    EXPECT_GT(sv.min().item<double>(), 0.5) << "seed " << seed;
+    EXPECT_LT(sv.max().item<double>(), 1.3) << "seed " << seed;
+    const at::Tensor ref = ref_orthogonalise(g.to(at::kDouble), 5);
+    const at::Tensor diff = o.to(at::kDouble) - ref;
+    if (dtype == at::kFloat) {
+      EXPECT_LT(diff.abs().max().item<double>(), 1e-5) << "seed " << seed;
+    } else {  // bf16 keeps 8 significant bits; the iteration spreads that to ~15% (measured)
+      EXPECT_LT(diff.norm().item<double>() / ref.norm().item<double>(), 0.25) << "seed " << seed;
+    }
+  }
+}
+
+}  // namespace
+}  // namespace rfsdp

@@ -1,0 +1,65 @@
+"""A straightforward single-device Muon (+ AdamW for the other parameters) in
+float64 on full tensors: the reference the Muon tests compare against. Written
+from the algorithm's definition, independently of rfsdp."""
+import math
+
+import torch
+
+NS = (3.4445, -4.7750, 2.0315)
+
+
+def orthogonalise(g, steps=5):
+    x = g.double()
+    tall = x.shape[0] > x.shape[1]
+    if tall:
+        x = x.T
+    x = x / (x.norm() + 1e-7)
+    a, b, c = NS
+    for _ in range(steps):
+        s = x @ x.T
+        x = a * x + (b * s + c * s @ s) @ x
+    return x.T if tall else x
+
+
+def matrices(t):
+    """Views of the matrices of a full tensor (2-D: itself; 3-D: each expert; else (dim0, rest))."""
+    if t.dim() == 3:
+        return [t[e] for e in range(t.shape[0])]
+    return [t.view(t.shape[0], -1)]
+
+
+class ReferenceMuon:
+    """params: name -> float64 tensor (updated in place); muon: the names Muon takes."""
+
+    def __init__(self, params, muon, lr=0.02, momentum=0.95, nesterov=True, weight_decay=0.0,
+                 adjust_lr="original", aux_lr=3e-4, betas=(0.9, 0.95), eps=1e-10, aux_wd=0.0):
+        self.p, self.muon = params, set(muon)
+        self.hp = dict(lr=lr, momentum=momentum, nesterov=nesterov, wd=weight_decay,
+                       adjust=adjust_lr, aux_lr=aux_lr, betas=betas, eps=eps, aux_wd=aux_wd)
+        self.m = {n: torch.zeros_like(t) for n, t in params.items()}
+        self.v = {n: torch.zeros_like(t) for n, t in params.items()}
+        self.t = 0
+
+    def step(self, grads, lr_scale=1.0):
+        h = self.hp
+        self.t += 1
+        for n, w in self.p.items():
+            g = grads[n].double()
+            if n in self.muon:
+                beta = h["momentum"]
+                self.m[n] = beta * self.m[n] + (1 - beta) * g
+                u = (1 - beta) * g + beta * self.m[n] if h["nesterov"] else self.m[n]
+                lr = h["lr"] * lr_scale
+                for um, wm in zip(matrices(u), matrices(w)):
+                    r, c = um.shape
+                    scale = math.sqrt(max(1.0, r / c)) if h["adjust"] == "original" \
+                        else 0.2 * math.sqrt(max(r, c))
+                    wm.mul_(1 - lr * h["wd"]).sub_(lr * scale * orthogonalise(um))
+            else:
+                b1, b2 = h["betas"]
+                lr = h["aux_lr"] * lr_scale
+                self.m[n] = b1 * self.m[n] + (1 - b1) * g
+                self.v[n] = b2 * self.v[n] + (1 - b2) * g * g
+                mh = self.m[n] / (1 - b1 ** self.t)
+                vh = self.v[n] / (1 - b2 ** self.t)
+                w.mul_(1 - lr * h["aux_wd"]).sub_(lr * mh / (vh.sqrt() + h["eps"]))
