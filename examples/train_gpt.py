@@ -22,7 +22,7 @@ from torch import nn
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "python"))
 import rfsdp  # noqa: E402
 
-OPTIMIZERS = ["adamw", "adamw8bit"]
+OPTIMIZERS = ["adamw", "adamw8bit", "muon"]
 FORTUNES = "/usr/share/games/fortunes"
 
 
@@ -89,8 +89,20 @@ def run(name, args, train, val, rank, world):
     for b in model.blocks:
         rfsdp.fully_shard(b, policy=pol)
     rfsdp.fully_shard(model, policy=pol)
-    opt_cls = {"adamw": rfsdp.optim.AdamW, "adamw8bit": rfsdp.optim.AdamW8bit}[name]
-    opt = opt_cls(model.parameters(), lr=args.lr, weight_decay=0.1)
+    if name == "muon":
+        # The blocks' matrices take Muon; embeddings, head, norms and biases AdamW.
+        # Weight decay per step (lr * wd) equal to the AdamW runs'.
+        matrices = [p for b in model.blocks for p in b.parameters() if p.dim() == 2]
+        ids = {id(p) for p in matrices}
+        rest = [p for p in model.parameters() if id(p) not in ids]
+        opt = rfsdp.optim.Muon([dict(params=matrices, use_muon=True),
+                                dict(params=rest, use_muon=False, lr=args.lr, betas=(0.9, 0.999),
+                                     eps=1e-8, weight_decay=0.1)],
+                               lr=args.muon_lr, momentum=0.95,
+                               weight_decay=0.1 * args.lr / args.muon_lr)
+    else:
+        opt_cls = {"adamw": rfsdp.optim.AdamW, "adamw8bit": rfsdp.optim.AdamW8bit}[name]
+        opt = opt_cls(model.parameters(), lr=args.lr, weight_decay=0.1)
     sched = torch.optim.lr_scheduler.LambdaLR(
         opt, lambda s: min(1.0, (s + 1) / 20) * 0.5 * (1 + math.cos(math.pi * min(s, args.steps) / args.steps)))
     gen = torch.Generator().manual_seed(args.seed * 1000 + rank)  # each rank its own batches
@@ -127,13 +139,14 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--optimizer", choices=OPTIMIZERS, default="adamw")
     ap.add_argument("--compare", action="store_true", help="run every optimizer on the same data and seed")
-    ap.add_argument("--steps", type=int, default=100)
+    ap.add_argument("--steps", type=int, default=80)
     ap.add_argument("--batch", type=int, default=4, help="sequences per rank per step")
     ap.add_argument("--ctx", type=int, default=128)
     ap.add_argument("--dim", type=int, default=128)
     ap.add_argument("--layers", type=int, default=4)
     ap.add_argument("--heads", type=int, default=4)
-    ap.add_argument("--lr", type=float, default=3e-3)
+    ap.add_argument("--lr", type=float, default=3e-3, help="AdamW's (and Muon's aux groups')")
+    ap.add_argument("--muon-lr", type=float, default=0.02)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--log-every", type=int, default=25)
     ap.add_argument("--val-batches", type=int, default=8)

@@ -4,8 +4,11 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
+# libopenblas0-openmp: Debian's torch calls the system BLAS, which is otherwise the
+# netlib reference (about 3 GFLOP/s for fp32 matmul here, against 55-80 with
+# OpenBLAS); the OpenMP build follows torch.set_num_threads.
 PACKAGES=(g++ cmake ninja-build ccache libtorch-dev python3-torch python3-dev pybind11-dev
-          libgtest-dev nlohmann-json3-dev python3-pytest libgloo-dev)
+          libgtest-dev nlohmann-json3-dev python3-pytest libgloo-dev libopenblas0-openmp)
 # Callers may ask for more (the main job needs fortunes and matplotlib).
 read -r -a extra <<< "${RFSDP_EXTRA_PACKAGES:-}"
 PACKAGES+=("${extra[@]}")
