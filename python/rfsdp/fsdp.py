@@ -349,3 +349,22 @@ def clip_grad_norm_(model, max_norm, error_if_nonfinite=True):
     if not us:
         raise ValueError("clip_grad_norm_: the model has no fully_shard units")
     return _C.clip_grad_norm([u.unit for u in us], float(max_norm), bool(error_if_nonfinite))
+
+
+def full_parameters(model, process_group=None):
+    """{name: full tensor} of a fully sharded model's parameters, on every rank
+    (each rank contributes its rows; one all-reduce per parameter). For checks and
+    small-model checkpoints: it holds the whole model on every rank."""
+    pg = process_group if process_group is not None else dist.group.WORLD
+    out = {}
+    for name, p in model.named_parameters():
+        info = shard_info(p)
+        if info is None:
+            out[name] = p.detach().clone()
+            continue
+        rows = torch.zeros(info.full_rows, info.row_len, dtype=p.dtype)
+        rows[info.row_begin:info.row_end] = p.detach().reshape(-1, info.row_len)
+        if pg.size() > 1:
+            dist.all_reduce(rows, group=pg)
+        out[name] = rows.reshape(info.global_shape)
+    return out

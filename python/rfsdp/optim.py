@@ -38,6 +38,14 @@ def _check_grad(name, g):
                            "lower the learning rate, or clip gradients)" % name)
 
 
+def _run_closure(closure):
+    """torch.optim's contract: step(closure) re-evaluates the loss with grad enabled."""
+    if closure is None:
+        return None
+    with torch.enable_grad():
+        return closure()
+
+
 def _check_grad_layout(name, g):
     if g.dtype != torch.float32 or not g.is_contiguous():
         raise ValueError("%s: gradients must be contiguous float32" % name)
@@ -77,10 +85,7 @@ class AdamW(torch.optim.Optimizer):
 
     @torch.no_grad()
     def step(self, closure=None):
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
+        loss = _run_closure(closure)
         live = [(p, g) for g in self.param_groups for p in g["params"] if p.grad is not None]
         for p, _ in live:
             _check_grad_layout(type(self).__name__, p.grad)
@@ -219,10 +224,7 @@ class Muon(torch.optim.Optimizer):
 
     @torch.no_grad()
     def step(self, closure=None):
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
+        loss = _run_closure(closure)
         muon = self._muon_params()
         for p, _ in muon:  # a rank without a gradient still takes part in the collectives
             if p.grad is None:

@@ -254,33 +254,31 @@ TEST(Muon, RefusesVectorsNamingThem) {
   }
 }
 
+// Every rank threw std::invalid_argument saying `what`.
+void expect_every_rank_refused(const std::vector<std::exception_ptr>& errors, const std::string& what) {
+  for (const auto& e : errors) {
+    ASSERT_TRUE(e) << "a rank went on";
+    try {
+      std::rethrow_exception(e);
+    } catch (const std::invalid_argument& x) {
+      EXPECT_NE(std::string(x.what()).find(what), std::string::npos) << x.what();
+    }
+  }
+}
+
 TEST(Muon, RanksWithDifferentParametersFailClearly) {
   auto errors = run_local_ranks_collect(2, [](Comm& comm) {
     std::vector<MuonParamGeometry> geo{{"w", {4, comm.rank() == 0 ? 6 : 5}, 0, 0, 5}};
     MuonLayout layout(&comm, geo);
   });
-  for (const auto& e : errors) {
-    ASSERT_TRUE(e);
-    try {
-      std::rethrow_exception(e);
-    } catch (const std::invalid_argument& x) {
-      EXPECT_NE(std::string(x.what()).find("different parameter list"), std::string::npos) << x.what();
-    }
-  }
+  expect_every_rank_refused(errors, "different parameter list");
 }
 
 TEST(Muon, ReplicatedTensorsAreRefused) {
   auto errors = run_local_ranks_collect(2, [](Comm& comm) {
     MuonLayout layout(&comm, {{"w", {4, 6}, 0, 24, 5}});  // both ranks claim everything
   });
-  for (const auto& e : errors) {
-    ASSERT_TRUE(e);
-    try {
-      std::rethrow_exception(e);
-    } catch (const std::invalid_argument& x) {
-      EXPECT_NE(std::string(x.what()).find("do not tile"), std::string::npos) << x.what();
-    }
-  }
+  expect_every_rank_refused(errors, "do not tile");
 }
 
 TEST(Muon, NanGradientOnOneRankStopsEveryRankBeforeAnyChange) {

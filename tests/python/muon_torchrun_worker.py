@@ -92,13 +92,7 @@ def main():
         t = loss.detach().clone()
         dist.all_reduce(t)
         losses.append(t.item() / world)
-    params = {}
-    for name, p in model.named_parameters():
-        info = rfsdp.shard_info(p)
-        rows = torch.zeros(info.full_rows, info.row_len)
-        rows[info.row_begin:info.row_end] = p.detach().reshape(-1, info.row_len)
-        dist.all_reduce(rows)
-        params[name] = rows.reshape(info.global_shape)
+    params = rfsdp.full_parameters(model)
     moved = torch.tensor([float(opt.layout.gather_send_elems())])
     dist.all_reduce(moved)
     if rank == 0:

@@ -112,13 +112,7 @@ def worker(rank, world, seed, init_file, out_file, reshard):
         dist.all_reduce(t)
         losses.append(t.item() / world)
     # Gather the full parameters by name: shards -> rows of the global tensors.
-    params = {}
-    for name, p in model.named_parameters():
-        info = rfsdp.shard_info(p)
-        rows = torch.zeros(info.full_rows, info.row_len)
-        rows[info.row_begin:info.row_end] = p.detach().reshape(-1, info.row_len)
-        dist.all_reduce(rows)
-        params[name] = rows.reshape(info.global_shape)
+    params = rfsdp.full_parameters(model)
     if rank == 0:
         torch.save({"losses": losses, "params": params, "fwd": fwd_seen, "bwd": bwd_seen,
                     "bwd_freed": bwd_freed}, out_file)
