@@ -251,10 +251,11 @@ void muon_step(Comm* comm, const MuonLayout& layout, const std::vector<at::Tenso
   for (size_t i = 0; i < P; ++i) {
     const int64_t n = geo[i].elem_end - geo[i].elem_begin;
     for (const at::Tensor* t : {&params[i], &grads[i], &momenta[i]}) {
-      if (t->scalar_type() != at::kFloat || !t->is_contiguous() || t->numel() != n) {
+      if (t->scalar_type() != at::kFloat || !t->is_contiguous() || t->numel() != n ||
+          t->device() != params[0].device()) {
         throw std::invalid_argument("muon_step: parameter '" + geo[i].name + "': param, grad and "
                                     "momentum must be contiguous float32 of its shard's " +
-                                    std::to_string(n) + " elements");
+                                    std::to_string(n) + " elements, all on one device");
       }
     }
   }
@@ -279,8 +280,10 @@ void muon_step(Comm* comm, const MuonLayout& layout, const std::vector<at::Tenso
   const auto& send_splits = layout.send_splits();
   const auto& recv_splits = layout.recv_splits();
   // 2. Gather: to each root, this rank's pieces of its matrices (by root, then matrix).
-  at::Tensor send = at::empty({layout.gather_send_elems()}, at::kFloat);
-  at::Tensor recv = at::empty({layout.gather_recv_elems()}, at::kFloat);
+  // Buffers live where the shards do (NCCL needs them on the GPU).
+  const at::TensorOptions opts = P ? params[0].options() : at::TensorOptions(at::kFloat);
+  at::Tensor send = at::empty({layout.gather_send_elems()}, opts);
+  at::Tensor recv = at::empty({layout.gather_recv_elems()}, opts);
   {
     auto pos = offsets_of(send_splits);
     for (size_t k = 0; k < mats.size(); ++k) {
@@ -293,8 +296,8 @@ void muon_step(Comm* comm, const MuonLayout& layout, const std::vector<at::Tenso
   }
   if (comm && world > 1) comm->all_to_all(recv, send, recv_splits, send_splits).wait();
   // 3. Newton–Schulz on this rank's roots; 4. scatter the pieces back.
-  at::Tensor back_send = at::empty({layout.gather_recv_elems()}, at::kFloat);
-  at::Tensor back_recv = at::empty({layout.gather_send_elems()}, at::kFloat);
+  at::Tensor back_send = at::empty({layout.gather_recv_elems()}, opts);
+  at::Tensor back_recv = at::empty({layout.gather_send_elems()}, opts);
   std::vector<std::pair<size_t, at::Tensor>> own;  // (matrix, orthogonalised) rooted here
   {
     auto from = offsets_of(recv_splits);
@@ -302,7 +305,7 @@ void muon_step(Comm* comm, const MuonLayout& layout, const std::vector<at::Tenso
     for (size_t k = 0; k < mats.size(); ++k) {
       const MuonMatrix& mat = mats[k];
       if (mat.root != me) continue;
-      at::Tensor full = at::empty({mat.rows * mat.cols}, at::kFloat);
+      at::Tensor full = at::empty({mat.rows * mat.cols}, opts);
       for (int s = 0; s < world; ++s) {
         const auto pc = layout.piece(k, s);
         const int64_t n = pc.second - pc.first;
@@ -354,11 +357,15 @@ void muon_step(Comm* comm, const MuonLayout& layout, const std::vector<at::Tenso
 bool all_ranks_finite(Comm* comm, const std::vector<at::Tensor>& tensors) {
   float bad = 0.0f;
   for (const auto& t : tensors) {
-    const at::Tensor c = t.contiguous().to(at::kFloat);
-    if (!quant::cpu::all_finite(c.data_ptr<float>(), c.numel())) bad = 1.0f;
+    if (t.device().is_cpu() && t.scalar_type() == at::kFloat && t.is_contiguous()) {
+      if (!quant::cpu::all_finite(t.data_ptr<float>(), t.numel())) bad = 1.0f;
+    } else if (!at::isfinite(t).all().item<bool>()) {
+      bad = 1.0f;
+    }
   }
   if (comm && comm->size() > 1) {
-    at::Tensor flag = at::full({1}, bad, at::kFloat);
+    const at::Device dev = tensors.empty() ? at::Device(at::kCPU) : tensors[0].device();
+    at::Tensor flag = at::full({1}, bad, at::TensorOptions(at::kFloat).device(dev));
     comm->all_reduce(flag, ReduceOp::Sum).wait();
     bad = flag.item<float>();
   }
