@@ -129,10 +129,17 @@ def run(name, args, train, val, rank, world):
                  for x, y in (next(vdata) for _ in range(args.val_batches))) / args.val_batches
     state = sum(t.numel() * t.element_size() for s in opt.state.values() for t in s.values()
                 if torch.is_tensor(t))
+    note = ""
+    if name == "muon":  # how the roots balance Newton–Schulz, and what a step moves
+        sent = torch.tensor([float(opt.layout.gather_send_elems())])
+        dist.all_reduce(sent, op=dist.ReduceOp.MAX)
+        note = ("Newton-Schulz flops per rank: max/mean %.3f; gather moves at most %.2f MiB per "
+                "rank per step (and the scatter as much back)"
+                % (opt.layout.flop_imbalance(), sent.item() * 4 / 2 ** 20))
     return dict(name=name, params=n_params, train=sum(curve[-10:]) / len(curve[-10:]),
                 val=mean_over_ranks(vl), tps=tokens / elapsed, curve=curve,
                 peak_mib=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
-                state_bytes=state)
+                state_bytes=state, note=note)
 
 
 def main():
@@ -171,6 +178,9 @@ def main():
             print("%-10s %7.2fM %10.4f %10.4f %10.0f %12.0f %13.2fM" % (
                 r["name"], r["params"] / 1e6, r["train"], r["val"], r["tps"], r["peak_mib"],
                 r["state_bytes"] / 2 ** 20))
+        for r in results:
+            if r["note"]:
+                print("%s: %s" % (r["name"], r["note"]))
         try:
             import matplotlib
             matplotlib.use("Agg")
