@@ -63,6 +63,13 @@ const rfsdp::quant::cpu::CodeLut& lut_of(const at::Tensor& code) {
   return *rfsdp::quant::code_lut(code);
 }
 
+// A Comm over a torch.distributed group, with a timeout in seconds as Python gives it.
+std::shared_ptr<rfsdp::Comm> make_comm(const c10::intrusive_ptr<c10d::ProcessGroup>& pg,
+                                       double timeout_seconds) {
+  return std::make_shared<rfsdp::Comm>(
+      pg, std::chrono::milliseconds(static_cast<int64_t>(timeout_seconds * 1000)));
+}
+
 // A Muon layout with the Comm its steps run over (none: one process, no group).
 struct MuonRunner {
   std::shared_ptr<rfsdp::Comm> comm;
@@ -82,8 +89,7 @@ PYBIND11_MODULE(_C, m) {
       .def(py::init([](c10::intrusive_ptr<c10d::ProcessGroup> pg, const rfsdp::Plan& plan,
                        const std::string& param_dtype, const std::string& reduce_dtype,
                        double timeout_seconds) {
-             auto comm = std::make_shared<rfsdp::Comm>(
-                 pg, std::chrono::milliseconds(static_cast<int64_t>(timeout_seconds * 1000)));
+             auto comm = make_comm(pg, timeout_seconds);
              return std::make_shared<rfsdp::FSDPUnit>(
                  comm, plan, rfsdp::MixedPrecision{dtype_of(param_dtype), dtype_of(reduce_dtype)});
            }),
@@ -135,9 +141,7 @@ PYBIND11_MODULE(_C, m) {
                        double timeout_seconds) {
              auto r = std::make_unique<MuonRunner>();
              if (!pg.is_none()) {
-               r->comm = std::make_shared<rfsdp::Comm>(
-                   pg.cast<c10::intrusive_ptr<c10d::ProcessGroup>>(),
-                   std::chrono::milliseconds(static_cast<int64_t>(timeout_seconds * 1000)));
+               r->comm = make_comm(pg.cast<c10::intrusive_ptr<c10d::ProcessGroup>>(), timeout_seconds);
              }
              std::vector<rfsdp::MuonParamGeometry> geo;
              for (const auto& [name, shape, b, e, steps] : params) geo.push_back({name, shape, b, e, steps});
