@@ -104,9 +104,10 @@ class _Unit:
         self.cast_to = mp.param_dtype if mp.cast_forward_inputs and mp.param_dtype != torch.float32 else None
         # Each unit's reduce-scatter starts as soon as its last gradient lands: a hook
         # on every full parameter's AccumulateGrad node (kept alive here; found at the
-        # first backward, when the storage is live) counts them. The reduce then
-        # overlaps the rest of backward, and the unit's gathered buffers go early.
-        # Units missing a gradient reduce at the end of backward.
+        # first backward, when the storage is live) counts them. The reduce runs
+        # while backward moves on (it is finished before the next unit allocates its
+        # gradient buffer), and the unit's gathered parameters go at once. Units
+        # missing a gradient reduce at the end of backward.
         self.grad_nodes = None
         self.grads_waiting = 0
         self.reduce_handle = None
