@@ -6,22 +6,14 @@
 #include <array>
 #include <cmath>
 #include <numeric>
-#include <sstream>
 #include <stdexcept>
 
+#include "core/ragged/tensor_spec.h"
 #include "quant/blockwise/cpu_kernels.h"
 
 namespace rfsdp {
 
 namespace {
-
-std::string shape_str(const std::vector<int64_t>& s) {
-  std::ostringstream o;
-  o << "[";
-  for (size_t i = 0; i < s.size(); ++i) o << (i ? ", " : "") << s[i];
-  o << "]";
-  return o.str();
-}
 
 int64_t numel_of(const std::vector<int64_t>& s) {
   return std::accumulate(s.begin(), s.end(), int64_t{1}, std::multiplies<int64_t>());
@@ -101,7 +93,7 @@ MuonLayout::MuonLayout(Comm* comm, std::vector<MuonParamGeometry> params)
   for (const auto& p : params_) {
     if (p.shape.size() < 2) {
       throw std::invalid_argument(
-          "Muon: parameter '" + p.name + "' has shape " + shape_str(p.shape) +
+          "Muon: parameter '" + p.name + "' has shape " + shape_to_string(p.shape) +
           ": Muon orthogonalises matrices (2-D weights, 3-D expert stacks); give 0-D and 1-D "
           "parameters (biases, norm weights) to AdamW (a use_muon=False group)");
     }
