@@ -67,6 +67,10 @@ struct Result {
   int64_t gather_copied = 0, reduce_copied = 0;
 };
 
+// The flat collectives' algorithms compared for the ragged unit (--algorithms).
+std::vector<std::pair<rfsdp::FlatAlgorithm, const char*>> kAlgorithms = {
+    {rfsdp::FlatAlgorithm::Native, "native"}, {rfsdp::FlatAlgorithm::PerRank, "per-rank"}};
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -79,8 +83,17 @@ int main(int argc, char** argv) {
       hidden = std::atoll(argv[++i]);
       kv = hidden / 4;
       ffn = hidden * 11 / 4;
+    } else if (!std::strcmp(argv[i], "--algorithms") && i + 1 < argc) {
+      const std::string a = argv[++i];
+      kAlgorithms.clear();
+      if (a.find("native") != std::string::npos) kAlgorithms.push_back({rfsdp::FlatAlgorithm::Native, "native"});
+      if (a.find("per-rank") != std::string::npos) kAlgorithms.push_back({rfsdp::FlatAlgorithm::PerRank, "per-rank"});
     } else {
-      std::fprintf(stderr, "usage: bench_collectives [--iters N] [--hidden H]\n");
+      kAlgorithms.clear();
+    }
+    if (kAlgorithms.empty()) {
+      std::fprintf(stderr, "usage: bench_collectives [--iters N] [--hidden H] "
+                           "[--algorithms native,per-rank]\n");
       return 2;
     }
   }
@@ -88,19 +101,24 @@ int main(int argc, char** argv) {
   const auto unit = llama_block(hidden, kv, ffn);
   const rfsdp::Plan plan = rfsdp::plan_unit(unit, m, 16);
   const Fsdp2Layout f2 = fsdp2_layout(unit, m);
-  Result ragged, fsdp2;
+  std::vector<Result> ragged(kAlgorithms.size());
+  Result fsdp2;
   std::mutex mu;
 
   rfsdp::run_local_ranks(m, [&](rfsdp::Comm& c) {
     auto comm = std::shared_ptr<rfsdp::Comm>(&c, [](rfsdp::Comm*) {});
     std::vector<at::Tensor> full;
     for (const auto& t : unit) full.push_back(at::randn(t.shape));
-    Result mine_r, mine_f;
+    std::vector<Result> mine_r(kAlgorithms.size());
+    Result mine_f;
 
-    // RaggedFSDP: in-place gather into the unit's buffer; reduce-scatter into the local slice.
+    // RaggedFSDP: in-place gather into the unit's buffer; reduce-scatter into the
+    // local slice; once per algorithm of the flat collectives.
     rfsdp::FSDPUnit u(comm, plan);
     u.shard(full);
+    for (size_t a = 0; a < kAlgorithms.size(); ++a)
     for (int it = 0; it < iters + 2; ++it) {
+      c.set_flat_algorithms(kAlgorithms[a].first, kAlgorithms[a].first);
       c.reset_stats();
       c.barrier().wait();
       auto t0 = Clock::now();
@@ -116,12 +134,13 @@ int main(int argc, char** argv) {
       u.reduce_grads().wait();
       const double r = ms_since(t0);
       if (it >= 2) {  // 2 warm-up rounds
-        mine_r.gather_ms.push_back(g);
-        mine_r.reduce_ms.push_back(r);
-        mine_r.gather_copied = gc;
-        mine_r.reduce_copied = c.stats().bytes_copied;
+        mine_r[a].gather_ms.push_back(g);
+        mine_r[a].reduce_ms.push_back(r);
+        mine_r[a].gather_copied = gc;
+        mine_r[a].reduce_copied = c.stats().bytes_copied;
       }
     }
+    c.set_flat_algorithms(rfsdp::FlatAlgorithm::Auto, rfsdp::FlatAlgorithm::Auto);
 
     // FSDP2-style: per-parameter chunks, copy-in / all-gather / copy-out; chunk-cat / reduce-scatter.
     std::vector<at::Tensor> local_chunks, params, grads;
@@ -206,14 +225,23 @@ int main(int argc, char** argv) {
   std::printf("ragged plan: S = %lld (padding %.3f%%); FSDP2 Shard(0): %lld per rank\n\n",
               static_cast<long long>(plan.shard_elems), 100 * plan.padding_fraction(),
               static_cast<long long>(f2.per_rank));
-  std::printf("%-14s | %12s %14s | %12s %14s\n", "path", "unshard ms", "copied MiB", "reduce ms",
-              "copied MiB");
-  std::printf("%-14s | %12.2f %14.2f | %12.2f %14.2f\n", "RaggedFSDP", median(ragged.gather_ms),
-              ragged.gather_copied * mb, median(ragged.reduce_ms), ragged.reduce_copied * mb);
-  std::printf("%-14s | %12.2f %14.2f | %12.2f %14.2f\n", "FSDP2-style", median(fsdp2.gather_ms),
-              fsdp2.gather_copied * mb, median(fsdp2.reduce_ms), fsdp2.reduce_copied * mb);
-  std::printf("%-14s | %12.2f %14s | %12.2f %14s\n", "FSDP2 / ragged",
-              median(fsdp2.gather_ms) / median(ragged.gather_ms), "",
-              median(fsdp2.reduce_ms) / median(ragged.reduce_ms), "");
+  std::printf("%-22s | %12s %14s | %12s %14s\n", "path", "unshard ms", "copied MiB",
+              "reduce ms", "copied MiB");
+  for (size_t a = 0; a < kAlgorithms.size(); ++a) {
+    const std::string name = std::string("RaggedFSDP ") + kAlgorithms[a].second;
+    std::printf("%-22s | %12.2f %14.2f | %12.2f %14.2f\n", name.c_str(),
+                median(ragged[a].gather_ms), ragged[a].gather_copied * mb,
+                median(ragged[a].reduce_ms), ragged[a].reduce_copied * mb);
+  }
+  std::printf("%-22s | %12.2f %14.2f | %12.2f %14.2f\n", "FSDP2-style (auto)",
+              median(fsdp2.gather_ms), fsdp2.gather_copied * mb, median(fsdp2.reduce_ms),
+              fsdp2.reduce_copied * mb);
+  std::printf("\nratios to RaggedFSDP per-rank (time):\n");
+  const Result& base = ragged.back();
+  for (size_t a = 0; a + 1 < kAlgorithms.size(); ++a) {
+    std::printf("  %-20s  unshard %.2fx  reduce %.2fx\n", kAlgorithms[a].second,
+                median(ragged[a].gather_ms) / median(base.gather_ms),
+                median(ragged[a].reduce_ms) / median(base.reduce_ms));
+  }
   return 0;
 }

@@ -63,11 +63,39 @@ const rfsdp::quant::cpu::CodeLut& lut_of(const at::Tensor& code) {
   return *rfsdp::quant::code_lut(code);
 }
 
-// A Comm over a torch.distributed group, with a timeout in seconds as Python gives it.
+// A Comm over a torch.distributed group, with a timeout in seconds as Python
+// gives it. Destroying it may destroy the group, whose Gloo worker threads can
+// need the GIL to free Python-owned tensors while it joins them: the GIL is
+// released for that.
 std::shared_ptr<rfsdp::Comm> make_comm(const c10::intrusive_ptr<c10d::ProcessGroup>& pg,
                                        double timeout_seconds) {
-  return std::make_shared<rfsdp::Comm>(
-      pg, std::chrono::milliseconds(static_cast<int64_t>(timeout_seconds * 1000)));
+  return std::shared_ptr<rfsdp::Comm>(
+      new rfsdp::Comm(pg, std::chrono::milliseconds(static_cast<int64_t>(timeout_seconds * 1000))),
+      [](rfsdp::Comm* c) {
+        if (PyGILState_Check()) {
+          py::gil_scoped_release release;
+          delete c;
+        } else {
+          delete c;
+        }
+      });
+}
+
+rfsdp::FlatAlgorithm flat_algorithm(const std::string& name) {
+  if (name == "auto") return rfsdp::FlatAlgorithm::Auto;
+  if (name == "native") return rfsdp::FlatAlgorithm::Native;
+  if (name == "per-rank") return rfsdp::FlatAlgorithm::PerRank;
+  throw std::invalid_argument("flat collective algorithm must be \"auto\", \"native\" or "
+                              "\"per-rank\", got \"" + name + "\"");
+}
+
+py::dict stats_dict(const rfsdp::CommStats& s) {
+  return py::dict(py::arg("collectives") = s.collectives, py::arg("fallbacks") = s.fallbacks,
+                  py::arg("gathers_native") = s.gathers_native,
+                  py::arg("gathers_per_rank") = s.gathers_per_rank,
+                  py::arg("reduce_scatters_native") = s.reduce_scatters_native,
+                  py::arg("reduce_scatters_per_rank") = s.reduce_scatters_per_rank,
+                  py::arg("bytes_sent") = s.bytes_sent, py::arg("bytes_copied") = s.bytes_copied);
 }
 
 // A Muon layout with the Comm its steps run over (none: one process, no group).
@@ -85,16 +113,32 @@ PYBIND11_MODULE(_C, m) {
       .def("wait", &rfsdp::CommHandle::wait, py::call_guard<py::gil_scoped_release>())
       .def("done", &rfsdp::CommHandle::done);
 
+  py::class_<rfsdp::Comm, std::shared_ptr<rfsdp::Comm>>(m, "Comm")
+      .def(py::init(&make_comm), py::arg("process_group"), py::arg("timeout_seconds") = 300.0)
+      .def("rank", &rfsdp::Comm::rank)
+      .def("size", &rfsdp::Comm::size)
+      .def("backend_name", &rfsdp::Comm::backend_name)
+      .def("close", &rfsdp::Comm::close, py::call_guard<py::gil_scoped_release>())
+      .def("closed", &rfsdp::Comm::closed)
+      .def("set_flat_algorithms", [](rfsdp::Comm& c, const std::string& gather,
+                                     const std::string& reduce_scatter) {
+             c.set_flat_algorithms(flat_algorithm(gather), flat_algorithm(reduce_scatter));
+           }, py::arg("gather"), py::arg("reduce_scatter"))
+      .def("flat_algorithms", [](const rfsdp::Comm& c) {
+             return py::make_tuple(rfsdp::to_string(c.gather_algorithm()),
+                                   rfsdp::to_string(c.reduce_scatter_algorithm()));
+           })
+      .def("stats", [](const rfsdp::Comm& c) { return stats_dict(c.stats()); })
+      .def("reset_stats", &rfsdp::Comm::reset_stats);
+
   py::class_<rfsdp::FSDPUnit, std::shared_ptr<rfsdp::FSDPUnit>>(m, "FSDPUnit")
-      .def(py::init([](c10::intrusive_ptr<c10d::ProcessGroup> pg, const rfsdp::Plan& plan,
-                       const std::string& param_dtype, const std::string& reduce_dtype,
-                       double timeout_seconds) {
-             auto comm = make_comm(pg, timeout_seconds);
+      .def(py::init([](std::shared_ptr<rfsdp::Comm> comm, const rfsdp::Plan& plan,
+                       const std::string& param_dtype, const std::string& reduce_dtype) {
              return std::make_shared<rfsdp::FSDPUnit>(
-                 comm, plan, rfsdp::MixedPrecision{dtype_of(param_dtype), dtype_of(reduce_dtype)});
+                 std::move(comm), plan,
+                 rfsdp::MixedPrecision{dtype_of(param_dtype), dtype_of(reduce_dtype)});
            }),
-           py::arg("process_group"), py::arg("plan"), py::arg("param_dtype"),
-           py::arg("reduce_dtype"), py::arg("timeout_seconds") = 300.0)
+           py::arg("comm"), py::arg("plan"), py::arg("param_dtype"), py::arg("reduce_dtype"))
       .def("shard", &rfsdp::FSDPUnit::shard)
       // Calls that enqueue collectives release the GIL: a Gloo worker thread may need it
       // to free a Python-owned tensor of an earlier collective while holding the work
@@ -117,12 +161,7 @@ PYBIND11_MODULE(_C, m) {
              const auto r = u.shard_range(i);
              return py::make_tuple(r.row_begin, r.row_end);
            })
-      .def("stats", [](rfsdp::FSDPUnit& u) {
-             const auto s = u.comm().stats();
-             return py::dict(py::arg("collectives") = s.collectives, py::arg("fallbacks") = s.fallbacks,
-                             py::arg("bytes_sent") = s.bytes_sent,
-                             py::arg("bytes_copied") = s.bytes_copied);
-           });
+      .def("stats", [](rfsdp::FSDPUnit& u) { return stats_dict(u.comm().stats()); });
 
   m.def("clip_grad_norm", [](const std::vector<std::shared_ptr<rfsdp::FSDPUnit>>& units,
                              double max_norm, bool error_if_nonfinite) {
@@ -135,21 +174,18 @@ PYBIND11_MODULE(_C, m) {
   // Muon: params [(name, full shape, elem_begin, elem_end, ns_steps)]; hyper per
   // parameter (lr, momentum, weight_decay, nesterov, adjust_lr).
   py::class_<MuonRunner>(m, "MuonLayout")
-      .def(py::init([](const py::object& pg,
+      .def(py::init([](std::shared_ptr<rfsdp::Comm> comm,
                        const std::vector<std::tuple<std::string, std::vector<int64_t>, int64_t,
-                                                    int64_t, int>>& params,
-                       double timeout_seconds) {
+                                                    int64_t, int>>& params) {
              auto r = std::make_unique<MuonRunner>();
-             if (!pg.is_none()) {
-               r->comm = make_comm(pg.cast<c10::intrusive_ptr<c10d::ProcessGroup>>(), timeout_seconds);
-             }
+             r->comm = std::move(comm);  // None: one process
              std::vector<rfsdp::MuonParamGeometry> geo;
              for (const auto& [name, shape, b, e, steps] : params) geo.push_back({name, shape, b, e, steps});
              py::gil_scoped_release release;  // collective
              r->layout = std::make_unique<rfsdp::MuonLayout>(r->comm.get(), std::move(geo));
              return r;
            }),
-           py::arg("process_group"), py::arg("params"), py::arg("timeout_seconds") = 300.0)
+           py::arg("comm"), py::arg("params"))
       .def("matrices", [](const MuonRunner& r) {
              py::list out;
              for (const auto& x : r.layout->matrices()) {

@@ -1,14 +1,12 @@
-// The one place where torch 1.13 and torch 2.x differ for this project's c10d use.
-//
-// torch 1.13 (Debian): ProcessGroupGloo *is* a ProcessGroup.
-// torch 2.x: ProcessGroupGloo is a Backend; a ProcessGroup holds backends per device type.
+// How this project builds c10d process groups in C++ (torch 2.x): a
+// ProcessGroup that dispatches one device type's tensors to one backend.
+// Python users pass their own torch.distributed group instead.
 #pragma once
 
 #include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
 #include <torch/csrc/distributed/c10d/ProcessGroupGloo.hpp>
 #include <torch/csrc/distributed/c10d/Store.hpp>
 #include <torch/csrc/distributed/c10d/Work.hpp>
-#include <torch/version.h>
 
 #include <chrono>
 #include <string>
@@ -24,8 +22,7 @@ namespace rfsdp::compat {
 
 using Work = c10d::Work;
 
-#if TORCH_VERSION_MAJOR >= 2
-// torch 2.x: a ProcessGroup that dispatches `device`'s tensors to `backend`.
+// A ProcessGroup that dispatches `device`'s tensors to `backend`.
 inline c10::intrusive_ptr<c10d::ProcessGroup> group_of(
     const c10::intrusive_ptr<c10d::Store>& store, int rank, int size,
     c10d::ProcessGroup::BackendType type, c10::DeviceType device,
@@ -35,7 +32,6 @@ inline c10::intrusive_ptr<c10d::ProcessGroup> group_of(
   pg->setBackend(device, type, backend);
   return pg;
 }
-#endif
 
 // A Gloo process group over `store` (one per rank; ranks may be threads of one process).
 inline c10::intrusive_ptr<c10d::ProcessGroup> make_gloo_group(
@@ -43,12 +39,8 @@ inline c10::intrusive_ptr<c10d::ProcessGroup> make_gloo_group(
     std::chrono::milliseconds timeout, const std::string& hostname = "127.0.0.1") {
   auto opts = c10d::ProcessGroupGloo::Options::create(timeout);
   opts->devices.push_back(c10d::ProcessGroupGloo::createDeviceForHostname(hostname));
-#if TORCH_VERSION_MAJOR >= 2
   return group_of(store, rank, size, c10d::ProcessGroup::BackendType::GLOO, c10::DeviceType::CPU,
                   c10::make_intrusive<c10d::ProcessGroupGloo>(store, rank, size, opts));
-#else
-  return c10::make_intrusive<c10d::ProcessGroupGloo>(store, rank, size, opts);
-#endif
 }
 
 #if defined(RFSDP_WITH_NCCL)
@@ -58,12 +50,8 @@ inline c10::intrusive_ptr<c10d::ProcessGroup> make_nccl_group(
     std::chrono::milliseconds timeout) {
   auto opts = c10d::ProcessGroupNCCL::Options::create();
   opts->timeout = timeout;
-#if TORCH_VERSION_MAJOR >= 2
   return group_of(store, rank, size, c10d::ProcessGroup::BackendType::NCCL, c10::DeviceType::CUDA,
                   c10::make_intrusive<c10d::ProcessGroupNCCL>(store, rank, size, opts));
-#else
-  return c10::make_intrusive<c10d::ProcessGroupNCCL>(store, rank, size, opts);
-#endif
 }
 
 inline int cuda_device_count() { return static_cast<int>(c10::cuda::device_count()); }

@@ -1,9 +1,10 @@
 // Comm: the collectives FSDP units and optimizers need, over a c10d::ProcessGroup
 // (a user's torch.distributed group works as is: Gloo on CPU, NCCL on GPU).
 //
-// Where the backend lacks an operation (Gloo in torch 1.13 has no flat
-// all-gather and no reduce-scatter), Comm uses a correct equivalent built from
-// operations it has, and counts it in CommStats.
+// The two flat collectives FSDP lives on run either as the backend's own
+// operation or as one in-place operation per rank (broadcasts for the gather,
+// reduces rooted at each slice's owner for the reduce-scatter), whichever is
+// faster on that backend (FlatAlgorithm); CommStats counts which ran.
 #pragma once
 
 #include <ATen/ATen.h>
@@ -21,12 +22,27 @@ namespace rfsdp {
 
 enum class ReduceOp { Sum, Avg };
 
+// How all_gather_flat / reduce_scatter_flat run.
+//  Native:  the backend's all_gather_into_tensor / reduce_scatter_tensor. NCCL
+//           runs both in place. Gloo (torch 2.x) stages both: its all-gather
+//           gathers into a scratch buffer and copies every slice out; its
+//           reduce-scatter clones the whole buffer and all-reduces it (twice a
+//           reduce-scatter's traffic), then copies the own slice out.
+//  PerRank: m in-place broadcasts (rank r's slice from rank r), or m in-place
+//           reduces (slice r rooted at rank r, then the own slice copied out).
+//  Auto:    the faster of the two for the backend, as bench_collectives
+//           measured it (see Comm::resolve).
+enum class FlatAlgorithm { Auto, Native, PerRank };
+const char* to_string(FlatAlgorithm a);
+
 // What Comm did, for benches and tests. Bytes are per rank.
 struct CommStats {
-  int64_t collectives = 0;     // operations issued (a fallback counts each piece)
-  int64_t fallbacks = 0;       // operations served by a fallback instead of the backend's own
+  int64_t collectives = 0;     // operations issued (a per-rank algorithm counts each piece)
+  int64_t fallbacks = 0;       // flat collectives run per rank instead of natively
+  int64_t gathers_native = 0, gathers_per_rank = 0;                  // all_gather_flat calls
+  int64_t reduce_scatters_native = 0, reduce_scatters_per_rank = 0;  // reduce_scatter_flat calls
   int64_t bytes_sent = 0;      // payload this rank contributed (see each op)
-  int64_t bytes_copied = 0;    // bytes copied by Comm itself, or by the backend for a fallback
+  int64_t bytes_copied = 0;    // bytes copied by Comm, or by the backend's staging (Gloo)
 };
 
 // A handle to wait on. wait() finishes the operation (fallback copy-outs,
@@ -76,7 +92,14 @@ class Comm {
   std::chrono::milliseconds timeout() const { return timeout_; }
   void set_timeout(std::chrono::milliseconds t) { timeout_ = t; }
   const c10::intrusive_ptr<c10d::ProcessGroup>& process_group() const { return pg_; }
-  std::string backend_name() const;
+  const std::string& backend_name() const { return backend_name_; }
+
+  // Drops this Comm's reference to the process group (later collectives are an
+  // error saying so). A Gloo group's worker threads end when its last reference
+  // goes: rfsdp's Python package closes its Comms at interpreter exit, before
+  // Python stops serving those threads the GIL they may need.
+  void close();
+  bool closed() const { return !pg_; }
 
   // buffer: m*S elements, contiguous. Rank r's slice [r*S, (r+1)*S) is its
   // input; `local` (S elements) may be given as the input instead of the slice
@@ -98,10 +121,11 @@ class Comm {
   CommHandle broadcast(const at::Tensor& t, int root);
   CommHandle barrier();
 
-  // Whether the backend has the flat all-gather and the reduce-scatter (known
-  // after the first call of each; before, assumed true).
-  bool native_all_gather() const { return native_all_gather_; }
-  bool native_reduce_scatter() const { return native_reduce_scatter_; }
+  // The algorithms the flat collectives use (Auto resolved for this backend).
+  // Every rank of a group must choose the same.
+  void set_flat_algorithms(FlatAlgorithm gather, FlatAlgorithm reduce_scatter);
+  FlatAlgorithm gather_algorithm() const { return gather_algo_; }
+  FlatAlgorithm reduce_scatter_algorithm() const { return reduce_scatter_algo_; }
 
   CommStats stats() const;
   void reset_stats();
@@ -110,12 +134,22 @@ class Comm {
   CommHandle make_handle(std::vector<c10::intrusive_ptr<compat::Work>> works,
                          std::function<void()> finish, const std::string& what);
   void check_flat(const at::Tensor& t, const char* what) const;
+  FlatAlgorithm resolve(FlatAlgorithm a, bool gather) const;
+  c10d::ProcessGroup& group() const;
+  CommHandle gather_per_rank(const at::Tensor& buffer, const at::Tensor& slice,
+                             const at::Tensor& input, int64_t S);
+  CommHandle reduce_scatter_per_rank(const at::Tensor& buffer, const at::Tensor& out,
+                                     std::function<void()> average, int64_t S);
 
   c10::intrusive_ptr<c10d::ProcessGroup> pg_;
   int rank_, size_;
+  std::string backend_name_;
   std::chrono::milliseconds timeout_;
-  bool native_all_gather_ = true, native_reduce_scatter_ = true;
+  bool gloo_ = false;
+  FlatAlgorithm gather_algo_ = FlatAlgorithm::Native, reduce_scatter_algo_ = FlatAlgorithm::Native;
   std::atomic<int64_t> collectives_{0}, fallbacks_{0}, bytes_sent_{0}, bytes_copied_{0};
+  std::atomic<int64_t> gathers_native_{0}, gathers_per_rank_{0};
+  std::atomic<int64_t> reduce_scatters_native_{0}, reduce_scatters_per_rank_{0};
 };
 
 }  // namespace rfsdp

@@ -1,5 +1,6 @@
 #include "core/comm/local_ranks.h"
 
+#include <ATen/Parallel.h>
 #include <torch/csrc/distributed/c10d/HashStore.hpp>
 
 #include <thread>
@@ -12,11 +13,18 @@ std::vector<std::exception_ptr> run_local_ranks_collect(int world,
   if (world < 1) throw std::invalid_argument("run_local_ranks: world must be >= 1");
   // A fresh store per run: Gloo's rendezvous keys must not meet an earlier run's.
   auto store = c10::make_intrusive<c10d::HashStore>();
+  // One intra-op thread per rank thread: a rank stands for a process with its
+  // own cores, and torch 2.11's OpenMP runtime entered from several threads at
+  // once corrupts the heap now and then ("malloc(): unaligned tcache chunk": 3
+  // runs in 60 of 60 reduce-scatters between barriers; 0 in 80 with one thread).
+  // OpenMP's thread count is per calling thread, so each rank thread sets its own.
+  const int intra_op_threads = at::get_num_threads();
   std::vector<std::exception_ptr> errors(world);
   std::vector<std::thread> threads;
   for (int r = 0; r < world; ++r) {
     threads.emplace_back([&, r] {
       try {
+        at::set_num_threads(1);
         Comm comm(compat::make_gloo_group(store, r, world, timeout), timeout);
         fn(comm);
       } catch (...) {
@@ -25,6 +33,7 @@ std::vector<std::exception_ptr> run_local_ranks_collect(int world,
     });
   }
   for (auto& t : threads) t.join();
+  at::set_num_threads(intra_op_threads);
   return errors;
 }
 

@@ -25,6 +25,7 @@ from torch import nn
 
 from . import _C
 from . import policy as policy_mod
+from ._comm import make_comm
 
 
 @dataclass(frozen=True)
@@ -79,7 +80,8 @@ class _Unit:
             specs.append((fqn, list(p.shape), 0 if g == policy_mod.WHOLE else g,
                           pol.row_dims(fqn, p) if p.dim() > 0 else 1, dtype_bytes))
         self.plan = _C.plan_specs(specs, pg.size(), 16)
-        self.unit = _C.FSDPUnit(pg, self.plan, str(mp.param_dtype).replace("torch.", ""),
+        self.comm = make_comm(pg)  # kept: rfsdp closes it at exit (see _comm)
+        self.unit = _C.FSDPUnit(self.comm, self.plan, str(mp.param_dtype).replace("torch.", ""),
                                 str(mp.reduce_dtype).replace("torch.", ""))
         # Every rank starts from rank 0's values: one all-reduce of rank 0's values
         # and zeros elsewhere (exact; one collective for the whole unit).

@@ -6,6 +6,7 @@ import torch
 import torch.distributed as dist
 
 from . import _C
+from ._comm import make_comm
 from .fsdp import shard_info
 
 
@@ -46,6 +47,18 @@ def _run_closure(closure):
         return closure()
 
 
+class _LoadsCopies:
+    """torch 2.x's Optimizer.load_state_dict keeps the given state tensors (no
+    copy). These optimizers update their state in place, so loading a live
+    optimizer's state_dict would share (and advance twice) its state: load copies."""
+
+    def load_state_dict(self, state_dict):
+        state_dict = dict(state_dict)
+        state_dict["state"] = {k: {n: v.clone() if torch.is_tensor(v) else v for n, v in s.items()}
+                               for k, s in state_dict["state"].items()}
+        super().load_state_dict(state_dict)
+
+
 def _check_grad_layout(name, g):
     if g.dtype != torch.float32 or not g.is_contiguous():
         raise ValueError("%s: gradients must be contiguous float32" % name)
@@ -70,7 +83,7 @@ def _adamw_update(p, state, group):
                   group["eps"], group["weight_decay"], int(state["step"]))
 
 
-class AdamW(torch.optim.Optimizer):
+class AdamW(_LoadsCopies, torch.optim.Optimizer):
     def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=1e-2):
         if lr < 0 or eps <= 0 or not (0 <= betas[0] < 1 and 0 <= betas[1] < 1) or weight_decay < 0:
             raise ValueError("AdamW: need lr >= 0, eps > 0, 0 <= betas < 1, weight_decay >= 0")
@@ -146,7 +159,7 @@ class AdamW8bit(AdamW):
                           int(state["step"]))
 
 
-class Muon(torch.optim.Optimizer):
+class Muon(_LoadsCopies, torch.optim.Optimizer):
     """Muon over ragged shards, with AdamW for the parameters outside Muon groups
     (as the reference Muon's MuonWithAuxAdam): groups with use_muon=False take
     AdamW's lr, betas, eps and weight_decay (defaults 3e-4, (0.9, 0.95), 1e-10, 0).
@@ -198,8 +211,8 @@ class Muon(torch.optim.Optimizer):
         self.ns_dtype = str(ns_dtype).replace("torch.", "")
         if process_group is None and dist.is_available() and dist.is_initialized():
             process_group = dist.group.WORLD
-        self.process_group = process_group
-        self.timeout_seconds = timeout_seconds
+        # The Comm, not the group object: rfsdp closes its Comms at exit (see _comm).
+        self.comm = None if process_group is None else make_comm(process_group, timeout_seconds)
         self.layout = self._build_layout()
 
     def _muon_params(self):
@@ -214,7 +227,7 @@ class Muon(torch.optim.Optimizer):
             else:
                 geo.append((info.name, list(info.global_shape), info.row_begin * info.row_len,
                             info.row_end * info.row_len, g["ns_steps"]))
-        return _C.MuonLayout(self.process_group, geo, self.timeout_seconds)
+        return _C.MuonLayout(self.comm, geo)
 
     def add_param_group(self, param_group):
         super().add_param_group(param_group)

@@ -111,30 +111,83 @@ TEST_P(CommWorld, AllReduceBroadcastBarrier) {
 
 INSTANTIATE_TEST_SUITE_P(Ranks, CommWorld, ::testing::Values(1, 2, 3, 4));
 
-TEST(Comm, FallbackCountersOnThisBackend) {
-  const int64_t S = 16;
-  run_local_ranks(2, [&](Comm& comm) {
-    at::Tensor buf = at::zeros({2 * S});
-    at::Tensor local = at::ones({S});
+// Both algorithms of the flat collectives give the same answer, and CommStats
+// counts which ran and what each copies.
+class CommAlgorithms : public ::testing::TestWithParam<std::tuple<int, FlatAlgorithm>> {};
+
+TEST_P(CommAlgorithms, FlatCollectivesMatchReferenceAndCountWhatRan) {
+  const auto [world, algo] = GetParam();
+  const int64_t S = 24;
+  const uint64_t seed = fresh_seed();
+  run_local_ranks(world, [&](Comm& comm) {
+    comm.set_flat_algorithms(algo, algo);
+    EXPECT_EQ(comm.gather_algorithm(), algo);
+    EXPECT_EQ(comm.reduce_scatter_algorithm(), algo);
+    const int r = comm.rank();
+    at::Tensor buf = at::zeros({world * S});
+    at::Tensor local = seeded_randn({S}, seed, r);
+    comm.reset_stats();
     comm.all_gather_flat(buf, local).wait();
-    at::Tensor out = at::zeros({S});
-    comm.reduce_scatter_flat(buf, out, ReduceOp::Sum).wait();
-    const CommStats st = comm.stats();
-    if (comm.native_all_gather() && comm.native_reduce_scatter()) {
-      // A backend with both native operations: no copy at all.
-      EXPECT_EQ(st.fallbacks, 0);
-      EXPECT_EQ(st.bytes_copied, 0);
-    } else {
-      // Gloo in torch 1.13 has neither: all-gather = 2 in-place broadcasts, after one
-      // copy of the local input into the rank's slice (S floats); reduce-scatter = 2
-      // reduces, then one copy out (S floats).
-      EXPECT_FALSE(comm.native_all_gather());
-      EXPECT_FALSE(comm.native_reduce_scatter());
-      EXPECT_EQ(st.fallbacks, 2);
-      EXPECT_EQ(st.collectives, 4);
-      EXPECT_EQ(st.bytes_copied, 2 * S * 4);
+    for (int k = 0; k < world; ++k) {
+      ASSERT_TRUE(at::equal(buf.narrow(0, k * S, S), seeded_randn({S}, seed, k))) << "slice " << k;
     }
-    EXPECT_EQ(st.bytes_sent, S * 4 + 2 * S * 4);
+    const CommStats g = comm.stats();
+    at::Tensor grads = seeded_randn({world * S}, seed, 100 + r), out = at::zeros({S});
+    comm.reset_stats();
+    comm.reduce_scatter_flat(grads, out, ReduceOp::Avg).wait();
+    at::Tensor want = at::zeros({world * S}, at::kDouble);
+    for (int k = 0; k < world; ++k) want += seeded_randn({world * S}, seed, 100 + k, at::kDouble);
+    want = (want / world).narrow(0, r * S, S);
+    ASSERT_TRUE(at::allclose(out.to(at::kDouble), want, 1e-6, 1e-6));
+    const CommStats rs = comm.stats();
+    const int64_t sb = S * 4;
+    EXPECT_EQ(g.bytes_sent, sb);
+    EXPECT_EQ(rs.bytes_sent, world * sb);
+    if (algo == FlatAlgorithm::PerRank) {
+      // m in-place broadcasts after one copy of the local input into the own slice;
+      // m reduces, then one copy of the own slice out.
+      EXPECT_EQ(g.gathers_per_rank, 1);
+      EXPECT_EQ(g.collectives, world);
+      EXPECT_EQ(g.bytes_copied, sb);
+      EXPECT_EQ(rs.reduce_scatters_per_rank, 1);
+      EXPECT_EQ(rs.collectives, world);
+      EXPECT_EQ(rs.bytes_copied, sb);
+      EXPECT_EQ(g.fallbacks + rs.fallbacks, 2);
+    } else {
+      // Gloo stages both: the gather copies the input in and every slice out, the
+      // reduce-scatter clones the buffer and copies the own slice out.
+      EXPECT_EQ(g.gathers_native, 1);
+      EXPECT_EQ(rs.reduce_scatters_native, 1);
+      EXPECT_EQ(g.collectives + rs.collectives, 2);
+      EXPECT_EQ(g.fallbacks + rs.fallbacks, 0);
+      EXPECT_EQ(g.bytes_copied, (world + 1) * sb);
+      EXPECT_EQ(rs.bytes_copied, (world + 1) * sb);
+    }
+  });
+}
+
+INSTANTIATE_TEST_SUITE_P(Worlds, CommAlgorithms,
+                         ::testing::Combine(::testing::Values(1, 2, 3),
+                                            ::testing::Values(FlatAlgorithm::Native,
+                                                              FlatAlgorithm::PerRank)));
+
+TEST(Comm, Bf16TravelsAndReducesOverGloo) {
+  const uint64_t seed = fresh_seed();
+  run_local_ranks(2, [&](Comm& comm) {
+    const int r = comm.rank();
+    const int64_t S = 40;
+    at::Tensor buf = at::zeros({2 * S}, at::kBFloat16);
+    comm.all_gather_flat(buf, seeded_randn({S}, seed, r).to(at::kBFloat16)).wait();
+    for (int k = 0; k < 2; ++k) {
+      ASSERT_TRUE(at::equal(buf.narrow(0, k * S, S), seeded_randn({S}, seed, k).to(at::kBFloat16)));
+    }
+    // Two ranks: the bf16 sum is the float sum rounded once.
+    at::Tensor t = seeded_randn({S}, seed, 10 + r).to(at::kBFloat16);
+    comm.all_reduce(t, ReduceOp::Sum).wait();
+    at::Tensor want = (seeded_randn({S}, seed, 10).to(at::kBFloat16).to(at::kFloat) +
+                       seeded_randn({S}, seed, 11).to(at::kBFloat16).to(at::kFloat))
+                          .to(at::kBFloat16);
+    ASSERT_TRUE(at::equal(t, want));
   });
 }
 

@@ -15,8 +15,3 @@ def build_dir():
 def zoo_dir():
     return os.path.join(ROOT, "bench", "zoo")
 
-
-# `import rfsdp` from the source tree (the extension is built next to the package).
-import sys  # noqa: E402
-
-sys.path.insert(0, os.path.join(ROOT, "python"))

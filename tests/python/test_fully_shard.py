@@ -224,8 +224,8 @@ def mp_worker(rank, world, seed, init_file, out_file, param_dtype):
     dist.destroy_process_group()
 
 
-# float16 compute has no CPU matmul in torch 1.13 ("addmm_impl_cpu_" not implemented).
-@pytest.mark.parametrize("world,param_dtype", [(1, torch.bfloat16), (2, torch.bfloat16)])
+@pytest.mark.parametrize("world,param_dtype", [(1, torch.bfloat16), (2, torch.bfloat16),
+                                               (2, torch.float16)])
 def test_mixed_precision_matches_low_precision_reference(world, param_dtype):
     """Forward and backward in param_dtype on gathered weights, gradients averaged
     over ranks in float32: the reference is the unsharded model cast to

@@ -105,8 +105,8 @@ def test_two_ranks_torchrun_match_reference(whole):
     seed = int(torch.randint(0, 2 ** 30, ()).item())
     with tempfile.TemporaryDirectory() as d:
         out = os.path.join(d, "out.pt")
-        cmd = ["/usr/bin/torchrun", "--standalone", "--nproc_per_node", "2", "--redirects", "1",
-               "--tee", "1", os.path.join(HERE, "muon_torchrun_worker.py"), "--seed", str(seed),
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node",
+               "2", os.path.join(HERE, "muon_torchrun_worker.py"), "--seed", str(seed),
                "--out", out] + (["--whole"] if whole else [])
         proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
         assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
