@@ -2,7 +2,7 @@
 byte-level tokens), fully sharded with rfsdp over torch.distributed (Gloo),
 comparing optimizers on the same data and seed.
 
-    torchrun --standalone --nproc_per_node 2 --redirects 1 --tee 1 examples/train_gpt.py --compare
+    torchrun --standalone --nproc_per_node 2 examples/train_gpt.py --compare
 
 Prints a progress line while training and, at the end, a table (final train and
 validation loss, tokens/s, peak memory and optimizer-state bytes per rank) and a
@@ -12,15 +12,13 @@ import glob
 import math
 import os
 import resource
-import sys
 import time
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "python"))
-import rfsdp  # noqa: E402
+import rfsdp
 
 OPTIMIZERS = ["adamw", "adamw8bit", "muon"]
 FORTUNES = "/usr/share/games/fortunes"
@@ -194,7 +192,7 @@ def main():
             plt.savefig(args.plot, dpi=100)
             print("loss curves: %s" % os.path.abspath(args.plot))
         except ImportError:
-            print("matplotlib missing: no plot (install python3-matplotlib)")
+            print("matplotlib missing: no plot (scripts/setup.sh installs it into the environment)")
     dist.destroy_process_group()
 
 

@@ -46,6 +46,8 @@ if ! cmp -s scripts/requirements.txt "$STAMP"; then
 fi
 
 BUILD_DIR=${RFSDP_BUILD_DIR:-build}
+# ccache keys on paths relative to the checkout: another clone reuses the cache.
+export CCACHE_BASEDIR="$ROOT"
 if [ ! -f "$BUILD_DIR/build.ninja" ] ||
    ! grep -qx "RFSDP_PYTHON_EXE:FILEPATH=$PY" "$BUILD_DIR/CMakeCache.txt"; then
   cmake -S . -B "$BUILD_DIR" -G Ninja -DCMAKE_BUILD_TYPE=Release -DRFSDP_PYTHON_EXE:FILEPATH="$PY" \

@@ -1,6 +1,8 @@
 """RaggedFSDP: fully sharded data parallelism with block-aligned ("ragged") shards.
 
-Build first (`bash scripts/setup.sh`), then `PYTHONPATH=python /usr/bin/python3 -c 'import rfsdp'`.
+Install with `pip install .` into an environment holding torch 2.x (the
+extension is built against that torch), or use the project's environment that
+`bash scripts/setup.sh` makes (~/.cache/rfsdp/venv, an editable install).
 """
 import torch  # noqa: F401  (loads libtorch before the extension)
 

@@ -3,15 +3,12 @@
 rest); rank 0 saves the per-step losses and the full parameters."""
 import argparse
 import math
-import os
-import sys
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "python"))
-import rfsdp  # noqa: E402
+import rfsdp
 
 STEPS = 8
 BATCH = 12

@@ -1,0 +1,438 @@
+"""RaggedFSDP beside the real anchors, in one run, on this machine (CPU, Gloo):
+
+ 1. rfsdp.fully_shard vs torch FSDP2 (torch.distributed.fsdp.fully_shard) vs
+    DistributedDataParallel, torch-style AdamW, on the main job's GPT at each
+    width: 2 ranks, each variant its own torchrun job (so each peak RSS is its
+    own), same seed, same data. Median step time (ratio to FSDP2), per-rank
+    parameter + gradient + optimizer-state bytes, peak RSS, bytes copied per step.
+ 2. rfsdp.optim.Muon vs torch.optim.Muon on 2-D matrices in one process, with
+    the knobs that make them one algorithm (below): largest parameter difference
+    over the steps, step time ratio; then rfsdp Muon sharded over 2 ranks.
+ 3. rfsdp.optim.AdamW8bit vs bitsandbytes' and torchao's 8-bit AdamW (and fp32
+    AdamW: torch's and rfsdp's) on the GPT in one process: optimizer-state bytes
+    per parameter, optimizer step time, loss after the same steps.
+
+    python bench/compare_anchors.py [--widths 256,512] [--steps 20] [--only fsdp,muon,8bit]
+
+bitsandbytes and torchao are the bench's optional set-up, not project
+dependencies: `--install-anchors` puts them (no dependencies: they use the
+project's torch) into ~/.cache/rfsdp/anchors, which only this bench reads.
+Without them their rows say "not installed"."""
+import argparse
+import json
+import math
+import os
+import resource
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.join(HERE, "..", "examples"))
+from train_gpt import GPT, batches, load_text  # noqa: E402
+
+import rfsdp  # noqa: E402
+
+ANCHORS_DIR = os.path.expanduser(os.environ.get("RFSDP_ANCHORS", "~/.cache/rfsdp/anchors"))
+ANCHOR_PINS = ["bitsandbytes==0.50.2", "torchao==0.18.0"]
+LR, BETAS, EPS, WD = 1e-3, (0.9, 0.999), 1e-8, 0.1
+MIB = 2 ** 20
+
+
+def tensor_bytes(t):
+    """Bytes a tensor holds: a DTensor's local shard; a tensor subclass's inner
+    tensors (torchao's 8-bit states are codes + scales behind a float32 face)."""
+    if hasattr(t, "to_local"):
+        t = t.to_local()
+    if hasattr(t, "__tensor_flatten__") and type(t) is not torch.Tensor \
+            and not isinstance(t, nn.Parameter):
+        names, _ = t.__tensor_flatten__()
+        return sum(tensor_bytes(getattr(t, n)) for n in names)
+    return t.numel() * t.element_size()
+
+
+def state_bytes(opt):
+    return sum(tensor_bytes(v) for s in opt.state.values() for v in s.values()
+               if torch.is_tensor(v) and v.dim() > 0)
+
+
+def median_ms(times):
+    return statistics.median(times) * 1e3
+
+
+# ---- 1. FSDP: rfsdp vs FSDP2 vs DDP -------------------------------------------------
+
+def fsdp2_copied_bytes(model, world):
+    """FSDP2's own copies per step, from its design (torch 2.11,
+    _fsdp_collectives): an all-gather copies each rank's padded Shard(0) chunks
+    into a send buffer and every parameter out of the gathered buffer; a
+    reduce-scatter copies the full gradients into the rank-major input
+    (chunk_cat). Gloo's native ops stage both: (m + 1) x the per-rank bytes each.
+    Blocks are gathered twice a step (forward, backward), the root once."""
+    total = 0
+    for mod in list(model.blocks) + [model]:
+        own = [p for n, p in mod.named_parameters(recurse=True)
+               if mod is not model or not n.startswith("blocks.")]
+        local = sum(math.ceil(p.shape[0] / world) * (p.numel() // p.shape[0]) * 4 for p in own)
+        full = sum(p.numel() * 4 for p in own)
+        gather = local + full + (world + 1) * local
+        reduce = world * local + (world + 1) * local
+        total += (2 if mod is not model else 1) * gather + reduce
+    return total
+
+
+def fsdp_worker(args):
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    torch.manual_seed(0)
+    model = GPT(args.dim, args.layers, args.heads, args.ctx)
+    n_params = sum(p.numel() for p in model.parameters())
+    copied, gathered_peak = None, [0]
+    if args.variant == "ddp":
+        copied = 2 * n_params * 4  # gradients into the buckets and back
+        model = nn.parallel.DistributedDataParallel(model)
+        opt = torch.optim.AdamW(model.parameters(), lr=LR, betas=BETAS, eps=EPS, weight_decay=WD)
+    elif args.variant == "fsdp2":
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.fsdp import fully_shard as fsdp2_fully_shard
+        copied = fsdp2_copied_bytes(model, world)
+        mesh = init_device_mesh("cpu", (world,))
+        for b in model.blocks:
+            fsdp2_fully_shard(b, mesh=mesh)
+        fsdp2_fully_shard(model, mesh=mesh)
+        opt = torch.optim.AdamW(model.parameters(), lr=LR, betas=BETAS, eps=EPS, weight_decay=WD)
+    else:
+        for b in model.blocks:
+            rfsdp.fully_shard(b)
+        rfsdp.fully_shard(model)
+        opt = rfsdp.optim.AdamW(model.parameters(), lr=LR, betas=BETAS, eps=EPS, weight_decay=WD)
+        units = rfsdp.fsdp.units(model)
+
+        def sample(*_):  # gathered parameter and gradient buffers live now
+            gathered_peak[0] = max(gathered_peak[0], sum(u.unit.gathered_bytes() for u in units))
+
+        for u_mod in model.modules():
+            if getattr(u_mod, "_rfsdp_unit", None):
+                u_mod.register_forward_pre_hook(sample)
+                u_mod.register_forward_hook(lambda m, a, out: out.register_hook(sample) and None)
+    data = batches(load_text(), args.batch, args.ctx, torch.Generator().manual_seed(rank))
+    times, losses = [], []
+    for step in range(args.warmup + args.steps):
+        x, y = next(data)
+        if args.variant == "rfsdp":
+            for u in units:
+                u.comm.reset_stats()
+        dist.barrier()
+        t0 = time.perf_counter()
+        loss = nn.functional.cross_entropy(model(x).view(-1, 256), y.view(-1))
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        times.append(time.perf_counter() - t0)
+        losses.append(loss.item())
+        if args.variant == "rfsdp":
+            copied = sum(u.comm.stats()["bytes_copied"] for u in units)
+    params = list(model.parameters())
+    grads = [p.grad for p in params if p.grad is not None]
+    mem = sum(tensor_bytes(p) for p in params) + sum(tensor_bytes(g) for g in grads) + state_bytes(opt)
+    if args.variant == "ddp":  # DDP's gradient buckets hold another copy of the gradients
+        mem += sum(tensor_bytes(g) for g in grads)
+    out = dict(variant=args.variant, dim=args.dim, params=n_params,
+               step_ms=median_ms(times[args.warmup:]), mem=mem, gathered=gathered_peak[0],
+               copied=copied, loss=losses[-1],
+               rss_mib=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024)
+    rows = [None] * world
+    dist.all_gather_object(rows, out)
+    if rank == 0:
+        with open(args.out, "w") as f:
+            json.dump(rows, f)
+    dist.destroy_process_group()
+    leave()
+
+
+def leave():
+    """Ends a worker. torch 2.11 can abort a process at exit when a Gloo worker
+    thread frees a finished collective's Python tensor while the interpreter
+    finalises (plain torch: 2 exits in 40; rfsdp guards its own groups, see
+    rfsdp._comm, but the FSDP2 and DDP workers have none): leave at once."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
+
+
+def torchrun(nproc, argv):
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node",
+           str(nproc), os.path.abspath(__file__)] + argv
+    proc = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    if proc.returncode != 0:
+        raise SystemExit("torchrun %s failed:\n%s" % (" ".join(argv), proc.stdout[-4000:]))
+
+
+def section_fsdp(args):
+    results = {}
+    variants = ("fsdp2", "rfsdp", "ddp")
+    with tempfile.TemporaryDirectory() as d:
+        for dim in args.widths:
+            for v in variants:
+                out = os.path.join(d, "%s_%d.json" % (v, dim))
+                torchrun(2, ["--worker", "fsdp", "--variant", v, "--dim", str(dim), "--out", out,
+                             "--steps", str(args.steps), "--warmup", str(args.warmup),
+                             "--batch", str(args.batch)])
+                with open(out) as f:
+                    results[v, dim] = json.load(f)
+    print("\n## 1. Sharded data parallelism: 2 ranks (Gloo, 1 thread each), GPT %d layers, "
+          "batch %d x %d tokens per rank, AdamW, median of %d steps"
+          % (args.layers, args.batch, args.ctx, args.steps))
+    print("%-6s %-6s %7s %9s %9s %12s %10s %12s %9s %12s %10s" % (
+        "width", "", "params", "step ms", "/ FSDP2", "p+g+s MiB", "/ FSDP2", "+gath. MiB",
+        "RSS MiB", "copied MiB", "last loss"))
+    for dim in args.widths:
+        base = results["fsdp2", dim]
+        base_ms = max(r["step_ms"] for r in base)
+        base_mem = max(r["mem"] for r in base)
+        for v in variants:
+            rows = results[v, dim]
+            ms = max(r["step_ms"] for r in rows)  # the slowest rank sets the pace
+            mem = max(r["mem"] for r in rows)
+            gath = max(r["mem"] + r["gathered"] for r in rows)
+            print("%-6d %-6s %6.2fM %9.1f %8.2fx %12.2f %9.0f%% %12s %9.0f %12.2f %10.4f" % (
+                dim, v, rows[0]["params"] / 1e6, ms, ms / base_ms, mem / MIB, 100 * mem / base_mem,
+                "%.2f" % (gath / MIB) if v == "rfsdp" else "-", max(r["rss_mib"] for r in rows),
+                max(r["copied"] for r in rows) / MIB, rows[0]["loss"]))
+    print("copied: rfsdp counted by its Comm (the per-rank Gloo collectives copy the local slice in "
+          "and the reduced slice out); FSDP2 and DDP computed from their designs (FSDP2: "
+          "all-gather copy-in/copy-out and reduce-scatter chunk-cat, plus Gloo's staging; DDP: "
+          "gradient buckets in and out). +gath.: with the most gathered-unit bytes live at once.")
+
+
+# ---- 2. Muon: rfsdp vs torch.optim.Muon ----------------------------------------------
+
+def muon_matrices(dim, layers, seed):
+    g = torch.Generator().manual_seed(seed)
+    shapes = [(3 * dim, dim), (dim, dim), (4 * dim, dim), (dim, 4 * dim)] * layers
+    return [torch.randn(s, generator=g) / math.sqrt(s[1]) for s in shapes]
+
+
+def section_muon(args):
+    # The same algorithm: torch.optim.Muon runs Newton-Schulz in bfloat16, so
+    # rfsdp's ns_dtype=torch.bfloat16; adjust_lr "original" (torch's default None);
+    # momentum 0.95 with Nesterov; 5 steps of the quintic (3.4445, -4.7750, 2.0315);
+    # decoupled weight decay p *= 1 - lr wd on both.
+    lr, wd, steps = 0.02, 0.01, 20
+    init = muon_matrices(args.muon_dim, 2, 1)
+    grads = [[torch.randn_like(w) for w in init] for _ in range(steps)]
+    pt = [nn.Parameter(w.clone()) for w in init]
+    pr = [nn.Parameter(w.clone()) for w in init]
+    ref = torch.optim.Muon(pt, lr=lr, weight_decay=wd, momentum=0.95, nesterov=True,
+                           ns_steps=5, adjust_lr_fn="original")
+    ours = rfsdp.optim.Muon(pr, lr=lr, weight_decay=wd, momentum=0.95, nesterov=True, ns_steps=5,
+                            adjust_lr="original", ns_dtype=torch.bfloat16)
+    t_ref, t_ours, worst, worst_update = [], [], 0.0, 0.0
+    for s in range(steps):
+        before = [p.detach().clone() for p in pt]
+        for ps, opt, times in ((pt, ref, t_ref), (pr, ours, t_ours)):
+            for p, g in zip(ps, grads[s]):
+                p.grad = g.clone()
+            t0 = time.perf_counter()
+            opt.step()
+            times.append(time.perf_counter() - t0)
+        for a, b, w0 in zip(pt, pr, before):
+            worst = max(worst, (a - b).abs().max().item())
+            worst_update = max(worst_update, ((a - w0) - (b - w0)).abs().max().item())
+    n = sum(w.numel() for w in init)
+    print("\n## 2. Muon: rfsdp.optim.Muon vs torch.optim.Muon, one process, %d matrices of a "
+          "width-%d GPT (%.2fM parameters), %d steps" % (len(init), args.muon_dim, n / 1e6, steps))
+    print("knobs that make them one algorithm: ns_dtype=torch.bfloat16 (torch's Newton-Schulz is "
+          "bf16), adjust_lr='original' (torch: adjust_lr_fn None/'original'), momentum 0.95, "
+          "nesterov, ns_steps 5, lr %.3g, weight_decay %.3g" % (lr, wd))
+    print("%-28s %12s" % ("", "value"))
+    print("%-28s %12.3g" % ("max |p_torch - p_rfsdp|", worst))
+    print("%-28s %12.3g" % ("max |update difference|", worst_update))
+    print("%-28s %12.2f" % ("torch step ms (median)", median_ms(t_ref[2:])))
+    print("%-28s %12.2f" % ("rfsdp step ms (median)", median_ms(t_ours[2:])))
+    print("%-28s %11.2fx" % ("rfsdp / torch", median_ms(t_ours[2:]) / median_ms(t_ref[2:])))
+    with tempfile.TemporaryDirectory() as d:
+        out = os.path.join(d, "muon.json")
+        torchrun(2, ["--worker", "muon", "--dim", str(args.muon_dim), "--out", out])
+        with open(out) as f:
+            rows = json.load(f)
+    r = rows[0]
+    print("rfsdp Muon sharded over 2 ranks (fully_shard, ragged roots): step %.2f ms (slowest rank, "
+          "median; %.2fx the one-process rfsdp step), %.2f MiB gathered per rank per step, "
+          "Newton-Schulz flop imbalance %.3f, max |p - one-process torch.optim.Muon| %.3g"
+          % (max(x["step_ms"] for x in rows), max(x["step_ms"] for x in rows) / median_ms(t_ours[2:]),
+             max(x["moved"] for x in rows) * 4 / MIB, r["imbalance"], r["worst"]))
+
+
+class _Matrices(nn.Module):
+    def __init__(self, mats):
+        super().__init__()
+        self.w = nn.ParameterList(nn.Parameter(m.clone()) for m in mats)
+
+
+def muon_worker(args):
+    """The section's matrices as one sharded unit on 2 ranks, stepped with the
+    same gradients as the one-process run; compared with torch.optim.Muon there."""
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo")
+    lr, wd, steps = 0.02, 0.01, 20
+    init = muon_matrices(args.dim, 2, 1)
+    torch.manual_seed(2)  # the same gradients on every rank
+    grads = [[torch.randn_like(w) for w in init] for _ in range(steps)]
+    model = _Matrices(init)
+    rfsdp.fully_shard(model, policy=rfsdp.policy.muon())
+    opt = rfsdp.optim.Muon(list(model.parameters()), lr=lr, weight_decay=wd,
+                           ns_dtype=torch.bfloat16)
+    pt = [nn.Parameter(w.clone()) for w in init]
+    ref = torch.optim.Muon(pt, lr=lr, weight_decay=wd, adjust_lr_fn="original")
+    times, worst = [], 0.0
+    for s in range(steps):
+        for p, g in zip(model.parameters(), grads[s]):
+            info = rfsdp.shard_info(p)
+            p.grad = g.reshape(info.full_rows, -1)[info.row_begin:info.row_end].reshape(p.shape).clone()
+        dist.barrier()
+        t0 = time.perf_counter()
+        opt.step()
+        times.append(time.perf_counter() - t0)
+        for p, g in zip(pt, grads[s]):
+            p.grad = g.clone()
+        ref.step()
+    full = rfsdp.full_parameters(model)
+    for i, p in enumerate(pt):
+        worst = max(worst, (full["w.%d" % i] - p.detach()).abs().max().item())
+    out = dict(step_ms=median_ms(times[2:]), moved=opt.layout.gather_send_elems(),
+               imbalance=opt.layout.flop_imbalance(), worst=worst)
+    rows = [None] * dist.get_world_size()
+    dist.all_gather_object(rows, out)
+    if dist.get_rank() == 0:
+        with open(args.out, "w") as f:
+            json.dump(rows, f)
+    dist.destroy_process_group()
+
+
+# ---- 3. 8-bit AdamW: rfsdp vs bitsandbytes vs torchao ---------------------------------
+
+def eight_bit_optimizers():
+    """name -> (factory or None, note). Block size 256 and 8-bit moments from 4096
+    elements everywhere (bitsandbytes' and torchao's defaults, rfsdp's settings)."""
+    if os.path.isdir(ANCHORS_DIR) and ANCHORS_DIR not in sys.path:
+        sys.path.append(ANCHORS_DIR)
+    opts = {
+        "torch AdamW (fp32)": (lambda ps: torch.optim.AdamW(ps, lr=LR, betas=BETAS, eps=EPS,
+                                                            weight_decay=WD), ""),
+        "rfsdp AdamW (fp32)": (lambda ps: rfsdp.optim.AdamW(ps, lr=LR, betas=BETAS, eps=EPS,
+                                                            weight_decay=WD), ""),
+        "rfsdp AdamW8bit": (lambda ps: rfsdp.optim.AdamW8bit(ps, lr=LR, betas=BETAS, eps=EPS,
+                                                             weight_decay=WD, block=256,
+                                                             min_8bit_size=4096), ""),
+    }
+    try:
+        import bitsandbytes as bnb
+        opts["bitsandbytes AdamW8bit"] = (
+            lambda ps: bnb.optim.AdamW8bit(ps, lr=LR, betas=BETAS, eps=EPS, weight_decay=WD,
+                                           min_8bit_size=4096), "bitsandbytes " + bnb.__version__)
+    except Exception as e:  # noqa: BLE001  (any import failure: say it in the table)
+        opts["bitsandbytes AdamW8bit"] = (None, "not available: %s" % str(e).split("\n")[0][:60])
+    try:
+        import torchao
+        from torchao.optim import AdamW8bit as AoAdamW8bit
+        opts["torchao AdamW8bit"] = (
+            lambda ps: AoAdamW8bit(ps, lr=LR, betas=BETAS, eps=EPS, weight_decay=WD, block_size=256),
+            "torchao " + torchao.__version__)
+    except Exception as e:  # noqa: BLE001
+        opts["torchao AdamW8bit"] = (None, "not available: %s" % str(e).split("\n")[0][:60])
+    return opts
+
+
+def section_8bit(args):
+    torch.set_num_threads(1)
+    text = load_text()
+    print("\n## 3. 8-bit AdamW, one process (1 thread), GPT width %d, %d layers, batch %d x %d, "
+          "%d steps, same seed and data (block 256; 8-bit from 4096 elements)"
+          % (args.dim8, args.layers, args.batch, args.ctx, args.steps8))
+    print("%-24s %12s %14s %12s %10s  %s" % ("optimizer", "state B/param", "step ms (opt)",
+                                             "/ rfsdp 8bit", "loss", "note"))
+    rows = []
+    for name, (make, note) in eight_bit_optimizers().items():
+        if make is None:
+            rows.append((name, None, None, None, note))
+            continue
+        torch.manual_seed(0)
+        model = GPT(args.dim8, args.layers, args.heads, args.ctx)
+        n = sum(p.numel() for p in model.parameters())
+        opt = make(list(model.parameters()))
+        data = batches(text, args.batch, args.ctx, torch.Generator().manual_seed(0))
+        times, loss = [], None
+        for _ in range(args.steps8):
+            x, y = next(data)
+            loss = nn.functional.cross_entropy(model(x).view(-1, 256), y.view(-1))
+            opt.zero_grad()
+            loss.backward()
+            t0 = time.perf_counter()
+            opt.step()
+            times.append(time.perf_counter() - t0)
+        rows.append((name, state_bytes(opt) / n, median_ms(times[3:]), loss.item(), note))
+    base = next(r[2] for r in rows if r[0] == "rfsdp AdamW8bit")
+    for name, bpp, ms, loss, note in rows:
+        if bpp is None:
+            print("%-24s %12s %14s %12s %10s  %s" % (name, "-", "-", "-", "-", note))
+        else:
+            print("%-24s %12.2f %14.2f %11.2fx %10.5f  %s" % (name, bpp, ms, ms / base, loss, note))
+    print("step ms: the optimizer step alone, median after 3 warm-up steps (torchao compiles its "
+          "step on the first call).")
+
+
+def install_anchors():
+    print("installing %s into %s (no dependencies: the project's torch is used)"
+          % (", ".join(ANCHOR_PINS), ANCHORS_DIR))
+    subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--disable-pip-version-check",
+                    "--no-deps", "--target", ANCHORS_DIR] + ANCHOR_PINS, check=True)
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--widths", default="256,512", help="GPT widths of section 1")
+    ap.add_argument("--layers", type=int, default=4)
+    ap.add_argument("--heads", type=int, default=4)
+    ap.add_argument("--ctx", type=int, default=128)
+    ap.add_argument("--batch", type=int, default=8, help="sequences per rank per step")
+    ap.add_argument("--steps", type=int, default=20)
+    ap.add_argument("--warmup", type=int, default=3)
+    ap.add_argument("--muon-dim", type=int, default=256)
+    ap.add_argument("--dim8", type=int, default=256, help="GPT width of section 3")
+    ap.add_argument("--steps8", type=int, default=30)
+    ap.add_argument("--only", default="fsdp,muon,8bit")
+    ap.add_argument("--install-anchors", action="store_true")
+    ap.add_argument("--worker", choices=["fsdp", "muon"], help=argparse.SUPPRESS)
+    ap.add_argument("--variant", choices=["rfsdp", "fsdp2", "ddp"], help=argparse.SUPPRESS)
+    ap.add_argument("--dim", type=int, default=256, help=argparse.SUPPRESS)
+    ap.add_argument("--out", help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    if args.worker == "fsdp":
+        return fsdp_worker(args)
+    if args.worker == "muon":
+        return muon_worker(args)
+    if args.install_anchors:
+        install_anchors()
+    args.widths = [int(w) for w in args.widths.split(",")]
+    cpu = next((line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo")
+                if line.startswith("model name")), "?")
+    print("torch %s, %s, %d cores" % (torch.__version__, cpu, os.cpu_count()))
+    only = set(args.only.split(","))
+    if "fsdp" in only:
+        section_fsdp(args)
+    if "muon" in only:
+        section_muon(args)
+    if "8bit" in only:
+        section_8bit(args)
+
+
+if __name__ == "__main__":
+    main()
