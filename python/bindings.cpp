@@ -8,6 +8,7 @@
 #include "core/ragged/plan_json.h"
 #include "fsdp/fsdp_unit.h"
 #include "fsdp/grad_clip.h"
+#include "optimizers/common/finite.h"
 #include "optimizers/muon/muon.h"
 #include "quant/blockwise/cpu_kernels.h"
 #include "core/ragged/planner.h"
@@ -147,6 +148,7 @@ PYBIND11_MODULE(_C, m) {
       .def("reshard", &rfsdp::FSDPUnit::reshard)
       .def("unsharded", &rfsdp::FSDPUnit::unsharded)
       .def("gathered_bytes", &rfsdp::FSDPUnit::gathered_bytes)
+      .def("bytes_cast", &rfsdp::FSDPUnit::bytes_cast)
       .def("prepare_grads", &rfsdp::FSDPUnit::prepare_grads)
       .def("reduce_grads", [](rfsdp::FSDPUnit& u, bool avg) {
              return u.reduce_grads(avg ? rfsdp::ReduceOp::Avg : rfsdp::ReduceOp::Sum);
@@ -211,11 +213,14 @@ PYBIND11_MODULE(_C, m) {
              py::gil_scoped_release release;  // collectives
              rfsdp::muon_step(r.comm.get(), *r.layout, params, grads, momenta, h, dt);
            })
-      .def("all_ranks_finite", [](MuonRunner& r, const std::vector<at::Tensor>& tensors) {
-             py::gil_scoped_release release;
-             return rfsdp::all_ranks_finite(r.comm.get(), tensors);
-           })
       .def("bytes_sent", [](const MuonRunner& r) { return r.comm ? r.comm->stats().bytes_sent : 0; });
+
+  // comm None: this process alone.
+  m.def("all_ranks_finite", [](std::shared_ptr<rfsdp::Comm> comm,
+                               const std::vector<at::Tensor>& tensors) {
+          py::gil_scoped_release release;  // collective
+          return rfsdp::all_ranks_finite(comm.get(), tensors);
+        }, py::arg("comm"), py::arg("tensors"));
 
   m.def("plan_specs", &plan_specs, py::arg("specs"), py::arg("world_size"),
         py::arg("align_bytes") = 16);
@@ -251,10 +256,6 @@ PYBIND11_MODULE(_C, m) {
                                       q2.data_ptr<uint8_t>(), a2.data_ptr<float>(), L,
                                       lut_of(code1), lut_of(code2),
                                       {float(lr), float(b1), float(b2), float(eps), float(wd), step});
-  });
-  m.def("all_finite", [](const at::Tensor& t) {
-    expect(t, at::kFloat, t.numel(), "tensor");
-    return rfsdp::quant::cpu::all_finite(t.data_ptr<float>(), t.numel());
   });
   m.def("num_blocks", [](const py::object& block, int64_t rows, int64_t row_len) {
     return rfsdp::quant::BlockLayout(block_shape(block), rows, row_len).num_blocks;

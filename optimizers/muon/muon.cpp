@@ -9,7 +9,7 @@
 #include <stdexcept>
 
 #include "core/ragged/tensor_spec.h"
-#include "quant/blockwise/cpu_kernels.h"
+#include "optimizers/common/finite.h"
 
 namespace rfsdp {
 
@@ -344,24 +344,6 @@ void muon_step(Comm* comm, const MuonLayout& layout, const std::vector<at::Tenso
     apply(k, pc, back_recv.narrow(0, pos[mats[k].root], n));
     pos[mats[k].root] += n;
   }
-}
-
-bool all_ranks_finite(Comm* comm, const std::vector<at::Tensor>& tensors) {
-  float bad = 0.0f;
-  for (const auto& t : tensors) {
-    if (t.device().is_cpu() && t.scalar_type() == at::kFloat && t.is_contiguous()) {
-      if (!quant::cpu::all_finite(t.data_ptr<float>(), t.numel())) bad = 1.0f;
-    } else if (!at::isfinite(t).all().item<bool>()) {
-      bad = 1.0f;
-    }
-  }
-  if (comm && comm->size() > 1) {
-    const at::Device dev = tensors.empty() ? at::Device(at::kCPU) : tensors[0].device();
-    at::Tensor flag = at::full({1}, bad, at::TensorOptions(at::kFloat).device(dev));
-    comm->all_reduce(flag, ReduceOp::Sum).wait();
-    bad = flag.item<float>();
-  }
-  return bad == 0.0f;
 }
 
 std::vector<MuonParamGeometry> Muon::geometry(const std::vector<ParamShard>& params, int ns_steps) {

@@ -101,9 +101,6 @@ void muon_step(Comm* comm, const MuonLayout& layout, const std::vector<at::Tenso
                const std::vector<at::Tensor>& grads, const std::vector<at::Tensor>& momenta,
                const std::vector<MuonHyper>& hyper, at::ScalarType ns_dtype = at::kFloat);
 
-// Whether every rank's tensors are all finite (one all-reduce when comm is set).
-bool all_ranks_finite(Comm* comm, const std::vector<at::Tensor>& tensors);
-
 struct MuonOptions {
   MuonHyper hyper;
   int ns_steps = 5;

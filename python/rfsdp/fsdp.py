@@ -200,9 +200,16 @@ class _Unit:
             if fp.grad is not None and fp.grad.data_ptr() != g_full.data_ptr():
                 g_full.copy_(fp.grad)  # mixed precision: gradient dtype != reduce dtype
             fp.grad = None
-        for i, sp in enumerate(self.sharded):
-            if sp.grad is None:  # the optimizer zeroed it: start accumulating afresh
-                self.unit.local_grad(i).zero_()
+        # The optimizer's zero_grad set .grad to None: tell the unit (it owns "zeroed"),
+        # so the reduce-scatter writes straight into the local gradient slice instead
+        # of adding a scratch copy. Shards zeroed one by one are zeroed in place.
+        trained = [sp for sp in self.sharded if sp.requires_grad]
+        if trained and all(sp.grad is None for sp in trained):
+            self.unit.zero_grad()
+        else:
+            for i, sp in enumerate(self.sharded):
+                if sp.requires_grad and sp.grad is None:
+                    self.unit.local_grad(i).zero_()
         self.reduce_handle = self.unit.reduce_grads(True)
         self.unit.reshard()
         if self.schedule is not None:  # one reduce in flight: finish the one before

@@ -33,10 +33,21 @@ def _rows(p):
     return info.full_rows, info.row_len, info.row_begin, info.full_rows * info.row_len
 
 
-def _check_grad(name, g):
-    if not _C.all_finite(g):
-        raise RuntimeError("%s: a gradient holds NaN or Inf; the step was not taken (check the loss, "
-                           "lower the learning rate, or clip gradients)" % name)
+def _default_comm(process_group, timeout_seconds):
+    """The Comm an optimizer's cross-rank checks (and Muon's gathers) run over:
+    the given group, else torch.distributed's default group, else none (one process)."""
+    if process_group is None and dist.is_available() and dist.is_initialized():
+        process_group = dist.group.WORLD
+    return None if process_group is None else make_comm(process_group, timeout_seconds)
+
+
+def _check_all_finite(name, comm, grads):
+    """Every rank agrees (one all-reduce of a flag) before any state changes: a
+    rank that raised alone would leave the others waiting in the next collective."""
+    if not _C.all_ranks_finite(comm, grads):
+        raise RuntimeError("%s: a gradient on some rank holds NaN or Inf; the step was not taken "
+                           "on any rank (check the loss, lower the learning rate, or clip "
+                           "gradients)" % name)
 
 
 def _run_closure(closure):
@@ -84,11 +95,17 @@ def _adamw_update(p, state, group):
 
 
 class AdamW(_LoadsCopies, torch.optim.Optimizer):
-    def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=1e-2):
+    """torch.optim.AdamW's update over shards (or plain tensors). Collective: the
+    NaN/Inf check agrees across process_group's ranks (default: torch.distributed's
+    default group, none without one), so every rank builds it and steps together."""
+
+    def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=1e-2,
+                 process_group=None, timeout_seconds=300.0):
         if lr < 0 or eps <= 0 or not (0 <= betas[0] < 1 and 0 <= betas[1] < 1) or weight_decay < 0:
             raise ValueError("AdamW: need lr >= 0, eps > 0, 0 <= betas < 1, weight_decay >= 0")
         super().__init__(params, dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay))
         _check_params(type(self).__name__, self.param_groups)
+        self.comm = _default_comm(process_group, timeout_seconds)
 
     def _init_state(self, p, state):
         _init_adam_state(p, state)
@@ -102,7 +119,7 @@ class AdamW(_LoadsCopies, torch.optim.Optimizer):
         live = [(p, g) for g in self.param_groups for p in g["params"] if p.grad is not None]
         for p, _ in live:
             _check_grad_layout(type(self).__name__, p.grad)
-            _check_grad(type(self).__name__, p.grad)  # before any state changes
+        _check_all_finite(type(self).__name__, self.comm, [p.grad for p, _ in live])
         for p, group in live:
             _adam_state_step(p, self.state[p], self._init_state)
             self._update(p, self.state[p], group)
@@ -117,8 +134,8 @@ class AdamW8bit(AdamW):
     rfsdp.policy.blockwise_8bit(block)."""
 
     def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=1e-2,
-                 block=256, min_8bit_size=4096):
-        super().__init__(params, lr, betas, eps, weight_decay)
+                 block=256, min_8bit_size=4096, process_group=None, timeout_seconds=300.0):
+        super().__init__(params, lr, betas, eps, weight_decay, process_group, timeout_seconds)
         self.block = block if isinstance(block, int) else tuple(block)
         self.min_8bit_size = min_8bit_size
         self.code1 = _C.dynamic_map(True)
@@ -209,10 +226,8 @@ class Muon(_LoadsCopies, torch.optim.Optimizer):
         if ns_dtype not in (torch.float32, torch.bfloat16):
             raise ValueError("Muon: ns_dtype must be torch.float32 or torch.bfloat16")
         self.ns_dtype = str(ns_dtype).replace("torch.", "")
-        if process_group is None and dist.is_available() and dist.is_initialized():
-            process_group = dist.group.WORLD
         # The Comm, not the group object: rfsdp closes its Comms at exit (see _comm).
-        self.comm = None if process_group is None else make_comm(process_group, timeout_seconds)
+        self.comm = _default_comm(process_group, timeout_seconds)
         self.layout = self._build_layout()
 
     def _muon_params(self):
@@ -247,10 +262,7 @@ class Muon(_LoadsCopies, torch.optim.Optimizer):
         grads = [p.grad for p, _ in muon + aux]
         for g in grads:
             _check_grad_layout(type(self).__name__, g)
-        if not self.layout.all_ranks_finite(grads):  # every rank agrees, before any change
-            raise RuntimeError("Muon: a gradient on some rank holds NaN or Inf; the step was not "
-                               "taken on any rank (check the loss, lower the learning rate, or "
-                               "clip gradients)")
+        _check_all_finite(type(self).__name__, self.comm, grads)
         moms = []
         for p, _ in muon:
             state = self.state[p]

@@ -178,6 +178,40 @@ def test_misuse_errors(one_rank):
         rfsdp.fully_shard(two_devices)
 
 
+def test_reduce_goes_straight_into_zeroed_gradients(one_rank):
+    """After the optimizer zeroed the gradients, a unit's reduce-scatter writes into
+    the local gradient slice: nothing is added from a scratch slice (bytes_cast)
+    and the Comm copies the same bytes every step. Accumulating a second backward
+    adds exactly one slice per unit."""
+    model = Net()
+    for b in model.blocks:
+        rfsdp.fully_shard(b)
+    rfsdp.fully_shard(model)
+    opt = rfsdp.optim.AdamW(model.parameters(), lr=1e-2)
+    us = rfsdp.fsdp.units(model)
+    xs, ys = data(0)
+
+    def counts():
+        return (sum(u.unit.bytes_cast() for u in us),
+                sum(u.comm.stats()["bytes_copied"] for u in us))
+
+    per_step = []
+    for step in range(4):
+        before = counts()
+        opt.zero_grad()
+        nn.functional.mse_loss(model(xs[step]), ys[step]).backward()
+        opt.step()
+        after = counts()
+        assert after[0] == before[0], "step %d added a scratch slice" % step
+        per_step.append(after[1] - before[1])
+    assert len(set(per_step)) == 1, per_step  # the first step copies no more than the others
+    before = counts()
+    opt.zero_grad()
+    for step in range(2):
+        nn.functional.mse_loss(model(xs[step]), ys[step]).backward()
+    assert counts()[0] - before[0] == sum(u.plan.S * 4 for u in us)
+
+
 def test_8bit_optimizer_needs_whole_blocks(one_rank):
     model = nn.Linear(300, 40)
     rfsdp.fully_shard(model, policy=rfsdp.policy.blockwise_8bit(256))

@@ -1,0 +1,18 @@
+// Whether tensors hold only finite values on every rank: the check every
+// optimizer runs before it changes anything, so that a NaN or Inf on one rank
+// stops the step on all of them (a rank that raised alone would leave the others
+// waiting in the next collective).
+#pragma once
+
+#include <ATen/ATen.h>
+
+#include <vector>
+
+#include "core/comm/comm.h"
+
+namespace rfsdp {
+
+// One all-reduce of a flag over comm (none, or one rank: local only).
+bool all_ranks_finite(Comm* comm, const std::vector<at::Tensor>& tensors);
+
+}  // namespace rfsdp

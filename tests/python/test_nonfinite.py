@@ -1,0 +1,100 @@
+"""A NaN in one rank's gradient slice only, on 2 ranks (processes, Gloo): every
+optimizer raises the same clear error on both ranks at once (no collective
+timeout), changes no parameter and no state on either, and the ranks step on
+together afterwards."""
+import os
+import sys
+import tempfile
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from torch import nn
+
+import rfsdp
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from test_fully_shard import Net, data  # noqa: E402
+
+WORLD = 2
+
+
+def make_optimizer(name, model):
+    if name == "adamw":
+        return rfsdp.optim.AdamW(model.parameters(), lr=1e-2, timeout_seconds=30)
+    if name == "adamw8bit":
+        return rfsdp.optim.AdamW8bit(model.parameters(), lr=1e-2, block=256, min_8bit_size=16,
+                                     timeout_seconds=30)
+    matrices = [p for n, p in model.named_parameters() if n.startswith("blocks.") and p.dim() == 2]
+    ids = {id(p) for p in matrices}
+    rest = [p for p in model.parameters() if id(p) not in ids]
+    return rfsdp.optim.Muon([dict(params=matrices), dict(params=rest, use_muon=False)],
+                            lr=0.02, timeout_seconds=30)
+
+
+def snapshot(model, opt):
+    params = {n: p.detach().clone() for n, p in model.named_parameters()}
+    state = {i: {k: v.clone() for k, v in s.items() if torch.is_tensor(v)}
+             for i, s in enumerate(opt.state.values())}
+    return params, state
+
+
+def worker(rank, name, seed, init_file, out_file):
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method="file://" + init_file, rank=rank, world_size=WORLD)
+    torch.manual_seed(seed)
+    model = Net()
+    pol = rfsdp.policy.blockwise_8bit(256) if name == "adamw8bit" else None
+    for b in model.blocks:
+        rfsdp.fully_shard(b, policy=pol)
+    rfsdp.fully_shard(model, policy=pol)
+    opt = make_optimizer(name, model)
+    xs, ys = data(seed)
+    per = xs.shape[1] // WORLD
+
+    def backward(step):
+        opt.zero_grad()
+        x, y = xs[step, rank * per:(rank + 1) * per], ys[step, rank * per:(rank + 1) * per]
+        nn.functional.mse_loss(model(x), y).backward()
+
+    backward(0)
+    opt.step()  # the state exists now
+    backward(1)
+    if rank == 1:  # one element of one of this rank's non-empty shards
+        p = next(p for p in model.parameters() if p.numel() > 0)
+        p.grad.view(-1)[p.grad.numel() // 2] = float("nan")
+    before = snapshot(model, opt)
+    t0 = time.time()
+    try:
+        opt.step()
+        error = None
+    except RuntimeError as e:
+        error = str(e)
+    seconds = time.time() - t0
+    after = snapshot(model, opt)
+    unchanged = all(torch.equal(before[0][n], after[0][n]) for n in before[0]) and \
+        before[1].keys() == after[1].keys() and \
+        all(torch.equal(before[1][i][k], after[1][i][k]) for i in before[1] for k in before[1][i])
+    backward(2)  # the ranks go on together
+    opt.step()
+    torch.save({"error": error, "seconds": seconds, "unchanged": unchanged},
+               out_file + str(rank))
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("name", ["adamw", "adamw8bit", "muon"])
+def test_nan_on_one_rank_stops_every_rank(name):
+    seed = int(torch.randint(0, 2 ** 30, ()).item())
+    with tempfile.TemporaryDirectory() as d:
+        out = os.path.join(d, "out")
+        mp.spawn(worker, args=(name, seed, os.path.join(d, "init"), out), nprocs=WORLD)
+        got = [torch.load(out + str(r)) for r in range(WORLD)]
+    for r, g in enumerate(got):
+        assert g["error"] is not None, "rank %d took the step" % r
+        assert "NaN or Inf" in g["error"] and "not taken on any rank" in g["error"], g["error"]
+        assert g["seconds"] < 10, "rank %d waited %.1f s" % (r, g["seconds"])
+        assert g["unchanged"], "rank %d changed parameters or state" % r
+    assert got[0]["error"] == got[1]["error"]
