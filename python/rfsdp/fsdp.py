@@ -70,12 +70,15 @@ def shard_info(param):
 
 class _Unit:
     def __init__(self, entries, pg, pol, mp, reshard_after_forward):
-        self.entries = entries  # [(owner module, attr name, fqn)]
+        # entries[i]: every place parameter i stands, [(owner module, attr name, fqn)];
+        # a tied parameter stands in several and is sharded once, under the first name.
+        self.entries = entries
         self.reshard_after_forward = reshard_after_forward
-        params = [owner._parameters[attr] for owner, attr, _ in entries]
+        params = [uses[0][0]._parameters[uses[0][1]] for uses in entries]
         dtype_bytes = torch.empty((), dtype=mp.param_dtype).element_size()
         specs = []
-        for (owner, attr, fqn), p in zip(entries, params):
+        for uses, p in zip(entries, params):
+            fqn = uses[0][2]
             g = pol.granule(fqn, p)
             specs.append((fqn, list(p.shape), 0 if g == policy_mod.WHOLE else g,
                           pol.row_dims(fqn, p) if p.dim() > 0 else 1, dtype_bytes))
@@ -93,15 +96,15 @@ class _Unit:
         full = [t.view(p.shape) for t, p in zip(flat.split([p.numel() for p in params]), params)]
         self.unit.shard(full)
         self.sharded, self.full = [], []
-        for i, ((owner, attr, fqn), p) in enumerate(zip(entries, params)):
+        for i, (uses, p) in enumerate(zip(entries, params)):
             begin, end = self.unit.shard_range(i)
             sp = nn.Parameter(self.unit.local_param(i), requires_grad=p.requires_grad)
-            sp._rfsdp_shard = ShardInfo(fqn, tuple(p.shape), specs[i][3], begin, end)
-            p._rfsdp_replaced = fqn  # an optimizer built on the old parameter is an error
-            owner._parameters[attr] = sp
+            sp._rfsdp_shard = ShardInfo(uses[0][2], tuple(p.shape), specs[i][3], begin, end)
+            p._rfsdp_replaced = uses[0][2]  # an optimizer built on the old parameter is an error
             self.sharded.append(sp)
             fp = nn.Parameter(self.unit.full_param(i).data, requires_grad=p.requires_grad)
             self.full.append(fp)
+        self._use(self.sharded)
         self.in_backward = False
         self.cast_to = mp.param_dtype if mp.cast_forward_inputs and mp.param_dtype != torch.float32 else None
         # Each unit's reduce-scatter starts as soon as its last gradient lands: a hook
@@ -116,11 +119,13 @@ class _Unit:
         self.pending = None     # handle of a prefetch all-gather not yet waited on
         self.schedule = None    # the _Schedule of the outermost fully_shard call above
         self.in_use = False     # between pre-forward and post-forward, or in backward
+        self.recomputing = False  # this forward runs inside backward (checkpointing)
 
     # -- forward --------------------------------------------------------------
     def _use(self, tensors):
-        for (owner, attr, _), t in zip(self.entries, tensors):
-            owner._parameters[attr] = t
+        for uses, t in zip(self.entries, tensors):
+            for owner, attr, _ in uses:
+                owner._parameters[attr] = t
 
     def unshard(self):
         if self.pending is not None:
@@ -141,9 +146,14 @@ class _Unit:
             self.unit.reshard()
 
     def pre_forward(self, module, args):
-        self.in_use = True
-        if self.schedule is not None:
-            self.schedule.forward_started(self)
+        # Inside backward, a forward is activation checkpointing's recomputation
+        # (reentrant or not): gather again if needed, but record no order, prefetch
+        # nothing, and keep the parameters gathered for the backward that follows.
+        self.recomputing = torch._C._current_graph_task_id() != -1
+        if not self.recomputing:
+            self.in_use = True
+            if self.schedule is not None:
+                self.schedule.forward_started(self)
         self.unshard()
         self._use(self.full)
         if self.cast_to is not None:
@@ -152,10 +162,11 @@ class _Unit:
 
     def post_forward(self, module, args, output):
         self._use(self.sharded)
-        self.in_use = False
-        if self.reshard_after_forward:
-            self.unit.reshard()
-        if torch.is_grad_enabled():
+        if not self.recomputing:
+            self.in_use = False
+            if self.reshard_after_forward:
+                self.unit.reshard()
+        if torch.is_grad_enabled() and not self.in_backward:
             for t in _tensors(output):
                 if t.requires_grad:
                     t.register_hook(self._pre_backward_hook)
@@ -228,6 +239,9 @@ class _Unit:
 
     def _post_backward(self):
         """End of backward: finish this unit's reduce-scatter; .grad = the local slice."""
+        # A checkpoint's recomputation may stop inside this unit's forward (non-reentrant
+        # checkpoints stop once they have what backward needs): put the shards back.
+        self._use(self.sharded)
         if self.reduce_handle is None:
             self._start_reduce()
         self._finish_reduce()
@@ -303,6 +317,43 @@ def _tensors(out):
             yield from _tensors(o)
 
 
+def _collect(module):
+    """The parameters of module that no inner fully_shard call claimed, each with
+    every place it stands (a parameter tied to several modules is one entry), and
+    their devices. Storage shared in ways a shard cannot keep is refused."""
+    entries, index, devices, storages = [], {}, set(), []
+    for owner_name, owner in module.named_modules():
+        for attr, p in owner._parameters.items():
+            if p is None or shard_info(p) is not None:  # an inner call's shard
+                continue
+            fqn = (owner_name + "." if owner_name else "") + attr
+            claimed = getattr(p, "_rfsdp_replaced", None)
+            if claimed is not None:
+                raise ValueError(
+                    "fully_shard: '%s' is the parameter '%s', which an inner fully_shard call "
+                    "already sharded: a parameter shared by two units is not supported. Shard "
+                    "every module that uses it in one call (e.g. a tied embedding and head both in "
+                    "the root's call)" % (fqn, claimed))
+            if id(p) in index:  # tied: another use of a parameter met already
+                entries[index[id(p)]].append((owner, attr, fqn))
+                continue
+            if p.numel() > 0:
+                lo = p.data_ptr()
+                hi = lo + p.numel() * p.element_size()
+                for other_lo, other_hi, other in storages:
+                    if lo < other_hi and other_lo < hi:
+                        raise ValueError(
+                            "fully_shard: parameters '%s' and '%s' are different tensors over the "
+                            "same memory; sharding would separate them. Tie them as one "
+                            "parameter (b.weight = a.weight) or give each its own storage"
+                            % (other, fqn))
+                storages.append((lo, hi, fqn))
+            index[id(p)] = len(entries)
+            entries.append([(owner, attr, fqn)])
+            devices.add(p.device)
+    return entries, devices
+
+
 def fully_shard(module, *, process_group=None, policy=None, mp_policy=None,
                 reshard_after_forward=True):
     """Shards the parameters of `module` that no inner fully_shard call claimed
@@ -315,14 +366,7 @@ def fully_shard(module, *, process_group=None, policy=None, mp_policy=None,
                          "(dist.init_process_group) or an explicit process_group")
     pol = policy if policy is not None else policy_mod.adamw()
     mp = mp_policy if mp_policy is not None else MixedPrecisionPolicy()
-    entries, devices = [], set()
-    for owner_name, owner in module.named_modules():
-        for attr, p in owner._parameters.items():
-            if p is None or shard_info(p) is not None:  # an inner call's shard
-                continue
-            fqn = (owner_name + "." if owner_name else "") + attr
-            entries.append((owner, attr, fqn))
-            devices.add(p.device)
+    entries, devices = _collect(module)
     if len(devices) > 1:
         raise ValueError("fully_shard: the parameters of this module live on different devices (%s); "
                          "move the module to one device first" % sorted(str(d) for d in devices))

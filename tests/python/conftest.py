@@ -1,6 +1,8 @@
 import os
+import tempfile
 
 import pytest
+import torch.distributed as dist
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -15,3 +17,12 @@ def build_dir():
 def zoo_dir():
     return os.path.join(ROOT, "bench", "zoo")
 
+
+@pytest.fixture
+def one_rank():
+    """torch.distributed initialised as a one-rank Gloo group for the test."""
+    d = tempfile.mkdtemp()
+    dist.init_process_group("gloo", init_method="file://" + os.path.join(d, "init"), rank=0,
+                            world_size=1)
+    yield
+    dist.destroy_process_group()

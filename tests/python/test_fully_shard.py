@@ -151,15 +151,6 @@ def test_matches_unsharded_torch_adamw(world, reshard):
     assert got["bwd_freed"] == [True] * (STEPS * per_step)
 
 
-@pytest.fixture
-def one_rank():
-    d = tempfile.mkdtemp()
-    dist.init_process_group("gloo", init_method="file://" + os.path.join(d, "init"), rank=0,
-                            world_size=1)
-    yield
-    dist.destroy_process_group()
-
-
 def test_misuse_errors(one_rank):
     model = Net()
     old_params = list(model.parameters())

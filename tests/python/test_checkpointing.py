@@ -1,0 +1,126 @@
+"""Activation checkpointing of fully sharded blocks on 2 ranks (processes, Gloo):
+the recomputation in backward gathers the unit again, and training equals the
+unsharded model without checkpointing (torch.optim.AdamW, clipped). Reentrant
+and non-reentrant checkpoints, with and without reshard after forward; prefetch
+is on from the second step. Also: eval under no_grad, frozen parameters,
+torch.compile of a sharded block."""
+import os
+import sys
+import tempfile
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+import rfsdp
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from test_fully_shard import CLIP, Net, data, reference  # noqa: E402
+
+WORLD = 2
+
+
+class CheckpointedNet(Net):
+    def __init__(self, use_reentrant):
+        super().__init__()
+        self.use_reentrant = use_reentrant
+
+    def forward(self, x):
+        h = self.embed(x)
+        for b in self.blocks:
+            h = checkpoint(b, h, use_reentrant=self.use_reentrant)
+        return self.head(h)
+
+
+def worker(rank, seed, use_reentrant, reshard, init_file, out_file):
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method="file://" + init_file, rank=rank, world_size=WORLD)
+    torch.manual_seed(seed)
+    model = CheckpointedNet(use_reentrant)
+    for b in model.blocks:
+        rfsdp.fully_shard(b, reshard_after_forward=reshard)
+    rfsdp.fully_shard(model)
+    opt = rfsdp.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.05)
+    xs, ys = data(seed)
+    per = xs.shape[1] // WORLD
+    losses = []
+    for x, y in zip(xs, ys):
+        loss = nn.functional.mse_loss(model(x[rank * per:(rank + 1) * per]),
+                                      y[rank * per:(rank + 1) * per])
+        opt.zero_grad()
+        loss.backward()
+        rfsdp.clip_grad_norm_(model, CLIP)
+        opt.step()
+        t = loss.detach().clone()
+        dist.all_reduce(t)
+        losses.append(t.item() / WORLD)
+    params = rfsdp.full_parameters(model)
+    if rank == 0:
+        torch.save({"losses": losses, "params": params}, out_file)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("use_reentrant,reshard", [(False, True), (False, False), (True, True),
+                                                   (True, False)])
+def test_checkpointed_blocks_train_like_unsharded(use_reentrant, reshard):
+    seed = int(torch.randint(0, 2 ** 30, ()).item())
+    ref_losses, ref_params = reference(seed)
+    with tempfile.TemporaryDirectory() as d:
+        out = os.path.join(d, "out.pt")
+        mp.spawn(worker, args=(seed, use_reentrant, reshard, os.path.join(d, "init"), out),
+                 nprocs=WORLD)
+        got = torch.load(out)
+    assert got["losses"] == pytest.approx(ref_losses, rel=1e-5, abs=1e-6), "seed %d" % seed
+    for name, ref in ref_params.items():
+        torch.testing.assert_close(got["params"][name], ref, rtol=1e-5, atol=1e-5,
+                                   msg=lambda m: "%s (seed %d): %s" % (name, seed, m))
+
+
+def test_eval_under_no_grad_and_frozen_parameters(one_rank):
+    torch.manual_seed(0)
+    ref = Net()
+    model = Net()
+    model.load_state_dict(ref.state_dict())
+    for m in (ref, model):
+        m.embed.weight.requires_grad_(False)  # frozen
+    for b in model.blocks:
+        rfsdp.fully_shard(b)
+    rfsdp.fully_shard(model)
+    x = torch.randn(4, 7)
+    model.eval()
+    with torch.no_grad():
+        torch.testing.assert_close(model(x), ref(x), rtol=0, atol=0)
+    model.train()
+    model(x).sum().backward()
+    ref(x).sum().backward()
+    assert model.embed.weight.grad is None
+    for (n, p), (_, q) in zip(model.named_parameters(), ref.named_parameters()):
+        if q.requires_grad:
+            torch.testing.assert_close(p.grad.reshape(q.shape), q.grad, rtol=1e-6, atol=1e-6)
+
+
+def test_compiled_block_matches_eager(one_rank):
+    """torch.compile of a sharded block (the unit's hooks run around the compiled
+    forward): losses and gradients equal the unsharded eager model's."""
+    torch.manual_seed(0)
+    ref = Net()
+    model = Net()
+    model.load_state_dict(ref.state_dict())
+    for b in model.blocks:
+        rfsdp.fully_shard(b)
+    rfsdp.fully_shard(model)
+    model.blocks[1] = torch.compile(model.blocks[1])
+    xs, ys = data(0)
+    for i in range(2):
+        loss = nn.functional.mse_loss(model(xs[i]), ys[i])
+        want = nn.functional.mse_loss(ref(xs[i]), ys[i])
+        torch.testing.assert_close(loss, want, rtol=1e-6, atol=1e-6)
+        loss.backward()
+        want.backward()
+    grads = {n.replace("_orig_mod.", ""): p.grad for n, p in model.named_parameters()}
+    for n, p in ref.named_parameters():
+        torch.testing.assert_close(grads[n].reshape(p.shape), p.grad, rtol=1e-5, atol=1e-6)
