@@ -22,13 +22,15 @@ double clip_grad_norm(const std::vector<FSDPUnit*>& units, double max_norm,
   comm.all_reduce(sq, ReduceOp::Sum).wait();
   const double norm = std::sqrt(sq.item<double>());
   if (!std::isfinite(norm) && error_if_nonfinite) {
+    // Name a tensor of this rank that holds them, if one does.
     std::string where = "another rank's shard holds them";
-    for (size_t k = 0; k < units.size() && where[0] == 'a'; ++k) {
-      for (size_t i = 0; i < units[k]->num_params(); ++i) {
+    bool found = false;
+    for (size_t k = 0; k < units.size() && !found; ++k) {
+      for (size_t i = 0; i < units[k]->num_params() && !found; ++i) {
         if (!units[k]->local_grad(i).isfinite().all().item<bool>()) {
           where = "unit " + std::to_string(k) + " tensor '" + units[k]->plan().tensors[i].name +
                   "' holds them on rank " + std::to_string(comm.rank());
-          break;
+          found = true;
         }
       }
     }

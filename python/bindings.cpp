@@ -112,7 +112,7 @@ PYBIND11_MODULE(_C, m) {
 
   py::class_<rfsdp::CommHandle>(m, "CommHandle")
       .def("wait", &rfsdp::CommHandle::wait, py::call_guard<py::gil_scoped_release>())
-      .def("done", &rfsdp::CommHandle::done);
+      .def("waited", &rfsdp::CommHandle::waited);
 
   py::class_<rfsdp::Comm, std::shared_ptr<rfsdp::Comm>>(m, "Comm")
       .def(py::init(&make_comm), py::arg("process_group"), py::arg("timeout_seconds") = 300.0)
@@ -175,7 +175,8 @@ PYBIND11_MODULE(_C, m) {
 
   // Muon: params [(name, full shape, elem_begin, elem_end, ns_steps)]; hyper per
   // parameter (lr, momentum, weight_decay, nesterov, adjust_lr).
-  py::class_<MuonRunner>(m, "MuonLayout")
+  // Muon over one process group: the layout (roots) and the step.
+  py::class_<MuonRunner>(m, "Muon")
       .def(py::init([](std::shared_ptr<rfsdp::Comm> comm,
                        const std::vector<std::tuple<std::string, std::vector<int64_t>, int64_t,
                                                     int64_t, int>>& params) {

@@ -59,7 +59,7 @@ class CommHandle {
   ~CommHandle();
 
   void wait();
-  bool done() const { return waited_; }
+  bool waited() const { return waited_; }
   // Runs `next` after this operation's own finishing steps, inside wait().
   CommHandle&& then(std::function<void()> next) &&;
 

@@ -229,7 +229,7 @@ class _Unit:
             self.schedule.reducing = self
 
     def _finish_reduce(self):
-        if self.reduce_handle is not None and not self.reduce_handle.done():
+        if self.reduce_handle is not None and not self.reduce_handle.waited():
             self.reduce_handle.wait()  # frees the gathered gradient buffer
             for i, sp in enumerate(self.sharded):
                 if sp.requires_grad:

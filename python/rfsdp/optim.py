@@ -242,7 +242,7 @@ class Muon(_LoadsCopies, torch.optim.Optimizer):
             else:
                 geo.append((info.name, list(info.global_shape), info.row_begin * info.row_len,
                             info.row_end * info.row_len, g["ns_steps"]))
-        return _C.MuonLayout(self.comm, geo)
+        return _C.Muon(self.comm, geo)
 
     def add_param_group(self, param_group):
         super().add_param_group(param_group)

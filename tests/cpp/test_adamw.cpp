@@ -243,6 +243,8 @@ TEST(AdamW8bit, OnTheShardsOfAnFsdpUnit) {
   TensorSpec w;
   w.name = "w";
   w.shape = {300, 40};
+  const uint64_t seed = testing::fresh_seed();
+  SCOPED_TRACE("seed " + std::to_string(seed));
   for (int64_t granule : {int64_t{32}, int64_t{1}}) {
     w.granule_rows = granule;
     const Plan plan = plan_unit({w}, 2, 16);
@@ -250,17 +252,33 @@ TEST(AdamW8bit, OnTheShardsOfAnFsdpUnit) {
       FSDPUnit unit(std::shared_ptr<Comm>(&c, [](Comm*) {}), plan);
       unit.shard({at::randn({300, 40})});
       if (granule == 32) {
+        // The sharded step equals the unsharded one on this rank's rows, bit for bit
+        // (blocks are row bands of the whole tensor, so the states do not depend on
+        // the world size).
+        const at::Tensor full = testing::seeded_randn({300, 40}, seed, 0);
+        const at::Tensor grad = testing::seeded_randn({300, 40}, seed, 1);
+        unit.shard({full});
+        const ShardRange range = unit.shard_range(0);
         AdamW8bit opt(param_shards(unit));
-        unit.local_grad_slice().fill_(0.5);
-        const at::Tensor before = unit.local_param(0).clone();
-        opt.step();
-        EXPECT_FALSE(at::equal(before, unit.local_param(0)));
-      } else {
-        bool cut = false;
-        for (int64_t r = 0; r < 2; ++r) {
-          cut |= (plan.shard(0, r).row_begin * 40) % 256 != 0;
+        at::Tensor whole_p = full.clone(), whole_g = grad.clone();
+        AdamW8bit whole({whole_param("w", whole_p, whole_g)});
+        for (int step = 0; step < 3; ++step) {
+          unit.local_grad(0).copy_(grad.narrow(0, range.row_begin, range.row_end - range.row_begin));
+          opt.step();
+          whole.step();
         }
-        if (cut) EXPECT_THROW(AdamW8bit(param_shards(unit)), std::invalid_argument);
+        EXPECT_TRUE(at::equal(unit.local_param(0),
+                              whole_p.narrow(0, range.row_begin, range.row_end - range.row_begin)));
+        EXPECT_FALSE(at::equal(whole_p, full));
+      } else {
+        // 1-row granules split the 12000 elements at row 150 (6000 elements): inside a block.
+        ASSERT_EQ(plan.shard(0, 1).row_begin, 150);
+        try {
+          AdamW8bit opt(param_shards(unit));
+          ADD_FAILURE() << "a shard that cuts 8-bit blocks was accepted";
+        } catch (const std::invalid_argument& e) {
+          EXPECT_NE(std::string(e.what()).find("parameter 'w'"), std::string::npos) << e.what();
+        }
       }
     });
   }

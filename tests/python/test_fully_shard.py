@@ -213,6 +213,15 @@ def test_8bit_optimizer_needs_whole_blocks(one_rank):
     opt2 = rfsdp.optim.AdamW8bit(model.parameters(), block=256)
     opt2.load_state_dict(sd)
     assert torch.equal(opt2.state_dict()["state"][0]["q1"], sd["state"][0]["q1"])
+    # A shard that starts inside a block (rows 150.. of a 300 x 40 tensor: element
+    # 6000, not a multiple of 256) is refused by name; one on a block edge is not.
+    cut = nn.Parameter(torch.zeros(150, 40))
+    cut._rfsdp_shard = rfsdp.ShardInfo("w", (300, 40), 1, 150, 300)
+    with pytest.raises(ValueError, match="parameter 'w'.*cut its 1-D blocks of 256"):
+        rfsdp.optim.AdamW8bit([cut], block=256)
+    edge = nn.Parameter(torch.zeros(140, 40))
+    edge._rfsdp_shard = rfsdp.ShardInfo("w", (300, 40), 1, 160, 300)  # element 6400 = 25 blocks
+    rfsdp.optim.AdamW8bit([edge], block=256)
 
 
 def mp_worker(rank, world, seed, init_file, out_file, param_dtype):

@@ -79,3 +79,86 @@ def test_shard_cutting_a_block_is_refused_by_name():
         _C.check_whole_blocks(256, "w", 300, 40, 5, 10)
     with pytest.raises(ValueError, match="'t'"):
         _C.check_whole_blocks((32, 32), "t", 96, 96, 0, 40)  # ends mid-tile
+
+
+# --- AdamW8bit's step, element by element, against a float64 transcription ------
+
+def block_ids(rows, row_len, block):
+    """The block of every element of a rows x row_len tensor (1-D blocks of the
+    flattened tensor, or tiles numbered row-major over the tile grid)."""
+    if isinstance(block, int):
+        return torch.arange(rows * row_len) // block
+    tr, tc = block
+    r = torch.arange(rows).unsqueeze(1) // tr
+    c = torch.arange(row_len).unsqueeze(0) // tc
+    return (r * ((row_len + tc - 1) // tc) + c).reshape(-1)
+
+
+def nearest_code64(x, code):
+    """Index of the nearest code to each x (ties to the lower code), and whether x
+    lies within rounding distance of the midpoint between two codes."""
+    code = code.double()
+    idx = torch.searchsorted(code, x).clamp(1, len(code) - 1)
+    lo, hi = code[idx - 1], code[idx]
+    pick_hi = (hi - x) < (x - lo)
+    mid = (lo + hi) / 2
+    ambiguous = (x - mid).abs() <= 1e-5 * mid.abs() + 1e-12
+    return torch.where(pick_hi, idx, idx - 1), ambiguous
+
+
+def adamw8bit_reference(p, g, q1, a1, q2, a2, ids, code1, code2, lr, b1, b2, eps, wd, step):
+    """float64: dequantise with the maps, torch.optim.AdamW's update, requantise
+    each block by its absmax and the nearest code."""
+    p, g = p.double(), g.double()
+    m = code1.double()[q1.long()] * a1.double()[ids]
+    v = code2.double()[q2.long()] * a2.double()[ids]
+    m = b1 * m + (1 - b1) * g
+    v = b2 * v + (1 - b2) * g * g
+    bc1, bc2 = 1 - b1 ** step, 1 - b2 ** step
+    p = p * (1 - lr * wd) - (lr / bc1) * m / (v.sqrt() / bc2 ** 0.5 + eps)
+    n_blocks = int(ids.max()) + 1
+    am1 = torch.zeros(n_blocks, dtype=torch.float64).scatter_reduce(0, ids, m.abs(), "amax")
+    am2 = torch.zeros(n_blocks, dtype=torch.float64).scatter_reduce(0, ids, v.abs(), "amax")
+    x1 = torch.where(am1[ids] > 0, m / am1[ids], torch.zeros_like(m))
+    x2 = torch.where(am2[ids] > 0, v / am2[ids], torch.zeros_like(v))
+    c1, amb1 = nearest_code64(x1, code1)
+    c2, amb2 = nearest_code64(x2, code2)
+    return p, c1, amb1, am1, c2, amb2, am2
+
+
+@pytest.mark.parametrize("shape,block", [((37, 50), 256), ((300, 21), 2048), ((70, 45), (32, 32)),
+                                         ((5, 33), (2, 8))])
+def test_adamw8bit_step_matches_float64_transcription(shape, block):
+    seed = int(torch.randint(0, 2 ** 30, ()).item())
+    gen = torch.Generator().manual_seed(seed)
+    rows, row_len = shape
+    n = rows * row_len
+    ids = block_ids(rows, row_len, block)
+    n_blocks = rfsdp._C.num_blocks(block, rows, row_len)
+    assert n_blocks == int(ids.max()) + 1
+    code1, code2 = rfsdp.quant.dynamic_map(True), rfsdp.quant.dynamic_map(False)
+    p = torch.randn(n, generator=gen)
+    q1 = torch.randint(0, 256, (n,), generator=gen, dtype=torch.uint8)
+    q2 = torch.randint(0, 256, (n,), generator=gen, dtype=torch.uint8)
+    a1 = torch.rand(n_blocks, generator=gen) * 0.1
+    a2 = torch.rand(n_blocks, generator=gen) * 0.01
+    hyper = dict(lr=3e-3, b1=0.9, b2=0.99, eps=1e-8, wd=0.1)
+    for step in (1, 7):
+        g = torch.randn(n, generator=gen)
+        want = adamw8bit_reference(p, g, q1, a1, q2, a2, ids, code1, code2, step=step, **hyper)
+        rfsdp._C.adamw8bit_step(p, g, q1, a1, q2, a2, block, row_len, code1, code2,
+                                hyper["lr"], hyper["b1"], hyper["b2"], hyper["eps"], hyper["wd"],
+                                step)
+        wp, c1, amb1, am1, c2, amb2, am2 = want
+        msg = "seed %d step %d" % (seed, step)
+        # fp32 against float64: a few roundings, amplified where b1 m and (1 - b1) g cancel
+        torch.testing.assert_close(p.double(), wp, rtol=1e-6, atol=1e-6,
+                                   msg=lambda m: msg + ": " + m)
+        torch.testing.assert_close(a1.double(), am1, rtol=1e-5, atol=0, msg=lambda m: msg + ": " + m)
+        torch.testing.assert_close(a2.double(), am2, rtol=1e-5, atol=0, msg=lambda m: msg + ": " + m)
+        for q, c, amb in ((q1, c1, amb1), (q2, c2, amb2)):
+            differ = q.long() != c
+            # fp32 and float64 may round a value lying on a midpoint to either neighbour
+            assert not (differ & ~amb).any(), "%s: %d codes differ off the midpoints" % (
+                msg, int((differ & ~amb).sum()))
+            assert ((q.long() - c).abs() <= 1).all(), msg
