@@ -10,6 +10,7 @@
 
 #include "core/ragged/tensor_spec.h"
 #include "optimizers/common/finite.h"
+#include "optimizers/common/lpt.h"
 
 namespace rfsdp {
 
@@ -161,39 +162,22 @@ MuonLayout::MuonLayout(Comm* comm, std::vector<MuonParamGeometry> params)
       matrices_.push_back(mat);
     }
   }
-  // Roots: single-holder matrices stay put; the rest longest-first to the least loaded.
-  std::vector<double> load(world_, 0.0);
-  std::vector<size_t> shared;
+  // Roots (LPT): a matrix held by one rank stays there; the rest go costliest
+  // first to the least-loaded rank, ties to the rank holding most of the matrix.
+  std::vector<WorkItem> items(matrices_.size());
   for (size_t k = 0; k < matrices_.size(); ++k) {
+    items[k].cost = matrices_[k].flops;
+    items[k].affinity.assign(world_, 0);
     int holders = 0, holder = 0;
     for (int r = 0; r < world_; ++r) {
       const auto pc = piece(k, r);
+      items[k].affinity[r] = pc.second - pc.first;
       if (pc.first < pc.second) ++holders, holder = r;
     }
-    if (holders == 1) {
-      matrices_[k].root = holder;
-      load[holder] += matrices_[k].flops;
-    } else {
-      shared.push_back(k);
-    }
+    if (holders == 1) items[k].fixed_rank = holder;
   }
-  std::stable_sort(shared.begin(), shared.end(), [this](size_t x, size_t y) {
-    return matrices_[x].flops > matrices_[y].flops;
-  });
-  for (size_t k : shared) {
-    int best = 0;
-    int64_t best_held = -1;
-    for (int r = 0; r < world_; ++r) {
-      const auto pc = piece(k, r);
-      const int64_t held = pc.second - pc.first;
-      if (load[r] < load[best] || (load[r] == load[best] && held > best_held)) {
-        best = r;
-        best_held = held;
-      }
-    }
-    matrices_[k].root = best;
-    load[best] += matrices_[k].flops;
-  }
+  const std::vector<int> roots = assign_lpt(items, world_);
+  for (size_t k = 0; k < matrices_.size(); ++k) matrices_[k].root = roots[k];
   send_splits_.assign(world_, 0);
   recv_splits_.assign(world_, 0);
   for (size_t k = 0; k < matrices_.size(); ++k) {
