@@ -45,7 +45,7 @@ struct Plan {
 // every aligned offset is a multiple of align_bytes bytes.
 int64_t align_elems_for(int64_t align_bytes, int64_t elem_bytes);
 
-// Every way `plan` breaks the constraints of DESIGN.md, one line each naming
+// Every way `plan` breaks the constraints of docs/design.md, one line each naming
 // the tensor and the constraint; empty when the plan is valid.
 std::vector<std::string> plan_violations(const Plan& plan);
 

@@ -1,4 +1,4 @@
-// How the search works (DESIGN.md, "The RaggedShard model"):
+// How the search works (docs/design.md, "The RaggedShard model"):
 //
 // For a fixed S and a fixed tensor order, placing each tensor at its earliest
 // valid offset is optimal: a later cursor can only remove choices. The earliest

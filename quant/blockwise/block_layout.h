@@ -1,7 +1,7 @@
 // Where the quantisation blocks of one tensor (or of one rank's whole-block
 // shard of it) lie. Plain C++: shared by the CPU and CUDA kernels.
 //
-// A tensor is seen as rows x row_len (DESIGN.md). Blocks are either 1-D
+// A tensor is seen as rows x row_len (docs/design.md). Blocks are either 1-D
 // blocks of B consecutive elements of the flattened tensor, or 2-D tiles of
 // tile_rows x tile_cols over rows x row_len. The last block, or the last tile
 // of a row or column of tiles, may be partial. Blocks are numbered 1-D in
