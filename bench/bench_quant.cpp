@@ -85,7 +85,7 @@ int main(int argc, char** argv) {
       at::Tensor p = at::randn({n}), g = at::randn({n}) * 1e-3;
       at::Tensor q1 = at::full({n}, 127, at::kByte), q2 = at::zeros({n}, at::kByte);
       at::Tensor a1 = at::zeros({L.num_blocks}), a2 = at::zeros({L.num_blocks});
-      cpu::AdamWHyper h{1e-3f, 0.9f, 0.999f, 1e-8f, 0.01f, 1};
+      AdamWHyper h{1e-3f, 0.9f, 0.999f, 1e-8f, 0.01f, 1};
       const double t8 = median_seconds(reps, [&] {
         cpu::adamw8bit_step(p.data_ptr<float>(), g.data_ptr<float>(), q1.data_ptr<uint8_t>(),
                             a1.data_ptr<float>(), q2.data_ptr<uint8_t>(), a2.data_ptr<float>(), L,

@@ -2,6 +2,7 @@
 
 #include <stdexcept>
 
+#include "optimizers/common/finite.h"
 #include "quant/blockwise/code_maps.h"
 #include "quant/blockwise/cpu_kernels.h"
 
@@ -30,44 +31,12 @@ void check_param(const ParamShard& p) {
   }
 }
 
-quant::cpu::AdamWHyper hyper(const AdamWOptions& o, int64_t step) {
+quant::AdamWHyper hyper(const AdamWOptions& o, int64_t step) {
   return {static_cast<float>(o.lr), static_cast<float>(o.beta1), static_cast<float>(o.beta2),
           static_cast<float>(o.eps), static_cast<float>(o.weight_decay), step};
 }
 
 }  // namespace
-
-ParamShard whole_param(const std::string& name, const at::Tensor& param, const at::Tensor& grad,
-                       int row_dims) {
-  ParamShard p;
-  p.name = name;
-  p.param = param;
-  p.grad = grad;
-  p.shape = param.sizes().vec();
-  int64_t rows = 1;
-  for (int d = 0; d < row_dims && d < param.dim(); ++d) rows *= param.size(d);
-  p.full_rows = rows;
-  p.row_len = rows ? param.numel() / rows : 1;
-  return p;
-}
-
-std::vector<ParamShard> param_shards(const FSDPUnit& unit) {
-  std::vector<ParamShard> out;
-  for (size_t i = 0; i < unit.num_params(); ++i) {
-    const TensorSpec& t = unit.plan().tensors[i];
-    const ShardRange r = unit.shard_range(i);
-    ParamShard p;
-    p.name = t.name;
-    p.param = unit.local_param(i);
-    p.grad = unit.local_grad(i);
-    p.full_rows = t.rows();
-    p.row_len = t.row_elems();
-    p.row_begin = r.row_begin;
-    p.shape = t.shape;
-    out.push_back(p);
-  }
-  return out;
-}
 
 AdamW::AdamW(std::vector<ParamShard> params, AdamWOptions options)
     : AdamW(std::move(params), options, std::vector<bool>()) {}
@@ -97,7 +66,7 @@ std::vector<bool> small_tensors(const std::vector<ParamShard>& params, int64_t m
 
 void AdamW::check_grads() const {
   for (const auto& p : params_) {
-    if (!quant::cpu::all_finite(p.grad.data_ptr<float>(), p.grad.numel())) {
+    if (!all_finite(p.grad.data_ptr<float>(), p.grad.numel())) {
       throw std::runtime_error("AdamW step: the gradient of parameter '" + p.name +
                                "' holds NaN or Inf; the step was not taken (check the loss, "
                                "lower the learning rate, or clip gradients)");

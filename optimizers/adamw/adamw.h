@@ -12,30 +12,11 @@
 #include <string>
 #include <vector>
 
-#include "fsdp/fsdp_unit.h"
+#include "optimizers/common/param_shard.h"
 #include "quant/blockwise/block_layout.h"
 #include "quant/blockwise/cpu_kernels.h"
 
 namespace rfsdp {
-
-// One parameter as an optimizer sees it: rows [row_begin, row_begin + rows) of
-// a tensor of full_rows rows of row_len elements. param and grad: fp32,
-// contiguous, that many elements (any shape).
-struct ParamShard {
-  std::string name;
-  at::Tensor param, grad;
-  int64_t full_rows = 0, row_len = 1, row_begin = 0;
-  std::vector<int64_t> shape;  // the full tensor's shape (Muon reads matrices from it)
-
-  int64_t rows() const { return row_len ? param.numel() / row_len : 0; }
-  int64_t full_numel() const { return full_rows * row_len; }
-};
-
-// A whole (unsharded) tensor: rows from its first row_dims dims.
-ParamShard whole_param(const std::string& name, const at::Tensor& param, const at::Tensor& grad,
-                       int row_dims = 1);
-// The local shards of an FSDP unit's parameters (views of its local slices).
-std::vector<ParamShard> param_shards(const FSDPUnit& unit);
 
 struct AdamWOptions {
   double lr = 1e-3, beta1 = 0.9, beta2 = 0.999, eps = 1e-8, weight_decay = 1e-2;

@@ -12,6 +12,9 @@
 
 namespace rfsdp {
 
+// True if every one of the n floats is finite (one parallel pass).
+bool all_finite(const float* x, int64_t n);
+
 // One all-reduce of a flag over comm (none, or one rank: local only).
 bool all_ranks_finite(Comm* comm, const std::vector<at::Tensor>& tensors);
 

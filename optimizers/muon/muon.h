@@ -15,7 +15,7 @@
 #include <vector>
 
 #include "core/comm/comm.h"
-#include "optimizers/adamw/adamw.h"
+#include "optimizers/common/param_shard.h"
 
 namespace rfsdp {
 

@@ -163,42 +163,18 @@ void dequantize_blocks(const uint8_t* __restrict q, const float* __restrict absm
   }
 }
 
-struct Coeffs {
-  float decay, b1, one_minus_b1, b2, one_minus_b2, step_size, inv_sqrt_bc2, eps;
-};
-
-Coeffs coeffs(const AdamWHyper& h) {
-  const double bc1 = 1.0 - std::pow(static_cast<double>(h.beta1), static_cast<double>(h.step));
-  const double bc2 = 1.0 - std::pow(static_cast<double>(h.beta2), static_cast<double>(h.step));
-  return {1.0f - h.lr * h.weight_decay,
-          h.beta1,
-          1.0f - h.beta1,
-          h.beta2,
-          1.0f - h.beta2,
-          static_cast<float>(h.lr / bc1),
-          static_cast<float>(1.0 / std::sqrt(bc2)),
-          h.eps};
-}
-
 // The fp32 update of one contiguous run: moments in m/v (dequantised on entry,
 // updated on exit), parameter in place. Simple loops, so each vectorises.
 RFSDP_CLONES
 void adamw8bit_run(float* __restrict p, const float* __restrict g, const uint8_t* __restrict q1,
                    const uint8_t* __restrict q2, float a1, float a2, const float* __restrict code1,
-                   const float* __restrict code2, const Coeffs& c, int64_t n,
+                   const float* __restrict code2, const AdamWCoeffs& c, int64_t n,
                    float* __restrict m, float* __restrict v) {
   for (int64_t i = 0; i < n; ++i) {
     m[i] = code1[q1[i]] * a1;
     v[i] = code2[q2[i]] * a2;
   }
-  for (int64_t i = 0; i < n; ++i) {
-    const float gi = g[i];
-    const float mi = c.b1 * m[i] + c.one_minus_b1 * gi;
-    const float vi = c.b2 * v[i] + c.one_minus_b2 * gi * gi;
-    p[i] = p[i] * c.decay - c.step_size * (mi / (std::sqrt(vi) * c.inv_sqrt_bc2 + c.eps));
-    m[i] = mi;
-    v[i] = vi;
-  }
+  for (int64_t i = 0; i < n; ++i) adamw_update(p[i], m[i], v[i], g[i], c);
 }
 
 // Max of |x| over n values, in independent lanes (vectorises without reassociation).
@@ -222,7 +198,7 @@ float max_abs(const float* __restrict x, int64_t n) {
 void adamw8bit_blocks(float* __restrict p, const float* __restrict g, uint8_t* __restrict q1,
                       float* __restrict absmax1, uint8_t* __restrict q2, float* __restrict absmax2,
                       const BlockLayout& L, const CodeLut& lut1, const CodeLut& lut2,
-                      const Coeffs& c, int64_t b0, int64_t b1, float* __restrict mbuf,
+                      const AdamWCoeffs& c, int64_t b0, int64_t b1, float* __restrict mbuf,
                       float* __restrict vbuf) {
   for (int64_t b = b0; b < b1; ++b) {
     const auto blk = L.block(b);
@@ -246,22 +222,8 @@ void adamw8bit_blocks(float* __restrict p, const float* __restrict g, uint8_t* _
 
 RFSDP_CLONES
 void adamw32_range(float* __restrict p, const float* __restrict g, float* __restrict m,
-                   float* __restrict v, const Coeffs& c, int64_t i0, int64_t i1) {
-  for (int64_t i = i0; i < i1; ++i) {
-    const float gi = g[i];
-    const float mi = c.b1 * m[i] + c.one_minus_b1 * gi;
-    const float vi = c.b2 * v[i] + c.one_minus_b2 * gi * gi;
-    m[i] = mi;
-    v[i] = vi;
-    p[i] = p[i] * c.decay - c.step_size * (mi / (std::sqrt(vi) * c.inv_sqrt_bc2 + c.eps));
-  }
-}
-
-RFSDP_CLONES
-float nonfinite_probe(const float* x, int64_t i0, int64_t i1) {
-  float probe = 0.0f;
-  for (int64_t i = i0; i < i1; ++i) probe += x[i] * 0.0f;
-  return probe;
+                   float* __restrict v, const AdamWCoeffs& c, int64_t i0, int64_t i1) {
+  for (int64_t i = i0; i < i1; ++i) adamw_update(p[i], m[i], v[i], g[i], c);
 }
 
 }  // namespace
@@ -285,7 +247,7 @@ void dequantize(const uint8_t* q, const float* absmax, const BlockLayout& L, con
 void adamw8bit_step(float* param, const float* grad, uint8_t* q1, float* absmax1, uint8_t* q2,
                     float* absmax2, const BlockLayout& L, const CodeLut& lut1,
                     const CodeLut& lut2, const AdamWHyper& h) {
-  const Coeffs c = coeffs(h);
+  const AdamWCoeffs c = adamw_coeffs(h);
   at::parallel_for(0, L.num_blocks, kGrain, [&](int64_t b0, int64_t b1) {
     std::vector<float> buf(2 * L.max_block_elems());  // this task's block of moments
     adamw8bit_blocks(param, grad, q1, absmax1, q2, absmax2, L, lut1, lut2, c, b0, b1, buf.data(),
@@ -295,19 +257,10 @@ void adamw8bit_step(float* param, const float* grad, uint8_t* q1, float* absmax1
 
 void adamw32_step(float* param, const float* grad, float* m, float* v, int64_t n,
                   const AdamWHyper& h) {
-  const Coeffs c = coeffs(h);
+  const AdamWCoeffs c = adamw_coeffs(h);
   at::parallel_for(0, n, 1 << 14, [&](int64_t i0, int64_t i1) {
     adamw32_range(param, grad, m, v, c, i0, i1);
   });
-}
-
-bool all_finite(const float* x, int64_t n) {
-  std::atomic<bool> bad{false};
-  at::parallel_for(0, n, 1 << 16, [&](int64_t i0, int64_t i1) {
-    const float p = nonfinite_probe(x, i0, i1);
-    if (p != 0.0f || std::isnan(p)) bad.store(true, std::memory_order_relaxed);
-  });
-  return !bad.load();
 }
 
 }  // namespace rfsdp::quant::cpu

@@ -6,6 +6,7 @@
 #include <cstdint>
 #include <vector>
 
+#include "quant/blockwise/adamw_update.h"
 #include "quant/blockwise/block_layout.h"
 
 namespace rfsdp::quant::cpu {
@@ -58,11 +59,6 @@ bool quantize(const float* x, const BlockLayout& layout, const CodeLut& lut, uin
 void dequantize(const uint8_t* q, const float* absmax, const BlockLayout& layout,
                 const float* code, float* out);
 
-struct AdamWHyper {
-  float lr, beta1, beta2, eps, weight_decay;
-  int64_t step;  // 1-based, for bias correction
-};
-
 // One AdamW step with 8-bit block-wise moments, fused: per block, read the
 // codes, the gradient and the parameter once, update in fp32, write back.
 void adamw8bit_step(float* param, const float* grad, uint8_t* q1, float* absmax1, uint8_t* q2,
@@ -72,8 +68,5 @@ void adamw8bit_step(float* param, const float* grad, uint8_t* q1, float* absmax1
 // One AdamW step with fp32 moments (the baseline), torch.optim.AdamW's formula.
 void adamw32_step(float* param, const float* grad, float* m, float* v, int64_t n,
                   const AdamWHyper& h);
-
-// True if every element is finite.
-bool all_finite(const float* x, int64_t n);
 
 }  // namespace rfsdp::quant::cpu

@@ -79,15 +79,11 @@ __global__ void dequantize_kernel(const uint8_t* __restrict q, const float* __re
   }
 }
 
-struct Coeffs {
-  float decay, b1, one_minus_b1, b2, one_minus_b2, step_size, inv_sqrt_bc2, eps;
-};
-
 __global__ void adamw8bit_kernel(float* __restrict p, const float* __restrict g,
                                  uint8_t* __restrict q1, float* __restrict absmax1,
                                  uint8_t* __restrict q2, float* __restrict absmax2, BlockLayout L,
                                  const float* __restrict code1_g, const float* __restrict code2_g,
-                                 Coeffs c) {
+                                 AdamWCoeffs c) {
   __shared__ float code1[256], code2[256];
   __shared__ float scratch[32];
   code1[threadIdx.x] = code1_g[threadIdx.x];
@@ -103,10 +99,11 @@ __global__ void adamw8bit_kernel(float* __restrict p, const float* __restrict g,
     m[i] = v[i] = 0.0f;
     if (k < b.count) {
       const int64_t e = element(b, L.row_len, k);
-      const float gi = g[e];
-      m[i] = c.b1 * (code1[q1[e]] * a1) + c.one_minus_b1 * gi;
-      v[i] = c.b2 * (code2[q2[e]] * a2) + c.one_minus_b2 * gi * gi;
-      p[e] = p[e] * c.decay - c.step_size * (m[i] / (sqrtf(v[i]) * c.inv_sqrt_bc2 + c.eps));
+      m[i] = code1[q1[e]] * a1;
+      v[i] = code2[q2[e]] * a2;
+      float pe = p[e];
+      adamw_update(pe, m[i], v[i], g[e], c);
+      p[e] = pe;
       amax1 = fmaxf(amax1, fabsf(m[i]));
       amax2 = fmaxf(amax2, v[i]);
     }
@@ -160,10 +157,7 @@ cudaError_t adamw8bit_step(float* param, const float* grad, uint8_t* q1, float* 
                            const float* code2, const AdamWHyper& h, cudaStream_t stream) {
   if (cudaError_t e = check_layout(L); e != cudaSuccess) return e;
   if (L.num_blocks == 0) return cudaSuccess;
-  const double bc1 = 1.0 - std::pow(static_cast<double>(h.beta1), static_cast<double>(h.step));
-  const double bc2 = 1.0 - std::pow(static_cast<double>(h.beta2), static_cast<double>(h.step));
-  const Coeffs c{1.0f - h.lr * h.weight_decay, h.beta1, 1.0f - h.beta1, h.beta2, 1.0f - h.beta2,
-                 static_cast<float>(h.lr / bc1), static_cast<float>(1.0 / std::sqrt(bc2)), h.eps};
+  const AdamWCoeffs c = adamw_coeffs(h);
   adamw8bit_kernel<<<static_cast<unsigned>(L.num_blocks), kThreads, 0, stream>>>(
       param, grad, q1, absmax1, q2, absmax2, L, code1, code2, c);
   return cudaGetLastError();

@@ -8,6 +8,7 @@
 
 #include <cstdint>
 
+#include "quant/blockwise/adamw_update.h"
 #include "quant/blockwise/block_layout.h"
 
 namespace rfsdp::quant::cuda {
@@ -19,11 +20,6 @@ cudaError_t quantize(const float* x, const BlockLayout& layout, const float* cod
 
 cudaError_t dequantize(const uint8_t* q, const float* absmax, const BlockLayout& layout,
                        const float* code, float* out, cudaStream_t stream);
-
-struct AdamWHyper {
-  float lr, beta1, beta2, eps, weight_decay;
-  int64_t step;
-};
 
 // The fused AdamW8bit step: per block, codes/gradient/parameter read once,
 // moments updated in fp32 registers, codes and parameter written once.
