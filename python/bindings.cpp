@@ -223,6 +223,21 @@ PYBIND11_MODULE(_C, m) {
           return rfsdp::all_ranks_finite(comm.get(), tensors);
         }, py::arg("comm"), py::arg("tensors"));
 
+  // (rows, row length) of a tensor seen as rows of its first row_dims dims: the
+  // one definition (TensorSpec) that fully_shard, the policies and the optimizers use.
+  m.def("row_geometry", [](const std::vector<int64_t>& shape, int row_dims) {
+          const int max_row_dims = shape.empty() ? 1 : static_cast<int>(shape.size());
+          if (row_dims < 1 || row_dims > max_row_dims) {
+            throw std::invalid_argument("row_dims " + std::to_string(row_dims) +
+                                        " is out of range [1, " + std::to_string(max_row_dims) +
+                                        "] for shape " + rfsdp::shape_to_string(shape));
+          }
+          rfsdp::TensorSpec t;
+          t.shape = shape;
+          t.row_dims = row_dims;
+          return py::make_tuple(t.rows(), t.row_elems());
+        }, py::arg("shape"), py::arg("row_dims") = 1);
+
   m.def("plan_specs", &plan_specs, py::arg("specs"), py::arg("world_size"),
         py::arg("align_bytes") = 16);
 

@@ -39,17 +39,11 @@ class ShardInfo:
 
     @property
     def row_len(self):
-        n = 1
-        for d in self.global_shape[self.row_dims:]:
-            n *= d
-        return n
+        return _C.row_geometry(list(self.global_shape), self.row_dims)[1]
 
     @property
     def full_rows(self):
-        n = 1
-        for d in self.global_shape[:self.row_dims]:
-            n *= d
-        return n if self.global_shape else 1
+        return _C.row_geometry(list(self.global_shape), self.row_dims)[0]
 
 
 @dataclass

@@ -26,9 +26,8 @@ def _check_params(optimizer_name, params):
 def _rows(p):
     """(full_rows, row_len, row_begin, full numel) of a parameter or shard."""
     info = shard_info(p)
-    if info is None:
-        row_len = p.shape[-1] if p.dim() >= 2 else 1
-        rows = p.numel() // row_len if row_len else 0
+    if info is None:  # a whole tensor: rows of its first dim, as fully_shard's default
+        rows, row_len = _C.row_geometry(list(p.shape), 1)
         return rows, row_len, 0, p.numel()
     return info.full_rows, info.row_len, info.row_begin, info.full_rows * info.row_len
 

@@ -3,6 +3,8 @@ parameter asks of the planner. A policy maps (name, parameter) to an int >= 1 or
 "whole". Several users of one parameter combine by lcm (capped at the whole tensor)."""
 import math
 
+from . import _C
+
 WHOLE = "whole"
 
 
@@ -16,7 +18,8 @@ def check_granule(g, name="?"):
 
 
 def row_len(param, row_dims=1):
-    return math.prod(param.shape[row_dims:]) if param.dim() > row_dims else 1
+    """Elements per row of param seen as rows of its first row_dims dims."""
+    return _C.row_geometry(list(param.shape), min(row_dims, max(param.dim(), 1)))[1]
 
 
 class Policy:

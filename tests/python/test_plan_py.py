@@ -43,3 +43,19 @@ def test_shard_rows_tile_each_tensor():
 def test_errors_are_value_errors_naming_the_problem(tensors, world, needle):
     with pytest.raises(ValueError, match=needle):
         rfsdp.plan(tensors, world)
+
+
+def test_row_geometry_is_the_planners():
+    """One definition of rows (TensorSpec): rows of the first row_dims dims."""
+    from rfsdp import _C
+    assert _C.row_geometry([3, 4, 5], 1) == (3, 20)
+    assert _C.row_geometry([3, 4, 5], 2) == (12, 5)
+    assert _C.row_geometry([3, 4, 5], 3) == (60, 1)
+    assert _C.row_geometry([7], 1) == (7, 1)
+    assert _C.row_geometry([], 1) == (1, 1)
+    with pytest.raises(ValueError, match="row_dims 3 is out of range"):
+        _C.row_geometry([3, 4], 3)
+    plan = rfsdp.plan([{"name": "w", "shape": [6, 4, 5], "granule_rows": 1, "row_dims": 2,
+                        "dtype_bytes": 4}], world_size=2)  # rows of the first 2 dims
+    begin, end, _, numel = plan.shard(0, 1)
+    assert numel == (end - begin) * 5
