@@ -17,6 +17,7 @@
 
 #include "core/comm/comm.h"
 #include "core/ragged/plan.h"
+#include "fsdp/gathered_buffer.h"
 
 namespace rfsdp {
 
@@ -49,12 +50,9 @@ class FSDPUnit {
   CommHandle unshard();
   // Releases the global parameter buffer; full_param views stay valid objects.
   void reshard();
-  bool unsharded() const { return param_storage_live_; }
+  bool unsharded() const { return params_.live(); }
   // Bytes of the global parameter and gradient buffers allocated now.
-  int64_t gathered_bytes() const {
-    return (param_storage_live_ ? global_param_.nbytes() : 0) +
-           (grad_storage_live_ ? global_grad_.nbytes() : 0);
-  }
+  int64_t gathered_bytes() const { return params_.bytes() + grads_.bytes(); }
 
   // Allocates and zeroes the global gradient buffer: backward accumulates into
   // full_grad views (set them as the parameters' .grad).
@@ -65,8 +63,8 @@ class FSDPUnit {
   void zero_grad();
 
   // Full-shape views into the global buffers (usable while allocated).
-  const at::Tensor& full_param(size_t i) const { return full_params_.at(i); }
-  const at::Tensor& full_grad(size_t i) const { return full_grads_.at(i); }
+  const at::Tensor& full_param(size_t i) const { return params_.view(i); }
+  const at::Tensor& full_grad(size_t i) const { return grads_.view(i); }
   // This rank's rows [row_begin, row_end) of tensor i, shaped (rows, *rest): views
   // of the fp32 local slices (possibly 0 rows).
   at::Tensor local_param(size_t i) const { return local_view(local_param_, i); }
@@ -87,11 +85,8 @@ class FSDPUnit {
   MixedPrecision mp_;
   at::Device device_;
   int64_t S_;
-  at::Tensor local_param_, local_grad_;    // fp32 [S]
-  at::Tensor global_param_, global_grad_;  // [m*S], storage released when resharded
-  std::vector<at::Tensor> full_params_, full_grads_;
-  bool param_storage_live_ = false, grad_storage_live_ = false;
-  bool gather_in_flight_ = false, reduce_in_flight_ = false;
+  at::Tensor local_param_, local_grad_;  // fp32 [S]
+  GatheredBuffer params_, grads_;         // [m*S] in the compute / reduce dtype
   bool has_grad_ = false;  // the local gradient slice holds reduced gradients
   int64_t bytes_cast_ = 0;
 };
