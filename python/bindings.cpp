@@ -8,6 +8,7 @@
 #include "core/ragged/plan_json.h"
 #include "fsdp/fsdp_unit.h"
 #include "fsdp/grad_clip.h"
+#include "optimizers/adamw/adamw.h"
 #include "optimizers/common/finite.h"
 #include "optimizers/muon/muon.h"
 #include "quant/blockwise/cpu_kernels.h"
@@ -99,11 +100,33 @@ py::dict stats_dict(const rfsdp::CommStats& s) {
                   py::arg("bytes_sent") = s.bytes_sent, py::arg("bytes_copied") = s.bytes_copied);
 }
 
-// A Muon layout with the Comm its steps run over (none: one process, no group).
-struct MuonRunner {
-  std::shared_ptr<rfsdp::Comm> comm;
-  std::unique_ptr<rfsdp::MuonLayout> layout;
-};
+// An optimizer's parameter from Python: (name, this rank's tensor, the full
+// shape, row_dims, row_begin); rows and row length as TensorSpec defines them.
+using ShardSpec = std::tuple<std::string, at::Tensor, std::vector<int64_t>, int, int64_t>;
+
+std::vector<rfsdp::ParamShard> shards_of(const std::vector<ShardSpec>& specs) {
+  std::vector<rfsdp::ParamShard> out;
+  for (const auto& [name, param, shape, row_dims, row_begin] : specs) {
+    rfsdp::TensorSpec t;
+    t.shape = shape;
+    t.row_dims = row_dims;
+    rfsdp::ParamShard p;
+    p.name = name;
+    p.param = param;
+    p.full_rows = t.rows();
+    p.row_len = t.row_elems();
+    p.row_begin = row_begin;
+    p.shape = shape;
+    out.push_back(std::move(p));
+  }
+  return out;
+}
+
+py::dict named(const std::vector<std::pair<std::string, at::Tensor>>& tensors) {
+  py::dict d;
+  for (const auto& [name, t] : tensors) d[py::str(name)] = t;
+  return d;
+}
 
 }  // namespace
 
@@ -175,46 +198,79 @@ PYBIND11_MODULE(_C, m) {
 
   // Muon: params [(name, full shape, elem_begin, elem_end, ns_steps)]; hyper per
   // parameter (lr, momentum, weight_decay, nesterov, adjust_lr).
-  // Muon over one process group: the layout (roots) and the step.
-  py::class_<MuonRunner>(m, "Muon")
-      .def(py::init([](std::shared_ptr<rfsdp::Comm> comm,
-                       const std::vector<std::tuple<std::string, std::vector<int64_t>, int64_t,
-                                                    int64_t, int>>& params) {
-             auto r = std::make_unique<MuonRunner>();
-             r->comm = std::move(comm);  // None: one process
-             std::vector<rfsdp::MuonParamGeometry> geo;
-             for (const auto& [name, shape, b, e, steps] : params) geo.push_back({name, shape, b, e, steps});
-             py::gil_scoped_release release;  // collective
-             r->layout = std::make_unique<rfsdp::MuonLayout>(r->comm.get(), std::move(geo));
-             return r;
+  // The optimizers: the C++ classes over this rank's shards. Python's
+  // rfsdp.optim keeps param groups, schedulers and state_dict, and gives each
+  // step the gradients and every parameter's group hyperparameters.
+  py::class_<rfsdp::AdamW, std::shared_ptr<rfsdp::AdamW>>(m, "AdamW")
+      .def(py::init([](const std::vector<ShardSpec>& params, std::shared_ptr<rfsdp::Comm> comm,
+                       bool check_finite) {
+             rfsdp::AdamWOptions o;
+             o.check_finite = check_finite;
+             return std::make_shared<rfsdp::AdamW>(shards_of(params), o, std::move(comm));
            }),
-           py::arg("comm"), py::arg("params"))
-      .def("matrices", [](const MuonRunner& r) {
+           py::arg("params"), py::arg("comm"), py::arg("check_finite") = true)
+      .def("set_grad", [](rfsdp::AdamW& o, size_t i, const std::optional<at::Tensor>& g) {
+             o.set_grad(i, g ? *g : at::Tensor());
+           })
+      .def("set_options", [](rfsdp::AdamW& o, size_t i, double lr, double b1, double b2,
+                             double eps, double wd) {
+             rfsdp::AdamWOptions x = o.options();
+             x.lr = lr, x.beta1 = b1, x.beta2 = b2, x.eps = eps, x.weight_decay = wd;
+             o.set_param_options(i, x);
+           })
+      .def("step", &rfsdp::AdamW::step, py::call_guard<py::gil_scoped_release>())  // collective
+      .def("step_count", &rfsdp::AdamW::step_count)
+      .def("set_step_count", &rfsdp::AdamW::set_step_count)
+      .def("state", [](const rfsdp::AdamW& o, size_t i) { return named(o.state(i)); })
+      .def("state_bytes", &rfsdp::AdamW::state_bytes);
+  py::class_<rfsdp::AdamW8bit, rfsdp::AdamW, std::shared_ptr<rfsdp::AdamW8bit>>(m, "AdamW8bit")
+      .def(py::init([](const std::vector<ShardSpec>& params, const py::object& block,
+                       int64_t min_8bit_size, std::shared_ptr<rfsdp::Comm> comm,
+                       bool check_finite) {
+             rfsdp::AdamWOptions o;
+             o.check_finite = check_finite;
+             return std::make_shared<rfsdp::AdamW8bit>(shards_of(params), o, block_shape(block),
+                                                       min_8bit_size, std::move(comm));
+           }),
+           py::arg("params"), py::arg("block"), py::arg("min_8bit_size"), py::arg("comm"),
+           py::arg("check_finite") = true)
+      .def("is_8bit", &rfsdp::AdamW8bit::is_8bit);
+
+  // Muon over one process group: roots chosen at construction (collective), then steps.
+  py::class_<rfsdp::Muon, std::shared_ptr<rfsdp::Muon>>(m, "Muon")
+      .def(py::init([](const std::vector<ShardSpec>& params, const std::vector<int>& ns_steps,
+                       const std::string& ns_dtype, std::shared_ptr<rfsdp::Comm> comm,
+                       bool check_finite) {
+             rfsdp::MuonOptions o;
+             o.ns_dtype = dtype_of(ns_dtype);
+             o.check_finite = check_finite;
+             auto shards = shards_of(params);
+             py::gil_scoped_release release;  // collective
+             return std::make_shared<rfsdp::Muon>(std::move(comm), std::move(shards), o, ns_steps);
+           }),
+           py::arg("params"), py::arg("ns_steps"), py::arg("ns_dtype"), py::arg("comm"),
+           py::arg("check_finite") = true)
+      .def("set_grad", &rfsdp::Muon::set_grad)
+      .def("set_hyper", [](rfsdp::Muon& o, size_t i, double lr, double momentum, double wd,
+                           bool nesterov, const std::string& adjust_lr) {
+             o.set_param_hyper(i, {lr, momentum, wd, nesterov,
+                                   rfsdp::parse_muon_adjust_lr(adjust_lr)});
+           })
+      .def("step", &rfsdp::Muon::step, py::call_guard<py::gil_scoped_release>())  // collectives
+      .def("state", [](const rfsdp::Muon& o, size_t i) { return named(o.state(i)); })
+      .def("matrices", [](const rfsdp::Muon& o) {
              py::list out;
-             for (const auto& x : r.layout->matrices()) {
+             for (const auto& x : o.layout().matrices()) {
                out.append(py::dict(py::arg("param") = x.param, py::arg("offset") = x.offset,
                                    py::arg("rows") = x.rows, py::arg("cols") = x.cols,
                                    py::arg("root") = x.root, py::arg("flops") = x.flops));
              }
              return out;
            })
-      .def("rank_flops", [](const MuonRunner& r) { return r.layout->rank_flops(); })
-      .def("flop_imbalance", [](const MuonRunner& r) { return r.layout->flop_imbalance(); })
-      .def("gather_send_elems", [](const MuonRunner& r) { return r.layout->gather_send_elems(); })
-      .def("gather_recv_elems", [](const MuonRunner& r) { return r.layout->gather_recv_elems(); })
-      .def("step", [](MuonRunner& r, const std::vector<at::Tensor>& params,
-                      const std::vector<at::Tensor>& grads, const std::vector<at::Tensor>& momenta,
-                      const std::vector<std::tuple<double, double, double, bool, std::string>>& hyper,
-                      const std::string& ns_dtype) {
-             std::vector<rfsdp::MuonHyper> h;
-             for (const auto& [lr, mom, wd, nesterov, adjust] : hyper) {
-               h.push_back({lr, mom, wd, nesterov, rfsdp::parse_muon_adjust_lr(adjust)});
-             }
-             const at::ScalarType dt = dtype_of(ns_dtype);
-             py::gil_scoped_release release;  // collectives
-             rfsdp::muon_step(r.comm.get(), *r.layout, params, grads, momenta, h, dt);
-           })
-      .def("bytes_sent", [](const MuonRunner& r) { return r.comm ? r.comm->stats().bytes_sent : 0; });
+      .def("rank_flops", [](const rfsdp::Muon& o) { return o.layout().rank_flops(); })
+      .def("flop_imbalance", [](const rfsdp::Muon& o) { return o.layout().flop_imbalance(); })
+      .def("gather_send_elems", [](const rfsdp::Muon& o) { return o.layout().gather_send_elems(); })
+      .def("gather_recv_elems", [](const rfsdp::Muon& o) { return o.layout().gather_recv_elems(); });
 
   // comm None: this process alone.
   m.def("all_ranks_finite", [](std::shared_ptr<rfsdp::Comm> comm,
@@ -241,18 +297,7 @@ PYBIND11_MODULE(_C, m) {
   m.def("plan_specs", &plan_specs, py::arg("specs"), py::arg("world_size"),
         py::arg("align_bytes") = 16);
 
-  // Optimizer kernels over one parameter's tensors (state lives in Python's optimizer state).
-  m.def("adamw_step", [](at::Tensor p, at::Tensor g, at::Tensor m1, at::Tensor v, double lr,
-                         double b1, double b2, double eps, double wd, int64_t step) {
-    const int64_t n = p.numel();
-    expect(p, at::kFloat, n, "param");
-    expect(g, at::kFloat, n, "grad");
-    expect(m1, at::kFloat, n, "exp_avg");
-    expect(v, at::kFloat, n, "exp_avg_sq");
-    rfsdp::quant::cpu::adamw32_step(p.data_ptr<float>(), g.data_ptr<float>(), m1.data_ptr<float>(),
-                                    v.data_ptr<float>(), p.numel(),
-                                    {float(lr), float(b1), float(b2), float(eps), float(wd), step});
-  });
+  // The fused 8-bit kernel alone (tests check it element by element).
   m.def("adamw8bit_step", [](at::Tensor p, at::Tensor g, at::Tensor q1, at::Tensor a1, at::Tensor q2,
                              at::Tensor a2, const py::object& block, int64_t row_len,
                              const at::Tensor& code1, const at::Tensor& code2, double lr, double b1,
@@ -284,7 +329,6 @@ PYBIND11_MODULE(_C, m) {
   m.def("granule_rows", [](const py::object& block, int64_t row_len) {
     return block_shape(block).granule_rows(row_len);
   });
-  m.def("nearest_code", [](const at::Tensor& code, float v) { return lut_of(code).nearest(v); });
 
   // Errors from the library are std::invalid_argument -> ValueError (pybind11's default).
   py::class_<rfsdp::Plan>(m, "Plan")

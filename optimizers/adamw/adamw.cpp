@@ -10,15 +10,17 @@ namespace rfsdp {
 
 namespace {
 
+// The gradient may be undefined (given later by set_grad; no step until then).
 void check_param(const ParamShard& p) {
   const std::string who = "parameter '" + p.name + "': ";
   for (const at::Tensor* t : {&p.param, &p.grad}) {
+    if (t == &p.grad && !t->defined()) continue;
     if (!t->defined() || t->scalar_type() != at::kFloat || !t->is_contiguous() ||
         !t->device().is_cpu()) {
       throw std::invalid_argument(who + "param and grad must be contiguous float32 CPU tensors");
     }
   }
-  if (p.param.numel() != p.grad.numel()) {
+  if (p.grad.defined() && p.param.numel() != p.grad.numel()) {
     throw std::invalid_argument(who + "grad has " + std::to_string(p.grad.numel()) +
                                 " elements, param " + std::to_string(p.param.numel()));
   }
@@ -36,18 +38,25 @@ quant::AdamWHyper hyper(const AdamWOptions& o, int64_t step) {
           static_cast<float>(o.eps), static_cast<float>(o.weight_decay), step};
 }
 
-}  // namespace
-
-AdamW::AdamW(std::vector<ParamShard> params, AdamWOptions options)
-    : AdamW(std::move(params), options, std::vector<bool>()) {}
-
-AdamW::AdamW(std::vector<ParamShard> params, AdamWOptions options,
-             const std::vector<bool>& fp32_state)
-    : params_(std::move(params)), options_(options) {
-  if (!(options_.lr >= 0) || !(options_.eps > 0) || options_.beta1 < 0 || options_.beta1 >= 1 ||
-      options_.beta2 < 0 || options_.beta2 >= 1 || options_.weight_decay < 0) {
+void check_options(const AdamWOptions& o) {
+  if (!(o.lr >= 0) || !(o.eps > 0) || o.beta1 < 0 || o.beta1 >= 1 || o.beta2 < 0 ||
+      o.beta2 >= 1 || o.weight_decay < 0) {
     throw std::invalid_argument("AdamW: need lr >= 0, eps > 0, 0 <= betas < 1, weight_decay >= 0");
   }
+}
+
+}  // namespace
+
+AdamW::AdamW(std::vector<ParamShard> params, AdamWOptions options, std::shared_ptr<Comm> comm)
+    : AdamW(std::move(params), options, std::move(comm), std::vector<bool>()) {}
+
+AdamW::AdamW(std::vector<ParamShard> params, AdamWOptions options, std::shared_ptr<Comm> comm,
+             const std::vector<bool>& fp32_state)
+    : params_(std::move(params)), options_(options), comm_(std::move(comm)) {
+  check_options(options_);
+  param_options_.resize(params_.size());
+  has_param_options_.assign(params_.size(), false);
+  param_steps_.assign(params_.size(), 0);
   for (size_t i = 0; i < params_.size(); ++i) {
     check_param(params_[i]);
     const bool fp32 = fp32_state.empty() || fp32_state[i];
@@ -64,9 +73,38 @@ std::vector<bool> small_tensors(const std::vector<ParamShard>& params, int64_t m
 }
 }  // namespace
 
+void AdamW::set_param_options(size_t i, const AdamWOptions& o) {
+  check_options(o);
+  param_options_.at(i) = o;
+  has_param_options_.at(i) = true;
+}
+
+void AdamW::set_grad(size_t i, const at::Tensor& grad) {
+  ParamShard& p = params_.at(i);
+  if (grad.defined() && (grad.scalar_type() != at::kFloat || !grad.is_contiguous() ||
+                         !grad.device().is_cpu() || grad.numel() != p.param.numel())) {
+    throw std::invalid_argument("AdamW: the gradient of parameter '" + p.name + "' must be a "
+                                "contiguous float32 CPU tensor of " +
+                                std::to_string(p.param.numel()) + " elements");
+  }
+  p.grad = grad;
+}
+
 void AdamW::check_grads() const {
+  std::vector<at::Tensor> grads;
   for (const auto& p : params_) {
-    if (!all_finite(p.grad.data_ptr<float>(), p.grad.numel())) {
+    if (p.grad.defined()) grads.push_back(p.grad);
+  }
+  if (comm_ && comm_->size() > 1) {
+    if (!all_ranks_finite(comm_.get(), grads)) {
+      throw std::runtime_error("AdamW step: a gradient on some rank holds NaN or Inf; the step was "
+                               "not taken on any rank (check the loss, lower the learning rate, "
+                               "or clip gradients)");
+    }
+    return;
+  }
+  for (const auto& p : params_) {
+    if (p.grad.defined() && !all_finite(p.grad.data_ptr<float>(), p.grad.numel())) {
       throw std::runtime_error("AdamW step: the gradient of parameter '" + p.name +
                                "' holds NaN or Inf; the step was not taken (check the loss, "
                                "lower the learning rate, or clip gradients)");
@@ -77,14 +115,21 @@ void AdamW::check_grads() const {
 void AdamW::step() {
   if (options_.check_finite) check_grads();
   ++steps_;
-  for (size_t i = 0; i < params_.size(); ++i) update(i, steps_);
+  for (size_t i = 0; i < params_.size(); ++i) {
+    if (!params_[i].grad.defined()) continue;
+    update(i, ++param_steps_[i]);
+  }
 }
 
 void AdamW::update(size_t i, int64_t step) {
   ParamShard& p = params_[i];
   quant::cpu::adamw32_step(p.param.data_ptr<float>(), p.grad.data_ptr<float>(),
                            m_[i].data_ptr<float>(), v_[i].data_ptr<float>(), p.param.numel(),
-                           hyper(options_, step));
+                           hyper(options_of(i), step));
+}
+
+std::vector<std::pair<std::string, at::Tensor>> AdamW::state(size_t i) const {
+  return {{"exp_avg", m_.at(i)}, {"exp_avg_sq", v_.at(i)}};
 }
 
 int64_t AdamW::state_bytes() const {
@@ -94,8 +139,9 @@ int64_t AdamW::state_bytes() const {
 }
 
 AdamW8bit::AdamW8bit(std::vector<ParamShard> params, AdamWOptions options,
-                     quant::BlockShape block, int64_t min_8bit_size)
-    : AdamW(params, options, small_tensors(params, min_8bit_size)), block_(block) {
+                     quant::BlockShape block, int64_t min_8bit_size, std::shared_ptr<Comm> comm)
+    : AdamW(params, options, std::move(comm), small_tensors(params, min_8bit_size)),
+      block_(block) {
   block_.check();
   code1_ = quant::dynamic_map(true);
   code2_ = quant::dynamic_map(false);
@@ -130,7 +176,7 @@ void AdamW8bit::update(size_t i, int64_t step) {
   quant::cpu::adamw8bit_step(p.param.data_ptr<float>(), p.grad.data_ptr<float>(),
                              q.q1.data_ptr<uint8_t>(), q.absmax1.data_ptr<float>(),
                              q.q2.data_ptr<uint8_t>(), q.absmax2.data_ptr<float>(), q.layout,
-                             *lut1_, *lut2_, hyper(options_, step));
+                             *lut1_, *lut2_, hyper(options_of(i), step));
 }
 
 namespace {
@@ -152,6 +198,11 @@ at::Tensor AdamW8bit::exp_avg(size_t i) const {
 at::Tensor AdamW8bit::exp_avg_sq(size_t i) const {
   if (!eight_bit_.at(i)) return v_[i];
   return dequantized(q_[i].q2, q_[i].absmax2, q_[i].layout, code2_, params_[i].param.sizes());
+}
+
+std::vector<std::pair<std::string, at::Tensor>> AdamW8bit::state(size_t i) const {
+  if (!eight_bit_.at(i)) return AdamW::state(i);
+  return {{"q1", q_[i].q1}, {"absmax1", q_[i].absmax1}, {"q2", q_[i].q2}, {"absmax2", q_[i].absmax2}};
 }
 
 int64_t AdamW8bit::state_bytes() const {

@@ -330,9 +330,11 @@ void muon_step(Comm* comm, const MuonLayout& layout, const std::vector<at::Tenso
   }
 }
 
-std::vector<MuonParamGeometry> Muon::geometry(const std::vector<ParamShard>& params, int ns_steps) {
+std::vector<MuonParamGeometry> Muon::geometry(const std::vector<ParamShard>& params,
+                                              const std::vector<int>& ns_steps) {
   std::vector<MuonParamGeometry> out;
-  for (const auto& p : params) {
+  for (size_t i = 0; i < params.size(); ++i) {
+    const ParamShard& p = params[i];
     if (p.shape.empty() && p.full_numel() > 1) {
       throw std::invalid_argument("Muon: parameter '" + p.name + "' has no full shape "
                                   "(ParamShard.shape); use whole_param or param_shards");
@@ -342,25 +344,58 @@ std::vector<MuonParamGeometry> Muon::geometry(const std::vector<ParamShard>& par
     g.shape = p.shape;
     g.elem_begin = p.row_begin * p.row_len;
     g.elem_end = g.elem_begin + p.param.numel();
-    g.ns_steps = ns_steps;
+    g.ns_steps = ns_steps[i];
     out.push_back(std::move(g));
   }
   return out;
 }
 
-Muon::Muon(std::shared_ptr<Comm> comm, std::vector<ParamShard> params, MuonOptions options)
+namespace {
+std::vector<int> steps_per_param(size_t n, const MuonOptions& o, std::vector<int> given) {
+  if (given.empty()) return std::vector<int>(n, o.ns_steps);
+  if (given.size() != n) {
+    throw std::invalid_argument("Muon: " + std::to_string(given.size()) +
+                                " ns_steps values for " + std::to_string(n) + " parameters");
+  }
+  return given;
+}
+}  // namespace
+
+Muon::Muon(std::shared_ptr<Comm> comm, std::vector<ParamShard> params, MuonOptions options,
+           std::vector<int> ns_steps)
     : comm_(std::move(comm)),
       params_(std::move(params)),
       options_(options),
-      layout_(comm_.get(), geometry(params_, options.ns_steps)) {
+      param_hyper_(params_.size()),
+      has_param_hyper_(params_.size(), false),
+      layout_(comm_.get(), geometry(params_, steps_per_param(params_.size(), options, ns_steps))) {
   for (const auto& p : params_) momenta_.push_back(at::zeros_like(p.param));
+}
+
+void Muon::set_param_hyper(size_t i, const MuonHyper& h) {
+  if (!(h.lr >= 0) || h.momentum < 0 || h.momentum >= 1 || h.weight_decay < 0) {
+    throw std::invalid_argument("Muon: need lr >= 0, 0 <= momentum < 1, weight_decay >= 0");
+  }
+  param_hyper_.at(i) = h;
+  has_param_hyper_.at(i) = true;
+}
+
+void Muon::set_grad(size_t i, const at::Tensor& grad) {
+  const ParamShard& p = params_.at(i);
+  if (!grad.defined() || grad.numel() != p.param.numel() || !grad.is_contiguous()) {
+    throw std::invalid_argument("Muon: parameter '" + p.name + "' needs a contiguous gradient of " +
+                                std::to_string(p.param.numel()) + " elements on every rank");
+  }
+  params_[i].grad = grad;
 }
 
 void Muon::step() {
   std::vector<at::Tensor> ps, gs;
-  for (const auto& p : params_) {
-    ps.push_back(p.param);
-    gs.push_back(p.grad);
+  std::vector<MuonHyper> hyper;
+  for (size_t i = 0; i < params_.size(); ++i) {
+    ps.push_back(params_[i].param);
+    gs.push_back(params_[i].grad);
+    hyper.push_back(has_param_hyper_[i] ? param_hyper_[i] : options_.hyper);
   }
   if (options_.check_finite && !all_ranks_finite(comm_.get(), gs)) {
     throw std::runtime_error("Muon step: a gradient on some rank holds NaN or Inf; the step was "
@@ -368,8 +403,7 @@ void Muon::step() {
                              "clip gradients)");
   }
   ++steps_;
-  muon_step(comm_.get(), layout_, ps, gs, momenta_,
-            std::vector<MuonHyper>(params_.size(), options_.hyper), options_.ns_dtype);
+  muon_step(comm_.get(), layout_, ps, gs, momenta_, hyper, options_.ns_dtype);
 }
 
 }  // namespace rfsdp

@@ -1,7 +1,9 @@
 """rfsdp.optim: AdamW, AdamW8bit and Muon as torch.optim.Optimizer subclasses
-over the C++ kernels. Parameters are the shards fully_shard made (or plain
-tensors); param_groups, zero_grad, state_dict/load_state_dict and LR schedulers
-work as with torch.optim.AdamW. Shampoo comes with its issue."""
+over the C++ optimizers (optimizers/). Parameters are the shards fully_shard
+made (or plain tensors). Python keeps what is Python's: param groups (each
+step hands every parameter its group's hyperparameters), LR schedulers, and
+state_dict / load_state_dict in torch's format, whose tensors are the C++
+optimizer's own. Shampoo comes with its issue."""
 import torch
 import torch.distributed as dist
 
@@ -23,13 +25,13 @@ def _check_params(optimizer_name, params):
                                  % (optimizer_name, p.dtype, p.device))
 
 
-def _rows(p):
-    """(full_rows, row_len, row_begin, full numel) of a parameter or shard."""
+def _shard_spec(i, p):
+    """What the C++ optimizers take for a parameter: (name, this rank's tensor, the
+    full shape, row_dims, row_begin); a plain tensor is its own whole shard."""
     info = shard_info(p)
-    if info is None:  # a whole tensor: rows of its first dim, as fully_shard's default
-        rows, row_len = _C.row_geometry(list(p.shape), 1)
-        return rows, row_len, 0, p.numel()
-    return info.full_rows, info.row_len, info.row_begin, info.full_rows * info.row_len
+    if info is None:
+        return ("param %d" % i, p.data, list(p.shape), 1, 0)
+    return (info.name, p.data, list(info.global_shape), info.row_dims, info.row_begin)
 
 
 def _default_comm(process_group, timeout_seconds):
@@ -40,15 +42,6 @@ def _default_comm(process_group, timeout_seconds):
     return None if process_group is None else make_comm(process_group, timeout_seconds)
 
 
-def _check_all_finite(name, comm, grads):
-    """Every rank agrees (one all-reduce of a flag) before any state changes: a
-    rank that raised alone would leave the others waiting in the next collective."""
-    if not _C.all_ranks_finite(comm, grads):
-        raise RuntimeError("%s: a gradient on some rank holds NaN or Inf; the step was not taken "
-                           "on any rank (check the loss, lower the learning rate, or clip "
-                           "gradients)" % name)
-
-
 def _run_closure(closure):
     """torch.optim's contract: step(closure) re-evaluates the loss with grad enabled."""
     if closure is None:
@@ -57,43 +50,93 @@ def _run_closure(closure):
         return closure()
 
 
-class _LoadsCopies:
-    """torch 2.x's Optimizer.load_state_dict keeps the given state tensors (no
-    copy). These optimizers update their state in place, so loading a live
-    optimizer's state_dict would share (and advance twice) its state: load copies."""
-
-    def load_state_dict(self, state_dict):
-        state_dict = dict(state_dict)
-        state_dict["state"] = {k: {n: v.clone() if torch.is_tensor(v) else v for n, v in s.items()}
-                               for k, s in state_dict["state"].items()}
-        super().load_state_dict(state_dict)
-
-
 def _check_grad_layout(name, g):
     if g.dtype != torch.float32 or not g.is_contiguous():
         raise ValueError("%s: gradients must be contiguous float32" % name)
 
 
-def _adam_state_step(p, state, init_state):
-    """Creates the state at the first step; counts the step."""
-    if not state:
-        state["step"] = torch.tensor(0.0)
-        init_state(p, state)
-    state["step"] += 1
+class _OverCpp(torch.optim.Optimizer):
+    """The C++ optimizer(s) over param_groups' parameters: built at construction
+    (shards are checked then), rebuilt with the state carried over when a group is
+    added. self.state[p] is torch's format and holds the C++ tensors themselves:
+    {"step": counted steps (AdamW's), name: tensor, ...}, present once p stepped."""
+
+    def _parts(self, params):
+        """[(C++ optimizer, [indices into params])] for these parameters."""
+        raise NotImplementedError
+
+    def _all_params(self):
+        return [p for g in self.param_groups for p in g["params"]]
+
+    def _bind(self):
+        params = self._all_params()
+        old = getattr(self, "_bound_params", None)
+        if old is not None and len(old) == len(params) and all(a is b for a, b in zip(old, params)):
+            return
+        _check_params(type(self).__name__, self.param_groups)
+        stepped = getattr(self, "_stepped", set())
+        kept = {id(p): self._state_of(p) for p in (old or []) if id(p) in stepped}
+        self._bound_params = params
+        self._where = {}
+        for impl, idx in self._parts(params):
+            for k, i in enumerate(idx):
+                self._where[id(params[i])] = (impl, k)
+        self._stepped = set()
+        for p in params:
+            if id(p) in kept:
+                self._load_state_of(p, kept[id(p)])
+        self._publish()
+
+    def add_param_group(self, param_group):
+        super().add_param_group(param_group)
+        if getattr(self, "_bound_params", None) is not None:  # a group added later
+            self._bind()
+
+    def _state_of(self, p):
+        impl, k = self._where[id(p)]
+        st = dict(impl.state(k))
+        if hasattr(impl, "step_count"):
+            st["step"] = torch.tensor(float(impl.step_count(k)))
+        return st
+
+    def _load_state_of(self, p, st):
+        impl, k = self._where[id(p)]
+        for name, t in impl.state(k).items():
+            if name not in st:
+                raise ValueError("%s.load_state_dict: the state of a parameter of shape %s lacks "
+                                 "'%s' (saved by another optimizer or with other settings?)"
+                                 % (type(self).__name__, tuple(p.shape), name))
+            src = st[name]
+            if tuple(src.shape) != tuple(t.shape):
+                raise ValueError("%s.load_state_dict: '%s' of a parameter has shape %s, this "
+                                 "optimizer keeps %s (another world size or block setting?)"
+                                 % (type(self).__name__, name, tuple(src.shape), tuple(t.shape)))
+            # torch's load_state_dict casts every state tensor to the parameter's dtype
+            # (8-bit codes arrive as float32 holding 0..255): the copy casts them back exactly.
+            t.copy_(src)
+        if hasattr(impl, "set_step_count"):
+            impl.set_step_count(k, int(st["step"]))
+        self._stepped.add(id(p))
+
+    def _publish(self):
+        for p in self._bound_params:
+            if id(p) in self._stepped:
+                self.state[p] = self._state_of(p)
+
+    def state_dict(self):
+        self._publish()
+        return super().state_dict()
+
+    def load_state_dict(self, state_dict):
+        super().load_state_dict(state_dict)
+        for p in self._bound_params:
+            st = self.state.get(p)
+            if st:
+                self._load_state_of(p, st)
+        self._publish()
 
 
-def _init_adam_state(p, state):
-    state["exp_avg"] = torch.zeros_like(p)
-    state["exp_avg_sq"] = torch.zeros_like(p)
-
-
-def _adamw_update(p, state, group):
-    b1, b2 = group["betas"]
-    _C.adamw_step(p.data, p.grad, state["exp_avg"], state["exp_avg_sq"], group["lr"], b1, b2,
-                  group["eps"], group["weight_decay"], int(state["step"]))
-
-
-class AdamW(_LoadsCopies, torch.optim.Optimizer):
+class AdamW(_OverCpp):
     """torch.optim.AdamW's update over shards (or plain tensors). Collective: the
     NaN/Inf check agrees across process_group's ranks (default: torch.distributed's
     default group, none without one), so every rank builds it and steps together."""
@@ -103,25 +146,32 @@ class AdamW(_LoadsCopies, torch.optim.Optimizer):
         if lr < 0 or eps <= 0 or not (0 <= betas[0] < 1 and 0 <= betas[1] < 1) or weight_decay < 0:
             raise ValueError("AdamW: need lr >= 0, eps > 0, 0 <= betas < 1, weight_decay >= 0")
         super().__init__(params, dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay))
-        _check_params(type(self).__name__, self.param_groups)
         self.comm = _default_comm(process_group, timeout_seconds)
+        self._bind()
 
-    def _init_state(self, p, state):
-        _init_adam_state(p, state)
+    def _make(self, specs):
+        return _C.AdamW(specs, self.comm)
 
-    def _update(self, p, state, group):
-        _adamw_update(p, state, group)
+    def _parts(self, params):
+        self._impl = self._make([_shard_spec(i, p) for i, p in enumerate(params)])
+        return [(self._impl, list(range(len(params))))]
 
     @torch.no_grad()
     def step(self, closure=None):
         loss = _run_closure(closure)
-        live = [(p, g) for g in self.param_groups for p in g["params"] if p.grad is not None]
-        for p, _ in live:
-            _check_grad_layout(type(self).__name__, p.grad)
-        _check_all_finite(type(self).__name__, self.comm, [p.grad for p, _ in live])
-        for p, group in live:
-            _adam_state_step(p, self.state[p], self._init_state)
-            self._update(p, self.state[p], group)
+        self._bind()
+        i = 0
+        for group in self.param_groups:
+            b1, b2 = group["betas"]
+            for p in group["params"]:
+                if p.grad is not None:
+                    _check_grad_layout(type(self).__name__, p.grad)
+                self._impl.set_grad(i, p.grad)
+                self._impl.set_options(i, group["lr"], b1, b2, group["eps"], group["weight_decay"])
+                i += 1
+        self._impl.step()  # NaN/Inf: every rank raises before anything changes
+        self._stepped.update(id(p) for p in self._bound_params if p.grad is not None)
+        self._publish()
         return loss
 
 
@@ -134,48 +184,15 @@ class AdamW8bit(AdamW):
 
     def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=1e-2,
                  block=256, min_8bit_size=4096, process_group=None, timeout_seconds=300.0):
-        super().__init__(params, lr, betas, eps, weight_decay, process_group, timeout_seconds)
         self.block = block if isinstance(block, int) else tuple(block)
         self.min_8bit_size = min_8bit_size
-        self.code1 = _C.dynamic_map(True)
-        self.code2 = _C.dynamic_map(False)
-        for g in self.param_groups:  # refuse shards that cut blocks now, not at the first step
-            for p in g["params"]:
-                self._check_blocks(p)
+        super().__init__(params, lr, betas, eps, weight_decay, process_group, timeout_seconds)
 
-    def _check_blocks(self, p):
-        rows, row_len, begin, full_numel = _rows(p)
-        if full_numel < self.min_8bit_size:
-            return
-        name = shard_info(p).name if shard_info(p) else "?"
-        try:
-            _C.check_whole_blocks(self.block, name, rows, row_len, begin,
-                                  p.numel() // row_len if row_len else 0)
-        except ValueError as e:
-            raise ValueError("AdamW8bit: %s" % e) from None
-
-    def _init_state(self, p, state):
-        rows, row_len, _, full_numel = _rows(p)
-        if full_numel < self.min_8bit_size:
-            return super()._init_state(p, state)
-        n_blocks = _C.num_blocks(self.block, p.numel() // row_len, row_len)
-        state["q1"] = torch.full((p.numel(),), _C.nearest_code(self.code1, 0.0), dtype=torch.uint8)
-        state["q2"] = torch.full((p.numel(),), _C.nearest_code(self.code2, 0.0), dtype=torch.uint8)
-        state["absmax1"] = torch.zeros(n_blocks)
-        state["absmax2"] = torch.zeros(n_blocks)
-
-    def _update(self, p, state, group):
-        if "q1" not in state:
-            return super()._update(p, state, group)
-        b1, b2 = group["betas"]
-        _, row_len, _, _ = _rows(p)
-        _C.adamw8bit_step(p.data, p.grad, state["q1"], state["absmax1"], state["q2"],
-                          state["absmax2"], self.block, row_len, self.code1, self.code2,
-                          group["lr"], b1, b2, group["eps"], group["weight_decay"],
-                          int(state["step"]))
+    def _make(self, specs):
+        return _C.AdamW8bit(specs, self.block, self.min_8bit_size, self.comm)
 
 
-class Muon(_LoadsCopies, torch.optim.Optimizer):
+class Muon(_OverCpp):
     """Muon over ragged shards, with AdamW for the parameters outside Muon groups
     (as the reference Muon's MuonWithAuxAdam): groups with use_muon=False take
     AdamW's lr, betas, eps and weight_decay (defaults 3e-4, (0.9, 0.95), 1e-10, 0).
@@ -211,7 +228,6 @@ class Muon(_LoadsCopies, torch.optim.Optimizer):
         super().__init__(groups, dict(lr=lr, momentum=momentum, nesterov=nesterov,
                                       ns_steps=ns_steps, weight_decay=weight_decay,
                                       adjust_lr=adjust_lr, use_muon=True))
-        _check_params(type(self).__name__, self.param_groups)
         for g in self.param_groups:
             if g["use_muon"]:
                 if g["adjust_lr"] not in self.ADJUST_LR:
@@ -227,52 +243,51 @@ class Muon(_LoadsCopies, torch.optim.Optimizer):
         self.ns_dtype = str(ns_dtype).replace("torch.", "")
         # The Comm, not the group object: rfsdp closes its Comms at exit (see _comm).
         self.comm = _default_comm(process_group, timeout_seconds)
-        self.layout = self._build_layout()
+        self._bind()
 
-    def _muon_params(self):
-        return [(p, g) for g in self.param_groups if g["use_muon"] for p in g["params"]]
-
-    def _build_layout(self):
-        geo = []
-        for i, (p, g) in enumerate(self._muon_params()):
-            info = shard_info(p)
-            if info is None:
-                geo.append(("param %d" % i, list(p.shape), 0, p.numel(), g["ns_steps"]))
-            else:
-                geo.append((info.name, list(info.global_shape), info.row_begin * info.row_len,
-                            info.row_end * info.row_len, g["ns_steps"]))
-        return _C.Muon(self.comm, geo)
-
-    def add_param_group(self, param_group):
-        super().add_param_group(param_group)
-        if getattr(self, "layout", None) is not None:  # a group added later: lay out again
-            _check_params(type(self).__name__, self.param_groups)
-            self.layout = self._build_layout()
+    def _parts(self, params):
+        group_of = {id(p): g for g in self.param_groups for p in g["params"]}
+        muon = [i for i, p in enumerate(params) if group_of[id(p)]["use_muon"]]
+        aux = [i for i, p in enumerate(params) if not group_of[id(p)]["use_muon"]]
+        # One NaN/Inf check over both parts (step), so neither changes anything alone.
+        self.layout = _C.Muon([_shard_spec(i, params[i]) for i in muon],
+                              [group_of[id(params[i])]["ns_steps"] for i in muon], self.ns_dtype,
+                              self.comm, False)
+        self._aux = _C.AdamW([_shard_spec(i, params[i]) for i in aux], self.comm, False)
+        self._muon_idx, self._aux_idx = muon, aux
+        return [(self.layout, muon), (self._aux, aux)]
 
     @torch.no_grad()
     def step(self, closure=None):
         loss = _run_closure(closure)
-        muon = self._muon_params()
-        for p, _ in muon:  # a rank without a gradient still takes part in the collectives
-            if p.grad is None:
+        self._bind()
+        params = self._bound_params
+        group_of = {id(p): g for g in self.param_groups for p in g["params"]}
+        grads = []
+        for k, i in enumerate(self._muon_idx):
+            p, g = params[i], group_of[id(params[i])]
+            if p.grad is None:  # a rank without a gradient still takes part in the collectives
                 p.grad = torch.zeros_like(p)
-        aux = [(p, g) for g in self.param_groups if not g["use_muon"] for p in g["params"]
-               if p.grad is not None]
-        grads = [p.grad for p, _ in muon + aux]
-        for g in grads:
-            _check_grad_layout(type(self).__name__, g)
-        _check_all_finite(type(self).__name__, self.comm, grads)
-        moms = []
-        for p, _ in muon:
-            state = self.state[p]
-            if not state:
-                state["momentum_buffer"] = torch.zeros_like(p)
-            moms.append(state["momentum_buffer"])
-        hyper = [(g["lr"], g["momentum"], g["weight_decay"], bool(g["nesterov"]), g["adjust_lr"])
-                 for _, g in muon]
-        self.layout.step([p.data for p, _ in muon], [p.grad for p, _ in muon], moms, hyper,
-                         self.ns_dtype)
-        for p, group in aux:
-            _adam_state_step(p, self.state[p], _init_adam_state)
-            _adamw_update(p, self.state[p], group)
+            _check_grad_layout(type(self).__name__, p.grad)
+            self.layout.set_grad(k, p.grad)
+            self.layout.set_hyper(k, g["lr"], g["momentum"], g["weight_decay"], bool(g["nesterov"]),
+                                  g["adjust_lr"])
+            grads.append(p.grad)
+        for k, i in enumerate(self._aux_idx):
+            p, g = params[i], group_of[id(params[i])]
+            if p.grad is not None:
+                _check_grad_layout(type(self).__name__, p.grad)
+                grads.append(p.grad)
+            b1, b2 = g["betas"]
+            self._aux.set_grad(k, p.grad)
+            self._aux.set_options(k, g["lr"], b1, b2, g["eps"], g["weight_decay"])
+        if not _C.all_ranks_finite(self.comm, grads):  # every rank agrees, before any change
+            raise RuntimeError("Muon: a gradient on some rank holds NaN or Inf; the step was not "
+                               "taken on any rank (check the loss, lower the learning rate, or "
+                               "clip gradients)")
+        self.layout.step()
+        self._aux.step()
+        self._stepped.update(id(params[i]) for i in self._muon_idx)
+        self._stepped.update(id(params[i]) for i in self._aux_idx if params[i].grad is not None)
+        self._publish()
         return loss

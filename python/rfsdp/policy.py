@@ -44,10 +44,10 @@ def adamw():
 def blockwise_8bit(block=256):
     """8-bit block-wise optimizer states: every shard starts on a block edge.
     block: int (1-D blocks of B elements: B / gcd(B, row length) rows) or (rows, cols) tiles."""
+    blk = block if isinstance(block, int) else tuple(int(b) for b in block)
+
     def granule(name, p):
-        if isinstance(block, int):
-            return block // math.gcd(block, row_len(p))
-        return int(block[0])
+        return _C.granule_rows(blk, row_len(p))  # quant::BlockShape::granule_rows
     return Policy(granule)
 
 
