@@ -17,6 +17,7 @@ records their forward order; from the second forward on, a unit starting its
 forward starts the all-gather of the unit after it, and a unit starting its
 backward starts the all-gather of the unit before it, so the gather overlaps
 compute. Every rank must run the units in the same order (as with any FSDP)."""
+import enum
 from dataclasses import dataclass
 
 import torch
@@ -55,6 +56,21 @@ class MixedPrecisionPolicy:
     param_dtype: torch.dtype = torch.float32
     reduce_dtype: torch.dtype = torch.float32
     cast_forward_inputs: bool = True
+
+
+class TrainingState(enum.Enum):
+    """Where a unit is in a step (FSDP2's TrainingState is the model)."""
+    IDLE = "idle"              # between steps, or done with this pass
+    FORWARD = "forward"        # between its pre-forward and post-forward
+    BACKWARD = "backward"      # from its first gradient to the end of backward
+
+
+class DataState(enum.Enum):
+    """What a unit's buffers hold now."""
+    SHARDED = "sharded"        # the local slices only
+    GATHERING = "gathering"    # a prefetch all-gather is in flight
+    GATHERED = "gathered"      # the full parameters are live
+    REDUCING = "reducing"      # a gradient reduce-scatter is in flight
 
 
 def shard_info(param):
@@ -99,7 +115,7 @@ class _Unit:
             fp = nn.Parameter(self.unit.full_param(i).data, requires_grad=p.requires_grad)
             self.full.append(fp)
         self._use(self.sharded)
-        self.in_backward = False
+        self.state = TrainingState.IDLE
         self.cast_to = mp.param_dtype if mp.cast_forward_inputs and mp.param_dtype != torch.float32 else None
         # Each unit's reduce-scatter starts as soon as its last gradient lands: a hook
         # on every full parameter's AccumulateGrad node (kept alive here; found at the
@@ -112,8 +128,14 @@ class _Unit:
         self.reduce_handle = None
         self.pending = None     # handle of a prefetch all-gather not yet waited on
         self.schedule = None    # the _Schedule of the outermost fully_shard call above
-        self.in_use = False     # between pre-forward and post-forward, or in backward
         self.recomputing = False  # this forward runs inside backward (checkpointing)
+
+    def data_state(self):
+        if self.reduce_handle is not None and not self.reduce_handle.waited():
+            return DataState.REDUCING
+        if self.pending is not None:
+            return DataState.GATHERING
+        return DataState.GATHERED if self.unit.unsharded() else DataState.SHARDED
 
     # -- forward --------------------------------------------------------------
     def _use(self, tensors):
@@ -134,7 +156,7 @@ class _Unit:
 
     def settle(self):
         """A prefetch this pass did not use: finish it and free the buffer."""
-        if self.pending is not None and not self.in_use:
+        if self.pending is not None and self.state is TrainingState.IDLE:
             self.pending.wait()
             self.pending = None
             self.unit.reshard()
@@ -145,7 +167,7 @@ class _Unit:
         # nothing, and keep the parameters gathered for the backward that follows.
         self.recomputing = torch._C._current_graph_task_id() != -1
         if not self.recomputing:
-            self.in_use = True
+            self.state = TrainingState.FORWARD
             if self.schedule is not None:
                 self.schedule.forward_started(self)
         self.unshard()
@@ -157,10 +179,10 @@ class _Unit:
     def post_forward(self, module, args, output):
         self._use(self.sharded)
         if not self.recomputing:
-            self.in_use = False
+            self.state = TrainingState.IDLE
             if self.reshard_after_forward:
                 self.unit.reshard()
-        if torch.is_grad_enabled() and not self.in_backward:
+        if torch.is_grad_enabled() and self.state is not TrainingState.BACKWARD:
             for t in _tensors(output):
                 if t.requires_grad:
                     t.register_hook(self._pre_backward_hook)
@@ -168,8 +190,8 @@ class _Unit:
 
     # -- backward -------------------------------------------------------------
     def _pre_backward_hook(self, grad):
-        if not self.in_backward:
-            self.in_backward = self.in_use = True
+        if self.state is not TrainingState.BACKWARD:
+            self.state = TrainingState.BACKWARD
             if self.schedule is not None:
                 self.schedule.backward_started(self)
             self.unshard()
@@ -194,7 +216,7 @@ class _Unit:
         return None
 
     def _grad_landed(self, grad_inputs, grad_outputs):
-        if self.in_backward and self.reduce_handle is None:
+        if self.state is TrainingState.BACKWARD and self.reduce_handle is None:
             self.grads_waiting -= 1
             if self.grads_waiting == 0:
                 self._start_reduce()
@@ -240,7 +262,7 @@ class _Unit:
             self._start_reduce()
         self._finish_reduce()
         self.reduce_handle = None
-        self.in_backward = self.in_use = False
+        self.state = TrainingState.IDLE
 
 
 class _Schedule:
@@ -281,7 +303,7 @@ class _Schedule:
             self.backward_queued = True
             torch.autograd.Variable._execution_engine.queue_callback(self._backward_done)
         prev = self._neighbour(unit, -1)
-        if prev is not None and prev is not unit and not prev.in_backward:
+        if prev is not None and prev is not unit and prev.state is not TrainingState.BACKWARD:
             prev.prefetch()
 
     def _backward_done(self):

@@ -1,14 +1,18 @@
 // AdamW against torch.optim.AdamW's formula (float64 transcription); AdamW8bit
-// against fp32 AdamW on a regression; 8-bit results on 2 and 4 shards equal
-// the unsharded result bit for bit.
+// against fp32 AdamW on a regression, and its step element by element against a
+// float64 transcription; 8-bit results on 2 and 4 shards equal the unsharded
+// result bit for bit.
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cmath>
 #include <iostream>
+#include <random>
 
 #include "core/comm/local_ranks.h"
 #include "core/ragged/planner.h"
 #include "optimizers/adamw/adamw.h"
+#include "quant/blockwise/code_maps.h"
 #include "tests/cpp/test_util.h"
 
 namespace rfsdp {
@@ -301,6 +305,122 @@ TEST(AdamW, NonFiniteGradientIsAnErrorAndTheStepIsNotTaken) {
     EXPECT_TRUE(at::equal(p, p0));
     EXPECT_TRUE(at::equal(opt->exp_avg(0), m0));
     EXPECT_EQ(opt->steps(), 1);
+  }
+}
+
+}  // namespace
+}  // namespace rfsdp
+
+namespace rfsdp {
+namespace {
+
+// --- AdamW8bit's step element by element against a float64 transcription ---------
+
+// The block of every element of a rows x row_len tensor (1-D blocks of the flattened
+// tensor, or tiles numbered row-major over the tile grid), written independently of
+// BlockLayout.
+std::vector<int64_t> block_ids(int64_t rows, int64_t row_len, const quant::BlockShape& s) {
+  std::vector<int64_t> ids(rows * row_len);
+  const int64_t tiles_per_row = s.is_tile() ? (row_len + s.tile_cols - 1) / s.tile_cols : 0;
+  for (int64_t r = 0; r < rows; ++r) {
+    for (int64_t c = 0; c < row_len; ++c) {
+      const int64_t e = r * row_len + c;
+      ids[e] = s.is_tile() ? (r / s.tile_rows) * tiles_per_row + c / s.tile_cols : e / s.block;
+    }
+  }
+  return ids;
+}
+
+// The nearest code to x (ties to the lower), by scanning every code; `ambiguous`
+// when x is within `tol` (fp32's rounding of x) of the midpoint of two neighbouring codes.
+int nearest_code(double x, double tol, const std::vector<double>& code, bool* ambiguous) {
+  int best = 0;
+  for (int k = 1; k < 256; ++k) {
+    if (std::fabs(code[k] - x) < std::fabs(code[best] - x)) best = k;
+  }
+  *ambiguous = false;
+  for (int k = 1; k < 256; ++k) {
+    const double mid = (code[k - 1] + code[k]) / 2;
+    if (std::fabs(x - mid) <= tol) *ambiguous = true;
+  }
+  return best;
+}
+
+TEST(AdamW8bit, StepEqualsFloat64TranscriptionElementByElement) {
+  const uint64_t seed = fresh_seed();
+  SCOPED_TRACE("seed " + std::to_string(seed));
+  std::mt19937_64 rng(seed);
+  const std::vector<std::pair<std::vector<int64_t>, quant::BlockShape>> cases = {
+      {{37, 50}, quant::BlockShape::blocks(256)},
+      {{300, 21}, quant::BlockShape::blocks(2048)},
+      {{70, 45}, quant::BlockShape::tiles(32, 32)},
+      {{5, 33}, quant::BlockShape::tiles(2, 8)}};
+  const at::Tensor c1 = quant::dynamic_map(true), c2 = quant::dynamic_map(false);
+  const std::vector<double> code1(c1.data_ptr<float>(), c1.data_ptr<float>() + 256);
+  const std::vector<double> code2(c2.data_ptr<float>(), c2.data_ptr<float>() + 256);
+  const auto lut1 = quant::code_lut(c1), lut2 = quant::code_lut(c2);
+  const double lr = 3e-3, b1 = 0.9, b2 = 0.99, eps = 1e-8, wd = 0.1;
+  for (size_t c = 0; c < cases.size(); ++c) {
+    const int64_t rows = cases[c].first[0], row_len = cases[c].first[1], n = rows * row_len;
+    const quant::BlockLayout L(cases[c].second, rows, row_len);
+    const std::vector<int64_t> ids = block_ids(rows, row_len, cases[c].second);
+    at::Tensor p = seeded_randn({n}, seed, 10 * c);
+    at::Tensor q1 = at::empty({n}, at::kByte), q2 = at::empty({n}, at::kByte);
+    for (int64_t e = 0; e < n; ++e) {
+      q1.data_ptr<uint8_t>()[e] = static_cast<uint8_t>(rng() % 256);
+      q2.data_ptr<uint8_t>()[e] = static_cast<uint8_t>(rng() % 256);
+    }
+    at::Tensor a1 = seeded_randn({L.num_blocks}, seed, 10 * c + 1).abs() * 0.1;
+    at::Tensor a2 = seeded_randn({L.num_blocks}, seed, 10 * c + 2).abs() * 0.01;
+    for (int64_t step : {int64_t{1}, int64_t{7}}) {
+      const at::Tensor g = seeded_randn({n}, seed, 10 * c + 3 + step);
+      // float64: dequantise, AdamW, requantise per block.
+      std::vector<double> m(n), v(n), pw(n), am1(L.num_blocks, 0.0), am2(L.num_blocks, 0.0);
+      std::vector<double> mscale(n), vscale(n);  // size of the terms fp32 rounds (cancellation)
+      const double bc1 = 1 - std::pow(b1, double(step)), bc2 = 1 - std::pow(b2, double(step));
+      for (int64_t e = 0; e < n; ++e) {
+        const double ge = g.data_ptr<float>()[e];
+        const double m0 = code1[q1.data_ptr<uint8_t>()[e]] * a1.data_ptr<float>()[ids[e]];
+        const double v0 = code2[q2.data_ptr<uint8_t>()[e]] * a2.data_ptr<float>()[ids[e]];
+        m[e] = b1 * m0 + (1 - b1) * ge;
+        v[e] = b2 * v0 + (1 - b2) * ge * ge;
+        mscale[e] = std::fabs(b1 * m0) + std::fabs((1 - b1) * ge);
+        vscale[e] = std::fabs(b2 * v0) + (1 - b2) * ge * ge;
+        pw[e] = p.data_ptr<float>()[e] * (1 - lr * wd) -
+                (lr / bc1) * m[e] / (std::sqrt(v[e]) / std::sqrt(bc2) + eps);
+        am1[ids[e]] = std::max(am1[ids[e]], std::fabs(m[e]));
+        am2[ids[e]] = std::max(am2[ids[e]], std::fabs(v[e]));
+      }
+      quant::cpu::adamw8bit_step(p.data_ptr<float>(), g.data_ptr<float>(), q1.data_ptr<uint8_t>(),
+                                 a1.data_ptr<float>(), q2.data_ptr<uint8_t>(),
+                                 a2.data_ptr<float>(), L, *lut1, *lut2,
+                                 {float(lr), float(b1), float(b2), float(eps), float(wd), step});
+      for (int64_t b = 0; b < L.num_blocks; ++b) {
+        ASSERT_NEAR(a1.data_ptr<float>()[b], am1[b], 1e-5 * am1[b]) << "case " << c << " block " << b;
+        ASSERT_NEAR(a2.data_ptr<float>()[b], am2[b], 1e-5 * am2[b]) << "case " << c << " block " << b;
+      }
+      for (int64_t e = 0; e < n; ++e) {
+        ASSERT_NEAR(p.data_ptr<float>()[e], pw[e], 1e-6 + 1e-6 * std::fabs(pw[e]))
+            << "case " << c << " element " << e;
+        for (int moment = 0; moment < 2; ++moment) {
+          const double amax = moment == 0 ? am1[ids[e]] : am2[ids[e]];
+          const double x = amax > 0 ? (moment == 0 ? m[e] : v[e]) / amax : 0.0;
+          // fp32's error in x: a few roundings of the terms, and of the absmax
+          const double tol = amax > 0 ? 1e-6 * (moment == 0 ? mscale[e] : vscale[e]) / amax +
+                                            1e-6 * std::fabs(x) + 1e-12
+                                      : 1e-12;
+          bool ambiguous = false;
+          const int want = nearest_code(x, tol, moment == 0 ? code1 : code2, &ambiguous);
+          const int got = moment == 0 ? q1.data_ptr<uint8_t>()[e] : q2.data_ptr<uint8_t>()[e];
+          if (got != want) {
+            // fp32 may round a value lying on a midpoint to the other neighbour
+            ASSERT_TRUE(ambiguous && std::abs(got - want) == 1)
+                << "case " << c << " element " << e << " moment " << moment << ": code " << got
+                << ", float64 says " << want;
+          }
+        }
+      }
+    }
   }
 }
 

@@ -108,6 +108,11 @@ def worker(rank, world, seed, init_file, out_file, reshard):
         loss.backward()
         rfsdp.clip_grad_norm_(model, CLIP)
         opt.step()
+        # Between steps every unit is idle, with only its local slices (the
+        # gathered buffers are freed, no collective in flight).
+        for u in rfsdp.fsdp.units(model):
+            assert u.state is rfsdp.fsdp.TrainingState.IDLE, u.state
+            assert u.data_state() is rfsdp.fsdp.DataState.SHARDED, u.data_state()
         t = loss.detach().clone()
         dist.all_reduce(t)
         losses.append(t.item() / world)

@@ -94,15 +94,15 @@ def block_ids(rows, row_len, block):
     return (r * ((row_len + tc - 1) // tc) + c).reshape(-1)
 
 
-def nearest_code64(x, code):
+def nearest_code64(x, tol, code):
     """Index of the nearest code to each x (ties to the lower code), and whether x
-    lies within rounding distance of the midpoint between two codes."""
+    lies within tol (fp32's rounding of x) of the midpoint between two codes."""
     code = code.double()
     idx = torch.searchsorted(code, x).clamp(1, len(code) - 1)
     lo, hi = code[idx - 1], code[idx]
     pick_hi = (hi - x) < (x - lo)
     mid = (lo + hi) / 2
-    ambiguous = (x - mid).abs() <= 1e-5 * mid.abs() + 1e-12
+    ambiguous = (x - mid).abs() <= tol
     return torch.where(pick_hi, idx, idx - 1), ambiguous
 
 
@@ -112,6 +112,8 @@ def adamw8bit_reference(p, g, q1, a1, q2, a2, ids, code1, code2, lr, b1, b2, eps
     p, g = p.double(), g.double()
     m = code1.double()[q1.long()] * a1.double()[ids]
     v = code2.double()[q2.long()] * a2.double()[ids]
+    mscale = (b1 * m).abs() + ((1 - b1) * g).abs()  # what fp32 rounds (cancellation)
+    vscale = (b2 * v).abs() + (1 - b2) * g * g
     m = b1 * m + (1 - b1) * g
     v = b2 * v + (1 - b2) * g * g
     bc1, bc2 = 1 - b1 ** step, 1 - b2 ** step
@@ -121,8 +123,10 @@ def adamw8bit_reference(p, g, q1, a1, q2, a2, ids, code1, code2, lr, b1, b2, eps
     am2 = torch.zeros(n_blocks, dtype=torch.float64).scatter_reduce(0, ids, v.abs(), "amax")
     x1 = torch.where(am1[ids] > 0, m / am1[ids], torch.zeros_like(m))
     x2 = torch.where(am2[ids] > 0, v / am2[ids], torch.zeros_like(v))
-    c1, amb1 = nearest_code64(x1, code1)
-    c2, amb2 = nearest_code64(x2, code2)
+    tol1 = torch.where(am1[ids] > 0, 1e-6 * mscale / am1[ids], torch.zeros_like(m)) + 1e-6 * x1.abs()
+    tol2 = torch.where(am2[ids] > 0, 1e-6 * vscale / am2[ids], torch.zeros_like(v)) + 1e-6 * x2.abs()
+    c1, amb1 = nearest_code64(x1, tol1 + 1e-12, code1)
+    c2, amb2 = nearest_code64(x2, tol2 + 1e-12, code2)
     return p, c1, amb1, am1, c2, amb2, am2
 
 
