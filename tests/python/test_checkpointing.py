@@ -124,3 +124,36 @@ def test_compiled_block_matches_eager(one_rank):
     grads = {n.replace("_orig_mod.", ""): p.grad for n, p in model.named_parameters()}
     for n, p in ref.named_parameters():
         torch.testing.assert_close(grads[n].reshape(p.shape), p.grad, rtol=1e-5, atol=1e-6)
+
+
+def test_unit_without_gradient_in_a_step(one_rank):
+    """A block the forward skips has no gradient that step: its unit reduces
+    nothing, the optimizer skips its parameters (as torch's AdamW does), and
+    training equals the unsharded model's."""
+    torch.manual_seed(0)
+    ref = Net()
+    model = Net()
+    model.load_state_dict(ref.state_dict())
+    for b in model.blocks:
+        rfsdp.fully_shard(b)
+    rfsdp.fully_shard(model)
+    opts = [torch.optim.AdamW(ref.parameters(), lr=1e-2), rfsdp.optim.AdamW(model.parameters(), lr=1e-2)]
+    xs, ys = data(0)
+
+    def forward(m, x, skip):
+        h = m.embed(x)
+        for i, b in enumerate(m.blocks):
+            if i != skip:
+                h = b(h)
+        return m.head(h)
+
+    for step in range(4):
+        skip = 1 if step % 2 else None  # block 1 sits out odd steps
+        for m, opt in zip((ref, model), opts):
+            opt.zero_grad()
+            nn.functional.mse_loss(forward(m, xs[step], skip), ys[step]).backward()
+            opt.step()
+        assert all(p.grad is None for p in model.blocks[1].parameters()) == (skip == 1)
+    for (n, p), (_, q) in zip(model.named_parameters(), ref.named_parameters()):
+        torch.testing.assert_close(p.detach().reshape(q.shape), q.detach(), rtol=1e-5, atol=1e-6,
+                                   msg=lambda m: "%s: %s" % (n, m))
