@@ -389,6 +389,160 @@ def section_8bit(args):
           "step on the first call).")
 
 
+# ---- 4. Shampoo: rfsdp vs DistributedShampoo --------------------------------------------
+
+def distributed_shampoo_path(args):
+    """A checkout of facebookresearch/optimizers (DistributedShampoo is not on PyPI):
+    --distributed-shampoo, else $RFSDP_DISTRIBUTED_SHAMPOO, else ANCHORS_DIR/optimizers."""
+    for d in (args.distributed_shampoo, os.environ.get("RFSDP_DISTRIBUTED_SHAMPOO"),
+              os.path.join(ANCHORS_DIR, "optimizers")):
+        if d and os.path.isfile(os.path.join(d, "distributed_shampoo", "__init__.py")):
+            return d
+    return None
+
+
+def unique_bytes(tensors):
+    seen = {}
+    for t in tensors:
+        seen[(t.data_ptr(), t.dtype)] = t.numel() * t.element_size()
+    return sum(seen.values())
+
+
+def dshampoo_factor_tensors(opt):
+    """L, R and their inverse roots in DistributedShampoo's state (dataclasses per block)."""
+    import dataclasses
+    out = []
+
+    def walk(x):
+        if dataclasses.is_dataclass(x):
+            for f in dataclasses.fields(x):
+                if f.name in ("factor_matrices", "inv_factor_matrices"):
+                    out.extend(t for t in getattr(x, f.name) if torch.is_tensor(t))
+        elif isinstance(x, dict):
+            for v in x.values():
+                walk(v)
+    for st in opt.state.values():
+        walk(st)
+    return out
+
+
+def section_shampoo(args):
+    # One algorithm (the issue's): DistributedShampoo's defaults (root-inverse by
+    # eigh with epsilon I, fp64 retry) with AdamPreconditionerConfig grafting, the
+    # same betas, epsilons, tiles, frequency, start, bias correction and decoupled
+    # weight decay. DistributedShampoo would precondition a 1-D tensor with one
+    # factor; rfsdp gives 1-D tensors Adam (the grafted direction), so there the
+    # anchor's 1-D tensors take torch.optim.AdamW with the grafting settings.
+    torch.set_num_threads(1)
+    print("\n## 4. Shampoo: rfsdp.optim.Shampoo vs DistributedShampoo, one process (1 thread), "
+          "GPT width %d, %d layers, tiles of at most %d, %d steps, frequency = start = %d, "
+          "the same gradient to both each step"
+          % (args.shampoo_dim, args.layers, args.shampoo_tile, args.shampoo_steps,
+             args.shampoo_freq))
+    src = distributed_shampoo_path(args)
+    if src is None:
+        print("DistributedShampoo: not available (not on PyPI; pass --distributed-shampoo DIR, a "
+              "checkout of facebookresearch/optimizers)")
+        return
+    sys.path.insert(0, src)
+    from distributed_shampoo import (AdamPreconditionerConfig, DistributedShampoo,
+                                     RootInvShampooPreconditionerConfig)
+    rev = subprocess.run(["git", "-C", src, "rev-parse", "--short", "HEAD"], capture_output=True,
+                         text=True).stdout.strip() or "?"
+    lr, wd, betas, eps, geps, b2g = 1e-3, 0.1, (0.9, 0.999), args.shampoo_epsilon, 1e-8, 0.999
+    text = load_text()
+    torch.manual_seed(0)
+    model = GPT(args.shampoo_dim, args.layers, args.heads, args.ctx)
+    names = [n for n, _ in model.named_parameters()]
+    init = [p.detach().clone() for p in model.parameters()]
+    mine = [nn.Parameter(w.clone()) for w in init]
+    theirs = [nn.Parameter(w.clone()) for w in init]
+    ours = rfsdp.optim.Shampoo(mine, lr=lr, betas=betas, epsilon=eps, grafting_beta2=b2g,
+                               grafting_epsilon=geps, weight_decay=wd,
+                               max_preconditioner_dim=args.shampoo_tile,
+                               precondition_frequency=args.shampoo_freq,
+                               start_preconditioning_step=args.shampoo_freq)
+
+    def anchor(ps, dtype):
+        cfg = RootInvShampooPreconditionerConfig(factor_matrix_dtype=dtype,
+                                                 inv_factor_matrix_dtype=dtype)
+        return (DistributedShampoo([p for p in ps if p.dim() >= 2], lr=lr, betas=betas,
+                                   epsilon=eps, weight_decay=wd,
+                                   max_preconditioner_dim=args.shampoo_tile,
+                                   precondition_frequency=args.shampoo_freq,
+                                   start_preconditioning_step=args.shampoo_freq,
+                                   use_bias_correction=True, preconditioner_config=cfg,
+                                   grafting_config=AdamPreconditionerConfig(beta2=b2g,
+                                                                            epsilon=geps)),
+                torch.optim.AdamW([p for p in ps if p.dim() < 2], lr=lr, betas=(betas[0], b2g),
+                                  eps=geps, weight_decay=wd))
+    ref, ref_1d = anchor(theirs, torch.float32)
+    # The anchor in float64 (parameters, factors, roots): the truth both are held to.
+    exact = [nn.Parameter(w.double()) for w in init]
+    ref64, ref64_1d = anchor(exact, torch.float64)
+    data = batches(text, args.batch, args.ctx, torch.Generator().manual_seed(0))
+    t_ours, t_ref, rows = [], [], []
+    for step in range(1, args.shampoo_steps + 1):
+        # The gradient at the anchor's parameters, given to both.
+        with torch.no_grad():
+            for p, w in zip(model.parameters(), theirs):
+                p.copy_(w)
+        x, y = next(data)
+        model.zero_grad()
+        nn.functional.cross_entropy(model(x).view(-1, 256), y.view(-1)).backward()
+        before = [w.detach().clone() for w in theirs]
+        for ps in (mine, theirs, exact):
+            for p, q in zip(ps, model.parameters()):
+                p.grad = q.grad.to(p.dtype)
+        t0 = time.perf_counter()
+        ours.step()
+        t_ours.append(time.perf_counter() - t0)
+        t0 = time.perf_counter()
+        ref.step()
+        ref_1d.step()
+        t_ref.append(time.perf_counter() - t0)
+        ref64.step()
+        ref64_1d.step()
+        worst, worst_name, size, err_ours, err_ref = 0.0, "", 0.0, 0.0, 0.0
+        for n, a, b, c, w0 in zip(names, mine, theirs, exact, before):
+            d = (a - b).abs().max().item()
+            size = max(size, (c - w0.double()).abs().max().item())
+            err_ours = max(err_ours, (a.double() - c).abs().max().item())
+            err_ref = max(err_ref, (b.double() - c).abs().max().item())
+            if d > worst:
+                worst, worst_name = d, n
+        rows.append((step, worst, worst_name, size, err_ours, err_ref))
+        # Parameters kept equal, so each step compares one update from one state.
+        with torch.no_grad():
+            for a, b, c in zip(mine, theirs, exact):
+                a.copy_(b)
+                c.copy_(b)
+    print("DistributedShampoo from facebookresearch/optimizers @ %s; epsilon %g, grafting epsilon "
+          "%g, betas %s, lr %g, weight decay %g (decoupled)" % (rev, eps, geps, betas, lr, wd))
+    print("%5s %13s %13s %13s %13s  %s" % ("step", "|rfsdp-anchor|", "|update|", "|rfsdp-f64|",
+                                           "|anchor-f64|", "where |rfsdp-anchor| is largest"))
+    for step, worst, where, size, e_ours, e_ref in rows:
+        if step <= 2 or step % args.shampoo_freq in (0, 1) or step == rows[-1][0]:
+            print("%5d %13.3g %13.3g %13.3g %13.3g  %s" % (step, worst, size, e_ours, e_ref, where))
+    root = [i for i in range(len(t_ours)) if (i + 1) % args.shampoo_freq == 0]
+    rest = [i for i in range(2, len(t_ours)) if i not in root]
+    fo, fr = ours._impl.factor_bytes(), unique_bytes(dshampoo_factor_tensors(ref))
+    print("%-36s %12s %12s %10s" % ("", "rfsdp", "anchor", "rfsdp/anchor"))
+    for label, a, b in (
+            ("step ms, no roots (median)", median_ms([t_ours[i] for i in rest]),
+             median_ms([t_ref[i] for i in rest])),
+            ("step ms, with roots (median)", median_ms([t_ours[i] for i in root]),
+             median_ms([t_ref[i] for i in root])),
+            ("factor MiB (L, R, inverse roots)", fo / MIB, fr / MIB)):
+        print("%-36s %12.2f %12.2f %9.2fx" % (label, a, b, a / b))
+    print("rfsdp: %d inverse roots retried in fp64 (the anchor retries only when eigh raises); "
+          "both store L, R and the roots as packed upper triangles (n(n+1)/2 of n^2 elements)"
+          % ours._impl.fp64_retries())
+    print("each step starts every optimizer from the same parameters (copied over) and the same "
+          "gradient; columns are the largest element difference of two updates (f64: the anchor "
+          "with float64 parameters, factors and roots).")
+
+
 def install_anchors():
     print("installing %s into %s (no dependencies: the project's torch is used)"
           % (", ".join(ANCHOR_PINS), ANCHORS_DIR))
@@ -408,7 +562,13 @@ def main():
     ap.add_argument("--muon-dim", type=int, default=256)
     ap.add_argument("--dim8", type=int, default=256, help="GPT width of section 3")
     ap.add_argument("--steps8", type=int, default=30)
-    ap.add_argument("--only", default="fsdp,muon,8bit")
+    ap.add_argument("--shampoo-dim", type=int, default=128, help="GPT width of section 4")
+    ap.add_argument("--shampoo-tile", type=int, default=64, help="max_preconditioner_dim")
+    ap.add_argument("--shampoo-freq", type=int, default=5)
+    ap.add_argument("--shampoo-steps", type=int, default=20)
+    ap.add_argument("--shampoo-epsilon", type=float, default=1e-12)
+    ap.add_argument("--distributed-shampoo", help="a checkout of facebookresearch/optimizers")
+    ap.add_argument("--only", default="fsdp,muon,8bit,shampoo")
     ap.add_argument("--install-anchors", action="store_true")
     ap.add_argument("--worker", choices=["fsdp", "muon"], help=argparse.SUPPRESS)
     ap.add_argument("--variant", choices=["rfsdp", "fsdp2", "ddp"], help=argparse.SUPPRESS)
@@ -432,6 +592,8 @@ def main():
         section_muon(args)
     if "8bit" in only:
         section_8bit(args)
+    if "shampoo" in only:
+        section_shampoo(args)
 
 
 if __name__ == "__main__":

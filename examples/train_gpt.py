@@ -6,7 +6,8 @@ comparing optimizers on the same data and seed.
 
 Prints a progress line while training and, at the end, a table (final train and
 validation loss, tokens/s, peak memory and optimizer-state bytes per rank) and a
-PNG of the loss curves."""
+PNG of the loss curves against steps and against wall-clock seconds, with the
+validation losses as points."""
 import argparse
 import glob
 import math
@@ -20,7 +21,8 @@ from torch import nn
 
 import rfsdp
 
-OPTIMIZERS = ["adamw", "adamw8bit", "muon"]
+OPTIMIZERS = ["adamw", "adamw8bit", "muon", "shampoo"]
+SHAMPOO_DIM = 256  # max_preconditioner_dim: tiles of at most 256 x 256
 FORTUNES = "/usr/share/games/fortunes"
 
 
@@ -83,7 +85,8 @@ def run(name, args, train, val, rank, world):
     torch.manual_seed(args.seed)
     model = GPT(args.dim, args.layers, args.heads, args.ctx)
     n_params = sum(p.numel() for p in model.parameters())
-    pol = rfsdp.policy.blockwise_8bit(256)  # one plan for both optimizers
+    # One plan for every optimizer: whole 8-bit blocks and whole Shampoo tiles.
+    pol = rfsdp.policy.combine(rfsdp.policy.blockwise_8bit(256), rfsdp.policy.shampoo(SHAMPOO_DIM))
     for b in model.blocks:
         rfsdp.fully_shard(b, policy=pol)
     rfsdp.fully_shard(model, policy=pol)
@@ -98,6 +101,15 @@ def run(name, args, train, val, rank, world):
                                      eps=1e-8, weight_decay=0.1)],
                                lr=args.muon_lr, momentum=0.95,
                                weight_decay=0.1 * args.lr / args.muon_lr)
+    elif name == "shampoo":
+        # Adam grafting: the update has AdamW's size, so AdamW's learning rate and
+        # weight decay; every matrix (embeddings and head included) preconditioned.
+        opt = rfsdp.optim.Shampoo(model.parameters(), lr=args.lr, betas=(0.9, 0.999),
+                                  epsilon=1e-10, weight_decay=0.1,
+                                  max_preconditioner_dim=SHAMPOO_DIM,
+                                  precondition_frequency=args.precondition_frequency,
+                                  start_preconditioning_step=args.precondition_frequency,
+                                  factor_dtype=getattr(torch, args.factor_dtype))
     else:
         opt_cls = {"adamw": rfsdp.optim.AdamW, "adamw8bit": rfsdp.optim.AdamW8bit}[name]
         opt = opt_cls(model.parameters(), lr=args.lr, weight_decay=0.1)
@@ -105,7 +117,17 @@ def run(name, args, train, val, rank, world):
         opt, lambda s: min(1.0, (s + 1) / 20) * 0.5 * (1 + math.cos(math.pi * min(s, args.steps) / args.steps)))
     gen = torch.Generator().manual_seed(args.seed * 1000 + rank)  # each rank its own batches
     data = batches(train, args.batch, args.ctx, gen)
-    curve, tokens, t0 = [], 0, time.time()
+
+    def validate():  # the same validation batches every time
+        with torch.no_grad():
+            vgen = torch.Generator().manual_seed(12345 + rank)
+            vdata = batches(val, args.batch, args.ctx, vgen)
+            vl = sum(nn.functional.cross_entropy(model(x).view(-1, 256), y.view(-1)).item()
+                     for x, y in (next(vdata) for _ in range(args.val_batches))) / args.val_batches
+        return mean_over_ranks(vl)
+
+    curve, seconds, val_points, tokens, t0 = [], [], [], 0, time.time()
+    paused = 0.0  # validation time, left out of the clock
     for step in range(1, args.steps + 1):
         x, y = next(data)
         loss = nn.functional.cross_entropy(model(x).view(-1, 256), y.view(-1))
@@ -116,15 +138,17 @@ def run(name, args, train, val, rank, world):
         sched.step()
         tokens += x.numel() * world
         curve.append(mean_over_ranks(loss.item()))
+        seconds.append(time.time() - t0 - paused)
+        if step % args.val_every == 0 and step != args.steps:
+            v0 = time.time()
+            val_points.append((step, seconds[-1], validate()))
+            paused += time.time() - v0
         if rank == 0 and (step % args.log_every == 0 or step == 1):
             print("%-9s step %4d  loss %.4f  tokens/s %.0f" % (name, step, curve[-1],
                                                                tokens / (time.time() - t0)), flush=True)
-    elapsed = time.time() - t0
-    with torch.no_grad():
-        vgen = torch.Generator().manual_seed(12345 + rank)
-        vdata = batches(val, args.batch, args.ctx, vgen)
-        vl = sum(nn.functional.cross_entropy(model(x).view(-1, 256), y.view(-1)).item()
-                 for x, y in (next(vdata) for _ in range(args.val_batches))) / args.val_batches
+    elapsed = time.time() - t0 - paused
+    vl = validate()
+    val_points.append((args.steps, seconds[-1], vl))
     state = sum(t.numel() * t.element_size() for s in opt.state.values() for t in s.values()
                 if torch.is_tensor(t))
     note = ""
@@ -134,8 +158,13 @@ def run(name, args, train, val, rank, world):
         note = ("Newton-Schulz flops per rank: max/mean %.3f; gather moves at most %.2f MiB per "
                 "rank per step (and the scatter as much back)"
                 % (opt.layout.flop_imbalance(), sent.item() * 4 / 2 ** 20))
+    if name == "shampoo":
+        note = ("%d tiles, %.2f MiB of factors and roots per rank, %.1f s in roots (of %.1f s), "
+                "%d roots retried in fp64" % (opt._impl.num_tiles(), opt._impl.factor_bytes() / 2 ** 20,
+                                              opt._impl.root_seconds(), elapsed,
+                                              opt._impl.fp64_retries()))
     return dict(name=name, params=n_params, train=sum(curve[-10:]) / len(curve[-10:]),
-                val=mean_over_ranks(vl), tps=tokens / elapsed, curve=curve,
+                val=vl, tps=tokens / elapsed, curve=curve, seconds=seconds, val_points=val_points,
                 peak_mib=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
                 state_bytes=state, note=note)
 
@@ -155,6 +184,10 @@ def main():
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--log-every", type=int, default=25)
     ap.add_argument("--val-batches", type=int, default=8)
+    ap.add_argument("--val-every", type=int, default=50, help="validation points in the plot")
+    ap.add_argument("--precondition-frequency", type=int, default=10, help="Shampoo's (and its start)")
+    ap.add_argument("--factor-dtype", choices=["float32", "bfloat16"], default="float32",
+                    help="dtype of Shampoo's factors and roots")
     ap.add_argument("--plot", default="loss_curves.png")
     args = ap.parse_args()
     torch.set_num_threads(1)
@@ -183,13 +216,21 @@ def main():
             import matplotlib
             matplotlib.use("Agg")
             import matplotlib.pyplot as plt
-            for r in results:
-                plt.plot(r["curve"], label=r["name"])
-            plt.xlabel("step")
-            plt.ylabel("train loss (mean over ranks)")
-            plt.legend()
-            plt.title("GPT on fortunes, %d ranks" % world)
-            plt.savefig(args.plot, dpi=100)
+            fig, (by_step, by_time) = plt.subplots(1, 2, figsize=(12, 4.5), sharey=True)
+            for k, r in enumerate(results):
+                color = "C%d" % k
+                by_step.plot(range(1, len(r["curve"]) + 1), r["curve"], color=color, label=r["name"])
+                by_time.plot(r["seconds"], r["curve"], color=color, label=r["name"])
+                vs, vt, vl = zip(*r["val_points"])
+                by_step.plot(vs, vl, "o", color=color, markersize=5)
+                by_time.plot(vt, vl, "o", color=color, markersize=5)
+            by_step.set_xlabel("step")
+            by_time.set_xlabel("wall-clock seconds (training only)")
+            by_step.set_ylabel("loss: train (lines, mean over ranks), validation (points)")
+            by_step.legend()
+            fig.suptitle("GPT on fortunes, %d ranks" % world)
+            fig.tight_layout()
+            fig.savefig(args.plot, dpi=100)
             print("loss curves: %s" % os.path.abspath(args.plot))
         except ImportError:
             print("matplotlib missing: no plot (scripts/setup.sh installs it into the environment)")

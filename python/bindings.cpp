@@ -11,6 +11,7 @@
 #include "optimizers/adamw/adamw.h"
 #include "optimizers/common/finite.h"
 #include "optimizers/muon/muon.h"
+#include "optimizers/shampoo/shampoo.h"
 #include "quant/blockwise/cpu_kernels.h"
 #include "core/ragged/planner.h"
 #include "quant/blockwise/blockwise.h"
@@ -271,6 +272,42 @@ PYBIND11_MODULE(_C, m) {
       .def("flop_imbalance", [](const rfsdp::Muon& o) { return o.layout().flop_imbalance(); })
       .def("gather_send_elems", [](const rfsdp::Muon& o) { return o.layout().gather_send_elems(); })
       .def("gather_recv_elems", [](const rfsdp::Muon& o) { return o.layout().gather_recv_elems(); });
+
+  // Shampoo: each rank's tiles are its own (no communication but the NaN flag).
+  py::class_<rfsdp::Shampoo, std::shared_ptr<rfsdp::Shampoo>>(m, "Shampoo")
+      .def(py::init([](const std::vector<ShardSpec>& params, const std::vector<bool>& precondition,
+                       int64_t max_dim, int frequency, int start, bool bias_correction,
+                       const std::string& factor_dtype, std::shared_ptr<rfsdp::Comm> comm) {
+             rfsdp::ShampooConfig c;
+             c.max_preconditioner_dim = max_dim;
+             c.precondition_frequency = frequency;
+             c.start_preconditioning_step = start;
+             c.use_bias_correction = bias_correction;
+             c.factor_dtype = dtype_of(factor_dtype);
+             return std::make_shared<rfsdp::Shampoo>(shards_of(params), rfsdp::ShampooOptions{}, c,
+                                                     std::move(comm), precondition);
+           }),
+           py::arg("params"), py::arg("precondition"), py::arg("max_preconditioner_dim"),
+           py::arg("precondition_frequency"), py::arg("start_preconditioning_step"),
+           py::arg("use_bias_correction"), py::arg("factor_dtype"), py::arg("comm"))
+      .def("set_grad", [](rfsdp::Shampoo& o, size_t i, const std::optional<at::Tensor>& g) {
+             o.set_grad(i, g ? *g : at::Tensor());
+           })
+      .def("set_options", [](rfsdp::Shampoo& o, size_t i, double lr, double b1, double b2,
+                             double eps, double gb2, double geps, double wd) {
+             o.set_param_options(i, {lr, b1, b2, eps, gb2, geps, wd});
+           })
+      .def("step", &rfsdp::Shampoo::step, py::call_guard<py::gil_scoped_release>())  // collective
+      .def("step_count", &rfsdp::Shampoo::step_count)
+      .def("set_step_count", &rfsdp::Shampoo::set_step_count)
+      .def("state", [](const rfsdp::Shampoo& o, size_t i) { return named(o.state(i)); })
+      .def("num_tiles", [](const rfsdp::Shampoo& o) { return o.tiles().size(); })
+      .def("factor_bytes", &rfsdp::Shampoo::factor_bytes)
+      .def("root_seconds", &rfsdp::Shampoo::root_seconds)
+      .def("root_flops", &rfsdp::Shampoo::root_flops)
+      .def("fp64_retries", &rfsdp::Shampoo::fp64_retries);
+  m.def("shampoo_granule_rows", &rfsdp::shampoo_granule_rows, py::arg("shape"),
+        py::arg("row_dims"), py::arg("max_preconditioner_dim"));
 
   // comm None: this process alone.
   m.def("all_ranks_finite", [](std::shared_ptr<rfsdp::Comm> comm,

@@ -80,14 +80,8 @@ void AdamW::set_param_options(size_t i, const AdamWOptions& o) {
 }
 
 void AdamW::set_grad(size_t i, const at::Tensor& grad) {
-  ParamShard& p = params_.at(i);
-  if (grad.defined() && (grad.scalar_type() != at::kFloat || !grad.is_contiguous() ||
-                         !grad.device().is_cpu() || grad.numel() != p.param.numel())) {
-    throw std::invalid_argument("AdamW: the gradient of parameter '" + p.name + "' must be a "
-                                "contiguous float32 CPU tensor of " +
-                                std::to_string(p.param.numel()) + " elements");
-  }
-  p.grad = grad;
+  check_grad("AdamW", params_.at(i), grad);
+  params_[i].grad = grad;
 }
 
 void AdamW::check_grads() const {

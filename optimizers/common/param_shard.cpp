@@ -1,6 +1,17 @@
 #include "optimizers/common/param_shard.h"
 
+#include <stdexcept>
+
 namespace rfsdp {
+
+void check_grad(const char* optimizer, const ParamShard& p, const at::Tensor& grad) {
+  if (grad.defined() && (grad.scalar_type() != at::kFloat || !grad.is_contiguous() ||
+                         !grad.device().is_cpu() || grad.numel() != p.param.numel())) {
+    throw std::invalid_argument(std::string(optimizer) + ": the gradient of parameter '" +
+                                p.name + "' must be a contiguous float32 CPU tensor of " +
+                                std::to_string(p.param.numel()) + " elements");
+  }
+}
 
 ParamShard whole_param(const std::string& name, const at::Tensor& param, const at::Tensor& grad,
                        int row_dims) {

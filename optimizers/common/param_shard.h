@@ -23,6 +23,10 @@ struct ParamShard {
   int64_t full_numel() const { return full_rows * row_len; }
 };
 
+// Throws, naming the optimizer and the parameter, unless grad is undefined (no
+// step) or a contiguous float32 CPU tensor of the shard's size.
+void check_grad(const char* optimizer, const ParamShard& p, const at::Tensor& grad);
+
 // A whole (unsharded) tensor: rows from its first row_dims dims.
 ParamShard whole_param(const std::string& name, const at::Tensor& param, const at::Tensor& grad,
                        int row_dims = 1);

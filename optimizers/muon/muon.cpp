@@ -11,6 +11,7 @@
 #include "core/ragged/tensor_spec.h"
 #include "optimizers/common/finite.h"
 #include "optimizers/common/lpt.h"
+#include "optimizers/common/matrices.h"
 
 namespace rfsdp {
 
@@ -21,16 +22,6 @@ int64_t numel_of(const std::vector<int64_t>& s) {
 }
 
 // The matrices of one parameter: (offset, rows, cols).
-std::vector<std::array<int64_t, 3>> matrices_of(const std::vector<int64_t>& s) {
-  std::vector<std::array<int64_t, 3>> out;
-  if (s.size() == 3) {
-    for (int64_t e = 0; e < s[0]; ++e) out.push_back({e * s[1] * s[2], s[1], s[2]});
-  } else {
-    out.push_back({0, s[0], numel_of(s) / std::max<int64_t>(s[0], 1)});
-  }
-  return out;
-}
-
 // Order-sensitive fingerprint of the parameter list (shapes, Newton–Schulz
 // steps), so ranks passing different lists fail with a clear error.
 int64_t fingerprint(const std::vector<MuonParamGeometry>& params) {
@@ -151,14 +142,14 @@ MuonLayout::MuonLayout(Comm* comm, std::vector<MuonParamGeometry> params)
                                   "' cover " + std::to_string(covered) + " of its " +
                                   std::to_string(numel_of(params_[i].shape)) + " elements");
     }
-    for (const auto& m : matrices_of(params_[i].shape)) {
-      if (m[1] * m[2] == 0) continue;
+    for (const MatrixView& m : matrices_of(params_[i].shape)) {
+      if (m.rows * m.cols == 0) continue;
       MuonMatrix mat;
       mat.param = static_cast<size_t>(i);
-      mat.offset = m[0];
-      mat.rows = m[1];
-      mat.cols = m[2];
-      mat.flops = newton_schulz_flops(m[1], m[2], params_[i].ns_steps);
+      mat.offset = m.offset;
+      mat.rows = m.rows;
+      mat.cols = m.cols;
+      mat.flops = newton_schulz_flops(m.rows, m.cols, params_[i].ns_steps);
       matrices_.push_back(mat);
     }
   }

@@ -1,9 +1,9 @@
-"""rfsdp.optim: AdamW, AdamW8bit and Muon as torch.optim.Optimizer subclasses
+"""rfsdp.optim: AdamW, AdamW8bit, Muon and Shampoo as torch.optim.Optimizer subclasses
 over the C++ optimizers (optimizers/). Parameters are the shards fully_shard
 made (or plain tensors). Python keeps what is Python's: param groups (each
 step hands every parameter its group's hyperparameters), LR schedulers, and
 state_dict / load_state_dict in torch's format, whose tensors are the C++
-optimizer's own. Shampoo comes with its issue."""
+optimizer's own."""
 import torch
 import torch.distributed as dist
 
@@ -123,6 +123,23 @@ class _OverCpp(torch.optim.Optimizer):
             if id(p) in self._stepped:
                 self.state[p] = self._state_of(p)
 
+    def _step_each(self, options):
+        """Hands every parameter its gradient (None: it skips) and options(group),
+        its group's hyperparameters as the C++ set_options takes them; then steps."""
+        self._bind()
+        i = 0
+        for group in self.param_groups:
+            opts = options(group)
+            for p in group["params"]:
+                if p.grad is not None:
+                    _check_grad_layout(type(self).__name__, p.grad)
+                self._impl.set_grad(i, p.grad)
+                self._impl.set_options(i, *opts)
+                i += 1
+        self._impl.step()  # NaN/Inf: every rank raises before anything changes
+        self._stepped.update(id(p) for p in self._bound_params if p.grad is not None)
+        self._publish()
+
     def state_dict(self):
         self._publish()
         return super().state_dict()
@@ -159,19 +176,7 @@ class AdamW(_OverCpp):
     @torch.no_grad()
     def step(self, closure=None):
         loss = _run_closure(closure)
-        self._bind()
-        i = 0
-        for group in self.param_groups:
-            b1, b2 = group["betas"]
-            for p in group["params"]:
-                if p.grad is not None:
-                    _check_grad_layout(type(self).__name__, p.grad)
-                self._impl.set_grad(i, p.grad)
-                self._impl.set_options(i, group["lr"], b1, b2, group["eps"], group["weight_decay"])
-                i += 1
-        self._impl.step()  # NaN/Inf: every rank raises before anything changes
-        self._stepped.update(id(p) for p in self._bound_params if p.grad is not None)
-        self._publish()
+        self._step_each(lambda g: (g["lr"], *g["betas"], g["eps"], g["weight_decay"]))
         return loss
 
 
@@ -290,4 +295,76 @@ class Muon(_OverCpp):
         self._stepped.update(id(params[i]) for i in self._muon_idx)
         self._stepped.update(id(params[i]) for i in self._aux_idx if params[i].grad is not None)
         self._publish()
+        return loss
+
+
+class Shampoo(_OverCpp):
+    """Block Shampoo with Adam grafting (DistributedShampoo's algorithm) over
+    ragged shards: every matrix is cut into tiles of at most
+    max_preconditioner_dim rows and columns (a 3-D [E, H, I] stack: E matrices
+    H x I), each tile's factors L, R and inverse fourth roots live on the rank
+    that holds the tile (plan with rfsdp.policy.shampoo(max_preconditioner_dim)),
+    so the sharded step is the single-device step and nothing is communicated but
+    the NaN/Inf flag. 1-D parameters and groups with use_shampoo=False take the
+    grafted direction alone (AdamW with grafting_beta2 and grafting_epsilon).
+
+    Per step t of a parameter: V <- b2g V + (1 - b2g) g^2; M <- b1 M + (1 - b1) g;
+    D = M^ / (sqrt(V^) + grafting_epsilon) (Adam's, bias-corrected); per tile
+    L <- b2 L + (1 - b2) G G^T, R <- b2 R + (1 - b2) G^T G; every
+    precondition_frequency steps the roots of L / (1 - b2^t) + epsilon I (and R's),
+    by eigendecomposition in fp32, retried in fp64; from start_preconditioning_step
+    on, P = L^-1/4 M^ R^-1/4 scaled to |D| per tile, else D; X <- X (1 - lr wd) - lr P.
+    factor_dtype=torch.bfloat16 stores L, R and the roots in bf16 (computed in fp32).
+    """
+
+    def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), epsilon=1e-12, grafting_beta2=0.999,
+                 grafting_epsilon=1e-8, weight_decay=0.0, max_preconditioner_dim=1024,
+                 precondition_frequency=20, start_preconditioning_step=20,
+                 use_bias_correction=True, factor_dtype=torch.float32, process_group=None,
+                 timeout_seconds=300.0):
+        if lr < 0 or not (0 <= betas[0] < 1 and 0 <= betas[1] <= 1) or epsilon < 0 \
+                or not (0 <= grafting_beta2 < 1) or grafting_epsilon <= 0 or weight_decay < 0:
+            raise ValueError("Shampoo: need lr >= 0, 0 <= beta1 < 1, 0 <= beta2 <= 1, "
+                             "epsilon >= 0, 0 <= grafting_beta2 < 1, grafting_epsilon > 0, "
+                             "weight_decay >= 0")
+        for name, v in (("max_preconditioner_dim", max_preconditioner_dim),
+                        ("precondition_frequency", precondition_frequency),
+                        ("start_preconditioning_step", start_preconditioning_step)):
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                raise ValueError("Shampoo: %s must be a positive integer, got %r" % (name, v))
+        if start_preconditioning_step < precondition_frequency:
+            raise ValueError("Shampoo: start_preconditioning_step (%d) must be >= "
+                             "precondition_frequency (%d), so that the roots exist when "
+                             "preconditioning starts"
+                             % (start_preconditioning_step, precondition_frequency))
+        if factor_dtype not in (torch.float32, torch.bfloat16):
+            raise ValueError("Shampoo: factor_dtype must be torch.float32 or torch.bfloat16")
+        self.config = dict(max_preconditioner_dim=max_preconditioner_dim,
+                           precondition_frequency=precondition_frequency,
+                           start_preconditioning_step=start_preconditioning_step,
+                           use_bias_correction=bool(use_bias_correction),
+                           factor_dtype=str(factor_dtype).replace("torch.", ""))
+        super().__init__(params, dict(lr=lr, betas=betas, epsilon=epsilon,
+                                      grafting_beta2=grafting_beta2,
+                                      grafting_epsilon=grafting_epsilon, weight_decay=weight_decay,
+                                      use_shampoo=True))
+        self.comm = _default_comm(process_group, timeout_seconds)
+        self._bind()
+
+    def _parts(self, params):
+        group_of = {id(p): g for g in self.param_groups for p in g["params"]}
+        self._impl = _C.Shampoo([_shard_spec(i, p) for i, p in enumerate(params)],
+                                [bool(group_of[id(p)]["use_shampoo"]) for p in params],
+                                self.config["max_preconditioner_dim"],
+                                self.config["precondition_frequency"],
+                                self.config["start_preconditioning_step"],
+                                self.config["use_bias_correction"], self.config["factor_dtype"],
+                                self.comm)
+        return [(self._impl, list(range(len(params))))]
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        loss = _run_closure(closure)
+        self._step_each(lambda g: (g["lr"], *g["betas"], g["epsilon"], g["grafting_beta2"],
+                                   g["grafting_epsilon"], g["weight_decay"]))
         return loss

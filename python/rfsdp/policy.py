@@ -61,6 +61,24 @@ def combine(*policies):
     return Policy(granule, policies[0]._row_dims if policies else None)
 
 
+def shampoo(max_preconditioner_dim=1024):
+    """Shampoo: every preconditioner tile (at most B x B of a matrix; a 3-D
+    [E, H, I] stack is E matrices H x I) lies on one rank. 2-D: rank boundaries
+    every B rows; 3-D: rows of the first 2 dims, boundaries every B rows of an
+    expert when H is a multiple of B, else between experts; 1-D: anywhere."""
+    b = int(max_preconditioner_dim)
+    if b < 1:
+        raise ValueError("policy.shampoo: max_preconditioner_dim must be >= 1, got %r"
+                         % (max_preconditioner_dim,))
+
+    def row_dims(name, p):
+        return 2 if p.dim() == 3 else 1
+
+    def granule(name, p):
+        return _C.shampoo_granule_rows(list(p.shape), row_dims(name, p), b)
+    return Policy(granule, row_dims)
+
+
 def is_matrix(name, p):
     """The default Muon-matrix test: 2-D or more (embeddings and heads included;
     pass your own to leave them to AdamW)."""

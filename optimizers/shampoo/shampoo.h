@@ -1,0 +1,147 @@
+// Block Shampoo with Adam grafting (DistributedShampoo's algorithm) over ragged
+// shards. Every matrix of a parameter (see optimizers/common/matrices.h) is cut
+// into tiles of at most B x B (B = max_preconditioner_dim); the planner's
+// Shampoo granule keeps every tile whole on one rank, so each rank keeps and
+// inverts the factors of its own tiles: the sharded step is the single-device
+// step, and nothing but the NaN/Inf flag is communicated.
+//
+// Per parameter with gradient g (t: its step count from 1):
+//   V <- b2g V + (1 - b2g) g^2;  M <- b1 M + (1 - b1) g;  M^ = M / (1 - b1^t)
+//   D = M^ / (sqrt(V / (1 - b2g^t)) + eps_g)                     (Adam's direction)
+// and per tile of it, with G the tile of g:
+//   L <- b2 L + c G G^T;  R <- b2 R + c G^T G   (c = 1 - b2, or 1 when b2 = 1)
+//   when t % frequency == 0: L^-1/4, R^-1/4 of A = L / (1 - b2^t) + eps I (bias
+//   correction optional) by symmetric eigendecomposition, fp32, retried in fp64;
+//   a root that fails both keeps the previous one (identity at first), and three
+//   failures in a row on one tile are an error naming the tensor and the tile
+//   when t >= start: P = L^-1/4 M^ R^-1/4 scaled to |D|_F (D where |P| = 0), else P = D
+//   X <- X (1 - lr wd) - lr P
+// Parameters that are not preconditioned (1-D ones, use_shampoo=False groups)
+// take D alone: AdamW.
+#pragma once
+
+#include <ATen/ATen.h>
+
+#include <memory>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "core/comm/comm.h"
+#include "optimizers/common/param_shard.h"
+
+namespace rfsdp {
+
+// Hyperparameters a parameter group may set.
+struct ShampooOptions {
+  double lr = 1e-3, beta1 = 0.9, beta2 = 0.999, epsilon = 1e-12;
+  double grafting_beta2 = 0.999, grafting_epsilon = 1e-8, weight_decay = 0.0;
+};
+
+// Settings that shape the state: one per optimizer.
+struct ShampooConfig {
+  int64_t max_preconditioner_dim = 1024;
+  int precondition_frequency = 20;
+  int start_preconditioning_step = 20;
+  bool use_bias_correction = true;
+  at::ScalarType factor_dtype = at::kFloat;  // of L, R and the roots (compute: fp32)
+  bool check_finite = true;                   // NaN/Inf gradients: every rank throws
+};
+
+// One tile of a parameter on this rank: rows [row0, row0 + rows) and columns
+// [col0, col0 + cols) of matrix `matrix`; its first element is local_offset in
+// the shard, rows are `stride` elements apart; its factors start at
+// left_offset / right_offset in the parameter's flat factor storage, where each
+// symmetric n x n matrix (L, R, a root) is its upper triangle, row by row:
+// n (n + 1) / 2 elements (shampoo_packed_size).
+struct ShampooTile {
+  size_t param;
+  int64_t matrix, row0, rows, col0, cols;
+  int64_t local_offset, stride;
+  int64_t left_offset, right_offset;
+};
+
+inline int64_t shampoo_packed_size(int64_t n) { return n * (n + 1) / 2; }
+
+// The preconditioner tiles that `shard` holds (whole ones only). Throws,
+// naming the parameter and the tile, when the shard cuts a tile.
+std::vector<ShampooTile> shampoo_tiles(const ParamShard& shard, size_t param, int64_t max_dim);
+
+// The granule (rows of `shape` seen with row_dims) that keeps every tile on one rank.
+int64_t shampoo_granule_rows(const std::vector<int64_t>& shape, int row_dims, int64_t max_dim);
+
+// A^(-1/4) of symmetric positive definite matrices of one size (batched eigh in
+// fp32, each failure retried alone in fp64). ok[k] is false where both failed
+// (a non-finite or non-positive eigenvalue, or no convergence); out[k] is then
+// undefined. Counts the fp64 retries in *retries.
+// floors (one per matrix, or empty): where the smallest eigenvalue l_min is below
+// floors[k], every eigenvalue becomes l - l_min + floors[k] (DistributedShampoo's
+// perturbation) instead of failing. For factors stored in bf16, whose rounding
+// makes them indefinite by up to about 2^-9 of their largest eigenvalue.
+std::vector<at::Tensor> inverse_fourth_roots(const std::vector<at::Tensor>& a,
+                                             std::vector<bool>* ok, int64_t* retries = nullptr,
+                                             const std::vector<double>& floors = {});
+
+class Shampoo {
+ public:
+  // precondition[i] false: parameter i takes Adam's direction alone (1-D
+  // parameters always do). comm: the ranks that agree on NaN/Inf gradients.
+  Shampoo(std::vector<ParamShard> params, ShampooOptions options = {}, ShampooConfig config = {},
+          std::shared_ptr<Comm> comm = nullptr, std::vector<bool> precondition = {});
+
+  // One step of every parameter that has a gradient.
+  void step();
+  void set_grad(size_t i, const at::Tensor& grad);
+  void set_param_options(size_t i, const ShampooOptions& o);
+  ShampooOptions& options() { return options_; }
+  const ShampooConfig& config() const { return config_; }
+  int64_t step_count(size_t i) const { return steps_.at(i); }
+  void set_step_count(size_t i, int64_t n) { steps_.at(i) = n; }
+  // The tensors the step updates for parameter i, by name: exp_avg (M),
+  // exp_avg_sq (V), and for a preconditioned one factor_left, factor_right,
+  // root_left, root_right (its tiles' matrices, packed upper triangles in tile
+  // order) and
+  // root_failures (failures in a row, per tile).
+  std::vector<std::pair<std::string, at::Tensor>> state(size_t i) const;
+
+  const std::vector<ShampooTile>& tiles() const { return tiles_; }
+  bool preconditioned(size_t i) const { return precondition_.at(i); }
+  // Measurements for benches: seconds spent computing roots, root computations
+  // retried in fp64, bytes of factors and roots, root flops (about 9 b^3 per
+  // b x b eigendecomposition and root) per step that computes them.
+  double root_seconds() const { return root_seconds_; }
+  int64_t fp64_retries() const { return fp64_retries_; }
+  int64_t factor_bytes() const;
+  double root_flops() const;
+
+ private:
+  struct ParamState {
+    at::Tensor m, v;                          // fp32, the shard's shape
+    at::Tensor left, right, root_l, root_r;   // flat factor storage (factor_dtype)
+    at::Tensor failures;                      // int64, per tile
+    std::vector<size_t> tiles;                // indices into tiles_
+  };
+  const ShampooOptions& options_of(size_t i) const {
+    return has_param_options_[i] ? param_options_[i] : options_;
+  }
+  void update_roots(const std::vector<size_t>& params_due);
+  // Symmetric matrices packed as upper triangles: the n x n matrix at `offset` of
+  // `flat` as a full fp32 matrix, and a full matrix packed (float32).
+  static at::Tensor unpack(const at::Tensor& flat, int64_t offset, int64_t n);
+  static at::Tensor pack(const at::Tensor& full);
+
+  std::vector<ParamShard> params_;
+  ShampooOptions options_;
+  ShampooConfig config_;
+  std::shared_ptr<Comm> comm_;
+  std::vector<bool> precondition_;
+  std::vector<ShampooOptions> param_options_;
+  std::vector<bool> has_param_options_;
+  std::vector<int64_t> steps_;
+  std::vector<ParamState> state_;
+  std::vector<ShampooTile> tiles_;
+  double root_seconds_ = 0.0;
+  int64_t fp64_retries_ = 0;
+};
+
+}  // namespace rfsdp

@@ -1,0 +1,147 @@
+"""rfsdp.optim.Shampoo from Python: a model with a matrix larger than the
+preconditioner dim both ways, one not a multiple of it, an expert stack whose H
+is not a multiple, and biases, fully sharded with policy.shampoo on 2 ranks
+(processes, Gloo), equals the same optimizer on the unsharded model; groups
+with use_shampoo=False are AdamW; the state_dict round trip; bad settings."""
+import math
+import os
+import tempfile
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from torch import nn
+
+import rfsdp
+
+B, STEPS, WORLD = 8, 12, 2
+
+
+class Experts(nn.Module):
+    def __init__(self, d, e=3, h=10):
+        super().__init__()
+        self.w = nn.Parameter(torch.randn(e, h, d) / math.sqrt(d))  # H = 10: not a multiple of B
+
+    def forward(self, x):
+        return torch.einsum("bd,ehd->bh", x, self.w) / self.w.shape[0]
+
+
+class Net(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.big = nn.Linear(19, 20)     # 20 x 19: larger than B both ways
+        self.odd = nn.Linear(20, 13)     # 13 x 20: rows not a multiple of B
+        self.experts = Experts(13)
+        self.head = nn.Linear(10, 3)
+
+    def forward(self, x):
+        return self.head(torch.tanh(self.experts(torch.tanh(self.odd(torch.tanh(self.big(x)))))))
+
+
+def make(model):
+    matrices = [p for n, p in model.named_parameters() if p.dim() >= 2 and not n.startswith("head")]
+    ids = {id(p) for p in matrices}
+    rest = [p for p in model.parameters() if id(p) not in ids]
+    return rfsdp.optim.Shampoo([dict(params=matrices), dict(params=rest, use_shampoo=False, lr=3e-3)],
+                               lr=1e-2, betas=(0.9, 0.95), epsilon=1e-6, weight_decay=0.01,
+                               max_preconditioner_dim=B, precondition_frequency=3,
+                               start_preconditioning_step=3)
+
+
+def data(seed):
+    g = torch.Generator().manual_seed(seed + 3)
+    return torch.randn(STEPS, 8, 19, generator=g), torch.randn(STEPS, 8, 3, generator=g)
+
+
+def train(model, opt, seed, rank=0, world=1):
+    xs, ys = data(seed)
+    per = xs.shape[1] // world
+    losses = []
+    for x, y in zip(xs, ys):
+        loss = nn.functional.mse_loss(model(x[rank * per:(rank + 1) * per]),
+                                      y[rank * per:(rank + 1) * per])
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        t = loss.detach().clone()
+        if world > 1:
+            dist.all_reduce(t)
+        losses.append(t.item() / world)
+    return losses
+
+
+def worker(rank, seed, init_file, out_file):
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method="file://" + init_file, rank=rank, world_size=WORLD)
+    torch.manual_seed(seed)
+    model = Net()
+    rfsdp.fully_shard(model, policy=rfsdp.policy.shampoo(B))
+    opt = make(model)
+    losses = train(model, opt, seed, rank, WORLD)
+    params = rfsdp.full_parameters(model)
+    if rank == 0:
+        torch.save({"losses": losses, "params": params}, out_file)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def test_two_ranks_equal_the_unsharded_model():
+    seed = int(torch.randint(0, 2 ** 30, ()).item())
+    torch.manual_seed(seed)
+    ref = Net()
+    ref_losses = train(ref, make(ref), seed)
+    with tempfile.TemporaryDirectory() as d:
+        out = os.path.join(d, "out.pt")
+        mp.spawn(worker, args=(seed, os.path.join(d, "init"), out), nprocs=WORLD)
+        got = torch.load(out)
+    assert got["losses"] == pytest.approx(ref_losses, rel=1e-4, abs=1e-6), "seed %d" % seed
+    for n, p in ref.named_parameters():
+        torch.testing.assert_close(got["params"][n], p.detach(), rtol=1e-4, atol=1e-5,
+                                   msg=lambda m: "%s (seed %d): %s" % (n, seed, m))
+
+
+def test_plain_tensors_groups_and_state_dict_round_trip():
+    torch.manual_seed(0)
+    a, b = Net(), Net()
+    b.load_state_dict(a.state_dict())
+    opt_a = make(a)
+    xs, ys = data(0)
+    for s in range(4):
+        opt_a.zero_grad()
+        nn.functional.mse_loss(a(xs[s]), ys[s]).backward()
+        opt_a.step()
+    sd = opt_a.state_dict()
+    st = sd["state"][0]  # big.weight: 20 x 19 in 3 x 3 tiles of at most 8
+    # packed upper triangles: 8 x 8 -> 36, 4 x 4 -> 10 elements
+    assert st["factor_left"].numel() == 2 * (36 * 3) + 10 * 3 and st["root_failures"].numel() == 9
+    assert "factor_left" not in sd["state"][len(sd["state"]) - 1]  # head.bias: grafting only
+    b.load_state_dict(a.state_dict())
+    opt_b = make(b)
+    opt_b.load_state_dict(sd)
+    for s in range(4, 8):  # preconditioned steps, roots recomputed at 6
+        for m, opt in ((a, opt_a), (b, opt_b)):
+            opt.zero_grad()
+            nn.functional.mse_loss(m(xs[s]), ys[s]).backward()
+            opt.step()
+    for (n, p), (_, q) in zip(a.named_parameters(), b.named_parameters()):
+        assert torch.equal(p, q), n
+
+
+def test_bad_settings_are_clear_errors():
+    p = [nn.Parameter(torch.zeros(4, 4))]
+    with pytest.raises(ValueError, match="start_preconditioning_step .* >= precondition_frequency"):
+        rfsdp.optim.Shampoo(p, precondition_frequency=10, start_preconditioning_step=5)
+    with pytest.raises(ValueError, match="max_preconditioner_dim must be a positive integer"):
+        rfsdp.optim.Shampoo(p, max_preconditioner_dim=0)
+    with pytest.raises(ValueError, match="factor_dtype"):
+        rfsdp.optim.Shampoo(p, factor_dtype=torch.float16)
+    with pytest.raises(ValueError, match="need lr >= 0"):
+        rfsdp.optim.Shampoo(p, betas=(1.0, 0.9))
+
+
+def test_shard_that_cuts_a_tile_is_refused(one_rank):
+    cut = nn.Parameter(torch.zeros(12, 19))  # rows 4..16 of a 20 x 19 matrix, tiles of 8 rows
+    cut._rfsdp_shard = rfsdp.ShardInfo("w", (20, 19), 1, 4, 16)
+    with pytest.raises(ValueError, match="parameter 'w'.*rfsdp.policy.shampoo"):
+        rfsdp.optim.Shampoo([cut], max_preconditioner_dim=8)
