@@ -11,13 +11,19 @@
  3. rfsdp.optim.AdamW8bit vs bitsandbytes' and torchao's 8-bit AdamW (and fp32
     AdamW: torch's and rfsdp's) on the GPT in one process: optimizer-state bytes
     per parameter, optimizer step time, loss after the same steps.
+ 4. rfsdp.optim.Shampoo vs DistributedShampoo (and DistributedShampoo in float64,
+    the truth) on the GPT in one process, the same gradient to each every step:
+    update differences, step time with and without roots, factor memory.
 
-    python bench/compare_anchors.py [--widths 256,512] [--steps 20] [--only fsdp,muon,8bit]
+    python bench/compare_anchors.py [--widths 256,512] [--steps 20]
+        [--only fsdp,muon,8bit,shampoo] [--distributed-shampoo DIR]
 
 bitsandbytes and torchao are the bench's optional set-up, not project
 dependencies: `--install-anchors` puts them (no dependencies: they use the
 project's torch) into ~/.cache/rfsdp/anchors, which only this bench reads.
-Without them their rows say "not installed"."""
+Without them their rows say "not installed". DistributedShampoo is not on PyPI:
+--distributed-shampoo (or $RFSDP_DISTRIBUTED_SHAMPOO) names a checkout of
+facebookresearch/optimizers (measured: f606606), else section 4 says so."""
 import argparse
 import json
 import math

@@ -128,6 +128,30 @@ def test_plain_tensors_groups_and_state_dict_round_trip():
         assert torch.equal(p, q), n
 
 
+def test_lr_scheduler_and_grafting_before_preconditioning_equal_torch_adamw():
+    # Before start_preconditioning_step the direction is Adam's (grafting settings), so
+    # Shampoo under a scheduler equals torch.optim.AdamW under the same scheduler.
+    torch.manual_seed(int(torch.randint(0, 2 ** 30, ()).item()))
+    a, b = Net(), Net()
+    b.load_state_dict(a.state_dict())
+    ours = rfsdp.optim.Shampoo(a.parameters(), lr=1e-2, betas=(0.9, 0.999), grafting_beta2=0.95,
+                               grafting_epsilon=1e-6, weight_decay=0.1, max_preconditioner_dim=B,
+                               precondition_frequency=5, start_preconditioning_step=100)
+    ref = torch.optim.AdamW(b.parameters(), lr=1e-2, betas=(0.9, 0.95), eps=1e-6, weight_decay=0.1)
+    scheds = [torch.optim.lr_scheduler.StepLR(o, step_size=2, gamma=0.5) for o in (ours, ref)]
+    xs, ys = data(1)
+    for s in range(8):
+        for m, opt in ((a, ours), (b, ref)):
+            opt.zero_grad()
+            nn.functional.mse_loss(m(xs[s]), ys[s]).backward()
+            opt.step()
+        for sc in scheds:
+            sc.step()
+    assert ours.param_groups[0]["lr"] == ref.param_groups[0]["lr"] == 1e-2 / 16
+    for (n, p), (_, q) in zip(a.named_parameters(), b.named_parameters()):
+        torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6, msg=lambda m: "%s: %s" % (n, m))
+
+
 def test_bad_settings_are_clear_errors():
     p = [nn.Parameter(torch.zeros(4, 4))]
     with pytest.raises(ValueError, match="start_preconditioning_step .* >= precondition_frequency"):
