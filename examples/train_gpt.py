@@ -26,9 +26,10 @@ SHAMPOO_DIM = 256  # max_preconditioner_dim: tiles of at most 256 x 256
 FORTUNES = "/usr/share/games/fortunes"
 
 
-def load_text():
-    files = sorted(f for f in glob.glob(os.path.join(FORTUNES, "*"))
-                   if os.path.isfile(f) and not f.endswith((".dat", ".u8")))
+def load_text(path=None):
+    """Debian's fortunes (all files), or the file at path."""
+    files = [path] if path else sorted(f for f in glob.glob(os.path.join(FORTUNES, "*"))
+                                       if os.path.isfile(f) and not f.endswith((".dat", ".u8")))
     if not files:
         raise SystemExit("no text under %s: install the Debian package 'fortunes'" % FORTUNES)
     data = b"".join(open(f, "rb").read() for f in files)
@@ -117,6 +118,20 @@ def run(name, args, train, val, rank, world):
         opt, lambda s: min(1.0, (s + 1) / 20) * 0.5 * (1 + math.cos(math.pi * min(s, args.steps) / args.steps)))
     gen = torch.Generator().manual_seed(args.seed * 1000 + rank)  # each rank its own batches
     data = batches(train, args.batch, args.ctx, gen)
+    curve, seconds, val_points, first = [], [], [], 1
+    root = os.path.join(args.checkpoint_dir, name) if args.checkpoint_dir else None
+    if root and args.resume and rfsdp.checkpoint.latest(root):
+        path = rfsdp.checkpoint.latest(root)
+        c0 = time.time()
+        extra = rfsdp.checkpoint.load(path, model, opt)
+        sched.load_state_dict(extra["sched"])
+        curve, seconds, val_points = extra["curve"], extra["seconds"], extra["val_points"]
+        first = extra["step"] + 1
+        for _ in range(extra["step"]):  # the data stream where it stopped
+            next(data)
+        if rank == 0:
+            print("%-9s resumed from %s (step %d) in %.2f s" % (name, path, extra["step"],
+                                                                  time.time() - c0), flush=True)
 
     def validate():  # the same validation batches every time
         with torch.no_grad():
@@ -126,9 +141,13 @@ def run(name, args, train, val, rank, world):
                      for x, y in (next(vdata) for _ in range(args.val_batches))) / args.val_batches
         return mean_over_ranks(vl)
 
-    curve, seconds, val_points, tokens, t0 = [], [], [], 0, time.time()
-    paused = 0.0  # validation time, left out of the clock
-    for step in range(1, args.steps + 1):
+    tokens = (first - 1) * args.batch * args.ctx * world
+    t0 = time.time() - (seconds[-1] if seconds else 0.0)
+    paused = 0.0  # validation and checkpoint time, left out of the clock
+    for step in range(first, args.steps + 1):
+        if step == args.crash_at_step and rank == world - 1 \
+                and os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0":
+            os._exit(3)  # a crash (tests: torchrun restarts the job, which resumes)
         x, y = next(data)
         loss = nn.functional.cross_entropy(model(x).view(-1, 256), y.view(-1))
         opt.zero_grad()
@@ -143,6 +162,17 @@ def run(name, args, train, val, rank, world):
             v0 = time.time()
             val_points.append((step, seconds[-1], validate()))
             paused += time.time() - v0
+        if root and step % args.save_every == 0 and step != args.steps:
+            c0 = time.time()
+            path = rfsdp.checkpoint.save_step(
+                root, step, model, opt, keep_last=2,
+                extra=dict(step=step, sched=sched.state_dict(), curve=curve, seconds=seconds,
+                           val_points=val_points))
+            paused += time.time() - c0
+            if rank == 0:
+                size = sum(os.path.getsize(os.path.join(path, f)) for f in os.listdir(path))
+                print("%-9s saved %s: %.2f MiB in %.2f s" % (name, path, size / 2 ** 20,
+                                                             time.time() - c0), flush=True)
         if rank == 0 and (step % args.log_every == 0 or step == 1):
             print("%-9s step %4d  loss %.4f  tokens/s %.0f" % (name, step, curve[-1],
                                                                tokens / (time.time() - t0)), flush=True)
@@ -151,6 +181,10 @@ def run(name, args, train, val, rank, world):
     val_points.append((args.steps, seconds[-1], vl))
     state = sum(t.numel() * t.element_size() for s in opt.state.values() for t in s.values()
                 if torch.is_tensor(t))
+    if args.save_final:
+        full = rfsdp.full_parameters(model)
+        if rank == 0:
+            torch.save(full, "%s.%s.pt" % (args.save_final, name))
     note = ""
     if name == "muon":  # how the roots balance Newton–Schulz, and what a step moves
         sent = torch.tensor([float(opt.layout.gather_send_elems())])
@@ -189,16 +223,24 @@ def main():
     ap.add_argument("--factor-dtype", choices=["float32", "bfloat16"], default="float32",
                     help="dtype of Shampoo's factors and roots")
     ap.add_argument("--plot", default="loss_curves.png")
+    ap.add_argument("--checkpoint-dir", help="save <dir>/<optimizer>/step_<n> every --save-every "
+                    "steps (the 2 newest kept)")
+    ap.add_argument("--save-every", type=int, default=50)
+    ap.add_argument("--resume", action="store_true",
+                    help="continue from the newest checkpoint under --checkpoint-dir, if any")
+    ap.add_argument("--save-final", help="write the final full parameters to <this>.<optimizer>.pt")
+    ap.add_argument("--text", help="train on this file instead of Debian's fortunes")
+    ap.add_argument("--crash-at-step", type=int, default=0, help=argparse.SUPPRESS)
     args = ap.parse_args()
     torch.set_num_threads(1)
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
-    text = load_text()
+    text = load_text(args.text)
     cut = int(0.95 * text.numel())
     train, val = text[:cut], text[cut:]
     if rank == 0:
-        print("fortunes: %.2f MB of text, %d ranks, %d steps x %d x %d tokens per rank"
-              % (text.numel() / 1e6, world, args.steps, args.batch, args.ctx), flush=True)
+        print("%s: %.2f MB of text, %d ranks, %d steps x %d x %d tokens per rank"
+              % (args.text or "fortunes", text.numel() / 1e6, world, args.steps, args.batch, args.ctx), flush=True)
     results = [run(n, args, train, val, rank, world)
                for n in (OPTIMIZERS if args.compare else [args.optimizer])]
     if rank == 0:

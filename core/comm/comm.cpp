@@ -92,11 +92,17 @@ void CommHandle::wait() {
   } catch (const std::exception& e) {
     std::string cause = e.what();
     if (const auto* ce = dynamic_cast<const c10::Error*>(&e)) cause = ce->what_without_backtrace();
-    const bool peer = cause.find("imed out") != std::string::npos ||
-                      cause.find("Connection closed") != std::string::npos ||
+    const bool timed_out = cause.find("imed out") != std::string::npos;
+    const bool lost = cause.find("Connection closed") != std::string::npos ||
                       cause.find("Connection reset") != std::string::npos;
     const std::string where = " on rank " + std::to_string(rank_) + " of " + std::to_string(size_);
-    if (peer) {
+    if (lost) {
+      throw std::runtime_error(
+          what_ + " failed" + where + ": the connection to a peer rank closed (its process died "
+          "or left the group); restart every rank, from the last checkpoint. Backend said: " +
+          cause);
+    }
+    if (timed_out) {
       throw std::runtime_error(
           what_ + " did not complete" + where + " within " + std::to_string(timeout_.count()) +
           " ms: a peer rank stopped taking part or is slower than the timeout (every rank must "

@@ -6,10 +6,10 @@ extension is built against that torch), or use the project's environment that
 """
 import torch  # noqa: F401  (loads libtorch before the extension)
 
-from . import _C, optim, policy, quant
+from . import _C, checkpoint, optim, policy, quant
 from .fsdp import (MixedPrecisionPolicy, ShardInfo, clip_grad_norm_, full_parameters, fully_shard,
                    shard_info)
 from .planning import plan
 
-__all__ = ["plan", "quant", "policy", "optim", "fully_shard", "shard_info", "ShardInfo",
+__all__ = ["plan", "quant", "policy", "optim", "checkpoint", "fully_shard", "shard_info", "ShardInfo",
            "MixedPrecisionPolicy", "clip_grad_norm_", "full_parameters"]

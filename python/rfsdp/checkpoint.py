@@ -1,0 +1,527 @@
+"""rfsdp.checkpoint: save and load sharded models and their optimizers in
+torch.distributed.checkpoint's (DCP's) own format, at any world size.
+
+Every rank writes the rows it holds. A parameter's piece (rows [row_begin,
+row_end) of the tensor seen as rows) is a rectangular chunk of the global tensor
+at offset (row_begin, 0, ...); an [E, H, I] expert stack planned with row_dims=2
+and cut inside an expert is up to three chunks (the partial expert before, the
+whole experts, the partial expert after). DCP's chunk metadata records them, so
+DCP reads back whatever chunks another world size or plan needs, and torch's own
+tools read the model part (dcp_to_torch_save, or dcp.load into a full state_dict).
+
+Optimizer states are saved beside: moments and momentum in the parameter's
+chunks; 8-bit codes, their block scales, Shampoo's packed factors and roots and
+per-tile failure counts as pieces of one global 1-D sequence per tensor (blocks
+and tiles never cross a rank, so a rank's piece is contiguous there, and the
+sequence is the same at any world size); step counts; hyperparameters and the
+settings that shape the states (a load with other settings is an error).
+
+Keys: "model.<fqn>" (as a plain model's {"model": state_dict()}), buffers too;
+"optim.<fqn>.<state>", "optim.groups", "optim.settings", "extra".
+
+A save writes into <path>.partial, adds rfsdp.json (a SHA-256 per file) last,
+and renames the folder into place, so a save that dies leaves the previous
+checkpoint whole. load() checks the files and every tensor's name, shape and
+dtype before it reads, reads into fresh tensors, and only then copies into the
+model and optimizer: a bad checkpoint changes nothing."""
+import hashlib
+import json
+import os
+import pickle
+import re
+import shutil
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.metadata import (ChunkStorageMetadata, MetadataIndex,
+                                                   TensorProperties)
+from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, WriteItemType
+
+from .fsdp import shard_info
+
+FORMAT = 1
+MARKER = "rfsdp.json"
+STEP_DIR = re.compile(r"^step_(\d+)$")
+# Optimizer states shaped like their parameter (chunked as it is); every other
+# 1-D state is a piece of a global sequence. By name, so that a rank holding no
+# rows of a tensor (every shape 0) classifies its states as the others do.
+LIKE_PARAMETER = ("exp_avg", "exp_avg_sq", "momentum_buffer")
+
+
+class CheckpointError(ValueError):
+    """A checkpoint that cannot be loaded into this model and optimizer (nothing was changed)."""
+
+
+# ---- the pieces a rank holds ------------------------------------------------------------
+
+def rectangles(global_shape, row_dims, row_begin, row_end):
+    """[(offsets, sizes, first local row, rows)]: rows [row_begin, row_end) of a
+    tensor seen as rows over its first row_dims dims, as rectangles of the global
+    tensor."""
+    shape = list(global_shape)
+    if row_end <= row_begin:
+        return []
+    if row_dims == 1 or len(shape) <= 1:
+        if len(shape) == 0:
+            return [((), (), 0, 1)]
+        return [((row_begin,) + (0,) * (len(shape) - 1), (row_end - row_begin, *shape[1:]), 0,
+                 row_end - row_begin)]
+    if row_dims != 2:
+        raise CheckpointError("checkpoint: rows over %d dims are not supported" % row_dims)
+    h, rest = shape[1], shape[2:]
+    out, r = [], row_begin
+    while r < row_end:
+        e, within = divmod(r, h)
+        if within or row_end - r < h:  # a partial expert
+            n = min(h - within, row_end - r)
+            out.append(((e, within) + (0,) * len(rest), (1, n, *rest), r - row_begin, n))
+        else:  # whole experts
+            n = (row_end - r) // h
+            out.append(((e, 0) + (0,) * len(rest), (n, h, *rest), r - row_begin, n * h))
+        r += out[-1][3]
+    return out
+
+
+class _Entry:
+    """One tensor of the checkpoint: its key, global shape, dtype and this rank's
+    pieces [(offsets, sizes, local tensor)]; replicated (a plain tensor) when
+    pieces is None."""
+
+    def __init__(self, key, shape, dtype, pieces=None, tensor=None):
+        self.key, self.shape, self.dtype = key, None if shape is None else tuple(shape), dtype
+        self.pieces, self.tensor = pieces, tensor
+        self.sequence = None  # (first row, elements): a piece of a global 1-D sequence
+
+
+def _rows_entry(key, t, info):
+    """t holds the rows info describes (a shard, or a state shaped like it)."""
+    if len(info.global_shape) == 0:
+        raise CheckpointError("checkpoint: 0-D sharded tensor '%s' is not supported" % key)
+    rows = t.detach().reshape(-1, info.row_len)
+    pieces = [(o, s, rows[first:first + n].reshape(s))
+              for o, s, first, n in rectangles(info.global_shape, info.row_dims,
+                                               info.row_begin, info.row_end)]
+    return _Entry(key, info.global_shape, t.dtype, pieces)
+
+
+def _param_entry(key, p):
+    info = shard_info(p)
+    if info is None:
+        return _Entry(key, p.shape, p.dtype, tensor=p.detach())
+    return _rows_entry(key, p, info)
+
+
+def _state_entries(prefix, p, state):
+    """Entries of one parameter's optimizer state. LIKE_PARAMETER tensors
+    follow the shard's chunks; other 1-D tensors are pieces of a global sequence whose
+    offsets are found across ranks (_place_sequences); 0-D ones are replicated."""
+    info = shard_info(p)
+    out = []
+    for name, t in sorted(state.items()):
+        key = "%s.%s" % (prefix, name)
+        t = t.detach()
+        if t.dim() == 0 or info is None:
+            out.append(_Entry(key, t.shape, t.dtype, tensor=t))
+        elif name in LIKE_PARAMETER and tuple(t.shape) == tuple(p.shape):
+            out.append(_rows_entry(key, t, info))
+        elif t.dim() == 1:
+            e = _Entry(key, None, t.dtype, pieces=[(None, (t.numel(),), t)])
+            e.sequence = (info.row_begin, t.numel())
+            out.append(e)
+        else:
+            raise CheckpointError("checkpoint: optimizer state '%s' of shape %s has no layout"
+                                  % (key, tuple(t.shape)))
+    return out
+
+
+def _place_sequences(entries, pg):
+    """Offsets of the 1-D sequence pieces: every rank's piece sizes (one
+    all_gather_object for all), in the order of their first rows."""
+    mine = {e.key: e.sequence for e in entries if e.sequence}
+    if not mine:
+        return
+    ranks = [mine]
+    if pg is not None and pg.size() > 1:
+        ranks = [None] * pg.size()
+        dist.all_gather_object(ranks, mine, group=pg)
+    me = 0 if pg is None else pg.rank()
+    for e in entries:
+        if not e.sequence:
+            continue
+        seq = sorted((r[e.key][0], rank, r[e.key][1]) for rank, r in enumerate(ranks))
+        off, total = 0, sum(s[2] for s in seq)
+        for row, rank, n in seq:
+            if rank == me:
+                e.pieces = [((off,), (n,), e.pieces[0][2])] if n else []
+            off += n
+        e.shape = (total,)
+
+
+class _Pieces(torch.Tensor):
+    """This rank's pieces of one global tensor, as DCP sees them through its
+    _Checkpointable protocol (as DTensor does): one write item and one chunk per
+    piece, found again by its offsets. Every rank describes only its own pieces.
+    A tensor subclass without storage, of the global size: DCP passes tensors
+    through its planners and drops other objects."""
+
+    @staticmethod
+    def __new__(cls, shape, dtype, pieces):
+        self = torch.Tensor._make_wrapper_subclass(cls, torch.Size(shape), dtype=dtype,
+                                                    device="cpu")
+        self.pieces = {torch.Size(o): t.contiguous() for o, _, t in pieces if t.numel()}
+        return self
+
+    def __init__(self, shape, dtype, pieces):
+        super().__init__()
+
+    @classmethod
+    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
+        raise RuntimeError("rfsdp.checkpoint: %s on a checkpoint piece list" % func)
+
+    def __create_write_items__(self, fqn, obj):
+        return [WriteItem(index=MetadataIndex(fqn, o), type=WriteItemType.SHARD,
+                          tensor_data=TensorWriteData(
+                              chunk=ChunkStorageMetadata(offsets=o, sizes=t.size()),
+                              properties=TensorProperties.create_from_tensor(t),
+                              size=self.size()))
+                for o, t in self.pieces.items()]
+
+    def __create_chunk_list__(self):
+        return [ChunkStorageMetadata(offsets=o, sizes=t.size()) for o, t in self.pieces.items()]
+
+    def __get_tensor_shard__(self, index):
+        return self.pieces[torch.Size(index.offset)]
+
+
+def _nest(flat):
+    """{"model.a.b": x} -> {"model": {"a.b": x}}: DCP stores the same keys and records
+    the nesting, so torch's tools give back {"model": state_dict, ...} as a plain
+    model's {"model": model.state_dict()} checkpoint holds."""
+    out = {}
+    for k, v in flat.items():
+        top, _, rest = k.partition(".")
+        if rest:
+            out.setdefault(top, {})[rest] = v
+        else:
+            out[top] = v
+    return out
+
+
+def _flat(nested):
+    out = {}
+    for top, v in nested.items():
+        if isinstance(v, dict):
+            out.update({"%s.%s" % (top, k): x for k, x in v.items()})
+        else:
+            out[top] = v
+    return out
+
+
+def _state_dict(entries):
+    """The DCP state_dict of the entries: _Pieces, or the tensor where replicated."""
+    return {e.key: e.tensor if e.pieces is None else _Pieces(e.shape, e.dtype, e.pieces)
+            for e in entries}
+
+
+# ---- what a model and an optimizer hold ---------------------------------------------------
+
+def _model_entries(model):
+    out = [_param_entry("model." + n, p) for n, p in model.named_parameters()]
+    out += [_Entry("model." + n, b.shape, b.dtype, tensor=b.detach())
+            for n, b in model.named_buffers()]
+    return out
+
+
+def _fqns(model, optimizer):
+    names = {id(p): n for n, p in model.named_parameters()}
+    out = []
+    for g in optimizer.param_groups:
+        for p in g["params"]:
+            if id(p) not in names:
+                raise CheckpointError("checkpoint: the optimizer holds a parameter of shape %s that "
+                                      "is not one of the model's (built before fully_shard?)"
+                                      % (tuple(p.shape),))
+            out.append((names[id(p)], p))
+    return out
+
+
+def _settings(optimizer):
+    """What shapes an optimizer's states, beyond its parameters."""
+    s = {"type": type(optimizer).__name__}
+    for k in ("block", "min_8bit_size", "ns_dtype"):
+        if hasattr(optimizer, k):
+            v = getattr(optimizer, k)
+            s[k] = list(v) if isinstance(v, tuple) else v
+    if isinstance(getattr(optimizer, "config", None), dict):
+        s.update(optimizer.config)
+    return s
+
+
+def _groups(model, optimizer):
+    names = {id(p): n for n, p in model.named_parameters()}
+    return [dict({k: v for k, v in g.items() if k != "params"},
+                 params=[names[id(p)] for p in g["params"]]) for g in optimizer.param_groups]
+
+
+def _optim_entries(model, optimizer):
+    optimizer._bind()
+    out = []
+    for fqn, p in _fqns(model, optimizer):
+        out += _state_entries("optim." + fqn, p, optimizer._state_of(p))
+    return out
+
+
+def _entries(model, optimizer, pg):
+    entries = _model_entries(model)
+    if optimizer is not None:
+        entries += _optim_entries(model, optimizer)
+    _place_sequences(entries, pg)
+    return entries
+
+
+# ---- files ---------------------------------------------------------------------------------
+
+def _sha256(path):
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def _group(process_group):
+    if process_group is not None:
+        return process_group
+    return dist.group.WORLD if dist.is_available() and dist.is_initialized() else None
+
+
+def _barrier(pg):
+    if pg is not None and pg.size() > 1:
+        dist.barrier(group=pg)
+
+
+def _agree(pg, fn):
+    """fn() on rank 0; its result (or its error, raised on every rank) everywhere."""
+    box = [None]
+    if pg is None or pg.rank() == 0:
+        try:
+            box[0] = ("ok", fn())
+        except Exception as e:  # noqa: BLE001 (sent to every rank, raised there)
+            box[0] = ("error", e)
+    if pg is not None and pg.size() > 1:
+        dist.broadcast_object_list(box, src=dist.get_global_rank(pg, 0), group=pg)
+    kind, value = box[0]
+    if kind == "error":
+        raise value
+    return value
+
+
+def save(path, model, optimizer=None, *, extra=None, process_group=None):
+    """Saves model (and optimizer) into the folder `path`, replacing a checkpoint
+    there only once the new one is complete. Collective: every rank calls it.
+    extra: any picklable object (data position, scheduler state), returned by load."""
+    pg = _group(process_group)
+    path = os.path.abspath(path)
+    tmp = path + ".partial"
+
+    def fresh():
+        shutil.rmtree(tmp, ignore_errors=True)  # a save that died before
+        os.makedirs(tmp)
+    _agree(pg, fresh)
+    entries = _entries(model, optimizer, pg)
+    sd = _state_dict(entries)
+    # Non-tensor values as one string or bytes each (DCP would flatten a dict).
+    if optimizer is not None:
+        sd["optim.groups"] = json.dumps(_groups(model, optimizer))
+        sd["optim.settings"] = json.dumps(_settings(optimizer))
+    sd["extra"] = pickle.dumps(extra)
+    dcp.save(_nest(sd), storage_writer=dcp.FileSystemWriter(tmp),
+             process_group=pg, no_dist=pg is None)
+
+    def seal():
+        files = sorted(f for f in os.listdir(tmp) if f != MARKER)
+        marker = {"format": FORMAT, "files": {f: _sha256(os.path.join(tmp, f)) for f in files},
+                  "world_size": 1 if pg is None else pg.size(),
+                  "optimizer": None if optimizer is None else _settings(optimizer)}
+        with open(os.path.join(tmp, MARKER), "w") as f:
+            json.dump(marker, f, indent=1)
+            f.flush()
+            os.fsync(f.fileno())
+        old = path + ".old"
+        if os.path.exists(path):
+            shutil.rmtree(old, ignore_errors=True)
+            os.rename(path, old)
+        os.rename(tmp, path)
+        shutil.rmtree(old, ignore_errors=True)
+    _agree(pg, seal)
+    return path
+
+
+def verify(path):
+    """Checks a checkpoint folder's files against the SHA-256 sums in its marker;
+    returns the marker. Raises CheckpointError naming the first bad file."""
+    marker_path = os.path.join(path, MARKER)
+    if not os.path.isfile(marker_path):
+        raise CheckpointError("checkpoint %s: no %s (not an rfsdp checkpoint, or its save did not "
+                              "finish)" % (path, MARKER))
+    try:
+        with open(marker_path) as f:
+            marker = json.load(f)
+        files = marker["files"]
+    except (ValueError, KeyError, TypeError) as e:
+        raise CheckpointError("checkpoint %s: %s is unreadable (%s)" % (path, MARKER, e)) from None
+    if marker.get("format") != FORMAT:
+        raise CheckpointError("checkpoint %s: format %r, this rfsdp reads %d"
+                              % (path, marker.get("format"), FORMAT))
+    for name, digest in sorted(files.items()):
+        f = os.path.join(path, name)
+        if not os.path.isfile(f):
+            raise CheckpointError("checkpoint %s: file %s is missing" % (path, name))
+        if _sha256(f) != digest:
+            raise CheckpointError("checkpoint %s: file %s is damaged (its SHA-256 differs from the "
+                                  "one recorded at save: truncated or changed)" % (path, name))
+    return marker
+
+
+def _check_against(path, meta, entries, want_optim):
+    """The first key, shape or dtype that differs between the checkpoint's
+    metadata and what this model/optimizer holds."""
+    md = meta.state_dict_metadata
+    if want_optim and "optim.settings" not in md:
+        raise CheckpointError("checkpoint %s holds no optimizer state (load with optimizer=None "
+                              "for the model alone)" % path)
+    for e in entries:
+        if e.key not in md:
+            kind = "optimizer state" if e.key.startswith("optim.") else "tensor"
+            raise CheckpointError("checkpoint %s has no %s '%s' (saved from another model%s?)"
+                                  % (path, kind, e.key,
+                                     " or optimizer" if kind != "tensor" else ""))
+        m = md[e.key]
+        size = tuple(getattr(m, "size", ()))
+        dtype = getattr(getattr(m, "properties", None), "dtype", None)
+        if size != tuple(e.shape):
+            raise CheckpointError("checkpoint %s: '%s' has shape %s there, %s here"
+                                  % (path, e.key, list(size), list(e.shape)))
+        if dtype is not None and dtype != e.dtype:
+            raise CheckpointError("checkpoint %s: '%s' has dtype %s there, %s here"
+                                  % (path, e.key, dtype, e.dtype))
+
+
+def _check_settings(path, saved, optimizer):
+    now = json.loads(json.dumps(_settings(optimizer)))
+    if saved != now:
+        raise CheckpointError(
+            "checkpoint %s: the optimizer was %s, this one is %s: build it with the saved "
+            "settings (8-bit blocks, Shampoo tiles and the like shape the states; requantising "
+            "on load is not supported yet). Nothing was loaded" % (path, saved, now))
+
+
+def load(path, model, optimizer=None, *, process_group=None, check_files=True):
+    """Loads a checkpoint saved at any world size (or a DCP checkpoint of a plain
+    or FSDP2 model: {"model": state_dict}) into model (and optimizer); returns
+    the `extra` saved with it (None for others). Collective. Nothing changes
+    unless everything was read."""
+    pg = _group(process_group)
+    path = os.path.abspath(path)
+    reader = dcp.FileSystemReader(path)
+
+    def inspect():
+        if (check_files and os.path.exists(os.path.join(path, MARKER))) or optimizer is not None:
+            marker = verify(path)  # (only rfsdp's own checkpoints hold optimizer states)
+            if optimizer is not None and marker.get("optimizer") is not None:
+                _check_settings(path, marker["optimizer"], optimizer)
+        if not os.path.isfile(os.path.join(path, ".metadata")):
+            raise CheckpointError("checkpoint %s: no .metadata (not a DCP checkpoint, or "
+                                  "incomplete)" % path)
+        return reader.read_metadata()
+    meta = _agree(pg, inspect)
+    entries = _entries(model, optimizer, pg)
+    fresh = []
+    for e in entries:  # read into copies: the live tensors change only at the end
+        if e.pieces is None:
+            e.live, e.tensor = e.tensor, e.tensor.clone()
+        else:
+            e.live = [t for _, _, t in e.pieces]
+            e.pieces = [(o, s, t.clone()) for o, s, t in e.pieces]
+        fresh.append(e)
+    _agree(pg, lambda: _check_against(path, meta, entries, optimizer is not None))
+    sd = _state_dict(entries)
+    has_extra = "extra" in meta.state_dict_metadata
+    if optimizer is not None:
+        sd["optim.groups"] = None
+        sd["optim.settings"] = None
+    if has_extra:
+        sd["extra"] = None
+    nested = _nest(sd)
+    dcp.load(nested, storage_reader=reader, process_group=pg, no_dist=pg is None)
+    sd = _flat(nested)
+    if optimizer is not None:
+        _check_settings(path, json.loads(sd["optim.settings"]), optimizer)
+        groups = json.loads(sd["optim.groups"])
+        now = _groups(model, optimizer)
+        if [g["params"] for g in groups] != [g["params"] for g in now]:
+            raise CheckpointError("checkpoint %s: the optimizer's parameter groups differ (saved "
+                                  "%d groups over other parameters; nothing was loaded)"
+                                  % (path, len(groups)))
+    # Everything was read: copy into the live tensors.
+    with torch.no_grad():
+        for e in fresh:
+            if e.pieces is None:
+                e.live.copy_(e.tensor)
+            else:
+                for live, (_, _, t) in zip(e.live, e.pieces):
+                    live.copy_(t.reshape(live.shape))
+    if optimizer is not None:
+        states = {}
+        for e in fresh:
+            if e.key.startswith("optim."):
+                fqn, name = e.key[len("optim."):].rsplit(".", 1)
+                states.setdefault(fqn, {})[name] = None
+        for fqn, p in _fqns(model, optimizer):
+            st = optimizer._state_of(p)  # the live tensors, now holding the loaded values
+            step = next((e.tensor for e in fresh if e.key == "optim.%s.step" % fqn), None)
+            if step is not None:
+                st["step"] = step
+            optimizer._load_state_of(p, st)
+        for g, saved in zip(optimizer.param_groups, groups):
+            for k, v in saved.items():
+                if k != "params":
+                    g[k] = tuple(v) if isinstance(g.get(k), tuple) else v
+        optimizer._publish()
+    return pickle.loads(sd["extra"]) if has_extra else None
+
+
+# ---- a folder of checkpoints ---------------------------------------------------------------
+
+def step_path(root, step):
+    return os.path.join(root, "step_%08d" % step)
+
+
+def latest(root):
+    """The newest complete checkpoint under root (step_<n> folders with their
+    marker), or None."""
+    if not os.path.isdir(root):
+        return None
+    steps = sorted((int(m.group(1)), d) for d in os.listdir(root)
+                   for m in [STEP_DIR.match(d)] if m and os.path.isfile(os.path.join(root, d, MARKER)))
+    return os.path.join(root, steps[-1][1]) if steps else None
+
+
+def save_step(root, step, model, optimizer=None, *, keep_last=None, extra=None, process_group=None):
+    """save() into root/step_<step>; then, once it is complete, removes all but
+    the keep_last newest complete checkpoints."""
+    pg = _group(process_group)
+    path = save(step_path(root, step), model, optimizer, extra=extra, process_group=pg)
+    if keep_last is not None:
+        if keep_last < 1:
+            raise ValueError("save_step: keep_last must be >= 1")
+
+        def prune():
+            steps = sorted((int(m.group(1)), d) for d in os.listdir(root)
+                           for m in [STEP_DIR.match(d)]
+                           if m and os.path.isfile(os.path.join(root, d, MARKER)))
+            for _, d in steps[:-keep_last]:
+                shutil.rmtree(os.path.join(root, d), ignore_errors=True)
+        _agree(pg, prune)
+    return path

@@ -1,0 +1,322 @@
+"""rfsdp.checkpoint: exact resume at the same world size (bit for bit, parameters
+and optimizer states) and resume at another world size (fp32 tolerance) for
+AdamW, AdamW8bit, Muon and Shampoo, each in fresh processes (Gloo); the model
+part read by torch's own tools into a plain module, and a plain model's and a
+torch FSDP2 model's DCP checkpoints read into an rfsdp model; atomic saves and
+keep_last; bad checkpoints refused with the model and optimizer untouched."""
+import os
+import tempfile
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+import torch.multiprocessing as mp
+from torch import nn
+
+import rfsdp
+import rfsdp.checkpoint as ckpt
+
+STEPS_BEFORE, STEPS_AFTER, BATCH = 4, 4, 12
+
+
+class Net(nn.Module):
+    """A matrix larger than the tiles both ways, a bias, and an [E, H, I] stack
+    (Muon's ragged policy cuts it inside an expert: several chunks per rank)."""
+
+    def __init__(self):
+        super().__init__()
+        self.inp = nn.Linear(12, 20)
+        self.experts = nn.Parameter(torch.randn(3, 5, 20) / 5)
+        self.out = nn.Linear(5, 2, bias=False)
+
+    def forward(self, x):
+        h = torch.tanh(self.inp(x))
+        return self.out(torch.einsum("bd,ehd->bh", h, self.experts) / 3)
+
+
+def policy(name):
+    return {"adamw": None, "adamw8bit": rfsdp.policy.blockwise_8bit(16),
+            "muon": rfsdp.policy.muon(), "shampoo": rfsdp.policy.shampoo(8)}[name]
+
+
+def optimizer(name, model):
+    ps = list(model.parameters())
+    if name == "adamw":
+        return rfsdp.optim.AdamW(ps, lr=1e-2, weight_decay=0.05)
+    if name == "adamw8bit":
+        return rfsdp.optim.AdamW8bit(ps, lr=1e-2, block=16, min_8bit_size=32)
+    if name == "muon":
+        mats = [p for p in ps if p.dim() >= 2]
+        rest = [p for p in ps if p.dim() < 2]
+        return rfsdp.optim.Muon([dict(params=mats), dict(params=rest, use_muon=False, lr=1e-2)],
+                                lr=0.02, weight_decay=0.01)
+    return rfsdp.optim.Shampoo(ps, lr=1e-2, epsilon=1e-6, max_preconditioner_dim=8,
+                               precondition_frequency=2, start_preconditioning_step=2)
+
+
+def batch(seed, step):
+    g = torch.Generator().manual_seed(seed * 1000 + step)
+    return torch.randn(BATCH, 12, generator=g), torch.randn(BATCH, 2, generator=g)
+
+
+def build(name, seed):
+    torch.manual_seed(seed)
+    model = Net()
+    rfsdp.fully_shard(model, policy=policy(name))
+    opt = optimizer(name, model)
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=3, gamma=0.5)
+    return model, opt, sched
+
+
+def train(model, opt, sched, seed, steps, rank, world):
+    per = BATCH // world
+    for s in steps:
+        x, y = batch(seed, s)
+        opt.zero_grad()
+        nn.functional.mse_loss(model(x[rank * per:(rank + 1) * per]),
+                               y[rank * per:(rank + 1) * per]).backward()
+        opt.step()
+        sched.step()
+
+
+def snapshot(model, opt):
+    """This rank's parameters and optimizer states, and the full parameters."""
+    return {"local": {n: p.detach().clone() for n, p in model.named_parameters()},
+            "state": {k: {n: t.clone() if torch.is_tensor(t) else t for n, t in v.items()}
+                      for k, v in opt.state_dict()["state"].items()},
+            "lr": [g["lr"] for g in opt.param_groups],
+            "full": rfsdp.full_parameters(model)}
+
+
+def worker(rank, world, name, seed, d, phase):
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method="file://%s/init_%s_%d" % (d, phase, world),
+                            rank=rank, world_size=world)
+    model, opt, sched = build(name, seed)
+    if phase == "train":
+        train(model, opt, sched, seed, range(STEPS_BEFORE), rank, world)
+        ckpt.save(os.path.join(d, "ck"), model, opt,
+                  extra={"step": STEPS_BEFORE, "sched": sched.state_dict()})
+        train(model, opt, sched, seed, range(STEPS_BEFORE, STEPS_BEFORE + STEPS_AFTER), rank, world)
+    else:
+        extra = ckpt.load(os.path.join(d, "ck"), model, opt)
+        sched.load_state_dict(extra["sched"])
+        train(model, opt, sched, seed, range(extra["step"], STEPS_BEFORE + STEPS_AFTER), rank, world)
+    torch.save(snapshot(model, opt), os.path.join(d, "%s_%d_%d.pt" % (phase, world, rank)))
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+# resume at another world size: one size per optimizer, so every one is covered
+OTHER_WORLD = {"adamw": 1, "adamw8bit": 3, "muon": 3, "shampoo": 4}
+
+
+@pytest.mark.parametrize("name", ["adamw", "adamw8bit", "muon", "shampoo"])
+def test_resume_is_exact_and_reshards(name):
+    seed = int(torch.randint(0, 2 ** 20, ()).item())
+    with tempfile.TemporaryDirectory() as d:
+        mp.spawn(worker, args=(2, name, seed, d, "train"), nprocs=2)
+        mp.spawn(worker, args=(2, name, seed, d, "resume"), nprocs=2)
+        for rank in range(2):
+            a = torch.load(os.path.join(d, "train_2_%d.pt" % rank))
+            b = torch.load(os.path.join(d, "resume_2_%d.pt" % rank))
+            assert a["lr"] == b["lr"]
+            for n in a["local"]:
+                assert torch.equal(a["local"][n], b["local"][n]), "%s rank %d (seed %d)" % (n, rank, seed)
+            assert a["state"].keys() == b["state"].keys()
+            for k in a["state"]:
+                assert a["state"][k].keys() == b["state"][k].keys()
+                for s, t in a["state"][k].items():
+                    assert torch.equal(t, b["state"][k][s]), "state %s/%s (seed %d)" % (k, s, seed)
+        w = OTHER_WORLD[name]
+        mp.spawn(worker, args=(w, name, seed, d, "resume"), nprocs=w)
+        want = torch.load(os.path.join(d, "train_2_0.pt"))["full"]
+        got = torch.load(os.path.join(d, "resume_%d_0.pt" % w))["full"]
+        for n, t in want.items():
+            torch.testing.assert_close(got[n], t, rtol=1e-4, atol=1e-5,
+                                       msg=lambda m: "%s at %d ranks (seed %d): %s" % (n, w, seed, m))
+
+
+# ---- with torch's own tools ---------------------------------------------------------------
+
+def interop_worker(rank, world, d, kind):
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method="file://%s/init_%s" % (d, kind), rank=rank,
+                            world_size=world)
+    torch.manual_seed(7)
+    if kind == "fsdp2_save":
+        from torch.distributed.checkpoint.state_dict import get_model_state_dict
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.fsdp import fully_shard as fsdp2
+        model = Net()
+        fsdp2(model, mesh=init_device_mesh("cpu", (world,)))
+        dcp.save({"model": get_model_state_dict(model)}, checkpoint_id=os.path.join(d, "fsdp2"))
+    elif kind == "rfsdp_save":
+        model = Net()
+        with torch.no_grad():
+            for p in model.parameters():
+                p.add_(1.0)
+        rfsdp.fully_shard(model, policy=rfsdp.policy.muon())
+        ckpt.save(os.path.join(d, "ours"), model)
+    else:  # load a plain or FSDP2 checkpoint into an rfsdp model
+        torch.manual_seed(8)  # other initial values, so a no-op load would show
+        model = Net()
+        rfsdp.fully_shard(model, policy=rfsdp.policy.muon())
+        ckpt.load(os.path.join(d, kind), model)
+        full = rfsdp.full_parameters(model)
+        if rank == 0:
+            torch.save(full, os.path.join(d, "loaded_%s.pt" % kind))
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def test_torch_tools_read_ours_and_we_read_plain_and_fsdp2_checkpoints():
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+    with tempfile.TemporaryDirectory() as d:
+        # ours (2 ranks, an expert stack in several chunks) -> torch.save -> a plain module
+        mp.spawn(interop_worker, args=(2, d, "rfsdp_save"), nprocs=2)
+        dcp_to_torch_save(os.path.join(d, "ours"), os.path.join(d, "ours.pt"))
+        torch.manual_seed(7)
+        plain = Net()
+        want = {n: p.detach() + 1.0 for n, p in plain.named_parameters()}
+        plain.load_state_dict(torch.load(os.path.join(d, "ours.pt"))["model"])
+        for n, p in plain.named_parameters():
+            assert torch.equal(p.detach(), want[n]), n
+        # ... and dcp.load into a plain module's full state_dict
+        fresh = Net()
+        sd = {"model": fresh.state_dict()}
+        dcp.load(sd, checkpoint_id=os.path.join(d, "ours"))
+        fresh.load_state_dict(sd["model"])
+        for n, p in fresh.named_parameters():
+            assert torch.equal(p.detach(), want[n]), n
+        # a plain model's DCP checkpoint -> rfsdp at 3 ranks
+        torch.manual_seed(7)
+        plain = Net()
+        dcp.save({"model": plain.state_dict()}, checkpoint_id=os.path.join(d, "plain"))
+        mp.spawn(interop_worker, args=(3, d, "plain"), nprocs=3)
+        got = torch.load(os.path.join(d, "loaded_plain.pt"))
+        for n, p in plain.named_parameters():
+            assert torch.equal(got[n], p.detach()), n
+        # a torch FSDP2 model's DCP checkpoint (2 ranks) -> rfsdp at 3 ranks
+        mp.spawn(interop_worker, args=(2, d, "fsdp2_save"), nprocs=2)
+        mp.spawn(interop_worker, args=(3, d, "fsdp2"), nprocs=3)
+        got = torch.load(os.path.join(d, "loaded_fsdp2.pt"))
+        for n, p in plain.named_parameters():  # FSDP2 kept the same initial values (seed 7)
+            assert torch.equal(got[n], p.detach()), n
+
+
+# ---- one process: folders, atomicity, bad checkpoints --------------------------------------
+
+def one_model(seed=0, out=2):
+    torch.manual_seed(seed)
+    m = Net()
+    if out != 2:
+        m.out = nn.Linear(5, out, bias=False)
+    return m
+
+
+def params_of(m):
+    return {n: p.detach().clone() for n, p in m.named_parameters()}
+
+
+def stepped(m, opt):
+    x, _ = batch(0, 0)
+    opt.zero_grad()
+    (m(x) - 1).square().mean().backward()
+    opt.step()
+
+
+def test_save_step_keep_last_and_a_save_that_dies(monkeypatch, tmp_path):
+    m = one_model()
+    opt = rfsdp.optim.AdamW(m.parameters(), lr=1e-2)
+    for s in range(1, 5):
+        stepped(m, opt)
+        ckpt.save_step(tmp_path, s, m, opt, keep_last=2, extra=s)
+    assert sorted(os.listdir(tmp_path)) == ["step_00000003", "step_00000004"]
+    assert ckpt.latest(tmp_path) == str(tmp_path / "step_00000004")
+    kept = params_of(m)
+    stepped(m, opt)
+
+    def dies(*a, **k):  # a save that dies after writing part of its files
+        with open(str(tmp_path / "step_00000005") + ".partial/__0_0.distcp", "wb") as f:
+            f.write(b"partial")
+        raise OSError("disk full")
+    monkeypatch.setattr(ckpt.dcp, "save", dies)
+    with pytest.raises(OSError):
+        ckpt.save_step(tmp_path, 5, m, opt, keep_last=2)
+    monkeypatch.undo()
+    assert ckpt.latest(tmp_path) == str(tmp_path / "step_00000004")  # the partial one is not
+    assert sorted(os.listdir(tmp_path))[:2] == ["step_00000003", "step_00000004"]
+    m2 = one_model(seed=1)
+    opt2 = rfsdp.optim.AdamW(m2.parameters(), lr=1e-2)
+    assert ckpt.load(ckpt.latest(tmp_path), m2, opt2) == 4
+    for n, p in params_of(m2).items():
+        assert torch.equal(p, kept[n]), n
+    # the next save clears the dead one's folder
+    ckpt.save_step(tmp_path, 5, m, opt, keep_last=2)
+    assert sorted(os.listdir(tmp_path)) == ["step_00000004", "step_00000005"]
+
+
+def bad_case(tmp_path, how):
+    m = one_model()
+    opt = rfsdp.optim.AdamW8bit(m.parameters(), lr=1e-2, block=16, min_8bit_size=32)
+    stepped(m, opt)
+    path = ckpt.save(tmp_path / "ck", m, opt)
+    data = sorted(f for f in os.listdir(path) if f.endswith(".distcp"))[0]
+    target_model, target_opt = one_model(seed=3), None
+    if how == "other model":
+        target_model = one_model(seed=3, out=4)
+    target_opt = rfsdp.optim.AdamW8bit(target_model.parameters(), lr=1e-2,
+                                       block=32 if how == "other blocks" else 16, min_8bit_size=32)
+    stepped(target_model, target_opt)
+    if how == "damaged":
+        with open(os.path.join(path, data), "r+b") as f:
+            f.seek(100)
+            b = f.read(1)
+            f.seek(100)
+            f.write(bytes([b[0] ^ 1]))
+    elif how == "truncated":
+        with open(os.path.join(path, data), "r+b") as f:
+            f.truncate(50)
+    elif how == "missing":
+        os.remove(os.path.join(path, data))
+    elif how == "no marker":
+        os.remove(os.path.join(path, ckpt.MARKER))
+    return path, data, target_model, target_opt
+
+
+@pytest.mark.parametrize("how,message", [
+    ("other model", r"'model\.out\.weight' has shape \[2, 5\] there, \[4, 5\] here"),
+    ("other blocks", r"the optimizer was .*'block': 16.*'block': 32"),
+    ("damaged", r"file __0_0\.distcp is damaged"),
+    ("truncated", r"file __0_0\.distcp is damaged"),
+    ("missing", r"file __0_0\.distcp is missing"),
+    ("no marker", r"no rfsdp\.json"),
+])
+def test_bad_checkpoint_is_refused_and_nothing_changes(tmp_path, how, message):
+    path, data, m, opt = bad_case(tmp_path, how)
+    before = params_of(m)
+    state = {k: {n: t.clone() for n, t in v.items()} for k, v in opt.state_dict()["state"].items()}
+    with pytest.raises(ckpt.CheckpointError, match=message):
+        ckpt.load(path, m, opt)
+    for n, p in params_of(m).items():
+        assert torch.equal(p, before[n]), n
+    for k, v in opt.state_dict()["state"].items():
+        for n, t in v.items():
+            assert torch.equal(t, state[k][n]), (k, n)
+
+
+def test_model_only_and_missing_tensor(tmp_path):
+    m = one_model()
+    ckpt.save(tmp_path / "ck", m)
+    other = one_model(seed=2)
+    other.extra_head = nn.Linear(2, 2)
+    with pytest.raises(ckpt.CheckpointError, match=r"no tensor 'model\.extra_head\.weight'"):
+        ckpt.load(tmp_path / "ck", other)
+    m2 = one_model(seed=2)
+    with pytest.raises(ckpt.CheckpointError, match="holds no optimizer state"):
+        ckpt.load(tmp_path / "ck", m2, rfsdp.optim.AdamW(m2.parameters()))
+    ckpt.load(tmp_path / "ck", m2)
+    for n, p in params_of(m2).items():
+        assert torch.equal(p, dict(m.named_parameters())[n].detach()), n
