@@ -63,6 +63,8 @@ std::vector<TensorSpec> unit_from_json(const std::string& text) {
     doc = json::parse(text);
   } catch (const json::parse_error& e) {
     throw std::invalid_argument(std::string("input is not valid JSON: ") + e.what());
+  } catch (const json::out_of_range& e) {  // a number beyond double's range (found by fuzzing)
+    throw std::invalid_argument(std::string("input holds a number out of range: ") + e.what());
   }
   if (!doc.is_array()) throw std::invalid_argument("input must be a JSON list of tensors");
   std::vector<TensorSpec> tensors;

@@ -366,10 +366,14 @@ def verify(path):
         raise CheckpointError("checkpoint %s: no %s (not an rfsdp checkpoint, or its save did not "
                               "finish)" % (path, MARKER))
     try:
-        with open(marker_path) as f:
-            marker = json.load(f)
+        with open(marker_path, "rb") as f:
+            marker = json.loads(f.read().decode("utf-8"))
         files = marker["files"]
-    except (ValueError, KeyError, TypeError) as e:
+        if not isinstance(files, dict) or not all(
+                isinstance(k, str) and isinstance(v, str) and os.path.basename(k) == k
+                and k not in ("", ".", "..") for k, v in files.items()):
+            raise ValueError("'files' is not a map of file names to SHA-256 sums")
+    except (ValueError, KeyError, TypeError) as e:  # UnicodeDecodeError is a ValueError
         raise CheckpointError("checkpoint %s: %s is unreadable (%s)" % (path, MARKER, e)) from None
     if marker.get("format") != FORMAT:
         raise CheckpointError("checkpoint %s: format %r, this rfsdp reads %d"
@@ -511,12 +515,13 @@ def latest(root):
 def save_step(root, step, model, optimizer=None, *, keep_last=None, extra=None, process_group=None):
     """save() into root/step_<step>; then, once it is complete, removes all but
     the keep_last newest complete checkpoints."""
+    if keep_last is not None and (isinstance(keep_last, bool) or not isinstance(keep_last, int)
+                                  or keep_last < 1):
+        raise ValueError("save_step: keep_last must be >= 1 (or None: keep all), got %r"
+                         % (keep_last,))
     pg = _group(process_group)
     path = save(step_path(root, step), model, optimizer, extra=extra, process_group=pg)
     if keep_last is not None:
-        if keep_last < 1:
-            raise ValueError("save_step: keep_last must be >= 1")
-
         def prune():
             steps = sorted((int(m.group(1)), d) for d in os.listdir(root)
                            for m in [STEP_DIR.match(d)]

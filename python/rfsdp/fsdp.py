@@ -57,6 +57,14 @@ class MixedPrecisionPolicy:
     reduce_dtype: torch.dtype = torch.float32
     cast_forward_inputs: bool = True
 
+    DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+    def __post_init__(self):
+        for name in ("param_dtype", "reduce_dtype"):
+            if getattr(self, name) not in self.DTYPES:
+                raise ValueError("MixedPrecisionPolicy: %s must be torch.float32, torch.bfloat16 "
+                                 "or torch.float16, got %r" % (name, getattr(self, name)))
+
 
 class TrainingState(enum.Enum):
     """Where a unit is in a step (FSDP2's TrainingState is the model)."""
@@ -388,6 +396,14 @@ def fully_shard(module, *, process_group=None, policy=None, mp_policy=None,
                          "move the module to one device first" % sorted(str(d) for d in devices))
     if any(d.type != "cpu" for d in devices):
         raise ValueError("fully_shard: this build shards CPU parameters only (got %s)" % devices.pop())
+    for uses in entries:
+        p = uses[0][0]._parameters[uses[0][1]]
+        if p.dtype != torch.float32:
+            # Shards are float32 master weights; converting here would change the model silently.
+            raise ValueError("fully_shard: parameter '%s' is %s; shards hold float32 master "
+                             "weights: convert the module with .float() first (compute in bf16 "
+                             "or fp16 with mp_policy=MixedPrecisionPolicy(param_dtype=...))"
+                             % (uses[0][2], p.dtype))
     unit = _Unit(entries, pg, pol, mp, reshard_after_forward) if entries else None
     module._rfsdp_unit = unit if unit is not None else False
     # This call's schedule takes over the units of the calls below it (their

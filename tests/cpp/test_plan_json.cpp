@@ -2,6 +2,9 @@
 
 #include <nlohmann/json.hpp>
 
+#include <random>
+#include <stdexcept>
+
 #include "core/ragged/plan_json.h"
 #include "core/ragged/planner.h"
 
@@ -73,6 +76,70 @@ TEST(PlanJson, PlanOutputHasTheDocumentedFields) {
   EXPECT_EQ(j["tensors"][0]["offset"], p.offsets[0]);
   EXPECT_EQ(j["tensors"][1]["granule_rows"], "whole");
   EXPECT_EQ(j["tensors"][1]["offset"], p.offsets[1]);
+}
+
+// A random-property test in place of a fuzzer (the machine's compiler is gcc): a
+// valid unit mutated thousands of ways (bytes replaced by JSON's own characters
+// and digits, slices dropped or repeated, cut short, numbers made huge or
+// negative) is either parsed, and then planned or refused by the planner, or
+// refused with std::invalid_argument naming what was wrong; never a crash or
+// another exception. A fresh seed each run, printed on failure.
+TEST(PlanJson, RandomMutationsAreParsedOrRefusedNeverCrash) {
+  const std::string valid = R"([{"name": "w", "shape": [6, 4], "granule_rows": 2, "dtype_bytes": 2},
+    {"name": "e", "shape": [2, 3, 4], "granule_rows": "whole", "row_dims": 2, "dtype_bytes": 4},
+    {"name": "b", "shape": [5], "granule_rows": 1, "dtype_bytes": 4}])";
+  const uint64_t seed = std::random_device{}();
+  std::mt19937_64 rng(seed);
+  const std::string alphabet = "{}[]:,\"0123456789-+.eE tfnlruasw";
+  const std::vector<std::string> numbers = {"0", "-1", "1e30", "9223372036854775807",
+                                            "99999999999999999999", "1.5", "-0", "4294967297"};
+  auto pick = [&](size_t n) { return static_cast<size_t>(rng() % std::max<size_t>(n, 1)); };
+  int parsed = 0, planned = 0, refused = 0;
+  for (int trial = 0; trial < 4000; ++trial) {
+    std::string text = valid;
+    const int edits = 1 + static_cast<int>(pick(4));
+    for (int k = 0; k < edits && !text.empty(); ++k) {
+      const size_t at = pick(text.size());
+      switch (pick(5)) {
+        case 0: text[at] = alphabet[pick(alphabet.size())]; break;
+        case 1: text.erase(at, 1 + pick(8)); break;
+        case 2: text.insert(at, text.substr(pick(text.size()), 1 + pick(12))); break;
+        case 3: text.resize(at); break;
+        default: {  // a number somewhere becomes another
+          const size_t d = text.find_first_of("0123456789", at);
+          if (d != std::string::npos) {
+            const size_t e = text.find_first_not_of("0123456789", d);
+            text.replace(d, (e == std::string::npos ? text.size() : e) - d,
+                         numbers[pick(numbers.size())]);
+          }
+        }
+      }
+    }
+    std::vector<TensorSpec> unit;
+    try {
+      unit = unit_from_json(text);
+    } catch (const std::invalid_argument& e) {
+      ++refused;
+      EXPECT_GT(std::string(e.what()).size(), 10u) << "seed " << seed << ": " << text;
+      continue;
+    } catch (const std::exception& e) {
+      ADD_FAILURE() << "seed " << seed << ": not std::invalid_argument (" << e.what()
+                    << ") for " << text;
+      continue;
+    }
+    ++parsed;
+    try {
+      plan_unit(unit, 1 + static_cast<int64_t>(pick(8)), 16);
+      ++planned;
+    } catch (const std::invalid_argument&) {
+    } catch (const std::exception& e) {
+      ADD_FAILURE() << "seed " << seed << ": the planner threw " << e.what() << " for " << text;
+    }
+  }
+  EXPECT_GT(parsed, 0) << "seed " << seed;
+  EXPECT_GT(refused, 0) << "seed " << seed;
+  RecordProperty("parsed", parsed);
+  RecordProperty("planned", planned);
 }
 
 }  // namespace
