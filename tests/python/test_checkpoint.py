@@ -94,7 +94,7 @@ def worker(rank, world, name, seed, d, phase):
     dist.init_process_group("gloo", init_method="file://%s/init_%s_%d" % (d, phase, world),
                             rank=rank, world_size=world)
     # at another world size, AdamW8bit also takes another plan (the Shampoo granule too)
-    other = world != 2 and name == "adamw8bit"
+    other = world != SAVE_WORLD[name] and name == "adamw8bit"
     model, opt, sched = build(name, seed, rfsdp.policy.combine(policy(name), rfsdp.policy.shampoo(8))
                               if other else None)
     if phase == "train":
@@ -111,20 +111,22 @@ def worker(rank, world, name, seed, d, phase):
     dist.destroy_process_group()
 
 
-# resume at another world size: one size per optimizer, so every one is covered
-# (AdamW8bit's also under another granule policy)
-OTHER_WORLD = {"adamw": 1, "adamw8bit": 3, "muon": 3, "shampoo": 4}
+# saved at one world size, resumed exactly there and at another: 2 -> 1, 4 -> 2 (AdamW8bit,
+# also under another granule policy), 2 -> 3, 1 -> 4
+SAVE_WORLD = {"adamw": 2, "adamw8bit": 4, "muon": 2, "shampoo": 1}
+OTHER_WORLD = {"adamw": 1, "adamw8bit": 2, "muon": 3, "shampoo": 4}
 
 
 @pytest.mark.parametrize("name", ["adamw", "adamw8bit", "muon", "shampoo"])
 def test_resume_is_exact_and_reshards(name):
     seed = int(torch.randint(0, 2 ** 20, ()).item())
     with tempfile.TemporaryDirectory() as d:
-        mp.spawn(worker, args=(2, name, seed, d, "train"), nprocs=2)
-        mp.spawn(worker, args=(2, name, seed, d, "resume"), nprocs=2)
-        for rank in range(2):
-            a = torch.load(os.path.join(d, "train_2_%d.pt" % rank))
-            b = torch.load(os.path.join(d, "resume_2_%d.pt" % rank))
+        ws = SAVE_WORLD[name]
+        mp.spawn(worker, args=(ws, name, seed, d, "train"), nprocs=ws)
+        mp.spawn(worker, args=(ws, name, seed, d, "resume"), nprocs=ws)
+        for rank in range(ws):
+            a = torch.load(os.path.join(d, "train_%d_%d.pt" % (ws, rank)))
+            b = torch.load(os.path.join(d, "resume_%d_%d.pt" % (ws, rank)))
             assert a["lr"] == b["lr"]
             for n in a["local"]:
                 assert torch.equal(a["local"][n], b["local"][n]), "%s rank %d (seed %d)" % (n, rank, seed)
@@ -135,7 +137,7 @@ def test_resume_is_exact_and_reshards(name):
                     assert torch.equal(t, b["state"][k][s]), "state %s/%s (seed %d)" % (k, s, seed)
         w = OTHER_WORLD[name]
         mp.spawn(worker, args=(w, name, seed, d, "resume"), nprocs=w)
-        want = torch.load(os.path.join(d, "train_2_0.pt"))["full"]
+        want = torch.load(os.path.join(d, "train_%d_0.pt" % ws))["full"]
         got = torch.load(os.path.join(d, "resume_%d_0.pt" % w))["full"]
         for n, t in want.items():
             torch.testing.assert_close(got[n], t, rtol=1e-4, atol=1e-5,
