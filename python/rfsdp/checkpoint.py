@@ -38,6 +38,7 @@ from torch.distributed.checkpoint.metadata import (ChunkStorageMetadata, Metadat
                                                    TensorProperties)
 from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, WriteItemType
 
+from . import _C
 from .fsdp import shard_info
 
 FORMAT = 1
@@ -417,30 +418,75 @@ def _check_settings(path, saved, optimizer):
     if saved != now:
         raise CheckpointError(
             "checkpoint %s: the optimizer was %s, this one is %s: build it with the saved "
-            "settings (8-bit blocks, Shampoo tiles and the like shape the states; requantising "
-            "on load is not supported yet). Nothing was loaded" % (path, saved, now))
+            "settings (8-bit blocks, Shampoo tiles and the like shape the states), or, for "
+            "AdamW8bit's block and min_8bit_size, load with requantize=True. Nothing was loaded"
+            % (path, saved, now))
 
 
-def load(path, model, optimizer=None, *, process_group=None, check_files=True):
+REQUANTIZABLE = {"block", "min_8bit_size"}  # AdamW8bit settings requantize=True may change
+
+
+def _requantized(path, sd, fqn, p, saved, now, live):
+    """AdamW8bit's state of p under the current settings from the saved one: the
+    saved full moments (8-bit codes dequantised with the saved blocks, or fp32),
+    this rank's rows, quantised with the current blocks (or kept fp32)."""
+    info = shard_info(p)
+    rows, row_len = _C.row_geometry(list(info.global_shape if info else p.shape), 1)
+    begin, end = (info.row_begin, info.row_end) if info else (0, rows)
+    old_block = tuple(saved["block"]) if isinstance(saved["block"], list) else saved["block"]
+    new_block = tuple(now["block"]) if isinstance(now["block"], list) else now["block"]
+    out = {}
+    for k, (codes, scale, moment, signed) in enumerate((("q1", "absmax1", "exp_avg", True),
+                                                        ("q2", "absmax2", "exp_avg_sq", False))):
+        code = _C.dynamic_map(signed)
+        key = "optim.%s." % fqn
+        if key + codes in sd:
+            full = _C.dequantize_blockwise(sd[key + codes], sd[key + scale], code, old_block,
+                                           row_len).reshape(rows, row_len)
+        elif key + moment in sd:
+            full = sd[key + moment].reshape(rows, row_len)
+        else:
+            raise CheckpointError("checkpoint %s holds no moments of '%s'" % (path, fqn))
+        mine = full[begin:end].contiguous()
+        if codes in live:
+            q, a = _C.quantize_blockwise(mine, code, new_block, row_len)
+            out[codes], out[scale] = q.reshape(-1), a.reshape(-1)
+        else:
+            out[moment] = mine.reshape(live[moment].shape)
+    out["step"] = sd["optim.%s.step" % fqn]
+    return out
+
+
+def load(path, model, optimizer=None, *, process_group=None, check_files=True, requantize=False):
     """Loads a checkpoint saved at any world size (or a DCP checkpoint of a plain
     or FSDP2 model: {"model": state_dict}) into model (and optimizer); returns
     the `extra` saved with it (None for others). Collective. Nothing changes
-    unless everything was read."""
+    unless everything was read. requantize=True: an AdamW8bit checkpoint loads
+    into an AdamW8bit with another block or min_8bit_size (moments dequantised,
+    then quantised with the new blocks: within one code of each)."""
     pg = _group(process_group)
     path = os.path.abspath(path)
     reader = dcp.FileSystemReader(path)
 
     def inspect():
+        saved = None
         if (check_files and os.path.exists(os.path.join(path, MARKER))) or optimizer is not None:
             marker = verify(path)  # (only rfsdp's own checkpoints hold optimizer states)
-            if optimizer is not None and marker.get("optimizer") is not None:
-                _check_settings(path, marker["optimizer"], optimizer)
+            saved = marker.get("optimizer")
+            if optimizer is not None and saved is not None:
+                now = json.loads(json.dumps(_settings(optimizer)))
+                differ = {k for k in set(saved) | set(now) if saved.get(k) != now.get(k)}
+                if not (requantize and saved.get("type") == "AdamW8bit" and differ
+                        and differ <= REQUANTIZABLE):
+                    _check_settings(path, saved, optimizer)
         if not os.path.isfile(os.path.join(path, ".metadata")):
             raise CheckpointError("checkpoint %s: no .metadata (not a DCP checkpoint, or "
                                   "incomplete)" % path)
-        return reader.read_metadata()
-    meta = _agree(pg, inspect)
-    entries = _entries(model, optimizer, pg)
+        return reader.read_metadata(), saved
+    meta, saved = _agree(pg, inspect)
+    requant = optimizer is not None and saved is not None and \
+        saved != json.loads(json.dumps(_settings(optimizer)))
+    entries = _entries(model, None if requant else optimizer, pg)
     fresh = []
     for e in entries:  # read into copies: the live tensors change only at the end
         if e.pieces is None:
@@ -451,6 +497,11 @@ def load(path, model, optimizer=None, *, process_group=None, check_files=True):
         fresh.append(e)
     _agree(pg, lambda: _check_against(path, meta, entries, optimizer is not None))
     sd = _state_dict(entries)
+    if requant:  # the saved states whole, on every rank (requantised below)
+        for fqn, _ in _fqns(model, optimizer):
+            for k, m in meta.state_dict_metadata.items():
+                if k.startswith("optim.%s." % fqn) and k.count(".") == fqn.count(".") + 2:
+                    sd[k] = torch.empty(tuple(m.size), dtype=m.properties.dtype)
     has_extra = "extra" in meta.state_dict_metadata
     if optimizer is not None:
         sd["optim.groups"] = None
@@ -461,13 +512,19 @@ def load(path, model, optimizer=None, *, process_group=None, check_files=True):
     dcp.load(nested, storage_reader=reader, process_group=pg, no_dist=pg is None)
     sd = _flat(nested)
     if optimizer is not None:
-        _check_settings(path, json.loads(sd["optim.settings"]), optimizer)
+        if not requant:
+            _check_settings(path, json.loads(sd["optim.settings"]), optimizer)
         groups = json.loads(sd["optim.groups"])
         now = _groups(model, optimizer)
         if [g["params"] for g in groups] != [g["params"] for g in now]:
             raise CheckpointError("checkpoint %s: the optimizer's parameter groups differ (saved "
                                   "%d groups over other parameters; nothing was loaded)"
                                   % (path, len(groups)))
+        if requant:
+            settings = json.loads(json.dumps(_settings(optimizer)))
+            new_states = {fqn: _requantized(path, sd, fqn, p, saved, settings,
+                                            dict(optimizer._state_of(p)))
+                          for fqn, p in _fqns(model, optimizer)}
     # Everything was read: copy into the live tensors.
     with torch.no_grad():
         for e in fresh:
@@ -477,19 +534,17 @@ def load(path, model, optimizer=None, *, process_group=None, check_files=True):
                 for live, (_, _, t) in zip(e.live, e.pieces):
                     live.copy_(t.reshape(live.shape))
     if optimizer is not None:
-        states = {}
-        for e in fresh:
-            if e.key.startswith("optim."):
-                fqn, name = e.key[len("optim."):].rsplit(".", 1)
-                states.setdefault(fqn, {})[name] = None
         for fqn, p in _fqns(model, optimizer):
-            st = optimizer._state_of(p)  # the live tensors, now holding the loaded values
-            step = next((e.tensor for e in fresh if e.key == "optim.%s.step" % fqn), None)
-            if step is not None:
-                st["step"] = step
+            if requant:
+                st = new_states[fqn]
+            else:
+                st = optimizer._state_of(p)  # the live tensors, now holding the loaded values
+                step = next((e.tensor for e in fresh if e.key == "optim.%s.step" % fqn), None)
+                if step is not None:
+                    st["step"] = step
             optimizer._load_state_of(p, st)
-        for g, saved in zip(optimizer.param_groups, groups):
-            for k, v in saved.items():
+        for g, saved_group in zip(optimizer.param_groups, groups):
+            for k, v in saved_group.items():
                 if k != "params":
                     g[k] = tuple(v) if isinstance(g.get(k), tuple) else v
         optimizer._publish()

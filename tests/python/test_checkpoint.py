@@ -366,3 +366,62 @@ def test_damaged_marker_is_a_clear_error_never_another_exception(tmp_path):
         except Exception as e:  # noqa: BLE001
             pytest.fail("seed %d: %r for marker %r" % (seed, e, bytes(text)))
     assert refused > 300, "seed %d" % seed
+
+
+def requant_worker(rank, world, d):
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method="file://%s/init_rq_%d" % (d, world), rank=rank,
+                            world_size=world)
+    torch.manual_seed(5)
+    model = Net()
+    if world == 2:  # block 16, 8-bit from 32 elements
+        rfsdp.fully_shard(model, policy=rfsdp.policy.blockwise_8bit(16))
+        opt = rfsdp.optim.AdamW8bit(model.parameters(), lr=1e-2, block=16, min_8bit_size=32)
+        sched = torch.optim.lr_scheduler.StepLR(opt, step_size=3)
+        train(model, opt, sched, 5, range(3), rank, world)
+        ckpt.save(os.path.join(d, "ck"), model, opt)
+    else:  # block 32, 8-bit from 256 elements: inp.weight (240) becomes fp32
+        rfsdp.fully_shard(model, policy=rfsdp.policy.blockwise_8bit(32))
+        opt = rfsdp.optim.AdamW8bit(model.parameters(), lr=1e-2, block=32, min_8bit_size=256)
+        try:
+            ckpt.load(os.path.join(d, "ck"), model, opt)
+            raise AssertionError("other 8-bit settings loaded without requantize=True")
+        except ckpt.CheckpointError as e:
+            assert "load with requantize=True" in str(e), str(e)
+        ckpt.load(os.path.join(d, "ck"), model, opt, requantize=True)
+        out = {n: (rfsdp.shard_info(p), {k: t.clone() for k, t in opt.state[p].items()})
+               for n, p in model.named_parameters()}
+        torch.save(out, os.path.join(d, "requant_%d.pt" % rank))
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def test_requantize_loads_8bit_states_under_other_blocks():
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+    with tempfile.TemporaryDirectory() as d:
+        mp.spawn(requant_worker, args=(2, d), nprocs=2)
+        mp.spawn(requant_worker, args=(3, d), nprocs=3)
+        dcp_to_torch_save(os.path.join(d, "ck"), os.path.join(d, "ck.pt"))
+        saved = torch.load(os.path.join(d, "ck.pt"), weights_only=False)["optim"]
+        for rank in range(3):
+            got = torch.load(os.path.join(d, "requant_%d.pt" % rank), weights_only=False)
+            for n, (info, st) in got.items():
+                rows, row_len = info.full_rows, info.row_len
+                for k, (codes, scale, moment, signed) in enumerate(
+                        (("q1", "absmax1", "exp_avg", True), ("q2", "absmax2", "exp_avg_sq", False))):
+                    if "%s.%s" % (n, codes) in saved:  # saved 8-bit: dequantise (block 16)
+                        full = rfsdp.quant.dequantize_blockwise(
+                            saved["%s.%s" % (n, codes)], saved["%s.%s" % (n, scale)], block=16,
+                            signed=signed).reshape(rows, row_len)
+                    else:
+                        full = saved["%s.%s" % (n, moment)].reshape(rows, row_len)
+                    mine = full[info.row_begin:info.row_end]
+                    if codes in st:  # 8-bit now (block 32): requantised
+                        q, a = rfsdp.quant.quantize_blockwise(mine.contiguous(), block=32,
+                                                              signed=signed)
+                        assert torch.equal(st[codes], q.reshape(-1)), (n, codes, rank)
+                        assert torch.equal(st[scale], a.reshape(-1)), (n, scale, rank)
+                    else:
+                        assert torch.equal(st[moment].reshape(mine.shape), mine), (n, moment, rank)
+                assert st["step"].item() == 3
+            assert "q1" not in got["inp.weight"][1] and "q1" in got["experts"][1]
