@@ -234,7 +234,8 @@ def _model_entries(model):
     return out
 
 
-def _fqns(model, optimizer):
+def _group_fqns(model, optimizer):
+    """Per param group, the model names of its parameters."""
     names = {id(p): n for n, p in model.named_parameters()}
     out = []
     for g in optimizer.param_groups:
@@ -243,12 +244,19 @@ def _fqns(model, optimizer):
                 raise CheckpointError("checkpoint: the optimizer holds a parameter of shape %s that "
                                       "is not one of the model's (built before fully_shard?)"
                                       % (tuple(p.shape),))
-            out.append((names[id(p)], p))
+        out.append([names[id(p)] for p in g["params"]])
     return out
 
 
+def _fqns(model, optimizer):
+    """(name, parameter) for every parameter of the optimizer, in its order."""
+    return [(n, p) for names, g in zip(_group_fqns(model, optimizer), optimizer.param_groups)
+            for n, p in zip(names, g["params"])]
+
+
 def _settings(optimizer):
-    """What shapes an optimizer's states, beyond its parameters."""
+    """What shapes an optimizer's states, beyond its parameters, as JSON values (so
+    it equals what a checkpoint's marker holds)."""
     s = {"type": type(optimizer).__name__}
     for k in ("block", "min_8bit_size", "ns_dtype"):
         if hasattr(optimizer, k):
@@ -260,9 +268,8 @@ def _settings(optimizer):
 
 
 def _groups(model, optimizer):
-    names = {id(p): n for n, p in model.named_parameters()}
-    return [dict({k: v for k, v in g.items() if k != "params"},
-                 params=[names[id(p)] for p in g["params"]]) for g in optimizer.param_groups]
+    return [dict({k: v for k, v in g.items() if k != "params"}, params=names)
+            for names, g in zip(_group_fqns(model, optimizer), optimizer.param_groups)]
 
 
 def _optim_entries(model, optimizer):
@@ -295,11 +302,6 @@ def _group(process_group):
     if process_group is not None:
         return process_group
     return dist.group.WORLD if dist.is_available() and dist.is_initialized() else None
-
-
-def _barrier(pg):
-    if pg is not None and pg.size() > 1:
-        dist.barrier(group=pg)
 
 
 def _agree(pg, fn):
@@ -414,7 +416,7 @@ def _check_against(path, meta, entries, want_optim):
 
 
 def _check_settings(path, saved, optimizer):
-    now = json.loads(json.dumps(_settings(optimizer)))
+    now = _settings(optimizer)
     if saved != now:
         raise CheckpointError(
             "checkpoint %s: the optimizer was %s, this one is %s: build it with the saved "
@@ -430,14 +432,15 @@ def _requantized(path, sd, fqn, p, saved, now, live):
     """AdamW8bit's state of p under the current settings from the saved one: the
     saved full moments (8-bit codes dequantised with the saved blocks, or fp32),
     this rank's rows, quantised with the current blocks (or kept fp32)."""
+    # The rows the optimizer sees (row_dims included) decide the 8-bit blocks.
     info = shard_info(p)
-    rows, row_len = _C.row_geometry(list(info.global_shape if info else p.shape), 1)
+    rows, row_len = (info.full_rows, info.row_len) if info else _C.row_geometry(list(p.shape), 1)
     begin, end = (info.row_begin, info.row_end) if info else (0, rows)
     old_block = tuple(saved["block"]) if isinstance(saved["block"], list) else saved["block"]
     new_block = tuple(now["block"]) if isinstance(now["block"], list) else now["block"]
     out = {}
-    for k, (codes, scale, moment, signed) in enumerate((("q1", "absmax1", "exp_avg", True),
-                                                        ("q2", "absmax2", "exp_avg_sq", False))):
+    for codes, scale, moment, signed in (("q1", "absmax1", "exp_avg", True),
+                                         ("q2", "absmax2", "exp_avg_sq", False)):
         code = _C.dynamic_map(signed)
         key = "optim.%s." % fqn
         if key + codes in sd:
@@ -474,7 +477,7 @@ def load(path, model, optimizer=None, *, process_group=None, check_files=True, r
             marker = verify(path)  # (only rfsdp's own checkpoints hold optimizer states)
             saved = marker.get("optimizer")
             if optimizer is not None and saved is not None:
-                now = json.loads(json.dumps(_settings(optimizer)))
+                now = _settings(optimizer)
                 differ = {k for k in set(saved) | set(now) if saved.get(k) != now.get(k)}
                 if not (requantize and saved.get("type") == "AdamW8bit" and differ
                         and differ <= REQUANTIZABLE):
@@ -484,17 +487,14 @@ def load(path, model, optimizer=None, *, process_group=None, check_files=True, r
                                   "incomplete)" % path)
         return reader.read_metadata(), saved
     meta, saved = _agree(pg, inspect)
-    requant = optimizer is not None and saved is not None and \
-        saved != json.loads(json.dumps(_settings(optimizer)))
+    requant = optimizer is not None and saved is not None and saved != _settings(optimizer)
     entries = _entries(model, None if requant else optimizer, pg)
-    fresh = []
     for e in entries:  # read into copies: the live tensors change only at the end
         if e.pieces is None:
             e.live, e.tensor = e.tensor, e.tensor.clone()
         else:
             e.live = [t for _, _, t in e.pieces]
             e.pieces = [(o, s, t.clone()) for o, s, t in e.pieces]
-        fresh.append(e)
     _agree(pg, lambda: _check_against(path, meta, entries, optimizer is not None))
     sd = _state_dict(entries)
     if requant:  # the saved states whole, on every rank (requantised below)
@@ -521,27 +521,28 @@ def load(path, model, optimizer=None, *, process_group=None, check_files=True, r
                                   "%d groups over other parameters; nothing was loaded)"
                                   % (path, len(groups)))
         if requant:
-            settings = json.loads(json.dumps(_settings(optimizer)))
+            settings = _settings(optimizer)
             new_states = {fqn: _requantized(path, sd, fqn, p, saved, settings,
                                             dict(optimizer._state_of(p)))
                           for fqn, p in _fqns(model, optimizer)}
     # Everything was read: copy into the live tensors.
     with torch.no_grad():
-        for e in fresh:
+        for e in entries:
             if e.pieces is None:
                 e.live.copy_(e.tensor)
             else:
                 for live, (_, _, t) in zip(e.live, e.pieces):
                     live.copy_(t.reshape(live.shape))
     if optimizer is not None:
+        read = {e.key: e for e in entries}
         for fqn, p in _fqns(model, optimizer):
             if requant:
                 st = new_states[fqn]
             else:
                 st = optimizer._state_of(p)  # the live tensors, now holding the loaded values
-                step = next((e.tensor for e in fresh if e.key == "optim.%s.step" % fqn), None)
+                step = read.get("optim.%s.step" % fqn)
                 if step is not None:
-                    st["step"] = step
+                    st["step"] = step.tensor
             optimizer._load_state_of(p, st)
         for g, saved_group in zip(optimizer.param_groups, groups):
             for k, v in saved_group.items():
