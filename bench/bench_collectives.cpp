@@ -13,12 +13,15 @@
 #include <mutex>
 #include <vector>
 
+#include "bench/bench_util.h"
 #include "core/comm/local_ranks.h"
 #include "core/ragged/int_math.h"
 #include "core/ragged/planner.h"
 #include "fsdp/fsdp_unit.h"
 
 namespace {
+
+using rfsdp::bench::median;
 
 using rfsdp::TensorSpec;
 using Clock = std::chrono::steady_clock;
@@ -33,11 +36,6 @@ std::vector<TensorSpec> llama_block(int64_t h, int64_t kv, int64_t ffn) {
   return {t("input_layernorm", {h}), t("q_proj", {h, h}),        t("k_proj", {kv, h}),
           t("v_proj", {kv, h}),      t("o_proj", {h, h}),        t("post_attention_layernorm", {h}),
           t("gate_proj", {ffn, h}),  t("up_proj", {ffn, h}),     t("down_proj", {h, ffn})};
-}
-
-double median(std::vector<double> v) {
-  std::sort(v.begin(), v.end());
-  return v[v.size() / 2];
 }
 
 double ms_since(Clock::time_point t0) {

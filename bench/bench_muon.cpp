@@ -20,11 +20,14 @@
 #include <string>
 #include <vector>
 
+#include "bench/bench_util.h"
 #include "core/comm/local_ranks.h"
 #include "core/ragged/planner.h"
 #include "optimizers/muon/muon.h"
 
 namespace {
+
+using rfsdp::bench::median;
 
 using Clock = std::chrono::steady_clock;
 
@@ -39,36 +42,9 @@ std::vector<rfsdp::TensorSpec> layer(int64_t d, bool whole) {
   return {t("qkv", {3 * d, d}), t("proj", {d, d}), t("fc", {4 * d, d}), t("out", {d, 4 * d})};
 }
 
-double median(std::vector<double> v) {
-  std::sort(v.begin(), v.end());
-  return v[v.size() / 2];
-}
-
 struct Result {
   double ms = 0, sent_mib = 0, imbalance = 1;
 };
-
-// This rank's shards of `layers` identical units planned by `plan`.
-std::vector<rfsdp::ParamShard> shards_of(const rfsdp::Plan& plan, int layers, int rank) {
-  std::vector<rfsdp::ParamShard> out;
-  for (int l = 0; l < layers; ++l) {
-    for (size_t i = 0; i < plan.tensors.size(); ++i) {
-      const auto& t = plan.tensors[i];
-      const auto r = plan.shard(i, rank);
-      rfsdp::ParamShard p;
-      p.name = "layer" + std::to_string(l) + "." + t.name;
-      p.shape = t.shape;
-      p.full_rows = t.rows();
-      p.row_len = t.row_elems();
-      p.row_begin = r.row_begin;
-      const int64_t rows = r.row_end - r.row_begin;
-      p.param = at::randn({rows, p.row_len}) * 0.02;
-      p.grad = at::randn({rows, p.row_len});
-      out.push_back(p);
-    }
-  }
-  return out;
-}
 
 Result run(const std::string& variant, int64_t d, int layers, int world, int iters) {
   const bool whole = variant == "whole";
@@ -78,7 +54,7 @@ Result run(const std::string& variant, int64_t d, int layers, int world, int ite
   rfsdp::run_local_ranks(
       world,
       [&](rfsdp::Comm& comm) {
-        auto shards = shards_of(plan, layers, comm.rank());
+        auto shards = rfsdp::bench::random_shards(plan, layers, comm.rank());
         std::shared_ptr<rfsdp::Comm> cp(&comm, [](rfsdp::Comm*) {});
         std::vector<double> times;
         double imbalance = 1;

@@ -18,11 +18,14 @@
 #include <string>
 #include <vector>
 
+#include "bench/bench_util.h"
 #include "core/comm/local_ranks.h"
 #include "core/ragged/planner.h"
 #include "optimizers/shampoo/shampoo.h"
 
 namespace {
+
+using rfsdp::bench::median;
 
 using Clock = std::chrono::steady_clock;
 
@@ -38,11 +41,6 @@ std::vector<rfsdp::TensorSpec> layer(int64_t d, int64_t max_dim) {
           t("norm", {d})};
 }
 
-double median(std::vector<double> v) {
-  std::sort(v.begin(), v.end());
-  return v[v.size() / 2];
-}
-
 struct Result {
   double step_ms = 0, root_ms = 0, factor_mib = 0, imbalance = 1;
 };
@@ -54,22 +52,7 @@ Result run(int64_t d, int layers, int64_t max_dim, int world, int iters) {
   rfsdp::run_local_ranks(
       world,
       [&](rfsdp::Comm& comm) {
-        std::vector<rfsdp::ParamShard> shards;
-        for (int l = 0; l < layers; ++l) {
-          for (size_t i = 0; i < plan.tensors.size(); ++i) {
-            const auto& t = plan.tensors[i];
-            const auto r = plan.shard(i, comm.rank());
-            rfsdp::ParamShard p;
-            p.name = "layer" + std::to_string(l) + "." + t.name;
-            p.shape = t.shape;
-            p.full_rows = t.rows();
-            p.row_len = t.row_elems();
-            p.row_begin = r.row_begin;
-            p.param = at::randn({r.row_end - r.row_begin, p.row_len}) * 0.02;
-            p.grad = at::randn({r.row_end - r.row_begin, p.row_len});
-            shards.push_back(p);
-          }
-        }
+        std::vector<rfsdp::ParamShard> shards = rfsdp::bench::random_shards(plan, layers, comm.rank());
         rfsdp::ShampooOptions o;
         // One random gradient makes a square tile's factor nearly singular; an
         // epsilon far above fp32's rounding of it keeps every root computable.
