@@ -9,6 +9,7 @@ import torch.distributed as dist
 from torch import nn
 
 import rfsdp
+from slice_training import train_on_slices  # (this script's folder is on sys.path)
 
 STEPS = 8
 BATCH = 12
@@ -78,17 +79,7 @@ def main():
                             dict(params=aux_p, use_muon=False, lr=3e-3)],
                            lr=0.02, weight_decay=0.01)
     xs, ys = data(args.seed)
-    per = BATCH // world
-    losses = []
-    for x, y in zip(xs, ys):
-        loss = nn.functional.mse_loss(model(x[rank * per:(rank + 1) * per]),
-                                      y[rank * per:(rank + 1) * per])
-        opt.zero_grad()
-        loss.backward()
-        opt.step()
-        t = loss.detach().clone()
-        dist.all_reduce(t)
-        losses.append(t.item() / world)
+    losses = train_on_slices(model, opt, xs, ys, rank, world)
     params = rfsdp.full_parameters(model)
     moved = torch.tensor([float(opt.layout.gather_send_elems())])
     dist.all_reduce(moved)

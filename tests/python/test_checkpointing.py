@@ -18,6 +18,7 @@ from torch.utils.checkpoint import checkpoint
 import rfsdp
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from slice_training import train_on_slices  # noqa: E402
 from test_fully_shard import CLIP, Net, data, reference  # noqa: E402
 
 WORLD = 2
@@ -45,18 +46,8 @@ def worker(rank, seed, use_reentrant, reshard, init_file, out_file):
     rfsdp.fully_shard(model)
     opt = rfsdp.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.05)
     xs, ys = data(seed)
-    per = xs.shape[1] // WORLD
-    losses = []
-    for x, y in zip(xs, ys):
-        loss = nn.functional.mse_loss(model(x[rank * per:(rank + 1) * per]),
-                                      y[rank * per:(rank + 1) * per])
-        opt.zero_grad()
-        loss.backward()
-        rfsdp.clip_grad_norm_(model, CLIP)
-        opt.step()
-        t = loss.detach().clone()
-        dist.all_reduce(t)
-        losses.append(t.item() / WORLD)
+    losses = train_on_slices(model, opt, xs, ys, rank, WORLD,
+                             before_step=lambda: rfsdp.clip_grad_norm_(model, CLIP))
     params = rfsdp.full_parameters(model)
     if rank == 0:
         torch.save({"losses": losses, "params": params}, out_file)
@@ -80,16 +71,23 @@ def test_checkpointed_blocks_train_like_unsharded(use_reentrant, reshard):
                                    msg=lambda m: "%s (seed %d): %s" % (name, seed, m))
 
 
-def test_eval_under_no_grad_and_frozen_parameters(one_rank):
+def unsharded_and_sharded(prepare=None):
+    """Two Nets with the same values (seed 0), prepare(net) applied to both; the
+    second fully sharded (each block a unit, then the root)."""
     torch.manual_seed(0)
-    ref = Net()
-    model = Net()
+    ref, model = Net(), Net()
     model.load_state_dict(ref.state_dict())
     for m in (ref, model):
-        m.embed.weight.requires_grad_(False)  # frozen
+        if prepare:
+            prepare(m)
     for b in model.blocks:
         rfsdp.fully_shard(b)
     rfsdp.fully_shard(model)
+    return ref, model
+
+
+def test_eval_under_no_grad_and_frozen_parameters(one_rank):
+    ref, model = unsharded_and_sharded(lambda m: m.embed.weight.requires_grad_(False))  # frozen
     x = torch.randn(4, 7)
     model.eval()
     with torch.no_grad():
@@ -106,13 +104,7 @@ def test_eval_under_no_grad_and_frozen_parameters(one_rank):
 def test_compiled_block_matches_eager(one_rank):
     """torch.compile of a sharded block (the unit's hooks run around the compiled
     forward): losses and gradients equal the unsharded eager model's."""
-    torch.manual_seed(0)
-    ref = Net()
-    model = Net()
-    model.load_state_dict(ref.state_dict())
-    for b in model.blocks:
-        rfsdp.fully_shard(b)
-    rfsdp.fully_shard(model)
+    ref, model = unsharded_and_sharded()
     model.blocks[1] = torch.compile(model.blocks[1])
     xs, ys = data(0)
     for i in range(2):
@@ -130,13 +122,7 @@ def test_unit_without_gradient_in_a_step(one_rank):
     """A block the forward skips has no gradient that step: its unit reduces
     nothing, the optimizer skips its parameters (as torch's AdamW does), and
     training equals the unsharded model's."""
-    torch.manual_seed(0)
-    ref = Net()
-    model = Net()
-    model.load_state_dict(ref.state_dict())
-    for b in model.blocks:
-        rfsdp.fully_shard(b)
-    rfsdp.fully_shard(model)
+    ref, model = unsharded_and_sharded()
     opts = [torch.optim.AdamW(ref.parameters(), lr=1e-2), rfsdp.optim.AdamW(model.parameters(), lr=1e-2)]
     xs, ys = data(0)
 

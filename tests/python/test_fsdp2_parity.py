@@ -10,11 +10,11 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-from torch import nn
 
 import rfsdp
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from slice_training import train_on_slices  # noqa: E402
 from test_fully_shard import Net  # noqa: E402  (embedding, 3 residual blocks, head)
 
 STEPS = 10
@@ -25,18 +25,7 @@ def train(model, rank, seed):
     opt = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.05)
     g = torch.Generator().manual_seed(seed + 1)
     xs, ys = torch.randn(STEPS, 16, 7, generator=g), torch.randn(STEPS, 16, 5, generator=g)
-    per = xs.shape[1] // WORLD
-    losses = []
-    for x, y in zip(xs, ys):
-        loss = nn.functional.mse_loss(model(x[rank * per:(rank + 1) * per]),
-                                      y[rank * per:(rank + 1) * per])
-        opt.zero_grad()
-        loss.backward()
-        opt.step()
-        t = loss.detach().clone()
-        dist.all_reduce(t)
-        losses.append(t.item() / WORLD)
-    return losses
+    return train_on_slices(model, opt, xs, ys, rank, WORLD)
 
 
 def worker(rank, seed, init_file, out_file):

@@ -2,6 +2,7 @@
 unsharded with torch.optim.AdamW on the whole batch; misuse errors."""
 import faulthandler
 import os
+import sys
 import tempfile
 import threading
 
@@ -12,6 +13,9 @@ import torch.multiprocessing as mp
 from torch import nn
 
 import rfsdp
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from slice_training import train_on_slices  # noqa: E402
 
 STEPS = 6
 CLIP = 0.5  # small enough to clip most steps
@@ -99,23 +103,16 @@ def worker(rank, world, seed, init_file, out_file, reshard):
         b.register_forward_hook(probe_backward)
     opt = rfsdp.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.05)
     xs, ys = data(seed)
-    per = xs.shape[1] // world
-    losses = []
-    for x, y in zip(xs, ys):
-        xb, yb = x[rank * per:(rank + 1) * per], y[rank * per:(rank + 1) * per]
-        loss = nn.functional.mse_loss(model(xb), yb)
-        opt.zero_grad()
-        loss.backward()
-        rfsdp.clip_grad_norm_(model, CLIP)
-        opt.step()
+
+    def idle_and_sharded():
         # Between steps every unit is idle, with only its local slices (the
         # gathered buffers are freed, no collective in flight).
         for u in rfsdp.fsdp.units(model):
             assert u.state is rfsdp.fsdp.TrainingState.IDLE, u.state
             assert u.data_state() is rfsdp.fsdp.DataState.SHARDED, u.data_state()
-        t = loss.detach().clone()
-        dist.all_reduce(t)
-        losses.append(t.item() / world)
+    losses = train_on_slices(model, opt, xs, ys, rank, world,
+                             before_step=lambda: rfsdp.clip_grad_norm_(model, CLIP),
+                             after_step=idle_and_sharded)
     # Gather the full parameters by name: shards -> rows of the global tensors.
     params = rfsdp.full_parameters(model)
     if rank == 0:

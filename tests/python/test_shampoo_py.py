@@ -5,6 +5,7 @@ is not a multiple, and biases, fully sharded with policy.shampoo on 2 ranks
 with use_shampoo=False are AdamW; the state_dict round trip; bad settings."""
 import math
 import os
+import sys
 import tempfile
 
 import pytest
@@ -14,6 +15,9 @@ import torch.multiprocessing as mp
 from torch import nn
 
 import rfsdp
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from slice_training import train_on_slices  # noqa: E402
 
 B, STEPS, WORLD = 8, 12, 2
 
@@ -56,19 +60,7 @@ def data(seed):
 
 def train(model, opt, seed, rank=0, world=1):
     xs, ys = data(seed)
-    per = xs.shape[1] // world
-    losses = []
-    for x, y in zip(xs, ys):
-        loss = nn.functional.mse_loss(model(x[rank * per:(rank + 1) * per]),
-                                      y[rank * per:(rank + 1) * per])
-        opt.zero_grad()
-        loss.backward()
-        opt.step()
-        t = loss.detach().clone()
-        if world > 1:
-            dist.all_reduce(t)
-        losses.append(t.item() / world)
-    return losses
+    return train_on_slices(model, opt, xs, ys, rank, world)
 
 
 def worker(rank, seed, init_file, out_file):

@@ -17,6 +17,7 @@ from torch import nn
 import rfsdp
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from slice_training import train_on_slices  # noqa: E402
 from test_fully_shard import Block  # noqa: E402
 
 VOCAB, DIM, CTX, BATCH, STEPS, WORLD, LR = 40, 16, 6, 8, 5, 2, 1e-2
@@ -89,16 +90,9 @@ def worker(rank, name, seed, init_file, out_file):
     rfsdp.fully_shard(model, policy=policy(name))
     assert model.head.weight is model.emb.weight  # still one parameter, one shard
     opt = make_optimizer(name, model)
-    per = BATCH // WORLD
-    losses = []
-    for tokens in data(seed):
-        loss = loss_of(model, tokens[rank * per:(rank + 1) * per])
-        opt.zero_grad()
-        loss.backward()
-        opt.step()
-        t = loss.detach().clone()
-        dist.all_reduce(t)
-        losses.append(t.item() / WORLD)
+    tokens = data(seed)
+    losses = train_on_slices(model, opt, tokens, tokens, rank, WORLD,
+                             loss_of=lambda m, t, _: loss_of(m, t))
     params = rfsdp.full_parameters(model)
     if rank == 0:
         torch.save({"losses": losses, "params": params}, out_file)
