@@ -1,13 +1,15 @@
 // bench_quant: block-wise 8-bit quantise / dequantise and the fused AdamW8bit
 // step, against a plain memcpy of the same bytes (the floor) and against the
-// fp32 AdamW step, from 1M to 64M elements. One thread by default (rates per
-// core); --threads N for more. Medians of --reps runs.
+// fp32 AdamW step, from 1M to 64M elements, with each kernel set this CPU runs
+// (portable, and AVX-512 where present) side by side. One thread by default
+// (rates per core); --threads N for more. Medians of --reps runs.
 #include <ATen/Parallel.h>
 
 #include <algorithm>
 #include <chrono>
 #include <cstdio>
 #include <cstring>
+#include <string>
 #include <vector>
 
 #include "quant/blockwise/blockwise.h"
@@ -31,6 +33,21 @@ double median_seconds(int reps, F&& f) {
   return t[t.size() / 2];
 }
 
+std::string cpu_model() {
+  std::FILE* f = std::fopen("/proc/cpuinfo", "r");
+  char line[512];
+  std::string model = "cpu: unknown";
+  while (f && std::fgets(line, sizeof line, f)) {
+    if (!std::strncmp(line, "model name", 10)) {
+      model = std::string("cpu:") + (std::strchr(line, ':') + 1);
+      model.pop_back();
+      break;
+    }
+  }
+  if (f) std::fclose(f);
+  return model;
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -48,12 +65,15 @@ int main(int argc, char** argv) {
   at::set_num_threads(threads);
   const at::Tensor code1 = dynamic_map(true), code2 = dynamic_map(false);
   const auto lut1 = code_lut(code1), lut2 = code_lut(code2);
+  std::printf("%s\n", cpu_model().c_str());
   std::printf("threads %d, medians of %d; GB/s = bytes read + written / time; memcpy of the same "
               "bytes is the floor\n\n",
               threads, reps);
-  std::printf("%-7s %-10s | %9s %9s %6s | %9s %9s %6s | %9s %9s %9s %6s\n", "elems", "blocks",
-              "quant", "memcpy", "ratio", "dequant", "memcpy", "ratio", "adam8 GB/s", "adam32",
-              "memcpy", "a8/a32");
+  std::vector<cpu::Isa> isas = {cpu::Isa::kPortable};
+  if (cpu::isa_supported(cpu::Isa::kAvx512)) isas.push_back(cpu::Isa::kAvx512);
+  std::printf("%-7s %-10s %-8s | %9s %9s %6s | %9s %9s %6s | %9s %9s %9s %6s\n", "elems", "blocks",
+              "kernels", "quant", "memcpy", "ratio", "dequant", "memcpy", "ratio", "adam8 GB/s",
+              "adam32", "memcpy", "t32/t8");
   for (int64_t mi = 1; mi <= max_m; mi *= 4) {
     const int64_t n = mi << 20;
     for (BlockShape shape : {BlockShape::blocks(256), BlockShape::blocks(2048),
@@ -71,6 +91,8 @@ int main(int argc, char** argv) {
           });
         });
       };
+      for (cpu::Isa isa : isas) {
+      cpu::use_isa(isa);
       // Quantise: read 4 B, write 1 B (+ absmax) per element.
       const double tq = median_seconds(reps, [&] {
         cpu::quantize(x.data_ptr<float>(), L, *lut1, q.data_ptr<uint8_t>(), absmax.data_ptr<float>());
@@ -78,8 +100,8 @@ int main(int argc, char** argv) {
       const double bytes_q = n * 5.0;
       const double tmq = memcpy_s(static_cast<int64_t>(bytes_q / 2));  // memcpy moves 2x its size
       const double td = median_seconds(reps, [&] {
-        cpu::dequantize(q.data_ptr<uint8_t>(), absmax.data_ptr<float>(), L,
-                        code1.data_ptr<float>(), out.data_ptr<float>());
+        cpu::dequantize(q.data_ptr<uint8_t>(), absmax.data_ptr<float>(), L, *lut1,
+                        out.data_ptr<float>());
       });
       // AdamW8bit: param r/w (8) + grad r (4) + two 8-bit states r/w (4) = 16 B per element.
       at::Tensor p = at::randn({n}), g = at::randn({n}) * 1e-3;
@@ -98,16 +120,20 @@ int main(int argc, char** argv) {
                           v.data_ptr<float>(), n, h);
       });
       const double tm8 = memcpy_s(n * 8);
-      std::printf("%-7s %-10s | %9.2f %9.2f %6.2f | %9.2f %9.2f %6.2f | %9.2f %9.2f %9.2f %6.2f\n",
+      std::printf("%-7s %-10s %-8s | %9.2f %9.2f %6.2f | %9.2f %9.2f %6.2f | %9.2f %9.2f %9.2f %6.2f\n",
                   (std::to_string(mi) + "M").c_str(),
                   (shape.is_tile() ? std::to_string(shape.tile_rows) + "x" + std::to_string(shape.tile_cols)
                                    : "B=" + std::to_string(shape.block)).c_str(),
-                  bytes_q / tq / 1e9, bytes_q / tmq / 1e9, tmq / tq, bytes_q / td / 1e9,
-                  bytes_q / tmq / 1e9, tmq / td, n * 16.0 / t8 / 1e9, n * 28.0 / t32 / 1e9,
-                  n * 16.0 / tm8 / 1e9, t32 / t8);
+                  cpu::isa_name(isa), bytes_q / tq / 1e9, bytes_q / tmq / 1e9, tmq / tq,
+                  bytes_q / td / 1e9, bytes_q / tmq / 1e9, tmq / td, n * 16.0 / t8 / 1e9,
+                  n * 28.0 / t32 / 1e9, n * 16.0 / tm8 / 1e9, t32 / t8);
+      }
     }
   }
-  std::printf("\nstate bytes per parameter: AdamW 8 (two fp32 moments); AdamW8bit 2 + 8/B "
+  std::printf("\nratio: memcpy's time over the kernel's (1 = at memcpy speed); t32/t8: fp32 "
+              "AdamW's time per parameter over AdamW8bit's (>= 1: the 8-bit step is as fast or "
+              "faster)\n");
+  std::printf("state bytes per parameter: AdamW 8 (two fp32 moments); AdamW8bit 2 + 8/B "
               "(two uint8 moments and two fp32 absmax per block: B=256 -> 2.031, B=2048 -> "
               "2.004, 32x32 tiles -> 2.008)\n");
   return 0;

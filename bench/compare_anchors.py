@@ -14,9 +14,13 @@
  4. rfsdp.optim.Shampoo vs DistributedShampoo (and DistributedShampoo in float64,
     the truth) on the GPT in one process, the same gradient to each every step:
     update differences, step time with and without roots, factor memory.
+ 5. The 8-bit kernels alone, rfsdp vs bitsandbytes vs torchao on the same tensors
+    (1 thread): GB/s of block-wise quantise and dequantise (block 256, dynamic
+    map) and of one AdamW8bit step on one tensor (fp32 AdamW beside it), state
+    bytes per parameter.
 
     python bench/compare_anchors.py [--widths 256,512] [--steps 20]
-        [--only fsdp,muon,8bit,shampoo] [--distributed-shampoo DIR]
+        [--only fsdp,muon,8bit,shampoo,kernels8] [--distributed-shampoo DIR]
 
 bitsandbytes and torchao are the bench's optional set-up, not project
 dependencies: `--install-anchors` puts them (no dependencies: they use the
@@ -325,11 +329,15 @@ def muon_worker(args):
 
 # ---- 3. 8-bit AdamW: rfsdp vs bitsandbytes vs torchao ---------------------------------
 
+def anchors_on_path():
+    if os.path.isdir(ANCHORS_DIR) and ANCHORS_DIR not in sys.path:
+        sys.path.append(ANCHORS_DIR)
+
+
 def eight_bit_optimizers():
     """name -> (factory or None, note). Block size 256 and 8-bit moments from 4096
     elements everywhere (bitsandbytes' and torchao's defaults, rfsdp's settings)."""
-    if os.path.isdir(ANCHORS_DIR) and ANCHORS_DIR not in sys.path:
-        sys.path.append(ANCHORS_DIR)
+    anchors_on_path()
     opts = {
         "torch AdamW (fp32)": (lambda ps: torch.optim.AdamW(ps, lr=LR, betas=BETAS, eps=EPS,
                                                             weight_decay=WD), ""),
@@ -393,6 +401,103 @@ def section_8bit(args):
             print("%-24s %12.2f %14.2f %11.2fx %10.5f  %s" % (name, bpp, ms, ms / base, loss, note))
     print("step ms: the optimizer step alone, median after 3 warm-up steps (torchao compiles its "
           "step on the first call).")
+
+
+# ---- 5. 8-bit kernels: rfsdp vs bitsandbytes vs torchao --------------------------------
+
+def quantizers():
+    """name -> (quantise(x) -> state, dequantise(state) -> x) or None, note."""
+    anchors_on_path()
+    out = {"rfsdp": ((lambda x: rfsdp.quant.quantize_blockwise(x, block=256)),
+                     (lambda st: rfsdp.quant.dequantize_blockwise(*st, block=256))), }
+    notes = {"rfsdp": ""}
+    try:
+        import bitsandbytes.functional as bnbf
+        import bitsandbytes as bnb
+        out["bitsandbytes"] = ((lambda x: bnbf.quantize_blockwise(x, blocksize=256)),
+                               (lambda st: bnbf.dequantize_blockwise(*st)))
+        notes["bitsandbytes"] = "bitsandbytes " + bnb.__version__
+    except Exception as e:  # noqa: BLE001
+        out["bitsandbytes"], notes["bitsandbytes"] = None, "not available: %s" % str(e)[:60]
+    try:
+        import torchao
+        from torchao.optim.subclass_8bit import OptimState8bit
+
+        def ao_quantize(x):
+            st = OptimState8bit.zeros(x.shape, signed=True, block_size=256)
+            st.copy_(x)
+            return st
+        out["torchao"] = (ao_quantize, lambda st: st.dequantize())
+        notes["torchao"] = "torchao " + torchao.__version__
+    except Exception as e:  # noqa: BLE001
+        out["torchao"], notes["torchao"] = None, "not available: %s" % str(e)[:60]
+    return out, notes
+
+
+def timed(fn, reps):
+    fn()  # warm-up (torchao compiles nothing here, but first calls allocate)
+    times = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def section_kernels8(args):
+    torch.set_num_threads(1)
+    sizes = [int(m) << 20 for m in args.kernel_mib.split(",")]
+    print("\n## 5. 8-bit kernels, one thread, the same tensors: quantise / dequantise (block 256, "
+          "dynamic signed map) and one AdamW8bit step on one tensor; GB/s counts the bytes each "
+          "must move (quantise and dequantise 4 + 1 per element; AdamW8bit 16, fp32 AdamW 28 per "
+          "parameter); median of %d" % args.kernel_reps)
+    qs, notes = quantizers()
+    print("%-12s %9s | %10s %10s | %10s %10s  %s" % ("impl", "elements", "quant GB/s", "/ rfsdp",
+                                                      "deq GB/s", "/ rfsdp", "note"))
+    for n in sizes:
+        x = torch.randn(n, generator=torch.Generator().manual_seed(0))
+        rates = {}
+        for name, q in qs.items():
+            if q is None:
+                print("%-12s %8dM | %10s %10s | %10s %10s  %s" % (name, n >> 20, "-", "-", "-", "-",
+                                                                 notes[name]))
+                continue
+            quant, deq = q
+            st = quant(x)
+            err = (deq(st) - x).abs().max().item() / x.abs().max().item()
+            tq = timed(lambda: quant(x), args.kernel_reps)
+            td = timed(lambda: deq(st), args.kernel_reps)
+            rates[name] = (5 * n / tq / 1e9, 5 * n / td / 1e9)
+            base = rates["rfsdp"]
+            print("%-12s %8dM | %10.2f %9.2fx | %10.2f %9.2fx  %s, max error %.4f of absmax"
+                  % (name, n >> 20, rates[name][0], rates[name][0] / base[0], rates[name][1],
+                     rates[name][1] / base[1], notes[name], err))
+    print("\n%-26s %9s | %10s %12s %10s %13s  %s" % ("optimizer step", "params", "ms/step",
+                                                      "GB/s", "/ rfsdp 8bit", "state B/param", "note"))
+    opts = eight_bit_optimizers()
+    opts["torch AdamW (fp32, fused)"] = (lambda ps: torch.optim.AdamW(
+        ps, lr=LR, betas=BETAS, eps=EPS, weight_decay=WD, fused=True), "")
+    for n in sizes:
+        rows = []
+        for name, (make, note) in opts.items():
+            if make is None:
+                rows.append((name, None, None, note))
+                continue
+            p = nn.Parameter(torch.randn(n, generator=torch.Generator().manual_seed(1)) * 0.02)
+            p.grad = torch.randn(n, generator=torch.Generator().manual_seed(2)) * 1e-3
+            opt = make([p])
+            ms = timed(opt.step, args.kernel_reps) * 1e3
+            rows.append((name, ms, state_bytes(opt) / n, note))
+        base = next(r[1] for r in rows if r[0] == "rfsdp AdamW8bit")
+        for name, ms, bpp, note in rows:
+            if ms is None:
+                print("%-26s %8dM | %10s %12s %10s %13s  %s" % (name, n >> 20, "-", "-", "-", "-", note))
+                continue
+            moved = (28 if "fp32" in name else 16) * n
+            print("%-26s %8dM | %10.2f %12.2f %9.2fx %13.3f  %s"
+                  % (name, n >> 20, ms, moved / ms / 1e6, base / ms, bpp, note))
+    print("/ rfsdp: the other's rate over rfsdp's (quant, deq), rfsdp 8-bit's step time over the "
+          "other's (step): below 1 is slower than rfsdp.")
 
 
 # ---- 4. Shampoo: rfsdp vs DistributedShampoo --------------------------------------------
@@ -574,7 +679,9 @@ def main():
     ap.add_argument("--shampoo-steps", type=int, default=20)
     ap.add_argument("--shampoo-epsilon", type=float, default=1e-12)
     ap.add_argument("--distributed-shampoo", help="a checkout of facebookresearch/optimizers")
-    ap.add_argument("--only", default="fsdp,muon,8bit,shampoo")
+    ap.add_argument("--kernel-mib", default="1,16", help="tensor sizes of section 5, Mi elements")
+    ap.add_argument("--kernel-reps", type=int, default=7)
+    ap.add_argument("--only", default="fsdp,muon,8bit,shampoo,kernels8")
     ap.add_argument("--install-anchors", action="store_true")
     ap.add_argument("--worker", choices=["fsdp", "muon"], help=argparse.SUPPRESS)
     ap.add_argument("--variant", choices=["rfsdp", "fsdp2", "ddp"], help=argparse.SUPPRESS)
@@ -600,6 +707,8 @@ def main():
         section_8bit(args)
     if "shampoo" in only:
         section_shampoo(args)
+    if "kernels8" in only:
+        section_kernels8(args)
 
 
 if __name__ == "__main__":

@@ -175,23 +175,23 @@ void AdamW8bit::update(size_t i, int64_t step) {
 
 namespace {
 at::Tensor dequantized(const at::Tensor& q, const at::Tensor& absmax,
-                       const quant::BlockLayout& layout, const at::Tensor& code,
+                       const quant::BlockLayout& layout, const quant::cpu::CodeLut& lut,
                        at::IntArrayRef shape) {
   at::Tensor out = at::empty({q.numel()});
-  quant::cpu::dequantize(q.data_ptr<uint8_t>(), absmax.data_ptr<float>(), layout,
-                         code.data_ptr<float>(), out.data_ptr<float>());
+  quant::cpu::dequantize(q.data_ptr<uint8_t>(), absmax.data_ptr<float>(), layout, lut,
+                         out.data_ptr<float>());
   return out.view(shape);
 }
 }  // namespace
 
 at::Tensor AdamW8bit::exp_avg(size_t i) const {
   if (!eight_bit_.at(i)) return m_[i];
-  return dequantized(q_[i].q1, q_[i].absmax1, q_[i].layout, code1_, params_[i].param.sizes());
+  return dequantized(q_[i].q1, q_[i].absmax1, q_[i].layout, *lut1_, params_[i].param.sizes());
 }
 
 at::Tensor AdamW8bit::exp_avg_sq(size_t i) const {
   if (!eight_bit_.at(i)) return v_[i];
-  return dequantized(q_[i].q2, q_[i].absmax2, q_[i].layout, code2_, params_[i].param.sizes());
+  return dequantized(q_[i].q2, q_[i].absmax2, q_[i].layout, *lut2_, params_[i].param.sizes());
 }
 
 std::vector<std::pair<std::string, at::Tensor>> AdamW8bit::state(size_t i) const {

@@ -72,11 +72,10 @@ at::Tensor dequantize_blockwise(const Quantized& q, const at::Tensor& code, Bloc
                                 " absmax values for " + std::to_string(L.num_blocks) + " blocks (" +
                                 shape.str() + ")");
   }
-  const at::Tensor c = code.to(at::kFloat).contiguous();
-  if (c.numel() != 256) throw std::invalid_argument("a code map must have 256 values");
+  const auto lut = code_lut(code.to(at::kFloat));
   at::Tensor out = at::empty(codes.sizes(), codes.options().dtype(at::kFloat));
-  cpu::dequantize(codes.data_ptr<uint8_t>(), q.absmax.contiguous().data_ptr<float>(), L,
-                  c.data_ptr<float>(), out.data_ptr<float>());
+  cpu::dequantize(codes.data_ptr<uint8_t>(), q.absmax.contiguous().data_ptr<float>(), L, *lut,
+                  out.data_ptr<float>());
   return out;
 }
 

@@ -5,7 +5,13 @@
 #include <algorithm>
 #include <atomic>
 #include <cmath>
+#include <cstdlib>
+#include <cstring>
 #include <limits>
+#include <stdexcept>
+#include <string>
+
+#include "quant/blockwise/cpu_kernels_avx512.h"
 
 // Hot loops get an AVX2 clone and a baseline one; the loader picks (GCC ifunc).
 #if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
@@ -18,7 +24,8 @@ namespace rfsdp::quant::cpu {
 
 namespace {
 
-constexpr int64_t kGrain = 16;  // blocks per task, at least
+// Blocks per task, at least: 64 Ki elements, so small tensors take no thread hand-off.
+int64_t grain(const BlockLayout& L) { return std::max<int64_t>(16, (int64_t{1} << 16) / L.max_block_elems()); }
 
 float bits_to_float(uint32_t b) {
   float f;
@@ -54,6 +61,17 @@ CodeLut::CodeLut(const float* code256) {
   }
   slot_mid_.resize(8192);
   for (uint32_t slot = 0; slot < 8192; ++slot) slot_mid_[slot] = mid_[table_[slot]];
+  index_ = arithmetic_index(code_, mid_);
+  for (int i = 0; i < 256; ++i) {
+    const int m = index_ ? index_->mid_slot(i) : i;
+    uint8_t c[4], d[4];
+    std::memcpy(c, &code_[i], 4);
+    std::memcpy(d, &mid_[m], 4);
+    for (int k = 0; k < 4; ++k) {
+      code_planes_[256 * k + i] = c[k];
+      index_mid_planes_[256 * k + i] = d[k];
+    }
+  }
 }
 
 uint8_t CodeLut::nearest_by_search(float v) const {
@@ -65,6 +83,30 @@ uint8_t CodeLut::nearest_by_search(float v) const {
   }
   return static_cast<uint8_t>(lo);
 }
+
+namespace {
+
+std::atomic<Isa> g_isa{[] {
+  const char* env = std::getenv("RFSDP_QUANT_ISA");
+  if (env && std::string(env) == "portable") return Isa::kPortable;
+  return avx512::supported() ? Isa::kAvx512 : Isa::kPortable;
+}()};
+
+}  // namespace
+
+Isa active_isa() { return g_isa.load(std::memory_order_relaxed); }
+
+bool isa_supported(Isa isa) { return isa == Isa::kPortable || avx512::supported(); }
+
+void use_isa(Isa isa) {
+  if (!isa_supported(isa)) {
+    throw std::invalid_argument(std::string("this CPU cannot run the ") + isa_name(isa) +
+                                " quantisation kernels");
+  }
+  g_isa.store(isa, std::memory_order_relaxed);
+}
+
+const char* isa_name(Isa isa) { return isa == Isa::kAvx512 ? "avx512" : "portable"; }
 
 namespace {
 
@@ -91,10 +133,16 @@ inline void nearest_codes_portable(const float* __restrict x, float scale, int64
 }
 
 RFSDP_CLONES
-void nearest_codes(const float* __restrict x, float scale, int64_t n,
-                   const uint8_t* __restrict table, const float* __restrict slot_mid,
-                   uint8_t* __restrict q) {
+void nearest_codes_by_table(const float* __restrict x, float scale, int64_t n,
+                            const uint8_t* __restrict table, const float* __restrict slot_mid,
+                            uint8_t* __restrict q) {
   nearest_codes_portable(x, scale, n, table, slot_mid, q);
+}
+
+// The table where it is exact for this code, else the binary search.
+void nearest_codes(const float* x, float scale, int64_t n, const CodeLut& lut, uint8_t* q) {
+  if (lut.table_exact()) return nearest_codes_by_table(x, scale, n, lut.table(), lut.slot_mid(), q);
+  for (int64_t i = 0; i < n; ++i) q[i] = lut.nearest_by_search(x[i] * scale);
 }
 
 // Max |x| over a block; *bad turns non-zero on NaN or Inf (x * 0 is then
@@ -133,8 +181,6 @@ RFSDP_CLONES
 void quantize_blocks(const float* __restrict x, const BlockLayout& L, const CodeLut& lut,
                      uint8_t* __restrict q, float* __restrict absmax, int64_t b0, int64_t b1,
                      std::atomic<bool>* bad_any) {
-  const uint8_t* __restrict table = lut.table();
-  const float* __restrict mid = lut.slot_mid();
   for (int64_t b = b0; b < b1; ++b) {
     const auto blk = L.block(b);
     float bad;
@@ -143,7 +189,7 @@ void quantize_blocks(const float* __restrict x, const BlockLayout& L, const Code
     const float scale = amax > 0.0f ? 1.0f / amax : 0.0f;
     for (int64_t s = 0; s < blk.segments; ++s) {
       const int64_t off = blk.start + s * L.row_len;
-      nearest_codes(x + off, scale, blk.seg_len, table, mid, q + off);
+      nearest_codes(x + off, scale, blk.seg_len, lut, q + off);
     }
     absmax[b] = amax;
   }
@@ -212,8 +258,8 @@ void adamw8bit_blocks(float* __restrict p, const float* __restrict g, uint8_t* _
     const float s2 = amax2 > 0.0f ? 1.0f / amax2 : 0.0f;
     for (int64_t s = 0; s < blk.segments; ++s) {
       const int64_t off = blk.start + s * L.row_len, k = s * blk.seg_len;
-      nearest_codes(mbuf + k, s1, blk.seg_len, lut1.table(), lut1.slot_mid(), q1 + off);
-      nearest_codes(vbuf + k, s2, blk.seg_len, lut2.table(), lut2.slot_mid(), q2 + off);
+      nearest_codes(mbuf + k, s1, blk.seg_len, lut1, q1 + off);
+      nearest_codes(vbuf + k, s2, blk.seg_len, lut2, q2 + off);
     }
     absmax1[b] = amax1;
     absmax2[b] = amax2;
@@ -231,16 +277,25 @@ void adamw32_range(float* __restrict p, const float* __restrict g, float* __rest
 bool quantize(const float* x, const BlockLayout& L, const CodeLut& lut, uint8_t* q,
               float* absmax) {
   std::atomic<bool> bad{false};
-  at::parallel_for(0, L.num_blocks, kGrain, [&](int64_t b0, int64_t b1) {
-    quantize_blocks(x, L, lut, q, absmax, b0, b1, &bad);
+  const bool vector = active_isa() == Isa::kAvx512 && lut.index();
+  at::parallel_for(0, L.num_blocks, grain(L), [&](int64_t b0, int64_t b1) {
+    if (vector) {
+      bool task_bad = false;
+      avx512::quantize_blocks(x, L, lut, q, absmax, b0, b1, &task_bad);
+      if (task_bad) bad.store(true, std::memory_order_relaxed);
+    } else {
+      quantize_blocks(x, L, lut, q, absmax, b0, b1, &bad);
+    }
   });
   return !bad.load();
 }
 
-void dequantize(const uint8_t* q, const float* absmax, const BlockLayout& L, const float* code,
+void dequantize(const uint8_t* q, const float* absmax, const BlockLayout& L, const CodeLut& lut,
                 float* out) {
-  at::parallel_for(0, L.num_blocks, kGrain, [&](int64_t b0, int64_t b1) {
-    dequantize_blocks(q, absmax, L, code, out, b0, b1);
+  const bool vector = active_isa() == Isa::kAvx512;
+  at::parallel_for(0, L.num_blocks, grain(L), [&](int64_t b0, int64_t b1) {
+    if (vector) avx512::dequantize_blocks(q, absmax, L, lut, out, b0, b1);
+    else dequantize_blocks(q, absmax, L, lut.code(), out, b0, b1);
   });
 }
 
@@ -248,17 +303,23 @@ void adamw8bit_step(float* param, const float* grad, uint8_t* q1, float* absmax1
                     float* absmax2, const BlockLayout& L, const CodeLut& lut1,
                     const CodeLut& lut2, const AdamWHyper& h) {
   const AdamWCoeffs c = adamw_coeffs(h);
-  at::parallel_for(0, L.num_blocks, kGrain, [&](int64_t b0, int64_t b1) {
+  const bool vector = active_isa() == Isa::kAvx512 && lut1.index() && lut2.index();
+  at::parallel_for(0, L.num_blocks, grain(L), [&](int64_t b0, int64_t b1) {
     std::vector<float> buf(2 * L.max_block_elems());  // this task's block of moments
-    adamw8bit_blocks(param, grad, q1, absmax1, q2, absmax2, L, lut1, lut2, c, b0, b1, buf.data(),
-                     buf.data() + L.max_block_elems());
+    if (vector) {
+      avx512::adamw8bit_blocks(param, grad, q1, absmax1, q2, absmax2, L, lut1, lut2, c, b0, b1,
+                               buf.data());
+    } else {
+      adamw8bit_blocks(param, grad, q1, absmax1, q2, absmax2, L, lut1, lut2, c, b0, b1,
+                       buf.data(), buf.data() + L.max_block_elems());
+    }
   });
 }
 
 void adamw32_step(float* param, const float* grad, float* m, float* v, int64_t n,
                   const AdamWHyper& h) {
   const AdamWCoeffs c = adamw_coeffs(h);
-  at::parallel_for(0, n, 1 << 14, [&](int64_t i0, int64_t i1) {
+  at::parallel_for(0, n, int64_t{1} << 16, [&](int64_t i0, int64_t i1) {
     adamw32_range(param, grad, m, v, c, i0, i1);
   });
 }

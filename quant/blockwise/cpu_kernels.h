@@ -1,13 +1,16 @@
 // CPU kernels of block-wise 8-bit quantisation, over raw pointers. Threads
-// run over blocks (ATen's pool); the element loops are compiled for AVX2 and a
-// baseline, picked at load time.
+// run over blocks (ATen's pool). Two implementations, picked at run time:
+// AVX-512 (F, BW, VBMI: cpu_kernels_avx512.cpp) where the CPU has it, and a
+// portable one (its loops compiled for AVX2 and a baseline, picked at load time).
 #pragma once
 
 #include <cstdint>
+#include <optional>
 #include <vector>
 
 #include "quant/blockwise/adamw_update.h"
 #include "quant/blockwise/block_layout.h"
+#include "quant/blockwise/code_index.h"
 
 namespace rfsdp::quant::cpu {
 
@@ -19,6 +22,14 @@ class CodeLut {
  public:
   explicit CodeLut(const float* code256);
   const float* code() const { return code_; }
+  const float* mid() const { return mid_; }
+  // The arithmetic index (code_index.h), proven exact for this code; null if none.
+  const CodeIndex* index() const { return index_ ? &*index_ : nullptr; }
+  // Byte planes for lookups in vector registers: plane k, entry i is byte k of
+  // code[i] (code_planes) or of the midpoint the index compares against for the
+  // candidate i (index_mid_planes: mid[index()->mid_slot(i)]).
+  const uint8_t* code_planes() const { return code_planes_; }
+  const uint8_t* index_mid_planes() const { return index_mid_planes_; }
   const uint8_t* table() const { return table_.data(); }
   // slot_mid()[slot] == mid()[table()[slot]]: the compare needs no dependent load.
   const float* slot_mid() const { return slot_mid_.data(); }
@@ -42,7 +53,19 @@ class CodeLut {
   std::vector<uint8_t> table_;
   std::vector<float> slot_mid_;
   bool exact_ = true;
+  std::optional<CodeIndex> index_;
+  alignas(64) uint8_t code_planes_[4 * 256];
+  alignas(64) uint8_t index_mid_planes_[4 * 256];
 };
+
+// The kernels in use. Default: the best this CPU runs, unless the environment
+// sets RFSDP_QUANT_ISA=portable. use_isa switches (tests, benches); it throws
+// std::invalid_argument for kernels this CPU cannot run.
+enum class Isa { kPortable, kAvx512 };
+Isa active_isa();
+bool isa_supported(Isa isa);
+void use_isa(Isa isa);
+const char* isa_name(Isa isa);
 
 inline uint8_t CodeLut::nearest(float v) const {
   if (!exact_) return nearest_by_search(v);
@@ -57,7 +80,7 @@ bool quantize(const float* x, const BlockLayout& layout, const CodeLut& lut, uin
               float* absmax);
 
 void dequantize(const uint8_t* q, const float* absmax, const BlockLayout& layout,
-                const float* code, float* out);
+                const CodeLut& lut, float* out);
 
 // One AdamW step with 8-bit block-wise moments, fused: per block, read the
 // codes, the gradient and the parameter once, update in fp32, write back.

@@ -13,6 +13,7 @@
 #include "core/ragged/planner.h"
 #include "optimizers/adamw/adamw.h"
 #include "quant/blockwise/code_maps.h"
+#include "tests/cpp/quant_isas.h"
 #include "tests/cpp/test_util.h"
 
 namespace rfsdp {
@@ -360,6 +361,7 @@ TEST(AdamW8bit, StepEqualsFloat64TranscriptionElementByElement) {
   const std::vector<double> code2(c2.data_ptr<float>(), c2.data_ptr<float>() + 256);
   const auto lut1 = quant::code_lut(c1), lut2 = quant::code_lut(c2);
   const double lr = 3e-3, b1 = 0.9, b2 = 0.99, eps = 1e-8, wd = 0.1;
+  testing::for_each_quant_isa([&](quant::cpu::Isa) {
   for (size_t c = 0; c < cases.size(); ++c) {
     const int64_t rows = cases[c].first[0], row_len = cases[c].first[1], n = rows * row_len;
     const quant::BlockLayout L(cases[c].second, rows, row_len);
@@ -422,6 +424,7 @@ TEST(AdamW8bit, StepEqualsFloat64TranscriptionElementByElement) {
       }
     }
   }
+  });
 }
 
 }  // namespace

@@ -11,6 +11,7 @@
 #include "quant/blockwise/blockwise.h"
 #include "quant/blockwise/code_maps.h"
 #include "quant/blockwise/cpu_kernels.h"
+#include "tests/cpp/quant_isas.h"
 #include "tests/cpp/test_util.h"
 
 namespace rfsdp::quant {
@@ -131,6 +132,7 @@ TEST(Blockwise, QuantizeDequantizeEveryElementWithinTheBound) {
   const Case cases[] = {{37, 53, BlockShape::blocks(256)},  {64, 64, BlockShape::blocks(2048)},
                         {70, 45, BlockShape::tiles(32, 32)}, {9, 13, BlockShape::tiles(4, 5)},
                         {1, 300, BlockShape::blocks(256)},   {100, 1, BlockShape::blocks(7)}};
+  testing::for_each_quant_isa([&](quant::cpu::Isa) {
   int c = 0;
   for (const Case& k : cases) {
     for (bool is_signed : {true, false}) {
@@ -145,7 +147,7 @@ TEST(Blockwise, QuantizeDequantizeEveryElementWithinTheBound) {
       ASSERT_TRUE(cpu::quantize(x.data_ptr<float>(), L, *lut, q.data_ptr<uint8_t>(),
                                 absmax.data_ptr<float>()));
       at::Tensor out = at::full({k.rows * k.row_len}, std::numeric_limits<float>::quiet_NaN());
-      cpu::dequantize(q.data_ptr<uint8_t>(), absmax.data_ptr<float>(), L, code.data_ptr<float>(),
+      cpu::dequantize(q.data_ptr<uint8_t>(), absmax.data_ptr<float>(), L, *lut,
                       out.data_ptr<float>());
       const auto blocks = reference_blocks(k.shape, k.rows, k.row_len);
       ASSERT_EQ(static_cast<int64_t>(blocks.size()), L.num_blocks);
@@ -172,6 +174,7 @@ TEST(Blockwise, QuantizeDequantizeEveryElementWithinTheBound) {
       }
     }
   }
+  });
 }
 
 TEST(Blockwise, AtenEntryPointsAndErrors) {

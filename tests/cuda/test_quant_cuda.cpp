@@ -64,7 +64,7 @@ int main() {
     std::vector<uint8_t> q_cpu(n);
     std::vector<float> a_cpu(L.num_blocks), out_cpu(n);
     cpu::quantize(x.data(), L, *lut1, q_cpu.data(), a_cpu.data());
-    cpu::dequantize(q_cpu.data(), a_cpu.data(), L, c1.data(), out_cpu.data());
+    cpu::dequantize(q_cpu.data(), a_cpu.data(), L, *lut1, out_cpu.data());
     float* dx = to_device(x);
     float* dc = to_device(c1);
     uint8_t* dq = to_device(std::vector<uint8_t>(n, 0xAB));

@@ -1,0 +1,429 @@
+#include "quant/blockwise/cpu_kernels_avx512.h"
+
+#include <cmath>
+
+#if defined(__x86_64__) && defined(__GNUC__)
+#include <immintrin.h>
+
+// Only the code below is compiled for AVX-512; the headers above keep the
+// baseline target, so no inline function they define is emitted with it.
+#pragma GCC push_options
+#pragma GCC target("avx512f,avx512bw,avx512dq,avx512vl,avx512vbmi")
+
+namespace rfsdp::quant::cpu::avx512 {
+
+namespace {
+
+// 64 elements at a time: four zmm of 16 floats, zmm s holding elements 16s..16s+15
+// ("natural" order). packus leaves 64 bytes in "packed" order: byte 16l + 4s + i
+// belongs to element 16s + 4l + i (l the 128-bit lane, i < 4). Swapping the two
+// 2-bit fields converts either way, so one vpermb with kSwap does both.
+struct SwapIndex {
+  alignas(64) uint8_t v[64];
+  constexpr SwapIndex() : v() {
+    for (int p = 0; p < 64; ++p) v[p] = static_cast<uint8_t>(16 * ((p >> 2) & 3) + 4 * (p >> 4) + (p & 3));
+  }
+};
+constexpr SwapIndex kSwap;
+
+inline __m512i swap_order(__m512i bytes) {
+  return _mm512_permutexvar_epi8(_mm512_load_si512(kSwap.v), bytes);
+}
+
+// Four zmm of int32 in [0, 255] (saturated) -> 64 bytes, packed order.
+inline __m512i pack_bytes(__m512i a, __m512i b, __m512i c, __m512i d) {
+  return _mm512_packus_epi16(_mm512_packus_epi32(a, b), _mm512_packus_epi32(c, d));
+}
+
+// Four byte planes (packed order) -> four zmm of 32-bit words, natural order.
+inline void unpack_planes(__m512i p0, __m512i p1, __m512i p2, __m512i p3, __m512 out[4]) {
+  const __m512i lo01 = _mm512_unpacklo_epi8(p0, p1), hi01 = _mm512_unpackhi_epi8(p0, p1);
+  const __m512i lo23 = _mm512_unpacklo_epi8(p2, p3), hi23 = _mm512_unpackhi_epi8(p2, p3);
+  out[0] = _mm512_castsi512_ps(_mm512_unpacklo_epi16(lo01, lo23));
+  out[1] = _mm512_castsi512_ps(_mm512_unpackhi_epi16(lo01, lo23));
+  out[2] = _mm512_castsi512_ps(_mm512_unpacklo_epi16(hi01, hi23));
+  out[3] = _mm512_castsi512_ps(_mm512_unpackhi_epi16(hi01, hi23));
+}
+
+// A 256-entry float table as four byte planes of four zmm each.
+struct Table256 {
+  __m512i t[4][4];
+  explicit Table256(const uint8_t* planes) {
+    for (int k = 0; k < 4; ++k) {
+      for (int j = 0; j < 4; ++j) t[k][j] = _mm512_loadu_si512(planes + 256 * k + 64 * j);
+    }
+  }
+  // Entries idx (64 bytes, any order) of plane k; hi = the top bits of idx.
+  __m512i plane(int k, __m512i idx, __mmask64 hi) const {
+    const __m512i lo = _mm512_permutex2var_epi8(t[k][0], idx, t[k][1]);
+    const __m512i up = _mm512_permutex2var_epi8(t[k][2], idx, t[k][3]);
+    return _mm512_mask_blend_epi8(hi, lo, up);
+  }
+  // Only the lower 128 entries (idx taken mod 128).
+  __m512i plane_low(int k, __m512i idx) const {
+    return _mm512_permutex2var_epi8(t[k][0], idx, t[k][1]);
+  }
+};
+
+// 64 codes (natural order) -> code values, natural order.
+inline void decode64(__m512i q, const Table256& code, __m512 out[4]) {
+  const __m512i qp = swap_order(q);
+  const __mmask64 hi = _mm512_movepi8_mask(qp);
+  unpack_planes(code.plane(0, qp, hi), code.plane(1, qp, hi), code.plane(2, qp, hi),
+                code.plane(3, qp, hi), out);
+}
+
+// The arithmetic index of a code in registers (CodeIndex, lane-wise).
+struct IndexRegs {
+  __m512 lo, key_a, key_b, a, b;
+  Table256 mid;
+  explicit IndexRegs(const CodeIndex& ix, const uint8_t* mid_planes)
+      : lo(_mm512_set1_ps(ix.lo)),
+        key_a(_mm512_castsi512_ps(_mm512_loadu_si512(ix.binade_key))),
+        key_b(_mm512_castsi512_ps(_mm512_loadu_si512(ix.binade_key + 16))),
+        a(_mm512_loadu_ps(ix.a)),
+        b(_mm512_loadu_ps(ix.b)),
+        mid(mid_planes) {}
+};
+
+// How the index sees v: |v| (a folded index), max(v, lo) with lo >= 0 (w has no
+// sign bit), or max(v, lo) with lo < 0.
+enum class Domain { kFolded, kNonNegative, kSigned };
+
+// CodeIndex::candidate for 16 values w.
+template <Domain D>
+inline __m512i candidate16(__m512 w, const IndexRegs& r) {
+  static_assert(CodeIndex::kLowestBinade % 32 == 0, "the binade is the exponent's low 5 bits");
+  const __m512i mag = D == Domain::kSigned
+                          ? _mm512_and_si512(_mm512_castps_si512(w), _mm512_set1_epi32(0x7FFFFFFF))
+                          : _mm512_castps_si512(w);
+  // permutex2var reads the low 5 bits of the exponent: the binade
+  const __m512i e = _mm512_max_epu32(_mm512_srli_epi32(mag, 23),
+                                     _mm512_set1_epi32(CodeIndex::kLowestBinade));
+  const __m512 key = _mm512_permutex2var_ps(r.key_a, e, r.key_b);
+  __m512i lvl = _mm512_and_si512(_mm512_castps_si512(key), _mm512_set1_epi32(15));
+  lvl = _mm512_mask_add_epi32(lvl, _mm512_cmp_ps_mask(w, key, _CMP_GE_OQ), lvl,
+                              _mm512_set1_epi32(1));
+  const __m512 t = _mm512_fmsub_ps(w, _mm512_permutexvar_ps(lvl, r.a), _mm512_permutexvar_ps(lvl, r.b));
+  return _mm512_cvttps_epi32(t);
+}
+
+// Nearest codes of 64 values v (natural order) -> 64 bytes, natural order:
+// CodeIndex::nearest lane by lane.
+template <Domain D>
+inline __m512i encode64(const __m512 v[4], const IndexRegs& r) {
+  static_assert(CodeIndex::kLowestBinade % 32 == 0, "binade lookup reads 5 bits");
+  constexpr bool fold = D == Domain::kFolded;
+  __m512 w[4];
+  __m512i f[4];
+  for (int s = 0; s < 4; ++s) {
+    w[s] = fold ? _mm512_abs_ps(v[s]) : _mm512_max_ps(v[s], r.lo);
+    f[s] = candidate16<D>(w[s], r);
+  }
+  const __m512i fp = pack_bytes(f[0], f[1], f[2], f[3]);  // CodeIndex::pack_saturate
+  __m512 m[4];
+  if (fold) {
+    unpack_planes(r.mid.plane_low(0, fp), r.mid.plane_low(1, fp), r.mid.plane_low(2, fp),
+                  r.mid.plane_low(3, fp), m);
+  } else {
+    const __mmask64 hi = _mm512_movepi8_mask(fp);
+    unpack_planes(r.mid.plane(0, fp, hi), r.mid.plane(1, fp, hi), r.mid.plane(2, fp, hi),
+                  r.mid.plane(3, fp, hi), m);
+  }
+  const __m512i one = _mm512_set1_epi32(1);
+  __m512i n[4];
+  for (int s = 0; s < 4; ++s) {
+    if (fold) {
+      // negative v: 254 - (f + [w >= m]), and w >= m is w > (the float below m)
+      const __mmask16 neg = _mm512_movepi32_mask(_mm512_castps_si512(v[s]));
+      const __m512i mi = _mm512_castps_si512(m[s]);
+      const __m512 ma = _mm512_castsi512_ps(_mm512_mask_sub_epi32(mi, neg, mi, one));
+      const __m512i r1 = _mm512_mask_add_epi32(f[s], _mm512_cmp_ps_mask(w[s], ma, _CMP_GT_OQ), f[s], one);
+      n[s] = _mm512_mask_sub_epi32(r1, neg, _mm512_set1_epi32(254), r1);
+    } else {
+      n[s] = _mm512_mask_add_epi32(f[s], _mm512_cmp_ps_mask(w[s], m[s], _CMP_GT_OQ), f[s], one);
+    }
+  }
+  return swap_order(pack_bytes(n[0], n[1], n[2], n[3]));
+}
+
+// sqrt(v) for v >= 0 and m / d for d >= eps > 0 from the 14-bit estimates and a
+// Newton step each (to about 1 ulp): vsqrtps and vdivps take 10-12 cycles per 16
+// lanes here, and AdamW's update needs both. For v below the normal range the
+// estimate is off, but there sqrt(v) < 2^-63, far under the eps it is added to.
+inline __m512 sqrt_nr(__m512 v) {
+  const __m512 y = _mm512_min_ps(_mm512_rsqrt14_ps(v), _mm512_set1_ps(0x1p60f));  // 1/sqrt(0) = inf
+  const __m512 s = _mm512_mul_ps(v, y);
+  const __m512 h = _mm512_mul_ps(y, _mm512_set1_ps(0.5f));
+  return _mm512_fmadd_ps(s, _mm512_fnmadd_ps(s, h, _mm512_set1_ps(0.5f)), s);
+}
+inline __m512 div_nr(__m512 m, __m512 d) {
+  __m512 r = _mm512_rcp14_ps(d);
+  r = _mm512_fmadd_ps(r, _mm512_fnmadd_ps(d, r, _mm512_set1_ps(1.0f)), r);
+  const __m512 q = _mm512_mul_ps(m, r);
+  return _mm512_fmadd_ps(r, _mm512_fnmadd_ps(d, q, m), q);
+}
+
+inline __mmask16 lanes(int64_t k, int s) {
+  const int64_t left = k - 16 * s;
+  return left >= 16 ? __mmask16(0xFFFF) : (left > 0 ? __mmask16((1u << left) - 1) : __mmask16(0));
+}
+inline __mmask32 bytes_mask(int64_t k) { return k >= 32 ? ~__mmask32(0) : (__mmask32(1) << k) - 1; }
+
+// 64 lanes of a block: lanes 32h..32h+31 are n[h] <= 32 consecutive elements at
+// offset off[h] (and at buf[h] in the block's scratch, segment after segment).
+// Long segments give chunks of 64 consecutive elements; segments of 32 or fewer
+// (tiles) go two to a chunk, so no lanes idle. Masked loads never fault, so an
+// empty half may point anywhere.
+struct Chunk {
+  int64_t off[2], buf[2], n[2];
+};
+
+template <class F>
+inline void for_chunks(const BlockLayout::Block& blk, int64_t row_len, F&& f) {
+  const int64_t len = blk.seg_len;
+  if (len <= 32) {
+    for (int64_t s = 0; s < blk.segments; s += 2) {
+      const int64_t off = blk.start + s * row_len;
+      f(Chunk{{off, off + row_len}, {s * len, (s + 1) * len}, {len, s + 1 < blk.segments ? len : 0}});
+    }
+    return;
+  }
+  for (int64_t s = 0; s < blk.segments; ++s) {
+    const int64_t off = blk.start + s * row_len;
+    for (int64_t i = 0; i < len; i += 64) {
+      const int64_t k = len - i < 64 ? len - i : 64;
+      f(Chunk{{off + i, off + i + 32},
+              {s * len + i, s * len + i + 32},
+              {k < 32 ? k : 32, k > 32 ? k - 32 : 0}});
+    }
+  }
+}
+
+inline void load_floats(const float* x, const int64_t off[2], const Chunk& c, __m512 v[4]) {
+  for (int j = 0; j < 4; ++j) {
+    v[j] = _mm512_maskz_loadu_ps(lanes(c.n[j >> 1], j & 1), x + off[j >> 1] + 16 * (j & 1));
+  }
+}
+inline void store_floats(float* x, const int64_t off[2], const Chunk& c, const __m512 v[4]) {
+  for (int j = 0; j < 4; ++j) {
+    _mm512_mask_storeu_ps(x + off[j >> 1] + 16 * (j & 1), lanes(c.n[j >> 1], j & 1), v[j]);
+  }
+}
+inline __m512i load_bytes(const uint8_t* q, const Chunk& c) {
+  const __m256i lo = _mm256_maskz_loadu_epi8(bytes_mask(c.n[0]), q + c.off[0]);
+  const __m256i hi = _mm256_maskz_loadu_epi8(bytes_mask(c.n[1]), q + c.off[1]);
+  return _mm512_inserti64x4(_mm512_castsi256_si512(lo), hi, 1);
+}
+inline void store_bytes(uint8_t* q, const Chunk& c, __m512i b) {
+  _mm256_mask_storeu_epi8(q + c.off[0], bytes_mask(c.n[0]), _mm512_castsi512_si256(b));
+  _mm256_mask_storeu_epi8(q + c.off[1], bytes_mask(c.n[1]), _mm512_extracti64x4_epi64(b, 1));
+}
+
+// Software prefetch, `ahead` elements past each half of a chunk (one line of
+// floats or bytes): blocks are short runs, and tiles read 32 rows at once, more
+// streams than the hardware prefetcher follows.
+inline int64_t prefetch_distance(const BlockLayout::Block& blk) {
+  return blk.seg_len <= 32 ? 64 : 1024;  // two tiles along the row, or 4 KiB of floats
+}
+template <class T>
+inline void prefetch(const T* x, const Chunk& c, int64_t ahead) {
+  for (int h = 0; h < 2; ++h) {
+    _mm_prefetch(reinterpret_cast<const char*>(x + c.off[h] + ahead), _MM_HINT_T0);
+    if (sizeof(T) * 32 > 64) {
+      _mm_prefetch(reinterpret_cast<const char*>(x + c.off[h] + ahead + 64 / sizeof(T)), _MM_HINT_T0);
+    }
+  }
+}
+
+// Max |x| over a block; *bad set when it holds NaN or Inf (x * 0 is then NaN).
+// Four accumulators of each, so the loop runs at load speed, not max latency.
+float block_absmax(const float* x, const BlockLayout::Block& blk, int64_t row_len, bool* bad) {
+  __m512 am[4], probe[4];
+  for (int j = 0; j < 4; ++j) am[j] = probe[j] = _mm512_setzero_ps();
+  const __m512 zero = _mm512_setzero_ps();
+  const int64_t ahead = prefetch_distance(blk);
+  for_chunks(blk, row_len, [&](const Chunk& c) {
+    prefetch(x, c, ahead);
+    __m512 v[4];
+    load_floats(x, c.off, c, v);
+    for (int j = 0; j < 4; ++j) {
+      am[j] = _mm512_max_ps(am[j], _mm512_abs_ps(v[j]));
+      probe[j] = _mm512_fmadd_ps(v[j], zero, probe[j]);
+    }
+  });
+  const __m512 a = _mm512_max_ps(_mm512_max_ps(am[0], am[1]), _mm512_max_ps(am[2], am[3]));
+  const __m512 pr4 = _mm512_add_ps(_mm512_add_ps(probe[0], probe[1]), _mm512_add_ps(probe[2], probe[3]));
+  const float pr = _mm512_reduce_add_ps(pr4);
+  if (pr != 0.0f || std::isnan(pr)) *bad = true;
+  return _mm512_reduce_max_ps(a);
+}
+
+// Codes of a block: x (at the chunks' off, or at their buf when from_buf) times scale.
+template <Domain D>
+void quantize_block(const float* x, bool from_buf, const BlockLayout::Block& blk, int64_t row_len,
+                    float scale, const IndexRegs& r, uint8_t* q) {
+  const __m512 sc = _mm512_set1_ps(scale);
+  for_chunks(blk, row_len, [&](const Chunk& c) {
+    __m512 v[4];
+    load_floats(x, from_buf ? c.buf : c.off, c, v);
+    for (int j = 0; j < 4; ++j) v[j] = _mm512_mul_ps(v[j], sc);
+    store_bytes(q, c, encode64<D>(v, r));
+  });
+}
+
+template <Domain D>
+void quantize_blocks_in(const float* x, const BlockLayout& L, const IndexRegs& r, uint8_t* q,
+                        float* absmax, int64_t b0, int64_t b1, bool* bad) {
+  for (int64_t b = b0; b < b1; ++b) {
+    const auto blk = L.block(b);
+    const float amax = block_absmax(x, blk, L.row_len, bad);
+    quantize_block<D>(x, false, blk, L.row_len, amax > 0.0f ? 1.0f / amax : 0.0f, r, q);
+    absmax[b] = amax;
+  }
+}
+
+Domain domain_of(const CodeIndex& ix) {
+  return ix.fold ? Domain::kFolded : (ix.lo >= 0.0f ? Domain::kNonNegative : Domain::kSigned);
+}
+
+// quantize_block for a domain known only at run time.
+void quantize_block_in(Domain d, const float* x, bool from_buf, const BlockLayout::Block& blk,
+                       int64_t row_len, float scale, const IndexRegs& r, uint8_t* q) {
+  switch (d) {
+    case Domain::kFolded: return quantize_block<Domain::kFolded>(x, from_buf, blk, row_len, scale, r, q);
+    case Domain::kNonNegative:
+      return quantize_block<Domain::kNonNegative>(x, from_buf, blk, row_len, scale, r, q);
+    case Domain::kSigned: return quantize_block<Domain::kSigned>(x, from_buf, blk, row_len, scale, r, q);
+  }
+}
+
+}  // namespace
+
+bool supported() {
+  __builtin_cpu_init();
+  return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+         __builtin_cpu_supports("avx512dq") && __builtin_cpu_supports("avx512vl") &&
+         __builtin_cpu_supports("avx512vbmi");
+}
+
+void quantize_blocks(const float* x, const BlockLayout& L, const CodeLut& lut, uint8_t* q,
+                     float* absmax, int64_t b0, int64_t b1, bool* bad) {
+  const IndexRegs r(*lut.index(), lut.index_mid_planes());
+  switch (domain_of(*lut.index())) {
+    case Domain::kFolded:
+      return quantize_blocks_in<Domain::kFolded>(x, L, r, q, absmax, b0, b1, bad);
+    case Domain::kNonNegative:
+      return quantize_blocks_in<Domain::kNonNegative>(x, L, r, q, absmax, b0, b1, bad);
+    case Domain::kSigned:
+      return quantize_blocks_in<Domain::kSigned>(x, L, r, q, absmax, b0, b1, bad);
+  }
+}
+
+void dequantize_blocks(const uint8_t* q, const float* absmax, const BlockLayout& L,
+                       const CodeLut& lut, float* out, int64_t b0, int64_t b1) {
+  // Outputs past the caches go around them (streaming stores: no read for
+  // ownership, half the memory traffic); smaller ones stay for their reader.
+  const bool stream = L.numel >= (int64_t{1} << 20);
+  struct Fence {
+    bool on;
+    ~Fence() { if (on) _mm_sfence(); }
+  } fence{stream};
+  const Table256 code(lut.code_planes());
+  for (int64_t b = b0; b < b1; ++b) {
+    const __m512 a = _mm512_set1_ps(absmax[b]);
+    const auto blk = L.block(b);
+    const int64_t ahead = prefetch_distance(blk);
+    for_chunks(blk, L.row_len, [&](const Chunk& c) {
+      prefetch(q, c, ahead);
+      __m512 v[4];
+      decode64(load_bytes(q, c), code, v);
+      for (int j = 0; j < 4; ++j) v[j] = _mm512_mul_ps(v[j], a);
+      if (stream && c.n[0] == 32 && c.n[1] == 32 && c.off[1] == c.off[0] + 32 &&
+          (reinterpret_cast<uintptr_t>(out + c.off[0]) & 63) == 0) {
+        for (int j = 0; j < 4; ++j) _mm512_stream_ps(out + c.off[0] + 16 * j, v[j]);
+      } else {
+        store_floats(out, c.off, c, v);
+      }
+    });
+  }
+}
+
+void adamw8bit_blocks(float* p, const float* g, uint8_t* q1, float* absmax1, uint8_t* q2,
+                      float* absmax2, const BlockLayout& L, const CodeLut& lut1,
+                      const CodeLut& lut2, const AdamWCoeffs& c, int64_t b0, int64_t b1,
+                      float* buf) {
+  const Table256 code1(lut1.code_planes()), code2(lut2.code_planes());
+  const IndexRegs r1(*lut1.index(), lut1.index_mid_planes());
+  const IndexRegs r2(*lut2.index(), lut2.index_mid_planes());
+  const Domain d1 = domain_of(*lut1.index()), d2 = domain_of(*lut2.index());
+  float* mbuf = buf;
+  float* vbuf = buf + L.max_block_elems();
+  const __m512 b1v = _mm512_set1_ps(c.b1), omb1 = _mm512_set1_ps(c.one_minus_b1);
+  const __m512 b2v = _mm512_set1_ps(c.b2), omb2 = _mm512_set1_ps(c.one_minus_b2);
+  const __m512 decay = _mm512_set1_ps(c.decay), step = _mm512_set1_ps(c.step_size);
+  const __m512 isb = _mm512_set1_ps(c.inv_sqrt_bc2), eps = _mm512_set1_ps(c.eps);
+  for (int64_t b = b0; b < b1; ++b) {
+    const auto blk = L.block(b);
+    const __m512 a1 = _mm512_set1_ps(absmax1[b]), a2 = _mm512_set1_ps(absmax2[b]);
+    __m512 am1 = _mm512_setzero_ps(), am2 = _mm512_setzero_ps();
+    // One pass: decode the moments, update them and the parameter (adamw_update's
+    // operations), keep the new moments for the block's absmax.
+    const int64_t ahead = prefetch_distance(blk);
+    for_chunks(blk, L.row_len, [&](const Chunk& ch) {
+      prefetch(p, ch, ahead);
+      prefetch(g, ch, ahead);
+      prefetch(q1, ch, ahead);
+      prefetch(q2, ch, ahead);
+      __m512 m[4], v[4], gj[4], pj[4];
+      decode64(load_bytes(q1, ch), code1, m);
+      decode64(load_bytes(q2, ch), code2, v);
+      load_floats(g, ch.off, ch, gj);
+      load_floats(p, ch.off, ch, pj);
+      for (int j = 0; j < 4; ++j) {
+        const __m512 mj = _mm512_fmadd_ps(b1v, _mm512_mul_ps(m[j], a1), _mm512_mul_ps(omb1, gj[j]));
+        const __m512 vj = _mm512_fmadd_ps(b2v, _mm512_mul_ps(v[j], a2),
+                                          _mm512_mul_ps(_mm512_mul_ps(omb2, gj[j]), gj[j]));
+        const __m512 denom = _mm512_fmadd_ps(sqrt_nr(vj), isb, eps);
+        pj[j] = _mm512_fnmadd_ps(step, div_nr(mj, denom), _mm512_mul_ps(pj[j], decay));
+        const __mmask16 live = lanes(ch.n[j >> 1], j & 1);
+        am1 = _mm512_mask_max_ps(am1, live, am1, _mm512_abs_ps(mj));
+        am2 = _mm512_mask_max_ps(am2, live, am2, _mm512_abs_ps(vj));
+        m[j] = mj;
+        v[j] = vj;
+      }
+      store_floats(p, ch.off, ch, pj);
+      store_floats(mbuf, ch.buf, ch, m);
+      store_floats(vbuf, ch.buf, ch, v);
+    });
+    const float amax1 = _mm512_reduce_max_ps(am1), amax2 = _mm512_reduce_max_ps(am2);
+    quantize_block_in(d1, mbuf, true, blk, L.row_len, amax1 > 0.0f ? 1.0f / amax1 : 0.0f, r1, q1);
+    quantize_block_in(d2, vbuf, true, blk, L.row_len, amax2 > 0.0f ? 1.0f / amax2 : 0.0f, r2, q2);
+    absmax1[b] = amax1;
+    absmax2[b] = amax2;
+  }
+}
+
+}  // namespace rfsdp::quant::cpu::avx512
+
+#pragma GCC pop_options
+
+#else  // not x86-64 GCC: supported() is false, so nothing below is reached
+
+#include <stdexcept>
+
+namespace rfsdp::quant::cpu::avx512 {
+namespace {
+[[noreturn]] void absent() { throw std::logic_error("the AVX-512 quantisation kernels are not built here"); }
+}  // namespace
+bool supported() { return false; }
+void quantize_blocks(const float*, const BlockLayout&, const CodeLut&, uint8_t*, float*, int64_t,
+                     int64_t, bool*) { absent(); }
+void dequantize_blocks(const uint8_t*, const float*, const BlockLayout&, const CodeLut&, float*,
+                       int64_t, int64_t) { absent(); }
+void adamw8bit_blocks(float*, const float*, uint8_t*, float*, uint8_t*, float*,
+                      const BlockLayout&, const CodeLut&, const CodeLut&, const AdamWCoeffs&,
+                      int64_t, int64_t, float*) { absent(); }
+}  // namespace rfsdp::quant::cpu::avx512
+
+#endif

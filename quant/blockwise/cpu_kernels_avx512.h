@@ -1,0 +1,31 @@
+// The AVX-512 (F, BW, VBMI) kernels of block-wise 8-bit quantisation; chosen
+// at run time by cpu_kernels.cpp where the CPU has them. Same contracts as the
+// portable kernels (cpu_kernels.h), over blocks [b0, b1); the nearest code
+// comes from the code's arithmetic index (code_index.h), so quantising needs
+// lut.index(). Codes and midpoints are looked up in registers (byte planes and
+// vpermi2b), not with gathers, which are slow on several of these CPUs.
+#pragma once
+
+#include <cstdint>
+
+#include "quant/blockwise/cpu_kernels.h"
+
+namespace rfsdp::quant::cpu::avx512 {
+
+// Whether this CPU (and OS) runs these kernels.
+bool supported();
+
+// *bad turns true when x holds NaN or Inf.
+void quantize_blocks(const float* x, const BlockLayout& L, const CodeLut& lut, uint8_t* q,
+                     float* absmax, int64_t b0, int64_t b1, bool* bad);
+
+void dequantize_blocks(const uint8_t* q, const float* absmax, const BlockLayout& L,
+                       const CodeLut& lut, float* out, int64_t b0, int64_t b1);
+
+// buf: 2 * L.max_block_elems() floats of scratch.
+void adamw8bit_blocks(float* p, const float* g, uint8_t* q1, float* absmax1, uint8_t* q2,
+                      float* absmax2, const BlockLayout& L, const CodeLut& lut1,
+                      const CodeLut& lut2, const AdamWCoeffs& c, int64_t b0, int64_t b1,
+                      float* buf);
+
+}  // namespace rfsdp::quant::cpu::avx512

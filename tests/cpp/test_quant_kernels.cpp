@@ -1,0 +1,243 @@
+// The arithmetic nearest-code index and the kernel sets: the index against the
+// binary search on a fresh sample of all floats in (-2, 2) and around every
+// midpoint; codes it must refuse; and the AVX-512 kernels against the portable
+// ones (codes, absmax, dequantised values bit for bit; the fused AdamW8bit step
+// to float rounding) on shapes that exercise every chunk kind.
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <cstdlib>
+#include <cstring>
+#include <random>
+
+#include "quant/blockwise/code_index.h"
+#include "quant/blockwise/code_maps.h"
+#include "quant/blockwise/cpu_kernels.h"
+#include "tests/cpp/quant_isas.h"
+#include "tests/cpp/test_util.h"
+
+namespace rfsdp::quant {
+namespace {
+
+using testing::fresh_seed;
+
+float float_of(uint32_t b) {
+  float f;
+  std::memcpy(&f, &b, 4);
+  return f;
+}
+
+std::vector<at::Tensor> shipped_maps() {
+  return {dynamic_map(true), dynamic_map(false), linear_map(true), linear_map(false)};
+}
+
+TEST(CodeIndex, EqualsTheBinarySearchOnASampleOfEveryFloat) {
+  const uint64_t seed = fresh_seed();
+  SCOPED_TRACE("seed " + std::to_string(seed));
+  std::mt19937_64 rng(seed);
+  // RFSDP_EXHAUSTIVE=1: every float in (-2, 2) (minutes), else a fresh 1/211 of them.
+  const bool all = std::getenv("RFSDP_EXHAUSTIVE") != nullptr;
+  const uint32_t stride = all ? 1 : 211;
+  for (const at::Tensor& code : shipped_maps()) {
+    const cpu::CodeLut lut(code.data_ptr<float>());
+    ASSERT_NE(lut.index(), nullptr) << "the shipped maps all have an arithmetic index";
+    const CodeIndex& ix = *lut.index();
+    const uint32_t offset = static_cast<uint32_t>(rng() % stride);
+    for (uint32_t sign : {0u, 0x80000000u}) {
+      for (uint32_t b = offset; b < 0x40000000u; b += stride) {  // |v| < 2
+        const float v = float_of(sign | b);
+        ASSERT_EQ(ix.nearest(v, lut.mid()), lut.nearest_by_search(v)) << "v = " << v;
+      }
+    }
+    // Every midpoint, its neighbours, every code and its neighbours.
+    for (int i = 0; i < 255; ++i) {
+      for (float c : {lut.mid()[i], lut.code()[i]}) {
+        for (float v : {c, std::nextafter(c, 3.0f), std::nextafter(c, -3.0f)}) {
+          ASSERT_EQ(ix.nearest(v, lut.mid()), lut.nearest_by_search(v)) << "v = " << v;
+        }
+      }
+    }
+  }
+}
+
+TEST(CodeIndex, RefusedWhereTheStructureDoesNotFit) {
+  const uint64_t seed = fresh_seed();
+  SCOPED_TRACE("seed " + std::to_string(seed));
+  std::mt19937_64 rng(seed);
+  // One code of the dynamic map moved a third of the way to its neighbour: the
+  // decade formula no longer finds it, and the index must say so.
+  at::Tensor moved = dynamic_map(true).clone();
+  const int i = 140 + static_cast<int>(rng() % 100);
+  float* c = moved.data_ptr<float>();
+  c[i] = c[i] + (c[i + 1] - c[i]) / 3;
+  EXPECT_EQ(cpu::CodeLut(c).index(), nullptr) << "code " << i << " moved";
+  // A sorted random code.
+  at::Tensor random = std::get<0>(at::rand({256}).mul(2).sub(1).sort());
+  EXPECT_EQ(cpu::CodeLut(random.data_ptr<float>()).index(), nullptr);
+  // Such codes still quantise (the portable kernels, whatever the ISA) to their nearest code.
+  testing::for_each_quant_isa([&](cpu::Isa) {
+    for (const at::Tensor& code : {moved, random}) {
+      const auto lut = code_lut(code);
+      const at::Tensor x = testing::seeded_randn({5, 300}, seed, 1);
+      const BlockLayout L(BlockShape::blocks(256), 5, 300);
+      at::Tensor q = at::empty({1500}, at::kByte), a = at::empty({L.num_blocks});
+      ASSERT_TRUE(cpu::quantize(x.data_ptr<float>(), L, *lut, q.data_ptr<uint8_t>(),
+                                a.data_ptr<float>()));
+      for (int64_t e = 0; e < 1500; ++e) {
+        const float v = x.data_ptr<float>()[e] * (1.0f / a.data_ptr<float>()[e / 256]);
+        ASSERT_EQ(q.data_ptr<uint8_t>()[e], lut->nearest_by_search(v)) << "element " << e;
+      }
+    }
+  });
+}
+
+// Quantised by every kernel set, each block holding a +-1 so its scale is exactly
+// 1: the codes must be the binary search's for the very values given.
+TEST(Kernels, QuantiseGivesTheSearchsCodeForEveryValue) {
+  const uint64_t seed = fresh_seed();
+  SCOPED_TRACE("seed " + std::to_string(seed));
+  std::mt19937_64 rng(seed);
+  const int64_t n = int64_t{1} << 20;
+  for (const at::Tensor& code : shipped_maps()) {
+    const auto lut = code_lut(code);
+    at::Tensor x = at::empty({n});
+    float* xv = x.data_ptr<float>();
+    for (int64_t e = 0; e < n; ++e) {
+      // random bit patterns in (-1, 1), a quarter of them in the decades down to 1e-7
+      const uint32_t mag = rng() % 4 ? static_cast<uint32_t>(rng() % 0x3F800000u)
+                                     : 0x33800000u + static_cast<uint32_t>(rng() % 0x0C000000u);
+      xv[e] = float_of(mag | ((rng() & 1) ? 0x80000000u : 0u));
+    }
+    for (int64_t e = 0; e < n; e += 256) xv[e] = (e / 256) % 2 ? 1.0f : -1.0f;
+    for (BlockShape shape : {BlockShape::blocks(256), BlockShape::blocks(2048)}) {
+      const BlockLayout L(shape, n / 1024, 1024);
+      testing::for_each_quant_isa([&](cpu::Isa) {
+        at::Tensor q = at::full({n}, 0xAB, at::kByte), a = at::empty({L.num_blocks});
+        ASSERT_TRUE(cpu::quantize(xv, L, *lut, q.data_ptr<uint8_t>(), a.data_ptr<float>()));
+        for (int64_t e = 0; e < n; ++e) {
+          ASSERT_EQ(q.data_ptr<uint8_t>()[e], lut->nearest_by_search(xv[e])) << "x = " << xv[e];
+        }
+      });
+    }
+  }
+}
+
+// AVX-512 against portable: the same codes, absmax and dequantised values on
+// shapes with long rows and tails, tiles with partial edges, an odd number of
+// tile rows (a chunk half empty), rows shorter than a chunk, zero blocks, NaN.
+TEST(Kernels, Avx512EqualsPortableBitForBit) {
+  if (!cpu::isa_supported(cpu::Isa::kAvx512)) GTEST_SKIP() << "this CPU has no AVX-512 VBMI";
+  const uint64_t seed = fresh_seed();
+  SCOPED_TRACE("seed " + std::to_string(seed));
+  struct Case {
+    int64_t rows, row_len;
+    BlockShape shape;
+  };
+  const Case cases[] = {{37, 530, BlockShape::blocks(256)}, {3, 1000, BlockShape::blocks(2048)},
+                        {70, 45, BlockShape::tiles(32, 32)}, {33, 97, BlockShape::tiles(32, 32)},
+                        {9, 13, BlockShape::tiles(4, 5)},    {5, 200, BlockShape::tiles(3, 64)},
+                        {100, 1, BlockShape::blocks(7)},     {2, 64, BlockShape::tiles(2, 64)}};
+  const cpu::Isa before = cpu::active_isa();
+  int k = 0;
+  for (const Case& c : cases) {
+    for (bool is_signed : {true, false}) {
+      SCOPED_TRACE(c.shape.str() + " over " + std::to_string(c.rows) + "x" +
+                   std::to_string(c.row_len) + (is_signed ? " signed" : " unsigned"));
+      const at::Tensor code = dynamic_map(is_signed);
+      const auto lut = code_lut(code);
+      at::Tensor x = testing::seeded_randn({c.rows, c.row_len}, seed, k++);
+      if (!is_signed) x = x.abs();
+      x.view(-1).slice(0, 0, std::min<int64_t>(40, x.numel())).zero_();  // zero blocks
+      const BlockLayout L(c.shape, c.rows, c.row_len);
+      const int64_t n = c.rows * c.row_len;
+      at::Tensor q[2], a[2], out[2];
+      for (int i = 0; i < 2; ++i) {
+        cpu::use_isa(i ? cpu::Isa::kAvx512 : cpu::Isa::kPortable);
+        q[i] = at::full({n}, 0xAB, at::kByte);
+        a[i] = at::full({L.num_blocks}, -1.0f);
+        out[i] = at::full({n}, NAN);
+        ASSERT_TRUE(cpu::quantize(x.data_ptr<float>(), L, *lut, q[i].data_ptr<uint8_t>(),
+                                  a[i].data_ptr<float>()));
+        cpu::dequantize(q[i].data_ptr<uint8_t>(), a[i].data_ptr<float>(), L, *lut,
+                        out[i].data_ptr<float>());
+      }
+      cpu::use_isa(before);
+      ASSERT_TRUE(at::equal(q[0], q[1])) << "codes differ";
+      ASSERT_TRUE(at::equal(a[0], a[1])) << "absmax differs";
+      ASSERT_TRUE(at::equal(out[0], out[1])) << "dequantised values differ";
+      // NaN and Inf are reported by both.
+      for (float bad : {NAN, INFINITY}) {
+        at::Tensor y = x.clone();
+        y.view(-1)[n / 2] = bad;
+        for (cpu::Isa isa : testing::quant_isas()) {
+          cpu::use_isa(isa);
+          EXPECT_FALSE(cpu::quantize(y.data_ptr<float>(), L, *lut, q[0].data_ptr<uint8_t>(),
+                                     a[0].data_ptr<float>()))
+              << cpu::isa_name(isa) << " missed " << bad;
+        }
+        cpu::use_isa(before);
+      }
+    }
+  }
+}
+
+// The fused AdamW8bit step: AVX-512 (Newton-refined reciprocal and square root)
+// against portable, one step from the same random state: parameters to float
+// rounding of the update, codes within one (where rounding lands on a midpoint),
+// absmax to float rounding. (Over many steps the two drift apart by whole code
+// steps, as any two roundings would; each is held to the float64 transcription
+// in AdamW8bit.StepEqualsFloat64TranscriptionElementByElement.)
+TEST(Kernels, Avx512AdamW8bitStepTracksPortable) {
+  if (!cpu::isa_supported(cpu::Isa::kAvx512)) GTEST_SKIP() << "this CPU has no AVX-512 VBMI";
+  const uint64_t seed = fresh_seed();
+  SCOPED_TRACE("seed " + std::to_string(seed));
+  std::mt19937_64 rng(seed);
+  const auto lut1 = code_lut(dynamic_map(true)), lut2 = code_lut(dynamic_map(false));
+  const cpu::Isa before = cpu::active_isa();
+  int k = 0;
+  for (BlockShape shape : {BlockShape::blocks(256), BlockShape::tiles(32, 32), BlockShape::blocks(100)}) {
+    SCOPED_TRACE(shape.str());
+    const int64_t rows = 67, row_len = 131, n = rows * row_len;
+    const BlockLayout L(shape, rows, row_len);
+    const at::Tensor p0 = testing::seeded_randn({n}, seed, 100 + k);
+    const at::Tensor g = testing::seeded_randn({n}, seed, 200 + k) * 1e-2;
+    at::Tensor q10 = at::empty({n}, at::kByte), q20 = at::empty({n}, at::kByte);
+    for (int64_t e = 0; e < n; ++e) {
+      q10.data_ptr<uint8_t>()[e] = static_cast<uint8_t>(rng() % 256);
+      q20.data_ptr<uint8_t>()[e] = static_cast<uint8_t>(rng() % 256);
+    }
+    const at::Tensor a10 = testing::seeded_randn({L.num_blocks}, seed, 300 + k).abs() * 0.01;
+    const at::Tensor a20 = testing::seeded_randn({L.num_blocks}, seed, 400 + k).abs() * 1e-4;
+    ++k;
+    at::Tensor p[2], q1[2], q2[2], a1[2], a2[2];
+    for (int i = 0; i < 2; ++i) {
+      p[i] = p0.clone(), q1[i] = q10.clone(), q2[i] = q20.clone();
+      a1[i] = a10.clone(), a2[i] = a20.clone();
+      cpu::use_isa(i ? cpu::Isa::kAvx512 : cpu::Isa::kPortable);
+      cpu::adamw8bit_step(p[i].data_ptr<float>(), g.data_ptr<float>(), q1[i].data_ptr<uint8_t>(),
+                          a1[i].data_ptr<float>(), q2[i].data_ptr<uint8_t>(),
+                          a2[i].data_ptr<float>(), L, *lut1, *lut2,
+                          {1e-3f, 0.9f, 0.999f, 1e-8f, 0.01f, 3});
+    }
+    cpu::use_isa(before);
+    int64_t codes_apart = 0;
+    for (int64_t e = 0; e < n; ++e) {
+      const double start = p0.data_ptr<float>()[e], pa = p[0].data_ptr<float>()[e];
+      const double pb = p[1].data_ptr<float>()[e];
+      ASSERT_NEAR(pa, pb, 1e-5 * std::fabs(pa - start) + 2.5e-7 * std::fabs(pa)) << "element " << e;
+      for (const at::Tensor* q : {q1, q2}) {
+        const int d = std::abs(int(q[0].data_ptr<uint8_t>()[e]) - int(q[1].data_ptr<uint8_t>()[e]));
+        ASSERT_LE(d, 1) << "element " << e;
+        codes_apart += d;
+      }
+    }
+    EXPECT_LE(codes_apart, n / 100) << codes_apart << " codes one apart of " << 2 * n;
+    for (int64_t b = 0; b < L.num_blocks; ++b) {
+      ASSERT_NEAR(a1[0][b].item<float>(), a1[1][b].item<float>(), 1e-6 * a1[0][b].item<float>());
+      ASSERT_NEAR(a2[0][b].item<float>(), a2[1][b].item<float>(), 1e-6 * a2[0][b].item<float>());
+    }
+  }
+}
+
+}  // namespace
+}  // namespace rfsdp::quant
