@@ -406,16 +406,19 @@ def section_8bit(args):
 # ---- 5. 8-bit kernels: rfsdp vs bitsandbytes vs torchao --------------------------------
 
 def quantizers():
-    """name -> (quantise(x) -> state, dequantise(state) -> x) or None, note."""
+    """name -> (quantise(x) -> state, dequantise(state, out) -> x) or None, note.
+    out=None: a new output each call (all three); a tensor: written into it, where
+    the API takes one on the CPU (rfsdp only: bitsandbytes' CPU backend has no
+    dequantize_blockwise.out, torchao takes none)."""
     anchors_on_path()
     out = {"rfsdp": ((lambda x: rfsdp.quant.quantize_blockwise(x, block=256)),
-                     (lambda st: rfsdp.quant.dequantize_blockwise(*st, block=256))), }
+                     (lambda st, o: rfsdp.quant.dequantize_blockwise(*st, block=256, out=o))), }
     notes = {"rfsdp": ""}
     try:
         import bitsandbytes.functional as bnbf
         import bitsandbytes as bnb
         out["bitsandbytes"] = ((lambda x: bnbf.quantize_blockwise(x, blocksize=256)),
-                               (lambda st: bnbf.dequantize_blockwise(*st)))
+                               (lambda st, o: None if o is not None else bnbf.dequantize_blockwise(*st)))
         notes["bitsandbytes"] = "bitsandbytes " + bnb.__version__
     except Exception as e:  # noqa: BLE001
         out["bitsandbytes"], notes["bitsandbytes"] = None, "not available: %s" % str(e)[:60]
@@ -427,7 +430,7 @@ def quantizers():
             st = OptimState8bit.zeros(x.shape, signed=True, block_size=256)
             st.copy_(x)
             return st
-        out["torchao"] = (ao_quantize, lambda st: st.dequantize())
+        out["torchao"] = (ao_quantize, lambda st, o: None if o is not None else st.dequantize())
         notes["torchao"] = "torchao " + torchao.__version__
     except Exception as e:  # noqa: BLE001
         out["torchao"], notes["torchao"] = None, "not available: %s" % str(e)[:60]
@@ -450,28 +453,33 @@ def section_kernels8(args):
     print("\n## 5. 8-bit kernels, one thread, the same tensors: quantise / dequantise (block 256, "
           "dynamic signed map) and one AdamW8bit step on one tensor; GB/s counts the bytes each "
           "must move (quantise and dequantise 4 + 1 per element; AdamW8bit 16, fp32 AdamW 28 per "
-          "parameter); median of %d" % args.kernel_reps)
+          "parameter); median of %d; dequantise into a new output each call, and into a reused "
+          "one where the API takes it on the CPU ('into out': rfsdp only)" % args.kernel_reps)
     qs, notes = quantizers()
-    print("%-12s %9s | %10s %10s | %10s %10s  %s" % ("impl", "elements", "quant GB/s", "/ rfsdp",
-                                                      "deq GB/s", "/ rfsdp", "note"))
+    print("%-12s %9s | %10s %10s | %10s %10s %10s  %s" % (
+        "impl", "elements", "quant GB/s", "/ rfsdp", "deq GB/s", "/ rfsdp", "into out", "note"))
     for n in sizes:
         x = torch.randn(n, generator=torch.Generator().manual_seed(0))
         rates = {}
         for name, q in qs.items():
             if q is None:
-                print("%-12s %8dM | %10s %10s | %10s %10s  %s" % (name, n >> 20, "-", "-", "-", "-",
-                                                                 notes[name]))
+                print("%-12s %8dM | %10s %10s | %10s %10s %10s  %s" % (
+                    name, n >> 20, "-", "-", "-", "-", "-", notes[name]))
                 continue
             quant, deq = q
             st = quant(x)
-            err = (deq(st) - x).abs().max().item() / x.abs().max().item()
+            err = (deq(st, None).view(-1) - x).abs().max().item() / x.abs().max().item()
             tq = timed(lambda: quant(x), args.kernel_reps)
-            td = timed(lambda: deq(st), args.kernel_reps)
+            td = timed(lambda: deq(st, None), args.kernel_reps)
+            buf = torch.empty_like(x)
+            into = "-"
+            if deq(st, buf) is not None:
+                into = "%.2f" % (5 * n / timed(lambda: deq(st, buf), args.kernel_reps) / 1e9)
             rates[name] = (5 * n / tq / 1e9, 5 * n / td / 1e9)
             base = rates["rfsdp"]
-            print("%-12s %8dM | %10.2f %9.2fx | %10.2f %9.2fx  %s, max error %.4f of absmax"
+            print("%-12s %8dM | %10.2f %9.2fx | %10.2f %9.2fx %10s  %s, max error %.4f of absmax"
                   % (name, n >> 20, rates[name][0], rates[name][0] / base[0], rates[name][1],
-                     rates[name][1] / base[1], notes[name], err))
+                     rates[name][1] / base[1], into, notes[name] or "rfsdp", err))
     print("\n%-26s %9s | %10s %12s %10s %13s  %s" % ("optimizer step", "params", "ms/step",
                                                       "GB/s", "/ rfsdp 8bit", "state B/param", "note"))
     opts = eight_bit_optimizers()

@@ -407,10 +407,10 @@ PYBIND11_MODULE(_C, m) {
         py::arg("x"), py::arg("code"), py::arg("block"), py::arg("row_len") = -1);
   m.def("dequantize_blockwise",
         [](const at::Tensor& codes, const at::Tensor& absmax, const at::Tensor& code,
-           const py::object& block, int64_t row_len) {
+           const py::object& block, int64_t row_len, std::optional<at::Tensor> out) {
           return rfsdp::quant::dequantize_blockwise({codes, absmax}, code, block_shape(block),
-                                                    row_len);
+                                                    row_len, out ? *out : at::Tensor());
         },
         py::arg("codes"), py::arg("absmax"), py::arg("code"), py::arg("block"),
-        py::arg("row_len") = -1);
+        py::arg("row_len") = -1, py::arg("out") = py::none());
 }

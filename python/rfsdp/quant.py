@@ -18,6 +18,9 @@ def quantize_blockwise(x, block=256, code="dynamic", signed=True):
     return _C.quantize_blockwise(x, _code(code, signed), block)
 
 
-def dequantize_blockwise(codes, absmax, block=256, code="dynamic", signed=True, shape=None):
-    out = _C.dequantize_blockwise(codes, absmax, _code(code, signed), block)
-    return out.reshape(shape) if shape is not None else out
+def dequantize_blockwise(codes, absmax, block=256, code="dynamic", signed=True, shape=None,
+                         out=None):
+    """-> float32 values (codes' shape, or `shape`); into `out` (float32, contiguous,
+    as many elements) when given, so repeated calls reuse one buffer."""
+    res = _C.dequantize_blockwise(codes, absmax, _code(code, signed), block, out=out)
+    return res.reshape(shape) if shape is not None else res

@@ -62,7 +62,7 @@ Quantized quantize_blockwise(const at::Tensor& x_in, const at::Tensor& code, Blo
 }
 
 at::Tensor dequantize_blockwise(const Quantized& q, const at::Tensor& code, BlockShape shape,
-                                int64_t row_len) {
+                                int64_t row_len, const at::Tensor& out_in) {
   check_cpu_contiguous(q.codes, at::kByte, "dequantize_blockwise codes");
   check_cpu_contiguous(q.absmax, at::kFloat, "dequantize_blockwise absmax");
   const at::Tensor codes = q.codes.contiguous();
@@ -73,7 +73,18 @@ at::Tensor dequantize_blockwise(const Quantized& q, const at::Tensor& code, Bloc
                                 shape.str() + ")");
   }
   const auto lut = code_lut(code.to(at::kFloat));
-  at::Tensor out = at::empty(codes.sizes(), codes.options().dtype(at::kFloat));
+  at::Tensor out = out_in;
+  if (out.defined()) {
+    check_cpu_contiguous(out, at::kFloat, "dequantize_blockwise out");
+    if (!out.is_contiguous() || out.numel() != codes.numel()) {
+      throw std::invalid_argument("dequantize_blockwise: out must be contiguous with " +
+                                  std::to_string(codes.numel()) + " elements, got " +
+                                  std::to_string(out.numel()) +
+                                  (out.is_contiguous() ? "" : " (not contiguous)"));
+    }
+  } else {
+    out = at::empty(codes.sizes(), codes.options().dtype(at::kFloat));
+  }
   cpu::dequantize(codes.data_ptr<uint8_t>(), q.absmax.contiguous().data_ptr<float>(), L, *lut,
                   out.data_ptr<float>());
   return out;

@@ -19,8 +19,10 @@ struct Quantized {
 Quantized quantize_blockwise(const at::Tensor& x, const at::Tensor& code, BlockShape shape,
                              int64_t row_len = -1);
 
+// Into `out` when given (float32, CPU, contiguous, as many elements as the
+// codes; returned), else into a new tensor of the codes' shape.
 at::Tensor dequantize_blockwise(const Quantized& q, const at::Tensor& code, BlockShape shape,
-                                int64_t row_len = -1);
+                                int64_t row_len = -1, const at::Tensor& out = {});
 
 // The layout of x's blocks (checks the arguments).
 BlockLayout layout_of(const at::Tensor& x, BlockShape shape, int64_t row_len);

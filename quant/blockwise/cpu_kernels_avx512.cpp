@@ -177,6 +177,15 @@ inline __mmask32 bytes_mask(int64_t k) { return k >= 32 ? ~__mmask32(0) : (__mma
 // empty half may point anywhere.
 struct Chunk {
   int64_t off[2], buf[2], n[2];
+  bool full;            // 64 consecutive elements (off[1] == off[0] + 32, buf likewise)
+  __mmask16 lane[4];    // live lanes of zmm j (elements 16j..16j+15)
+  __mmask32 bytes[2];   // live bytes of each half
+
+  Chunk(int64_t off0, int64_t off1, int64_t buf0, int64_t buf1, int64_t n0, int64_t n1)
+      : off{off0, off1}, buf{buf0, buf1}, n{n0, n1},
+        full(n0 == 32 && n1 == 32 && off1 == off0 + 32 && buf1 == buf0 + 32),
+        lane{lanes(n0, 0), lanes(n0, 1), lanes(n1, 0), lanes(n1, 1)},
+        bytes{bytes_mask(n0), bytes_mask(n1)} {}
 };
 
 template <class F>
@@ -185,7 +194,7 @@ inline void for_chunks(const BlockLayout::Block& blk, int64_t row_len, F&& f) {
   if (len <= 32) {
     for (int64_t s = 0; s < blk.segments; s += 2) {
       const int64_t off = blk.start + s * row_len;
-      f(Chunk{{off, off + row_len}, {s * len, (s + 1) * len}, {len, s + 1 < blk.segments ? len : 0}});
+      f(Chunk(off, off + row_len, s * len, (s + 1) * len, len, s + 1 < blk.segments ? len : 0));
     }
     return;
   }
@@ -193,31 +202,36 @@ inline void for_chunks(const BlockLayout::Block& blk, int64_t row_len, F&& f) {
     const int64_t off = blk.start + s * row_len;
     for (int64_t i = 0; i < len; i += 64) {
       const int64_t k = len - i < 64 ? len - i : 64;
-      f(Chunk{{off + i, off + i + 32},
-              {s * len + i, s * len + i + 32},
-              {k < 32 ? k : 32, k > 32 ? k - 32 : 0}});
+      f(Chunk(off + i, off + i + 32, s * len + i, s * len + i + 32, k < 32 ? k : 32,
+              k > 32 ? k - 32 : 0));
     }
   }
 }
 
 inline void load_floats(const float* x, const int64_t off[2], const Chunk& c, __m512 v[4]) {
-  for (int j = 0; j < 4; ++j) {
-    v[j] = _mm512_maskz_loadu_ps(lanes(c.n[j >> 1], j & 1), x + off[j >> 1] + 16 * (j & 1));
+  if (c.full) {
+    for (int j = 0; j < 4; ++j) v[j] = _mm512_loadu_ps(x + off[0] + 16 * j);
+    return;
   }
+  for (int j = 0; j < 4; ++j) v[j] = _mm512_maskz_loadu_ps(c.lane[j], x + off[j >> 1] + 16 * (j & 1));
 }
 inline void store_floats(float* x, const int64_t off[2], const Chunk& c, const __m512 v[4]) {
-  for (int j = 0; j < 4; ++j) {
-    _mm512_mask_storeu_ps(x + off[j >> 1] + 16 * (j & 1), lanes(c.n[j >> 1], j & 1), v[j]);
+  if (c.full) {
+    for (int j = 0; j < 4; ++j) _mm512_storeu_ps(x + off[0] + 16 * j, v[j]);
+    return;
   }
+  for (int j = 0; j < 4; ++j) _mm512_mask_storeu_ps(x + off[j >> 1] + 16 * (j & 1), c.lane[j], v[j]);
 }
 inline __m512i load_bytes(const uint8_t* q, const Chunk& c) {
-  const __m256i lo = _mm256_maskz_loadu_epi8(bytes_mask(c.n[0]), q + c.off[0]);
-  const __m256i hi = _mm256_maskz_loadu_epi8(bytes_mask(c.n[1]), q + c.off[1]);
+  if (c.full) return _mm512_loadu_si512(q + c.off[0]);
+  const __m256i lo = _mm256_maskz_loadu_epi8(c.bytes[0], q + c.off[0]);
+  const __m256i hi = _mm256_maskz_loadu_epi8(c.bytes[1], q + c.off[1]);
   return _mm512_inserti64x4(_mm512_castsi256_si512(lo), hi, 1);
 }
 inline void store_bytes(uint8_t* q, const Chunk& c, __m512i b) {
-  _mm256_mask_storeu_epi8(q + c.off[0], bytes_mask(c.n[0]), _mm512_castsi512_si256(b));
-  _mm256_mask_storeu_epi8(q + c.off[1], bytes_mask(c.n[1]), _mm512_extracti64x4_epi64(b, 1));
+  if (c.full) return _mm512_storeu_si512(q + c.off[0], b);
+  _mm256_mask_storeu_epi8(q + c.off[0], c.bytes[0], _mm512_castsi512_si256(b));
+  _mm256_mask_storeu_epi8(q + c.off[1], c.bytes[1], _mm512_extracti64x4_epi64(b, 1));
 }
 
 // Software prefetch, `ahead` elements past each half of a chunk (one line of
@@ -339,8 +353,7 @@ void dequantize_blocks(const uint8_t* q, const float* absmax, const BlockLayout&
       __m512 v[4];
       decode64(load_bytes(q, c), code, v);
       for (int j = 0; j < 4; ++j) v[j] = _mm512_mul_ps(v[j], a);
-      if (stream && c.n[0] == 32 && c.n[1] == 32 && c.off[1] == c.off[0] + 32 &&
-          (reinterpret_cast<uintptr_t>(out + c.off[0]) & 63) == 0) {
+      if (stream && c.full && (reinterpret_cast<uintptr_t>(out + c.off[0]) & 63) == 0) {
         for (int j = 0; j < 4; ++j) _mm512_stream_ps(out + c.off[0] + 16 * j, v[j]);
       } else {
         store_floats(out, c.off, c, v);
@@ -386,9 +399,8 @@ void adamw8bit_blocks(float* p, const float* g, uint8_t* q1, float* absmax1, uin
                                           _mm512_mul_ps(_mm512_mul_ps(omb2, gj[j]), gj[j]));
         const __m512 denom = _mm512_fmadd_ps(sqrt_nr(vj), isb, eps);
         pj[j] = _mm512_fnmadd_ps(step, div_nr(mj, denom), _mm512_mul_ps(pj[j], decay));
-        const __mmask16 live = lanes(ch.n[j >> 1], j & 1);
-        am1 = _mm512_mask_max_ps(am1, live, am1, _mm512_abs_ps(mj));
-        am2 = _mm512_mask_max_ps(am2, live, am2, _mm512_abs_ps(vj));
+        am1 = _mm512_mask_max_ps(am1, ch.lane[j], am1, _mm512_abs_ps(mj));
+        am2 = _mm512_mask_max_ps(am2, ch.lane[j], am2, _mm512_abs_ps(vj));
         m[j] = mj;
         v[j] = vj;
       }

@@ -61,6 +61,10 @@ def test_quantize_is_nearest_code_of_block_scaled_values(block, signed):
     assert torch.all(chosen <= dist.min(1).values + 1e-7)
     back = rfsdp.quant.dequantize_blockwise(codes, absmax, block=block, signed=signed)
     assert torch.equal(back, code[codes.long()] * ref_absmax[ids])
+    # into a given output: the same values, in that tensor
+    out = torch.full((x.numel(),), float("nan"))
+    got = rfsdp.quant.dequantize_blockwise(codes, absmax, block=block, signed=signed, out=out)
+    assert got.data_ptr() == out.data_ptr() and torch.equal(out.view(x.shape), back)
 
 
 def test_bad_input():
@@ -70,6 +74,11 @@ def test_bad_input():
         rfsdp.quant.quantize_blockwise(torch.zeros(4, dtype=torch.float64))
     with pytest.raises(ValueError, match="unknown code map"):
         rfsdp.quant.quantize_blockwise(torch.zeros(4), code="cubic")
+    codes, absmax = rfsdp.quant.quantize_blockwise(torch.randn(300))
+    with pytest.raises(ValueError, match="out must be contiguous with 300 elements, got 299"):
+        rfsdp.quant.dequantize_blockwise(codes, absmax, out=torch.empty(299))
+    with pytest.raises(ValueError, match="out must be float32"):
+        rfsdp.quant.dequantize_blockwise(codes, absmax, out=torch.empty(300, dtype=torch.float64))
 
 
 def test_shard_cutting_a_block_is_refused_by_name():
