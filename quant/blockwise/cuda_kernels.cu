@@ -9,14 +9,43 @@ namespace {
 constexpr int kThreads = 256;
 constexpr int kItems = kMaxBlockElems / kThreads;  // elements per thread, at most
 
-// Nearest code index (ties to the lower): binary search over the midpoints.
-__device__ inline uint8_t nearest(const float* code, float v) {
-  int lo = 0, hi = 255;
-  while (lo < hi) {
-    const int m = (lo + hi) >> 1;
-    if (v <= 0.5f * (code[m] + code[m + 1])) hi = m; else lo = m + 1;
+// The nearest code (ties to the lower) in shared memory: the midpoints, and the
+// code's arithmetic index when it has one. CodeIndex has default member
+// initialisers, so it sits in raw shared storage.
+struct SharedCode {
+  float mid[256];
+  alignas(CodeIndex) unsigned char index[sizeof(CodeIndex)];
+  bool has_index;
+
+  // All threads of the block; the caller synchronises before use.
+  __device__ void load(const float* code, const CodeIndex& ix, bool has) {
+    const int i = threadIdx.x;  // kThreads == 256
+    mid[i] = i < 255 ? (code[i] + code[i + 1]) * 0.5f : INFINITY;  // as CodeLut does
+    const unsigned char* src = reinterpret_cast<const unsigned char*>(&ix);
+    for (int b = i; b < static_cast<int>(sizeof(CodeIndex)); b += blockDim.x) index[b] = src[b];
+    if (i == 0) has_index = has;
   }
-  return static_cast<uint8_t>(lo);
+  __device__ uint8_t nearest(float v) const {
+    if (has_index) return static_cast<uint8_t>(reinterpret_cast<const CodeIndex*>(index)->nearest(v, mid));
+    int lo = 0, hi = 255;  // smallest i with v <= mid[i]
+    while (lo < hi) {
+      const int m = (lo + hi) >> 1;
+      if (v <= mid[m]) hi = m; else lo = m + 1;
+    }
+    return static_cast<uint8_t>(lo);
+  }
+};
+
+// A kernel argument: the index by value (zeroed when absent).
+struct IndexArg {
+  CodeIndex ix;
+  bool has;
+};
+IndexArg index_arg(const CodeIndex* index) {
+  IndexArg a{};
+  if (index) a.ix = *index;
+  a.has = index != nullptr;
+  return a;
 }
 
 // Element k of a block (0 <= k < count) -> its offset in the tensor.
@@ -41,11 +70,11 @@ __device__ inline float block_max(float v, float* scratch) {
 }
 
 __global__ void quantize_kernel(const float* __restrict x, BlockLayout L,
-                                const float* __restrict code_g, uint8_t* __restrict q,
-                                float* __restrict absmax) {
-  __shared__ float code[256];
+                                const float* __restrict code_g, IndexArg ia,
+                                uint8_t* __restrict q, float* __restrict absmax) {
+  __shared__ SharedCode code;
   __shared__ float scratch[32];
-  code[threadIdx.x] = code_g[threadIdx.x];
+  code.load(code_g, ia.ix, ia.has);
   const BlockLayout::Block b = L.block(blockIdx.x);
   float v[kItems];
   float amax = 0.0f;
@@ -55,12 +84,12 @@ __global__ void quantize_kernel(const float* __restrict x, BlockLayout L,
     v[i] = k < b.count ? x[element(b, L.row_len, k)] : 0.0f;
     amax = fmaxf(amax, fabsf(v[i]));
   }
-  amax = block_max(amax, scratch);  // also orders the code load
+  amax = block_max(amax, scratch);  // its barriers also order the code load
   const float scale = amax > 0.0f ? 1.0f / amax : 0.0f;
 #pragma unroll
   for (int i = 0; i < kItems; ++i) {
     const int64_t k = threadIdx.x + static_cast<int64_t>(i) * kThreads;
-    if (k < b.count) q[element(b, L.row_len, k)] = nearest(code, v[i] * scale);
+    if (k < b.count) q[element(b, L.row_len, k)] = code.nearest(v[i] * scale);
   }
   if (threadIdx.x == 0) absmax[blockIdx.x] = amax;
 }
@@ -82,12 +111,15 @@ __global__ void dequantize_kernel(const uint8_t* __restrict q, const float* __re
 __global__ void adamw8bit_kernel(float* __restrict p, const float* __restrict g,
                                  uint8_t* __restrict q1, float* __restrict absmax1,
                                  uint8_t* __restrict q2, float* __restrict absmax2, BlockLayout L,
-                                 const float* __restrict code1_g, const float* __restrict code2_g,
-                                 AdamWCoeffs c) {
+                                 const float* __restrict code1_g, IndexArg ia1,
+                                 const float* __restrict code2_g, IndexArg ia2, AdamWCoeffs c) {
   __shared__ float code1[256], code2[256];
+  __shared__ SharedCode near1, near2;
   __shared__ float scratch[32];
   code1[threadIdx.x] = code1_g[threadIdx.x];
   code2[threadIdx.x] = code2_g[threadIdx.x];
+  near1.load(code1_g, ia1.ix, ia1.has);
+  near2.load(code2_g, ia2.ix, ia2.has);
   __syncthreads();
   const BlockLayout::Block b = L.block(blockIdx.x);
   const float a1 = absmax1[blockIdx.x], a2 = absmax2[blockIdx.x];
@@ -117,8 +149,8 @@ __global__ void adamw8bit_kernel(float* __restrict p, const float* __restrict g,
     const int64_t k = threadIdx.x + static_cast<int64_t>(i) * kThreads;
     if (k < b.count) {
       const int64_t e = element(b, L.row_len, k);
-      q1[e] = nearest(code1, m[i] * s1);
-      q2[e] = nearest(code2, v[i] * s2);
+      q1[e] = near1.nearest(m[i] * s1);
+      q2[e] = near2.nearest(v[i] * s2);
     }
   }
   if (threadIdx.x == 0) {
@@ -134,12 +166,12 @@ cudaError_t check_layout(const BlockLayout& L) {
 
 }  // namespace
 
-cudaError_t quantize(const float* x, const BlockLayout& L, const float* code, uint8_t* q,
-                     float* absmax, cudaStream_t stream) {
+cudaError_t quantize(const float* x, const BlockLayout& L, const float* code,
+                     const CodeIndex* index, uint8_t* q, float* absmax, cudaStream_t stream) {
   if (cudaError_t e = check_layout(L); e != cudaSuccess) return e;
   if (L.num_blocks == 0) return cudaSuccess;
-  quantize_kernel<<<static_cast<unsigned>(L.num_blocks), kThreads, 0, stream>>>(x, L, code, q,
-                                                                                absmax);
+  quantize_kernel<<<static_cast<unsigned>(L.num_blocks), kThreads, 0, stream>>>(
+      x, L, code, index_arg(index), q, absmax);
   return cudaGetLastError();
 }
 
@@ -154,12 +186,14 @@ cudaError_t dequantize(const uint8_t* q, const float* absmax, const BlockLayout&
 
 cudaError_t adamw8bit_step(float* param, const float* grad, uint8_t* q1, float* absmax1,
                            uint8_t* q2, float* absmax2, const BlockLayout& L, const float* code1,
-                           const float* code2, const AdamWHyper& h, cudaStream_t stream) {
+                           const CodeIndex* index1, const float* code2, const CodeIndex* index2,
+                           const AdamWHyper& h, cudaStream_t stream) {
   if (cudaError_t e = check_layout(L); e != cudaSuccess) return e;
   if (L.num_blocks == 0) return cudaSuccess;
   const AdamWCoeffs c = adamw_coeffs(h);
   adamw8bit_kernel<<<static_cast<unsigned>(L.num_blocks), kThreads, 0, stream>>>(
-      param, grad, q1, absmax1, q2, absmax2, L, code1, code2, c);
+      param, grad, q1, absmax1, q2, absmax2, L, code1, index_arg(index1), code2,
+      index_arg(index2), c);
   return cudaGetLastError();
 }
 

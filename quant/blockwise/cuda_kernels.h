@@ -2,6 +2,9 @@
 // a stream (no ATen: this library builds wherever nvcc is, and runs on a GPU).
 // One thread block per quantisation block (at most 4096 elements: 1-D blocks
 // up to 4096, tiles up to 64x64); the 256-value code lives in shared memory.
+// The nearest code: the code's arithmetic index (code_index.h; the same
+// arithmetic as the CPU kernels, so the same codes) where `index` is given
+// (CodeLut::index()), else a binary search over the midpoints.
 #pragma once
 
 #include <cuda_runtime.h>
@@ -10,13 +13,14 @@
 
 #include "quant/blockwise/adamw_update.h"
 #include "quant/blockwise/block_layout.h"
+#include "quant/blockwise/code_index.h"
 
 namespace rfsdp::quant::cuda {
 
 constexpr int64_t kMaxBlockElems = 4096;
 
-cudaError_t quantize(const float* x, const BlockLayout& layout, const float* code, uint8_t* q,
-                     float* absmax, cudaStream_t stream);
+cudaError_t quantize(const float* x, const BlockLayout& layout, const float* code,
+                     const CodeIndex* index, uint8_t* q, float* absmax, cudaStream_t stream);
 
 cudaError_t dequantize(const uint8_t* q, const float* absmax, const BlockLayout& layout,
                        const float* code, float* out, cudaStream_t stream);
@@ -25,7 +29,7 @@ cudaError_t dequantize(const uint8_t* q, const float* absmax, const BlockLayout&
 // moments updated in fp32 registers, codes and parameter written once.
 cudaError_t adamw8bit_step(float* param, const float* grad, uint8_t* q1, float* absmax1,
                            uint8_t* q2, float* absmax2, const BlockLayout& layout,
-                           const float* code1, const float* code2, const AdamWHyper& h,
-                           cudaStream_t stream);
+                           const float* code1, const CodeIndex* index1, const float* code2,
+                           const CodeIndex* index2, const AdamWHyper& h, cudaStream_t stream);
 
 }  // namespace rfsdp::quant::cuda

@@ -70,14 +70,21 @@ int main() {
     uint8_t* dq = to_device(std::vector<uint8_t>(n, 0xAB));
     float* da = to_device(std::vector<float>(L.num_blocks, -1.0f));
     float* dout = to_device(std::vector<float>(n, NAN));
-    EXPECT_OK(cuda::quantize(dx, L, dc, dq, da, nullptr) == cudaSuccess, "quantize launch");
+    // the binary search (no index) first, then the arithmetic index
+    EXPECT_OK(cuda::quantize(dx, L, dc, nullptr, dq, da, nullptr) == cudaSuccess, "quantize launch");
+    EXPECT_OK(cudaDeviceSynchronize() == cudaSuccess, "sync");
+    EXPECT_OK(to_host(dq, n) == q_cpu, "%s: searched codes differ from the CPU", shape.str().c_str());
+    EXPECT_OK(cuda::quantize(dx, L, dc, lut1->index(), dq, da, nullptr) == cudaSuccess,
+              "quantize launch");
     EXPECT_OK(cuda::dequantize(dq, da, L, dc, dout, nullptr) == cudaSuccess, "dequantize launch");
     EXPECT_OK(cudaDeviceSynchronize() == cudaSuccess, "sync");
     EXPECT_OK(to_host(dq, n) == q_cpu, "%s: codes differ from the CPU", shape.str().c_str());
     EXPECT_OK(to_host(da, L.num_blocks) == a_cpu, "%s: absmax differs", shape.str().c_str());
     EXPECT_OK(to_host(dout, n) == out_cpu, "%s: dequantised values differ", shape.str().c_str());
     // Fused AdamW8bit: 5 steps against the CPU step (FMA contraction may move
-    // the last bit, so: parameters to 1e-6, codes within one step).
+    // the last bit, so: parameters to 1e-6, codes within one step). The CPU's
+    // portable kernels: IEEE square root and division, as the GPU's.
+    cpu::use_isa(cpu::Isa::kPortable);
     std::vector<float> p(n), g(n);
     for (auto& v : p) v = normal(rng);
     std::vector<uint8_t> q1(n, lut1->nearest(0.0f)), q2(n, lut2->nearest(0.0f));
@@ -94,7 +101,8 @@ int main() {
       cudaMemcpy(dg, g.data(), n * 4, cudaMemcpyHostToDevice);
       cpu::adamw8bit_step(p.data(), g.data(), q1.data(), a1.data(), q2.data(), a2.data(), L,
                           *lut1, *lut2, {1e-3f, 0.9f, 0.999f, 1e-8f, 0.01f, step});
-      EXPECT_OK(cuda::adamw8bit_step(dp, dg, dq1, da1, dq2, da2, L, dc, dc2,
+      EXPECT_OK(cuda::adamw8bit_step(dp, dg, dq1, da1, dq2, da2, L, dc, lut1->index(), dc2,
+                                     lut2->index(),
                                  {1e-3f, 0.9f, 0.999f, 1e-8f, 0.01f, step}, nullptr) == cudaSuccess,
             "adamw8bit launch");
     }
