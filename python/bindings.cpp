@@ -4,6 +4,7 @@
 #include <pybind11/stl.h>
 #include <torch/extension.h>
 
+#include "rfsdp_version.h"  // generated (cmake/rfsdp_version.h.in)
 #include "core/comm/comm.h"
 #include "core/ragged/plan_json.h"
 #include "fsdp/fsdp_unit.h"
@@ -133,6 +134,7 @@ py::dict named(const std::vector<std::pair<std::string, at::Tensor>>& tensors) {
 
 PYBIND11_MODULE(_C, m) {
   m.doc() = "RaggedFSDP C++ core";
+  m.attr("__version__") = RFSDP_VERSION;
 
   py::class_<rfsdp::CommHandle>(m, "CommHandle")
       .def("wait", &rfsdp::CommHandle::wait, py::call_guard<py::gil_scoped_release>())

@@ -7,13 +7,14 @@
 #include <stdexcept>
 #include <string>
 
+#include "rfsdp_version.h"  // generated (cmake/rfsdp_version.h.in)
 #include "core/ragged/plan_json.h"
 #include "core/ragged/planner.h"
 
 namespace {
 
 const char* kUsage =
-    "usage: rfsdp-plan [FILE] --world-size M [--align-bytes A] [--json]\n"
+    "usage: rfsdp-plan [FILE] --world-size M [--align-bytes A] [--json] | --version\n"
     "  FILE: JSON list of tensors [{\"name\", \"shape\", \"granule_rows\": int | \"whole\",\n"
     "        \"row_dims\" (default 1), \"dtype_bytes\"}]; stdin when absent or \"-\".\n";
 
@@ -66,6 +67,9 @@ int main(int argc, char** argv) {
         if (align_bytes < 1) throw std::invalid_argument("--align-bytes must be positive");
       } else if (a == "--json") {
         as_json = true;
+      } else if (a == "--version") {
+        std::cout << "rfsdp-plan (RaggedFSDP) " << RFSDP_VERSION << "\n";
+        return 0;
       } else if (a == "-h" || a == "--help") {
         std::cout << kUsage;
         return 0;

@@ -7,6 +7,8 @@ extension is built against that torch), or use the project's environment that
 import torch  # noqa: F401  (loads libtorch before the extension)
 
 from . import _C, checkpoint, optim, policy, quant
+
+__version__ = _C.__version__  # CMakeLists.txt's project() version, as the wheel's
 from .fsdp import (MixedPrecisionPolicy, ShardInfo, clip_grad_norm_, full_parameters, fully_shard,
                    shard_info)
 from .planning import plan
