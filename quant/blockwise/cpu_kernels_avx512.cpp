@@ -2,7 +2,8 @@
 
 #include <cmath>
 
-#if defined(__x86_64__) && defined(__GNUC__)
+// GCC only: the AVX-512 region below uses #pragma GCC target (clang takes the stubs).
+#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
 #include <immintrin.h>
 
 // Only the code below is compiled for AVX-512; the headers above keep the
