@@ -410,8 +410,26 @@ void adamw8bit_blocks(float* p, const float* g, uint8_t* q1, float* absmax1, uin
       store_floats(vbuf, ch.buf, ch, v);
     });
     const float amax1 = _mm512_reduce_max_ps(am1), amax2 = _mm512_reduce_max_ps(am2);
-    quantize_block_in(d1, mbuf, true, blk, L.row_len, amax1 > 0.0f ? 1.0f / amax1 : 0.0f, r1, q1);
-    quantize_block_in(d2, vbuf, true, blk, L.row_len, amax2 > 0.0f ? 1.0f / amax2 : 0.0f, r2, q2);
+    const float s1 = amax1 > 0.0f ? 1.0f / amax1 : 0.0f, s2 = amax2 > 0.0f ? 1.0f / amax2 : 0.0f;
+    if (d1 == Domain::kFolded && d2 == Domain::kNonNegative) {  // the dynamic maps: one pass
+      const __m512 sc1 = _mm512_set1_ps(s1), sc2 = _mm512_set1_ps(s2);
+      for_chunks(blk, L.row_len, [&](const Chunk& ch) {
+        __m512 m[4], v[4];
+        load_floats(mbuf, ch.buf, ch, m);
+        load_floats(vbuf, ch.buf, ch, v);
+        for (int j = 0; j < 4; ++j) {
+          m[j] = _mm512_mul_ps(m[j], sc1);
+          v[j] = _mm512_mul_ps(v[j], sc2);
+        }
+        const __m512i c1 = encode64<Domain::kFolded>(m, r1);
+        const __m512i c2 = encode64<Domain::kNonNegative>(v, r2);
+        store_bytes(q1, ch, c1);
+        store_bytes(q2, ch, c2);
+      });
+    } else {
+      quantize_block_in(d1, mbuf, true, blk, L.row_len, s1, r1, q1);
+      quantize_block_in(d2, vbuf, true, blk, L.row_len, s2, r2, q2);
+    }
     absmax1[b] = amax1;
     absmax2[b] = amax2;
   }
