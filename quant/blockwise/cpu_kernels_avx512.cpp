@@ -171,19 +171,19 @@ inline __mmask16 lanes(int64_t k, int s) {
 }
 inline __mmask32 bytes_mask(int64_t k) { return k >= 32 ? ~__mmask32(0) : (__mmask32(1) << k) - 1; }
 
-// 64 lanes of a block: lanes 32h..32h+31 are n[h] <= 32 consecutive elements at
+// 64 lanes of a block: lanes 32h..32h+31 are up to 32 consecutive elements at
 // offset off[h] (and at buf[h] in the block's scratch, segment after segment).
 // Long segments give chunks of 64 consecutive elements; segments of 32 or fewer
 // (tiles) go two to a chunk, so no lanes idle. Masked loads never fault, so an
 // empty half may point anywhere.
 struct Chunk {
-  int64_t off[2], buf[2], n[2];
+  int64_t off[2], buf[2];
   bool full;            // 64 consecutive elements (off[1] == off[0] + 32, buf likewise)
   __mmask16 lane[4];    // live lanes of zmm j (elements 16j..16j+15)
   __mmask32 bytes[2];   // live bytes of each half
 
   Chunk(int64_t off0, int64_t off1, int64_t buf0, int64_t buf1, int64_t n0, int64_t n1)
-      : off{off0, off1}, buf{buf0, buf1}, n{n0, n1},
+      : off{off0, off1}, buf{buf0, buf1},
         full(n0 == 32 && n1 == 32 && off1 == off0 + 32 && buf1 == buf0 + 32),
         lane{lanes(n0, 0), lanes(n0, 1), lanes(n1, 0), lanes(n1, 1)},
         bytes{bytes_mask(n0), bytes_mask(n1)} {}
