@@ -13,8 +13,14 @@ bool is_float(at::ScalarType t) {
 }  // namespace
 
 FSDPUnit::FSDPUnit(std::shared_ptr<Comm> comm, Plan plan, MixedPrecision mp, at::Device device)
-    : comm_(std::move(comm)), plan_(std::move(plan)), mp_(mp), device_(device) {
+    : FSDPUnit(std::move(comm), nullptr, std::move(plan), mp, device) {}
+
+FSDPUnit::FSDPUnit(std::shared_ptr<Comm> comm, std::shared_ptr<Comm> replicate, Plan plan,
+                   MixedPrecision mp, at::Device device)
+    : comm_(std::move(comm)), replicate_(std::move(replicate)), plan_(std::move(plan)), mp_(mp),
+      device_(device) {
   if (!comm_) throw std::invalid_argument("FSDPUnit needs a Comm");
+  if (replicate_ && replicate_->size() == 1) replicate_ = nullptr;  // one replica: plain FSDP
   if (plan_.world_size != comm_->size()) {
     throw std::invalid_argument("FSDPUnit: the plan is for world size " +
                                 std::to_string(plan_.world_size) + " but the process group has " +
@@ -39,6 +45,10 @@ at::Tensor FSDPUnit::local_view(const at::Tensor& slice, size_t i) const {
   std::vector<int64_t> shape{r.row_end - r.row_begin};
   if (!t.shape.empty()) shape.insert(shape.end(), t.shape.begin() + t.row_dims, t.shape.end());
   return slice.narrow(0, r.local_offset, r.numel).view(shape);
+}
+
+int FSDPUnit::data_parallel_size() const {
+  return comm_->size() * (replicate_ ? replicate_->size() : 1);
 }
 
 void FSDPUnit::shard(const std::vector<at::Tensor>& full) {
@@ -108,20 +118,32 @@ CommHandle FSDPUnit::reduce_grads(ReduceOp op) {
   const bool direct = mp_.reduce_dtype == at::kFloat && !has_grad_;
   try {
     at::Tensor out = direct ? local_grad_ : at::empty({S_}, grads_.flat().options());
-    CommHandle h = comm_->reduce_scatter_flat(grads_.flat(), out, op);
-    return std::move(h).then([this, out, direct] {
-      if (!direct) {
-        local_grad_.add_(out);
-        bytes_cast_ += S_ * static_cast<int64_t>(out.element_size());
-      }
-      has_grad_ = true;
-      grads_.end();
-      grads_.release();
+    if (!replicate_) {
+      CommHandle h = comm_->reduce_scatter_flat(grads_.flat(), out, op);
+      return std::move(h).then([this, out, direct] { finish_reduce(out, direct); });
+    }
+    // HSDP: sums inside the shard group, then across replicas (on the slice alone,
+    // before anything accumulated is added), then one division by every rank's count.
+    CommHandle h = comm_->reduce_scatter_flat(grads_.flat(), out, ReduceOp::Sum);
+    return std::move(h).then([this, out, direct, op] {
+      replicate_->all_reduce(out, ReduceOp::Sum).wait();
+      if (op == ReduceOp::Avg) out.div_(static_cast<double>(data_parallel_size()));
+      finish_reduce(out, direct);
     });
   } catch (...) {
     grads_.end();
     throw;
   }
+}
+
+void FSDPUnit::finish_reduce(const at::Tensor& out, bool direct) {
+  if (!direct) {
+    local_grad_.add_(out);
+    bytes_cast_ += S_ * static_cast<int64_t>(out.element_size());
+  }
+  has_grad_ = true;
+  grads_.end();
+  grads_.release();
 }
 
 void FSDPUnit::zero_grad() {

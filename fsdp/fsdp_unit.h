@@ -32,11 +32,23 @@ class FSDPUnit {
   // parameters, in order.
   FSDPUnit(std::shared_ptr<Comm> comm, Plan plan, MixedPrecision mp = {},
            at::Device device = at::kCPU);
+  // HSDP: sharded over `shard` (the plan's world size), replicated over
+  // `replicate` (the ranks holding the same shard, one per replica; null or one
+  // rank: plain FSDP). Gradients reduce-scatter inside the shard group, then
+  // all-reduce across the replica group; parameters gather inside the shard group.
+  FSDPUnit(std::shared_ptr<Comm> shard, std::shared_ptr<Comm> replicate, Plan plan,
+           MixedPrecision mp = {}, at::Device device = at::kCPU);
   FSDPUnit(const FSDPUnit&) = delete;
   FSDPUnit& operator=(const FSDPUnit&) = delete;
 
   const Plan& plan() const { return plan_; }
+  // The shard group (gathers, reduce-scatters, clipping norms, Muon's roots).
   Comm& comm() { return *comm_; }
+  const std::shared_ptr<Comm>& shared_comm() const { return comm_; }
+  // The replica group, or null (plain FSDP).
+  const std::shared_ptr<Comm>& replicate_comm() const { return replicate_; }
+  // Ranks whose gradients each local gradient slice sums: shard x replica group sizes.
+  int data_parallel_size() const;
   size_t num_params() const { return plan_.tensors.size(); }
   size_t index_of(const std::string& name) const { return plan_.index_of(name); }
   const MixedPrecision& mixed_precision() const { return mp_; }
@@ -57,8 +69,10 @@ class FSDPUnit {
   // Allocates and zeroes the global gradient buffer: backward accumulates into
   // full_grad views (set them as the parameters' .grad).
   void prepare_grads();
-  // Reduce-scatters the global gradients into the local gradient slice, adding
-  // to what it holds (gradient accumulation), then releases the global buffer.
+  // Reduce-scatters the global gradients into the local gradient slice (and
+  // all-reduces them across replicas), adding to what it holds (gradient
+  // accumulation), then releases the global buffer. Avg divides by every rank's
+  // count, data_parallel_size(), once.
   CommHandle reduce_grads(ReduceOp op = ReduceOp::Avg);
   void zero_grad();
 
@@ -79,8 +93,10 @@ class FSDPUnit {
 
  private:
   at::Tensor local_view(const at::Tensor& slice, size_t i) const;
+  // After the reduce: adds a scratch slice to the local gradients, frees the buffer.
+  void finish_reduce(const at::Tensor& out, bool direct);
 
-  std::shared_ptr<Comm> comm_;
+  std::shared_ptr<Comm> comm_, replicate_;
   Plan plan_;
   MixedPrecision mp_;
   at::Device device_;

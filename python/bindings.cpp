@@ -160,12 +160,15 @@ PYBIND11_MODULE(_C, m) {
 
   py::class_<rfsdp::FSDPUnit, std::shared_ptr<rfsdp::FSDPUnit>>(m, "FSDPUnit")
       .def(py::init([](std::shared_ptr<rfsdp::Comm> comm, const rfsdp::Plan& plan,
-                       const std::string& param_dtype, const std::string& reduce_dtype) {
+                       const std::string& param_dtype, const std::string& reduce_dtype,
+                       std::shared_ptr<rfsdp::Comm> replicate) {
              return std::make_shared<rfsdp::FSDPUnit>(
-                 std::move(comm), plan,
+                 std::move(comm), std::move(replicate), plan,
                  rfsdp::MixedPrecision{dtype_of(param_dtype), dtype_of(reduce_dtype)});
            }),
-           py::arg("comm"), py::arg("plan"), py::arg("param_dtype"), py::arg("reduce_dtype"))
+           py::arg("comm"), py::arg("plan"), py::arg("param_dtype"), py::arg("reduce_dtype"),
+           py::arg("replicate") = nullptr)
+      .def("data_parallel_size", &rfsdp::FSDPUnit::data_parallel_size)
       .def("shard", &rfsdp::FSDPUnit::shard)
       // Calls that enqueue collectives release the GIL: a Gloo worker thread may need it
       // to free a Python-owned tensor of an earlier collective while holding the work

@@ -39,6 +39,8 @@ inline c10::intrusive_ptr<c10d::ProcessGroup> make_gloo_group(
     std::chrono::milliseconds timeout, const std::string& hostname = "127.0.0.1") {
   auto opts = c10d::ProcessGroupGloo::Options::create(timeout);
   opts->devices.push_back(c10d::ProcessGroupGloo::createDeviceForHostname(hostname));
+  // Gloo's split (Comm::split) maps sub-group ranks through this list.
+  for (int r = 0; r < size; ++r) opts->global_ranks_in_group.push_back(static_cast<uint64_t>(r));
   return group_of(store, rank, size, c10d::ProcessGroup::BackendType::GLOO, c10::DeviceType::CPU,
                   c10::make_intrusive<c10d::ProcessGroupGloo>(store, rank, size, opts));
 }
@@ -50,6 +52,7 @@ inline c10::intrusive_ptr<c10d::ProcessGroup> make_nccl_group(
     std::chrono::milliseconds timeout) {
   auto opts = c10d::ProcessGroupNCCL::Options::create();
   opts->timeout = timeout;
+  for (int r = 0; r < size; ++r) opts->global_ranks_in_group.push_back(static_cast<uint64_t>(r));
   return group_of(store, rank, size, c10d::ProcessGroup::BackendType::NCCL, c10::DeviceType::CUDA,
                   c10::make_intrusive<c10d::ProcessGroupNCCL>(store, rank, size, opts));
 }

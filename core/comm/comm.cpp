@@ -3,6 +3,7 @@
 #include <torch/csrc/distributed/c10d/TCPStore.hpp>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cstdlib>
 #include <iostream>
 #include <numeric>
@@ -131,6 +132,25 @@ Comm::Comm(c10::intrusive_ptr<c10d::ProcessGroup> pg, std::chrono::milliseconds 
   backend_name_ = pg_->getBackendName();
   gloo_ = backend_name_ == "gloo";
   set_flat_algorithms(FlatAlgorithm::Auto, FlatAlgorithm::Auto);
+}
+
+std::shared_ptr<Comm> Comm::split(const std::vector<int>& ranks, const std::string& name) const {
+  const std::string what = "Comm::split('" + name + "')";
+  if (ranks.empty() || !std::is_sorted(ranks.begin(), ranks.end()) ||
+      std::adjacent_find(ranks.begin(), ranks.end()) != ranks.end() || ranks.front() < 0 ||
+      ranks.back() >= size_) {
+    throw std::invalid_argument(what + ": ranks must be distinct, ascending ranks of this group "
+                                "of " + std::to_string(size_));
+  }
+  if (!std::binary_search(ranks.begin(), ranks.end(), rank_)) {
+    throw std::invalid_argument(what + ": rank " + std::to_string(rank_) +
+                                " is not among the ranks; only members call split");
+  }
+  auto sub = group().splitGroup(ranks, timeout_, std::nullopt, name, name);
+  if (!sub) throw std::runtime_error(what + ": the " + backend_name_ + " backend made no group");
+  auto comm = std::make_shared<Comm>(sub, timeout_);
+  comm->set_flat_algorithms(gather_algo_, reduce_scatter_algo_);
+  return comm;
 }
 
 FlatAlgorithm Comm::resolve(FlatAlgorithm a, bool gather) const {

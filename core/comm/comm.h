@@ -94,6 +94,12 @@ class Comm {
   const c10::intrusive_ptr<c10d::ProcessGroup>& process_group() const { return pg_; }
   const std::string& backend_name() const { return backend_name_; }
 
+  // A Comm over the sub-group of `ranks` of this group (ascending, this rank
+  // among them), made by the backend's split (c10d splitGroup): every rank of
+  // `ranks` calls it with the same ranks and name, in the same order relative to
+  // its other splits and collectives. Ranks outside `ranks` do not call it.
+  std::shared_ptr<Comm> split(const std::vector<int>& ranks, const std::string& name) const;
+
   // Drops this Comm's reference to the process group (later collectives are an
   // error saying so). A Gloo group's worker threads end when its last reference
   // goes: rfsdp's Python package closes its Comms at interpreter exit, before

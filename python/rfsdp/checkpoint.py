@@ -93,6 +93,12 @@ class _Entry:
         self.key, self.shape, self.dtype = key, None if shape is None else tuple(shape), dtype
         self.pieces, self.tensor = pieces, tensor
         self.sequence = None  # (first row, elements): a piece of a global 1-D sequence
+        self.replica = 0      # HSDP: this rank's index in its replica group (0 writes)
+
+
+def _replica_index(info):
+    rg = info.replicate_group
+    return 0 if rg is None else rg.rank()
 
 
 def _rows_entry(key, t, info):
@@ -103,7 +109,9 @@ def _rows_entry(key, t, info):
     pieces = [(o, s, rows[first:first + n].reshape(s))
               for o, s, first, n in rectangles(info.global_shape, info.row_dims,
                                                info.row_begin, info.row_end)]
-    return _Entry(key, info.global_shape, t.dtype, pieces)
+    e = _Entry(key, info.global_shape, t.dtype, pieces)
+    e.replica = _replica_index(info)
+    return e
 
 
 def _param_entry(key, p):
@@ -129,6 +137,7 @@ def _state_entries(prefix, p, state):
         elif t.dim() == 1:
             e = _Entry(key, None, t.dtype, pieces=[(None, (t.numel(),), t)])
             e.sequence = (info.row_begin, t.numel())
+            e.replica = _replica_index(info)
             out.append(e)
         else:
             raise CheckpointError("checkpoint: optimizer state '%s' of shape %s has no layout"
@@ -138,24 +147,28 @@ def _state_entries(prefix, p, state):
 
 def _place_sequences(entries, pg):
     """Offsets of the 1-D sequence pieces: every rank's piece sizes (one
-    all_gather_object for all), in the order of their first rows."""
-    mine = {e.key: e.sequence for e in entries if e.sequence}
+    all_gather_object for all), in the order of their first rows. Under HSDP the
+    first replica's pieces make the sequence; another replica's equal piece (same
+    first row and size) takes the same offsets."""
+    mine = {e.key: e.sequence + (e.replica,) for e in entries if e.sequence}
     if not mine:
         return
     ranks = [mine]
     if pg is not None and pg.size() > 1:
         ranks = [None] * pg.size()
         dist.all_gather_object(ranks, mine, group=pg)
-    me = 0 if pg is None else pg.rank()
     for e in entries:
         if not e.sequence:
             continue
-        seq = sorted((r[e.key][0], rank, r[e.key][1]) for rank, r in enumerate(ranks))
-        off, total = 0, sum(s[2] for s in seq)
+        seq = sorted((r[e.key][0], rank, r[e.key][1]) for rank, r in enumerate(ranks)
+                     if r[e.key][2] == 0)
+        off, total, at = 0, sum(s[2] for s in seq), {}
         for row, rank, n in seq:
-            if rank == me:
-                e.pieces = [((off,), (n,), e.pieces[0][2])] if n else []
+            if n:
+                at[(row, n)] = off
             off += n
+        row, n = e.sequence
+        e.pieces = [((at[(row, n)],), (n,), e.pieces[0][2])] if n else []
         e.shape = (total,)
 
 
@@ -333,6 +346,9 @@ def save(path, model, optimizer=None, *, extra=None, process_group=None):
         os.makedirs(tmp)
     _agree(pg, fresh)
     entries = _entries(model, optimizer, pg)
+    for e in entries:
+        if e.replica:  # HSDP: the first replica writes the shards; the others hold equal ones
+            e.pieces = []
     sd = _state_dict(entries)
     # Non-tensor values as one string or bytes each (DCP would flatten a dict).
     if optimizer is not None:

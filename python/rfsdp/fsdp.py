@@ -18,7 +18,7 @@ forward starts the all-gather of the unit after it, and a unit starting its
 backward starts the all-gather of the unit before it, so the gather overlaps
 compute. Every rank must run the units in the same order (as with any FSDP)."""
 import enum
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
@@ -31,12 +31,20 @@ from ._comm import make_comm
 
 @dataclass(frozen=True)
 class ShardInfo:
-    """Where a sharded parameter's rows come from."""
+    """Where a sharded parameter's rows come from, and the groups it lives in:
+    process_group shards it (the ranks whose rows together make the tensor);
+    replicate_group (HSDP; None for plain FSDP) holds the ranks with equal rows."""
     name: str
     global_shape: tuple
     row_dims: int
     row_begin: int
     row_end: int
+    process_group: object = field(default=None, compare=False, repr=False)
+    replicate_group: object = field(default=None, compare=False, repr=False)
+
+    def __reduce__(self):  # groups live in one process: a pickled ShardInfo drops them
+        return (ShardInfo, (self.name, self.global_shape, self.row_dims, self.row_begin,
+                            self.row_end))
 
     @property
     def row_len(self):
@@ -87,7 +95,7 @@ def shard_info(param):
 
 
 class _Unit:
-    def __init__(self, entries, pg, pol, mp, reshard_after_forward):
+    def __init__(self, entries, pg, rg, pol, mp, reshard_after_forward):
         # entries[i]: every place parameter i stands, [(owner module, attr name, fqn)];
         # a tied parameter stands in several and is sharded once, under the first name.
         self.entries = entries
@@ -102,22 +110,27 @@ class _Unit:
                           pol.row_dims(fqn, p) if p.dim() > 0 else 1, dtype_bytes))
         self.plan = _C.plan_specs(specs, pg.size(), 16)
         self.comm = make_comm(pg)  # kept: rfsdp closes it at exit (see _comm)
+        self.replicate_comm = make_comm(rg) if rg is not None and rg.size() > 1 else None
         self.unit = _C.FSDPUnit(self.comm, self.plan, str(mp.param_dtype).replace("torch.", ""),
-                                str(mp.reduce_dtype).replace("torch.", ""))
-        # Every rank starts from rank 0's values: one all-reduce of rank 0's values
-        # and zeros elsewhere (exact; one collective for the whole unit).
+                                str(mp.reduce_dtype).replace("torch.", ""), self.replicate_comm)
+        # Every rank starts from the values of the shard group's rank 0: one all-reduce
+        # of its values and zeros elsewhere (exact; one collective for the whole unit);
+        # under HSDP, replica 0's then go to the other replicas (one broadcast).
         flat = torch.cat([p.detach().to(torch.float32).reshape(-1) for p in params])
         if pg.size() > 1:
             if pg.rank() != 0:
                 flat.zero_()
             dist.all_reduce(flat, group=pg)
+        if self.replicate_comm is not None:
+            dist.broadcast(flat, src=dist.get_global_rank(rg, 0), group=rg)
         full = [t.view(p.shape) for t, p in zip(flat.split([p.numel() for p in params]), params)]
         self.unit.shard(full)
         self.sharded, self.full = [], []
         for i, (uses, p) in enumerate(zip(entries, params)):
             begin, end = self.unit.shard_range(i)
             sp = nn.Parameter(self.unit.local_param(i), requires_grad=p.requires_grad)
-            sp._rfsdp_shard = ShardInfo(uses[0][2], tuple(p.shape), specs[i][3], begin, end)
+            sp._rfsdp_shard = ShardInfo(uses[0][2], tuple(p.shape), specs[i][3], begin, end,
+                                        pg, rg if self.replicate_comm is not None else None)
             p._rfsdp_replaced = uses[0][2]  # an optimizer built on the old parameter is an error
             self.sharded.append(sp)
             fp = nn.Parameter(self.unit.full_param(i).data, requires_grad=p.requires_grad)
@@ -378,16 +391,47 @@ def _collect(module):
     return entries, devices
 
 
-def fully_shard(module, *, process_group=None, policy=None, mp_policy=None,
-                reshard_after_forward=True):
-    """Shards the parameters of `module` that no inner fully_shard call claimed
-    (apply bottom-up, like FSDP2's fully_shard). Returns the module."""
-    if getattr(module, "_rfsdp_unit", None) is not None:
-        raise ValueError("fully_shard was already applied to this %s" % type(module).__name__)
+def _groups(mesh, process_group, replicate_group):
+    """(shard group, replicate group or None) from fully_shard's arguments."""
+    if mesh is not None:
+        if process_group is not None or replicate_group is not None:
+            raise ValueError("fully_shard: give either mesh or process_group/replicate_group, "
+                             "not both")
+        if mesh.ndim == 1:
+            return mesh.get_group(0), None
+        if mesh.ndim == 2:  # FSDP2's HSDP convention: dim 0 replicates, dim 1 shards
+            return mesh.get_group(1), mesh.get_group(0)
+        raise ValueError("fully_shard: mesh must be 1-D (shard) or 2-D (replicate, shard), "
+                         "got %d dimensions" % mesh.ndim)
     pg = process_group if process_group is not None else dist.group.WORLD
     if pg is None:
         raise ValueError("fully_shard needs torch.distributed initialised "
-                         "(dist.init_process_group) or an explicit process_group")
+                         "(dist.init_process_group), a mesh or an explicit process_group")
+    if replicate_group is not None and dist.is_initialized():
+        world = dist.get_world_size()
+        if pg.size() * replicate_group.size() != world:
+            raise ValueError("fully_shard: a shard group of %d ranks and a replicate group of %d "
+                             "do not make the world of %d; HSDP needs shard x replicate = world "
+                             "(build both from a 2-D DeviceMesh)"
+                             % (pg.size(), replicate_group.size(), world))
+    return pg, replicate_group
+
+
+def fully_shard(module, *, mesh=None, process_group=None, replicate_group=None, policy=None,
+                mp_policy=None, reshard_after_forward=True):
+    """Shards the parameters of `module` that no inner fully_shard call claimed
+    (apply bottom-up, like FSDP2's fully_shard). Returns the module.
+
+    Groups: process_group (default: torch.distributed's default group) shards
+    every unit. HSDP: replicate_group holds the ranks with equal shards (one per
+    shard group), or mesh, a DeviceMesh as FSDP2 takes it: 1-D shards over its
+    ranks, 2-D (replicate, shard) shards along dim 1 and replicates along dim 0.
+    Gradients reduce-scatter inside the shard group and all-reduce across the
+    replicas (the mean over every rank); optimizers and clipping work inside the
+    shard group."""
+    if getattr(module, "_rfsdp_unit", None) is not None:
+        raise ValueError("fully_shard was already applied to this %s" % type(module).__name__)
+    pg, rg = _groups(mesh, process_group, replicate_group)
     pol = policy if policy is not None else policy_mod.adamw()
     mp = mp_policy if mp_policy is not None else MixedPrecisionPolicy()
     entries, devices = _collect(module)
@@ -404,7 +448,7 @@ def fully_shard(module, *, process_group=None, policy=None, mp_policy=None,
                              "weights: convert the module with .float() first (compute in bf16 "
                              "or fp16 with mp_policy=MixedPrecisionPolicy(param_dtype=...))"
                              % (uses[0][2], p.dtype))
-    unit = _Unit(entries, pg, pol, mp, reshard_after_forward) if entries else None
+    unit = _Unit(entries, pg, rg, pol, mp, reshard_after_forward) if entries else None
     module._rfsdp_unit = unit if unit is not None else False
     # This call's schedule takes over the units of the calls below it (their
     # schedules are emptied). Its pre-hook runs before the unit's, its post-hook after.
@@ -439,15 +483,16 @@ def clip_grad_norm_(model, max_norm, error_if_nonfinite=True):
 
 def full_parameters(model, process_group=None):
     """{name: full tensor} of a fully sharded model's parameters, on every rank
-    (each rank contributes its rows; one all-reduce per parameter). For checks and
-    small-model checkpoints: it holds the whole model on every rank."""
-    pg = process_group if process_group is not None else dist.group.WORLD
+    (each rank of a parameter's shard group contributes its rows; one all-reduce
+    per parameter). For checks and small-model checkpoints: it holds the whole
+    model on every rank."""
     out = {}
     for name, p in model.named_parameters():
         info = shard_info(p)
         if info is None:
             out[name] = p.detach().clone()
             continue
+        pg = process_group or info.process_group or dist.group.WORLD
         rows = torch.zeros(info.full_rows, info.row_len, dtype=p.dtype)
         rows[info.row_begin:info.row_end] = p.detach().reshape(-1, info.row_len)
         if pg.size() > 1:

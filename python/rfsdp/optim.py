@@ -34,9 +34,26 @@ def _shard_spec(i, p):
     return (info.name, p.data, list(info.global_shape), info.row_dims, info.row_begin)
 
 
-def _default_comm(process_group, timeout_seconds):
+def _default_comm(process_group, timeout_seconds, param_groups):
     """The Comm an optimizer's cross-rank checks (and Muon's gathers) run over:
-    the given group, else torch.distributed's default group, else none (one process)."""
+    the given group, else the shard group of the parameters fully_shard made (one
+    for all: under HSDP every replica steps alike, with nothing across replicas),
+    else torch.distributed's default group, else none (one process)."""
+    if process_group is None:
+        shard_groups = {}
+        for g in param_groups:
+            for p in g["params"]:
+                info = shard_info(p)
+                if info is not None and info.process_group is not None:
+                    key = tuple(dist.get_process_group_ranks(info.process_group))
+                    shard_groups.setdefault(key, (info.process_group, info.name))
+        if len(shard_groups) > 1:
+            (_, a), (_, b) = list(shard_groups.values())[:2]
+            raise ValueError("optimizer: parameters '%s' and '%s' are sharded over different "
+                             "process groups; build one optimizer per group, or pass "
+                             "process_group" % (a, b))
+        if shard_groups:
+            process_group = next(iter(shard_groups.values()))[0]
     if process_group is None and dist.is_available() and dist.is_initialized():
         process_group = dist.group.WORLD
     return None if process_group is None else make_comm(process_group, timeout_seconds)
@@ -155,15 +172,16 @@ class _OverCpp(torch.optim.Optimizer):
 
 class AdamW(_OverCpp):
     """torch.optim.AdamW's update over shards (or plain tensors). Collective: the
-    NaN/Inf check agrees across process_group's ranks (default: torch.distributed's
-    default group, none without one), so every rank builds it and steps together."""
+    NaN/Inf check agrees across process_group's ranks (default: the shard group of
+    fully_shard's parameters, else torch.distributed's default group, else none),
+    so every rank builds it and steps together."""
 
     def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=1e-2,
                  process_group=None, timeout_seconds=300.0):
         if lr < 0 or eps <= 0 or not (0 <= betas[0] < 1 and 0 <= betas[1] < 1) or weight_decay < 0:
             raise ValueError("AdamW: need lr >= 0, eps > 0, 0 <= betas < 1, weight_decay >= 0")
         super().__init__(params, dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay))
-        self.comm = _default_comm(process_group, timeout_seconds)
+        self.comm = _default_comm(process_group, timeout_seconds, self.param_groups)
         self._bind()
 
     def _make(self, specs):
@@ -212,7 +230,9 @@ class Muon(_OverCpp):
     compute dtype (float32; bfloat16 is the usual choice on GPU).
 
     Collective: every rank builds it from the same model and steps together;
-    process_group defaults to torch.distributed's default group (none: one process).
+    process_group defaults to the shard group of fully_shard's parameters (under
+    HSDP the roots are chosen inside it and each replica computes the same
+    update), else torch.distributed's default group (none: one process).
     """
 
     AUX_DEFAULTS = dict(lr=3e-4, betas=(0.9, 0.95), eps=1e-10, weight_decay=0.0)
@@ -247,7 +267,7 @@ class Muon(_OverCpp):
             raise ValueError("Muon: ns_dtype must be torch.float32 or torch.bfloat16")
         self.ns_dtype = str(ns_dtype).replace("torch.", "")
         # The Comm, not the group object: rfsdp closes its Comms at exit (see _comm).
-        self.comm = _default_comm(process_group, timeout_seconds)
+        self.comm = _default_comm(process_group, timeout_seconds, self.param_groups)
         self._bind()
 
     def _parts(self, params):
@@ -348,7 +368,7 @@ class Shampoo(_OverCpp):
                                       grafting_beta2=grafting_beta2,
                                       grafting_epsilon=grafting_epsilon, weight_decay=weight_decay,
                                       use_shampoo=True))
-        self.comm = _default_comm(process_group, timeout_seconds)
+        self.comm = _default_comm(process_group, timeout_seconds, self.param_groups)
         self._bind()
 
     def _parts(self, params):

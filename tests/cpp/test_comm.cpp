@@ -6,6 +6,7 @@
 #include <atomic>
 #include <thread>
 
+#include "core/comm/hybrid_groups.h"
 #include "core/comm/local_ranks.h"
 #include "tests/cpp/test_util.h"
 
@@ -234,6 +235,41 @@ TEST(Comm, BadArguments) {
                  std::invalid_argument);
     EXPECT_THROW(comm.broadcast(at::zeros({2}), 2), std::invalid_argument);
     EXPECT_THROW(comm.all_gather_flat(at::zeros({4, 2})), std::invalid_argument);
+  });
+}
+
+// Every mesh of 4 ranks: each rank's shard and replica groups hold the ranks
+// FSDP2's (replicate, shard) mesh gives them, and an all-reduce over either sums
+// exactly the members' values (seeded per world rank, checked against float64).
+TEST(Comm, HybridGroupsFollowTheMeshLayout) {
+  const uint64_t seed = fresh_seed();
+  SCOPED_TRACE("seed " + std::to_string(seed));
+  for (int m : {1, 2, 4}) {
+    SCOPED_TRACE("shard size " + std::to_string(m));
+    run_local_ranks(4, [&](Comm& world) {
+      HybridGroups g = hybrid_groups(world, m);
+      const int r = world.rank();
+      ASSERT_EQ(g.shard->size(), m);
+      ASSERT_EQ(g.replicate->size(), 4 / m);
+      EXPECT_EQ(g.shard->rank(), r % m);
+      EXPECT_EQ(g.replicate->rank(), r / m);
+      for (int pass = 0; pass < 2; ++pass) {
+        Comm& c = pass == 0 ? *g.shard : *g.replicate;
+        at::Tensor x = seeded_randn({53}, seed, r);
+        c.all_reduce(x, ReduceOp::Sum).wait();
+        at::Tensor want = at::zeros({53}, at::kDouble);
+        for (int q = 0; q < 4; ++q) {
+          const bool member = pass == 0 ? q / m == r / m : q % m == r % m;
+          if (member) want += seeded_randn({53}, seed, q, at::kDouble);
+        }
+        EXPECT_TRUE(at::allclose(x.to(at::kDouble), want, 1e-6, 1e-6)) << "pass " << pass;
+      }
+    });
+  }
+  run_local_ranks(4, [&](Comm& world) {
+    EXPECT_THROW(hybrid_groups(world, 3), std::invalid_argument);
+    EXPECT_THROW(world.split({0, 0}, "x"), std::invalid_argument);
+    EXPECT_THROW(world.split({(world.rank() + 1) % 4}, "y"), std::invalid_argument);
   });
 }
 

@@ -5,6 +5,7 @@
 #include <cmath>
 #include <random>
 
+#include "core/comm/hybrid_groups.h"
 #include "core/comm/local_ranks.h"
 #include "core/ragged/planner.h"
 #include "fsdp/fsdp_unit.h"
@@ -249,6 +250,104 @@ TEST_P(UnitWorld, ShardedClippingEqualsTheSingleRankComputation) {
 }
 
 INSTANTIATE_TEST_SUITE_P(Ranks, UnitWorld, ::testing::Values(1, 2, 3, 4));
+
+// HSDP on 4 ranks as (4 / m) replicas x m shards, m = 1 (plain replication),
+// 2, 4 (plain FSDP): each rank's local gradients are its rows of the sum (or
+// mean) over all 4 ranks, with accumulation; the clipping norm, reduced over the
+// shard group alone, is the norm of that sum; SGD steps equal one device's.
+class HsdpMesh : public ::testing::TestWithParam<int> {};
+
+TEST_P(HsdpMesh, GradientsNormsAndStepsCoverEveryRank) {
+  constexpr int kWorld = 4;
+  const int m = GetParam();
+  const uint64_t seed = fresh_seed();
+  SCOPED_TRACE("seed " + std::to_string(seed));
+  const Plan plan = plan_unit(random_unit(seed), m, 16);
+  for (at::ScalarType rdt : {at::kFloat, at::kBFloat16}) {
+    for (ReduceOp op : {ReduceOp::Sum, ReduceOp::Avg}) {
+      run_local_ranks(kWorld, [&](Comm& world) {
+        HybridGroups g = hybrid_groups(world, m);
+        FSDPUnit unit(g.shard, g.replicate, plan, MixedPrecision{at::kFloat, rdt});
+        ASSERT_EQ(unit.data_parallel_size(), kWorld);
+        unit.shard(full_values(plan, seed, 0));
+        for (int pass = 0; pass < 2; ++pass) {
+          unit.prepare_grads();
+          const auto grads = full_values(plan, seed, 1 + pass * 10 + world.rank());
+          for (size_t i = 0; i < grads.size(); ++i) unit.full_grad(i).copy_(grads[i]);
+          unit.reduce_grads(op).wait();
+        }
+        double sq = 0;
+        std::vector<at::Tensor> want(plan.tensors.size());
+        for (size_t i = 0; i < plan.tensors.size(); ++i) {
+          at::Tensor ref = at::zeros(plan.tensors[i].shape, at::kDouble);
+          for (int pass = 0; pass < 2; ++pass) {
+            for (int r = 0; r < kWorld; ++r) {
+              ref += full_values(plan, seed, 1 + pass * 10 + r)[i].to(rdt).to(at::kDouble);
+            }
+          }
+          if (op == ReduceOp::Avg) ref /= kWorld;
+          sq += ref.pow(2).sum().item<double>();
+          want[i] = rows_of(ref, plan.tensors[i], unit.shard_range(i));
+          const double tol = rdt == at::kFloat ? 1e-5 : 0.1;
+          ASSERT_TRUE(at::allclose(unit.local_grad(i).to(at::kDouble), want[i], tol, tol))
+              << "tensor " << i << " rank " << world.rank();
+        }
+        if (rdt != at::kFloat) return;
+        const double ref_norm = std::sqrt(sq);
+        const double norm = clip_grad_norm({&unit}, 0.5 * ref_norm);
+        ASSERT_NEAR(norm, ref_norm, 1e-5 * ref_norm);
+        for (size_t i = 0; i < plan.tensors.size(); ++i) {
+          ASSERT_TRUE(at::allclose(unit.local_grad(i).to(at::kDouble),
+                                   want[i] * (0.5 * ref_norm / (ref_norm + 1e-6)), 1e-5, 1e-5));
+        }
+      });
+    }
+  }
+  // Training: each of the 4 ranks takes a quarter of the batch.
+  constexpr int kSteps = 4;
+  constexpr double kLr = 0.1;
+  const Plan mlp = plan_unit(mlp_unit(1 + static_cast<int64_t>(seed % 3)), m, 16);
+  const at::Tensor x = seeded_randn({MlpShapes::batch, MlpShapes::in}, seed, 500);
+  const at::Tensor y = seeded_randn({MlpShapes::batch, MlpShapes::out}, seed, 501);
+  std::vector<at::Tensor> ref;
+  for (const auto& v : full_values(mlp, seed, 0)) ref.push_back(v.to(at::kDouble));
+  for (int s = 0; s < kSteps; ++s) {
+    std::vector<at::Tensor> p;
+    for (auto& r : ref) p.push_back(r.detach().requires_grad_(true));
+    mlp_loss(p, x.to(at::kDouble), y.to(at::kDouble)).backward();
+    for (size_t i = 0; i < ref.size(); ++i) ref[i] = ref[i] - kLr * p[i].grad();
+  }
+  run_local_ranks(kWorld, [&](Comm& world) {
+    HybridGroups g = hybrid_groups(world, m);
+    FSDPUnit unit(g.shard, g.replicate, mlp);
+    unit.shard(full_values(mlp, seed, 0));
+    const int64_t per = MlpShapes::batch / kWorld;
+    const at::Tensor xs = x.narrow(0, world.rank() * per, per);
+    const at::Tensor ys = y.narrow(0, world.rank() * per, per);
+    for (int s = 0; s < kSteps; ++s) {
+      unit.unshard().wait();
+      unit.prepare_grads();
+      std::vector<at::Tensor> p;
+      for (size_t i = 0; i < unit.num_params(); ++i) {
+        at::Tensor leaf = unit.full_param(i).detach().requires_grad_(true);
+        leaf.mutable_grad() = unit.full_grad(i);
+        p.push_back(leaf);
+      }
+      mlp_loss(p, xs, ys).backward();
+      unit.reduce_grads(ReduceOp::Avg).wait();
+      unit.local_param_slice().sub_(kLr * unit.local_grad_slice());
+      unit.zero_grad();
+      unit.reshard();
+    }
+    for (size_t i = 0; i < unit.num_params(); ++i) {
+      const at::Tensor want = rows_of(ref[i], mlp.tensors[i], unit.shard_range(i));
+      ASSERT_TRUE(at::allclose(unit.local_param(i).to(at::kDouble), want, 1e-5, 1e-5))
+          << mlp.tensors[i].name << " rank " << world.rank();
+    }
+  });
+}
+
+INSTANTIATE_TEST_SUITE_P(ShardSizes, HsdpMesh, ::testing::Values(1, 2, 4));
 
 TEST(FSDPUnit, NonFiniteGradientsFailClearlyAndLeaveGradsAlone) {
   const Plan plan = plan_unit(mlp_unit(1), 2, 16);

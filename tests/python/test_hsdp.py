@@ -1,0 +1,153 @@
+"""HSDP on 4 ranks (processes, Gloo) as a DeviceMesh of (replicate, shard) =
+(2, 2), (1, 4) (plain FSDP) and (4, 1) (plain replication): AdamW with clipping,
+AdamW8bit and Muon trained on a quarter of each batch per rank equal the same
+model trained unsharded on the whole batch (torch.optim.AdamW, rfsdp's AdamW8bit
+on plain tensors, the float64 reference Muon); a checkpoint saved under HSDP
+loads into a plain 4-rank FSDP model, and both step on alike; bad groups."""
+import os
+import sys
+import tempfile
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from torch import nn
+from torch.distributed.device_mesh import init_device_mesh
+
+import rfsdp
+import rfsdp.checkpoint as ckpt
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import muon_torchrun_worker as model_zoo  # noqa: E402  (its Net: LayerNorm, Linear, [E, H, I])
+from muon_reference import ReferenceMuon  # noqa: E402
+from slice_training import train_on_slices  # noqa: E402
+
+WORLD, CLIP, BLOCK = 4, 0.5, 16
+NAMES = ("adamw", "adamw8bit", "muon")
+
+
+def policy(name):
+    return {"adamw": rfsdp.policy.adamw(), "adamw8bit": rfsdp.policy.blockwise_8bit(BLOCK),
+            "muon": rfsdp.policy.muon()}[name]
+
+
+def optimizer(name, model):
+    if name == "adamw":
+        return rfsdp.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.05)
+    if name == "adamw8bit":
+        return rfsdp.optim.AdamW8bit(model.parameters(), lr=1e-2, block=BLOCK, min_8bit_size=64)
+    muon = [p for n, p in model.named_parameters() if model_zoo.is_muon(n, p)]
+    aux = [p for n, p in model.named_parameters() if not model_zoo.is_muon(n, p)]
+    return rfsdp.optim.Muon([dict(params=muon), dict(params=aux, use_muon=False, lr=3e-3)],
+                            lr=0.02, weight_decay=0.01)
+
+
+def sharded(name, seed, **groups):
+    torch.manual_seed(seed)
+    model = model_zoo.Net()
+    for b in model.blocks:
+        rfsdp.fully_shard(b, policy=policy(name), **groups)
+    rfsdp.fully_shard(model, policy=policy(name), **groups)
+    return model
+
+
+def worker(rank, shard_size, seed, d):
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method="file://" + os.path.join(d, "init"), rank=rank,
+                            world_size=WORLD)
+    mesh = init_device_mesh("cpu", (WORLD // shard_size, shard_size),
+                            mesh_dim_names=("replicate", "shard"))
+    xs, ys = model_zoo.data(seed)
+    out = {}
+    for name in NAMES:
+        model = sharded(name, seed, mesh=mesh)
+        opt = optimizer(name, model)
+        clip = (lambda: rfsdp.clip_grad_norm_(model, CLIP)) if name == "adamw" else None
+        losses = train_on_slices(model, opt, xs, ys, rank, WORLD, before_step=clip)
+        out[name] = {"losses": losses, "params": rfsdp.full_parameters(model)}
+        if name == "adamw8bit":  # saved under HSDP, loaded into plain FSDP over the 4 ranks
+            ckpt.save(os.path.join(d, "ck"), model, opt)
+            other = sharded(name, seed + 1)
+            other_opt = optimizer(name, other)
+            ckpt.load(os.path.join(d, "ck"), other, other_opt)
+            out["loaded"] = rfsdp.full_parameters(other)
+            for m, o in ((model, opt), (other, other_opt)):
+                train_on_slices(m, o, xs[:2], ys[:2], rank, WORLD)
+            out["stepped"] = (rfsdp.full_parameters(model), rfsdp.full_parameters(other))
+    if rank == 0:
+        torch.save(out, os.path.join(d, "out.pt"))
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def reference(name, seed):
+    """The unsharded model on the whole batch, on one process."""
+    torch.manual_seed(seed)
+    model = model_zoo.Net()
+    xs, ys = model_zoo.data(seed)
+    names = [n for n, _ in model.named_parameters()]
+    if name == "muon":
+        ref = ReferenceMuon({n: p.detach().double().clone() for n, p in model.named_parameters()},
+                            [n for n, p in model.named_parameters() if model_zoo.is_muon(n, p)],
+                            lr=0.02, weight_decay=0.01, aux_lr=3e-3)
+    elif name == "adamw":
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.05)
+    else:
+        opt = rfsdp.optim.AdamW8bit(model.parameters(), lr=1e-2, block=BLOCK, min_8bit_size=64)
+    losses = []
+    for x, y in zip(xs, ys):
+        if name == "muon":
+            with torch.no_grad():
+                for n, p in model.named_parameters():
+                    p.copy_(ref.p[n])
+        model.zero_grad()
+        loss = nn.functional.mse_loss(model(x), y)
+        loss.backward()
+        losses.append(loss.item())
+        if name == "muon":
+            ref.step({n: p.grad for n, p in zip(names, model.parameters())})
+            continue
+        if name == "adamw":
+            torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP)
+        opt.step()
+    if name == "muon":
+        return losses, ref.p
+    return losses, {n: p.detach().double() for n, p in model.named_parameters()}
+
+
+@pytest.mark.parametrize("shard_size", [2, 4, 1])
+def test_hsdp_trains_like_one_device(shard_size):
+    seed = int(torch.randint(0, 2 ** 30, ()).item())
+    with tempfile.TemporaryDirectory() as d:
+        mp.spawn(worker, args=(shard_size, seed, d), nprocs=WORLD)
+        got = torch.load(os.path.join(d, "out.pt"))
+    for name in NAMES:
+        ref_losses, ref_params = reference(name, seed)
+        assert got[name]["losses"] == pytest.approx(ref_losses, rel=1e-5, abs=1e-6), \
+            "%s (seed %d)" % (name, seed)
+        for n, want in ref_params.items():
+            torch.testing.assert_close(got[name]["params"][n].double(), want, rtol=1e-5, atol=1e-5,
+                                       msg=lambda m: "%s %s (seed %d): %s" % (name, n, seed, m))
+    for n, want in got["adamw8bit"]["params"].items():
+        assert torch.equal(got["loaded"][n], want), n
+    a, b = got["stepped"]
+    for n in a:
+        torch.testing.assert_close(b[n], a[n], rtol=1e-6, atol=1e-6)
+
+
+def bad_groups_worker(rank, d):
+    dist.init_process_group("gloo", init_method="file://" + os.path.join(d, "init"), rank=rank,
+                            world_size=2)
+    pair = dist.new_group([0, 1])
+    with pytest.raises(ValueError, match="do not make the world"):
+        rfsdp.fully_shard(nn.Linear(3, 3), process_group=pair, replicate_group=pair)
+    mesh = init_device_mesh("cpu", (1, 2))
+    with pytest.raises(ValueError, match="either mesh or"):
+        rfsdp.fully_shard(nn.Linear(3, 3), mesh=mesh, process_group=pair)
+    dist.destroy_process_group()
+
+
+def test_bad_groups_are_refused():
+    with tempfile.TemporaryDirectory() as d:
+        mp.spawn(bad_groups_worker, args=(d,), nprocs=2)
