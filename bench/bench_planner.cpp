@@ -147,13 +147,21 @@ int main(int argc, char** argv) {
   const int64_t align_bytes = 16;
   std::printf("Granule: rows per granule for every tensor; 'whole' = each Muon matrix whole "
               "(2-D whole, fused experts one expert each).\n");
-  std::printf("pad%% = padding of the sharded buffer; S/LB = per-rank size S over ceil(sum n / m); "
-              "S/SB = S over the structural bound\n(also a multiple of the granule of every tensor "
-              "that spans two rank boundaries; 1.0000 = optimal); cut = granules split across "
-              "ranks.\n\n");
-  std::printf("%-26s %5s %6s | %8s %8s %8s %8s | %8s %8s | %8s %8s\n", "unit", "gran", "m",
-              "rag pad%", "S/LB", "S/SB", "plan ms", "flat pad", "flat cut", "fsdp2 pad", "f2 cut");
-  double worst_ms = 0, worst_ms_at_16k = 0;
+  std::printf("1 buffer: one flat buffer per unit; k buffers: the planner's choice of up to %d "
+              "buffers (one collective each,\n%lld bytes per rank charged per collective). pad%% = "
+              "padding of the sharded buffers; S/LB = per-rank size S over ceil(sum n / m)\n"
+              "(the size bound, which holds for any number of buffers); S/SB = one buffer's S over "
+              "the structural bound (also a multiple\nof the granule of every tensor that spans two "
+              "rank boundaries; 1.0000 = optimal for one buffer); cut = granules split across "
+              "ranks.\n\n",
+              rfsdp::PlannerOptions{}.max_buffers,
+              static_cast<long long>(rfsdp::PlannerOptions{}.collective_cost_bytes));
+  std::printf("%-26s %5s %6s | %8s %8s | %8s %4s %8s %8s | %8s %8s | %8s %8s\n", "unit", "gran",
+              "m", "1buf pad", "S/SB", "kbuf pad", "bufs", "S/LB", "plan ms", "flat pad",
+              "flat cut", "fsdp2 pad", "f2 cut");
+  rfsdp::PlannerOptions one_buffer;
+  one_buffer.max_buffers = 1;
+  double worst_ms = 0, worst_ms_at_16k = 0, worst_pad_1024[2] = {0, 0}, worst_pad_1024_128 = 0;
   for (const auto& file : zoo_files(zoo)) {
     const std::string unit_name = file.substr(0, file.size() - 5);
     if (!only.empty() && unit_name.find(only) == std::string::npos) continue;
@@ -161,24 +169,42 @@ int main(int argc, char** argv) {
     for (const Mode& mode : modes) {
       const auto specs = with_granules(unit, mode);
       for (int64_t m : world_sizes) {
+        const rfsdp::Plan single = rfsdp::plan_unit(specs, m, align_bytes, one_buffer);
         const rfsdp::Plan plan = rfsdp::plan_unit(specs, m, align_bytes);
+        rfsdp::validate_plan(single);
         rfsdp::validate_plan(plan);
+        if (plan.shard_elems > single.shard_elems) {
+          std::fprintf(stderr, "%s: more buffers padded more than one\n", unit_name.c_str());
+          return 1;
+        }
+        if (m == 1024 && (mode.rows == 1 || mode.rows == 16)) {
+          double& w = worst_pad_1024[mode.rows == 16];
+          w = std::max(w, plan.padding_fraction());
+        }
+        if (m == 1024 && mode.rows == 128) {
+          worst_pad_1024_128 = std::max(worst_pad_1024_128, plan.padding_fraction());
+        }
         const Baseline flat = flat_sharding(specs, m, plan.align_elems());
         const Baseline f2 = fsdp2_shard0(specs, m);
         const double ms = plan.plan_seconds * 1e3;
         worst_ms = std::max(worst_ms, ms);
         if (m == 16384) worst_ms_at_16k = std::max(worst_ms_at_16k, ms);
         const int64_t sb = rfsdp::structural_lower_bound(specs, m, align_bytes);
-        std::printf("%-26s %5s %6lld | %8.3f %8.4f %8.4f %8.2f | %8.3f %8lld | %8.3f %8lld\n",
+        std::printf("%-26s %5s %6lld | %8.3f %8.4f | %8.3f %4zu %8.4f %8.2f | %8.3f %8lld | "
+                    "%8.3f %8lld\n",
                     unit_name.c_str(), mode.label.c_str(), static_cast<long long>(m),
-                    100.0 * plan.padding_fraction(),
-                    static_cast<double>(plan.shard_elems) / plan.lower_bound_shard_elems(),
-                    static_cast<double>(plan.shard_elems) / sb, ms,
+                    100.0 * single.padding_fraction(),
+                    static_cast<double>(single.shard_elems) / sb,
+                    100.0 * plan.padding_fraction(), plan.num_buffers(),
+                    static_cast<double>(plan.shard_elems) / plan.lower_bound_shard_elems(), ms,
                     100.0 * flat.padding, static_cast<long long>(flat.cut), 100.0 * f2.padding,
                     static_cast<long long>(f2.cut));
       }
     }
   }
   std::printf("\nslowest plan: %.2f ms (at m = 16384: %.2f ms)\n", worst_ms, worst_ms_at_16k);
+  std::printf("worst padding at m = 1024 with k buffers: %.3f %% (1-row granules), %.3f %% "
+              "(16 rows), %.3f %% (128 rows)\n",
+              100 * worst_pad_1024[0], 100 * worst_pad_1024[1], 100 * worst_pad_1024_128);
   return 0;
 }

@@ -82,15 +82,23 @@ CommHandle FSDPUnit::unshard() {
   params_.begin("FSDPUnit::unshard");
   try {
     params_.allocate();
-    CommHandle h;
-    if (mp_.param_dtype == at::kFloat) {
-      h = comm_->all_gather_flat(params_.flat(), local_param_);
-    } else {
-      params_.flat().narrow(0, comm_->rank() * S_, S_).copy_(local_param_);  // the cast
-      bytes_cast_ += S_ * static_cast<int64_t>(params_.flat().element_size());
-      h = comm_->all_gather_flat(params_.flat());
+    std::vector<CommHandle> hs;
+    for (size_t b = 0; b < plan_.num_buffers(); ++b) {  // one in-place gather per buffer
+      const int64_t Sb = plan_.buffer_shard(b);
+      at::Tensor global = params_.flat().narrow(0, plan_.buffer_global_begin(b),
+                                                plan_.world_size * Sb);
+      at::Tensor local = local_param_.narrow(0, plan_.buffer_local_begin(b), Sb);
+      if (mp_.param_dtype == at::kFloat) {
+        hs.push_back(comm_->all_gather_flat(global, local));
+      } else {
+        global.narrow(0, comm_->rank() * Sb, Sb).copy_(local);  // the cast
+        hs.push_back(comm_->all_gather_flat(global));
+      }
     }
-    return std::move(h).then([this] { params_.end(); });
+    if (mp_.param_dtype != at::kFloat) {
+      bytes_cast_ += S_ * static_cast<int64_t>(params_.flat().element_size());
+    }
+    return CommHandle::all(std::move(hs)).then([this] { params_.end(); });
   } catch (...) {
     params_.end();
     throw;
@@ -118,14 +126,23 @@ CommHandle FSDPUnit::reduce_grads(ReduceOp op) {
   const bool direct = mp_.reduce_dtype == at::kFloat && !has_grad_;
   try {
     at::Tensor out = direct ? local_grad_ : at::empty({S_}, grads_.flat().options());
+    // One reduce-scatter per buffer. HSDP: sums inside the shard group, then across
+    // replicas (on the slice alone, before anything accumulated is added), then one
+    // division by every rank's count.
+    auto scatter = [&](ReduceOp o) {
+      std::vector<CommHandle> hs;
+      for (size_t b = 0; b < plan_.num_buffers(); ++b) {
+        const int64_t Sb = plan_.buffer_shard(b);
+        hs.push_back(comm_->reduce_scatter_flat(
+            grads_.flat().narrow(0, plan_.buffer_global_begin(b), plan_.world_size * Sb),
+            out.narrow(0, plan_.buffer_local_begin(b), Sb), o));
+      }
+      return CommHandle::all(std::move(hs));
+    };
     if (!replicate_) {
-      CommHandle h = comm_->reduce_scatter_flat(grads_.flat(), out, op);
-      return std::move(h).then([this, out, direct] { finish_reduce(out, direct); });
+      return scatter(op).then([this, out, direct] { finish_reduce(out, direct); });
     }
-    // HSDP: sums inside the shard group, then across replicas (on the slice alone,
-    // before anything accumulated is added), then one division by every rank's count.
-    CommHandle h = comm_->reduce_scatter_flat(grads_.flat(), out, ReduceOp::Sum);
-    return std::move(h).then([this, out, direct, op] {
+    return scatter(ReduceOp::Sum).then([this, out, direct, op] {
       replicate_->all_reduce(out, ReduceOp::Sum).wait();
       if (op == ReduceOp::Avg) out.div_(static_cast<double>(data_parallel_size()));
       finish_reduce(out, direct);

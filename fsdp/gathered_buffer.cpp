@@ -11,7 +11,7 @@ GatheredBuffer::GatheredBuffer(const Plan& plan, at::TensorOptions options, std:
   flat_ = at::empty({plan.buffer_elems()}, options);
   for (size_t i = 0; i < plan.tensors.size(); ++i) {
     const TensorSpec& t = plan.tensors[i];
-    views_.push_back(flat_.narrow(0, plan.offsets[i], t.numel()).view(t.shape));
+    views_.push_back(flat_.narrow(0, plan.global_offset(i), t.numel()).view(t.shape));
   }
   live_ = true;
   release();

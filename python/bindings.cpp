@@ -29,9 +29,19 @@ rfsdp::quant::BlockShape block_shape(const py::object& block) {
 }
 
 // Plans from Python's spec list: [(name, shape, granule_rows (0 = whole), row_dims, dtype_bytes)].
+rfsdp::PlannerOptions planner_options(int max_buffers, int64_t collective_cost_bytes) {
+  if (max_buffers < 1) throw std::invalid_argument("max_buffers must be >= 1");
+  if (collective_cost_bytes < 0) throw std::invalid_argument("collective_cost_bytes must be >= 0");
+  rfsdp::PlannerOptions o;
+  o.max_buffers = max_buffers;
+  o.collective_cost_bytes = collective_cost_bytes;
+  return o;
+}
+
 rfsdp::Plan plan_specs(const std::vector<std::tuple<std::string, std::vector<int64_t>, int64_t, int,
                                                     int64_t>>& specs,
-                       int64_t world_size, int64_t align_bytes) {
+                       int64_t world_size, int64_t align_bytes, int max_buffers,
+                       int64_t collective_cost_bytes) {
   std::vector<rfsdp::TensorSpec> ts;
   for (const auto& [name, shape, g, row_dims, bytes] : specs) {
     rfsdp::TensorSpec t;
@@ -42,7 +52,8 @@ rfsdp::Plan plan_specs(const std::vector<std::tuple<std::string, std::vector<int
     t.elem_bytes = bytes;
     ts.push_back(t);
   }
-  return rfsdp::plan_unit(ts, world_size, align_bytes);
+  return rfsdp::plan_unit(ts, world_size, align_bytes,
+                          planner_options(max_buffers, collective_cost_bytes));
 }
 
 // torch dtype names ("float32", ...) as Python's str(dtype) spells them, less "torch.".
@@ -337,7 +348,8 @@ PYBIND11_MODULE(_C, m) {
         }, py::arg("shape"), py::arg("row_dims") = 1);
 
   m.def("plan_specs", &plan_specs, py::arg("specs"), py::arg("world_size"),
-        py::arg("align_bytes") = 16);
+        py::arg("align_bytes") = 16, py::arg("max_buffers") = rfsdp::PlannerOptions{}.max_buffers,
+        py::arg("collective_cost_bytes") = rfsdp::PlannerOptions{}.collective_cost_bytes);
 
   // The fused 8-bit kernel alone (tests check it element by element).
   m.def("adamw8bit_step", [](at::Tensor p, at::Tensor g, at::Tensor q1, at::Tensor a1, at::Tensor q2,
@@ -377,7 +389,19 @@ PYBIND11_MODULE(_C, m) {
       .def_readonly("world_size", &rfsdp::Plan::world_size)
       .def_readonly("S", &rfsdp::Plan::shard_elems)
       .def_readonly("align_bytes", &rfsdp::Plan::align_bytes)
-      .def_readonly("offsets", &rfsdp::Plan::offsets)
+      .def_readonly("offsets", &rfsdp::Plan::offsets)  // in each tensor's buffer
+      .def_property_readonly("buffers",  // S_b of each buffer (one collective each)
+                             [](const rfsdp::Plan& p) {
+                               std::vector<int64_t> s;
+                               for (size_t b = 0; b < p.num_buffers(); ++b) s.push_back(p.buffer_shard(b));
+                               return s;
+                             })
+      .def_property_readonly("buffer_of",
+                             [](const rfsdp::Plan& p) {
+                               std::vector<size_t> b;
+                               for (size_t i = 0; i < p.tensors.size(); ++i) b.push_back(p.buffer_index(i));
+                               return b;
+                             })
       .def_readonly("plan_seconds", &rfsdp::Plan::plan_seconds)
       .def_property_readonly("padding_fraction", &rfsdp::Plan::padding_fraction)
       .def_property_readonly("lower_bound_S", &rfsdp::Plan::lower_bound_shard_elems)
@@ -396,10 +420,14 @@ PYBIND11_MODULE(_C, m) {
       .def("to_json", [](const rfsdp::Plan& p) { return rfsdp::plan_to_json(p); });
 
   m.def("plan_json",
-        [](const std::string& unit_json, int64_t world_size, int64_t align_bytes) {
-          return rfsdp::plan_unit(rfsdp::unit_from_json(unit_json), world_size, align_bytes);
+        [](const std::string& unit_json, int64_t world_size, int64_t align_bytes, int max_buffers,
+           int64_t collective_cost_bytes) {
+          return rfsdp::plan_unit(rfsdp::unit_from_json(unit_json), world_size, align_bytes,
+                                  planner_options(max_buffers, collective_cost_bytes));
         },
-        py::arg("unit_json"), py::arg("world_size"), py::arg("align_bytes") = 16);
+        py::arg("unit_json"), py::arg("world_size"), py::arg("align_bytes") = 16,
+        py::arg("max_buffers") = rfsdp::PlannerOptions{}.max_buffers,
+        py::arg("collective_cost_bytes") = rfsdp::PlannerOptions{}.collective_cost_bytes);
 
   m.def("dynamic_map", &rfsdp::quant::dynamic_map, py::arg("signed") = true);
   m.def("linear_map", &rfsdp::quant::linear_map, py::arg("signed") = true);

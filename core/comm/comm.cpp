@@ -85,6 +85,18 @@ CommHandle&& CommHandle::then(std::function<void()> next) && {
   return std::move(*this);
 }
 
+CommHandle CommHandle::all(std::vector<CommHandle> handles) {
+  if (handles.size() == 1) return std::move(handles.front());
+  auto shared = std::make_shared<std::vector<CommHandle>>(std::move(handles));
+  CommHandle h;
+  h.finish_ = [shared] {
+    for (CommHandle& x : *shared) x.wait();
+  };
+  h.what_ = "collectives";
+  h.waited_ = false;
+  return h;
+}
+
 void CommHandle::wait() {
   if (waited_) return;
   waited_ = true;

@@ -62,6 +62,8 @@ class CommHandle {
   bool waited() const { return waited_; }
   // Runs `next` after this operation's own finishing steps, inside wait().
   CommHandle&& then(std::function<void()> next) &&;
+  // One handle for several operations, waited in order (one given: itself).
+  static CommHandle all(std::vector<CommHandle> handles);
 
  private:
   std::vector<c10::intrusive_ptr<compat::Work>> works_;

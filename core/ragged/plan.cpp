@@ -33,6 +33,27 @@ double Plan::padding_fraction() const {
   return static_cast<double>(total - total_tensor_elems()) / static_cast<double>(total);
 }
 
+int64_t Plan::buffer_shard(size_t b) const {
+  if (b >= num_buffers()) throw std::out_of_range("buffer index out of range");
+  return buffer_shard_elems.empty() ? shard_elems : buffer_shard_elems[b];
+}
+
+int64_t Plan::buffer_local_begin(size_t b) const {
+  if (b >= num_buffers()) throw std::out_of_range("buffer index out of range");
+  int64_t begin = 0;
+  for (size_t c = 0; c < b; ++c) begin += buffer_shard_elems[c];
+  return begin;
+}
+
+size_t Plan::buffer_index(size_t tensor) const {
+  if (tensor >= tensors.size()) throw std::out_of_range("tensor index out of range");
+  return buffer_of.empty() ? 0 : static_cast<size_t>(buffer_of[tensor]);
+}
+
+int64_t Plan::global_offset(size_t tensor) const {
+  return buffer_global_begin(buffer_index(tensor)) + offsets.at(tensor);
+}
+
 ShardRange Plan::shard(size_t tensor, int64_t rank) const {
   if (tensor >= tensors.size()) throw std::out_of_range("tensor index out of range");
   if (rank < 0 || rank >= world_size) {
@@ -40,6 +61,8 @@ ShardRange Plan::shard(size_t tensor, int64_t rank) const {
                             std::to_string(world_size));
   }
   const TensorSpec& t = tensors[tensor];
+  const size_t b = buffer_index(tensor);
+  const int64_t shard_elems = buffer_shard(b);  // this buffer's S_b
   const int64_t off = offsets[tensor];
   const int64_t lo = std::max(off, rank * shard_elems);
   const int64_t hi = std::min(off + t.numel(), (rank + 1) * shard_elems);
@@ -54,7 +77,7 @@ ShardRange Plan::shard(size_t tensor, int64_t rank) const {
   // Valid plans cut only at granule (hence row) edges, so these divide exactly.
   r.row_begin = (lo - off) / t.row_elems();
   r.row_end = hi == off + t.numel() ? t.rows() : (hi - off) / t.row_elems();
-  r.local_offset = lo - rank * shard_elems;
+  r.local_offset = buffer_local_begin(b) + lo - rank * shard_elems;
   r.numel = hi - lo;
   return r;
 }
@@ -87,15 +110,38 @@ std::vector<std::string> plan_violations(const Plan& plan) {
     bad.push_back(e.what());
     return bad;
   }
-  const int64_t S = plan.shard_elems;
-  if (S < 1) {
-    bad.push_back("S (elements per rank) must be positive, got " + std::to_string(S));
+  const size_t nb = plan.num_buffers();
+  if (!plan.buffer_of.empty() && plan.buffer_of.size() != plan.tensors.size()) {
+    bad.push_back("plan has " + std::to_string(plan.buffer_of.size()) + " buffer indices for " +
+                  std::to_string(plan.tensors.size()) + " tensors");
     return bad;
   }
-  if (S % align != 0) {
-    bad.push_back("alignment: S = " + std::to_string(S) + " is not a multiple of " +
-                  std::to_string(align) + " elements (" + std::to_string(plan.align_bytes) +
-                  " bytes)");
+  for (size_t i = 0; i < plan.buffer_of.size(); ++i) {
+    if (plan.buffer_of[i] < 0 || static_cast<size_t>(plan.buffer_of[i]) >= nb) {
+      bad.push_back(tensor_msg(plan.tensors[i], "buffer " + std::to_string(plan.buffer_of[i]) +
+                                                    " does not exist (the plan has " +
+                                                    std::to_string(nb) + ")"));
+      return bad;
+    }
+  }
+  int64_t sum_s = 0;
+  for (size_t b = 0; b < nb; ++b) {
+    const int64_t S = plan.buffer_shard(b);
+    const std::string which = nb == 1 ? "S" : "S of buffer " + std::to_string(b);
+    if (S < 1) {
+      bad.push_back(which + " (elements per rank) must be positive, got " + std::to_string(S));
+      return bad;
+    }
+    if (S % align != 0) {
+      bad.push_back("alignment: " + which + " = " + std::to_string(S) + " is not a multiple of " +
+                    std::to_string(align) + " elements (" + std::to_string(plan.align_bytes) +
+                    " bytes)");
+    }
+    sum_s += S;
+  }
+  if (sum_s != plan.shard_elems) {
+    bad.push_back("the buffers' S add up to " + std::to_string(sum_s) + ", not the plan's S = " +
+                  std::to_string(plan.shard_elems));
   }
   for (size_t i = 0; i < plan.tensors.size(); ++i) {
     const TensorSpec& t = plan.tensors[i];
@@ -112,10 +158,11 @@ std::vector<std::string> plan_violations(const Plan& plan) {
     }
     const int64_t off = plan.offsets[i];
     const int64_t n = t.numel();
-    if (off < 0 || off + n > plan.buffer_elems()) {
+    const int64_t S = plan.buffer_shard(plan.buffer_index(i));
+    if (off < 0 || off + n > plan.world_size * S) {
       bad.push_back(tensor_msg(t, "bounds: [" + std::to_string(off) + ", " +
                                       std::to_string(off + n) + ") lies outside the buffer of " +
-                                      std::to_string(plan.buffer_elems()) + " elements"));
+                                      std::to_string(plan.world_size * S) + " elements"));
       continue;
     }
     if (off % align != 0) {
@@ -142,14 +189,17 @@ std::vector<std::string> plan_violations(const Plan& plan) {
   for (const TensorSpec& t : plan.tensors) {
     if (!names.insert(t.name).second) bad.push_back(tensor_msg(t, "duplicate name"));
   }
-  // Overlap: sort by offset, compare neighbours.
+  // Overlap: sort by (buffer, offset), compare neighbours in one buffer.
   std::vector<size_t> order(plan.tensors.size());
   std::iota(order.begin(), order.end(), 0);
-  std::sort(order.begin(), order.end(),
-            [&](size_t a, size_t b) { return plan.offsets[a] < plan.offsets[b]; });
+  std::sort(order.begin(), order.end(), [&](size_t a, size_t b) {
+    const size_t ba = plan.buffer_index(a), bb = plan.buffer_index(b);
+    return ba != bb ? ba < bb : plan.offsets[a] < plan.offsets[b];
+  });
   for (size_t j = 1; j < order.size(); ++j) {
     const TensorSpec& prev = plan.tensors[order[j - 1]];
     const TensorSpec& cur = plan.tensors[order[j]];
+    if (plan.buffer_index(order[j - 1]) != plan.buffer_index(order[j])) continue;
     if (plan.offsets[order[j - 1]] + prev.numel() > plan.offsets[order[j]]) {
       bad.push_back(tensor_msg(cur, "overlap: starts at " + std::to_string(plan.offsets[order[j]]) +
                                         ", inside tensor '" + prev.name + "' [" +

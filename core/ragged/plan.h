@@ -20,16 +20,30 @@ struct ShardRange {
   bool empty() const { return row_end == row_begin; }
 };
 
+// A unit may be laid out as several flat buffers, each with its own per-rank
+// size S_b and its own collective. A rank's slice is its S_b elements of every
+// buffer, one after another (S = sum of S_b); the gathered memory is buffer 0's
+// m x S_0 elements, then buffer 1's, and so on. Every constraint holds per buffer.
 struct Plan {
   int64_t world_size = 1;
-  int64_t shard_elems = 0;  // S
+  int64_t shard_elems = 0;  // S: one rank's slice, every buffer together
   int64_t align_bytes = 16;
   int64_t elem_bytes = 4;
   std::vector<TensorSpec> tensors;  // in the caller's order
-  std::vector<int64_t> offsets;     // element offset of tensors[i] in the flat buffer
+  std::vector<int64_t> offsets;     // element offset of tensors[i] in its buffer
+  // S_b of each buffer (summing to S); empty: one buffer of S elements per rank.
+  std::vector<int64_t> buffer_shard_elems;
+  std::vector<int64_t> buffer_of;  // tensors[i]'s buffer; empty: every tensor in buffer 0
   double plan_seconds = 0.0;
 
-  int64_t buffer_elems() const { return world_size * shard_elems; }
+  int64_t buffer_elems() const { return world_size * shard_elems; }  // all buffers
+  size_t num_buffers() const { return buffer_shard_elems.empty() ? 1 : buffer_shard_elems.size(); }
+  int64_t buffer_shard(size_t b) const;        // S_b
+  int64_t buffer_local_begin(size_t b) const;  // where buffer b starts in a rank's slice
+  int64_t buffer_global_begin(size_t b) const { return world_size * buffer_local_begin(b); }
+  size_t buffer_index(size_t tensor) const;
+  // Element offset of tensors[i] in the gathered memory (all buffers).
+  int64_t global_offset(size_t tensor) const;
   // Alignment in elements: S and every offset are multiples of it.
   int64_t align_elems() const;
   int64_t total_tensor_elems() const;

@@ -82,10 +82,14 @@ std::string plan_to_json(const Plan& plan, int indent) {
                        {"shape", t.shape},
                        {"row_dims", t.row_dims},
                        {"granule_rows", g},
+                       {"buffer", plan.buffer_index(i)},
                        {"offset", plan.offsets[i]}});
   }
+  ojson buffers = ojson::array();
+  for (size_t b = 0; b < plan.num_buffers(); ++b) buffers.push_back({{"S", plan.buffer_shard(b)}});
   ojson out = {{"world_size", plan.world_size},
               {"S", plan.shard_elems},
+              {"buffers", buffers},
               {"align_bytes", plan.align_bytes},
               {"padding_fraction", plan.padding_fraction()},
               {"lower_bound_S", plan.lower_bound_shard_elems()},

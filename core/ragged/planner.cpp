@@ -11,6 +11,7 @@
 
 #include <algorithm>
 #include <chrono>
+#include <functional>
 #include <limits>
 #include <map>
 #include <random>
@@ -200,13 +201,11 @@ int64_t structural_lower_bound(const std::vector<TensorSpec>& tensors, int64_t w
   return describe_unit(tensors, world_size, A).s_first;
 }
 
-Plan plan_unit(const std::vector<TensorSpec>& tensors, int64_t world_size, int64_t align_bytes,
-               const PlannerOptions& options) {
-  const auto t0 = std::chrono::steady_clock::now();
-  if (world_size < 1) {
-    throw std::invalid_argument("world size must be >= 1, got " + std::to_string(world_size));
-  }
-  check_unit_specs(tensors);
+namespace {
+
+// One buffer for `tensors` (checked by the caller).
+Plan plan_one_buffer(const std::vector<TensorSpec>& tensors, int64_t world_size,
+                     int64_t align_bytes, const PlannerOptions& options) {
   Plan plan;
   plan.world_size = world_size;
   plan.align_bytes = align_bytes;
@@ -274,7 +273,8 @@ Plan plan_unit(const std::vector<TensorSpec>& tensors, int64_t world_size, int64
   };
   const int64_t per_candidate =
       static_cast<int64_t>(items.size()) * (exhaustive ? 1 : static_cast<int64_t>(orders.size()));
-  const int64_t linear = std::max<int64_t>(64, options.linear_placements / per_candidate);
+  const int64_t linear = std::max<int64_t>(options.min_linear_candidates,
+                                           options.linear_placements / per_candidate);
   int64_t S = unit.s_first, lo = -1, hi = -1;
   for (int64_t i = 0; i < linear && hi < 0; ++i) {
     if (feasible(S)) {
@@ -310,6 +310,179 @@ Plan plan_unit(const std::vector<TensorSpec>& tensors, int64_t world_size, int64
   }
   // Every feasible call set hi and wrote its placement, so plan.offsets is hi's.
   plan.shard_elems = hi;
+  return plan;
+}
+
+// Set partitions of {0..q-1} into at most k blocks, as restricted growth
+// strings: block[i] <= 1 + max(block[0..i-1]).
+void for_each_partition(int q, int k, const std::function<void(const std::vector<int>&)>& fn) {
+  std::vector<int> block(q, 0);
+  std::function<void(int, int)> rec = [&](int i, int used) {
+    if (i == q) {
+      fn(block);
+      return;
+    }
+    for (int b = 0; b < std::min(used + 1, k); ++b) {
+      block[i] = b;
+      rec(i + 1, std::max(used, b + 1));
+    }
+  };
+  rec(0, 0);
+}
+
+// Several buffers: the tensors that must be cut (n above the size bound) in
+// classes of one granule spacing, the largest classes first (at most kClasses:
+// the rest join the last); every partition of the classes into at most
+// max_buffers blocks, the small tensors joining each block in turn; each block
+// planned as one buffer (cached by its set). Returns the cheapest, or `single`.
+Plan plan_buffers(const std::vector<TensorSpec>& tensors, const Plan& single,
+                  const PlannerOptions& options) {
+  constexpr int kClasses = 6;
+  const int64_t m = single.world_size, A = single.align_elems();
+  const int64_t lb = single.lower_bound_shard_elems();
+  std::map<int64_t, std::vector<size_t>> by_spacing;
+  std::vector<size_t> small;
+  for (size_t i = 0; i < tensors.size(); ++i) {
+    if (tensors[i].numel() > lb) {
+      by_spacing[std::lcm(tensors[i].granule_elems(), A)].push_back(i);
+    } else {
+      small.push_back(i);
+    }
+  }
+  std::vector<std::pair<int64_t, std::vector<size_t>>> classes;  // (elements, tensors)
+  for (auto& [gp, idx] : by_spacing) {
+    int64_t n = 0;
+    for (size_t i : idx) n += tensors[i].numel();
+    classes.push_back({n, idx});
+  }
+  if (classes.empty() || (classes.size() < 2 && small.empty())) return single;
+  std::sort(classes.begin(), classes.end(), [](const auto& a, const auto& b) {
+    return a.first > b.first;
+  });
+  while (static_cast<int>(classes.size()) > kClasses) {
+    auto last = classes.back();
+    classes.pop_back();
+    classes.back().second.insert(classes.back().second.end(), last.second.begin(),
+                                 last.second.end());
+  }
+  const int q = static_cast<int>(classes.size());
+  const int64_t eb = single.elem_bytes, c = options.collective_cost_bytes;
+  // Blocks are planned with a smaller search budget: there are many of them.
+  PlannerOptions sub_options = options;
+  sub_options.extra_orders = std::min(options.extra_orders, 2);
+  sub_options.linear_placements = std::min<int64_t>(options.linear_placements, 20000);
+  sub_options.min_linear_candidates = std::min(options.min_linear_candidates, 8);
+  sub_options.exhaustive_max_tensors = std::min(options.exhaustive_max_tensors, 4);
+  // A block's tensors (the caller's order), its structural bound, its plan; cached.
+  auto block_tensors = [&](uint32_t mask, bool with_small) {
+    std::vector<size_t> idx;
+    for (int k = 0; k < q; ++k) {
+      if (mask & (1u << k)) idx.insert(idx.end(), classes[k].second.begin(), classes[k].second.end());
+    }
+    if (with_small) idx.insert(idx.end(), small.begin(), small.end());
+    std::sort(idx.begin(), idx.end());
+    return idx;
+  };
+  auto specs_of = [&](const std::vector<size_t>& idx) {
+    std::vector<TensorSpec> sub;
+    for (size_t i : idx) sub.push_back(tensors[i]);
+    return sub;
+  };
+  using Key = std::pair<uint32_t, bool>;
+  std::map<Key, int64_t> bounds;
+  std::map<Key, Plan> plans;
+  auto block_bound = [&](Key key) {
+    auto it = bounds.find(key);
+    if (it != bounds.end()) return it->second;
+    // (describe_unit directly: the specs were checked once, by plan_unit)
+    const int64_t sb = describe_unit(specs_of(block_tensors(key.first, key.second)), m, A).s_first;
+    return bounds.emplace(key, sb).first->second;
+  };
+  auto block_plan = [&](Key key) -> const Plan& {
+    auto it = plans.find(key);
+    if (it != plans.end()) return it->second;
+    const auto idx = block_tensors(key.first, key.second);
+    Plan p = plan_one_buffer(specs_of(idx), m, single.align_bytes, sub_options);
+    p.buffer_of.assign(idx.begin(), idx.end());  // (scratch: the tensors' indices)
+    return plans.emplace(key, std::move(p)).first->second;
+  };
+  auto cost_of = [&](int64_t S, int nb) { return m * S * eb + nb * c; };
+  // Every candidate with its bound (the sum of its blocks' structural bounds);
+  // planned from the smallest bound up, until the bound is within 0.1 % of the
+  // best cost.
+  struct Candidate {
+    int64_t bound;
+    std::vector<Key> blocks;
+  };
+  std::vector<Candidate> candidates;
+  const int kmax = std::max(1, options.max_buffers);
+  for_each_partition(q, kmax, [&](const std::vector<int>& block) {
+    const int blocks = 1 + *std::max_element(block.begin(), block.end());
+    std::vector<uint32_t> masks(blocks, 0);
+    for (int k = 0; k < q; ++k) masks[block[k]] |= 1u << k;
+    // The small tensors join block `with`, or form a buffer of their own (with == blocks).
+    for (int with = 0; with < (small.empty() ? 1 : blocks + 1); ++with) {
+      Candidate cand;
+      for (int b = 0; b < blocks; ++b) cand.blocks.push_back({masks[b], !small.empty() && with == b});
+      if (with == blocks && !small.empty()) cand.blocks.push_back({0u, true});
+      const int nb = static_cast<int>(cand.blocks.size());
+      if (nb < 2 || nb > kmax) continue;
+      int64_t S = 0;
+      for (const Key& k : cand.blocks) S += block_bound(k);
+      cand.bound = cost_of(S, nb);
+      candidates.push_back(std::move(cand));
+    }
+  });
+  std::stable_sort(candidates.begin(), candidates.end(),
+                   [](const Candidate& a, const Candidate& b) { return a.bound < b.bound; });
+  int64_t best_cost = cost_of(single.shard_elems, 1);
+  std::vector<const Plan*> best;
+  for (const Candidate& cand : candidates) {
+    // Stop once no candidate left could gain a thousandth (plans cost time).
+    if (cand.bound + best_cost / 1000 >= best_cost) break;
+    std::vector<const Plan*> parts;
+    int64_t S = 0;
+    for (const Key& k : cand.blocks) {
+      parts.push_back(&block_plan(k));
+      S += parts.back()->shard_elems;
+    }
+    const int64_t cost = cost_of(S, static_cast<int>(parts.size()));
+    if (cost < best_cost) {
+      best_cost = cost;
+      best = parts;
+    }
+  }
+  if (best.empty()) return single;
+  Plan plan = single;
+  plan.shard_elems = 0;
+  plan.buffer_shard_elems.clear();
+  plan.buffer_of.assign(tensors.size(), 0);
+  for (size_t b = 0; b < best.size(); ++b) {
+    const Plan& part = *best[b];
+    plan.buffer_shard_elems.push_back(part.shard_elems);
+    plan.shard_elems += part.shard_elems;
+    for (size_t j = 0; j < part.buffer_of.size(); ++j) {
+      const size_t i = static_cast<size_t>(part.buffer_of[j]);
+      plan.buffer_of[i] = static_cast<int64_t>(b);
+      plan.offsets[i] = part.offsets[j];
+    }
+  }
+  return plan;
+}
+
+}  // namespace
+
+Plan plan_unit(const std::vector<TensorSpec>& tensors, int64_t world_size, int64_t align_bytes,
+               const PlannerOptions& options) {
+  const auto t0 = std::chrono::steady_clock::now();
+  if (world_size < 1) {
+    throw std::invalid_argument("world size must be >= 1, got " + std::to_string(world_size));
+  }
+  check_unit_specs(tensors);
+  Plan plan = plan_one_buffer(tensors, world_size, align_bytes, options);
+  if (options.max_buffers > 1 && plan.shard_elems > plan.lower_bound_shard_elems()) {
+    plan = plan_buffers(tensors, plan, options);
+  }
   plan.plan_seconds =
       std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
   return plan;

@@ -14,13 +14,26 @@ struct PlannerOptions {
   // Units of at most this many tensors are planned over every tensor order,
   // which makes the plan optimal for them (placement per order is exact).
   int exhaustive_max_tensors = 7;
-  // Candidate S values are tried one by one from the smallest, until about
-  // this many tensor placements are spent (at least 64 candidates); then the
-  // search switches to doubling steps and bisection.
   // Beyond the three fixed orders, this many more (reversed, then seeded
   // shuffles) for units of up to 64 tensors; 8 for larger ones.
   int extra_orders = 64;
+  // Candidate S values are tried one by one from the smallest, until about
+  // this many tensor placements are spent; then the search switches to
+  // doubling steps and bisection.
   int64_t linear_placements = 200000;
+  int min_linear_candidates = 64;  // ... but at least this many candidates
+  // Several buffers per unit, each with its own S_b and its own collective: at
+  // most this many (1: always one buffer). The tensors that must be cut are
+  // grouped by granule spacing; every grouping into at most max_buffers buffers
+  // (the other tensors joining one of them, or a buffer of their own) is
+  // planned, and the plan with the least cost wins, one buffer on ties. Cost:
+  // the bytes a rank receives in a gather (m * S * elem_bytes) plus
+  // collective_cost_bytes per buffer.
+  int max_buffers = 4;
+  // A collective's fixed cost as bytes: latency x bandwidth. Measured here (Gloo,
+  // 2 processes, per-rank broadcasts: 295 us x 3.2 GB/s = 0.9 MiB); NCCL on
+  // InfiniBand is of the same order (20-50 us x 25-50 GB/s = 0.5-2.5 MB).
+  int64_t collective_cost_bytes = 1 << 20;
 };
 
 // A lower bound on S that accounts for structure, not just size: the smallest
@@ -32,6 +45,7 @@ int64_t structural_lower_bound(const std::vector<TensorSpec>& tensors, int64_t w
 
 // Throws std::invalid_argument (one line, naming the tensor) for bad input:
 // an empty unit, a malformed spec, duplicate names, mixed dtype_bytes, m < 1.
+// The plan may hold several buffers (options.max_buffers).
 Plan plan_unit(const std::vector<TensorSpec>& tensors, int64_t world_size,
                int64_t align_bytes = 16, const PlannerOptions& options = {});
 

@@ -14,9 +14,12 @@
 namespace {
 
 const char* kUsage =
-    "usage: rfsdp-plan [FILE] --world-size M [--align-bytes A] [--json] | --version\n"
+    "usage: rfsdp-plan [FILE] --world-size M [--align-bytes A] [--max-buffers K]\n"
+    "                  [--collective-cost-bytes C] [--json] | --version\n"
     "  FILE: JSON list of tensors [{\"name\", \"shape\", \"granule_rows\": int | \"whole\",\n"
-    "        \"row_dims\" (default 1), \"dtype_bytes\"}]; stdin when absent or \"-\".\n";
+    "        \"row_dims\" (default 1), \"dtype_bytes\"}]; stdin when absent or \"-\".\n"
+    "  K: at most this many buffers (collectives) per unit (default 4; 1: one buffer);\n"
+    "  C: a collective's fixed cost as bytes received (latency x bandwidth; default 1 MiB).\n";
 
 int64_t parse_int(const std::string& flag, const char* text) {
   if (text == nullptr) throw std::invalid_argument(flag + " needs a value");
@@ -36,16 +39,24 @@ void print_table(const rfsdp::Plan& plan) {
               100.0 * (static_cast<double>(plan.shard_elems) / plan.lower_bound_shard_elems() - 1.0),
               100.0 * plan.padding_fraction(), static_cast<long long>(plan.align_bytes),
               plan.plan_seconds * 1e3);
-  std::printf("%-40s %-22s %5s %8s %14s %7s %7s\n", "tensor", "shape", "rdims", "granule",
-              "offset", "rank0", "rankN");
+  if (plan.num_buffers() > 1) {
+    std::printf("%zu buffers (one collective each), S per buffer:", plan.num_buffers());
+    for (size_t b = 0; b < plan.num_buffers(); ++b) {
+      std::printf(" %lld", static_cast<long long>(plan.buffer_shard(b)));
+    }
+    std::printf("\n");
+  }
+  std::printf("%-40s %-22s %5s %8s %3s %14s %7s %7s\n", "tensor", "shape", "rdims", "granule",
+              "buf", "offset", "rank0", "rankN");
   for (size_t i = 0; i < plan.tensors.size(); ++i) {
     const auto& t = plan.tensors[i];
     const int64_t off = plan.offsets[i];
-    std::printf("%-40s %-22s %5d %8s %14lld %7lld %7lld\n", t.name.c_str(),
+    const size_t b = plan.buffer_index(i);
+    const int64_t S = plan.buffer_shard(b);
+    std::printf("%-40s %-22s %5d %8s %3zu %14lld %7lld %7lld\n", t.name.c_str(),
                 rfsdp::shape_to_string(t.shape).c_str(), t.row_dims,
-                rfsdp::granule_to_string(t).c_str(), static_cast<long long>(off),
-                static_cast<long long>(off / plan.shard_elems),
-                static_cast<long long>((off + t.numel() - 1) / plan.shard_elems));
+                rfsdp::granule_to_string(t).c_str(), b, static_cast<long long>(off),
+                static_cast<long long>(off / S), static_cast<long long>((off + t.numel() - 1) / S));
   }
 }
 
@@ -57,6 +68,7 @@ int main(int argc, char** argv) {
     int64_t world_size = 0, align_bytes = 16;
     bool have_world_size = false;
     bool as_json = false;
+    rfsdp::PlannerOptions options;
     for (int i = 1; i < argc; ++i) {
       const std::string a = argv[i];
       if (a == "--world-size") {
@@ -65,6 +77,14 @@ int main(int argc, char** argv) {
       } else if (a == "--align-bytes") {
         align_bytes = parse_int(a, i + 1 < argc ? argv[++i] : nullptr);
         if (align_bytes < 1) throw std::invalid_argument("--align-bytes must be positive");
+      } else if (a == "--max-buffers") {
+        options.max_buffers = static_cast<int>(parse_int(a, i + 1 < argc ? argv[++i] : nullptr));
+        if (options.max_buffers < 1) throw std::invalid_argument("--max-buffers must be >= 1");
+      } else if (a == "--collective-cost-bytes") {
+        options.collective_cost_bytes = parse_int(a, i + 1 < argc ? argv[++i] : nullptr);
+        if (options.collective_cost_bytes < 0) {
+          throw std::invalid_argument("--collective-cost-bytes must be >= 0");
+        }
       } else if (a == "--json") {
         as_json = true;
       } else if (a == "--version") {
@@ -91,7 +111,7 @@ int main(int argc, char** argv) {
       buf << in.rdbuf();
     }
     const rfsdp::Plan plan =
-        rfsdp::plan_unit(rfsdp::unit_from_json(buf.str()), world_size, align_bytes);
+        rfsdp::plan_unit(rfsdp::unit_from_json(buf.str()), world_size, align_bytes, options);
     rfsdp::validate_plan(plan);
     if (as_json) {
       std::cout << rfsdp::plan_to_json(plan) << "\n";

@@ -26,6 +26,7 @@ from torch import nn
 
 from . import _C
 from . import policy as policy_mod
+from .planning import PlannerOptions
 from ._comm import make_comm
 
 
@@ -95,7 +96,7 @@ def shard_info(param):
 
 
 class _Unit:
-    def __init__(self, entries, pg, rg, pol, mp, reshard_after_forward):
+    def __init__(self, entries, pg, rg, pol, mp, reshard_after_forward, planner):
         # entries[i]: every place parameter i stands, [(owner module, attr name, fqn)];
         # a tied parameter stands in several and is sharded once, under the first name.
         self.entries = entries
@@ -108,7 +109,8 @@ class _Unit:
             g = pol.granule(fqn, p)
             specs.append((fqn, list(p.shape), 0 if g == policy_mod.WHOLE else g,
                           pol.row_dims(fqn, p) if p.dim() > 0 else 1, dtype_bytes))
-        self.plan = _C.plan_specs(specs, pg.size(), 16)
+        self.plan = _C.plan_specs(specs, pg.size(), 16, planner.max_buffers,
+                                  planner.collective_cost_bytes)
         self.comm = make_comm(pg)  # kept: rfsdp closes it at exit (see _comm)
         self.replicate_comm = make_comm(rg) if rg is not None and rg.size() > 1 else None
         self.unit = _C.FSDPUnit(self.comm, self.plan, str(mp.param_dtype).replace("torch.", ""),
@@ -418,7 +420,7 @@ def _groups(mesh, process_group, replicate_group):
 
 
 def fully_shard(module, *, mesh=None, process_group=None, replicate_group=None, policy=None,
-                mp_policy=None, reshard_after_forward=True):
+                mp_policy=None, reshard_after_forward=True, planner=None):
     """Shards the parameters of `module` that no inner fully_shard call claimed
     (apply bottom-up, like FSDP2's fully_shard). Returns the module.
 
@@ -428,7 +430,8 @@ def fully_shard(module, *, mesh=None, process_group=None, replicate_group=None, 
     ranks, 2-D (replicate, shard) shards along dim 1 and replicates along dim 0.
     Gradients reduce-scatter inside the shard group and all-reduce across the
     replicas (the mean over every rank); optimizers and clipping work inside the
-    shard group."""
+    shard group. planner: rfsdp.PlannerOptions (how many flat buffers, each with
+    its own collective, a unit may take; default: up to 4 where they pad less)."""
     if getattr(module, "_rfsdp_unit", None) is not None:
         raise ValueError("fully_shard was already applied to this %s" % type(module).__name__)
     pg, rg = _groups(mesh, process_group, replicate_group)
@@ -448,7 +451,10 @@ def fully_shard(module, *, mesh=None, process_group=None, replicate_group=None, 
                              "weights: convert the module with .float() first (compute in bf16 "
                              "or fp16 with mp_policy=MixedPrecisionPolicy(param_dtype=...))"
                              % (uses[0][2], p.dtype))
-    unit = _Unit(entries, pg, rg, pol, mp, reshard_after_forward) if entries else None
+    planner = planner if planner is not None else PlannerOptions()
+    if not isinstance(planner, PlannerOptions):
+        raise ValueError("fully_shard: planner must be an rfsdp.PlannerOptions, got %r" % (planner,))
+    unit = _Unit(entries, pg, rg, pol, mp, reshard_after_forward, planner) if entries else None
     module._rfsdp_unit = unit if unit is not None else False
     # This call's schedule takes over the units of the calls below it (their
     # schedules are emptied). Its pre-hook runs before the unit's, its post-hook after.

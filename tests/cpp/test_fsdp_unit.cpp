@@ -40,6 +40,28 @@ std::vector<TensorSpec> random_unit(uint64_t seed) {
   return unit;
 }
 
+// Two matrices of row lengths 7 and 9 (1-row granules) and a bias: on 4 ranks
+// one buffer needs S = 288 elements, several buffers (collectives priced at 0)
+// reach the size bound, 260 (rfsdp-plan --collective-cost-bytes 0 shows both).
+std::vector<TensorSpec> two_class_unit() {
+  std::vector<TensorSpec> unit;
+  for (auto [name, shape] : {std::pair<const char*, std::vector<int64_t>>{"a", {64, 7}},
+                             {"bias", {9}}, {"b", {64, 9}}}) {
+    TensorSpec t;
+    t.name = name;
+    t.shape = shape;
+    t.granule_rows = 1;
+    unit.push_back(t);
+  }
+  return unit;
+}
+
+Plan plan_several(const std::vector<TensorSpec>& unit, int64_t world) {
+  PlannerOptions free_collectives;
+  free_collectives.collective_cost_bytes = 0;
+  return plan_unit(unit, world, 16, free_collectives);
+}
+
 std::vector<at::Tensor> full_values(const Plan& plan, uint64_t seed, uint64_t stream) {
   std::vector<at::Tensor> v;
   for (size_t i = 0; i < plan.tensors.size(); ++i) {
@@ -62,7 +84,10 @@ TEST_P(UnitWorld, UnshardGivesEveryRankTheExactParameters) {
   const uint64_t seed = fresh_seed();
   SCOPED_TRACE("seed " + std::to_string(seed));
   for (int rep = 0; rep < 4; ++rep) {
-    const Plan plan = plan_unit(random_unit(seed + rep), world, 16);
+    // Odd reps: several buffers (one gather each), when the planner finds them better.
+    const Plan plan = rep % 2 ? plan_several(two_class_unit(), world)
+                              : plan_unit(random_unit(seed + rep), world, 16);
+    if (rep % 2 && world == 4) ASSERT_GT(plan.num_buffers(), 1u);
     for (at::ScalarType dt : {at::kFloat, at::kBFloat16}) {
       run_local_ranks(world, [&](Comm& c) {
         auto comm = std::shared_ptr<Comm>(&c, [](Comm*) {});
@@ -92,7 +117,8 @@ TEST_P(UnitWorld, ReduceGradsGivesEachRankItsSliceOfTheSum) {
   const int world = GetParam();
   const uint64_t seed = fresh_seed();
   SCOPED_TRACE("seed " + std::to_string(seed));
-  const Plan plan = plan_unit(random_unit(seed), world, 16);
+  for (const Plan& plan : {plan_unit(random_unit(seed), world, 16),
+                           plan_several(two_class_unit(), world)})
   for (at::ScalarType rdt : {at::kFloat, at::kHalf, at::kBFloat16}) {
     for (ReduceOp op : {ReduceOp::Sum, ReduceOp::Avg}) {
       run_local_ranks(world, [&](Comm& c) {
@@ -262,7 +288,8 @@ TEST_P(HsdpMesh, GradientsNormsAndStepsCoverEveryRank) {
   const int m = GetParam();
   const uint64_t seed = fresh_seed();
   SCOPED_TRACE("seed " + std::to_string(seed));
-  const Plan plan = plan_unit(random_unit(seed), m, 16);
+  const Plan plan = plan_several(two_class_unit(), m);
+  if (m == 4) ASSERT_GT(plan.num_buffers(), 1u);
   for (at::ScalarType rdt : {at::kFloat, at::kBFloat16}) {
     for (ReduceOp op : {ReduceOp::Sum, ReduceOp::Avg}) {
       run_local_ranks(kWorld, [&](Comm& world) {

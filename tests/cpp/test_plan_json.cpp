@@ -76,6 +76,29 @@ TEST(PlanJson, PlanOutputHasTheDocumentedFields) {
   EXPECT_EQ(j["tensors"][0]["offset"], p.offsets[0]);
   EXPECT_EQ(j["tensors"][1]["granule_rows"], "whole");
   EXPECT_EQ(j["tensors"][1]["offset"], p.offsets[1]);
+  ASSERT_EQ(j["buffers"].size(), 1u);
+  EXPECT_EQ(j["buffers"][0]["S"], p.shard_elems);
+  EXPECT_EQ(j["tensors"][0]["buffer"], 0);
+  // Several buffers: each with its S, each tensor with its buffer and its offset in it.
+  PlannerOptions free_collectives;
+  free_collectives.collective_cost_bytes = 0;
+  const Plan two = plan_unit(unit_from_json(R"([
+    {"name": "a", "shape": [64, 7], "granule_rows": 1, "dtype_bytes": 4},
+    {"name": "b", "shape": [64, 9], "granule_rows": 1, "dtype_bytes": 4}])"), 8, 16,
+                             free_collectives);
+  ASSERT_EQ(two.num_buffers(), 2u);
+  const auto k = nlohmann::json::parse(plan_to_json(two));
+  ASSERT_EQ(k["buffers"].size(), 2u);
+  int64_t sum = 0;
+  for (size_t b = 0; b < 2; ++b) {
+    EXPECT_EQ(k["buffers"][b]["S"], two.buffer_shard(b));
+    sum += k["buffers"][b]["S"].get<int64_t>();
+  }
+  EXPECT_EQ(k["S"], sum);
+  for (size_t i = 0; i < 2; ++i) {
+    EXPECT_EQ(k["tensors"][i]["buffer"], two.buffer_index(i));
+    EXPECT_EQ(k["tensors"][i]["offset"], two.offsets[i]);
+  }
 }
 
 // A random-property test in place of a fuzzer (the machine's compiler is gcc): a

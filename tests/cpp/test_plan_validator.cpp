@@ -128,5 +128,60 @@ TEST(PlanValidator, ShardRangesOfTheGoodPlan) {
   EXPECT_THROW(p.shard(0, 2), std::out_of_range);
 }
 
+// Two buffers, m = 2: buffer 0 (S_0 = 12) holds a [6, 4] at 0 (boundary 12 is 3
+// rows in); buffer 1 (S_1 = 8) holds c [2, 8] at 0 (boundary 8 is 1 row in).
+// A rank's slice: 12 elements of buffer 0, then 8 of buffer 1.
+Plan two_buffer_plan() {
+  Plan p;
+  p.world_size = 2;
+  p.shard_elems = 20;
+  p.buffer_shard_elems = {12, 8};
+  p.align_bytes = 16;
+  p.elem_bytes = 4;
+  p.tensors = {spec("a", {6, 4}), spec("c", {2, 8})};
+  p.buffer_of = {0, 1};
+  p.offsets = {0, 0};  // both at the start of their own buffer: no overlap
+  return p;
+}
+
+TEST(PlanValidator, SeveralBuffers) {
+  const Plan p = two_buffer_plan();
+  ASSERT_TRUE(plan_violations(p).empty()) << plan_violations(p).front();
+  EXPECT_EQ(p.num_buffers(), 2u);
+  EXPECT_EQ(p.buffer_elems(), 40);
+  EXPECT_EQ(p.global_offset(1), 24);  // after buffer 0's 2 x 12
+  const ShardRange c1 = p.shard(1, 1);
+  EXPECT_EQ(c1.row_begin, 1);
+  EXPECT_EQ(c1.row_end, 2);
+  EXPECT_EQ(c1.local_offset, 12);  // buffer 1 starts 12 elements into the slice
+  const ShardRange a1 = p.shard(0, 1);
+  EXPECT_EQ(a1.row_begin, 3);
+  EXPECT_EQ(a1.local_offset, 0);
+  EXPECT_DOUBLE_EQ(p.padding_fraction(), (40.0 - 40.0) / 40.0);
+
+  Plan q = p;
+  q.buffer_shard_elems = {12, 12};  // no longer adds up to S
+  expect_violation(q, "", "add up to");
+  q = p;
+  q.buffer_of = {0, 2};
+  expect_violation(q, "c", "does not exist");
+  q = p;
+  q.buffer_of = {0};
+  expect_violation(q, "", "buffer indices");
+  q = p;
+  q.offsets[1] = 4;  // c [4, 20) in buffer 1 of 16 elements
+  expect_violation(q, "c", "bounds");
+  q = p;
+  q.buffer_of = {0, 0};  // both in buffer 0 at offset 0: overlap
+  q.offsets = {0, 0};
+  expect_violation(q, "", "overlap");
+  q = p;
+  q.buffer_shard_elems = {10, 10};  // S_0 = 10: not a multiple of 4 elements
+  expect_violation(q, "", "alignment");
+  q = p;
+  q.tensors[0].granule_rows = 2;  // buffer 0's boundary 12 is 3 rows into a
+  expect_violation(q, "a", "granule");
+}
+
 }  // namespace
 }  // namespace rfsdp

@@ -1,7 +1,8 @@
 """HSDP on 4 ranks (processes, Gloo) as a DeviceMesh of (replicate, shard) =
 (2, 2), (1, 4) (plain FSDP) and (4, 1) (plain replication): AdamW with clipping,
-AdamW8bit and Muon trained on a quarter of each batch per rank equal the same
-model trained unsharded on the whole batch (torch.optim.AdamW, rfsdp's AdamW8bit
+AdamW8bit and Muon trained on a quarter of each batch per rank, with units
+planned as several buffers where that pads less, equal the same model trained
+unsharded on the whole batch (torch.optim.AdamW, rfsdp's AdamW8bit
 on plain tensors, the float64 reference Muon); a checkpoint saved under HSDP
 loads into a plain 4-rank FSDP model, and both step on alike; bad groups."""
 import os
@@ -43,12 +44,16 @@ def optimizer(name, model):
                             lr=0.02, weight_decay=0.01)
 
 
+# Collectives priced at 0: units take several buffers wherever that pads less.
+SEVERAL = rfsdp.PlannerOptions(collective_cost_bytes=0)
+
+
 def sharded(name, seed, **groups):
     torch.manual_seed(seed)
     model = model_zoo.Net()
     for b in model.blocks:
-        rfsdp.fully_shard(b, policy=policy(name), **groups)
-    rfsdp.fully_shard(model, policy=policy(name), **groups)
+        rfsdp.fully_shard(b, policy=policy(name), planner=SEVERAL, **groups)
+    rfsdp.fully_shard(model, policy=policy(name), planner=SEVERAL, **groups)
     return model
 
 
@@ -65,7 +70,8 @@ def worker(rank, shard_size, seed, d):
         opt = optimizer(name, model)
         clip = (lambda: rfsdp.clip_grad_norm_(model, CLIP)) if name == "adamw" else None
         losses = train_on_slices(model, opt, xs, ys, rank, WORLD, before_step=clip)
-        out[name] = {"losses": losses, "params": rfsdp.full_parameters(model)}
+        out[name] = {"losses": losses, "params": rfsdp.full_parameters(model),
+                     "buffers": [len(u.plan.buffers) for u in rfsdp.fsdp.units(model)]}
         if name == "adamw8bit":  # saved under HSDP, loaded into plain FSDP over the 4 ranks
             ckpt.save(os.path.join(d, "ck"), model, opt)
             other = sharded(name, seed + 1)
@@ -129,6 +135,9 @@ def test_hsdp_trains_like_one_device(shard_size):
         for n, want in ref_params.items():
             torch.testing.assert_close(got[name]["params"][n].double(), want, rtol=1e-5, atol=1e-5,
                                        msg=lambda m: "%s %s (seed %d): %s" % (name, n, seed, m))
+    if shard_size == 4:  # the planner did take several buffers somewhere
+        assert any(k > 1 for name in NAMES for k in got[name]["buffers"]), \
+            {name: got[name]["buffers"] for name in NAMES}
     for n, want in got["adamw8bit"]["params"].items():
         assert torch.equal(got["loaded"][n], want), n
     a, b = got["stepped"]

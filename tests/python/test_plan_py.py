@@ -13,13 +13,37 @@ def test_to_json_equals_the_cli(build_dir, zoo_dir):
         path = os.path.join(zoo_dir, unit_file)
         with open(path) as f:
             unit = json.load(f)
-        for m in [8, 1024]:
+        for m, k in [(8, 4), (1024, 4), (1024, 1)]:
             cli = subprocess.run([os.path.join(build_dir, "rfsdp-plan"), path, "--world-size", str(m),
-                                  "--json"], capture_output=True, text=True, check=True)
+                                  "--max-buffers", str(k), "--json"],
+                                 capture_output=True, text=True, check=True)
             want = json.loads(cli.stdout)
-            got = json.loads(rfsdp.plan(unit, world_size=m).to_json())
+            got = json.loads(rfsdp.plan(unit, world_size=m,
+                                        options=rfsdp.PlannerOptions(max_buffers=k)).to_json())
             want.pop("plan_seconds"), got.pop("plan_seconds")
             assert got == want
+
+
+def test_several_buffers_from_python():
+    """Row lengths 7 and 9 on 8 ranks: one buffer pads, two fit exactly; the plan
+    object carries the buffers, and every tensor's rows tile across the ranks."""
+    unit = [{"name": "a", "shape": [64, 7], "granule_rows": 1, "dtype_bytes": 4},
+            {"name": "b", "shape": [64, 9], "granule_rows": 1, "dtype_bytes": 4}]
+    one = rfsdp.plan(unit, 8, options=rfsdp.PlannerOptions(max_buffers=1))
+    two = rfsdp.plan(unit, 8, options=rfsdp.PlannerOptions(collective_cost_bytes=0))
+    assert one.buffers == [one.S] and one.buffer_of == [0, 0] and one.S > 128
+    assert sorted(two.buffers) == [56, 72] and two.S == 128 and sorted(two.buffer_of) == [0, 1]
+    for i, rows in [(0, 64), (1, 64)]:
+        covered = []
+        for r in range(8):
+            begin, end, local, n = two.shard(i, r)
+            covered += list(range(begin, end))
+            start = sum(two.buffers[:two.buffer_of[i]])  # the tensor's buffer in the slice
+            assert start <= local and local + n <= start + two.buffers[two.buffer_of[i]]
+        assert covered == list(range(rows))
+    for bad in [dict(max_buffers=0), dict(collective_cost_bytes=-1), dict(max_buffers=True)]:
+        with pytest.raises(ValueError, match="PlannerOptions"):
+            rfsdp.PlannerOptions(**bad)
 
 
 def test_shard_rows_tile_each_tensor():
