@@ -148,16 +148,16 @@ int main(int argc, char** argv) {
   std::printf("Granule: rows per granule for every tensor; 'whole' = each Muon matrix whole "
               "(2-D whole, fused experts one expert each).\n");
   std::printf("1 buffer: one flat buffer per unit; k buffers: the planner's choice of up to %d "
-              "buffers (one collective each,\n%lld bytes per rank charged per collective). pad%% = "
-              "padding of the sharded buffers; S/LB = per-rank size S over ceil(sum n / m)\n"
-              "(the size bound, which holds for any number of buffers); S/SB = one buffer's S over "
-              "the structural bound (also a multiple\nof the granule of every tensor that spans two "
-              "rank boundaries; 1.0000 = optimal for one buffer); cut = granules split across "
-              "ranks.\n\n",
+              "buffers (one collective each, %lld bytes\ncharged per collective). pad%% = padding "
+              "of the sharded buffers; S/SB = one buffer's S over the structural bound (also a\n"
+              "multiple of the granule of every tensor that spans two rank boundaries; 1.0000 = "
+              "optimal for one buffer); S/AB = S over the\nbound for any number of buffers "
+              "(ceil(sum n / m), and the largest granule a cut tensor needs); cut = granules split "
+              "across ranks.\n\n",
               rfsdp::PlannerOptions{}.max_buffers,
               static_cast<long long>(rfsdp::PlannerOptions{}.collective_cost_bytes));
   std::printf("%-26s %5s %6s | %8s %8s | %8s %4s %8s %8s | %8s %8s | %8s %8s\n", "unit", "gran",
-              "m", "1buf pad", "S/SB", "kbuf pad", "bufs", "S/LB", "plan ms", "flat pad",
+              "m", "1buf pad", "S/SB", "kbuf pad", "bufs", "S/AB", "plan ms", "flat pad",
               "flat cut", "fsdp2 pad", "f2 cut");
   rfsdp::PlannerOptions one_buffer;
   one_buffer.max_buffers = 1;
@@ -196,7 +196,8 @@ int main(int argc, char** argv) {
                     100.0 * single.padding_fraction(),
                     static_cast<double>(single.shard_elems) / sb,
                     100.0 * plan.padding_fraction(), plan.num_buffers(),
-                    static_cast<double>(plan.shard_elems) / plan.lower_bound_shard_elems(), ms,
+                    static_cast<double>(plan.shard_elems) /
+                        rfsdp::any_buffers_lower_bound(specs, m, align_bytes), ms,
                     100.0 * flat.padding, static_cast<long long>(flat.cut), 100.0 * f2.padding,
                     static_cast<long long>(f2.cut));
       }

@@ -11,4 +11,4 @@ BUILD_DIR=${RFSDP_BUILD_DIR:-build}
 VENV=${RFSDP_VENV:-$HOME/.cache/rfsdp/venv}
 "$VENV/bin/torchrun" --standalone --nproc_per_node 2 \
   examples/train_gpt.py --compare --plot "$BUILD_DIR/loss_curves.png" "$@"
-"$BUILD_DIR/bench/bench_planner" --world-sizes 8,1024
+"$BUILD_DIR/bench/bench_planner" --world-sizes 8,1024,16384

@@ -166,6 +166,7 @@ struct Unit {
   int64_t total = 0;   // sum of tensor sizes
   int64_t s_max = 0;   // everything in rank 0's slice: always a valid S
   int64_t s_first = 0; // first S on the candidate grid that no bound rules out
+  int64_t s_bound = 0; // max(size bound, largest granule a cut tensor needs)
 };
 
 Unit describe_unit(const std::vector<TensorSpec>& tensors, int64_t world_size, int64_t A) {
@@ -184,6 +185,7 @@ Unit describe_unit(const std::vector<TensorSpec>& tensors, int64_t world_size, i
   }
   const int64_t lb = round_up(ceil_div(u.total, world_size), A);
   const int64_t s0 = std::max(lb, s_min);
+  u.s_bound = s0;
   // The smallest S >= s0 on the grid (next_candidate returns the first one > its argument).
   u.s_first = s0 >= u.s_max ? u.s_max : next_candidate(u.items, s0 - A, A, u.s_max);
   return u;
@@ -191,14 +193,23 @@ Unit describe_unit(const std::vector<TensorSpec>& tensors, int64_t world_size, i
 
 }  // namespace
 
-int64_t structural_lower_bound(const std::vector<TensorSpec>& tensors, int64_t world_size,
-                               int64_t align_bytes) {
+namespace {
+
+// The caller's unit, checked (bad input throws), described.
+Unit checked_unit(const std::vector<TensorSpec>& tensors, int64_t world_size, int64_t align_bytes) {
   check_unit_specs(tensors);
   if (world_size < 1) {
     throw std::invalid_argument("world size must be >= 1, got " + std::to_string(world_size));
   }
-  const int64_t A = align_elems_for(align_bytes, tensors.front().elem_bytes);
-  return describe_unit(tensors, world_size, A).s_first;
+  return describe_unit(tensors, world_size,
+                       align_elems_for(align_bytes, tensors.front().elem_bytes));
+}
+
+}  // namespace
+
+int64_t structural_lower_bound(const std::vector<TensorSpec>& tensors, int64_t world_size,
+                               int64_t align_bytes) {
+  return checked_unit(tensors, world_size, align_bytes).s_first;
 }
 
 namespace {
@@ -471,6 +482,11 @@ Plan plan_buffers(const std::vector<TensorSpec>& tensors, const Plan& single,
 }
 
 }  // namespace
+
+int64_t any_buffers_lower_bound(const std::vector<TensorSpec>& tensors, int64_t world_size,
+                                int64_t align_bytes) {
+  return checked_unit(tensors, world_size, align_bytes).s_bound;
+}
 
 Plan plan_unit(const std::vector<TensorSpec>& tensors, int64_t world_size, int64_t align_bytes,
                const PlannerOptions& options) {

@@ -43,6 +43,13 @@ struct PlannerOptions {
 int64_t structural_lower_bound(const std::vector<TensorSpec>& tensors, int64_t world_size,
                                int64_t align_bytes = 16);
 
+// A lower bound on S for any plan, of any number of buffers: ceil(sum n / m)
+// (aligned), and the largest min(n, granule) over the tensors: a tensor is
+// either whole on one rank or cut into whole granules, so some buffer's S_b
+// holds one of them. Looser than structural_lower_bound, which holds for one buffer.
+int64_t any_buffers_lower_bound(const std::vector<TensorSpec>& tensors, int64_t world_size,
+                                int64_t align_bytes = 16);
+
 // Throws std::invalid_argument (one line, naming the tensor) for bad input:
 // an empty unit, a malformed spec, duplicate names, mixed dtype_bytes, m < 1.
 // The plan may hold several buffers (options.max_buffers).

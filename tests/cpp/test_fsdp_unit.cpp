@@ -176,57 +176,72 @@ at::Tensor mlp_loss(const std::vector<at::Tensor>& p, const at::Tensor& x, const
   return (at::matmul(h, p[2].t()) + p[3] - y).pow(2).mean();
 }
 
+constexpr int kMlpSteps = 5;
+constexpr double kMlpLr = 0.1;
+
+// One device, float64, the whole batch: kMlpSteps of SGD on the MLP.
+std::vector<at::Tensor> mlp_reference(const Plan& plan, uint64_t seed) {
+  const at::Tensor x = seeded_randn({MlpShapes::batch, MlpShapes::in}, seed, 500);
+  const at::Tensor y = seeded_randn({MlpShapes::batch, MlpShapes::out}, seed, 501);
+  std::vector<at::Tensor> ref;
+  for (const auto& v : full_values(plan, seed, 0)) ref.push_back(v.to(at::kDouble));
+  for (int s = 0; s < kMlpSteps; ++s) {
+    std::vector<at::Tensor> p;
+    for (auto& r : ref) p.push_back(r.detach().requires_grad_(true));
+    mlp_loss(p, x.to(at::kDouble), y.to(at::kDouble)).backward();
+    for (size_t i = 0; i < ref.size(); ++i) ref[i] = ref[i] - kMlpLr * p[i].grad();
+  }
+  return ref;
+}
+
+// The same steps on a sharded unit, this rank (of `ranks`, all data-parallel
+// ranks) taking its slice of the batch; then its rows against the reference.
+void train_mlp_and_compare(FSDPUnit& unit, uint64_t seed, int rank, int ranks,
+                           const std::vector<at::Tensor>& ref) {
+  const Plan& plan = unit.plan();
+  unit.shard(full_values(plan, seed, 0));
+  const int64_t per = MlpShapes::batch / ranks;
+  const at::Tensor xs = seeded_randn({MlpShapes::batch, MlpShapes::in}, seed, 500)
+                            .narrow(0, rank * per, per);
+  const at::Tensor ys = seeded_randn({MlpShapes::batch, MlpShapes::out}, seed, 501)
+                            .narrow(0, rank * per, per);
+  for (int s = 0; s < kMlpSteps; ++s) {
+    unit.unshard().wait();
+    unit.prepare_grads();
+    std::vector<at::Tensor> p;
+    for (size_t i = 0; i < unit.num_params(); ++i) {
+      // A leaf sharing the gathered storage, whose .grad is the gradient view.
+      at::Tensor leaf = unit.full_param(i).detach().requires_grad_(true);
+      leaf.mutable_grad() = unit.full_grad(i);
+      p.push_back(leaf);
+    }
+    mlp_loss(p, xs, ys).backward();
+    for (size_t i = 0; i < p.size(); ++i) {
+      ASSERT_EQ(p[i].grad().data_ptr(), unit.full_grad(i).data_ptr()) << "grad did not land";
+    }
+    unit.reduce_grads(ReduceOp::Avg).wait();
+    unit.local_param_slice().sub_(kMlpLr * unit.local_grad_slice());
+    unit.zero_grad();
+    unit.reshard();
+  }
+  for (size_t i = 0; i < unit.num_params(); ++i) {
+    const at::Tensor want = rows_of(ref[i], plan.tensors[i], unit.shard_range(i));
+    ASSERT_TRUE(at::allclose(unit.local_param(i).to(at::kDouble), want, 1e-5, 1e-5))
+        << plan.tensors[i].name << " rank " << rank << " max err "
+        << (unit.local_param(i).to(at::kDouble) - want).abs().max().item<double>();
+  }
+}
+
 TEST_P(UnitWorld, TrainingStepsEqualOneRankWithTheWholeBatch) {
   const int world = GetParam();
   const uint64_t seed = fresh_seed();
   SCOPED_TRACE("seed " + std::to_string(seed));
-  constexpr int kSteps = 5;
-  constexpr double kLr = 0.1;
   const Plan plan = plan_unit(mlp_unit(1 + static_cast<int64_t>(seed % 3)), world, 16);
-  const at::Tensor x = seeded_randn({MlpShapes::batch, MlpShapes::in}, seed, 500);
-  const at::Tensor y = seeded_randn({MlpShapes::batch, MlpShapes::out}, seed, 501);
-
-  // Reference: one device, float64, the whole batch.
-  std::vector<at::Tensor> ref;
-  for (const auto& v : full_values(plan, seed, 0)) ref.push_back(v.to(at::kDouble));
-  for (int s = 0; s < kSteps; ++s) {
-    std::vector<at::Tensor> p;
-    for (auto& r : ref) p.push_back(r.detach().requires_grad_(true));
-    mlp_loss(p, x.to(at::kDouble), y.to(at::kDouble)).backward();
-    for (size_t i = 0; i < ref.size(); ++i) ref[i] = ref[i] - kLr * p[i].grad();
-  }
-
+  const auto ref = mlp_reference(plan, seed);
   run_local_ranks(world, [&](Comm& c) {
     auto comm = std::shared_ptr<Comm>(&c, [](Comm*) {});
     FSDPUnit unit(comm, plan);
-    unit.shard(full_values(plan, seed, 0));
-    const int64_t per = MlpShapes::batch / world;
-    const at::Tensor xs = x.narrow(0, c.rank() * per, per), ys = y.narrow(0, c.rank() * per, per);
-    for (int s = 0; s < kSteps; ++s) {
-      unit.unshard().wait();
-      unit.prepare_grads();
-      std::vector<at::Tensor> p;
-      for (size_t i = 0; i < unit.num_params(); ++i) {
-        // A leaf sharing the gathered storage, whose .grad is the gradient view.
-        at::Tensor leaf = unit.full_param(i).detach().requires_grad_(true);
-        leaf.mutable_grad() = unit.full_grad(i);
-        p.push_back(leaf);
-      }
-      mlp_loss(p, xs, ys).backward();
-      for (size_t i = 0; i < p.size(); ++i) {
-        ASSERT_EQ(p[i].grad().data_ptr(), unit.full_grad(i).data_ptr()) << "grad did not land";
-      }
-      unit.reduce_grads(ReduceOp::Avg).wait();
-      unit.local_param_slice().sub_(kLr * unit.local_grad_slice());
-      unit.zero_grad();
-      unit.reshard();
-    }
-    for (size_t i = 0; i < unit.num_params(); ++i) {
-      const at::Tensor want = rows_of(ref[i], plan.tensors[i], unit.shard_range(i));
-      ASSERT_TRUE(at::allclose(unit.local_param(i).to(at::kDouble), want, 1e-5, 1e-5))
-          << plan.tensors[i].name << " rank " << c.rank() << " max err "
-          << (unit.local_param(i).to(at::kDouble) - want).abs().max().item<double>();
-    }
+    train_mlp_and_compare(unit, seed, c.rank(), world, ref);
   });
 }
 
@@ -331,46 +346,12 @@ TEST_P(HsdpMesh, GradientsNormsAndStepsCoverEveryRank) {
     }
   }
   // Training: each of the 4 ranks takes a quarter of the batch.
-  constexpr int kSteps = 4;
-  constexpr double kLr = 0.1;
   const Plan mlp = plan_unit(mlp_unit(1 + static_cast<int64_t>(seed % 3)), m, 16);
-  const at::Tensor x = seeded_randn({MlpShapes::batch, MlpShapes::in}, seed, 500);
-  const at::Tensor y = seeded_randn({MlpShapes::batch, MlpShapes::out}, seed, 501);
-  std::vector<at::Tensor> ref;
-  for (const auto& v : full_values(mlp, seed, 0)) ref.push_back(v.to(at::kDouble));
-  for (int s = 0; s < kSteps; ++s) {
-    std::vector<at::Tensor> p;
-    for (auto& r : ref) p.push_back(r.detach().requires_grad_(true));
-    mlp_loss(p, x.to(at::kDouble), y.to(at::kDouble)).backward();
-    for (size_t i = 0; i < ref.size(); ++i) ref[i] = ref[i] - kLr * p[i].grad();
-  }
+  const auto ref = mlp_reference(mlp, seed);
   run_local_ranks(kWorld, [&](Comm& world) {
     HybridGroups g = hybrid_groups(world, m);
     FSDPUnit unit(g.shard, g.replicate, mlp);
-    unit.shard(full_values(mlp, seed, 0));
-    const int64_t per = MlpShapes::batch / kWorld;
-    const at::Tensor xs = x.narrow(0, world.rank() * per, per);
-    const at::Tensor ys = y.narrow(0, world.rank() * per, per);
-    for (int s = 0; s < kSteps; ++s) {
-      unit.unshard().wait();
-      unit.prepare_grads();
-      std::vector<at::Tensor> p;
-      for (size_t i = 0; i < unit.num_params(); ++i) {
-        at::Tensor leaf = unit.full_param(i).detach().requires_grad_(true);
-        leaf.mutable_grad() = unit.full_grad(i);
-        p.push_back(leaf);
-      }
-      mlp_loss(p, xs, ys).backward();
-      unit.reduce_grads(ReduceOp::Avg).wait();
-      unit.local_param_slice().sub_(kLr * unit.local_grad_slice());
-      unit.zero_grad();
-      unit.reshard();
-    }
-    for (size_t i = 0; i < unit.num_params(); ++i) {
-      const at::Tensor want = rows_of(ref[i], mlp.tensors[i], unit.shard_range(i));
-      ASSERT_TRUE(at::allclose(unit.local_param(i).to(at::kDouble), want, 1e-5, 1e-5))
-          << mlp.tensors[i].name << " rank " << world.rank();
-    }
+    train_mlp_and_compare(unit, seed, world.rank(), kWorld, ref);
   });
 }
 

@@ -21,6 +21,14 @@ std::mt19937_64 fresh_rng(uint64_t* seed_out) {
   return std::mt19937_64(*seed_out);
 }
 
+TensorSpec spec(const std::string& name, std::vector<int64_t> shape, int64_t granule_rows) {
+  TensorSpec t;
+  t.name = name;
+  t.shape = std::move(shape);
+  t.granule_rows = granule_rows;
+  return t;
+}
+
 int64_t uniform(std::mt19937_64& rng, int64_t lo, int64_t hi) {
   return std::uniform_int_distribution<int64_t>(lo, hi)(rng);
 }
@@ -206,7 +214,8 @@ TEST(Planner, RandomUnitsValidateAndTile) {
     const auto bad = plan_violations(p);
     ASSERT_TRUE(bad.empty()) << "case " << c << ": " << bad.front();
     ASSERT_TRUE(plan_violations(single).empty()) << "case " << c;
-    ASSERT_GE(p.shard_elems, p.lower_bound_shard_elems());
+    ASSERT_GE(p.shard_elems, any_buffers_lower_bound(unit, m, align));
+    ASSERT_GE(any_buffers_lower_bound(unit, m, align), p.lower_bound_shard_elems());
     ASSERT_GE(single.shard_elems, structural_lower_bound(unit, m, align));
     ASSERT_EQ(single.num_buffers(), 1u);
     ASSERT_LE(p.num_buffers(), static_cast<size_t>(options.max_buffers));
@@ -237,17 +246,7 @@ TEST(Planner, RandomUnitsValidateAndTile) {
 // multiple of both granule spacings (lcm(28, 36) = 252 elements, fp32, 16-byte
 // alignment); two buffers fit both exactly (56 + 72 = the size bound 128).
 TEST(Planner, SeveralBuffersWhenOneBufferMustPad) {
-  TensorSpec a;
-  a.name = "a";
-  a.shape = {64, 7};
-  a.granule_rows = 1;
-  TensorSpec b = a;
-  b.name = "b";
-  b.shape = {64, 9};
-  TensorSpec bias;
-  bias.name = "bias";
-  bias.shape = {9};
-  bias.granule_rows = 1;
+  const TensorSpec a = spec("a", {64, 7}, 1), b = spec("b", {64, 9}, 1), bias = spec("bias", {9}, 1);
   PlannerOptions free_collectives;
   free_collectives.collective_cost_bytes = 0;
   const Plan single = plan_unit({a, b}, 8, 16, one_buffer());
@@ -280,13 +279,7 @@ TEST(Planner, SeveralBuffersWhenOneBufferMustPad) {
 }
 
 TEST(Planner, MoreRanksThanGranules) {
-  TensorSpec a;
-  a.name = "a";
-  a.shape = {3, 4};
-  a.granule_rows = 1;
-  TensorSpec b = a;
-  b.name = "b";
-  b.granule_rows = kWholeTensor;
+  const TensorSpec a = spec("a", {3, 4}, 1), b = spec("b", {3, 4}, kWholeTensor);
   const Plan p = plan_unit({a, b}, 16384, 16);
   EXPECT_TRUE(plan_violations(p).empty());
   EXPECT_EQ(p.shard_elems, 12);  // b whole needs 12 elements on one rank

@@ -63,3 +63,23 @@ class ReferenceMuon:
                 mh = self.m[n] / (1 - b1 ** self.t)
                 vh = self.v[n] / (1 - b2 ** self.t)
                 w.mul_(1 - lr * h["aux_wd"]).sub_(lr * mh / (vh.sqrt() + h["eps"]))
+
+
+def train(model, muon_names, xs, ys, **hyper):
+    """ReferenceMuon(hyper) training `model`'s parameters (as float64 copies) on the
+    batches xs, ys with mse_loss; the model computes each step's loss and gradients
+    at the reference's parameters. Returns (losses, {name: float64 tensor})."""
+    names = [n for n, _ in model.named_parameters()]
+    ref = ReferenceMuon({n: p.detach().double().clone() for n, p in model.named_parameters()},
+                        muon_names, **hyper)
+    losses = []
+    for x, y in zip(xs, ys):
+        with torch.no_grad():
+            for n, p in model.named_parameters():
+                p.copy_(ref.p[n])
+        model.zero_grad()
+        loss = torch.nn.functional.mse_loss(model(x), y)
+        loss.backward()
+        losses.append(loss.item())
+        ref.step({n: p.grad for n, p in zip(names, model.parameters())})
+    return losses, ref.p

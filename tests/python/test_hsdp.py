@@ -21,7 +21,7 @@ import rfsdp.checkpoint as ckpt
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import muon_torchrun_worker as model_zoo  # noqa: E402  (its Net: LayerNorm, Linear, [E, H, I])
-from muon_reference import ReferenceMuon  # noqa: E402
+import muon_reference  # noqa: E402
 from slice_training import train_on_slices  # noqa: E402
 
 WORLD, CLIP, BLOCK = 4, 0.5, 16
@@ -92,33 +92,23 @@ def reference(name, seed):
     torch.manual_seed(seed)
     model = model_zoo.Net()
     xs, ys = model_zoo.data(seed)
-    names = [n for n, _ in model.named_parameters()]
     if name == "muon":
-        ref = ReferenceMuon({n: p.detach().double().clone() for n, p in model.named_parameters()},
-                            [n for n, p in model.named_parameters() if model_zoo.is_muon(n, p)],
-                            lr=0.02, weight_decay=0.01, aux_lr=3e-3)
-    elif name == "adamw":
+        return muon_reference.train(
+            model, [n for n, p in model.named_parameters() if model_zoo.is_muon(n, p)], xs, ys,
+            lr=0.02, weight_decay=0.01, aux_lr=3e-3)
+    if name == "adamw":
         opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.05)
     else:
         opt = rfsdp.optim.AdamW8bit(model.parameters(), lr=1e-2, block=BLOCK, min_8bit_size=64)
     losses = []
     for x, y in zip(xs, ys):
-        if name == "muon":
-            with torch.no_grad():
-                for n, p in model.named_parameters():
-                    p.copy_(ref.p[n])
         model.zero_grad()
         loss = nn.functional.mse_loss(model(x), y)
         loss.backward()
         losses.append(loss.item())
-        if name == "muon":
-            ref.step({n: p.grad for n, p in zip(names, model.parameters())})
-            continue
         if name == "adamw":
             torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP)
         opt.step()
-    if name == "muon":
-        return losses, ref.p
     return losses, {n: p.detach().double() for n, p in model.named_parameters()}
 
 
@@ -154,6 +144,8 @@ def bad_groups_worker(rank, d):
     mesh = init_device_mesh("cpu", (1, 2))
     with pytest.raises(ValueError, match="either mesh or"):
         rfsdp.fully_shard(nn.Linear(3, 3), mesh=mesh, process_group=pair)
+    with pytest.raises(ValueError, match="PlannerOptions"):
+        rfsdp.fully_shard(nn.Linear(3, 3), planner=dict(max_buffers=2))
     dist.destroy_process_group()
 
 

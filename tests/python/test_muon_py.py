@@ -11,6 +11,7 @@ import torch
 from torch import nn
 
 import rfsdp
+import muon_reference
 from muon_reference import ReferenceMuon
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -82,22 +83,10 @@ def test_errors():
 def reference_training(seed):
     torch.manual_seed(seed)
     model = worker.Net()
-    names = [n for n, _ in model.named_parameters()]
     muon_names = [n for n, p in model.named_parameters() if worker.is_muon(n, p)]
-    ref = ReferenceMuon({n: p.detach().double().clone() for n, p in model.named_parameters()},
-                        muon_names, lr=0.02, weight_decay=0.01, aux_lr=3e-3)
     xs, ys = worker.data(seed)
-    losses = []
-    for x, y in zip(xs, ys):
-        with torch.no_grad():
-            for n, p in model.named_parameters():
-                p.copy_(ref.p[n])
-        model.zero_grad()
-        loss = nn.functional.mse_loss(model(x), y)
-        loss.backward()
-        losses.append(loss.item())
-        ref.step({n: p.grad for n, p in zip(names, model.parameters())})
-    return losses, ref.p
+    return muon_reference.train(model, muon_names, xs, ys, lr=0.02, weight_decay=0.01,
+                                aux_lr=3e-3)
 
 
 @pytest.mark.parametrize("whole", [False, True])

@@ -32,8 +32,11 @@ def random_unit(rng):
 
 
 def check_plan(unit, out, world_size):
-    """Independent check of the printed plan against the layout rules."""
+    """Independent check of the printed plan against the layout rules, in each
+    tensor's buffer (S is the sum of the buffers' S)."""
     S, align_elems = out["S"], 16 // 2
+    sizes = [b["S"] for b in out["buffers"]]
+    assert sum(sizes) == S and all(x > 0 and x % align_elems == 0 for x in sizes)
     assert out["world_size"] == world_size and out["align_bytes"] == 16
     total = sum(math.prod(t["shape"]) for t in unit)
     assert out["lower_bound_S"] == -(-(-(-total // world_size)) // align_elems) * align_elems
@@ -48,32 +51,37 @@ def check_plan(unit, out, world_size):
         row_len = n // rows
         g = rows if t["granule_rows"] == "whole" else min(t["granule_rows"], rows)
         assert p["granule_rows"] == ("whole" if g == rows else g)
-        off = p["offset"]
-        assert off % align_elems == 0 and 0 <= off and off + n <= world_size * S
+        off, Sb = p["offset"], sizes[p["buffer"]]
+        assert off % align_elems == 0 and 0 <= off and off + n <= world_size * Sb
         for k in range(1, world_size):
-            if off < k * S < off + n:
-                assert (k * S - off) % (g * row_len) == 0, (t["name"], k)
-        spans.append((off, off + n))
+            if off < k * Sb < off + n:
+                assert (k * Sb - off) % (g * row_len) == 0, (t["name"], k)
+        spans.append((p["buffer"], off, off + n))
     spans.sort()
-    assert all(a[1] <= b[0] for a, b in zip(spans, spans[1:]))
+    assert all(a[0] != b[0] or a[2] <= b[1] for a, b in zip(spans, spans[1:]))
 
 
 def test_json_output_from_file_and_stdin(plan_bin, tmp_path):
     rng = random.Random()
-    for case in range(20):
+    several = 0
+    for case in range(60):
         unit = random_unit(rng)
         m = rng.choice([1, 2, 3, 8, 64])
         path = tmp_path / ("unit%d.json" % case)
         path.write_text(json.dumps(unit))
-        r = run(plan_bin, [str(path), "--world-size", str(m), "--json"])
+        # priced collectives (the default), free ones (several buffers where they pad less), one buffer
+        options = rng.choice([[], ["--collective-cost-bytes", "0"], ["--max-buffers", "1"]])
+        r = run(plan_bin, [str(path), "--world-size", str(m), "--json"] + options)
         assert r.returncode == 0, r.stderr
         out = json.loads(r.stdout)
         check_plan(unit, out, m)
-        r2 = run(plan_bin, ["--world-size", str(m), "--json"], stdin=json.dumps(unit))
+        r2 = run(plan_bin, ["--world-size", str(m), "--json"] + options, stdin=json.dumps(unit))
         assert r2.returncode == 0, r2.stderr
         out2 = json.loads(r2.stdout)
         out.pop("plan_seconds"), out2.pop("plan_seconds")
         assert out == out2
+        several += len(out["buffers"]) > 1
+    assert several > 0  # the random units reach several buffers
 
 
 def test_table_output_for_a_zoo_unit(plan_bin, zoo_dir):
@@ -99,6 +107,9 @@ def test_table_output_for_a_zoo_unit(plan_bin, zoo_dir):
     (["--world-size", "x"], "[]", "takes an integer"),
     (["--world-size", "2", "--bogus"], "[]", "unknown option"),
     (["/nonexistent.json", "--world-size", "2"], None, "cannot read"),
+    (["--world-size", "2", "--max-buffers", "0"], "[]", "--max-buffers must be >= 1"),
+    (["--world-size", "2", "--collective-cost-bytes", "-1"], "[]",
+     "--collective-cost-bytes must be >= 0"),
 ])
 def test_bad_input_is_one_line_and_nonzero(plan_bin, args, stdin, needle):
     r = run(plan_bin, args, stdin=stdin)
