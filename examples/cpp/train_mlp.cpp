@@ -6,11 +6,13 @@
 //   torchrun --nproc_per_node 2 --no-python ./train_mlp --optimizer adamw8bit --steps 300
 //
 // Every rank builds the same model and data from --seed; rank r trains on its
-// half of each batch, gradients are averaged across ranks, and rank 0 prints the
-// loss of the whole batch (the average of the ranks' losses).
+// part of each batch, gradients are averaged across ranks, and rank 0 prints the
+// loss of the whole batch (the average of the ranks' losses). --shard-size M
+// (HSDP): shard over groups of M ranks, replicate across the world / M groups.
 #include <torch/torch.h>
 
 #include <rfsdp/core/comm/comm.h>
+#include <rfsdp/core/comm/hybrid_groups.h>
 #include <rfsdp/core/ragged/planner.h>
 #include <rfsdp/fsdp/fsdp_unit.h>
 #include <rfsdp/optimizers/adamw/adamw.h>
@@ -32,6 +34,7 @@ namespace {
 struct Args {
   std::string optimizer = "adamw8bit";  // or "muon" (matrices; AdamW for the biases)
   int steps = 300, batch = 64, in = 32, hidden = 256, out = 16, seed = 0, log_every = 25;
+  int shard_size = 0;  // 0: shard over every rank (plain FSDP)
   double lr = -1;  // default per optimizer
 };
 
@@ -50,6 +53,7 @@ Args parse(int argc, char** argv) {
     else if (k == "--seed") a.seed = std::stoi(value());
     else if (k == "--lr") a.lr = std::stod(value());
     else if (k == "--log-every") a.log_every = std::stoi(value());
+    else if (k == "--shard-size") a.shard_size = std::stoi(value());
     else throw std::invalid_argument("unknown option " + k);
   }
   if (a.optimizer != "adamw8bit" && a.optimizer != "muon") {
@@ -89,7 +93,14 @@ int run(const Args& a) {
     specs.push_back(t);
     params.push_back(item.value());
   }
-  rfsdp::FSDPUnit unit(comm, rfsdp::plan_unit(specs, world));
+  // HSDP: the unit is planned for, gathered and reduce-scattered in the shard
+  // group, and its gradients all-reduced across the replica group. Optimizers
+  // work in the shard group (each replica computes the same update).
+  const rfsdp::HybridGroups groups =
+      a.shard_size > 0 ? rfsdp::hybrid_groups(*comm, a.shard_size) : rfsdp::HybridGroups{comm, {}};
+  const auto& shard_comm = groups.shard;
+  rfsdp::FSDPUnit unit(shard_comm, groups.replicate,
+                       rfsdp::plan_unit(specs, shard_comm->size()));
   {
     torch::NoGradGuard no_grad;
     unit.shard(params);
@@ -102,15 +113,15 @@ int run(const Args& a) {
   std::unique_ptr<rfsdp::AdamW> adam;  // AdamW8bit, or AdamW for Muon's biases
   std::unique_ptr<rfsdp::Muon> muon;
   if (a.optimizer == "adamw8bit") {
-    adam = std::make_unique<rfsdp::AdamW8bit>(shards, adamw, block, 4096, comm);
+    adam = std::make_unique<rfsdp::AdamW8bit>(shards, adamw, block, 4096, shard_comm);
   } else {
     std::vector<rfsdp::ParamShard> matrices, rest;
     for (const auto& s : shards) (s.shape.size() == 2 ? matrices : rest).push_back(s);
     rfsdp::MuonOptions mo;
     mo.hyper.lr = a.lr;
-    muon = std::make_unique<rfsdp::Muon>(comm, matrices, mo);
+    muon = std::make_unique<rfsdp::Muon>(shard_comm, matrices, mo);
     adamw.lr = 3e-3;
-    adam = std::make_unique<rfsdp::AdamW>(rest, adamw, comm);
+    adam = std::make_unique<rfsdp::AdamW>(rest, adamw, shard_comm);
   }
 
   const int local = a.batch / world;
@@ -139,8 +150,9 @@ int run(const Args& a) {
     }
   }
   if (rank == 0) {
-    std::printf("RaggedFSDP %s, %d ranks, %s: S = %lld elements per rank\n", RFSDP_VERSION, world,
-                a.optimizer.c_str(), static_cast<long long>(unit.plan().shard_elems));
+    std::printf("RaggedFSDP %s, %d ranks (%d-rank shard groups), %s: S = %lld elements per rank\n",
+                RFSDP_VERSION, world, shard_comm->size(), a.optimizer.c_str(),
+                static_cast<long long>(unit.plan().shard_elems));
   }
   return 0;
 }

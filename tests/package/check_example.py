@@ -4,7 +4,9 @@ model on the same data in one process with rfsdp's Python optimizers on plain,
 unsharded parameters, taking each half batch's gradient as the ranks do and
 averaging the two. Every logged loss must agree to float rounding (8-bit states
 turn any last-bit difference into a whole code step, so "close" would hide
-nothing: they are the same float operations, and agree to 1e-6).
+nothing: they are the same float operations, and agree to 1e-6). Each optimizer
+runs twice: sharded over both ranks, and as HSDP with shard groups of one rank
+(two replicas: the gradient all-reduced across them).
 
     python check_example.py BINARY [--steps 40]"""
 import argparse
@@ -61,11 +63,12 @@ def main():
     args = ap.parse_args()
     torch.set_num_threads(1)
     bad = 0
-    for optimizer in ("adamw8bit", "muon"):
+    for optimizer, shard_size in (("adamw8bit", 0), ("muon", 0), ("adamw8bit", 1), ("muon", 1)):
         out = subprocess.run(
             [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
              "--no-python", args.binary, "--optimizer", optimizer, "--steps", str(args.steps),
-             "--log-every", "1"], capture_output=True, text=True, timeout=600)
+             "--log-every", "1", "--shard-size", str(shard_size)],
+            capture_output=True, text=True, timeout=600)
         if out.returncode != 0:
             print(out.stdout, out.stderr)
             raise SystemExit("train_mlp failed with %d" % out.returncode)
@@ -74,8 +77,9 @@ def main():
         assert len(got) == args.steps, "expected %d losses, got %d:\n%s" % (args.steps, len(got),
                                                                             out.stdout)
         worst = max(abs(g - w) / max(abs(w), 1e-12) for g, w in zip(got, want))
-        print("%-9s C++ (2 ranks) vs Python (1 process): %d losses, %.6f -> %.6f, largest "
-              "relative difference %.2e" % (optimizer, len(got), want[0], want[-1], worst))
+        print("%-9s C++ (2 ranks, %s) vs Python (1 process): %d losses, %.6f -> %.6f, largest "
+              "relative difference %.2e" % (optimizer, "HSDP 2 x 1" if shard_size else "FSDP",
+                                            len(got), want[0], want[-1], worst))
         if worst > 1e-6 or not want[-1] < 0.7 * want[0]:
             bad += 1
             print("  FAIL: losses differ, or the Python run did not learn")
