@@ -6,6 +6,8 @@
 //   reduce:     chunk-cat of the full gradients into a rank-major buffer, then
 //               reduce-scatter.
 // Both use the same Comm, so a backend fallback costs both the same.
+// Then HSDP on 4 ranks: the same unit sharded over 4 (plain FSDP), 2 x 2 and
+// 4 x 1 (plain replication): time and bytes sent per rank.
 #include <algorithm>
 #include <chrono>
 #include <cstdio>
@@ -14,6 +16,7 @@
 #include <vector>
 
 #include "bench/bench_util.h"
+#include "core/comm/hybrid_groups.h"
 #include "core/comm/local_ranks.h"
 #include "core/ragged/int_math.h"
 #include "core/ragged/planner.h"
@@ -70,6 +73,62 @@ std::vector<std::pair<rfsdp::FlatAlgorithm, const char*>> kAlgorithms = {
     {rfsdp::FlatAlgorithm::Native, "native"}, {rfsdp::FlatAlgorithm::PerRank, "per-rank"}};
 
 }  // namespace
+
+// HSDP: 4 ranks (threads, Gloo, the default flat algorithms) as (replicas x shard
+// size) = 1 x 4, 2 x 2, 4 x 1; unshard and reduce_grads(Avg) of the unit, medians
+// of rank 0, beside the bytes each rank sends under ring algorithms (the model
+// NCCL follows): gather and reduce-scatter (m - 1) S, all-reduce 2 (r - 1) / r S.
+void hsdp_section(const std::vector<TensorSpec>& unit, int iters) {
+  constexpr int kWorld = 4;
+  std::printf("\nHSDP, %d ranks (threads, gloo): replicas x shard size; MiB each rank sends in "
+              "ring algorithms\n", kWorld);
+  std::printf("%-10s | %8s | %12s %12s | %12s %12s\n", "mesh", "S", "unshard ms", "ring MiB",
+              "reduce ms", "ring MiB");
+  double base_g = 0, base_r = 0;
+  for (int m : {4, 2, 1}) {
+    const rfsdp::Plan plan = rfsdp::plan_unit(unit, m, 16);
+    std::vector<double> gather_ms, reduce_ms;
+    std::mutex mu;
+    rfsdp::run_local_ranks(kWorld, [&](rfsdp::Comm& world) {
+      rfsdp::HybridGroups g = rfsdp::hybrid_groups(world, m);
+      rfsdp::FSDPUnit u(g.shard, g.replicate, plan);
+      std::vector<at::Tensor> full;
+      for (const auto& t : unit) full.push_back(at::ones(t.shape));
+      u.shard(full);
+      for (int it = 0; it < iters + 2; ++it) {
+        world.barrier().wait();
+        auto t0 = Clock::now();
+        u.unshard().wait();
+        const double gm = ms_since(t0);
+        u.reshard();
+        u.prepare_grads();
+        world.barrier().wait();
+        t0 = Clock::now();
+        u.reduce_grads(rfsdp::ReduceOp::Avg).wait();
+        const double rm = ms_since(t0);
+        u.zero_grad();
+        if (it >= 2 && world.rank() == 0) {
+          std::lock_guard<std::mutex> lock(mu);
+          gather_ms.push_back(gm);
+          reduce_ms.push_back(rm);
+        }
+      }
+    });
+    const double slice_mb = plan.shard_elems * 4.0 / (1 << 20);
+    const int r = kWorld / m;
+    const double gather_mb = (m - 1) * slice_mb;
+    const double reduce_mb = (m - 1) * slice_mb + 2.0 * (r - 1) / r * slice_mb;
+    if (m == kWorld) {
+      base_g = median(gather_ms);
+      base_r = median(reduce_ms);
+    }
+    const std::string mesh = std::to_string(kWorld / m) + " x " + std::to_string(m);
+    std::printf("%-10s | %8lld | %12.2f %12.2f | %12.2f %12.2f   (time %.2fx, %.2fx of 1 x 4)\n",
+                mesh.c_str(), static_cast<long long>(plan.shard_elems), median(gather_ms),
+                gather_mb, median(reduce_ms), reduce_mb,
+                median(gather_ms) / base_g, median(reduce_ms) / base_r);
+  }
+}
 
 int main(int argc, char** argv) {
   int iters = 15;
@@ -241,5 +300,6 @@ int main(int argc, char** argv) {
                 median(ragged[a].gather_ms) / median(base.gather_ms),
                 median(ragged[a].reduce_ms) / median(base.reduce_ms));
   }
+  hsdp_section(unit, iters);
   return 0;
 }

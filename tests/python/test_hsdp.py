@@ -72,15 +72,19 @@ def worker(rank, shard_size, seed, d):
         losses = train_on_slices(model, opt, xs, ys, rank, WORLD, before_step=clip)
         out[name] = {"losses": losses, "params": rfsdp.full_parameters(model),
                      "buffers": [len(u.plan.buffers) for u in rfsdp.fsdp.units(model)]}
-        if name == "adamw8bit":  # saved under HSDP, loaded into plain FSDP over the 4 ranks
-            ckpt.save(os.path.join(d, "ck"), model, opt)
+        if name == "adamw8bit":  # saved under HSDP, loaded into plain FSDP over the 4 ranks,
+            ckpt.save(os.path.join(d, "ck"), model, opt)  # saved from there, loaded under HSDP
             other = sharded(name, seed + 1)
             other_opt = optimizer(name, other)
             ckpt.load(os.path.join(d, "ck"), other, other_opt)
-            out["loaded"] = rfsdp.full_parameters(other)
-            for m, o in ((model, opt), (other, other_opt)):
+            ckpt.save(os.path.join(d, "ck2"), other, other_opt)
+            again = sharded(name, seed + 2, mesh=mesh)
+            again_opt = optimizer(name, again)
+            ckpt.load(os.path.join(d, "ck2"), again, again_opt)
+            out["loaded"] = (rfsdp.full_parameters(other), rfsdp.full_parameters(again))
+            for m, o in ((model, opt), (other, other_opt), (again, again_opt)):
                 train_on_slices(m, o, xs[:2], ys[:2], rank, WORLD)
-            out["stepped"] = (rfsdp.full_parameters(model), rfsdp.full_parameters(other))
+            out["stepped"] = [rfsdp.full_parameters(m) for m in (model, other, again)]
     if rank == 0:
         torch.save(out, os.path.join(d, "out.pt"))
     dist.barrier()
@@ -128,11 +132,13 @@ def test_hsdp_trains_like_one_device(shard_size):
     if shard_size == 4:  # the planner did take several buffers somewhere
         assert any(k > 1 for name in NAMES for k in got[name]["buffers"]), \
             {name: got[name]["buffers"] for name in NAMES}
-    for n, want in got["adamw8bit"]["params"].items():
-        assert torch.equal(got["loaded"][n], want), n
-    a, b = got["stepped"]
-    for n in a:
-        torch.testing.assert_close(b[n], a[n], rtol=1e-6, atol=1e-6)
+    for loaded in got["loaded"]:
+        for n, want in got["adamw8bit"]["params"].items():
+            assert torch.equal(loaded[n], want), n
+    a, *others = got["stepped"]
+    for b in others:
+        for n in a:
+            torch.testing.assert_close(b[n], a[n], rtol=1e-6, atol=1e-6)
 
 
 def bad_groups_worker(rank, d):
