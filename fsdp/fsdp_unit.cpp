@@ -27,6 +27,7 @@ FSDPUnit::FSDPUnit(std::shared_ptr<Comm> comm, std::shared_ptr<Comm> replicate, 
                                 std::to_string(comm_->size()) + " ranks; plan again for this group");
   }
   validate_plan(plan_);
+  if (replicate_) check_replicas();
   if (!is_float(mp_.param_dtype) || !is_float(mp_.reduce_dtype)) {
     throw std::invalid_argument(
         "FSDPUnit: mixed precision dtypes must be floating (float32, bfloat16, float16, float64)");
@@ -45,6 +46,32 @@ at::Tensor FSDPUnit::local_view(const at::Tensor& slice, size_t i) const {
   std::vector<int64_t> shape{r.row_end - r.row_begin};
   if (!t.shape.empty()) shape.insert(shape.end(), t.shape.begin() + t.row_dims, t.shape.end());
   return slice.narrow(0, r.local_offset, r.numel).view(shape);
+}
+
+void FSDPUnit::check_replicas() const {
+  // Replicas must hold equal shards: the same shard rank, group size and plan. One
+  // all-reduce of (x, x^2): every member's x is equal iff r * sum(x^2) == sum(x)^2.
+  const double x[3] = {static_cast<double>(comm_->rank()), static_cast<double>(comm_->size()),
+                       static_cast<double>(plan_.shard_elems)};
+  at::Tensor v = at::empty({6}, at::TensorOptions().dtype(at::kDouble).device(device_));
+  for (int k = 0; k < 3; ++k) {
+    v[k] = x[k];
+    v[3 + k] = x[k] * x[k];
+  }
+  replicate_->all_reduce(v, ReduceOp::Sum).wait();
+  const double r = replicate_->size();
+  const at::Tensor c = v.cpu();
+  const double* s = c.data_ptr<double>();
+  for (int k = 0; k < 3; ++k) {
+    if (r * s[3 + k] != s[k] * s[k]) {
+      static const char* what[3] = {"shard ranks", "shard group sizes", "plans (S)"};
+      throw std::invalid_argument(
+          std::string("FSDPUnit: the replica group's ranks have different ") + what[k] +
+          "; each replica group must take one rank of every shard group, at the same position, "
+          "planned alike (build both groups from one 2-D mesh: hybrid_groups, or FSDP2's "
+          "DeviceMesh (replicate, shard))");
+    }
+  }
 }
 
 int FSDPUnit::data_parallel_size() const {

@@ -93,6 +93,8 @@ class FSDPUnit {
 
  private:
   at::Tensor local_view(const at::Tensor& slice, size_t i) const;
+  // HSDP: throws (on every member) unless the replicas hold equal shards.
+  void check_replicas() const;
   // After the reduce: adds a scratch slice to the local gradients, frees the buffer.
   void finish_reduce(const at::Tensor& out, bool direct);
 

@@ -133,7 +133,8 @@ MuonLayout::MuonLayout(Comm* comm, std::vector<MuonParamGeometry> params)
         throw std::invalid_argument(
             "Muon: the ranks' shards of '" + params_[i].name + "' do not tile it (a gap or an "
             "overlap at element " + std::to_string(std::min(x.first, covered)) +
-            "); give each rank its own shard (fully_shard's parameters), not replicated tensors");
+            "); give each rank its own shard (fully_shard's parameters), not replicated tensors; "
+            "under HSDP, build Muon over the shard group (its default), not the whole world");
       }
       covered = x.second;
     }

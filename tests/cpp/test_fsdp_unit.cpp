@@ -357,6 +357,25 @@ TEST_P(HsdpMesh, GradientsNormsAndStepsCoverEveryRank) {
 
 INSTANTIATE_TEST_SUITE_P(ShardSizes, HsdpMesh, ::testing::Values(1, 2, 4));
 
+// Groups that do not make a mesh: the whole world as the "replica" group of a
+// 2-rank shard group (its members hold different shards) is refused on every rank.
+TEST(FSDPUnit, ReplicasThatHoldDifferentShardsAreRefused) {
+  const Plan plan = plan_unit(mlp_unit(1), 2, 16);
+  const auto errors = run_local_ranks_collect(4, [&](Comm& world) {
+    HybridGroups g = hybrid_groups(world, 2);
+    auto everyone = std::shared_ptr<Comm>(&world, [](Comm*) {});
+    FSDPUnit unit(g.shard, everyone, plan);
+  });
+  for (const auto& e : errors) {
+    ASSERT_TRUE(e);
+    try {
+      std::rethrow_exception(e);
+    } catch (const std::invalid_argument& x) {
+      EXPECT_NE(std::string(x.what()).find("different shard ranks"), std::string::npos) << x.what();
+    }
+  }
+}
+
 TEST(FSDPUnit, NonFiniteGradientsFailClearlyAndLeaveGradsAlone) {
   const Plan plan = plan_unit(mlp_unit(1), 2, 16);
   run_local_ranks(2, [&](Comm& c) {

@@ -85,6 +85,11 @@ def worker(rank, shard_size, seed, d):
             for m, o in ((model, opt), (other, other_opt), (again, again_opt)):
                 train_on_slices(m, o, xs[:2], ys[:2], rank, WORLD)
             out["stepped"] = [rfsdp.full_parameters(m) for m in (model, other, again)]
+    if 1 < shard_size < WORLD:  # Muon over the whole world sees each row range r times
+        model = sharded("muon", seed, mesh=mesh)
+        with pytest.raises(ValueError, match="shard group"):
+            rfsdp.optim.Muon([p for p in model.parameters() if p.dim() >= 2],
+                             process_group=dist.group.WORLD)
     if rank == 0:
         torch.save(out, os.path.join(d, "out.pt"))
     dist.barrier()
