@@ -178,7 +178,9 @@ PYBIND11_MODULE(_C, m) {
                  rfsdp::MixedPrecision{dtype_of(param_dtype), dtype_of(reduce_dtype)});
            }),
            py::arg("comm"), py::arg("plan"), py::arg("param_dtype"), py::arg("reduce_dtype"),
-           py::arg("replicate") = nullptr)
+           py::arg("replicate") = nullptr,
+           // HSDP checks the replicas with a collective: Gloo's workers may need the GIL.
+           py::call_guard<py::gil_scoped_release>())
       .def("data_parallel_size", &rfsdp::FSDPUnit::data_parallel_size)
       .def("shard", &rfsdp::FSDPUnit::shard)
       // Calls that enqueue collectives release the GIL: a Gloo worker thread may need it
