@@ -121,6 +121,20 @@ def reference(name, seed):
     return losses, {n: p.detach().double() for n, p in model.named_parameters()}
 
 
+def close_but_for_code_flips(got, want, what):
+    """AdamW8bit runs whose ranks sum gradients in different orders: a last-bit
+    difference can move a moment to the next 8-bit code (1 run in ~12 here, against
+    one device), which moves that element by up to lr x a code step. So: every
+    element within 2e-3, and all but a few of each tensor's (max(3, 1 %): the
+    flipped ones) within 1e-5."""
+    for n, w in want.items():
+        diff = (got[n].double() - w.double()).abs()
+        assert diff.max() <= 2e-3, "%s (%s): %g" % (n, what, diff.max())
+        off = int((diff > 1e-5 + 1e-5 * w.double().abs()).sum())
+        assert off <= max(3, w.numel() // 100), "%s (%s): %d of %d elements off" % (
+            n, what, off, w.numel())
+
+
 @pytest.mark.parametrize("shard_size", [2, 4, 1])
 def test_hsdp_trains_like_one_device(shard_size):
     seed = int(torch.randint(0, 2 ** 30, ()).item())
@@ -129,6 +143,10 @@ def test_hsdp_trains_like_one_device(shard_size):
         got = torch.load(os.path.join(d, "out.pt"))
     for name in NAMES:
         ref_losses, ref_params = reference(name, seed)
+        if name == "adamw8bit":
+            assert got[name]["losses"] == pytest.approx(ref_losses, rel=1e-4), "seed %d" % seed
+            close_but_for_code_flips(got[name]["params"], ref_params, "seed %d" % seed)
+            continue
         assert got[name]["losses"] == pytest.approx(ref_losses, rel=1e-5, abs=1e-6), \
             "%s (seed %d)" % (name, seed)
         for n, want in ref_params.items():
@@ -140,10 +158,12 @@ def test_hsdp_trains_like_one_device(shard_size):
     for loaded in got["loaded"]:
         for n, want in got["adamw8bit"]["params"].items():
             assert torch.equal(loaded[n], want), n
-    a, *others = got["stepped"]
-    for b in others:
-        for n in a:
-            torch.testing.assert_close(b[n], a[n], rtol=1e-6, atol=1e-6)
+    # Two more steps: the model loaded under the same mesh sums alike (bit for bit);
+    # plain FSDP sums in another order.
+    hsdp, plain, again = got["stepped"]
+    for n in hsdp:
+        assert torch.equal(again[n], hsdp[n]), n
+    close_but_for_code_flips(plain, hsdp, "seed %d, after loading" % seed)
 
 
 def bad_groups_worker(rank, d):
