@@ -6,7 +6,7 @@
 
 namespace rfsdp {
 
-HybridGroups hybrid_groups(const Comm& world, int shard_size) {
+HybridGroups hybrid_groups(Comm& world, int shard_size) {
   const int n = world.size();
   if (shard_size < 1 || n % shard_size != 0) {
     throw std::invalid_argument("hybrid_groups: shard_size " + std::to_string(shard_size) +
@@ -18,9 +18,16 @@ HybridGroups hybrid_groups(const Comm& world, int shard_size) {
   for (int s = 0; s < shard_size; ++s) shard.push_back(replica * shard_size + s);
   for (int r = 0; r < n / shard_size; ++r) replicate.push_back(r * shard_size + shard_rank);
   // Names are store prefixes: one per group, so that groups never share keys.
+  // A barrier around each split: a group's connections are made while no rank is
+  // still connecting another group through the same Gloo device (a rank that
+  // reached the second split early could dial a peer still in the first; 1 CI run
+  // in 4 failed so, with 'connectFullMesh ... Connection closed by peer').
   HybridGroups g;
+  world.barrier().wait();
   g.shard = world.split(shard, "rfsdp_shard_" + std::to_string(replica));
+  world.barrier().wait();
   g.replicate = world.split(replicate, "rfsdp_replicate_" + std::to_string(shard_rank));
+  world.barrier().wait();
   return g;
 }
 

@@ -14,9 +14,10 @@ struct HybridGroups {
   std::shared_ptr<Comm> replicate;  // world / shard_size ranks holding equal shards
 };
 
-// Collective over `world`: every rank calls it with the same shard_size, which
+// Collective over `world` (three barriers and two splits): every rank calls it
+// with the same shard_size, which
 // must divide the world size. shard_size == world size is plain FSDP (replica
 // groups of one rank); shard_size == 1 is plain replication (DDP-like).
-HybridGroups hybrid_groups(const Comm& world, int shard_size);
+HybridGroups hybrid_groups(Comm& world, int shard_size);
 
 }  // namespace rfsdp
