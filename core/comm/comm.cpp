@@ -105,7 +105,9 @@ void CommHandle::wait() {
   } catch (const std::exception& e) {
     std::string cause = e.what();
     if (const auto* ce = dynamic_cast<const c10::Error*>(&e)) cause = ce->what_without_backtrace();
-    const bool timed_out = cause.find("imed out") != std::string::npos;
+    // Gloo says "Timed out", or under load "Application timeout caused pair closure".
+    const bool timed_out = cause.find("imed out") != std::string::npos ||
+                           cause.find("timeout") != std::string::npos;
     const bool lost = cause.find("Connection closed") != std::string::npos ||
                       cause.find("Connection reset") != std::string::npos;
     const std::string where = " on rank " + std::to_string(rank_) + " of " + std::to_string(size_);
