@@ -41,6 +41,8 @@ inline c10::intrusive_ptr<c10d::ProcessGroup> make_gloo_group(
   opts->devices.push_back(c10d::ProcessGroupGloo::createDeviceForHostname(hostname));
   // Gloo's split (Comm::split) maps sub-group ranks through this list.
   for (int r = 0; r < size; ++r) opts->global_ranks_in_group.push_back(static_cast<uint64_t>(r));
+  // CPU tensors only: a second device type on the same backend would be split
+  // twice by splitGroup (HSDP). Python's Gloo groups take CUDA tensors too.
   return group_of(store, rank, size, c10d::ProcessGroup::BackendType::GLOO, c10::DeviceType::CPU,
                   c10::make_intrusive<c10d::ProcessGroupGloo>(store, rank, size, opts));
 }

@@ -1,5 +1,6 @@
 #include "core/comm/comm.h"
 
+#include <c10/core/impl/VirtualGuardImpl.h>
 #include <torch/csrc/distributed/c10d/TCPStore.hpp>
 #include <unistd.h>
 
@@ -41,19 +42,30 @@ c10d::ReduceOp sum_op() { return c10d::ReduceOp(c10d::ReduceOp::SUM); }
 
 CommHandle::CommHandle(std::vector<c10::intrusive_ptr<compat::Work>> works,
                        std::function<void()> finish, std::string what,
-                       std::chrono::milliseconds timeout, int rank, int size)
+                       std::chrono::milliseconds timeout, int rank, int size, bool on_device)
     : works_(std::move(works)), finish_(std::move(finish)), what_(std::move(what)),
-      timeout_(timeout), rank_(rank), size_(size), waited_(false) {}
+      timeout_(timeout), rank_(rank), size_(size), waited_(false), on_device_(on_device) {}
+
+CommHandle CommHandle::after_event(std::shared_ptr<c10::Event> ready, std::string what) {
+  CommHandle h;
+  h.ready_ = std::move(ready);
+  h.what_ = std::move(what);
+  h.on_device_ = true;
+  h.waited_ = false;
+  return h;
+}
 
 CommHandle& CommHandle::operator=(CommHandle&& o) noexcept {
   if (this != &o) {
     works_ = std::move(o.works_);
+    ready_ = std::move(o.ready_);
     finish_ = std::move(o.finish_);
     what_ = std::move(o.what_);
     timeout_ = o.timeout_;
     rank_ = o.rank_;
     size_ = o.size_;
     waited_ = o.waited_;
+    on_device_ = o.on_device_;
     o.waited_ = true;  // the moved-from handle owns nothing to wait for
   }
   return *this;
@@ -101,7 +113,9 @@ void CommHandle::wait() {
   if (waited_) return;
   waited_ = true;
   try {
-    for (auto& w : works_) w->wait(timeout_);
+    // A timeout makes NCCL's wait block the host until done: on a GPU, wait
+    // without one (a stream dependency); the process group's watchdog times out.
+    for (auto& w : works_) w->wait(on_device_ ? ::kNoTimeout : timeout_);
   } catch (const std::exception& e) {
     std::string cause = e.what();
     if (const auto* ce = dynamic_cast<const c10::Error*>(&e)) cause = ce->what_without_backtrace();
@@ -126,6 +140,11 @@ void CommHandle::wait() {
     throw std::runtime_error(what_ + " failed" + where + ": " + cause);
   }
   works_.clear();
+  if (ready_) {
+    c10::impl::VirtualGuardImpl impl(ready_->device_type());
+    ready_->block(impl.getStream(impl.getDevice()));
+    ready_.reset();
+  }
   if (finish_) finish_();
 }
 
@@ -234,6 +253,15 @@ std::shared_ptr<Comm> Comm::from_env(std::chrono::milliseconds timeout,
 
 void Comm::close() { pg_.reset(); }
 
+at::Device Comm::control_device() const {
+  const bool nccl = backend_name_.find("nccl") != std::string::npos;
+  const bool gloo = backend_name_.find("gloo") != std::string::npos;
+  if (nccl && !gloo) {
+    return c10::impl::VirtualGuardImpl(c10::DeviceType::CUDA).getDevice();
+  }
+  return at::kCPU;
+}
+
 c10d::ProcessGroup& Comm::group() const {
   if (!pg_) {
     throw std::logic_error("Comm (rank " + std::to_string(rank_) + " of " + std::to_string(size_) +
@@ -269,8 +297,10 @@ void Comm::check_flat(const at::Tensor& t, const char* what) const {
 }
 
 CommHandle Comm::make_handle(std::vector<c10::intrusive_ptr<compat::Work>> works,
-                             std::function<void()> finish, const std::string& what) {
-  return CommHandle(std::move(works), std::move(finish), what, timeout_, rank_, size_);
+                             std::function<void()> finish, const std::string& what,
+                             const at::Tensor& on) {
+  const bool on_device = on.defined() && !on.device().is_cpu();
+  return CommHandle(std::move(works), std::move(finish), what, timeout_, rank_, size_, on_device);
 }
 
 CommHandle Comm::all_gather_flat(const at::Tensor& buffer, const at::Tensor& local) {
@@ -304,7 +334,7 @@ CommHandle Comm::all_gather_flat(const at::Tensor& buffer, const at::Tensor& loc
       // Gloo gathers into a scratch buffer (the own input copied in) and copies
       // every slice out of it.
       if (gloo_) bytes_copied_ += nbytes(buffer) + nbytes(input);
-      return make_handle({work}, nullptr, "all_gather_flat");
+      return make_handle({work}, nullptr, "all_gather_flat", buffer);
     } catch (const c10::Error& e) {
       if (!compat::is_unsupported_op(e)) throw;
       gather_algo_ = FlatAlgorithm::PerRank;  // this backend lacks it: every rank alike
@@ -332,7 +362,7 @@ CommHandle Comm::gather_per_rank(const at::Tensor& buffer, const at::Tensor& sli
     works.push_back(group().broadcast(t, opts));
     ++collectives_;
   }
-  return make_handle(std::move(works), nullptr, "all_gather_flat (per-rank broadcasts)");
+  return make_handle(std::move(works), nullptr, "all_gather_flat (per-rank broadcasts)", buffer);
 }
 
 CommHandle Comm::reduce_scatter_flat(const at::Tensor& buffer, const at::Tensor& out,
@@ -361,7 +391,7 @@ CommHandle Comm::reduce_scatter_flat(const at::Tensor& buffer, const at::Tensor&
       ++reduce_scatters_native_;
       // Gloo clones the whole buffer, all-reduces the clone, copies the own slice out.
       if (gloo_) bytes_copied_ += nbytes(buffer) + nbytes(out);
-      return make_handle({work}, average, "reduce_scatter_flat");
+      return make_handle({work}, average, "reduce_scatter_flat", buffer);
     } catch (const c10::Error& e) {
       if (!compat::is_unsupported_op(e)) throw;
       reduce_scatter_algo_ = FlatAlgorithm::PerRank;
@@ -395,7 +425,7 @@ CommHandle Comm::reduce_scatter_per_rank(const at::Tensor& buffer, const at::Ten
         if (copy) out.copy_(own);
         average();
       },
-      "reduce_scatter_flat (per-rank reduces)");
+      "reduce_scatter_flat (per-rank reduces)", buffer);
 }
 
 CommHandle Comm::all_to_all(const at::Tensor& out, const at::Tensor& in,
@@ -421,7 +451,7 @@ CommHandle Comm::all_to_all(const at::Tensor& out, const at::Tensor& in,
   std::vector<int64_t> os = out_splits, is = in_splits;
   auto work = group().alltoall_base(o, i, os, is, opts);
   ++collectives_;
-  return make_handle({work}, nullptr, "all_to_all");
+  return make_handle({work}, nullptr, "all_to_all", out);
 }
 
 CommHandle Comm::all_reduce(const at::Tensor& t, ReduceOp op) {
@@ -441,7 +471,7 @@ CommHandle Comm::all_reduce(const at::Tensor& t, ReduceOp op) {
       [t, scale] {
         if (scale != 1.0) t.mul_(scale);
       },
-      "all_reduce");
+      "all_reduce", t);
 }
 
 CommHandle Comm::broadcast(const at::Tensor& t, int root) {
@@ -459,7 +489,7 @@ CommHandle Comm::broadcast(const at::Tensor& t, int root) {
   opts.timeout = timeout_;
   auto work = group().broadcast(ts, opts);
   ++collectives_;
-  return make_handle({work}, nullptr, "broadcast");
+  return make_handle({work}, nullptr, "broadcast", t);
 }
 
 CommHandle Comm::barrier() {
@@ -467,7 +497,7 @@ CommHandle Comm::barrier() {
   opts.timeout = timeout_;
   auto work = group().barrier(opts);
   ++collectives_;
-  return make_handle({work}, nullptr, "barrier");
+  return make_handle({work}, nullptr, "barrier", at::Tensor());
 }
 
 }  // namespace rfsdp

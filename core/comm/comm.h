@@ -8,6 +8,7 @@
 #pragma once
 
 #include <ATen/ATen.h>
+#include <c10/core/Event.h>
 
 #include <atomic>
 #include <chrono>
@@ -47,11 +48,22 @@ struct CommStats {
 
 // A handle to wait on. wait() finishes the operation (fallback copy-outs,
 // averaging) and throws a clear error if a peer did not take part in time.
+//
+// On CPU tensors wait() returns when the operation is done. On GPU tensors it
+// orders the *current stream* after the operation (NCCL: a stream dependency,
+// the host does not block; the backend's watchdog owns timeouts there): work
+// enqueued on the current stream after wait() sees the result, and a host read
+// of the result needs a synchronisation first, as with any CUDA result.
 class CommHandle {
  public:
   CommHandle() = default;
+  // on_device: the works' tensors live on a GPU (wait as above).
   CommHandle(std::vector<c10::intrusive_ptr<compat::Work>> works, std::function<void()> finish,
-             std::string what, std::chrono::milliseconds timeout, int rank, int size);
+             std::string what, std::chrono::milliseconds timeout, int rank, int size,
+             bool on_device = false);
+  // Work already enqueued on some stream, complete on the device once `ready`
+  // fires: wait() makes the current stream wait on the event, then finishes.
+  static CommHandle after_event(std::shared_ptr<c10::Event> ready, std::string what);
   CommHandle(CommHandle&& o) noexcept { *this = std::move(o); }
   CommHandle& operator=(CommHandle&& o) noexcept;
   CommHandle(const CommHandle&) = delete;
@@ -60,18 +72,21 @@ class CommHandle {
 
   void wait();
   bool waited() const { return waited_; }
-  // Runs `next` after this operation's own finishing steps, inside wait().
+  // Runs `next` after this operation's own finishing steps, inside wait(): on a
+  // GPU after the current stream was ordered after the operation, so what `next`
+  // enqueues on the current stream runs after it.
   CommHandle&& then(std::function<void()> next) &&;
   // One handle for several operations, waited in order (one given: itself).
   static CommHandle all(std::vector<CommHandle> handles);
 
  private:
   std::vector<c10::intrusive_ptr<compat::Work>> works_;
+  std::shared_ptr<c10::Event> ready_;
   std::function<void()> finish_;
   std::string what_;
   std::chrono::milliseconds timeout_{0};
   int rank_ = 0, size_ = 1;
-  bool waited_ = true;
+  bool waited_ = true, on_device_ = false;
 };
 
 class Comm {
@@ -95,6 +110,10 @@ class Comm {
   void set_timeout(std::chrono::milliseconds t) { timeout_ = t; }
   const c10::intrusive_ptr<c10d::ProcessGroup>& process_group() const { return pg_; }
   const std::string& backend_name() const { return backend_name_; }
+  // Where this group's small control tensors (flags, norms, tables) must live:
+  // the current GPU for an NCCL-only group (NCCL takes no CPU tensors), else the
+  // CPU (Gloo takes both).
+  at::Device control_device() const;
 
   // A Comm over the sub-group of `ranks` of this group (ascending, this rank
   // among them), made by the backend's split (c10d splitGroup): every rank of
@@ -140,7 +159,8 @@ class Comm {
 
  private:
   CommHandle make_handle(std::vector<c10::intrusive_ptr<compat::Work>> works,
-                         std::function<void()> finish, const std::string& what);
+                         std::function<void()> finish, const std::string& what,
+                         const at::Tensor& on);
   void check_flat(const at::Tensor& t, const char* what) const;
   FlatAlgorithm resolve(FlatAlgorithm a, bool gather) const;
   c10d::ProcessGroup& group() const;

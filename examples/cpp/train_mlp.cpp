@@ -64,7 +64,8 @@ Args parse(int argc, char** argv) {
 }
 
 int run(const Args& a) {
-  auto comm = rfsdp::Comm::from_env();  // torchrun's MASTER_ADDR, RANK, WORLD_SIZE; Gloo on CPU
+  // torchrun's MASTER_ADDR, RANK, WORLD_SIZE; this example trains on the CPU: Gloo
+  auto comm = rfsdp::Comm::from_env(rfsdp::Comm::kDefaultTimeout, "gloo");
   const int rank = comm->rank(), world = comm->size();
   if (a.batch % world != 0) throw std::invalid_argument("--batch must divide among the ranks");
 

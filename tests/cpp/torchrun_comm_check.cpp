@@ -7,7 +7,7 @@
 
 int main() {
   try {
-    auto comm = rfsdp::Comm::from_env(std::chrono::seconds(60));
+    auto comm = rfsdp::Comm::from_env(std::chrono::seconds(60), "gloo");  // CPU tensors
     const int r = comm->rank(), m = comm->size();
     const int64_t S = 10;
     at::Tensor buf = at::zeros({m * S});
