@@ -1,5 +1,8 @@
 #include "fsdp/fsdp_unit.h"
 
+#include <c10/core/StreamGuard.h>
+
+#include <optional>
 #include <stdexcept>
 
 namespace rfsdp {
@@ -20,6 +23,17 @@ FSDPUnit::FSDPUnit(std::shared_ptr<Comm> comm, std::shared_ptr<Comm> replicate, 
     : comm_(std::move(comm)), replicate_(std::move(replicate)), plan_(std::move(plan)), mp_(mp),
       device_(device) {
   if (!comm_) throw std::invalid_argument("FSDPUnit needs a Comm");
+  if (!device_.is_cpu() && !device_.is_cuda()) {
+    throw std::invalid_argument("FSDPUnit: parameters on " + device_.str() +
+                                " are not supported; use the CPU or a CUDA device");
+  }
+  for (const Comm* c : {comm_.get(), replicate_.get()}) {
+    if (c && device_.is_cpu() && !c->control_device().is_cpu()) {
+      throw std::invalid_argument("FSDPUnit: the process group's backend is " + c->backend_name() +
+                                  ", which takes CUDA tensors only, but the unit is on the CPU; "
+                                  "move the module to its GPU first, or use a Gloo group");
+    }
+  }
   if (replicate_ && replicate_->size() == 1) replicate_ = nullptr;  // one replica: plain FSDP
   if (plan_.world_size != comm_->size()) {
     throw std::invalid_argument("FSDPUnit: the plan is for world size " +
@@ -33,6 +47,7 @@ FSDPUnit::FSDPUnit(std::shared_ptr<Comm> comm, std::shared_ptr<Comm> replicate, 
         "FSDPUnit: mixed precision dtypes must be floating (float32, bfloat16, float16, float64)");
   }
   S_ = plan_.shard_elems;
+  if (!device_.is_cpu()) streams_ = &DeviceStreams::of(device_);
   const auto f32 = at::TensorOptions().dtype(at::kFloat).device(device_);
   local_param_ = at::zeros({S_}, f32);
   local_grad_ = at::zeros({S_}, f32);
@@ -53,11 +68,12 @@ void FSDPUnit::check_replicas() const {
   // all-reduce of (x, x^2): every member's x is equal iff r * sum(x^2) == sum(x)^2.
   const double x[3] = {static_cast<double>(comm_->rank()), static_cast<double>(comm_->size()),
                        static_cast<double>(plan_.shard_elems)};
-  at::Tensor v = at::empty({6}, at::TensorOptions().dtype(at::kDouble).device(device_));
+  at::Tensor v = at::empty({6}, at::TensorOptions().dtype(at::kDouble));
   for (int k = 0; k < 3; ++k) {
     v[k] = x[k];
     v[3 + k] = x[k] * x[k];
   }
+  v = v.to(replicate_->control_device());
   replicate_->all_reduce(v, ReduceOp::Sum).wait();
   const double r = replicate_->size();
   const at::Tensor c = v.cpu();
@@ -108,6 +124,15 @@ void FSDPUnit::shard(const std::vector<at::Tensor>& full) {
 CommHandle FSDPUnit::unshard() {
   params_.begin("FSDPUnit::unshard");
   try {
+    // GPU: on the gather stream, after the compute stream's writes to the local
+    // slice (the optimizer) and the reads of buffers released before; the buffer
+    // is allocated on the gather stream.
+    std::optional<c10::StreamGuard> on_gather;
+    if (streams_) {
+      streams_->wait_for_current(streams_->gather_stream());
+      streams_->free_released();
+      on_gather.emplace(streams_->gather_stream());
+    }
     params_.allocate();
     std::vector<CommHandle> hs;
     for (size_t b = 0; b < plan_.num_buffers(); ++b) {  // one in-place gather per buffer
@@ -125,6 +150,12 @@ CommHandle FSDPUnit::unshard() {
     if (mp_.param_dtype != at::kFloat) {
       bytes_cast_ += S_ * static_cast<int64_t>(params_.flat().element_size());
     }
+    if (streams_) {
+      CommHandle::all(std::move(hs)).wait();  // the gather stream waits for NCCL's
+      return CommHandle::after_event(streams_->record(streams_->gather_stream()),
+                                     "FSDPUnit::unshard")
+          .then([this] { params_.end(); });
+    }
     return CommHandle::all(std::move(hs)).then([this] { params_.end(); });
   } catch (...) {
     params_.end();
@@ -132,7 +163,10 @@ CommHandle FSDPUnit::unshard() {
   }
 }
 
-void FSDPUnit::reshard() { params_.release(); }
+void FSDPUnit::reshard() {
+  at::DataPtr memory = params_.release();
+  if (streams_) streams_->release_after_reads(std::move(memory));
+}
 
 void FSDPUnit::prepare_grads() {
   if (grads_.in_flight()) {
@@ -166,6 +200,23 @@ CommHandle FSDPUnit::reduce_grads(ReduceOp op) {
       }
       return CommHandle::all(std::move(hs));
     };
+    if (streams_) {
+      // GPU: every collective on the reduce stream, after backward's writes to
+      // the gradients; the scratch slice was allocated on the compute stream,
+      // which reads it (and frees the gradient buffer) after the handle's wait.
+      streams_->wait_for_current(streams_->reduce_stream());
+      {
+        c10::StreamGuard on_reduce(streams_->reduce_stream());
+        scatter(replicate_ ? ReduceOp::Sum : op).wait();
+        if (replicate_) {
+          replicate_->all_reduce(out, ReduceOp::Sum).wait();
+          if (op == ReduceOp::Avg) out.div_(static_cast<double>(data_parallel_size()));
+        }
+      }
+      return CommHandle::after_event(streams_->record(streams_->reduce_stream()),
+                                     "FSDPUnit::reduce_grads")
+          .then([this, out, direct] { finish_reduce(out, direct); });
+    }
     if (!replicate_) {
       return scatter(op).then([this, out, direct] { finish_reduce(out, direct); });
     }

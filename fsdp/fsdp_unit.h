@@ -7,6 +7,11 @@
 // the reduce dtype whose views receive the full gradients, reduce-scattered
 // into the local gradient slice. Releasing a global buffer keeps its views
 // valid objects (the storage is emptied, then refilled on the next gather).
+//
+// On a GPU (device CUDA): gathers run on the device's gather stream, reduce-
+// scatters on its reduce stream, both ordered after the current (compute)
+// stream's work so far; their handles' wait() orders the current stream after
+// them (DeviceStreams). The host does not block on NCCL.
 #pragma once
 
 #include <ATen/ATen.h>
@@ -17,6 +22,7 @@
 
 #include "core/comm/comm.h"
 #include "core/ragged/plan.h"
+#include "fsdp/device_streams.h"
 #include "fsdp/gathered_buffer.h"
 
 namespace rfsdp {
@@ -29,7 +35,7 @@ struct MixedPrecision {
 class FSDPUnit {
  public:
   // The plan's world size must equal the comm's; its tensors are this unit's
-  // parameters, in order.
+  // parameters, in order. device: where every buffer lives (CPU, or a GPU).
   FSDPUnit(std::shared_ptr<Comm> comm, Plan plan, MixedPrecision mp = {},
            at::Device device = at::kCPU);
   // HSDP: sharded over `shard` (the plan's world size), replicated over
@@ -52,6 +58,7 @@ class FSDPUnit {
   size_t num_params() const { return plan_.tensors.size(); }
   size_t index_of(const std::string& name) const { return plan_.index_of(name); }
   const MixedPrecision& mixed_precision() const { return mp_; }
+  at::Device device() const { return device_; }
 
   // Each rank keeps its rows of the full initial parameters (identical on
   // every rank; plan order; any floating dtype). Clears the gradients.
@@ -61,6 +68,8 @@ class FSDPUnit {
   // The one cast to the compute dtype happens on the local slice, before the gather.
   CommHandle unshard();
   // Releases the global parameter buffer; full_param views stay valid objects.
+  // On a GPU its memory goes back once the compute stream's reads enqueued so
+  // far are done (before the next gather on this device).
   void reshard();
   bool unsharded() const { return params_.live(); }
   // Bytes of the global parameter and gradient buffers allocated now.
@@ -102,6 +111,7 @@ class FSDPUnit {
   Plan plan_;
   MixedPrecision mp_;
   at::Device device_;
+  DeviceStreams* streams_ = nullptr;  // GPU only
   int64_t S_;
   at::Tensor local_param_, local_grad_;  // fp32 [S]
   GatheredBuffer params_, grads_;         // [m*S] in the compute / reduce dtype

@@ -14,7 +14,7 @@ GatheredBuffer::GatheredBuffer(const Plan& plan, at::TensorOptions options, std:
     views_.push_back(flat_.narrow(0, plan.global_offset(i), t.numel()).view(t.shape));
   }
   live_ = true;
-  release();
+  release();  // dropped: freed
 }
 
 void GatheredBuffer::allocate() {
@@ -26,17 +26,18 @@ void GatheredBuffer::allocate() {
   live_ = true;
 }
 
-void GatheredBuffer::release() {
+at::DataPtr GatheredBuffer::release() {
   if (in_flight_) {
     throw std::logic_error("the " + what_ + " buffer has a collective in flight; wait on it first");
   }
-  if (!live_) return;
-  // Frees the memory but keeps the storage object, so views stay valid objects
+  if (!live_) return at::DataPtr(nullptr, flat_.device());
+  // Takes the memory but keeps the storage object, so views stay valid objects
   // (FSDP2 does the same with storage.resize_(0)).
   c10::StorageImpl* s = flat_.storage().unsafeGetStorageImpl();
-  s->set_data_ptr_noswap(at::DataPtr(nullptr, flat_.device()));
+  at::DataPtr memory = s->set_data_ptr(at::DataPtr(nullptr, flat_.device()));
   s->set_nbytes(0);
   live_ = false;
+  return memory;
 }
 
 void GatheredBuffer::begin(const char* op) {

@@ -26,8 +26,10 @@ class GatheredBuffer {
 
   // Memory for the whole buffer (contents undefined) if it was released.
   void allocate();
-  // Frees the memory; the views stay valid objects. An error while in flight.
-  void release();
+  // Gives up the memory (returned: dropping it frees it; a GPU unit keeps it
+  // until the reads are done, see DeviceStreams); the views stay valid objects.
+  // An error while in flight.
+  at::DataPtr release();
 
   bool in_flight() const { return in_flight_; }
   // Marks a collective on the buffer; `op` names it in the errors.

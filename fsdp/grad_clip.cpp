@@ -17,8 +17,11 @@ double clip_grad_norm(const std::vector<FSDPUnit*>& units, double max_norm,
     }
   }
   // Padding in the slices is zero, so whole slices can be summed.
-  at::Tensor sq = at::zeros({1}, at::TensorOptions().dtype(at::kDouble));
-  for (FSDPUnit* u : units) sq += u->local_grad_slice().to(at::kDouble).pow(2).sum();
+  // The sum lives where the group's collectives take it (NCCL: the GPU).
+  at::Tensor sq = at::zeros({1}, at::TensorOptions().dtype(at::kDouble).device(
+                                     units.front()->device().is_cpu() ? comm.control_device()
+                                                                      : units.front()->device()));
+  for (FSDPUnit* u : units) sq += u->local_grad_slice().to(sq.device(), at::kDouble).pow(2).sum();
   comm.all_reduce(sq, ReduceOp::Sum).wait();
   const double norm = std::sqrt(sq.item<double>());
   if (!std::isfinite(norm) && error_if_nonfinite) {
