@@ -5,6 +5,7 @@
 #include "optimizers/common/finite.h"
 #include "quant/blockwise/code_maps.h"
 #include "quant/blockwise/cpu_kernels.h"
+#include "quant/blockwise/cuda_ops.h"
 
 namespace rfsdp {
 
@@ -13,13 +14,12 @@ namespace {
 // The gradient may be undefined (given later by set_grad; no step until then).
 void check_param(const ParamShard& p) {
   const std::string who = "parameter '" + p.name + "': ";
-  for (const at::Tensor* t : {&p.param, &p.grad}) {
-    if (t == &p.grad && !t->defined()) continue;
-    if (!t->defined() || t->scalar_type() != at::kFloat || !t->is_contiguous() ||
-        !t->device().is_cpu()) {
-      throw std::invalid_argument(who + "param and grad must be contiguous float32 CPU tensors");
-    }
+  if (!p.param.defined() || p.param.scalar_type() != at::kFloat || !p.param.is_contiguous() ||
+      !(p.param.device().is_cpu() || p.param.device().is_cuda())) {
+    throw std::invalid_argument(who + "must be a contiguous float32 tensor on the CPU or a CUDA "
+                                "device");
   }
+  if (p.grad.defined()) check_grad("AdamW", p, p.grad);
   if (p.grad.defined() && p.param.numel() != p.grad.numel()) {
     throw std::invalid_argument(who + "grad has " + std::to_string(p.grad.numel()) +
                                 " elements, param " + std::to_string(p.param.numel()));
@@ -89,16 +89,14 @@ void AdamW::check_grads() const {
   for (const auto& p : params_) {
     if (p.grad.defined()) grads.push_back(p.grad);
   }
+  if (all_ranks_finite(comm_.get(), grads)) return;
   if (comm_ && comm_->size() > 1) {
-    if (!all_ranks_finite(comm_.get(), grads)) {
-      throw std::runtime_error("AdamW step: a gradient on some rank holds NaN or Inf; the step was "
-                               "not taken on any rank (check the loss, lower the learning rate, "
-                               "or clip gradients)");
-    }
-    return;
+    throw std::runtime_error("AdamW step: a gradient on some rank holds NaN or Inf; the step was "
+                             "not taken on any rank (check the loss, lower the learning rate, "
+                             "or clip gradients)");
   }
   for (const auto& p : params_) {
-    if (p.grad.defined() && !all_finite(p.grad.data_ptr<float>(), p.grad.numel())) {
+    if (p.grad.defined() && !tensor_finite(p.grad)) {
       throw std::runtime_error("AdamW step: the gradient of parameter '" + p.name +
                                "' holds NaN or Inf; the step was not taken (check the loss, "
                                "lower the learning rate, or clip gradients)");
@@ -109,9 +107,44 @@ void AdamW::check_grads() const {
 void AdamW::step() {
   if (options_.check_finite) check_grads();
   ++steps_;
+  std::vector<size_t> fused;  // GPU parameters with fp32 moments: torch's fused kernel
   for (size_t i = 0; i < params_.size(); ++i) {
     if (!params_[i].grad.defined()) continue;
-    update(i, ++param_steps_[i]);
+    const int64_t step = ++param_steps_[i];
+    if (params_[i].param.is_cuda() && m_[i].defined()) {
+      fused.push_back(i);
+    } else {
+      update(i, step);
+    }
+  }
+  fused_update(fused);
+}
+
+void AdamW::fused_update(const std::vector<size_t>& idx) {
+  // One launch per set of hyperparameters (a parameter group), over every tensor
+  // of the set: torch's _fused_adamw_, the formula torch.optim.AdamW(fused=True) runs.
+  std::vector<bool> done(idx.size(), false);
+  for (size_t a = 0; a < idx.size(); ++a) {
+    if (done[a]) continue;
+    const AdamWOptions& o = options_of(idx[a]);
+    std::vector<at::Tensor> ps, gs, ms, vs, steps;
+    for (size_t b = a; b < idx.size(); ++b) {
+      const size_t i = idx[b];
+      if (done[b] || &options_of(i) != &o || params_[i].param.device() != params_[idx[a]].param.device()) {
+        continue;
+      }
+      done[b] = true;
+      if (params_[i].param.numel() == 0) continue;
+      ps.push_back(params_[i].param);
+      gs.push_back(params_[i].grad);
+      ms.push_back(m_[i]);
+      vs.push_back(v_[i]);
+      steps.push_back(at::full({}, static_cast<double>(param_steps_[i]),
+                               params_[i].param.options()));
+    }
+    if (ps.empty()) continue;
+    at::_fused_adamw_(ps, gs, ms, vs, {}, steps, o.lr, o.beta1, o.beta2, o.weight_decay, o.eps,
+                      /*amsgrad=*/false, /*maximize=*/false);
   }
 }
 
@@ -153,10 +186,28 @@ AdamW8bit::AdamW8bit(std::vector<ParamShard> params, AdamWOptions options,
         throw std::invalid_argument(std::string("AdamW8bit: ") + e.what());
       }
       q.layout = quant::BlockLayout(block_, p.rows(), p.row_len);
-      q.q1 = at::full({p.param.numel()}, lut1_->nearest(0.0f), at::kByte);
-      q.q2 = at::full({p.param.numel()}, lut2_->nearest(0.0f), at::kByte);
-      q.absmax1 = at::zeros({q.layout.num_blocks});
-      q.absmax2 = at::zeros({q.layout.num_blocks});
+      const auto dev = p.param.options();
+      q.q1 = at::full({p.param.numel()}, lut1_->nearest(0.0f), dev.dtype(at::kByte));
+      q.q2 = at::full({p.param.numel()}, lut2_->nearest(0.0f), dev.dtype(at::kByte));
+      q.absmax1 = at::zeros({q.layout.num_blocks}, dev);
+      q.absmax2 = at::zeros({q.layout.num_blocks}, dev);
+      if (p.param.is_cuda()) {
+        if (!quant::cuda_ops::built()) {
+          throw std::invalid_argument("AdamW8bit: parameter '" + p.name + "' is on " +
+                                      p.param.device().str() + ", and this build of rfsdp has no "
+                                      "CUDA kernels (nvcc was not found when it was built); "
+                                      "rebuild with the CUDA toolkit, or use AdamW");
+        }
+        if (code1_on_.defined() && code1_on_.device() != p.param.device()) {
+          throw std::invalid_argument("AdamW8bit: parameters on " + code1_on_.device().str() +
+                                      " and " + p.param.device().str() +
+                                      "; build one optimizer per GPU");
+        }
+        if (!code1_on_.defined()) {
+          code1_on_ = code1_.to(p.param.device());
+          code2_on_ = code2_.to(p.param.device());
+        }
+      }
     }
     q_.push_back(q);
   }
@@ -167,6 +218,12 @@ void AdamW8bit::update(size_t i, int64_t step) {
   ParamShard& p = params_[i];
   Quantized8& q = q_[i];
   if (p.param.numel() == 0) return;
+  if (p.param.is_cuda()) {
+    quant::cuda_ops::adamw8bit_step(p.param, p.grad, q.q1, q.absmax1, q.q2, q.absmax2, q.layout,
+                                    code1_on_, *lut1_, code2_on_, *lut2_,
+                                    hyper(options_of(i), step));
+    return;
+  }
   quant::cpu::adamw8bit_step(p.param.data_ptr<float>(), p.grad.data_ptr<float>(),
                              q.q1.data_ptr<uint8_t>(), q.absmax1.data_ptr<float>(),
                              q.q2.data_ptr<uint8_t>(), q.absmax2.data_ptr<float>(), q.layout,
@@ -176,22 +233,28 @@ void AdamW8bit::update(size_t i, int64_t step) {
 namespace {
 at::Tensor dequantized(const at::Tensor& q, const at::Tensor& absmax,
                        const quant::BlockLayout& layout, const quant::cpu::CodeLut& lut,
-                       at::IntArrayRef shape) {
-  at::Tensor out = at::empty({q.numel()});
-  quant::cpu::dequantize(q.data_ptr<uint8_t>(), absmax.data_ptr<float>(), layout, lut,
-                         out.data_ptr<float>());
+                       const at::Tensor& code_on_device, at::IntArrayRef shape) {
+  at::Tensor out = at::empty({q.numel()}, absmax.options());
+  if (q.is_cuda()) {
+    quant::cuda_ops::dequantize(q, absmax, layout, code_on_device, out);
+  } else {
+    quant::cpu::dequantize(q.data_ptr<uint8_t>(), absmax.data_ptr<float>(), layout, lut,
+                           out.data_ptr<float>());
+  }
   return out.view(shape);
 }
 }  // namespace
 
 at::Tensor AdamW8bit::exp_avg(size_t i) const {
   if (!eight_bit_.at(i)) return m_[i];
-  return dequantized(q_[i].q1, q_[i].absmax1, q_[i].layout, *lut1_, params_[i].param.sizes());
+  return dequantized(q_[i].q1, q_[i].absmax1, q_[i].layout, *lut1_, code1_on_,
+                     params_[i].param.sizes());
 }
 
 at::Tensor AdamW8bit::exp_avg_sq(size_t i) const {
   if (!eight_bit_.at(i)) return v_[i];
-  return dequantized(q_[i].q2, q_[i].absmax2, q_[i].layout, *lut2_, params_[i].param.sizes());
+  return dequantized(q_[i].q2, q_[i].absmax2, q_[i].layout, *lut2_, code2_on_,
+                     params_[i].param.sizes());
 }
 
 std::vector<std::pair<std::string, at::Tensor>> AdamW8bit::state(size_t i) const {

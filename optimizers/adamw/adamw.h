@@ -59,7 +59,10 @@ class AdamW {
   // Checks the parameters; fp32 moments only where fp32_state(i) says so.
   AdamW(std::vector<ParamShard> params, AdamWOptions options, std::shared_ptr<Comm> comm,
         const std::vector<bool>& fp32_state);
+  // One parameter's step (CPU kernels; AdamW8bit: also its CUDA kernel).
   virtual void update(size_t i, int64_t step);
+  // GPU parameters with fp32 moments, all at once (torch's fused AdamW kernel).
+  void fused_update(const std::vector<size_t>& params);
   const AdamWOptions& options_of(size_t i) const {
     return has_param_options_[i] ? param_options_[i] : options_;
   }
@@ -98,6 +101,7 @@ class AdamW8bit : public AdamW {
   std::vector<bool> eight_bit_;
   std::vector<Quantized8> q_;
   at::Tensor code1_, code2_;
+  at::Tensor code1_on_, code2_on_;  // the codes on the GPU the parameters live on
   std::shared_ptr<const quant::cpu::CodeLut> lut1_, lut2_;
 };
 

@@ -26,22 +26,34 @@ bool all_finite(const float* x, int64_t n) {
   return !bad.load();
 }
 
+bool tensor_finite(const at::Tensor& t) {
+  if (t.device().is_cpu() && t.scalar_type() == at::kFloat && t.is_contiguous()) {
+    return all_finite(t.data_ptr<float>(), t.numel());
+  }
+  return at::isfinite(t).all().item<bool>();
+}
+
 bool all_ranks_finite(Comm* comm, const std::vector<at::Tensor>& tensors) {
+  // CPU tensors are scanned here; device tensors leave a flag on their device, so
+  // the host waits once (for the flag), not once per tensor.
   float bad = 0.0f;
+  at::Tensor bad_on_device;
   for (const auto& t : tensors) {
-    if (t.device().is_cpu() && t.scalar_type() == at::kFloat && t.is_contiguous()) {
-      if (!all_finite(t.data_ptr<float>(), t.numel())) bad = 1.0f;
-    } else if (!at::isfinite(t).all().item<bool>()) {
-      bad = 1.0f;
+    if (t.device().is_cpu()) {
+      if (!tensor_finite(t)) bad = 1.0f;
+      continue;
     }
+    const at::Tensor b = at::logical_not(at::isfinite(t)).any();
+    bad_on_device = bad_on_device.defined() ? at::logical_or(bad_on_device, b) : b;
   }
-  if (comm && comm->size() > 1) {
-    const at::Device dev = tensors.empty() ? at::Device(at::kCPU) : tensors[0].device();
-    at::Tensor flag = at::full({1}, bad, at::TensorOptions(at::kFloat).device(dev));
-    comm->all_reduce(flag, ReduceOp::Sum).wait();
-    bad = flag.item<float>();
-  }
-  return bad == 0.0f;
+  const bool shared = comm && comm->size() > 1;
+  if (!shared && !bad_on_device.defined()) return bad == 0.0f;
+  const at::Device dev = shared ? comm->control_device()
+                                : bad_on_device.device();
+  at::Tensor flag = at::full({1}, bad, at::TensorOptions(at::kFloat).device(dev));
+  if (bad_on_device.defined()) flag.add_(bad_on_device.to(dev, at::kFloat));
+  if (shared) comm->all_reduce(flag, ReduceOp::Sum).wait();
+  return flag.item<float>() == 0.0f;
 }
 
 }  // namespace rfsdp

@@ -15,7 +15,11 @@ namespace rfsdp {
 // True if every one of the n floats is finite (one parallel pass).
 bool all_finite(const float* x, int64_t n);
 
-// One all-reduce of a flag over comm (none, or one rank: local only).
+// True if t (any dtype, any device) holds only finite values.
+bool tensor_finite(const at::Tensor& t);
+
+// One all-reduce of a flag over comm (none, or one rank: local only). Device
+// tensors are checked on their device, with one host wait for all of them.
 bool all_ranks_finite(Comm* comm, const std::vector<at::Tensor>& tensors);
 
 }  // namespace rfsdp

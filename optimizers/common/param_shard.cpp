@@ -6,10 +6,14 @@ namespace rfsdp {
 
 void check_grad(const char* optimizer, const ParamShard& p, const at::Tensor& grad) {
   if (grad.defined() && (grad.scalar_type() != at::kFloat || !grad.is_contiguous() ||
-                         !grad.device().is_cpu() || grad.numel() != p.param.numel())) {
+                         grad.device() != p.param.device() || grad.numel() != p.param.numel())) {
     throw std::invalid_argument(std::string(optimizer) + ": the gradient of parameter '" +
-                                p.name + "' must be a contiguous float32 CPU tensor of " +
-                                std::to_string(p.param.numel()) + " elements");
+                                p.name + "' must be a contiguous float32 tensor of " +
+                                std::to_string(p.param.numel()) + " elements on " +
+                                p.param.device().str() + " (the parameter's device); got " +
+                                std::to_string(grad.numel()) + " " +
+                                c10::toString(grad.scalar_type()) + " elements on " +
+                                grad.device().str());
   }
 }
 

@@ -5,8 +5,10 @@
 #include <algorithm>
 #include <array>
 #include <cmath>
+#include <map>
 #include <numeric>
 #include <stdexcept>
+#include <tuple>
 
 #include "core/ragged/tensor_spec.h"
 #include "optimizers/common/finite.h"
@@ -52,18 +54,29 @@ double muon_update_scale(int64_t rows, int64_t cols, MuonAdjustLr adjust) {
 }
 
 at::Tensor newton_schulz(const at::Tensor& g, int steps, at::ScalarType dtype) {
-  if (g.dim() != 2) throw std::invalid_argument("newton_schulz: needs a matrix");
-  constexpr double a = 3.4445, b = -4.7750, c = 2.0315;
-  const bool transposed = g.size(0) > g.size(1);
-  at::Tensor x = g.to(dtype);
-  if (transposed) x = x.t();
-  x = x / (x.norm() + 1e-7);
-  for (int i = 0; i < steps; ++i) {
-    const at::Tensor A = at::mm(x, x.t());
-    const at::Tensor B = at::addmm(A, A, A, /*beta=*/b, /*alpha=*/c);  // b A + c A A
-    x = at::addmm(x, B, x, /*beta=*/a, /*alpha=*/1.0);                // a X + B X
+  if (g.dim() != 2 && g.dim() != 3) {
+    throw std::invalid_argument("newton_schulz: needs a matrix or a batch of matrices");
   }
-  if (transposed) x = x.t();
+  constexpr double a = 3.4445, b = -4.7750, c = 2.0315;
+  const bool transposed = g.size(-2) > g.size(-1);
+  at::Tensor x = g.to(dtype);
+  if (transposed) x = x.transpose(-2, -1);
+  if (g.dim() == 2) {
+    x = x / (x.norm() + 1e-7);
+    for (int i = 0; i < steps; ++i) {
+      const at::Tensor A = at::mm(x, x.t());
+      const at::Tensor B = at::addmm(A, A, A, /*beta=*/b, /*alpha=*/c);  // b A + c A A
+      x = at::addmm(x, B, x, /*beta=*/a, /*alpha=*/1.0);                // a X + B X
+    }
+  } else {  // the same, one bmm per product for the whole batch
+    x = x / (at::linalg_vector_norm(x, 2, {-2, -1}, /*keepdim=*/true) + 1e-7);
+    for (int i = 0; i < steps; ++i) {
+      const at::Tensor A = at::bmm(x, x.transpose(-2, -1));
+      const at::Tensor B = at::baddbmm(A, A, A, /*beta=*/b, /*alpha=*/c);
+      x = at::baddbmm(x, B, x, /*beta=*/a, /*alpha=*/1.0);
+    }
+  }
+  if (transposed) x = x.transpose(-2, -1);
   return x.to(at::kFloat).contiguous();
 }
 
@@ -108,7 +121,11 @@ MuonLayout::MuonLayout(Comm* comm, std::vector<MuonParamGeometry> params)
     t[rank_][2 + 2 * i] = params_[i].elem_begin;
     t[rank_][3 + 2 * i] = params_[i].elem_end;
   }
-  if (comm && world_ > 1) comm->all_reduce(table, ReduceOp::Sum).wait();
+  if (comm && world_ > 1) {
+    at::Tensor shared = table.to(comm->control_device());  // NCCL takes no CPU tensors
+    comm->all_reduce(shared, ReduceOp::Sum).wait();
+    table.copy_(shared.cpu());
+  }
   for (int r = 0; r < world_; ++r) {
     if (t[r][0] != P || t[r][1] != t[rank_][1]) {
       throw std::invalid_argument(
@@ -209,7 +226,8 @@ double MuonLayout::flop_imbalance() const {
 
 void muon_step(Comm* comm, const MuonLayout& layout, const std::vector<at::Tensor>& params,
                const std::vector<at::Tensor>& grads, const std::vector<at::Tensor>& momenta,
-               const std::vector<MuonHyper>& hyper, at::ScalarType ns_dtype) {
+               const std::vector<MuonHyper>& hyper, at::ScalarType ns_dtype,
+               bool batch_same_shape) {
   const auto& geo = layout.params();
   const size_t P = geo.size();
   if (params.size() != P || grads.size() != P || momenta.size() != P || hyper.size() != P) {
@@ -268,8 +286,8 @@ void muon_step(Comm* comm, const MuonLayout& layout, const std::vector<at::Tenso
   at::Tensor back_recv = at::empty({layout.gather_send_elems()}, opts);
   std::vector<std::pair<size_t, at::Tensor>> own;  // (matrix, orthogonalised) rooted here
   {
+    // Each matrix rooted here, whole: this rank's piece and the received ones.
     auto from = offsets_of(recv_splits);
-    auto to = offsets_of(recv_splits);
     for (size_t k = 0; k < mats.size(); ++k) {
       const MuonMatrix& mat = mats[k];
       if (mat.root != me) continue;
@@ -286,9 +304,33 @@ void muon_step(Comm* comm, const MuonLayout& layout, const std::vector<at::Tenso
           from[s] += n;
         }
       }
-      at::Tensor o = newton_schulz(full.view({mat.rows, mat.cols}), geo[mat.param].ns_steps, ns_dtype)
-                         .view(-1);
+      own.emplace_back(k, full.view({mat.rows, mat.cols}));
+    }
+    // Newton–Schulz: one matrix at a time, or (batch_same_shape) one batched
+    // product chain per group of equal shape and steps (expert stacks, layers).
+    std::map<std::tuple<int64_t, int64_t, int>, std::vector<size_t>> groups;  // -> indices in own
+    for (size_t j = 0; j < own.size(); ++j) {
+      const MuonMatrix& mat = mats[own[j].first];
+      const int steps = geo[mat.param].ns_steps;
+      groups[{mat.rows, mat.cols, batch_same_shape ? steps : -1 - static_cast<int>(j)}].push_back(j);
+    }
+    for (const auto& [key, js] : groups) {
+      const int steps = geo[mats[own[js[0]].first].param].ns_steps;
+      if (js.size() == 1) {
+        own[js[0]].second = newton_schulz(own[js[0]].second, steps, ns_dtype);
+        continue;
+      }
+      std::vector<at::Tensor> batch;
+      for (size_t j : js) batch.push_back(own[j].second);
+      const at::Tensor o = newton_schulz(at::stack(batch), steps, ns_dtype);
+      for (size_t b = 0; b < js.size(); ++b) own[js[b]].second = o[b];
+    }
+    auto to = offsets_of(recv_splits);
+    for (auto& [k, o_mat] : own) {
+      const MuonMatrix& mat = mats[k];
+      at::Tensor o = o_mat.reshape(-1);
       o.mul_(muon_update_scale(mat.rows, mat.cols, hyper[mat.param].adjust_lr));
+      o_mat = o;
       for (int s = 0; s < world; ++s) {
         const auto pc = layout.piece(k, s);
         const int64_t n = pc.second - pc.first;
@@ -296,7 +338,6 @@ void muon_step(Comm* comm, const MuonLayout& layout, const std::vector<at::Tenso
         back_send.narrow(0, to[s], n).copy_(o.narrow(0, pc.first - mat.offset, n));
         to[s] += n;
       }
-      own.emplace_back(k, o);
     }
   }
   if (comm && world > 1) comm->all_to_all(back_recv, back_send, send_splits, recv_splits).wait();
@@ -395,7 +436,9 @@ void Muon::step() {
                              "clip gradients)");
   }
   ++steps_;
-  muon_step(comm_.get(), layout_, ps, gs, momenta_, hyper, options_.ns_dtype);
+  const bool on_gpu = !ps.empty() && ps[0].is_cuda();
+  muon_step(comm_.get(), layout_, ps, gs, momenta_, hyper, options_.ns_dtype,
+            options_.batch_newton_schulz.value_or(on_gpu));
 }
 
 }  // namespace rfsdp

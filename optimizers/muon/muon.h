@@ -11,6 +11,7 @@
 
 #include <ATen/ATen.h>
 
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -28,7 +29,8 @@ double muon_update_scale(int64_t rows, int64_t cols, MuonAdjustLr adjust);
 
 // Quintic Newton–Schulz orthogonalisation (coefficients 3.4445, -4.7750, 2.0315)
 // of one matrix: X / (|X|_F + 1e-7), transposed when rows > cols, `steps`
-// iterations computed in `dtype`. Returns a float32 matrix of g's shape.
+// iterations computed in `dtype`. Returns a float32 matrix of g's shape. A 3-D
+// g is a batch of equal-shape matrices, each orthogonalised alone (bmm).
 at::Tensor newton_schulz(const at::Tensor& g, int steps, at::ScalarType dtype = at::kFloat);
 // Flops of that (2 per multiply-add): steps * (4 n^2 N + 2 n^3), n = min, N = max.
 double newton_schulz_flops(int64_t rows, int64_t cols, int steps);
@@ -95,16 +97,22 @@ struct MuonHyper {
 
 // One step over the layout's parameters. params, grads, momenta: this rank's
 // shards (contiguous fp32, elem_end - elem_begin elements each); hyper: one per
-// parameter. ns_dtype: the Newton–Schulz compute dtype. Collective when
-// comm is set. Gradients are not checked here (see Muon::step).
+// parameter. ns_dtype: the Newton–Schulz compute dtype. batch_same_shape: the
+// matrices rooted here with equal shape and steps are orthogonalised as one
+// batch (one bmm per product: fewer, larger GPU kernels). Collective when comm
+// is set. Gradients are not checked here (see Muon::step).
 void muon_step(Comm* comm, const MuonLayout& layout, const std::vector<at::Tensor>& params,
                const std::vector<at::Tensor>& grads, const std::vector<at::Tensor>& momenta,
-               const std::vector<MuonHyper>& hyper, at::ScalarType ns_dtype = at::kFloat);
+               const std::vector<MuonHyper>& hyper, at::ScalarType ns_dtype = at::kFloat,
+               bool batch_same_shape = false);
 
 struct MuonOptions {
   MuonHyper hyper;
   int ns_steps = 5;
   at::ScalarType ns_dtype = at::kFloat;  // bf16 is the usual choice on GPU
+  // Batched Newton–Schulz for same-shape matrices on a root; unset: on GPUs only
+  // (on a CPU one BLAS call already fills the cores, and results stay per matrix).
+  std::optional<bool> batch_newton_schulz;
   bool check_finite = true;               // refuse NaN/Inf gradients (all ranks agree)
 };
 

@@ -171,9 +171,10 @@ Shampoo::Shampoo(std::vector<ParamShard> params, ShampooOptions options, Shampoo
   for (size_t i = 0; i < n; ++i) {
     const ParamShard& p = params_[i];
     if (!p.param.defined() || p.param.scalar_type() != at::kFloat || !p.param.is_contiguous() ||
-        !p.param.device().is_cpu()) {
+        !(p.param.device().is_cpu() || p.param.device().is_cuda())) {
       throw std::invalid_argument("Shampoo: parameter '" + p.name +
-                                  "' must be a contiguous float32 CPU tensor");
+                                  "' must be a contiguous float32 tensor on the CPU or a CUDA "
+                                  "device");
     }
     precondition_.push_back((precondition.empty() || precondition[i]) && p.shape.size() >= 2);
     ParamState s;
@@ -189,10 +190,11 @@ Shampoo::Shampoo(std::vector<ParamShard> params, ShampooOptions options, Shampoo
         left += shampoo_packed_size(tiles_[k].rows);
         right += shampoo_packed_size(tiles_[k].cols);
       }
-      s.left = at::zeros({left}, fdt);
-      s.right = at::zeros({right}, fdt);
-      s.root_l = at::zeros({left}, fdt);
-      s.root_r = at::zeros({right}, fdt);
+      const auto on = fdt.device(p.param.device());  // factors live with the shard
+      s.left = at::zeros({left}, on);
+      s.right = at::zeros({right}, on);
+      s.root_l = at::zeros({left}, on);
+      s.root_r = at::zeros({right}, on);
       for (size_t k : s.tiles) {  // roots start as the identity
         const ShampooTile& t = tiles_[k];
         s.root_l.narrow(0, t.left_offset, shampoo_packed_size(t.rows)).copy_(pack(at::eye(t.rows)));
@@ -220,6 +222,10 @@ void Shampoo::set_grad(size_t i, const at::Tensor& grad) {
 at::Tensor Shampoo::pack(const at::Tensor& full) {
   const at::Tensor f = full.to(at::kFloat).contiguous();
   const int64_t n = f.size(0);
+  if (!f.is_cpu()) {  // on a GPU: one gather of the upper triangle (row by row)
+    const at::Tensor ij = at::triu_indices(n, n, 0, f.options().dtype(at::kLong));
+    return f.view(-1).index_select(0, ij[0] * n + ij[1]);
+  }
   at::Tensor out = at::empty({shampoo_packed_size(n)}, at::kFloat);
   const float* src = f.data_ptr<float>();
   float* dst = out.data_ptr<float>();
@@ -232,6 +238,13 @@ at::Tensor Shampoo::pack(const at::Tensor& full) {
 
 at::Tensor Shampoo::unpack(const at::Tensor& flat, int64_t offset, int64_t n) {
   const at::Tensor packed = flat.narrow(0, offset, shampoo_packed_size(n)).to(at::kFloat).contiguous();
+  if (!packed.is_cpu()) {  // on a GPU: two scatters (upper triangle, then its mirror)
+    const at::Tensor ij = at::triu_indices(n, n, 0, packed.options().dtype(at::kLong));
+    at::Tensor full = at::empty({n * n}, packed.options());
+    full.index_put_({ij[1] * n + ij[0]}, packed);
+    full.index_put_({ij[0] * n + ij[1]}, packed);
+    return full.view({n, n});
+  }
   at::Tensor full = at::empty({n, n}, at::kFloat);
   const float* src = packed.data_ptr<float>();
   float* dst = full.data_ptr<float>();
@@ -362,6 +375,11 @@ void Shampoo::step() {
         const at::Tensor rl = unpack(s.root_l, tl.left_offset, tl.rows);
         const at::Tensor rr = unpack(s.root_r, tl.right_offset, tl.cols);
         at::Tensor p = at::matmul(at::matmul(rl, tile_of(m_hat, tl)), rr);
+        if (p.is_cuda()) {  // the same on the device, with no host wait per tile
+          const at::Tensor np = p.norm();
+          d.copy_(at::where(np > 0, p * (d.norm() / np), d));
+          continue;
+        }
         const double np = p.norm().item<double>();
         if (np > 0) d.copy_(p.mul_(d.norm().item<double>() / np));  // else keep D
       }

@@ -4,6 +4,7 @@
 
 #include "quant/blockwise/code_maps.h"
 #include "quant/blockwise/cpu_kernels.h"
+#include "quant/blockwise/cuda_ops.h"
 
 namespace rfsdp::quant {
 
@@ -32,15 +33,22 @@ std::string dtype_name(at::ScalarType t) {
   }
 }
 
-void check_cpu_contiguous(const at::Tensor& t, at::ScalarType dt, const char* what) {
+// CPU tensors run the CPU kernels, CUDA tensors the CUDA kernels (cuda_ops).
+void check_tensor(const at::Tensor& t, at::ScalarType dt, const char* what) {
   if (t.scalar_type() != dt) {
     throw std::invalid_argument(std::string(what) + " must be " + dtype_name(dt) + ", got " +
                                 dtype_name(t.scalar_type()));
   }
-  if (!t.device().is_cpu()) {
-    throw std::invalid_argument(std::string(what) +
-                                " is on " + t.device().str() +
-                                ": this build has CPU kernels only for the ATen entry points");
+  if (!t.device().is_cpu() && !t.device().is_cuda()) {
+    throw std::invalid_argument(std::string(what) + " is on " + t.device().str() +
+                                ": block-wise quantisation runs on the CPU or a CUDA device");
+  }
+}
+
+void check_same_device(const at::Tensor& t, const at::Tensor& ref, const char* what) {
+  if (t.device() != ref.device()) {
+    throw std::invalid_argument(std::string(what) + " is on " + t.device().str() +
+                                ", the codes on " + ref.device().str() + "; put both on one device");
   }
 }
 
@@ -48,12 +56,20 @@ void check_cpu_contiguous(const at::Tensor& t, at::ScalarType dt, const char* wh
 
 Quantized quantize_blockwise(const at::Tensor& x_in, const at::Tensor& code, BlockShape shape,
                              int64_t row_len) {
-  check_cpu_contiguous(x_in, at::kFloat, "quantize_blockwise input");
+  check_tensor(x_in, at::kFloat, "quantize_blockwise input");
   const at::Tensor x = x_in.contiguous();
   const BlockLayout L = layout_of(x, shape, row_len);
   const auto lut = code_lut(code);
   Quantized q{at::empty(x.sizes(), x.options().dtype(at::kByte)),
               at::empty({L.num_blocks}, x.options())};
+  if (x.is_cuda()) {
+    if (!at::isfinite(x).all().item<bool>()) {
+      throw std::invalid_argument("quantize_blockwise: the input holds NaN or Inf values");
+    }
+    cuda_ops::quantize(x.view(-1), L, code.to(x.device(), at::kFloat).contiguous(), *lut,
+                       q.codes.view(-1), q.absmax);
+    return q;
+  }
   if (!cpu::quantize(x.data_ptr<float>(), L, *lut, q.codes.data_ptr<uint8_t>(),
                      q.absmax.data_ptr<float>())) {
     throw std::invalid_argument("quantize_blockwise: the input holds NaN or Inf values");
@@ -63,8 +79,9 @@ Quantized quantize_blockwise(const at::Tensor& x_in, const at::Tensor& code, Blo
 
 at::Tensor dequantize_blockwise(const Quantized& q, const at::Tensor& code, BlockShape shape,
                                 int64_t row_len, const at::Tensor& out_in) {
-  check_cpu_contiguous(q.codes, at::kByte, "dequantize_blockwise codes");
-  check_cpu_contiguous(q.absmax, at::kFloat, "dequantize_blockwise absmax");
+  check_tensor(q.codes, at::kByte, "dequantize_blockwise codes");
+  check_tensor(q.absmax, at::kFloat, "dequantize_blockwise absmax");
+  check_same_device(q.absmax, q.codes, "dequantize_blockwise absmax");
   const at::Tensor codes = q.codes.contiguous();
   const BlockLayout L = layout_of(codes, shape, row_len);
   if (q.absmax.numel() != L.num_blocks) {
@@ -72,10 +89,10 @@ at::Tensor dequantize_blockwise(const Quantized& q, const at::Tensor& code, Bloc
                                 " absmax values for " + std::to_string(L.num_blocks) + " blocks (" +
                                 shape.str() + ")");
   }
-  const auto lut = code_lut(code.to(at::kFloat));
   at::Tensor out = out_in;
   if (out.defined()) {
-    check_cpu_contiguous(out, at::kFloat, "dequantize_blockwise out");
+    check_tensor(out, at::kFloat, "dequantize_blockwise out");
+    check_same_device(out, q.codes, "dequantize_blockwise out");
     if (!out.is_contiguous() || out.numel() != codes.numel()) {
       throw std::invalid_argument("dequantize_blockwise: out must be contiguous with " +
                                   std::to_string(codes.numel()) + " elements, got " +
@@ -85,6 +102,12 @@ at::Tensor dequantize_blockwise(const Quantized& q, const at::Tensor& code, Bloc
   } else {
     out = at::empty(codes.sizes(), codes.options().dtype(at::kFloat));
   }
+  if (codes.is_cuda()) {
+    cuda_ops::dequantize(codes.view(-1), q.absmax.contiguous(), L,
+                         code.to(codes.device(), at::kFloat).contiguous(), out.view(-1));
+    return out;
+  }
+  const auto lut = code_lut(code.to(at::kFloat));
   cpu::dequantize(codes.data_ptr<uint8_t>(), q.absmax.contiguous().data_ptr<float>(), L, *lut,
                   out.data_ptr<float>());
   return out;

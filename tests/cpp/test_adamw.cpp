@@ -427,5 +427,26 @@ TEST(AdamW8bit, StepEqualsFloat64TranscriptionElementByElement) {
   });
 }
 
+TEST(AdamW, ParametersAndGradientsOnOtherDevicesAreClearErrors) {
+  ParamShard p = whole_param("w", at::zeros({4, 4}), at::Tensor(), 1);
+  AdamW opt({p});
+  try {
+    opt.set_grad(0, at::zeros({4, 4}, at::kMeta));
+    ADD_FAILURE() << "a gradient on another device was taken";
+  } catch (const std::invalid_argument& e) {
+    EXPECT_NE(std::string(e.what()).find("on cpu (the parameter's device); got 16 Float elements "
+                                         "on meta"),
+              std::string::npos)
+        << e.what();
+  }
+  try {
+    AdamW bad({whole_param("m", at::zeros({4}, at::kMeta), at::Tensor(), 1)});
+    ADD_FAILURE() << "a meta parameter was taken";
+  } catch (const std::invalid_argument& e) {
+    EXPECT_NE(std::string(e.what()).find("on the CPU or a CUDA device"), std::string::npos)
+        << e.what();
+  }
+}
+
 }  // namespace
 }  // namespace rfsdp

@@ -25,10 +25,11 @@ struct Shape {
 };
 
 // rows > cols, rows < cols, fewer rows than ranks, an expert stack whose rows
-// (experts x hidden) are cut anywhere, a matrix forced across three ranks.
+// (experts x hidden) are cut anywhere, a matrix forced across three ranks, and
+// a twin of "tall" (equal shapes on one root: batched Newton–Schulz).
 const std::vector<Shape> kShapes = {{"tall", {37, 11}, 1},   {"wide", {9, 30}, 1},
                                     {"few_rows", {2, 17}, 1}, {"experts", {3, 8, 6}, 2},
-                                    {"split3", {48, 5}, 1}};
+                                    {"split3", {48, 5}, 1},   {"tall_twin", {37, 11}, 1}};
 
 int64_t rows_of(const Shape& s) {
   int64_t r = 1;
@@ -109,6 +110,7 @@ struct Config {
   int world;
   bool whole;
   MuonHyper hyper;
+  bool batch = false;  // batched Newton–Schulz for equal shapes on a root
 };
 
 void run_against_reference(const Config& cfg) {
@@ -150,6 +152,7 @@ void run_against_reference(const Config& cfg) {
     }
     MuonOptions opt;
     opt.hyper = cfg.hyper;
+    opt.batch_newton_schulz = cfg.batch;
     Muon muon(std::shared_ptr<Comm>(&comm, [](Comm*) {}), shards, opt);
     if (cfg.whole) EXPECT_EQ(muon.layout().gather_send_elems(), 0);
     for (int step = 0; step < kSteps; ++step) {
@@ -187,6 +190,13 @@ TEST_P(MuonRanks, NoNesterovMatchRmsAdamWMatchesReference) {
 
 TEST_P(MuonRanks, WholeMatricesMoveNothingAndMatchReference) {
   run_against_reference({GetParam(), true, MuonHyper{0.02, 0.95, 0.0, true, MuonAdjustLr::Original}});
+}
+
+TEST_P(MuonRanks, BatchedNewtonSchulzMatchesReference) {
+  run_against_reference(
+      {GetParam(), false, MuonHyper{0.02, 0.95, 0.01, true, MuonAdjustLr::Original}, true});
+  run_against_reference(
+      {GetParam(), true, MuonHyper{0.02, 0.95, 0.01, true, MuonAdjustLr::Original}, true});
 }
 
 INSTANTIATE_TEST_SUITE_P(Worlds, MuonRanks, ::testing::Values(1, 2, 3, 4));
@@ -331,6 +341,23 @@ TEST(NewtonSchulz, SingularValuesNearOneInFloat32AndBf16) {
       EXPECT_LT(diff.norm().item<double>() / ref.norm().item<double>(), 0.25) << "seed " << seed;
     }
   }
+}
+
+TEST(NewtonSchulz, BatchEqualsOneMatrixAtATime) {
+  const uint64_t seed = fresh_seed();
+  // wide and tall (transposed inside) batches
+  for (const std::vector<int64_t>& shape : {std::vector<int64_t>{5, 12, 20},
+                                            std::vector<int64_t>{4, 30, 9}}) {
+    const at::Tensor g = seeded_randn(shape, seed, shape[1]);
+    const at::Tensor batch = newton_schulz(g, 5, at::kFloat);
+    ASSERT_EQ(batch.sizes(), g.sizes());
+    for (int64_t k = 0; k < shape[0]; ++k) {
+      const at::Tensor ref = ref_orthogonalise(g[k].to(at::kDouble), 5);
+      EXPECT_LT((batch[k].to(at::kDouble) - ref).abs().max().item<double>(), 1e-5)
+          << "seed " << seed << ", matrix " << k;
+    }
+  }
+  EXPECT_THROW(newton_schulz(at::zeros({2, 2, 2, 2}), 5), std::invalid_argument);
 }
 
 }  // namespace

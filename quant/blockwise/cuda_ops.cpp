@@ -1,0 +1,141 @@
+#include "quant/blockwise/cuda_ops.h"
+
+#include <c10/core/DeviceGuard.h>
+#include <c10/core/impl/VirtualGuardImpl.h>
+
+#include <stdexcept>
+#include <string>
+
+#if defined(RFSDP_WITH_CUDA_KERNELS)
+#include "quant/blockwise/cuda_kernels.h"
+#endif
+
+namespace rfsdp::quant::cuda_ops {
+
+namespace {
+
+void check(const at::Tensor& t, at::ScalarType dt, int64_t n, const at::Device& dev,
+           const char* what) {
+  if (!t.defined() || t.scalar_type() != dt || !t.is_contiguous() || t.device() != dev ||
+      t.numel() != n) {
+    throw std::invalid_argument(
+        std::string(what) + ": expected a contiguous " + c10::toString(dt) + " tensor of " +
+        std::to_string(n) + " elements on " + dev.str() + ", got " +
+        (t.defined() ? std::to_string(t.numel()) + " " + c10::toString(t.scalar_type()) +
+                           " elements on " + t.device().str()
+                     : std::string("none")));
+  }
+}
+
+void check_gpu(const at::Tensor& t, const char* what) {
+  if (!t.device().is_cuda()) {
+    throw std::invalid_argument(std::string(what) + " is on " + t.device().str() +
+                                ": the CUDA kernels take CUDA tensors");
+  }
+}
+
+}  // namespace
+
+#if defined(RFSDP_WITH_CUDA_KERNELS)
+
+namespace {
+
+cudaStream_t current_stream(const at::Device& d) {
+  return static_cast<cudaStream_t>(
+      c10::impl::VirtualGuardImpl(d.type()).getStream(d).native_handle());
+}
+
+void launched(cudaError_t e, const char* what) {
+  if (e != cudaSuccess) {
+    throw std::runtime_error(std::string(what) + ": CUDA error: " + cudaGetErrorString(e));
+  }
+}
+
+}  // namespace
+
+bool built() { return true; }
+
+void quantize(const at::Tensor& x, const BlockLayout& L, const at::Tensor& code,
+              const cpu::CodeLut& lut, const at::Tensor& q, const at::Tensor& absmax) {
+  check_gpu(x, "quantize input");
+  const at::Device d = x.device();
+  check(x, at::kFloat, L.rows * L.row_len, d, "quantize input");
+  check(code, at::kFloat, 256, d, "quantize code");
+  check(q, at::kByte, x.numel(), d, "quantize codes");
+  check(absmax, at::kFloat, L.num_blocks, d, "quantize absmax");
+  if (x.numel() == 0) return;
+  c10::DeviceGuard guard(d);
+  launched(cuda::quantize(x.data_ptr<float>(), L, code.data_ptr<float>(), lut.index(),
+                          q.data_ptr<uint8_t>(), absmax.data_ptr<float>(), current_stream(d)),
+           "quantize");
+}
+
+void dequantize(const at::Tensor& q, const at::Tensor& absmax, const BlockLayout& L,
+                const at::Tensor& code, const at::Tensor& out) {
+  check_gpu(q, "dequantize codes");
+  const at::Device d = q.device();
+  check(q, at::kByte, L.rows * L.row_len, d, "dequantize codes");
+  check(absmax, at::kFloat, L.num_blocks, d, "dequantize absmax");
+  check(code, at::kFloat, 256, d, "dequantize code");
+  check(out, at::kFloat, q.numel(), d, "dequantize out");
+  if (q.numel() == 0) return;
+  c10::DeviceGuard guard(d);
+  launched(cuda::dequantize(q.data_ptr<uint8_t>(), absmax.data_ptr<float>(), L,
+                            code.data_ptr<float>(), out.data_ptr<float>(), current_stream(d)),
+           "dequantize");
+}
+
+void adamw8bit_step(const at::Tensor& p, const at::Tensor& g, const at::Tensor& q1,
+                    const at::Tensor& a1, const at::Tensor& q2, const at::Tensor& a2,
+                    const BlockLayout& L, const at::Tensor& code1, const cpu::CodeLut& lut1,
+                    const at::Tensor& code2, const cpu::CodeLut& lut2, const AdamWHyper& h) {
+  check_gpu(p, "adamw8bit param");
+  const at::Device d = p.device();
+  const int64_t n = L.rows * L.row_len;
+  check(p, at::kFloat, n, d, "adamw8bit param");
+  check(g, at::kFloat, n, d, "adamw8bit grad");
+  check(q1, at::kByte, n, d, "adamw8bit q1");
+  check(q2, at::kByte, n, d, "adamw8bit q2");
+  check(a1, at::kFloat, L.num_blocks, d, "adamw8bit absmax1");
+  check(a2, at::kFloat, L.num_blocks, d, "adamw8bit absmax2");
+  check(code1, at::kFloat, 256, d, "adamw8bit code1");
+  check(code2, at::kFloat, 256, d, "adamw8bit code2");
+  if (n == 0) return;
+  c10::DeviceGuard guard(d);
+  launched(cuda::adamw8bit_step(p.data_ptr<float>(), g.data_ptr<float>(), q1.data_ptr<uint8_t>(),
+                                a1.data_ptr<float>(), q2.data_ptr<uint8_t>(), a2.data_ptr<float>(),
+                                L, code1.data_ptr<float>(), lut1.index(), code2.data_ptr<float>(),
+                                lut2.index(), h, current_stream(d)),
+           "adamw8bit_step");
+}
+
+#else  // no nvcc at build time
+
+namespace {
+[[noreturn]] void none(const char* what) {
+  throw std::invalid_argument(std::string(what) +
+                              ": this build of rfsdp has no CUDA kernels (nvcc was not found when "
+                              "it was built); rebuild with the CUDA toolkit installed "
+                              "(RFSDP_CUDA=ON) to run 8-bit optimizer states on a GPU");
+}
+}  // namespace
+
+bool built() { return false; }
+void quantize(const at::Tensor&, const BlockLayout&, const at::Tensor&, const cpu::CodeLut&,
+              const at::Tensor&, const at::Tensor&) {
+  none("quantize");
+}
+void dequantize(const at::Tensor&, const at::Tensor&, const BlockLayout&, const at::Tensor&,
+                const at::Tensor&) {
+  none("dequantize");
+}
+void adamw8bit_step(const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
+                    const at::Tensor&, const at::Tensor&, const BlockLayout&, const at::Tensor&,
+                    const cpu::CodeLut&, const at::Tensor&, const cpu::CodeLut&,
+                    const AdamWHyper&) {
+  none("adamw8bit_step");
+}
+
+#endif
+
+}  // namespace rfsdp::quant::cuda_ops
