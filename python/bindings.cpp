@@ -17,6 +17,7 @@
 #include "core/ragged/planner.h"
 #include "quant/blockwise/blockwise.h"
 #include "quant/blockwise/code_maps.h"
+#include "quant/blockwise/cuda_ops.h"
 
 namespace py = pybind11;
 
@@ -156,6 +157,7 @@ PYBIND11_MODULE(_C, m) {
       .def("rank", &rfsdp::Comm::rank)
       .def("size", &rfsdp::Comm::size)
       .def("backend_name", &rfsdp::Comm::backend_name)
+      .def("control_device", [](const rfsdp::Comm& c) { return c.control_device().str(); })
       .def("close", &rfsdp::Comm::close, py::call_guard<py::gil_scoped_release>())
       .def("closed", &rfsdp::Comm::closed)
       .def("set_flat_algorithms", [](rfsdp::Comm& c, const std::string& gather,
@@ -172,16 +174,18 @@ PYBIND11_MODULE(_C, m) {
   py::class_<rfsdp::FSDPUnit, std::shared_ptr<rfsdp::FSDPUnit>>(m, "FSDPUnit")
       .def(py::init([](std::shared_ptr<rfsdp::Comm> comm, const rfsdp::Plan& plan,
                        const std::string& param_dtype, const std::string& reduce_dtype,
-                       std::shared_ptr<rfsdp::Comm> replicate) {
+                       std::shared_ptr<rfsdp::Comm> replicate, const std::string& device) {
              return std::make_shared<rfsdp::FSDPUnit>(
                  std::move(comm), std::move(replicate), plan,
-                 rfsdp::MixedPrecision{dtype_of(param_dtype), dtype_of(reduce_dtype)});
+                 rfsdp::MixedPrecision{dtype_of(param_dtype), dtype_of(reduce_dtype)},
+                 at::Device(device));
            }),
            py::arg("comm"), py::arg("plan"), py::arg("param_dtype"), py::arg("reduce_dtype"),
-           py::arg("replicate") = nullptr,
+           py::arg("replicate") = nullptr, py::arg("device") = "cpu",
            // HSDP checks the replicas with a collective: Gloo's workers may need the GIL.
            py::call_guard<py::gil_scoped_release>())
       .def("data_parallel_size", &rfsdp::FSDPUnit::data_parallel_size)
+      .def("device", [](const rfsdp::FSDPUnit& u) { return u.device().str(); })
       .def("shard", &rfsdp::FSDPUnit::shard)
       // Calls that enqueue collectives release the GIL: a Gloo worker thread may need it
       // to free a Python-owned tensor of an earlier collective while holding the work
@@ -353,7 +357,8 @@ PYBIND11_MODULE(_C, m) {
         py::arg("align_bytes") = 16, py::arg("max_buffers") = rfsdp::PlannerOptions{}.max_buffers,
         py::arg("collective_cost_bytes") = rfsdp::PlannerOptions{}.collective_cost_bytes);
 
-  // The fused 8-bit kernel alone (tests check it element by element).
+  // The kernels alone, on the tensors' device (tests check them element by element;
+  // benches time them without the entry points' argument and NaN checks).
   m.def("adamw8bit_step", [](at::Tensor p, at::Tensor g, at::Tensor q1, at::Tensor a1, at::Tensor q2,
                              at::Tensor a2, const py::object& block, int64_t row_len,
                              const at::Tensor& code1, const at::Tensor& code2, double lr, double b1,
@@ -362,6 +367,12 @@ PYBIND11_MODULE(_C, m) {
     const int64_t n = p.numel();
     TORCH_CHECK(row_len > 0 && n % row_len == 0, "row_len ", row_len, " does not divide ", n);
     const rfsdp::quant::BlockLayout L(shape, n / row_len, row_len);
+    const rfsdp::quant::AdamWHyper h{float(lr), float(b1), float(b2), float(eps), float(wd), step};
+    if (p.is_cuda()) {
+      rfsdp::quant::cuda_ops::adamw8bit_step(p, g, q1, a1, q2, a2, L, code1.to(p.device()),
+                                             lut_of(code1), code2.to(p.device()), lut_of(code2), h);
+      return;
+    }
     expect(p, at::kFloat, n, "param");
     expect(g, at::kFloat, n, "grad");
     expect(q1, at::kByte, n, "q1");
@@ -371,8 +382,24 @@ PYBIND11_MODULE(_C, m) {
     rfsdp::quant::cpu::adamw8bit_step(p.data_ptr<float>(), g.data_ptr<float>(),
                                       q1.data_ptr<uint8_t>(), a1.data_ptr<float>(),
                                       q2.data_ptr<uint8_t>(), a2.data_ptr<float>(), L,
-                                      lut_of(code1), lut_of(code2),
-                                      {float(lr), float(b1), float(b2), float(eps), float(wd), step});
+                                      lut_of(code1), lut_of(code2), h);
+  });
+  m.def("cuda_quantize_into", [](const at::Tensor& x, const at::Tensor& code, const py::object& block,
+                                 int64_t row_len, const at::Tensor& q, const at::Tensor& absmax) {
+    const int64_t n = x.numel();
+    TORCH_CHECK(row_len > 0 && n % row_len == 0, "row_len ", row_len, " does not divide ", n);
+    rfsdp::quant::cuda_ops::quantize(x, rfsdp::quant::BlockLayout(block_shape(block), n / row_len,
+                                                                  row_len),
+                                     code, lut_of(code), q, absmax);
+  });
+  m.def("cuda_dequantize_into", [](const at::Tensor& q, const at::Tensor& absmax,
+                                   const at::Tensor& code, const py::object& block, int64_t row_len,
+                                   const at::Tensor& out) {
+    const int64_t n = q.numel();
+    TORCH_CHECK(row_len > 0 && n % row_len == 0, "row_len ", row_len, " does not divide ", n);
+    rfsdp::quant::cuda_ops::dequantize(q, absmax, rfsdp::quant::BlockLayout(block_shape(block),
+                                                                            n / row_len, row_len),
+                                       code, out);
   });
   m.def("num_blocks", [](const py::object& block, int64_t rows, int64_t row_len) {
     return rfsdp::quant::BlockLayout(block_shape(block), rows, row_len).num_blocks;
@@ -434,6 +461,15 @@ PYBIND11_MODULE(_C, m) {
   m.def("dynamic_map", &rfsdp::quant::dynamic_map, py::arg("signed") = true);
   m.def("linear_map", &rfsdp::quant::linear_map, py::arg("signed") = true);
   m.def("code_map", &rfsdp::quant::code_map, py::arg("name"), py::arg("signed"));
+  m.def("newton_schulz",
+        [](const at::Tensor& g, int steps, const std::string& dtype) {
+          return rfsdp::newton_schulz(g, steps, dtype_of(dtype));
+        },
+        py::arg("g"), py::arg("steps") = 5, py::arg("dtype") = "float32",
+        "Muon's quintic Newton–Schulz of a matrix or a batch of matrices (float32 result)",
+        py::call_guard<py::gil_scoped_release>());
+  m.def("cuda_kernels_built", &rfsdp::quant::cuda_ops::built,
+        "Whether this build has the CUDA quantisation kernels (nvcc was found)");
   m.def("quantize_blockwise",
         [](const at::Tensor& x, const at::Tensor& code, const py::object& block, int64_t row_len) {
           const auto q = rfsdp::quant::quantize_blockwise(x, code, block_shape(block), row_len);

@@ -10,8 +10,8 @@ from . import _C, checkpoint, optim, policy, quant
 
 __version__ = _C.__version__  # CMakeLists.txt's project() version, as the wheel's
 from .fsdp import (MixedPrecisionPolicy, ShardInfo, clip_grad_norm_, full_parameters, fully_shard,
-                   shard_info)
+                   set_prefetch, shard_info)
 from .planning import PlannerOptions, plan
 
 __all__ = ["plan", "PlannerOptions", "quant", "policy", "optim", "checkpoint", "fully_shard", "shard_info", "ShardInfo",
-           "MixedPrecisionPolicy", "clip_grad_norm_", "full_parameters"]
+           "MixedPrecisionPolicy", "clip_grad_norm_", "full_parameters", "set_prefetch"]

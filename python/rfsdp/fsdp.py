@@ -16,7 +16,14 @@ Prefetch: the units under one outer fully_shard call share a schedule that
 records their forward order; from the second forward on, a unit starting its
 forward starts the all-gather of the unit after it, and a unit starting its
 backward starts the all-gather of the unit before it, so the gather overlaps
-compute. Every rank must run the units in the same order (as with any FSDP)."""
+compute. Every rank must run the units in the same order (as with any FSDP).
+set_prefetch(model, False) turns it off (to measure the overlap).
+
+On a GPU (parameters on a CUDA device): gathers run on a side stream, reduce-
+scatters on another, compute on the current stream, ordered by CUDA events
+(fsdp/device_streams.h); waiting on a collective orders the current stream
+after it and does not block the host. The default mixed precision there is
+bfloat16 parameters with float32 gradient reduction."""
 import enum
 from dataclasses import dataclass, field
 
@@ -96,7 +103,7 @@ def shard_info(param):
 
 
 class _Unit:
-    def __init__(self, entries, pg, rg, pol, mp, reshard_after_forward, planner):
+    def __init__(self, entries, pg, rg, pol, mp, reshard_after_forward, planner, device):
         # entries[i]: every place parameter i stands, [(owner module, attr name, fqn)];
         # a tied parameter stands in several and is sharded once, under the first name.
         self.entries = entries
@@ -114,7 +121,8 @@ class _Unit:
         self.comm = make_comm(pg)  # kept: rfsdp closes it at exit (see _comm)
         self.replicate_comm = make_comm(rg) if rg is not None and rg.size() > 1 else None
         self.unit = _C.FSDPUnit(self.comm, self.plan, str(mp.param_dtype).replace("torch.", ""),
-                                str(mp.reduce_dtype).replace("torch.", ""), self.replicate_comm)
+                                str(mp.reduce_dtype).replace("torch.", ""), self.replicate_comm,
+                                str(device))
         # Every rank starts from the values of the shard group's rank 0: one all-reduce
         # of its values and zeros elsewhere (exact; one collective for the whole unit);
         # under HSDP, replica 0's then go to the other replicas (one broadcast).
@@ -295,6 +303,7 @@ class _Schedule:
     def __init__(self, units_):
         self.units = units_
         self.order, self.recording = [], []
+        self.prefetching = True
         self.backward_queued = False
         self.reducing = None  # the unit whose reduce-scatter is in flight
         for u in units_:
@@ -309,6 +318,8 @@ class _Schedule:
             u.settle()
 
     def _neighbour(self, unit, step):
+        if not self.prefetching:
+            return None
         try:
             i = self.order.index(unit) + step
         except ValueError:
@@ -376,7 +387,7 @@ def _collect(module):
             if id(p) in index:  # tied: another use of a parameter met already
                 entries[index[id(p)]].append((owner, attr, fqn))
                 continue
-            if p.numel() > 0:
+            if p.numel() > 0 and p.device.type != "meta":  # meta tensors have no memory
                 lo = p.data_ptr()
                 hi = lo + p.numel() * p.element_size()
                 for other_lo, other_hi, other in storages:
@@ -436,13 +447,17 @@ def fully_shard(module, *, mesh=None, process_group=None, replicate_group=None, 
         raise ValueError("fully_shard was already applied to this %s" % type(module).__name__)
     pg, rg = _groups(mesh, process_group, replicate_group)
     pol = policy if policy is not None else policy_mod.adamw()
-    mp = mp_policy if mp_policy is not None else MixedPrecisionPolicy()
+    mp = mp_policy
     entries, devices = _collect(module)
     if len(devices) > 1:
         raise ValueError("fully_shard: the parameters of this module live on different devices (%s); "
                          "move the module to one device first" % sorted(str(d) for d in devices))
-    if any(d.type != "cpu" for d in devices):
-        raise ValueError("fully_shard: this build shards CPU parameters only (got %s)" % devices.pop())
+    device = next(iter(devices)) if devices else torch.device("cpu")
+    if device.type not in ("cpu", "cuda"):
+        raise ValueError("fully_shard: parameters on %s are not supported; move the module to the "
+                         "CPU or a CUDA device" % device)
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
     for uses in entries:
         p = uses[0][0]._parameters[uses[0][1]]
         if p.dtype != torch.float32:
@@ -451,10 +466,14 @@ def fully_shard(module, *, mesh=None, process_group=None, replicate_group=None, 
                              "weights: convert the module with .float() first (compute in bf16 "
                              "or fp16 with mp_policy=MixedPrecisionPolicy(param_dtype=...))"
                              % (uses[0][2], p.dtype))
+    if mp is None:  # GPUs compute in bfloat16 and reduce in float32 by default
+        mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16) if device.type == "cuda" \
+            else MixedPrecisionPolicy()
     planner = planner if planner is not None else PlannerOptions()
     if not isinstance(planner, PlannerOptions):
         raise ValueError("fully_shard: planner must be an rfsdp.PlannerOptions, got %r" % (planner,))
-    unit = _Unit(entries, pg, rg, pol, mp, reshard_after_forward, planner) if entries else None
+    unit = _Unit(entries, pg, rg, pol, mp, reshard_after_forward, planner, device) \
+        if entries else None
     module._rfsdp_unit = unit if unit is not None else False
     # This call's schedule takes over the units of the calls below it (their
     # schedules are emptied). Its pre-hook runs before the unit's, its post-hook after.
@@ -478,6 +497,17 @@ def units(model):
     return [m._rfsdp_unit for m in model.modules() if getattr(m, "_rfsdp_unit", None)]
 
 
+def set_prefetch(model, enabled):
+    """Turns the all-gather prefetch of model's units on (the default) or off
+    (each unit then gathers when it starts: no overlap; for measurements)."""
+    us = units(model)
+    if not us:
+        raise ValueError("set_prefetch: the model has no fully_shard units")
+    for u in us:
+        if u.schedule is not None:
+            u.schedule.prefetching = bool(enabled)
+
+
 def clip_grad_norm_(model, max_norm, error_if_nonfinite=True):
     """Clips the sharded gradients of all of model's units by their global L2
     norm (one all-reduce); returns the norm."""
@@ -499,7 +529,7 @@ def full_parameters(model, process_group=None):
             out[name] = p.detach().clone()
             continue
         pg = process_group or info.process_group or dist.group.WORLD
-        rows = torch.zeros(info.full_rows, info.row_len, dtype=p.dtype)
+        rows = torch.zeros(info.full_rows, info.row_len, dtype=p.dtype, device=p.device)
         rows[info.row_begin:info.row_end] = p.detach().reshape(-1, info.row_len)
         if pg.size() > 1:
             dist.all_reduce(rows, group=pg)

@@ -20,9 +20,10 @@ def _check_params(optimizer_name, params):
                 raise ValueError(
                     "%s: parameter '%s' was replaced by fully_shard; build the optimizer after "
                     "fully_shard, from model.parameters()" % (optimizer_name, replaced))
-            if p.dtype != torch.float32 or p.device.type != "cpu" or not p.is_contiguous():
-                raise ValueError("%s: parameters must be contiguous float32 CPU tensors, got %s on %s"
-                                 % (optimizer_name, p.dtype, p.device))
+            if p.dtype != torch.float32 or p.device.type not in ("cpu", "cuda") \
+                    or not p.is_contiguous():
+                raise ValueError("%s: parameters must be contiguous float32 tensors on the CPU or "
+                                 "a CUDA device, got %s on %s" % (optimizer_name, p.dtype, p.device))
 
 
 def _shard_spec(i, p):
@@ -227,7 +228,9 @@ class Muon(_OverCpp):
     or 1-D parameter in a Muon group is an error. adjust_lr: "original" scales
     the update by max(1, rows/cols)^0.5; "match_rms_adamw" by 0.2 sqrt(max(rows,
     cols)) (Moonlight; reuse AdamW's lr and weight decay). ns_dtype: Newton–Schulz
-    compute dtype (float32; bfloat16 is the usual choice on GPU).
+    compute dtype (default: bfloat16 for parameters on a GPU, float32 on the CPU).
+    On a GPU the matrices of equal shape rooted on a rank (an expert stack, the
+    layers' projections) are orthogonalised as one batch (bmm).
 
     Collective: every rank builds it from the same model and steps together;
     process_group defaults to the shard group of fully_shard's parameters (under
@@ -240,7 +243,7 @@ class Muon(_OverCpp):
 
     def __init__(self, param_groups, lr=0.02, momentum=0.95, nesterov=True, ns_steps=5,
                  weight_decay=0.0, adjust_lr="original", process_group=None,
-                 ns_dtype=torch.float32, timeout_seconds=300.0):
+                 ns_dtype=None, timeout_seconds=300.0):
         groups = list(param_groups)
         if groups and not isinstance(groups[0], dict):
             groups = [dict(params=groups)]
@@ -263,6 +266,9 @@ class Muon(_OverCpp):
                 if isinstance(g["ns_steps"], bool) or not isinstance(g["ns_steps"], int) \
                         or g["ns_steps"] < 1:
                     raise ValueError("Muon: ns_steps must be a positive integer")
+        if ns_dtype is None:
+            on_gpu = any(p.device.type == "cuda" for g in self.param_groups for p in g["params"])
+            ns_dtype = torch.bfloat16 if on_gpu else torch.float32
         if ns_dtype not in (torch.float32, torch.bfloat16):
             raise ValueError("Muon: ns_dtype must be torch.float32 or torch.bfloat16")
         self.ns_dtype = str(ns_dtype).replace("torch.", "")

@@ -1,5 +1,6 @@
 """fully_shard on 1 and 2 ranks (processes, Gloo) against the same model trained
 unsharded with torch.optim.AdamW on the whole batch; misuse errors."""
+import copy
 import faulthandler
 import os
 import sys
@@ -298,3 +299,30 @@ def test_mixed_precision_matches_low_precision_reference(world, param_dtype):
     for n, g in ref_grads.items():
         torch.testing.assert_close(got["grads"][n], g.float(), rtol=1e-6, atol=1e-7,
                                    msg=lambda m: "%s (seed %d): %s" % (n, seed, m))
+
+
+def test_prefetch_can_be_turned_off_and_changes_no_number(one_rank):
+    torch.manual_seed(int(torch.randint(0, 2 ** 30, ()).item()))
+    base = nn.Sequential(*[nn.Linear(8, 8) for _ in range(4)])
+    x, y = torch.randn(5, 8), torch.randn(5, 8)
+    params, states = {}, {}
+    for enabled in (True, False):
+        m = copy.deepcopy(base)
+        for layer in m:
+            rfsdp.fully_shard(layer)
+        rfsdp.fully_shard(m)
+        rfsdp.set_prefetch(m, enabled)
+        seen = states[enabled] = []
+        # after layer 0's pre-forward: has layer 1's gather started?
+        m[0].register_forward_pre_hook(lambda mod, a: seen.append(m[1]._rfsdp_unit.data_state()))
+        opt = rfsdp.optim.AdamW(m.parameters(), lr=1e-2)
+        for _ in range(3):
+            opt.zero_grad()
+            nn.functional.mse_loss(m(x), y).backward()
+            opt.step()
+        params[enabled] = rfsdp.full_parameters(m)
+    # the first forward records the order; prefetch starts from the second
+    assert states[True][1:] == [rfsdp.fsdp.DataState.GATHERING] * 2, states[True]
+    assert states[False] == [rfsdp.fsdp.DataState.SHARDED] * 3, states[False]
+    for n in params[True]:
+        assert torch.equal(params[True][n], params[False][n]), n
