@@ -1,0 +1,66 @@
+#!/usr/bin/env bash
+# The GPU path checked on a GPU machine in one command (about 5 minutes on an
+# H200, 16 cores): builds the library, the extension and the C++ tests with that
+# machine's python3 (torch with CUDA) and nvcc, then runs
+#   1. the C++ suite (ctest; the CUDA kernels against the CPU ones among it),
+#   2. the GPU tests (tests/python/test_gpu.py): kernels bit for bit, AdamW and
+#      AdamW8bit, Muon and Shampoo, fully_shard over NCCL and over Gloo,
+#   3. the table (bench/gpu_bench.py), also written to $OUT/gpu_table.md when OUT
+#      is set; logs go to $OUT as well.
+# Needs .gpu_deps (scripts/gpu_deps.sh, run where the project is set up). Exits
+# non-zero if a step failed; every step runs regardless.
+#   device run: bash scripts/gpu_check.sh        (carry: .gpu_deps)
+#   RFSDP_GPU_CHECK_BUILD_ONLY=1: the build alone (also on a CPU machine, to check it)
+set -uo pipefail
+cd "$(dirname "$0")/.."
+PY=${PYTHON:-python3}
+DEPS=$(pwd)/.gpu_deps
+BUILD=${RFSDP_GPU_BUILD_DIR:-build-gpu}
+LOGS=${OUT:-/tmp}
+t0=$SECONDS
+status=0
+log() { echo "[gpu_check $((SECONDS - t0)) s] $*"; }
+step() {  # step NAME COMMAND...: runs it, logs to $LOGS/NAME.log, remembers a failure
+  local name=$1
+  shift
+  log "$name"
+  if ! "$@" 2>&1 | tee "$LOGS/$name.log"; then
+    log "$name FAILED"
+    status=1
+    return 1
+  fi
+}
+
+BUILD_ONLY=${RFSDP_GPU_CHECK_BUILD_ONLY:-0}
+if [ "$BUILD_ONLY" != 1 ]; then
+  "$PY" -c "import torch; assert torch.cuda.is_available(), 'no GPU is visible'; \
+print('torch', torch.__version__, 'CUDA', torch.version.cuda, torch.cuda.get_device_name())" || exit 1
+fi
+[ -d "$DEPS" ] || { echo "gpu_check: $DEPS is missing: run scripts/gpu_deps.sh here, carry .gpu_deps"; exit 1; }
+command -v nvcc >/dev/null || export PATH=/usr/local/cuda/bin:$PATH
+
+build() {
+  if [ ! -f "$DEPS/prefix/lib/cmake/GTest/GTestConfig.cmake" ] &&
+     [ ! -f "$DEPS/prefix/lib64/cmake/GTest/GTestConfig.cmake" ]; then
+    cmake -S "$DEPS/googletest" -B "$DEPS/gtest-build" -G Ninja -DCMAKE_BUILD_TYPE=Release \
+      -DCMAKE_INSTALL_PREFIX="$DEPS/prefix" -DCMAKE_POSITION_INDEPENDENT_CODE=ON >/dev/null &&
+      cmake --build "$DEPS/gtest-build" >/dev/null && cmake --install "$DEPS/gtest-build" >/dev/null ||
+      return 1
+  fi
+  cmake -S . -B "$BUILD" -G Ninja -DCMAKE_BUILD_TYPE=Release -DRFSDP_PYTHON_EXE="$(command -v "$PY")" \
+    -DRFSDP_CUDA=ON -DRFSDP_TESTS=ON -DRFSDP_BENCH=OFF \
+    -DCMAKE_PREFIX_PATH="$DEPS/prefix;$DEPS/usr" -DGTEST_ROOT="$DEPS/prefix" \
+    -DCMAKE_CXX_FLAGS="-isystem $DEPS/usr/include" &&
+    cmake --build "$BUILD" -j "$(nproc)"
+}
+step build build || { log "the build failed: nothing to run"; exit 1; }
+[ "$BUILD_ONLY" = 1 ] && { log "built"; exit 0; }
+# (the Package tests install and rebuild out of tree: CPU CI covers them)
+step ctest ctest --test-dir "$BUILD" -j 8 --output-on-failure --timeout 300 -E "^Package\\."
+export PYTHONPATH=$(pwd)/python${PYTHONPATH:+:$PYTHONPATH}
+# The portable CPU kernels: IEEE sqrt and division, as the GPU's (test_gpu.py's AdamW8bit check).
+step pytest_gpu env RFSDP_QUANT_ISA=portable "$PY" -m pytest -q -p no:cacheprovider \
+  tests/python/test_gpu.py -rs
+step bench "$PY" bench/gpu_bench.py ${OUT:+--out "$OUT/gpu_table.md"}
+log "done: $([ $status -eq 0 ] && echo passed || echo 'FAILED (see above)')"
+exit $status

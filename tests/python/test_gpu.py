@@ -1,0 +1,278 @@
+"""The GPU path, on a CUDA device: skipped where none is visible (these run on the
+GPU machine through scripts/gpu_check.sh). References, each independent of the
+code under test: the CPU kernels (bit for bit), plain PyTorch on the same GPU,
+a float64 single-device Muon, the unsharded model on one device."""
+import copy
+import math
+import os
+import sys
+import tempfile
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from torch import nn
+
+import rfsdp
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(HERE)), "examples"))
+from muon_reference import ReferenceMuon  # noqa: E402
+from slice_training import train_on_slices  # noqa: E402
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(),
+                                reason="needs a CUDA device (scripts/gpu_check.sh on a GPU machine)")
+
+BLOCKS = [256, 2048, (32, 32), (5, 7)]
+
+
+def fresh_seed():
+    return int(torch.randint(0, 2 ** 30, ()).item())
+
+
+# -- 8-bit kernels ------------------------------------------------------------
+
+@pytest.mark.parametrize("block", BLOCKS, ids=str)
+def test_quantise_and_dequantise_equal_the_cpu_kernels_bit_for_bit(block):
+    assert rfsdp._C.cuda_kernels_built(), "this build has no CUDA kernels (nvcc was not found)"
+    g = torch.Generator().manual_seed(fresh_seed())
+    # values over 12 decades, zeros and a whole zero row: every code is hit
+    x = torch.randn(333, 77, generator=g) * torch.logspace(-6, 6, 77)
+    x[7] = 0
+    for signed in (True, False):
+        xs = x if signed else x.abs()
+        q_cpu, a_cpu = rfsdp.quant.quantize_blockwise(xs, block, signed=signed)
+        q_gpu, a_gpu = rfsdp.quant.quantize_blockwise(xs.cuda(), block, signed=signed)
+        assert torch.equal(q_gpu.cpu(), q_cpu), "codes differ (%s, signed=%s)" % (block, signed)
+        assert torch.equal(a_gpu.cpu(), a_cpu), "absmax differs (%s, signed=%s)" % (block, signed)
+        d_cpu = rfsdp.quant.dequantize_blockwise(q_cpu, a_cpu, block, signed=signed)
+        d_gpu = rfsdp.quant.dequantize_blockwise(q_gpu, a_gpu, block, signed=signed)
+        assert torch.equal(d_gpu.cpu(), d_cpu), "dequantised values differ (%s)" % (block,)
+    with pytest.raises(ValueError, match="NaN"):
+        rfsdp.quant.quantize_blockwise(torch.full((512,), float("nan"), device="cuda"))
+
+
+@pytest.mark.parametrize("block", [256, (32, 32)], ids=str)
+def test_adamw8bit_on_the_gpu_equals_the_cpu_kernel(block):
+    # CPU reference: the portable kernels (scripts/gpu_check.sh sets
+    # RFSDP_QUANT_ISA=portable), IEEE sqrt and division as on the GPU. The CUDA
+    # kernels are built without FMA contraction; the CPU compiler may still fuse
+    # a multiply-add, so: parameters within 1e-6 relative, codes within one step.
+    seed = fresh_seed()
+    g = torch.Generator().manual_seed(seed)
+    shapes = [(96, 64), (64, 160), (40,)]  # the 1-D one keeps fp32 moments (small)
+    init = [torch.randn(s, generator=g) for s in shapes]
+    p_cpu = [nn.Parameter(t.clone()) for t in init]
+    p_gpu = [nn.Parameter(t.cuda()) for t in init]
+    o_cpu = rfsdp.optim.AdamW8bit(p_cpu, lr=1e-3, block=block, min_8bit_size=1000)
+    o_gpu = rfsdp.optim.AdamW8bit(p_gpu, lr=1e-3, block=block, min_8bit_size=1000)
+    for _ in range(10):
+        grads = [1e-2 * torch.randn(s, generator=g) for s in shapes]
+        for a, b, gr in zip(p_cpu, p_gpu, grads):
+            a.grad, b.grad = gr.clone(), gr.cuda()
+        o_cpu.step()
+        o_gpu.step()
+    for k, (a, b) in enumerate(zip(p_cpu, p_gpu)):
+        torch.testing.assert_close(b.detach().cpu(), a.detach(), rtol=1e-6, atol=1e-7,
+                                   msg=lambda m: "param %d (seed %d): %s" % (k, seed, m))
+        sa, sb = o_cpu.state[a], o_gpu.state[b]
+        for name in sa:
+            if name == "step":
+                continue
+            x, y = sa[name], sb[name].cpu()
+            if x.dtype == torch.uint8:
+                far = ((x.int() - y.int()).abs() > 1).sum().item()
+                assert far == 0, "%s of param %d: %d codes more than one step apart" % (name, k, far)
+            else:
+                torch.testing.assert_close(y, x, rtol=1e-5, atol=1e-7)
+
+
+def test_adamw_on_the_gpu_equals_torch_fused_adamw():
+    seed = fresh_seed()
+    g = torch.Generator().manual_seed(seed)
+    shapes = [(64, 48), (48,), (3, 5, 7)]
+    init = [torch.randn(s, generator=g).cuda() for s in shapes]
+    mine = [nn.Parameter(t.clone()) for t in init]
+    ref = [nn.Parameter(t.clone()) for t in init]
+    groups = lambda ps: [dict(params=ps[:2]), dict(params=ps[2:], lr=3e-3, weight_decay=0.1)]
+    o1 = rfsdp.optim.AdamW(groups(mine), lr=1e-3, betas=(0.9, 0.95), weight_decay=0.01)
+    o2 = torch.optim.AdamW(groups(ref), lr=1e-3, betas=(0.9, 0.95), weight_decay=0.01, fused=True)
+    for _ in range(10):
+        for a, b in zip(mine, ref):
+            gr = torch.randn(a.shape, generator=g).cuda()
+            a.grad, b.grad = gr.clone(), gr.clone()
+        o1.step()
+        o2.step()
+    for a, b in zip(mine, ref):
+        torch.testing.assert_close(a.detach(), b.detach(), rtol=1e-6, atol=1e-7,
+                                   msg=lambda m: "seed %d: %s" % (seed, m))
+
+
+# -- Muon and Shampoo ----------------------------------------------------------
+
+MUON_SHAPES = {"a": (32, 24), "b": (32, 24), "c": (32, 24), "tall": (40, 12), "experts": (4, 16, 8),
+               "bias": (24,)}
+
+
+@pytest.mark.parametrize("ns_dtype,tol", [(torch.float32, 2e-5), (torch.bfloat16, 3e-2)])
+def test_muon_on_the_gpu_equals_float64_muon(ns_dtype, tol):
+    # Three equal-shape matrices and an expert stack: the batched Newton–Schulz path.
+    seed = fresh_seed()
+    g = torch.Generator().manual_seed(seed)
+    init = {n: torch.randn(s, generator=g) for n, s in MUON_SHAPES.items()}
+    params = {n: nn.Parameter(t.cuda()) for n, t in init.items()}
+    muon_names = [n for n in MUON_SHAPES if n != "bias"]
+    opt = rfsdp.optim.Muon([dict(params=[params[n] for n in muon_names]),
+                            dict(params=[params["bias"]], use_muon=False, lr=1e-2)],
+                           lr=0.02, momentum=0.9, weight_decay=0.01, ns_dtype=ns_dtype)
+    ref = ReferenceMuon({n: t.double().clone() for n, t in init.items()}, muon_names, lr=0.02,
+                        momentum=0.9, weight_decay=0.01, aux_lr=1e-2)
+    for _ in range(5):
+        grads = {n: torch.randn(s, generator=g) for n, s in MUON_SHAPES.items()}
+        for n, p in params.items():
+            p.grad = grads[n].cuda()
+        opt.step()
+        ref.step(grads)
+    for n, p in params.items():
+        # bf16 Newton–Schulz: each update is orthogonal to ~1e-2; 5 steps of lr 0.02
+        torch.testing.assert_close(p.detach().cpu().double(), ref.p[n], rtol=tol, atol=tol,
+                                   msg=lambda m: "%s (%s, seed %d): %s" % (n, ns_dtype, seed, m))
+
+
+def test_batched_newton_schulz_equals_one_matrix_at_a_time_on_the_gpu():
+    x = torch.randn(6, 48, 80, device="cuda")
+    batched = rfsdp._C.newton_schulz(x, 5, "float32")
+    for k in range(6):
+        one = rfsdp._C.newton_schulz(x[k], 5, "float32")
+        torch.testing.assert_close(batched[k], one, rtol=1e-4, atol=1e-5)
+
+
+def test_shampoo_on_the_gpu_equals_shampoo_on_the_cpu():
+    # The CPU Shampoo is checked against the float64 reference in the C++ suite;
+    # here the same steps on the GPU (eigh by cuSOLVER, packing by index) agree.
+    import test_shampoo_py as ts
+    seed = fresh_seed()
+    torch.manual_seed(seed)
+    cpu_model = ts.Net()
+    gpu_model = copy.deepcopy(cpu_model).cuda()
+    cpu_losses = ts.train(cpu_model, ts.make(cpu_model), seed)
+    xs, ys = ts.data(seed)
+    gpu_losses = train_on_slices(gpu_model, ts.make(gpu_model), xs.cuda(), ys.cuda(), 0, 1)
+    assert gpu_losses == pytest.approx(cpu_losses, rel=1e-4, abs=1e-6), "seed %d" % seed
+    for (n, a), b in zip(cpu_model.named_parameters(), gpu_model.parameters()):
+        torch.testing.assert_close(b.detach().cpu(), a.detach(), rtol=1e-4, atol=1e-5,
+                                   msg=lambda m: "%s (seed %d): %s" % (n, seed, m))
+
+
+# -- fully_shard on the GPU ----------------------------------------------------
+
+def gpt(seed, device):
+    from train_gpt import GPT
+    torch.manual_seed(seed)
+    return GPT(64, 3, 4, 32).to(device)
+
+
+def gpt_batches(seed, steps=10, batch=8, ctx=32):
+    g = torch.Generator().manual_seed(seed + 1)
+    return torch.randint(0, 256, (steps, batch, ctx + 1), generator=g)
+
+
+def lm_loss(model, idx):
+    logits = model(idx[:, :-1])
+    return nn.functional.cross_entropy(logits.float().reshape(-1, 256), idx[:, 1:].reshape(-1))
+
+
+def reference_gpt(seed, param_dtype):
+    """Plain PyTorch on the GPU: float32 master weights and torch's fused AdamW;
+    forward and backward on a copy in param_dtype, gradients taken back in float32
+    (what FSDP2's MixedPrecisionPolicy(param_dtype, reduce_dtype=float32) computes)."""
+    dev = torch.device("cuda")
+    master = gpt(seed, dev)
+    work = copy.deepcopy(master).to(param_dtype)
+    opt = torch.optim.AdamW(master.parameters(), lr=1e-3, fused=True)
+    losses = []
+    for idx in gpt_batches(seed).to(dev):
+        with torch.no_grad():
+            for w, m in zip(work.parameters(), master.parameters()):
+                w.copy_(m)
+        work.zero_grad()
+        loss = lm_loss(work, idx)
+        loss.backward()
+        for w, m in zip(work.parameters(), master.parameters()):
+            m.grad = w.grad.float()
+        opt.step()
+        losses.append(loss.item())
+    return losses, {n: p.detach().cpu() for n, p in master.named_parameters()}
+
+
+def sharded_gpt_worker(rank, world, backend, seed, param_dtype, init_file, out_file, ckpt_dir):
+    torch.cuda.set_device(0)
+    dist.init_process_group(backend, init_method="file://" + init_file, rank=rank, world_size=world)
+    model = gpt(seed, torch.device("cuda"))
+    mp_policy = None if param_dtype is None else rfsdp.MixedPrecisionPolicy(param_dtype=param_dtype)
+    for b in model.blocks:
+        rfsdp.fully_shard(b, mp_policy=mp_policy)
+    rfsdp.fully_shard(model, mp_policy=mp_policy)
+    opt = rfsdp.optim.AdamW(model.parameters(), lr=1e-3)
+    xs = gpt_batches(seed).cuda()
+    losses = train_on_slices(model, opt, xs, xs, rank, world, loss_of=lambda m, x, y: lm_loss(m, x))
+    params = {n: p.cpu() for n, p in rfsdp.full_parameters(model).items()}
+    if ckpt_dir:  # the checkpoint round trip on the GPU: save, step, load, step again
+        rfsdp.checkpoint.save(ckpt_dir, model, opt)
+        before = {n: p.clone() for n, p in rfsdp.full_parameters(model).items()}
+        train_on_slices(model, opt, xs[:2], xs[:2], rank, world, loss_of=lambda m, x, y: lm_loss(m, x))
+        rfsdp.checkpoint.load(ckpt_dir, model, opt)
+        after = rfsdp.full_parameters(model)
+        for n in before:
+            assert torch.equal(before[n], after[n]), "checkpoint round trip changed %s" % n
+    if rank == 0:
+        torch.save({"losses": losses, "params": params}, out_file)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def run_sharded_gpt(world, backend, seed, param_dtype, ckpt=False):
+    with tempfile.TemporaryDirectory() as d:
+        out = os.path.join(d, "out.pt")
+        mp.spawn(sharded_gpt_worker, args=(world, backend, seed, param_dtype, os.path.join(d, "init"),
+                                           out, os.path.join(d, "ckpt") if ckpt else ""),
+                 nprocs=world)
+        return torch.load(out)
+
+
+@pytest.mark.parametrize("param_dtype", [torch.float32, None], ids=["fp32", "default-bf16"])
+def test_fully_shard_over_nccl_equals_plain_pytorch(param_dtype):
+    # World size 1 (one GPU): the streams, events, prefetch and deferred frees
+    # all run; the numbers must be plain PyTorch's. param_dtype None: the GPU
+    # default policy, bfloat16 compute with float32 reduction.
+    seed = fresh_seed()
+    got = run_sharded_gpt(1, "nccl", seed, param_dtype, ckpt=param_dtype is None)
+    ref_losses, ref_params = reference_gpt(seed, param_dtype or torch.bfloat16)
+    tol = 1e-5 if param_dtype == torch.float32 else 2e-3
+    assert got["losses"] == pytest.approx(ref_losses, rel=tol, abs=tol), "seed %d" % seed
+    for n, p in ref_params.items():
+        torch.testing.assert_close(got["params"][n], p, rtol=tol, atol=tol,
+                                   msg=lambda m: "%s (seed %d): %s" % (n, seed, m))
+
+
+def test_two_processes_on_one_gpu_over_gloo_equal_the_unsharded_model():
+    seed = fresh_seed()
+    got = run_sharded_gpt(2, "gloo", seed, torch.float32)
+    ref_losses, ref_params = reference_gpt(seed, torch.float32)
+    assert got["losses"] == pytest.approx(ref_losses, rel=1e-4, abs=1e-5), "seed %d" % seed
+    for n, p in ref_params.items():
+        torch.testing.assert_close(got["params"][n], p, rtol=1e-4, atol=1e-5,
+                                   msg=lambda m: "%s (seed %d): %s" % (n, seed, m))
+
+
+def test_a_cpu_module_on_an_nccl_group_is_a_clear_error():
+    with tempfile.TemporaryDirectory() as d:
+        dist.init_process_group("nccl", init_method="file://" + os.path.join(d, "i"), rank=0,
+                                world_size=1)
+        try:
+            with pytest.raises((ValueError, RuntimeError), match="CUDA tensors only"):
+                rfsdp.fully_shard(nn.Linear(4, 4))
+        finally:
+            dist.destroy_process_group()
