@@ -3,6 +3,7 @@
 #include <ATen/Parallel.h>
 #include <torch/csrc/distributed/c10d/HashStore.hpp>
 
+#include <cstdlib>
 #include <thread>
 
 namespace rfsdp {
@@ -11,6 +12,14 @@ std::vector<std::exception_ptr> run_local_ranks_collect(int world,
                                                         const std::function<void(Comm&)>& fn,
                                                         std::chrono::milliseconds timeout) {
   if (world < 1) throw std::invalid_argument("run_local_ranks: world must be >= 1");
+  // c10d's flight recorder (torch 2.11; it keeps recent collectives for hang
+  // dumps) inserts each group's status into a map it shares across groups before
+  // taking its lock: ranks as threads of one process race there (a segfault now
+  // and then in FlightRecorder::recordWithResetEnabled, seen under Gloo's reduce).
+  // The harness turns it off before the first group reads the setting; a value
+  // the caller set stays.
+  static const bool recorder_off = [] { return setenv("TORCH_FR_BUFFER_SIZE", "0", 0) == 0; }();
+  (void)recorder_off;
   // A fresh store per run: Gloo's rendezvous keys must not meet an earlier run's.
   auto store = c10::make_intrusive<c10d::HashStore>();
   // One intra-op thread per rank thread: a rank stands for a process with its

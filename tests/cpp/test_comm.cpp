@@ -241,12 +241,7 @@ TEST(Comm, BadArguments) {
 // Every mesh of 4 ranks: each rank's shard and replica groups hold the ranks
 // FSDP2's (replicate, shard) mesh gives them, and an all-reduce over either sums
 // exactly the members' values (seeded per world rank, checked against float64).
-// DISABLED in CI: sub-groups made by c10d's split with 4 ranks as threads of one
-// process crashed or hung now and then under load (2 runs in 12 with another test
-// running beside; 1 CI run in 4). HSDP is tested in processes instead
-// (tests/python/test_hsdp.py, Package.CppExampleMatchesPython --shard-size 1).
-// Run it by hand: --gtest_also_run_disabled_tests.
-TEST(Comm, DISABLED_HybridGroupsFollowTheMeshLayout) {
+TEST(Comm, HybridGroupsFollowTheMeshLayout) {
   const uint64_t seed = fresh_seed();
   SCOPED_TRACE("seed " + std::to_string(seed));
   for (int m : {1, 2, 4}) {

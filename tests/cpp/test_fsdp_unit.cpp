@@ -298,12 +298,7 @@ INSTANTIATE_TEST_SUITE_P(Ranks, UnitWorld, ::testing::Values(1, 2, 3, 4));
 // shard group alone, is the norm of that sum; SGD steps equal one device's.
 class HsdpMesh : public ::testing::TestWithParam<int> {};
 
-// DISABLED in CI: sub-groups made by c10d's split with 4 ranks as threads of one
-// process crashed or hung now and then under load (2 runs in 12 with another test
-// running beside; 1 CI run in 4). HSDP is tested in processes instead
-// (tests/python/test_hsdp.py, Package.CppExampleMatchesPython --shard-size 1).
-// Run it by hand: --gtest_also_run_disabled_tests.
-TEST_P(HsdpMesh, DISABLED_GradientsNormsAndStepsCoverEveryRank) {
+TEST_P(HsdpMesh, GradientsNormsAndStepsCoverEveryRank) {
   constexpr int kWorld = 4;
   const int m = GetParam();
   const uint64_t seed = fresh_seed();
@@ -364,12 +359,7 @@ INSTANTIATE_TEST_SUITE_P(ShardSizes, HsdpMesh, ::testing::Values(1, 2, 4));
 
 // Groups that do not make a mesh: the whole world as the "replica" group of a
 // 2-rank shard group (its members hold different shards) is refused on every rank.
-// DISABLED in CI: sub-groups made by c10d's split with 4 ranks as threads of one
-// process crashed or hung now and then under load (2 runs in 12 with another test
-// running beside; 1 CI run in 4). HSDP is tested in processes instead
-// (tests/python/test_hsdp.py, Package.CppExampleMatchesPython --shard-size 1).
-// Run it by hand: --gtest_also_run_disabled_tests.
-TEST(FSDPUnit, DISABLED_ReplicasThatHoldDifferentShardsAreRefused) {
+TEST(FSDPUnit, ReplicasThatHoldDifferentShardsAreRefused) {
   const Plan plan = plan_unit(mlp_unit(1), 2, 16);
   const auto errors = run_local_ranks_collect(4, [&](Comm& world) {
     HybridGroups g = hybrid_groups(world, 2);
