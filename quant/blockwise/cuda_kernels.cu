@@ -1,13 +1,25 @@
 #include "quant/blockwise/cuda_kernels.h"
 
 #include <cmath>
+#include <type_traits>
 
 namespace rfsdp::quant::cuda {
 
 namespace {
 
 constexpr int kThreads = 256;
-constexpr int kItems = kMaxBlockElems / kThreads;  // elements per thread, at most
+// Elements a thread holds in registers: the kernels are instantiated for 1, 2, 4,
+// 8 and 16 (4096-element blocks) and launched with the fewest that cover the
+// layout's largest block, so 256-element blocks keep registers (and occupancy,
+// hence bytes in flight) for one element per thread, not sixteen.
+template <class F>
+void with_items(int64_t max_block_elems, F&& launch) {
+  if (max_block_elems <= kThreads) return launch(std::integral_constant<int, 1>{});
+  if (max_block_elems <= 2 * kThreads) return launch(std::integral_constant<int, 2>{});
+  if (max_block_elems <= 4 * kThreads) return launch(std::integral_constant<int, 4>{});
+  if (max_block_elems <= 8 * kThreads) return launch(std::integral_constant<int, 8>{});
+  return launch(std::integral_constant<int, kMaxBlockElems / kThreads>{});
+}
 
 // The nearest code (ties to the lower) in shared memory: the midpoints, and the
 // code's arithmetic index when it has one. CodeIndex has default member
@@ -48,9 +60,13 @@ IndexArg index_arg(const CodeIndex* index) {
   return a;
 }
 
-// Element k of a block (0 <= k < count) -> its offset in the tensor.
-__device__ inline int64_t element(const BlockLayout::Block& b, int64_t row_len, int64_t k) {
-  return b.start + (k / b.seg_len) * row_len + (k % b.seg_len);
+// Element k of a block (0 <= k < count <= 4096) -> its offset in the tensor. One
+// segment (1-D blocks): contiguous; tiles: 32-bit division (64-bit division is a
+// long software sequence on GPUs).
+__device__ inline int64_t element(const BlockLayout::Block& b, int64_t row_len, int k) {
+  const int seg = static_cast<int>(b.seg_len);
+  if (b.segments == 1) return b.start + k;
+  return b.start + static_cast<int64_t>(k / seg) * row_len + (k % seg);
 }
 
 __device__ inline float block_max(float v, float* scratch) {
@@ -69,29 +85,37 @@ __device__ inline float block_max(float v, float* scratch) {
   return r;
 }
 
+// Every kernel walks the quantisation blocks grid-stride, a thread block taking
+// one block at a time: the code tables are loaded into shared memory once per
+// thread block, not once per 1 KiB quantisation block.
+template <int kItems>
 __global__ void quantize_kernel(const float* __restrict x, BlockLayout L,
                                 const float* __restrict code_g, IndexArg ia,
                                 uint8_t* __restrict q, float* __restrict absmax) {
   __shared__ SharedCode code;
   __shared__ float scratch[32];
   code.load(code_g, ia.ix, ia.has);
-  const BlockLayout::Block b = L.block(blockIdx.x);
-  float v[kItems];
-  float amax = 0.0f;
+  __syncthreads();
+  for (int64_t blk = blockIdx.x; blk < L.num_blocks; blk += gridDim.x) {
+    const BlockLayout::Block b = L.block(blk);
+    const int count = static_cast<int>(b.count);
+    float v[kItems];
+    float amax = 0.0f;
 #pragma unroll
-  for (int i = 0; i < kItems; ++i) {
-    const int64_t k = threadIdx.x + static_cast<int64_t>(i) * kThreads;
-    v[i] = k < b.count ? x[element(b, L.row_len, k)] : 0.0f;
-    amax = fmaxf(amax, fabsf(v[i]));
-  }
-  amax = block_max(amax, scratch);  // its barriers also order the code load
-  const float scale = amax > 0.0f ? 1.0f / amax : 0.0f;
+    for (int i = 0; i < kItems; ++i) {
+      const int k = threadIdx.x + i * kThreads;
+      v[i] = k < count ? x[element(b, L.row_len, k)] : 0.0f;
+      amax = fmaxf(amax, fabsf(v[i]));
+    }
+    amax = block_max(amax, scratch);
+    const float scale = amax > 0.0f ? 1.0f / amax : 0.0f;
 #pragma unroll
-  for (int i = 0; i < kItems; ++i) {
-    const int64_t k = threadIdx.x + static_cast<int64_t>(i) * kThreads;
-    if (k < b.count) q[element(b, L.row_len, k)] = code.nearest(v[i] * scale);
+    for (int i = 0; i < kItems; ++i) {
+      const int k = threadIdx.x + i * kThreads;
+      if (k < count) q[element(b, L.row_len, k)] = code.nearest(v[i] * scale);
+    }
+    if (threadIdx.x == 0) absmax[blk] = amax;
   }
-  if (threadIdx.x == 0) absmax[blockIdx.x] = amax;
 }
 
 __global__ void dequantize_kernel(const uint8_t* __restrict q, const float* __restrict absmax,
@@ -100,14 +124,18 @@ __global__ void dequantize_kernel(const uint8_t* __restrict q, const float* __re
   __shared__ float code[256];
   code[threadIdx.x] = code_g[threadIdx.x];
   __syncthreads();
-  const BlockLayout::Block b = L.block(blockIdx.x);
-  const float a = absmax[blockIdx.x];
-  for (int64_t k = threadIdx.x; k < b.count; k += kThreads) {
-    const int64_t e = element(b, L.row_len, k);
-    out[e] = code[q[e]] * a;
+  for (int64_t blk = blockIdx.x; blk < L.num_blocks; blk += gridDim.x) {
+    const BlockLayout::Block b = L.block(blk);
+    const int count = static_cast<int>(b.count);
+    const float a = absmax[blk];
+    for (int k = threadIdx.x; k < count; k += kThreads) {
+      const int64_t e = element(b, L.row_len, k);
+      out[e] = code[q[e]] * a;
+    }
   }
 }
 
+template <int kItems>
 __global__ void adamw8bit_kernel(float* __restrict p, const float* __restrict g,
                                  uint8_t* __restrict q1, float* __restrict absmax1,
                                  uint8_t* __restrict q2, float* __restrict absmax2, BlockLayout L,
@@ -121,42 +149,60 @@ __global__ void adamw8bit_kernel(float* __restrict p, const float* __restrict g,
   near1.load(code1_g, ia1.ix, ia1.has);
   near2.load(code2_g, ia2.ix, ia2.has);
   __syncthreads();
-  const BlockLayout::Block b = L.block(blockIdx.x);
-  const float a1 = absmax1[blockIdx.x], a2 = absmax2[blockIdx.x];
-  float m[kItems], v[kItems];
-  float amax1 = 0.0f, amax2 = 0.0f;
+  for (int64_t blk = blockIdx.x; blk < L.num_blocks; blk += gridDim.x) {
+    const BlockLayout::Block b = L.block(blk);
+    const int count = static_cast<int>(b.count);
+    const float a1 = absmax1[blk], a2 = absmax2[blk];
+    float m[kItems], v[kItems];
+    float amax1 = 0.0f, amax2 = 0.0f;
 #pragma unroll
-  for (int i = 0; i < kItems; ++i) {
-    const int64_t k = threadIdx.x + static_cast<int64_t>(i) * kThreads;
-    m[i] = v[i] = 0.0f;
-    if (k < b.count) {
-      const int64_t e = element(b, L.row_len, k);
-      m[i] = code1[q1[e]] * a1;
-      v[i] = code2[q2[e]] * a2;
-      float pe = p[e];
-      adamw_update(pe, m[i], v[i], g[e], c);
-      p[e] = pe;
-      amax1 = fmaxf(amax1, fabsf(m[i]));
-      amax2 = fmaxf(amax2, v[i]);
+    for (int i = 0; i < kItems; ++i) {
+      const int k = threadIdx.x + i * kThreads;
+      m[i] = v[i] = 0.0f;
+      if (k < count) {
+        const int64_t e = element(b, L.row_len, k);
+        m[i] = code1[q1[e]] * a1;
+        v[i] = code2[q2[e]] * a2;
+        float pe = p[e];
+        adamw_update(pe, m[i], v[i], g[e], c);
+        p[e] = pe;
+        amax1 = fmaxf(amax1, fabsf(m[i]));
+        amax2 = fmaxf(amax2, v[i]);
+      }
+    }
+    // Every thread read this block's absmax above; block_max's barriers order
+    // those reads before thread 0 writes the new ones below.
+    amax1 = block_max(amax1, scratch);
+    amax2 = block_max(amax2, scratch);
+    const float s1 = amax1 > 0.0f ? 1.0f / amax1 : 0.0f;
+    const float s2 = amax2 > 0.0f ? 1.0f / amax2 : 0.0f;
+#pragma unroll
+    for (int i = 0; i < kItems; ++i) {
+      const int k = threadIdx.x + i * kThreads;
+      if (k < count) {
+        const int64_t e = element(b, L.row_len, k);
+        q1[e] = near1.nearest(m[i] * s1);
+        q2[e] = near2.nearest(v[i] * s2);
+      }
+    }
+    if (threadIdx.x == 0) {
+      absmax1[blk] = amax1;
+      absmax2[blk] = amax2;
     }
   }
-  amax1 = block_max(amax1, scratch);
-  amax2 = block_max(amax2, scratch);
-  const float s1 = amax1 > 0.0f ? 1.0f / amax1 : 0.0f;
-  const float s2 = amax2 > 0.0f ? 1.0f / amax2 : 0.0f;
-#pragma unroll
-  for (int i = 0; i < kItems; ++i) {
-    const int64_t k = threadIdx.x + static_cast<int64_t>(i) * kThreads;
-    if (k < b.count) {
-      const int64_t e = element(b, L.row_len, k);
-      q1[e] = near1.nearest(m[i] * s1);
-      q2[e] = near2.nearest(v[i] * s2);
-    }
+}
+
+// Thread blocks to launch: enough to fill the GPU a few times over (8 resident
+// blocks of 256 threads per multiprocessor), never more than there are
+// quantisation blocks.
+unsigned grid_for(const BlockLayout& L) {
+  int dev = 0, sms = 0;
+  if (cudaGetDevice(&dev) != cudaSuccess ||
+      cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev) != cudaSuccess || sms < 1) {
+    sms = 132;
   }
-  if (threadIdx.x == 0) {
-    absmax1[blockIdx.x] = amax1;
-    absmax2[blockIdx.x] = amax2;
-  }
+  const int64_t most = static_cast<int64_t>(sms) * 8 * 4;
+  return static_cast<unsigned>(L.num_blocks < most ? L.num_blocks : most);
 }
 
 cudaError_t check_layout(const BlockLayout& L) {
@@ -170,8 +216,10 @@ cudaError_t quantize(const float* x, const BlockLayout& L, const float* code,
                      const CodeIndex* index, uint8_t* q, float* absmax, cudaStream_t stream) {
   if (cudaError_t e = check_layout(L); e != cudaSuccess) return e;
   if (L.num_blocks == 0) return cudaSuccess;
-  quantize_kernel<<<static_cast<unsigned>(L.num_blocks), kThreads, 0, stream>>>(
-      x, L, code, index_arg(index), q, absmax);
+  with_items(L.max_block_elems(), [&](auto items) {
+    quantize_kernel<decltype(items)::value><<<grid_for(L), kThreads, 0, stream>>>(
+        x, L, code, index_arg(index), q, absmax);
+  });
   return cudaGetLastError();
 }
 
@@ -179,8 +227,7 @@ cudaError_t dequantize(const uint8_t* q, const float* absmax, const BlockLayout&
                        const float* code, float* out, cudaStream_t stream) {
   if (cudaError_t e = check_layout(L); e != cudaSuccess) return e;
   if (L.num_blocks == 0) return cudaSuccess;
-  dequantize_kernel<<<static_cast<unsigned>(L.num_blocks), kThreads, 0, stream>>>(q, absmax, L,
-                                                                                  code, out);
+  dequantize_kernel<<<grid_for(L), kThreads, 0, stream>>>(q, absmax, L, code, out);
   return cudaGetLastError();
 }
 
@@ -191,9 +238,11 @@ cudaError_t adamw8bit_step(float* param, const float* grad, uint8_t* q1, float* 
   if (cudaError_t e = check_layout(L); e != cudaSuccess) return e;
   if (L.num_blocks == 0) return cudaSuccess;
   const AdamWCoeffs c = adamw_coeffs(h);
-  adamw8bit_kernel<<<static_cast<unsigned>(L.num_blocks), kThreads, 0, stream>>>(
-      param, grad, q1, absmax1, q2, absmax2, L, code1, index_arg(index1), code2,
-      index_arg(index2), c);
+  with_items(L.max_block_elems(), [&](auto items) {
+    adamw8bit_kernel<decltype(items)::value><<<grid_for(L), kThreads, 0, stream>>>(
+        param, grad, q1, absmax1, q2, absmax2, L, code1, index_arg(index1), code2,
+        index_arg(index2), c);
+  });
   return cudaGetLastError();
 }
 

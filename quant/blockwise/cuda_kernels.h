@@ -1,7 +1,8 @@
 // CUDA kernels of block-wise 8-bit quantisation, over raw device pointers and
 // a stream (no ATen: this library builds wherever nvcc is, and runs on a GPU).
-// One thread block per quantisation block (at most 4096 elements: 1-D blocks
-// up to 4096, tiles up to 64x64); the 256-value code lives in shared memory.
+// A thread block of 256 threads takes one quantisation block at a time (at most
+// 4096 elements: 1-D blocks up to 4096, tiles up to 64x64), walking them grid-
+// stride; the 256-value code lives in shared memory, loaded once per thread block.
 // The nearest code: the code's arithmetic index (code_index.h; the same
 // arithmetic as the CPU kernels, so the same codes) where `index` is given
 // (CodeLut::index()), else a binary search over the midpoints.

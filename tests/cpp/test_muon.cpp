@@ -215,7 +215,7 @@ TEST(MuonLayout, EveryMatrixHasExactlyOneRootAgreedByAllRanks) {
       }
       MuonLayout layout(&comm, geo);
       const auto& mats = layout.matrices();
-      ASSERT_EQ(mats.size(), 4u + 3u);  // tall, wide, few_rows, 3 experts, split3
+      ASSERT_EQ(mats.size(), 5u + 3u);  // tall, wide, few_rows, 3 experts, split3, tall_twin
       // Each rank marks the matrices it roots; the sum over ranks must be 1 each.
       at::Tensor mine = at::zeros({static_cast<int64_t>(mats.size())}, at::kFloat);
       for (size_t k = 0; k < mats.size(); ++k) {

@@ -54,8 +54,10 @@ int main() {
   const std::vector<float> c1(code_t.data_ptr<float>(), code_t.data_ptr<float>() + 256);
   const std::vector<float> c2(code_u.data_ptr<float>(), code_u.data_ptr<float>() + 256);
   const auto lut1 = code_lut(code_t), lut2 = code_lut(code_u);
-  for (BlockShape shape : {BlockShape::blocks(256), BlockShape::blocks(2048),
-                           BlockShape::tiles(32, 32), BlockShape::tiles(5, 7)}) {
+  // Every register width the kernels are built for (1, 2, 4, 8, 16 elements a thread).
+  for (BlockShape shape : {BlockShape::blocks(256), BlockShape::blocks(512), BlockShape::blocks(2048),
+                           BlockShape::blocks(4096), BlockShape::tiles(32, 32),
+                           BlockShape::tiles(64, 64), BlockShape::tiles(5, 7)}) {
     const int64_t rows = 333, row_len = 77, n = rows * row_len;
     const BlockLayout L(shape, rows, row_len);
     std::vector<float> x(n);

@@ -25,7 +25,7 @@ from slice_training import train_on_slices  # noqa: E402
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(),
                                 reason="needs a CUDA device (scripts/gpu_check.sh on a GPU machine)")
 
-BLOCKS = [256, 2048, (32, 32), (5, 7)]
+BLOCKS = [256, 512, 2048, 4096, (32, 32), (64, 64), (5, 7)]  # 1 to 16 elements a thread
 
 
 def fresh_seed():
