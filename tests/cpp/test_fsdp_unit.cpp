@@ -70,6 +70,21 @@ std::vector<at::Tensor> full_values(const Plan& plan, uint64_t seed, uint64_t st
   return v;
 }
 
+// The float64 gradient of tensor i that two accumulated passes reduce to: rank r's
+// pass-p gradient is full_values(plan, seed, 1 + 10 p + r), rounded to the reduce
+// dtype as the rank puts it in; summed over `world` ranks (Avg: the mean).
+at::Tensor summed_reference(const Plan& plan, uint64_t seed, size_t i, int world,
+                            at::ScalarType rdt, ReduceOp op) {
+  at::Tensor ref = at::zeros(plan.tensors[i].shape, at::kDouble);
+  for (int pass = 0; pass < 2; ++pass) {
+    for (int r = 0; r < world; ++r) {
+      ref += full_values(plan, seed, 1 + pass * 10 + r)[i].to(rdt).to(at::kDouble);
+    }
+  }
+  if (op == ReduceOp::Avg) ref /= world;
+  return ref;
+}
+
 // Rows [row_begin, row_end) of a full tensor, shaped like FSDPUnit::local_param.
 at::Tensor rows_of(const at::Tensor& full, const TensorSpec& t, const ShardRange& r) {
   std::vector<int64_t> shape{r.row_end - r.row_begin};
@@ -133,14 +148,7 @@ TEST_P(UnitWorld, ReduceGradsGivesEachRankItsSliceOfTheSum) {
           unit.reduce_grads(op).wait();
         }
         for (size_t i = 0; i < plan.tensors.size(); ++i) {
-          at::Tensor ref = at::zeros(plan.tensors[i].shape, at::kDouble);
-          for (int pass = 0; pass < 2; ++pass) {
-            for (int r = 0; r < world; ++r) {
-              // What rank r put in: its values rounded to the reduce dtype.
-              ref += full_values(plan, seed, 1 + pass * 10 + r)[i].to(rdt).to(at::kDouble);
-            }
-          }
-          if (op == ReduceOp::Avg) ref /= world;
+          const at::Tensor ref = summed_reference(plan, seed, i, world, rdt, op);
           const at::Tensor want = rows_of(ref, plan.tensors[i], unit.shard_range(i));
           // fp16: 11 mantissa bits; bf16: 8 (the sum of up to 8 terms rounded in bf16)
           const double tol = rdt == at::kFloat ? 1e-5 : rdt == at::kHalf ? 0.02 : 0.1;
@@ -321,13 +329,7 @@ TEST_P(HsdpMesh, GradientsNormsAndStepsCoverEveryRank) {
         double sq = 0;
         std::vector<at::Tensor> want(plan.tensors.size());
         for (size_t i = 0; i < plan.tensors.size(); ++i) {
-          at::Tensor ref = at::zeros(plan.tensors[i].shape, at::kDouble);
-          for (int pass = 0; pass < 2; ++pass) {
-            for (int r = 0; r < kWorld; ++r) {
-              ref += full_values(plan, seed, 1 + pass * 10 + r)[i].to(rdt).to(at::kDouble);
-            }
-          }
-          if (op == ReduceOp::Avg) ref /= kWorld;
+          const at::Tensor ref = summed_reference(plan, seed, i, kWorld, rdt, op);
           sq += ref.pow(2).sum().item<double>();
           want[i] = rows_of(ref, plan.tensors[i], unit.shard_range(i));
           const double tol = rdt == at::kFloat ? 1e-5 : 0.1;
