@@ -1,8 +1,9 @@
 """The main job: a small GPT trained on real English text (Debian's fortunes,
-byte-level tokens), fully sharded with rfsdp over torch.distributed (Gloo),
-comparing optimizers on the same data and seed.
+byte-level tokens), fully sharded with rfsdp over torch.distributed (Gloo on
+CPUs, NCCL on GPUs), comparing optimizers on the same data and seed.
 
     torchrun --standalone --nproc_per_node 2 examples/train_gpt.py --compare
+    torchrun --standalone --nproc_per_node 8 examples/train_gpt.py --compare --device cuda
 
 Prints a progress line while training and, at the end, a table (final train and
 validation loss, tokens/s, peak memory and optimizer-state bytes per rank) and a
@@ -74,18 +75,21 @@ def batches(data, batch, ctx, gen):
         i = torch.randint(0, data.numel() - ctx - 1, (batch,), generator=gen)
         x = torch.stack([data[j:j + ctx] for j in i])
         y = torch.stack([data[j + 1:j + ctx + 1] for j in i])
-        yield x, y
+        yield x.to(DEVICE), y.to(DEVICE)
+
+
+DEVICE = torch.device("cpu")  # main() sets it (--device)
 
 
 def mean_over_ranks(v):
-    t = torch.tensor([float(v)])
+    t = torch.tensor([float(v)], device=DEVICE)  # NCCL takes GPU tensors only
     dist.all_reduce(t)
     return t.item() / dist.get_world_size()
 
 
 def run(name, args, train, val, rank, world):
     torch.manual_seed(args.seed)
-    model = GPT(args.dim, args.layers, args.heads, args.ctx)
+    model = GPT(args.dim, args.layers, args.heads, args.ctx).to(DEVICE)
     n_params = sum(p.numel() for p in model.parameters())
     # One plan for every optimizer: whole 8-bit blocks and whole Shampoo tiles.
     pol = rfsdp.policy.combine(rfsdp.policy.blockwise_8bit(256), rfsdp.policy.shampoo(SHAMPOO_DIM))
@@ -188,7 +192,7 @@ def run(name, args, train, val, rank, world):
             torch.save(full, "%s.%s.pt" % (args.save_final, name))
     note = ""
     if name == "muon":  # how the roots balance Newton–Schulz, and what a step moves
-        sent = torch.tensor([float(opt.layout.gather_send_elems())])
+        sent = torch.tensor([float(opt.layout.gather_send_elems())], device=DEVICE)
         dist.all_reduce(sent, op=dist.ReduceOp.MAX)
         note = ("Newton-Schulz flops per rank: max/mean %.3f; gather moves at most %.2f MiB per "
                 "rank per step (and the scatter as much back)"
@@ -198,9 +202,11 @@ def run(name, args, train, val, rank, world):
                 "%d roots retried in fp64" % (opt._impl.num_tiles(), opt._impl.factor_bytes() / 2 ** 20,
                                               opt._impl.root_seconds(), elapsed,
                                               opt._impl.fp64_retries()))
+    peak_mib = torch.cuda.max_memory_allocated() / 2 ** 20 if DEVICE.type == "cuda" \
+        else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # GPU memory / host RSS
     return dict(name=name, params=n_params, train=sum(curve[-10:]) / len(curve[-10:]),
                 val=vl, tps=tokens / elapsed, curve=curve, seconds=seconds, val_points=val_points,
-                peak_mib=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
+                peak_mib=peak_mib,
                 state_bytes=state, note=note)
 
 
@@ -231,10 +237,19 @@ def main():
                     help="continue from the newest checkpoint under --checkpoint-dir, if any")
     ap.add_argument("--save-final", help="write the final full parameters to <this>.<optimizer>.pt")
     ap.add_argument("--text", help="train on this file instead of Debian's fortunes")
+    ap.add_argument("--device", choices=["cpu", "cuda"], default="cpu",
+                    help="cuda: each rank on GPU LOCAL_RANK over NCCL (bf16 compute, fp32 "
+                    "reduction: fully_shard's GPU default)")
     ap.add_argument("--crash-at-step", type=int, default=0, help=argparse.SUPPRESS)
     args = ap.parse_args()
+    global DEVICE
     torch.set_num_threads(1)
-    dist.init_process_group("gloo")
+    if args.device == "cuda":
+        DEVICE = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+        torch.cuda.set_device(DEVICE)
+        dist.init_process_group("nccl")
+    else:
+        dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
     text = load_text(args.text)
     cut = int(0.95 * text.numel())

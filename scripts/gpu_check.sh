@@ -5,7 +5,9 @@
 #   1. the C++ suite (ctest; the CUDA kernels against the CPU ones among it),
 #   2. the GPU tests (tests/python/test_gpu.py): kernels bit for bit, AdamW and
 #      AdamW8bit, Muon and Shampoo, fully_shard over NCCL and over Gloo,
-#   3. the table (bench/gpu_bench.py), also written to $OUT/gpu_table.md when OUT
+#   3. the main job on the GPU (torchrun, 1 rank, NCCL; every optimizer, 40 steps
+#      on the project's own docs as text: the machine has no fortunes),
+#   4. the table (bench/gpu_bench.py), also written to $OUT/gpu_table.md when OUT
 #      is set; logs go to $OUT as well.
 # Needs .gpu_deps (scripts/gpu_deps.sh, run where the project is set up). Exits
 # non-zero if a step failed; every step runs regardless.
@@ -61,6 +63,10 @@ export PYTHONPATH=$(pwd)/python${PYTHONPATH:+:$PYTHONPATH}
 # The portable CPU kernels: IEEE sqrt and division, as the GPU's (test_gpu.py's AdamW8bit check).
 step pytest_gpu env RFSDP_QUANT_ISA=portable "$PY" -m pytest -q -p no:cacheprovider \
   tests/python/test_gpu.py -rs
+cat README.md docs/*.md > /tmp/rfsdp_text.txt
+step main_job_gpu "$PY" -m torch.distributed.run --standalone --nproc_per_node 1 \
+  examples/train_gpt.py --compare --device cuda --steps 40 --val-every 20 --log-every 20 \
+  --text /tmp/rfsdp_text.txt --plot "$LOGS/loss_curves_gpu.png"
 step bench "$PY" bench/gpu_bench.py ${OUT:+--out "$OUT/gpu_table.md"}
 log "done: $([ $status -eq 0 ] && echo passed || echo 'FAILED (see above)')"
 exit $status
