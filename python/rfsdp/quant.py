@@ -1,4 +1,5 @@
-"""Block-wise 8-bit quantisation (bitsandbytes' dynamic map, 1-D blocks or 2-D tiles)."""
+"""Block-wise 8-bit quantisation (bitsandbytes' dynamic map, 1-D blocks or 2-D tiles), on
+CPU tensors (the CPU kernels) or CUDA tensors (the CUDA kernels, on the current stream)."""
 from . import _C
 
 
