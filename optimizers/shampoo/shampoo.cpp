@@ -2,11 +2,13 @@
 
 #include <ATen/core/grad_mode.h>
 
+#include <algorithm>
 #include <chrono>
 #include <cmath>
-#include <algorithm>
 #include <map>
+#include <mutex>
 #include <stdexcept>
+#include <tuple>
 
 #include "optimizers/common/finite.h"
 #include "optimizers/common/matrices.h"
@@ -52,6 +54,24 @@ std::string tile_name(const ParamShard& p, const ShampooTile& t) {
   return "parameter '" + p.name + "' tile of matrix " + std::to_string(t.matrix) + " rows [" +
          std::to_string(t.row0) + ", " + std::to_string(t.row0 + t.rows) + ") columns [" +
          std::to_string(t.col0) + ", " + std::to_string(t.col0 + t.cols) + ")";
+}
+
+// On a GPU: the flat positions of an n x n matrix's upper triangle, row by row
+// (the packed order), and of their mirror images; made once per size and device.
+struct TriangleIndex {
+  at::Tensor upper, lower;  // int64 [n (n + 1) / 2]
+};
+const TriangleIndex& triangle_index(int64_t n, const at::Device& device) {
+  static std::mutex mu;
+  static std::map<std::tuple<int64_t, int, int>, TriangleIndex> cache;
+  std::lock_guard<std::mutex> lock(mu);
+  TriangleIndex& t = cache[{n, static_cast<int>(device.type()), static_cast<int>(device.index())}];
+  if (!t.upper.defined()) {
+    const at::Tensor ij = at::triu_indices(n, n, 0, at::TensorOptions(at::kLong).device(device));
+    t.upper = ij[0] * n + ij[1];
+    t.lower = ij[1] * n + ij[0];
+  }
+  return t;
 }
 
 }  // namespace
@@ -223,8 +243,7 @@ at::Tensor Shampoo::pack(const at::Tensor& full) {
   const at::Tensor f = full.to(at::kFloat).contiguous();
   const int64_t n = f.size(0);
   if (!f.is_cpu()) {  // on a GPU: one gather of the upper triangle (row by row)
-    const at::Tensor ij = at::triu_indices(n, n, 0, f.options().dtype(at::kLong));
-    return f.view(-1).index_select(0, ij[0] * n + ij[1]);
+    return f.view(-1).index_select(0, triangle_index(n, f.device()).upper);
   }
   at::Tensor out = at::empty({shampoo_packed_size(n)}, at::kFloat);
   const float* src = f.data_ptr<float>();
@@ -238,11 +257,11 @@ at::Tensor Shampoo::pack(const at::Tensor& full) {
 
 at::Tensor Shampoo::unpack(const at::Tensor& flat, int64_t offset, int64_t n) {
   const at::Tensor packed = flat.narrow(0, offset, shampoo_packed_size(n)).to(at::kFloat).contiguous();
-  if (!packed.is_cpu()) {  // on a GPU: two scatters (upper triangle, then its mirror)
-    const at::Tensor ij = at::triu_indices(n, n, 0, packed.options().dtype(at::kLong));
+  if (!packed.is_cpu()) {  // on a GPU: two scatters (the mirror, then the upper triangle)
+    const TriangleIndex& ix = triangle_index(n, packed.device());
     at::Tensor full = at::empty({n * n}, packed.options());
-    full.index_put_({ij[1] * n + ij[0]}, packed);
-    full.index_put_({ij[0] * n + ij[1]}, packed);
+    full.index_put_({ix.lower}, packed);
+    full.index_put_({ix.upper}, packed);
     return full.view({n, n});
   }
   at::Tensor full = at::empty({n, n}, at::kFloat);
