@@ -117,6 +117,41 @@ def test_adamw_on_the_gpu_equals_torch_fused_adamw():
                                    msg=lambda m: "seed %d: %s" % (seed, m))
 
 
+OPTIMIZERS = {
+    "adamw": lambda ps: rfsdp.optim.AdamW(ps),
+    "adamw8bit": lambda ps: rfsdp.optim.AdamW8bit(ps, min_8bit_size=1),
+    "muon": lambda ps: rfsdp.optim.Muon(ps),
+    "shampoo": lambda ps: rfsdp.optim.Shampoo(ps, precondition_frequency=1,
+                                              start_preconditioning_step=1),
+}
+
+
+@pytest.mark.parametrize("name", list(OPTIMIZERS))
+@pytest.mark.parametrize("bad", [float("nan"), float("inf")], ids=["nan", "inf"])
+def test_a_non_finite_gradient_on_the_gpu_stops_the_step(name, bad):
+    # The device-side check (one flag for all tensors) must see one bad element anywhere.
+    g = torch.Generator().manual_seed(fresh_seed())
+    ps = [nn.Parameter(torch.randn(64, 48, generator=g).cuda()) for _ in range(3)]
+    opt = OPTIMIZERS[name](ps)
+    for p in ps:
+        p.grad = torch.randn(p.shape, generator=g).cuda()
+    opt.step()
+    before = [p.detach().clone() for p in ps]
+    state = {(id(p), k): v.clone() for p, st in opt.state.items() for k, v in st.items()
+             if torch.is_tensor(v)}
+    for p in ps:
+        p.grad = torch.randn(p.shape, generator=g).cuda()
+    ps[2].grad[63, 47] = bad  # the last element of the last tensor
+    with pytest.raises(RuntimeError, match="NaN or Inf"):
+        opt.step()
+    for a, b in zip(ps, before):
+        assert torch.equal(a.detach(), b), "%s changed a parameter" % name
+    after = {(id(p), k): v for p, st in opt.state.items() for k, v in st.items()
+             if torch.is_tensor(v)}
+    assert after.keys() == state.keys()
+    assert all(torch.equal(after[k], v) for k, v in state.items()), "%s changed its state" % name
+
+
 # -- Muon and Shampoo ----------------------------------------------------------
 
 MUON_SHAPES = {"a": (32, 24), "b": (32, 24), "c": (32, 24), "tall": (40, 12), "experts": (4, 16, 8),
