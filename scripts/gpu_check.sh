@@ -6,7 +6,9 @@
 #   2. the GPU tests (tests/python/test_gpu.py): kernels bit for bit, AdamW and
 #      AdamW8bit, Muon and Shampoo, fully_shard over NCCL and over Gloo,
 #   3. the main job on the GPU (torchrun, 1 rank, NCCL; every optimizer, 40 steps
-#      on the project's own docs as text: the machine has no fortunes),
+#      on the project's own docs as text: the machine has no fortunes), and the C++
+#      example (examples/cpp, built against the installed package) with AdamW8bit
+#      and Muon on the GPU: its loss must fall to under half,
 #   4. the table (bench/gpu_bench.py), also written to $OUT/gpu_table.md when OUT
 #      is set; logs go to $OUT as well.
 # Needs .gpu_deps (scripts/gpu_deps.sh, run where the project is set up). Exits
@@ -67,6 +69,20 @@ cat README.md docs/*.md > /tmp/rfsdp_text.txt
 step main_job_gpu "$PY" -m torch.distributed.run --standalone --nproc_per_node 1 \
   examples/train_gpt.py --compare --device cuda --steps 40 --val-every 20 --log-every 20 \
   --text /tmp/rfsdp_text.txt --plot "$LOGS/loss_curves_gpu.png"
+# The C++ example against the installed package (tests/package/run.sh installs it
+# and builds examples/cpp out of tree; the carried headers on CMake's path).
+cxx_example() {
+  local opt out
+  for opt in adamw8bit muon; do
+    out=$(CMAKE_PREFIX_PATH="$DEPS/usr:$DEPS/prefix" bash tests/package/run.sh "$BUILD" \
+      examples/cpp "$PY" -m torch.distributed.run --standalone --nproc_per_node 1 --no-python \
+      @BIN@/train_mlp --device cuda --optimizer "$opt" --steps 200 --log-every 50) || return 1
+    echo "$out"
+    echo "$out" | awk '/^step/ {if (!n++) first = $4; last = $4}
+      END {if (!(n > 1 && last < 0.5 * first)) {print "loss did not halve"; exit 1}}' || return 1
+  done
+}
+step cxx_example_gpu cxx_example
 step bench "$PY" bench/gpu_bench.py ${OUT:+--out "$OUT/gpu_table.md"}
 log "done: $([ $status -eq 0 ] && echo passed || echo 'FAILED (see above)')"
 exit $status

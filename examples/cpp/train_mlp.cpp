@@ -9,6 +9,8 @@
 // part of each batch, gradients are averaged across ranks, and rank 0 prints the
 // loss of the whole batch (the average of the ranks' losses). --shard-size M
 // (HSDP): shard over groups of M ranks, replicate across the world / M groups.
+// --device cuda: each rank on GPU LOCAL_RANK over NCCL (the unit's collectives on
+// side streams, the optimizers on the GPU); the default is the CPU over Gloo.
 #include <torch/torch.h>
 
 #include <rfsdp/core/comm/comm.h>
@@ -35,6 +37,7 @@ struct Args {
   std::string optimizer = "adamw8bit";  // or "muon" (matrices; AdamW for the biases)
   int steps = 300, batch = 64, in = 32, hidden = 256, out = 16, seed = 0, log_every = 25;
   int shard_size = 0;  // 0: shard over every rank (plain FSDP)
+  std::string device = "cpu";  // or "cuda"
   double lr = -1;  // default per optimizer
 };
 
@@ -54,18 +57,24 @@ Args parse(int argc, char** argv) {
     else if (k == "--lr") a.lr = std::stod(value());
     else if (k == "--log-every") a.log_every = std::stoi(value());
     else if (k == "--shard-size") a.shard_size = std::stoi(value());
+    else if (k == "--device") a.device = value();
     else throw std::invalid_argument("unknown option " + k);
   }
   if (a.optimizer != "adamw8bit" && a.optimizer != "muon") {
     throw std::invalid_argument("--optimizer must be adamw8bit or muon, got " + a.optimizer);
+  }
+  if (a.device != "cpu" && a.device != "cuda") {
+    throw std::invalid_argument("--device must be cpu or cuda, got " + a.device);
   }
   if (a.lr < 0) a.lr = a.optimizer == "muon" ? 0.02 : 3e-3;
   return a;
 }
 
 int run(const Args& a) {
-  // torchrun's MASTER_ADDR, RANK, WORLD_SIZE; this example trains on the CPU: Gloo
-  auto comm = rfsdp::Comm::from_env(rfsdp::Comm::kDefaultTimeout, "gloo");
+  // torchrun's MASTER_ADDR, RANK, WORLD_SIZE (and LOCAL_RANK: the GPU NCCL uses).
+  auto comm = rfsdp::Comm::from_env(rfsdp::Comm::kDefaultTimeout,
+                                    a.device == "cuda" ? "nccl" : "gloo");
+  const at::Device device = a.device == "cuda" ? comm->control_device() : at::Device(at::kCPU);
   const int rank = comm->rank(), world = comm->size();
   if (a.batch % world != 0) throw std::invalid_argument("--batch must divide among the ranks");
 
@@ -76,8 +85,9 @@ int run(const Args& a) {
   torch::nn::Linear second(a.hidden, a.out);
   torch::nn::Sequential model(first, torch::nn::Tanh(), second);
   const at::Tensor teacher = torch::randn({a.in, a.out}) * (1.0 / std::sqrt(double(a.in)));
-  const at::Tensor xs = torch::randn({a.steps, a.batch, a.in});
-  const at::Tensor ys = torch::sin(torch::matmul(xs, teacher));
+  const at::Tensor xs = torch::randn({a.steps, a.batch, a.in}).to(device);
+  const at::Tensor ys = torch::sin(torch::matmul(xs, teacher.to(device)));
+  model->to(device);
 
   // One unit holds every parameter. Granules: whole matrices for Muon, whole
   // 8-bit blocks for AdamW8bit, so no rank boundary cuts what the optimizer needs.
@@ -100,8 +110,8 @@ int run(const Args& a) {
   const rfsdp::HybridGroups groups =
       a.shard_size > 0 ? rfsdp::hybrid_groups(*comm, a.shard_size) : rfsdp::HybridGroups{comm, {}};
   const auto& shard_comm = groups.shard;
-  rfsdp::FSDPUnit unit(shard_comm, groups.replicate,
-                       rfsdp::plan_unit(specs, shard_comm->size()));
+  rfsdp::FSDPUnit unit(shard_comm, groups.replicate, rfsdp::plan_unit(specs, shard_comm->size()),
+                       rfsdp::MixedPrecision{}, device);
   {
     torch::NoGradGuard no_grad;
     unit.shard(params);
@@ -151,9 +161,9 @@ int run(const Args& a) {
     }
   }
   if (rank == 0) {
-    std::printf("RaggedFSDP %s, %d ranks (%d-rank shard groups), %s: S = %lld elements per rank\n",
-                RFSDP_VERSION, world, shard_comm->size(), a.optimizer.c_str(),
-                static_cast<long long>(unit.plan().shard_elems));
+    std::printf("RaggedFSDP %s, %d ranks (%d-rank shard groups) on %s, %s: S = %lld elements "
+                "per rank\n", RFSDP_VERSION, world, shard_comm->size(), device.str().c_str(),
+                a.optimizer.c_str(), static_cast<long long>(unit.plan().shard_elems));
   }
   return 0;
 }
