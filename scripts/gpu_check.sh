@@ -72,14 +72,17 @@ step main_job_gpu "$PY" -m torch.distributed.run --standalone --nproc_per_node 1
 # The C++ example against the installed package (tests/package/run.sh installs it
 # and builds examples/cpp out of tree; the carried headers on CMake's path).
 cxx_example() {
-  local opt out
+  local opt
+  # one install and out-of-tree build, both optimizers run from it
+  CMAKE_PREFIX_PATH="$DEPS/usr:$DEPS/prefix" bash tests/package/run.sh "$BUILD" examples/cpp \
+    bash -c 'set -o pipefail; for opt in adamw8bit muon; do
+      "$0" -m torch.distributed.run --standalone --nproc_per_node 1 --no-python \
+        @BIN@/train_mlp --device cuda --optimizer $opt --steps 200 --log-every 50 \
+        | tee /tmp/rfsdp_cxx_$opt.log || exit 1; done' "$PY" || return 1
   for opt in adamw8bit muon; do
-    out=$(CMAKE_PREFIX_PATH="$DEPS/usr:$DEPS/prefix" bash tests/package/run.sh "$BUILD" \
-      examples/cpp "$PY" -m torch.distributed.run --standalone --nproc_per_node 1 --no-python \
-      @BIN@/train_mlp --device cuda --optimizer "$opt" --steps 200 --log-every 50) || return 1
-    echo "$out"
-    echo "$out" | awk '/^step/ {if (!n++) first = $4; last = $4}
-      END {if (!(n > 1 && last < 0.5 * first)) {print "loss did not halve"; exit 1}}' || return 1
+    awk '/^step/ {if (!n++) first = $4; last = $4}
+      END {if (!(n > 1 && last < 0.5 * first)) {print FILENAME ": the loss did not halve"; exit 1}}' \
+      "/tmp/rfsdp_cxx_$opt.log" || return 1
   done
 }
 step cxx_example_gpu cxx_example
