@@ -141,8 +141,9 @@ void CommHandle::wait() {
   }
   works_.clear();
   if (ready_) {
+    // The current stream of the event's device (the caller's compute stream there).
     c10::impl::VirtualGuardImpl impl(ready_->device_type());
-    ready_->block(impl.getStream(impl.getDevice()));
+    ready_->block(impl.getStream(ready_->device()));
     ready_.reset();
   }
   if (finish_) finish_();
