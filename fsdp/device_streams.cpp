@@ -3,6 +3,7 @@
 #include <c10/core/impl/VirtualGuardImpl.h>
 
 #include <map>
+#include <mutex>
 #include <stdexcept>
 
 namespace rfsdp {
@@ -16,8 +17,8 @@ DeviceStreams& DeviceStreams::of(at::Device device) {
     throw std::logic_error("DeviceStreams: the CPU has no streams (CPU units run in order)");
   }
   if (!device.has_index()) device = guard_of(device).getDevice();
-  // Never destroyed: at exit, buffers kept here must not go back to a CUDA
-  // allocator that may already be gone.
+  // Never destroyed: nothing here must run at exit, when the CUDA runtime may
+  // already be gone.
   static std::mutex mu;
   static auto* all = new std::map<std::pair<int, int>, DeviceStreams*>();
   std::lock_guard<std::mutex> lock(mu);
@@ -43,27 +44,10 @@ void DeviceStreams::wait_for_current(const c10::Stream& waiter) const {
   record(current_stream())->block(waiter);
 }
 
-void DeviceStreams::release_after_reads(at::DataPtr memory) {
+void DeviceStreams::release_after_reads(at::DataPtr memory) const {
   if (!memory) return;
-  auto done = record(current_stream());
-  std::lock_guard<std::mutex> lock(mu_);
-  released_.push_back({std::move(memory), std::move(done)});
-}
-
-void DeviceStreams::free_released() {
-  std::vector<Released> go;
-  {
-    std::lock_guard<std::mutex> lock(mu_);
-    go.swap(released_);
-  }
-  for (const Released& r : go) r.reads_done->block(gather_);
-  // `go` goes out of scope here: the memory returns to the gather stream's pool,
-  // and every later use on that stream is ordered after the reads.
-}
-
-size_t DeviceStreams::released_pending() const {
-  std::lock_guard<std::mutex> lock(mu_);
-  return released_.size();
+  wait_for_current(gather_);
+  // `memory` goes out of scope here: back to the gather stream's pool.
 }
 
 }  // namespace rfsdp

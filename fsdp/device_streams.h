@@ -8,10 +8,12 @@
 // Memory: the caching allocator hands a freed block to the next allocation on
 // the stream the block was allocated on, without waiting for other streams. A
 // gathered parameter buffer is allocated on the gather stream and read on the
-// compute stream, so it is not freed at once: release_after_reads() keeps it
-// with an event recorded on the compute stream after its last read, and the
-// gather stream waits on that event before the buffer goes back (the next
-// gather, which may reuse the memory, is then ordered after the reads).
+// compute stream: release_after_reads() records an event on the compute stream
+// after its last read, makes the gather stream wait on it, then frees the
+// buffer. Work enqueued on the gather stream from then on (the only work that
+// can reuse the block) runs after the reads; work enqueued before (a prefetch
+// already in flight) does not use it. So the memory is back at once, and the
+// gather stream waits for nothing it would not wait for at its next gather.
 //
 // Device-generic (c10::Stream / c10::Event): no CUDA headers; used only for
 // non-CPU devices (a CPU unit runs its collectives synchronously in order).
@@ -22,8 +24,6 @@
 #include <c10/core/Stream.h>
 
 #include <memory>
-#include <mutex>
-#include <vector>
 
 namespace rfsdp {
 
@@ -42,24 +42,15 @@ class DeviceStreams {
   // `waiter` waits for everything enqueued on the current stream so far.
   void wait_for_current(const c10::Stream& waiter) const;
 
-  // Frees `memory` (a gathered buffer's storage) once the gather stream has
-  // waited for the current stream's work enqueued so far (its last reads).
-  void release_after_reads(at::DataPtr memory);
-  // The gather stream waits for the reads of every buffer released above, then
-  // the buffers go back to the allocator. Called before each gather.
-  void free_released();
-  size_t released_pending() const;
+  // Frees `memory` (a gathered buffer's storage, allocated on the gather stream)
+  // after making the gather stream wait for the current stream's work enqueued
+  // so far (the buffer's last reads).
+  void release_after_reads(at::DataPtr memory) const;
 
  private:
   explicit DeviceStreams(at::Device device);
-  struct Released {
-    at::DataPtr memory;
-    std::shared_ptr<c10::Event> reads_done;
-  };
   at::Device device_;
   c10::Stream gather_, reduce_;
-  mutable std::mutex mu_;
-  std::vector<Released> released_;
 };
 
 }  // namespace rfsdp

@@ -124,13 +124,11 @@ void FSDPUnit::shard(const std::vector<at::Tensor>& full) {
 CommHandle FSDPUnit::unshard() {
   params_.begin("FSDPUnit::unshard");
   try {
-    // GPU: on the gather stream, after the compute stream's writes to the local
-    // slice (the optimizer) and the reads of buffers released before; the buffer
-    // is allocated on the gather stream.
+    // GPU: on the gather stream, after the compute stream's work so far (the
+    // optimizer wrote the local slice); the buffer is allocated on the gather stream.
     std::optional<c10::StreamGuard> on_gather;
     if (streams_) {
       streams_->wait_for_current(streams_->gather_stream());
-      streams_->free_released();
       on_gather.emplace(streams_->gather_stream());
     }
     params_.allocate();

@@ -68,8 +68,8 @@ class FSDPUnit {
   // The one cast to the compute dtype happens on the local slice, before the gather.
   CommHandle unshard();
   // Releases the global parameter buffer; full_param views stay valid objects.
-  // On a GPU its memory goes back once the compute stream's reads enqueued so
-  // far are done (before the next gather on this device).
+  // On a GPU the gather stream first waits for the compute stream's reads
+  // enqueued so far (DeviceStreams::release_after_reads).
   void reshard();
   bool unsharded() const { return params_.live(); }
   // Bytes of the global parameter and gradient buffers allocated now.
