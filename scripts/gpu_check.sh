@@ -20,6 +20,8 @@ cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
 DEPS=$(pwd)/.gpu_deps
 BUILD=${RFSDP_GPU_BUILD_DIR:-build-gpu}
+[[ $BUILD = /* ]] || BUILD=$(pwd)/$BUILD
+GTEST=$BUILD/_gtest
 LOGS=${OUT:-/tmp}
 t0=$SECONDS
 status=0
@@ -44,16 +46,17 @@ fi
 command -v nvcc >/dev/null || export PATH=/usr/local/cuda/bin:$PATH
 
 build() {
-  if [ ! -f "$DEPS/prefix/lib/cmake/GTest/GTestConfig.cmake" ] &&
-     [ ! -f "$DEPS/prefix/lib64/cmake/GTest/GTestConfig.cmake" ]; then
-    cmake -S "$DEPS/googletest" -B "$DEPS/gtest-build" -G Ninja -DCMAKE_BUILD_TYPE=Release \
-      -DCMAKE_INSTALL_PREFIX="$DEPS/prefix" -DCMAKE_POSITION_INDEPENDENT_CODE=ON >/dev/null &&
-      cmake --build "$DEPS/gtest-build" >/dev/null && cmake --install "$DEPS/gtest-build" >/dev/null ||
-      return 1
+  # GoogleTest built there, into the build folder (.gpu_deps carries sources only).
+  if [ ! -f "$GTEST/lib/cmake/GTest/GTestConfig.cmake" ] &&
+     [ ! -f "$GTEST/lib64/cmake/GTest/GTestConfig.cmake" ]; then
+    cmake -S "$DEPS/googletest" -B "$BUILD/_gtest-build" -G Ninja -DCMAKE_BUILD_TYPE=Release \
+      -DCMAKE_INSTALL_PREFIX="$GTEST" -DCMAKE_POSITION_INDEPENDENT_CODE=ON >/dev/null &&
+      cmake --build "$BUILD/_gtest-build" >/dev/null &&
+      cmake --install "$BUILD/_gtest-build" >/dev/null || return 1
   fi
   local flags=(-G Ninja -DCMAKE_BUILD_TYPE=Release -DRFSDP_PYTHON_EXE="$(command -v "$PY")"
                -DRFSDP_CUDA=ON -DRFSDP_TESTS=ON -DRFSDP_BENCH=OFF
-               -DCMAKE_PREFIX_PATH="$DEPS/prefix;$DEPS/usr" -DGTEST_ROOT="$DEPS/prefix"
+               -DCMAKE_PREFIX_PATH="$GTEST;$DEPS/usr" -DGTEST_ROOT="$GTEST"
                -DCMAKE_CXX_FLAGS="-isystem $DEPS/usr/include")
   if ! cmake -S . -B "$BUILD" "${flags[@]}"; then
     # Without the extension (e.g. no Python headers there) the C++ checks still run.
@@ -80,7 +83,7 @@ step main_job_gpu "$PY" -m torch.distributed.run --standalone --nproc_per_node 1
 cxx_example() {
   local opt
   # one install and out-of-tree build, both optimizers run from it
-  CMAKE_PREFIX_PATH="$DEPS/usr:$DEPS/prefix" bash tests/package/run.sh "$BUILD" examples/cpp \
+  CMAKE_PREFIX_PATH="$DEPS/usr" bash tests/package/run.sh "$BUILD" examples/cpp \
     bash -c 'set -o pipefail; for opt in adamw8bit muon; do
       "$0" -m torch.distributed.run --standalone --nproc_per_node 1 --no-python \
         @BIN@/train_mlp --device cuda --optimizer $opt --steps 200 --log-every 50 \
