@@ -77,7 +77,7 @@ step pytest_gpu env RFSDP_QUANT_ISA=portable "$PY" -m pytest -q -p no:cacheprovi
 cat README.md docs/*.md > /tmp/rfsdp_text.txt
 step main_job_gpu "$PY" -m torch.distributed.run --standalone --nproc_per_node 1 \
   examples/train_gpt.py --compare --device cuda --steps 40 --val-every 20 --log-every 20 \
-  --text /tmp/rfsdp_text.txt --plot "$LOGS/loss_curves_gpu.png"
+  --text /tmp/rfsdp_text.txt --plot /tmp/rfsdp_loss_curves_gpu.png  # $OUT keeps to 7 files
 # The C++ example against the installed package (tests/package/run.sh installs it
 # and builds examples/cpp out of tree; the carried headers on CMake's path).
 cxx_example() {
