@@ -25,6 +25,7 @@ import rfsdp
 OPTIMIZERS = ["adamw", "adamw8bit", "muon", "shampoo"]
 SHAMPOO_DIM = 256  # max_preconditioner_dim: tiles of at most 256 x 256
 FORTUNES = "/usr/share/games/fortunes"
+DEVICE = torch.device("cpu")  # main() sets it (--device)
 
 
 def load_text(path=None):
@@ -76,9 +77,6 @@ def batches(data, batch, ctx, gen):
         x = torch.stack([data[j:j + ctx] for j in i])
         y = torch.stack([data[j + 1:j + ctx + 1] for j in i])
         yield x.to(DEVICE), y.to(DEVICE)
-
-
-DEVICE = torch.device("cpu")  # main() sets it (--device)
 
 
 def mean_over_ranks(v):

@@ -198,6 +198,10 @@ CommHandle FSDPUnit::reduce_grads(ReduceOp op) {
       }
       return CommHandle::all(std::move(hs));
     };
+    auto across_replicas = [this, out, op] {
+      replicate_->all_reduce(out, ReduceOp::Sum).wait();
+      if (op == ReduceOp::Avg) out.div_(static_cast<double>(data_parallel_size()));
+    };
     if (streams_) {
       // GPU: every collective on the reduce stream, after backward's writes to
       // the gradients; the scratch slice was allocated on the compute stream,
@@ -206,10 +210,7 @@ CommHandle FSDPUnit::reduce_grads(ReduceOp op) {
       {
         c10::StreamGuard on_reduce(streams_->reduce_stream());
         scatter(replicate_ ? ReduceOp::Sum : op).wait();
-        if (replicate_) {
-          replicate_->all_reduce(out, ReduceOp::Sum).wait();
-          if (op == ReduceOp::Avg) out.div_(static_cast<double>(data_parallel_size()));
-        }
+        if (replicate_) across_replicas();
       }
       return CommHandle::after_event(streams_->record(streams_->reduce_stream()),
                                      "FSDPUnit::reduce_grads")
@@ -218,9 +219,8 @@ CommHandle FSDPUnit::reduce_grads(ReduceOp op) {
     if (!replicate_) {
       return scatter(op).then([this, out, direct] { finish_reduce(out, direct); });
     }
-    return scatter(ReduceOp::Sum).then([this, out, direct, op] {
-      replicate_->all_reduce(out, ReduceOp::Sum).wait();
-      if (op == ReduceOp::Avg) out.div_(static_cast<double>(data_parallel_size()));
+    return scatter(ReduceOp::Sum).then([this, out, direct, across_replicas] {
+      across_replicas();
       finish_reduce(out, direct);
     });
   } catch (...) {

@@ -386,19 +386,14 @@ PYBIND11_MODULE(_C, m) {
   });
   m.def("cuda_quantize_into", [](const at::Tensor& x, const at::Tensor& code, const py::object& block,
                                  int64_t row_len, const at::Tensor& q, const at::Tensor& absmax) {
-    const int64_t n = x.numel();
-    TORCH_CHECK(row_len > 0 && n % row_len == 0, "row_len ", row_len, " does not divide ", n);
-    rfsdp::quant::cuda_ops::quantize(x, rfsdp::quant::BlockLayout(block_shape(block), n / row_len,
-                                                                  row_len),
+    rfsdp::quant::cuda_ops::quantize(x, rfsdp::quant::layout_of(x, block_shape(block), row_len),
                                      code, lut_of(code), q, absmax);
   });
   m.def("cuda_dequantize_into", [](const at::Tensor& q, const at::Tensor& absmax,
                                    const at::Tensor& code, const py::object& block, int64_t row_len,
                                    const at::Tensor& out) {
-    const int64_t n = q.numel();
-    TORCH_CHECK(row_len > 0 && n % row_len == 0, "row_len ", row_len, " does not divide ", n);
-    rfsdp::quant::cuda_ops::dequantize(q, absmax, rfsdp::quant::BlockLayout(block_shape(block),
-                                                                            n / row_len, row_len),
+    rfsdp::quant::cuda_ops::dequantize(q, absmax,
+                                       rfsdp::quant::layout_of(q, block_shape(block), row_len),
                                        code, out);
   });
   m.def("num_blocks", [](const py::object& block, int64_t rows, int64_t row_len) {

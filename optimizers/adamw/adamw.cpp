@@ -1,6 +1,9 @@
 #include "optimizers/adamw/adamw.h"
 
+#include <map>
 #include <stdexcept>
+#include <string>
+#include <utility>
 
 #include "optimizers/common/finite.h"
 #include "quant/blockwise/code_maps.h"
@@ -19,11 +22,7 @@ void check_param(const ParamShard& p) {
     throw std::invalid_argument(who + "must be a contiguous float32 tensor on the CPU or a CUDA "
                                 "device");
   }
-  if (p.grad.defined()) check_grad("AdamW", p, p.grad);
-  if (p.grad.defined() && p.param.numel() != p.grad.numel()) {
-    throw std::invalid_argument(who + "grad has " + std::to_string(p.grad.numel()) +
-                                " elements, param " + std::to_string(p.param.numel()));
-  }
+  check_grad("AdamW", p, p.grad);  // dtype, layout, device and size; undefined passes
   if (p.row_len < 1 || p.param.numel() % p.row_len != 0 || p.row_begin < 0 ||
       p.row_begin + p.rows() > p.full_rows) {
     throw std::invalid_argument(who + "rows [" + std::to_string(p.row_begin) + ", " +
@@ -121,20 +120,18 @@ void AdamW::step() {
 }
 
 void AdamW::fused_update(const std::vector<size_t>& idx) {
-  // One launch per set of hyperparameters (a parameter group), over every tensor
-  // of the set: torch's _fused_adamw_, the formula torch.optim.AdamW(fused=True) runs.
-  std::vector<bool> done(idx.size(), false);
-  for (size_t a = 0; a < idx.size(); ++a) {
-    if (done[a]) continue;
-    const AdamWOptions& o = options_of(idx[a]);
+  // One launch per set of hyperparameters (a parameter group) and device, over
+  // every tensor of the set: torch's _fused_adamw_, what torch.optim.AdamW(fused=True) runs.
+  std::map<std::pair<const AdamWOptions*, std::string>, std::vector<size_t>> sets;
+  for (size_t i : idx) {
+    if (params_[i].param.numel() > 0) {
+      sets[{&options_of(i), params_[i].param.device().str()}].push_back(i);
+    }
+  }
+  for (const auto& [key, members] : sets) {
+    const AdamWOptions& o = *key.first;
     std::vector<at::Tensor> ps, gs, ms, vs, steps;
-    for (size_t b = a; b < idx.size(); ++b) {
-      const size_t i = idx[b];
-      if (done[b] || &options_of(i) != &o || params_[i].param.device() != params_[idx[a]].param.device()) {
-        continue;
-      }
-      done[b] = true;
-      if (params_[i].param.numel() == 0) continue;
+    for (size_t i : members) {
       ps.push_back(params_[i].param);
       gs.push_back(params_[i].grad);
       ms.push_back(m_[i]);
@@ -142,7 +139,6 @@ void AdamW::fused_update(const std::vector<size_t>& idx) {
       steps.push_back(at::full({}, static_cast<double>(param_steps_[i]),
                                params_[i].param.options()));
     }
-    if (ps.empty()) continue;
     at::_fused_adamw_(ps, gs, ms, vs, {}, steps, o.lr, o.beta1, o.beta2, o.weight_decay, o.eps,
                       /*amsgrad=*/false, /*maximize=*/false);
   }

@@ -308,21 +308,24 @@ void muon_step(Comm* comm, const MuonLayout& layout, const std::vector<at::Tenso
     }
     // Newton–Schulz: one matrix at a time, or (batch_same_shape) one batched
     // product chain per group of equal shape and steps (expert stacks, layers).
-    std::map<std::tuple<int64_t, int64_t, int>, std::vector<size_t>> groups;  // -> indices in own
+    std::map<std::tuple<int64_t, int64_t, int>, std::vector<size_t>> batches;  // -> indices in own
     for (size_t j = 0; j < own.size(); ++j) {
       const MuonMatrix& mat = mats[own[j].first];
       const int steps = geo[mat.param].ns_steps;
-      groups[{mat.rows, mat.cols, batch_same_shape ? steps : -1 - static_cast<int>(j)}].push_back(j);
+      if (batch_same_shape) {
+        batches[{mat.rows, mat.cols, steps}].push_back(j);
+      } else {
+        own[j].second = newton_schulz(own[j].second, steps, ns_dtype);
+      }
     }
-    for (const auto& [key, js] : groups) {
-      const int steps = geo[mats[own[js[0]].first].param].ns_steps;
-      if (js.size() == 1) {
-        own[js[0]].second = newton_schulz(own[js[0]].second, steps, ns_dtype);
+    for (const auto& [key, js] : batches) {
+      if (js.size() == 1) {  // alone: the plain matrix path
+        own[js[0]].second = newton_schulz(own[js[0]].second, std::get<2>(key), ns_dtype);
         continue;
       }
       std::vector<at::Tensor> batch;
       for (size_t j : js) batch.push_back(own[j].second);
-      const at::Tensor o = newton_schulz(at::stack(batch), steps, ns_dtype);
+      const at::Tensor o = newton_schulz(at::stack(batch), std::get<2>(key), ns_dtype);
       for (size_t b = 0; b < js.size(); ++b) own[js[b]].second = o[b];
     }
     auto to = offsets_of(recv_splits);

@@ -447,7 +447,6 @@ def fully_shard(module, *, mesh=None, process_group=None, replicate_group=None, 
         raise ValueError("fully_shard was already applied to this %s" % type(module).__name__)
     pg, rg = _groups(mesh, process_group, replicate_group)
     pol = policy if policy is not None else policy_mod.adamw()
-    mp = mp_policy
     entries, devices = _collect(module)
     if len(devices) > 1:
         raise ValueError("fully_shard: the parameters of this module live on different devices (%s); "
@@ -466,6 +465,7 @@ def fully_shard(module, *, mesh=None, process_group=None, replicate_group=None, 
                              "weights: convert the module with .float() first (compute in bf16 "
                              "or fp16 with mp_policy=MixedPrecisionPolicy(param_dtype=...))"
                              % (uses[0][2], p.dtype))
+    mp = mp_policy
     if mp is None:  # GPUs compute in bfloat16 and reduce in float32 by default
         mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16) if device.type == "cuda" \
             else MixedPrecisionPolicy()

@@ -82,6 +82,11 @@ at::DataPtr memory(const std::string& name) {
 
 std::string sid(const c10::Stream& s) { return "S" + std::to_string(s.id()); }
 
+// The event a "record E<id> on S<stream>" line names.
+std::string event_of(const std::string& record_line) {
+  return record_line.substr(7, record_line.find(" on") - 7);
+}
+
 TEST(DeviceStreams, AReleasedBufferIsFreedOnlyAfterTheGatherStreamWaitedForItsReads) {
   DeviceStreams& ds = DeviceStreams::of(c10::Device(kDev, 0));
   EXPECT_EQ(&ds, &DeviceStreams::of(c10::Device(kDev)));  // one per device, index resolved
@@ -97,8 +102,7 @@ TEST(DeviceStreams, AReleasedBufferIsFreedOnlyAfterTheGatherStreamWaitedForItsRe
   ASSERT_EQ(log.size(), 3u);
   EXPECT_EQ(log[0].rfind("record ", 0), 0u) << log[0];
   EXPECT_NE(log[0].find("on S0"), std::string::npos) << log[0];
-  const std::string e = log[0].substr(7, log[0].find(" on") - 7);
-  EXPECT_EQ(log[1], gather + " waits " + e);
+  EXPECT_EQ(log[1], gather + " waits " + event_of(log[0]));
   EXPECT_EQ(log[2], "free a");
 }
 
@@ -121,7 +125,7 @@ TEST(DeviceStreams, SideStreamsWaitForTheComputeStreamAndHandlesOrderItAfterThem
   log = take_log();
   ASSERT_EQ(log.size(), 1u);
   EXPECT_NE(log[0].find("on " + gather), std::string::npos) << log[0];
-  const std::string e = log[0].substr(7, log[0].find(" on") - 7);
+  const std::string e = event_of(log[0]);
   EXPECT_FALSE(h.waited());
   h.wait();
   EXPECT_TRUE(finished && h.waited());
