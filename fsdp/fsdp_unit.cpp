@@ -5,6 +5,8 @@
 #include <optional>
 #include <stdexcept>
 
+#include "core/comm/agree.h"
+
 namespace rfsdp {
 
 namespace {
@@ -15,14 +17,33 @@ bool is_float(at::ScalarType t) {
 
 }  // namespace
 
-FSDPUnit::FSDPUnit(std::shared_ptr<Comm> comm, Plan plan, MixedPrecision mp, at::Device device)
-    : FSDPUnit(std::move(comm), nullptr, std::move(plan), mp, device) {}
+FSDPUnit::FSDPUnit(std::shared_ptr<Comm> comm, Plan plan, MixedPrecision mp, at::Device device,
+                   bool agree)
+    : FSDPUnit(std::move(comm), nullptr, std::move(plan), mp, device, agree) {}
+
+std::vector<std::string> FSDPUnit::describe(const Plan& plan, const MixedPrecision& mp,
+                                            const at::Device& device) {
+  std::vector<std::string> lines;
+  for (const TensorSpec& t : plan.tensors) {
+    lines.push_back("tensor '" + t.name + "' shape " + shape_to_string(t.shape) + " granule " +
+                    std::to_string(t.granule_rows) + " row_dims " + std::to_string(t.row_dims) +
+                    " element bytes " + std::to_string(t.elem_bytes));
+  }
+  lines.push_back("planned for " + std::to_string(plan.world_size) + " ranks");
+  lines.push_back(std::string("param dtype ") + c10::toString(mp.param_dtype) + ", reduce dtype " +
+                  c10::toString(mp.reduce_dtype) + ", device " +
+                  c10::DeviceTypeName(device.type(), /*lower_case=*/true));
+  return lines;
+}
 
 FSDPUnit::FSDPUnit(std::shared_ptr<Comm> comm, std::shared_ptr<Comm> replicate, Plan plan,
-                   MixedPrecision mp, at::Device device)
+                   MixedPrecision mp, at::Device device, bool agree)
     : comm_(std::move(comm)), replicate_(std::move(replicate)), plan_(std::move(plan)), mp_(mp),
       device_(device) {
   if (!comm_) throw std::invalid_argument("FSDPUnit needs a Comm");
+  // Before any other collective: ranks building different units would otherwise
+  // meet in collectives of different sizes (Gloo aborts the process there).
+  if (agree) agree_lines(*comm_, describe(plan_, mp_, device_), "FSDPUnit");
   if (!device_.is_cpu() && !device_.is_cuda()) {
     throw std::invalid_argument("FSDPUnit: parameters on " + device_.str() +
                                 " are not supported; use the CPU or a CUDA device");

@@ -36,14 +36,22 @@ class FSDPUnit {
  public:
   // The plan's world size must equal the comm's; its tensors are this unit's
   // parameters, in order. device: where every buffer lives (CPU, or a GPU).
+  // Collective: the ranks first agree that they build the same unit (names,
+  // shapes, granules, element sizes, dtypes: one all-reduce of a hash), else
+  // every rank throws naming the first difference; agree = false skips that for
+  // callers that agreed on more already (rfsdp.fully_shard).
   FSDPUnit(std::shared_ptr<Comm> comm, Plan plan, MixedPrecision mp = {},
-           at::Device device = at::kCPU);
+           at::Device device = at::kCPU, bool agree = true);
   // HSDP: sharded over `shard` (the plan's world size), replicated over
   // `replicate` (the ranks holding the same shard, one per replica; null or one
   // rank: plain FSDP). Gradients reduce-scatter inside the shard group, then
   // all-reduce across the replica group; parameters gather inside the shard group.
   FSDPUnit(std::shared_ptr<Comm> shard, std::shared_ptr<Comm> replicate, Plan plan,
-           MixedPrecision mp = {}, at::Device device = at::kCPU);
+           MixedPrecision mp = {}, at::Device device = at::kCPU, bool agree = true);
+  // What the ranks agree on at construction: one line per tensor, then the
+  // dtypes and device.
+  static std::vector<std::string> describe(const Plan& plan, const MixedPrecision& mp,
+                                           const at::Device& device);
   FSDPUnit(const FSDPUnit&) = delete;
   FSDPUnit& operator=(const FSDPUnit&) = delete;
 

@@ -6,6 +6,7 @@
 #include <atomic>
 #include <thread>
 
+#include "core/comm/agree.h"
 #include "core/comm/hybrid_groups.h"
 #include "core/comm/local_ranks.h"
 #include "tests/cpp/test_util.h"
@@ -236,6 +237,51 @@ TEST(Comm, BadArguments) {
     EXPECT_THROW(comm.broadcast(at::zeros({2}), 2), std::invalid_argument);
     EXPECT_THROW(comm.all_gather_flat(at::zeros({4, 2})), std::invalid_argument);
   });
+}
+
+TEST(Agree, EveryRankGetsEveryRanksStringAndEqualLinesPass) {
+  const uint64_t seed = testing::fresh_seed();
+  run_local_ranks(3, [&](Comm& comm) {
+    // lengths 0, 1000 and 7, with every byte value (NUL included)
+    auto text = [&](int r) {
+      std::string out;
+      const int64_t n = r == 0 ? 0 : r == 1 ? 1000 : 7;
+      for (int64_t i = 0; i < n; ++i) out.push_back(static_cast<char>((seed + 31 * i + r) % 256));
+      return out;
+    };
+    const auto all = all_gather_strings(comm, text(comm.rank()));
+    ASSERT_EQ(all.size(), 3u);
+    for (int r = 0; r < 3; ++r) EXPECT_EQ(all[r], text(r)) << "rank " << r << "'s string";
+    agree_lines(comm, {"tensor 'w' shape [24, 24]", "param dtype Float"}, "unit");  // no throw
+  });
+}
+
+TEST(Agree, DifferentLinesAreOneErrorOnEveryRankNamingTheFirstDifferenceAndTheRanks) {
+  for (int world : {2, 3}) {
+    const auto errors = run_local_ranks_collect(world, [&](Comm& comm) {
+      std::vector<std::string> lines = {"call 0", "tensor 'w' shape [24, 24]", "tensor 'b' shape [24]"};
+      if (comm.rank() == world - 1) lines[1] = "tensor 'w' shape [25, 24]";
+      if (comm.rank() == world - 1) lines[2] = "tensor 'b' shape [25]";  // not the first difference
+      agree_lines(comm, lines, "fully_shard(Linear)");
+    });
+    std::string first;
+    for (int r = 0; r < world; ++r) {
+      ASSERT_TRUE(errors[r]) << "rank " << r << " went on";
+      try {
+        std::rethrow_exception(errors[r]);
+      } catch (const std::invalid_argument& e) {
+        const std::string m = e.what();
+        if (r == 0) first = m;
+        EXPECT_EQ(m, first) << "rank " << r;
+        EXPECT_NE(m.find("fully_shard(Linear) differs between ranks: rank 0 has 'tensor 'w' shape "
+                         "[24, 24]', rank " + std::to_string(world - 1) +
+                         " has 'tensor 'w' shape [25, 24]'"),
+                  std::string::npos) << m;
+        EXPECT_NE(m.find("ranks that differ from rank 0: " + std::to_string(world - 1) + ")"),
+                  std::string::npos) << m;
+      }
+    }
+  }
 }
 
 // Every mesh of 4 ranks: each rank's shard and replica groups hold the ranks

@@ -378,6 +378,29 @@ TEST(FSDPUnit, ReplicasThatHoldDifferentShardsAreRefused) {
   }
 }
 
+TEST(FSDPUnit, RanksThatBuildDifferentUnitsFailTogetherBeforeAnyOtherCollective) {
+  // Rank 1 plans a Linear(24, 25) where rank 0 plans a Linear(24, 24): their
+  // gathers would have different sizes (Gloo aborts the process there). Both
+  // ranks refuse at construction, naming the tensor, the shapes and the ranks.
+  const auto errors = run_local_ranks_collect(2, [&](Comm& comm) {
+    TensorSpec w;
+    w.name = "weight";
+    w.shape = {comm.rank() == 1 ? 25 : 24, 24};
+    const Plan plan = plan_unit({w}, 2, 16);
+    FSDPUnit unit(std::shared_ptr<Comm>(&comm, [](Comm*) {}), plan);
+  });
+  for (const auto& e : errors) {
+    ASSERT_TRUE(e) << "a rank built the unit";
+    try {
+      std::rethrow_exception(e);
+    } catch (const std::invalid_argument& x) {
+      const std::string m = x.what();
+      EXPECT_NE(m.find("rank 0 has 'tensor 'weight' shape [24, 24]"), std::string::npos) << m;
+      EXPECT_NE(m.find("rank 1 has 'tensor 'weight' shape [25, 24]"), std::string::npos) << m;
+    }
+  }
+}
+
 TEST(FSDPUnit, NonFiniteGradientsFailClearlyAndLeaveGradsAlone) {
   const Plan plan = plan_unit(mlp_unit(1), 2, 16);
   run_local_ranks(2, [&](Comm& c) {
