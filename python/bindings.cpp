@@ -5,12 +5,13 @@
 #include <torch/extension.h>
 
 #include "rfsdp_version.h"  // generated (cmake/rfsdp_version.h.in)
+#include "core/comm/agree.h"
 #include "core/comm/comm.h"
 #include "core/ragged/plan_json.h"
 #include "fsdp/fsdp_unit.h"
 #include "fsdp/grad_clip.h"
 #include "optimizers/adamw/adamw.h"
-#include "optimizers/common/finite.h"
+#include "optimizers/common/step_gate.h"
 #include "optimizers/muon/muon.h"
 #include "optimizers/shampoo/shampoo.h"
 #include "quant/blockwise/cpu_kernels.h"
@@ -174,14 +175,15 @@ PYBIND11_MODULE(_C, m) {
   py::class_<rfsdp::FSDPUnit, std::shared_ptr<rfsdp::FSDPUnit>>(m, "FSDPUnit")
       .def(py::init([](std::shared_ptr<rfsdp::Comm> comm, const rfsdp::Plan& plan,
                        const std::string& param_dtype, const std::string& reduce_dtype,
-                       std::shared_ptr<rfsdp::Comm> replicate, const std::string& device) {
+                       std::shared_ptr<rfsdp::Comm> replicate, const std::string& device,
+                       bool agree) {
              return std::make_shared<rfsdp::FSDPUnit>(
                  std::move(comm), std::move(replicate), plan,
                  rfsdp::MixedPrecision{dtype_of(param_dtype), dtype_of(reduce_dtype)},
-                 at::Device(device));
+                 at::Device(device), agree);
            }),
            py::arg("comm"), py::arg("plan"), py::arg("param_dtype"), py::arg("reduce_dtype"),
-           py::arg("replicate") = nullptr, py::arg("device") = "cpu",
+           py::arg("replicate") = nullptr, py::arg("device") = "cpu", py::arg("agree") = true,
            // HSDP checks the replicas with a collective: Gloo's workers may need the GIL.
            py::call_guard<py::gil_scoped_release>())
       .def("data_parallel_size", &rfsdp::FSDPUnit::data_parallel_size)
@@ -242,6 +244,8 @@ PYBIND11_MODULE(_C, m) {
              o.set_param_options(i, x);
            })
       .def("step", &rfsdp::AdamW::step, py::call_guard<py::gil_scoped_release>())  // collective
+      .def("name", &rfsdp::AdamW::name)
+      .def("param_name", [](const rfsdp::AdamW& o, size_t i) { return o.params().at(i).name; })
       .def("step_count", &rfsdp::AdamW::step_count)
       .def("set_step_count", &rfsdp::AdamW::set_step_count)
       .def("state", [](const rfsdp::AdamW& o, size_t i) { return named(o.state(i)); })
@@ -274,6 +278,9 @@ PYBIND11_MODULE(_C, m) {
            py::arg("params"), py::arg("ns_steps"), py::arg("ns_dtype"), py::arg("comm"),
            py::arg("check_finite") = true)
       .def("set_grad", &rfsdp::Muon::set_grad)
+      .def("param_name", [](const rfsdp::Muon& o, size_t i) {
+             return o.layout().params().at(i).name;
+           })
       .def("set_hyper", [](rfsdp::Muon& o, size_t i, double lr, double momentum, double wd,
                            bool nesterov, const std::string& adjust_lr) {
              o.set_param_hyper(i, {lr, momentum, wd, nesterov,
@@ -299,19 +306,23 @@ PYBIND11_MODULE(_C, m) {
   py::class_<rfsdp::Shampoo, std::shared_ptr<rfsdp::Shampoo>>(m, "Shampoo")
       .def(py::init([](const std::vector<ShardSpec>& params, const std::vector<bool>& precondition,
                        int64_t max_dim, int frequency, int start, bool bias_correction,
-                       const std::string& factor_dtype, std::shared_ptr<rfsdp::Comm> comm) {
+                       const std::string& factor_dtype, std::shared_ptr<rfsdp::Comm> comm,
+                       const std::string& rank_deficient, double rank_rtol) {
              rfsdp::ShampooConfig c;
              c.max_preconditioner_dim = max_dim;
              c.precondition_frequency = frequency;
              c.start_preconditioning_step = start;
              c.use_bias_correction = bias_correction;
              c.factor_dtype = dtype_of(factor_dtype);
+             c.rank_deficient = rfsdp::parse_rank_deficient(rank_deficient);
+             c.rank_rtol = rank_rtol;
              return std::make_shared<rfsdp::Shampoo>(shards_of(params), rfsdp::ShampooOptions{}, c,
                                                      std::move(comm), precondition);
            }),
            py::arg("params"), py::arg("precondition"), py::arg("max_preconditioner_dim"),
            py::arg("precondition_frequency"), py::arg("start_preconditioning_step"),
-           py::arg("use_bias_correction"), py::arg("factor_dtype"), py::arg("comm"))
+           py::arg("use_bias_correction"), py::arg("factor_dtype"), py::arg("comm"),
+           py::arg("rank_deficient") = "shift", py::arg("rank_rtol") = -1.0)
       .def("set_grad", [](rfsdp::Shampoo& o, size_t i, const std::optional<at::Tensor>& g) {
              o.set_grad(i, g ? *g : at::Tensor());
            })
@@ -331,12 +342,28 @@ PYBIND11_MODULE(_C, m) {
   m.def("shampoo_granule_rows", &rfsdp::shampoo_granule_rows, py::arg("shape"),
         py::arg("row_dims"), py::arg("max_preconditioner_dim"));
 
-  // comm None: this process alone.
-  m.def("all_ranks_finite", [](std::shared_ptr<rfsdp::Comm> comm,
-                               const std::vector<at::Tensor>& tensors) {
+  // Every rank's lines equal, or a ValueError on every rank naming the first
+  // difference (collective; fully_shard's agreement).
+  m.def("agree_lines", [](std::shared_ptr<rfsdp::Comm> comm, const std::vector<std::string>& lines,
+                          const std::string& what) {
           py::gil_scoped_release release;  // collective
-          return rfsdp::all_ranks_finite(comm.get(), tensors);
-        }, py::arg("comm"), py::arg("tensors"));
+          rfsdp::agree_lines(*comm, lines, what);
+        }, py::arg("comm"), py::arg("lines"), py::arg("what"));
+
+  // The step gate from Python (comm None: this process alone): NaN/Inf in the
+  // named gradients, or this rank's error, agreed by every rank; raises the agreed
+  // error (ValueError where the first failing rank's was invalid_argument).
+  // Collective: it meets the gate an optimizer's step() opens with.
+  m.def("step_gate", [](std::shared_ptr<rfsdp::Comm> comm, const std::string& who,
+                        const std::vector<std::pair<std::string, at::Tensor>>& grads,
+                        const std::optional<std::string>& error, bool invalid_argument) {
+          rfsdp::StepGate gate(comm.get(), who);
+          for (const auto& [name, g] : grads) gate.check_finite(name, g);
+          if (error) gate.fail(*error, invalid_argument);
+          py::gil_scoped_release release;  // collective
+          gate.agree();
+        }, py::arg("comm"), py::arg("who"), py::arg("grads"), py::arg("error") = py::none(),
+        py::arg("invalid_argument") = false);
 
   // (rows, row length) of a tensor seen as rows of its first row_dims dims: the
   // one definition (TensorSpec) that fully_shard, the policies and the optimizers use.

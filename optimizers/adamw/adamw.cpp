@@ -5,7 +5,7 @@
 #include <string>
 #include <utility>
 
-#include "optimizers/common/finite.h"
+#include "optimizers/common/step_gate.h"
 #include "quant/blockwise/code_maps.h"
 #include "quant/blockwise/cpu_kernels.h"
 #include "quant/blockwise/cuda_ops.h"
@@ -84,23 +84,9 @@ void AdamW::set_grad(size_t i, const at::Tensor& grad) {
 }
 
 void AdamW::check_grads() const {
-  std::vector<at::Tensor> grads;
-  for (const auto& p : params_) {
-    if (p.grad.defined()) grads.push_back(p.grad);
-  }
-  if (all_ranks_finite(comm_.get(), grads)) return;
-  if (comm_ && comm_->size() > 1) {
-    throw std::runtime_error("AdamW step: a gradient on some rank holds NaN or Inf; the step was "
-                             "not taken on any rank (check the loss, lower the learning rate, "
-                             "or clip gradients)");
-  }
-  for (const auto& p : params_) {
-    if (p.grad.defined() && !tensor_finite(p.grad)) {
-      throw std::runtime_error("AdamW step: the gradient of parameter '" + p.name +
-                               "' holds NaN or Inf; the step was not taken (check the loss, "
-                               "lower the learning rate, or clip gradients)");
-    }
-  }
+  StepGate gate(comm_.get(), std::string(name()) + " step");
+  for (const auto& p : params_) gate.check_finite(p.name, p.grad);
+  gate.agree();
 }
 
 void AdamW::step() {

@@ -21,7 +21,7 @@ namespace rfsdp {
 struct AdamWOptions {
   double lr = 1e-3, beta1 = 0.9, beta2 = 0.999, eps = 1e-8, weight_decay = 1e-2;
   // Scan gradients for NaN/Inf before a step and throw (state untouched); with
-  // a Comm every rank agrees (one all-reduce), so all of them throw together.
+  // a Comm every rank agrees (StepGate: one all-reduce), so all of them throw together.
   bool check_finite = true;
 };
 
@@ -34,8 +34,10 @@ class AdamW {
   AdamW(const AdamW&) = delete;
   AdamW& operator=(const AdamW&) = delete;
   // One step of every parameter that has a gradient (each counts its own steps,
-  // as torch.optim.AdamW does).
+  // as torch.optim.AdamW does). With a Comm, every rank agrees first (StepGate).
   void step();
+  // What its errors call it.
+  virtual const char* name() const { return "AdamW"; }
   int64_t steps() const { return steps_; }  // calls of step() that stepped
   // Hyperparameters of every parameter; set_param_options overrides one (a
   // parameter group's).
@@ -85,6 +87,7 @@ class AdamW8bit : public AdamW {
             quant::BlockShape block = quant::BlockShape::blocks(256),
             int64_t min_8bit_size = 4096, std::shared_ptr<Comm> comm = nullptr);
   bool is_8bit(size_t i) const { return eight_bit_.at(i); }
+  const char* name() const override { return "AdamW8bit"; }
   at::Tensor exp_avg(size_t i) const override;
   at::Tensor exp_avg_sq(size_t i) const override;
   std::vector<std::pair<std::string, at::Tensor>> state(size_t i) const override;

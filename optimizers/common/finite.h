@@ -1,14 +1,8 @@
-// Whether tensors hold only finite values on every rank: the check every
-// optimizer runs before it changes anything, so that a NaN or Inf on one rank
-// stops the step on all of them (a rank that raised alone would leave the others
-// waiting in the next collective).
+// Whether a tensor holds only finite values: the local part of the NaN/Inf
+// check every optimizer step runs (StepGate agrees it across ranks).
 #pragma once
 
 #include <ATen/ATen.h>
-
-#include <vector>
-
-#include "core/comm/comm.h"
 
 namespace rfsdp {
 
@@ -17,9 +11,5 @@ bool all_finite(const float* x, int64_t n);
 
 // True if t (any dtype, any device) holds only finite values.
 bool tensor_finite(const at::Tensor& t);
-
-// One all-reduce of a flag over comm (none, or one rank: local only). Device
-// tensors are checked on their device, with one host wait for all of them.
-bool all_ranks_finite(Comm* comm, const std::vector<at::Tensor>& tensors);
 
 }  // namespace rfsdp

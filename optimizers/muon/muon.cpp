@@ -11,7 +11,7 @@
 #include <tuple>
 
 #include "core/ragged/tensor_spec.h"
-#include "optimizers/common/finite.h"
+#include "optimizers/common/step_gate.h"
 #include "optimizers/common/lpt.h"
 #include "optimizers/common/matrices.h"
 
@@ -224,6 +224,56 @@ double MuonLayout::flop_imbalance() const {
   return total > 0 ? *std::max_element(f.begin(), f.end()) * world_ / total : 1.0;
 }
 
+namespace {
+
+// Newton–Schulz of the matrices rooted here, in place in `own` ((matrix, update)
+// pairs): one matrix at a time, or (batch_same_shape) one batched product chain
+// per group of equal shape and steps (expert stacks, layers). Throws, naming the
+// matrix, where a result is not finite.
+void orthogonalise(const MuonLayout& layout, std::vector<std::pair<size_t, at::Tensor>>* own,
+                   at::ScalarType ns_dtype, bool batch_same_shape) {
+  const auto& mats = layout.matrices();
+  const auto& geo = layout.params();
+  std::map<std::tuple<int64_t, int64_t, int>, std::vector<size_t>> batches;  // -> indices in own
+  for (size_t j = 0; j < own->size(); ++j) {
+    const MuonMatrix& mat = mats[(*own)[j].first];
+    const int steps = geo[mat.param].ns_steps;
+    if (batch_same_shape) {
+      batches[{mat.rows, mat.cols, steps}].push_back(j);
+    } else {
+      (*own)[j].second = newton_schulz((*own)[j].second, steps, ns_dtype);
+    }
+  }
+  for (const auto& [key, js] : batches) {
+    if (js.size() == 1) {  // alone: the plain matrix path
+      (*own)[js[0]].second = newton_schulz((*own)[js[0]].second, std::get<2>(key), ns_dtype);
+      continue;
+    }
+    std::vector<at::Tensor> batch;
+    for (size_t j : js) batch.push_back((*own)[j].second);
+    const at::Tensor o = newton_schulz(at::stack(batch), std::get<2>(key), ns_dtype);
+    for (size_t b = 0; b < js.size(); ++b) (*own)[js[b]].second = o[b];
+  }
+  // One flag for all of them (one host wait): a sum is finite only if every element
+  // is (results are near-orthogonal, so a sum of finite ones cannot overflow).
+  if (own->empty()) return;
+  std::vector<at::Tensor> sums;
+  for (const auto& [k, o] : *own) sums.push_back(o.sum());
+  if (at::isfinite(at::stack(sums)).all().item<bool>()) return;
+  for (const auto& [k, o] : *own) {
+    if (at::isfinite(o).all().item<bool>()) continue;
+    const MuonMatrix& mat = mats[k];
+    int index = 0;  // the matrix's index within its parameter
+    for (size_t x = 0; x < k; ++x) index += mats[x].param == mat.param;
+    throw std::runtime_error("the Newton-Schulz result of matrix " + std::to_string(index) + " of '" +
+                             geo[mat.param].name + "' (" + std::to_string(mat.rows) + " x " +
+                             std::to_string(mat.cols) + ") is not finite: its update holds NaN or "
+                             "Inf, or overflowed (check the gradients and the momentum)");
+  }
+}
+
+}  // namespace
+
 void muon_step(Comm* comm, const MuonLayout& layout, const std::vector<at::Tensor>& params,
                const std::vector<at::Tensor>& grads, const std::vector<at::Tensor>& momenta,
                const std::vector<MuonHyper>& hyper, at::ScalarType ns_dtype,
@@ -248,12 +298,13 @@ void muon_step(Comm* comm, const MuonLayout& layout, const std::vector<at::Tenso
   at::NoGradGuard no_grad;
   const int me = layout.rank(), world = layout.world();
   const auto& mats = layout.matrices();
-  // 1. Momentum and the update to orthogonalise, on the local shard.
-  std::vector<at::Tensor> u(P);
+  // 1. Momentum and the update to orthogonalise, on the local shard. The new
+  // momentum is kept aside: it is stored only once every rank's roots succeeded.
+  std::vector<at::Tensor> new_momenta(P), u(P);
   for (size_t i = 0; i < P; ++i) {
-    const at::Tensor m = momenta[i].view(-1), g = grads[i].view(-1);
-    m.lerp_(g, 1.0 - hyper[i].momentum);
-    u[i] = hyper[i].nesterov ? g.lerp(m, hyper[i].momentum) : m;
+    const at::Tensor g = grads[i].view(-1);
+    new_momenta[i] = momenta[i].view(-1).lerp(g, 1.0 - hyper[i].momentum);
+    u[i] = hyper[i].nesterov ? g.lerp(new_momenta[i], hyper[i].momentum) : new_momenta[i];
   }
   auto local = [&](const at::Tensor& flat, size_t k, std::pair<int64_t, int64_t> pc) {
     return flat.narrow(0, pc.first - geo[mats[k].param].elem_begin, pc.second - pc.first);
@@ -306,28 +357,12 @@ void muon_step(Comm* comm, const MuonLayout& layout, const std::vector<at::Tenso
       }
       own.emplace_back(k, full.view({mat.rows, mat.cols}));
     }
-    // Newton–Schulz: one matrix at a time, or (batch_same_shape) one batched
-    // product chain per group of equal shape and steps (expert stacks, layers).
-    std::map<std::tuple<int64_t, int64_t, int>, std::vector<size_t>> batches;  // -> indices in own
-    for (size_t j = 0; j < own.size(); ++j) {
-      const MuonMatrix& mat = mats[own[j].first];
-      const int steps = geo[mat.param].ns_steps;
-      if (batch_same_shape) {
-        batches[{mat.rows, mat.cols, steps}].push_back(j);
-      } else {
-        own[j].second = newton_schulz(own[j].second, steps, ns_dtype);
-      }
-    }
-    for (const auto& [key, js] : batches) {
-      if (js.size() == 1) {  // alone: the plain matrix path
-        own[js[0]].second = newton_schulz(own[js[0]].second, std::get<2>(key), ns_dtype);
-        continue;
-      }
-      std::vector<at::Tensor> batch;
-      for (size_t j : js) batch.push_back(own[j].second);
-      const at::Tensor o = newton_schulz(at::stack(batch), std::get<2>(key), ns_dtype);
-      for (size_t b = 0; b < js.size(); ++b) own[js[b]].second = o[b];
-    }
+    // Newton–Schulz (its failures, and a result that is not finite, agreed by
+    // every rank before anything changes).
+    StepGate gate(comm, "Muon step");
+    gate.guard([&] { orthogonalise(layout, &own, ns_dtype, batch_same_shape); });
+    gate.agree();
+    for (size_t i = 0; i < P; ++i) momenta[i].view(-1).copy_(new_momenta[i]);
     auto to = offsets_of(recv_splits);
     for (auto& [k, o_mat] : own) {
       const MuonMatrix& mat = mats[k];
@@ -433,15 +468,15 @@ void Muon::step() {
     gs.push_back(params_[i].grad);
     hyper.push_back(has_param_hyper_[i] ? param_hyper_[i] : options_.hyper);
   }
-  if (options_.check_finite && !all_ranks_finite(comm_.get(), gs)) {
-    throw std::runtime_error("Muon step: a gradient on some rank holds NaN or Inf; the step was "
-                             "not taken on any rank (check the loss, lower the learning rate, or "
-                             "clip gradients)");
+  if (options_.check_finite) {
+    StepGate gate(comm_.get(), "Muon step");
+    for (const auto& p : params_) gate.check_finite(p.name, p.grad);
+    gate.agree();
   }
-  ++steps_;
   const bool on_gpu = !ps.empty() && ps[0].is_cuda();
   muon_step(comm_.get(), layout_, ps, gs, momenta_, hyper, options_.ns_dtype,
             options_.batch_newton_schulz.value_or(on_gpu));
+  ++steps_;
 }
 
 }  // namespace rfsdp

@@ -100,7 +100,9 @@ struct MuonHyper {
 // parameter. ns_dtype: the Newton–Schulz compute dtype. batch_same_shape: the
 // matrices rooted here with equal shape and steps are orthogonalised as one
 // batch (one bmm per product: fewer, larger GPU kernels). Collective when comm
-// is set. Gradients are not checked here (see Muon::step).
+// is set. Gradients are not checked here (see Muon::step); a Newton–Schulz
+// failure on a root (an error, or a result that is not finite) is agreed by
+// every rank before anything changes (StepGate), and raised on every rank.
 void muon_step(Comm* comm, const MuonLayout& layout, const std::vector<at::Tensor>& params,
                const std::vector<at::Tensor>& grads, const std::vector<at::Tensor>& momenta,
                const std::vector<MuonHyper>& hyper, at::ScalarType ns_dtype = at::kFloat,

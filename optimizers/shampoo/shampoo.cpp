@@ -5,25 +5,32 @@
 #include <algorithm>
 #include <chrono>
 #include <cmath>
+#include <limits>
 #include <map>
 #include <mutex>
 #include <stdexcept>
 #include <tuple>
 
-#include "optimizers/common/finite.h"
+#include "optimizers/common/step_gate.h"
 #include "optimizers/common/matrices.h"
 
 namespace rfsdp {
 
 namespace {
 
-void check_options(const ShampooOptions& o) {
+void check_options(const ShampooOptions& o, const ShampooConfig& c) {
   if (!(o.lr >= 0) || o.beta1 < 0 || o.beta1 >= 1 || o.beta2 < 0 || o.beta2 > 1 ||
       !(o.epsilon >= 0) || o.grafting_beta2 < 0 || o.grafting_beta2 >= 1 ||
       !(o.grafting_epsilon > 0) || !(o.weight_decay >= 0)) {
     throw std::invalid_argument(
         "Shampoo: need lr >= 0, 0 <= beta1 < 1, 0 <= beta2 <= 1, epsilon >= 0, "
         "0 <= grafting_beta2 < 1, grafting_epsilon > 0, weight_decay >= 0");
+  }
+  if (c.rank_deficient == RankDeficient::Shift && !(o.epsilon > 0)) {
+    throw std::invalid_argument(
+        "Shampoo: rank_deficient=\"shift\" lifts the smallest eigenvalue of every factor to "
+        "epsilon, so it needs epsilon > 0 (got 0); use rank_deficient=\"pseudo_inverse\" for "
+        "epsilon = 0");
   }
 }
 
@@ -42,6 +49,9 @@ void check_config(const ShampooConfig& c) {
   }
   if (c.factor_dtype != at::kFloat && c.factor_dtype != at::kBFloat16) {
     throw std::invalid_argument("Shampoo: factor_dtype must be float32 or bfloat16");
+  }
+  if (!(c.rank_rtol < 1)) {  // NaN, or every eigenvalue dropped
+    throw std::invalid_argument("Shampoo: rank_rtol must be < 1 (negative: n * eps(float32))");
   }
 }
 
@@ -120,26 +130,55 @@ std::vector<ShampooTile> shampoo_tiles(const ParamShard& p, size_t param, int64_
   return out;
 }
 
+RankDeficient parse_rank_deficient(const std::string& s) {
+  if (s == "shift") return RankDeficient::Shift;
+  if (s == "pseudo_inverse") return RankDeficient::PseudoInverse;
+  if (s == "strict") return RankDeficient::Strict;
+  throw std::invalid_argument("Shampoo: rank_deficient must be \"shift\", \"pseudo_inverse\" or "
+                              "\"strict\", got \"" + s + "\"");
+}
+
+const char* to_string(RankDeficient r) {
+  switch (r) {
+    case RankDeficient::Shift: return "shift";
+    case RankDeficient::PseudoInverse: return "pseudo_inverse";
+    case RankDeficient::Strict: return "strict";
+  }
+  return "?";
+}
+
 std::vector<at::Tensor> inverse_fourth_roots(const std::vector<at::Tensor>& a,
                                              std::vector<bool>* ok, int64_t* retries,
-                                             const std::vector<double>& floors) {
+                                             const RootRule& rule) {
   const size_t n = a.size();
-  if (!floors.empty() && floors.size() != n) {
-    throw std::invalid_argument("inverse_fourth_roots: one floor per matrix");
+  if (rule.mode == RankDeficient::Shift && rule.floors.size() != n) {
+    throw std::invalid_argument("inverse_fourth_roots: the shift rule needs one floor per matrix");
   }
   std::vector<at::Tensor> out(n);
   ok->assign(n, false);
   if (n == 0) return out;
-  // One eigendecomposition: A = Q diag(l) Q^T; A^-1/4 = Q diag(l^-1/4) Q^T when
-  // every l is finite and positive (after the floor, if any) and the root finite.
+  // One eigendecomposition A = Q diag(l) Q^T gives A^-1/4 = Q diag(s) Q^T, with
+  // s = l^-1/4 for the eigenvalues the rule keeps (after its shift) and 0 for those
+  // it drops; a failure where l or the root is not finite, or (Strict) l <= 0.
   auto root = [&](size_t k, at::Tensor l, const at::Tensor& q, at::Tensor* r) {
     if (!at::isfinite(l).all().item<bool>()) return false;
-    if (!floors.empty()) {
-      const double lo = l.min().item<double>();
-      if (lo < floors[k]) l = l - lo + floors[k];
+    at::Tensor s;
+    if (rule.mode == RankDeficient::PseudoInverse) {
+      const double rtol = rule.rtol >= 0 ? rule.rtol
+                                         : static_cast<double>(l.size(-1)) *
+                                               std::numeric_limits<float>::epsilon();
+      const double cut = std::max(0.0, rtol * l.max().item<double>());
+      const at::Tensor keep = l > cut;
+      s = at::where(keep, at::where(keep, l, at::ones_like(l)).pow(-0.25), at::zeros_like(l));
+    } else {
+      if (rule.mode == RankDeficient::Shift) {
+        const double lo = l.min().item<double>();
+        if (lo < rule.floors[k]) l = l - lo + rule.floors[k];
+      }
+      if (!(l > 0).all().item<bool>()) return false;
+      s = l.pow(-0.25);
     }
-    if (!(l > 0).all().item<bool>()) return false;
-    *r = at::matmul(q * l.pow(-0.25).unsqueeze(-2), q.transpose(-1, -2));
+    *r = at::matmul(q * s.unsqueeze(-2), q.transpose(-1, -2));
     return static_cast<bool>(at::isfinite(*r).all().item<bool>());
   };
   auto single = [&](size_t k, at::ScalarType dt, at::Tensor* r) {
@@ -177,8 +216,8 @@ std::vector<at::Tensor> inverse_fourth_roots(const std::vector<at::Tensor>& a,
 Shampoo::Shampoo(std::vector<ParamShard> params, ShampooOptions options, ShampooConfig config,
                  std::shared_ptr<Comm> comm, std::vector<bool> precondition)
     : params_(std::move(params)), options_(options), config_(config), comm_(std::move(comm)) {
-  check_options(options_);
   check_config(config_);
+  check_options(options_, config_);
   const size_t n = params_.size();
   if (!precondition.empty() && precondition.size() != n) {
     throw std::invalid_argument("Shampoo: " + std::to_string(precondition.size()) +
@@ -227,7 +266,7 @@ Shampoo::Shampoo(std::vector<ParamShard> params, ShampooOptions options, Shampoo
 }
 
 void Shampoo::set_param_options(size_t i, const ShampooOptions& o) {
-  check_options(o);
+  check_options(o, config_);
   param_options_.at(i) = o;
   has_param_options_.at(i) = true;
 }
@@ -277,7 +316,9 @@ at::Tensor Shampoo::unpack(const at::Tensor& flat, int64_t offset, int64_t n) {
   return full;
 }
 
-void Shampoo::update_roots(const std::vector<size_t>& due) {
+void Shampoo::compute_roots(const std::vector<size_t>& due, const std::vector<at::Tensor>& new_left,
+                            const std::vector<at::Tensor>& new_right,
+                            std::vector<std::pair<at::Tensor, at::Tensor>>* new_roots) {
   const auto t0 = std::chrono::steady_clock::now();
   // Every factor whose root is due, grouped by size: one batched eigh per size.
   struct Job {
@@ -286,99 +327,131 @@ void Shampoo::update_roots(const std::vector<size_t>& due) {
   };
   std::map<int64_t, std::vector<Job>> by_size;
   std::map<int64_t, std::vector<at::Tensor>> mats;
-  std::map<int64_t, std::vector<double>> floors;  // bf16 factors only (see inverse_fourth_roots)
-  const bool floored = config_.factor_dtype != at::kFloat;
+  std::map<int64_t, RootRule> rules;
   for (size_t i : due) {
     const ParamState& s = state_[i];
     const ShampooOptions& o = options_of(i);
     const bool correct = config_.use_bias_correction && o.beta2 < 1;
-    const double bc = correct ? 1.0 - std::pow(o.beta2, static_cast<double>(steps_[i])) : 1.0;
+    const double bc = correct ? 1.0 - std::pow(o.beta2, static_cast<double>(steps_[i] + 1)) : 1.0;
     for (size_t k : s.tiles) {
       const ShampooTile& t = tiles_[k];
       for (bool left : {true, false}) {
         const int64_t d = left ? t.rows : t.cols;
-        at::Tensor a = unpack(left ? s.left : s.right, left ? t.left_offset : t.right_offset, d) / bc;
+        at::Tensor a = unpack(left ? new_left[k] : new_right[k], 0, d) / bc;
         a.diagonal().add_(o.epsilon);
         by_size[d].push_back({k, left});
         mats[d].push_back(a);
-        if (floored) floors[d].push_back(o.epsilon);
+        RootRule& rule = rules[d];
+        rule.mode = config_.rank_deficient;
+        rule.rtol = config_.rank_rtol;
+        if (rule.mode == RankDeficient::Shift) rule.floors.push_back(o.epsilon);
       }
     }
   }
   std::vector<bool> failed(tiles_.size(), false);
   for (auto& [d, jobs] : by_size) {
     std::vector<bool> ok;
-    const auto roots = inverse_fourth_roots(mats[d], &ok, &fp64_retries_, floors[d]);
+    const auto roots = inverse_fourth_roots(mats[d], &ok, &fp64_retries_, rules[d]);
     for (size_t j = 0; j < jobs.size(); ++j) {
-      const ShampooTile& t = tiles_[jobs[j].tile];
-      if (!ok[j]) {  // keep the previous root
+      if (!ok[j]) {  // the previous root is kept
         failed[jobs[j].tile] = true;
         continue;
       }
-      ParamState& s = state_[t.param];
-      (jobs[j].left ? s.root_l : s.root_r)
-          .narrow(0, jobs[j].left ? t.left_offset : t.right_offset, shampoo_packed_size(d))
-          .copy_(pack(roots[j]));
-    }
-  }
-  for (size_t i : due) {
-    ParamState& s = state_[i];
-    for (size_t j = 0; j < s.tiles.size(); ++j) {
-      int64_t& f = s.failures.data_ptr<int64_t>()[j];
-      f = failed[s.tiles[j]] ? f + 1 : 0;
-      if (f >= 3) {
-        throw std::runtime_error("Shampoo: the inverse roots of " +
-                                 tile_name(params_[i], tiles_[s.tiles[j]]) +
-                                 " failed 3 times in a row in fp32 and fp64 (non-finite or "
-                                 "non-positive eigenvalues): raise epsilon, or check the "
-                                 "gradients");
-      }
+      auto& slot = (*new_roots)[jobs[j].tile];
+      (jobs[j].left ? slot.first : slot.second) = pack(roots[j]);
     }
   }
   root_seconds_ += std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  for (size_t i : due) {
+    const ParamState& s = state_[i];
+    for (size_t j = 0; j < s.tiles.size(); ++j) {
+      const size_t k = s.tiles[j];
+      if (failed[k]) {
+        (*new_roots)[k] = {};  // both sides kept, as the failure count says
+        if (s.failures.data_ptr<int64_t>()[j] + 1 >= 3) {
+          throw std::runtime_error(
+              "the inverse roots of " + tile_name(params_[i], tiles_[k]) +
+              " failed 3 times in a row in fp32 and fp64 (" +
+              (config_.rank_deficient == RankDeficient::Strict
+                   ? std::string("non-finite or non-positive eigenvalues, or no convergence: "
+                                 "rank_deficient=\"strict\" refuses rank-deficient factors; use "
+                                 "\"shift\" or \"pseudo_inverse\", or raise epsilon")
+                   : std::string("non-finite eigenvalues or roots, or no convergence: check the "
+                                 "gradients")) +
+              ")");
+        }
+      }
+    }
+  }
 }
 
 void Shampoo::step() {
-  std::vector<at::Tensor> grads;
-  for (const auto& p : params_) {
-    if (p.grad.defined()) grads.push_back(p.grad);
-  }
-  if (config_.check_finite && !all_ranks_finite(comm_.get(), grads)) {
-    throw std::runtime_error("Shampoo step: a gradient on some rank holds NaN or Inf; the step "
-                             "was not taken on any rank (check the loss, lower the learning "
-                             "rate, or clip gradients)");
+  StepGate gate(comm_.get(), "Shampoo step");
+  if (config_.check_finite) {
+    for (const auto& p : params_) gate.check_finite(p.name, p.grad);
   }
   at::NoGradGuard no_grad;
-  std::vector<size_t> stepped, due;
+  // What this step would store, computed before anything changes: the factors of
+  // the tiles whose roots are due (packed, in the factor dtype), and their roots.
+  std::vector<size_t> due;
+  for (size_t i = 0; i < params_.size(); ++i) {
+    if (params_[i].grad.defined() && precondition_[i] &&
+        (steps_[i] + 1) % config_.precondition_frequency == 0) {
+      due.push_back(i);
+    }
+  }
+  std::vector<at::Tensor> new_left(tiles_.size()), new_right(tiles_.size());
+  std::vector<std::pair<at::Tensor, at::Tensor>> new_roots(tiles_.size());
+  if (!due.empty()) {
+    gate.check_device_now();  // no roots of NaN gradients (counted as root failures)
+    if (!gate.failed()) {
+      gate.guard([&] {
+        for (size_t i : due) {
+          for (size_t k : state_[i].tiles) {
+            const ShampooTile& tl = tiles_[k];
+            new_left[k] = at::empty({shampoo_packed_size(tl.rows)}, state_[i].left.options());
+            new_right[k] = at::empty({shampoo_packed_size(tl.cols)}, state_[i].right.options());
+            update_factors(i, k, new_left[k], new_right[k]);
+          }
+        }
+        compute_roots(due, new_left, new_right, &new_roots);
+      });
+    }
+  }
+  gate.agree();  // every rank can take the step: from here on it changes state
+  std::vector<size_t> stepped;
   for (size_t i = 0; i < params_.size(); ++i) {
     if (!params_[i].grad.defined()) continue;
-    const int64_t t = ++steps_[i];
+    ++steps_[i];
     const ShampooOptions& o = options_of(i);
     ParamState& s = state_[i];
     const at::Tensor g = params_[i].grad.view({-1});
     s.v.view({-1}).mul_(o.grafting_beta2).addcmul_(g, g, 1.0 - o.grafting_beta2);
     s.m.view({-1}).mul_(o.beta1).add_(g, 1.0 - o.beta1);
     if (precondition_[i]) {
-      const double c = o.beta2 < 1 ? 1.0 - o.beta2 : 1.0;
-      for (size_t k : s.tiles) {
+      for (size_t j = 0; j < s.tiles.size(); ++j) {
+        const size_t k = s.tiles[j];
         const ShampooTile& tl = tiles_[k];
-        const at::Tensor gt = tile_of(g, tl);
         at::Tensor l = s.left.narrow(0, tl.left_offset, shampoo_packed_size(tl.rows));
         at::Tensor r = s.right.narrow(0, tl.right_offset, shampoo_packed_size(tl.cols));
-        const at::Tensor gg_l = pack(at::mm(gt, gt.t())), gg_r = pack(at::mm(gt.t(), gt));
-        if (config_.factor_dtype == at::kFloat) {
-          l.mul_(o.beta2).add_(gg_l, c);
-          r.mul_(o.beta2).add_(gg_r, c);
-        } else {  // stored in bf16, updated in fp32
-          l.copy_(l.to(at::kFloat).mul_(o.beta2).add_(gg_l, c));
-          r.copy_(r.to(at::kFloat).mul_(o.beta2).add_(gg_r, c));
+        if (new_left[k].defined()) {  // due: computed above
+          l.copy_(new_left[k]);
+          r.copy_(new_right[k]);
+          int64_t& f = s.failures.data_ptr<int64_t>()[j];
+          if (new_roots[k].first.defined()) {
+            s.root_l.narrow(0, tl.left_offset, shampoo_packed_size(tl.rows)).copy_(new_roots[k].first);
+            s.root_r.narrow(0, tl.right_offset, shampoo_packed_size(tl.cols)).copy_(new_roots[k].second);
+            f = 0;
+          } else {
+            ++f;
+          }
+        } else {
+          update_factors(i, k, l, r);
         }
       }
-      if (t % config_.precondition_frequency == 0) due.push_back(i);
     }
     stepped.push_back(i);
   }
-  if (!due.empty()) update_roots(due);
   for (size_t i : stepped) {
     const int64_t t = steps_[i];
     const ShampooOptions& o = options_of(i);
@@ -405,6 +478,28 @@ void Shampoo::step() {
     }
     params_[i].param.view({-1}).mul_(1.0 - o.lr * o.weight_decay).add_(u, -o.lr);
   }
+}
+
+void Shampoo::update_factors(size_t i, size_t k, const at::Tensor& l_out,
+                             const at::Tensor& r_out) const {
+  const ShampooOptions& o = options_of(i);
+  const ParamState& s = state_[i];
+  const ShampooTile& tl = tiles_[k];
+  const double c = o.beta2 < 1 ? 1.0 - o.beta2 : 1.0;
+  const at::Tensor gt = tile_of(params_[i].grad.view({-1}), tl);
+  // f <- b2 f + c gg in fp32, stored in the factor dtype: in place where out is the
+  // float32 state itself, else through a float32 copy.
+  auto update = [&](const at::Tensor& f, const at::Tensor& gg, const at::Tensor& out) {
+    if (out.data_ptr() == f.data_ptr() && f.scalar_type() == at::kFloat) {
+      out.mul_(o.beta2).add_(gg, c);
+    } else {
+      out.copy_(f.to(at::kFloat).mul(o.beta2).add_(gg, c));
+    }
+  };
+  update(s.left.narrow(0, tl.left_offset, shampoo_packed_size(tl.rows)), pack(at::mm(gt, gt.t())),
+         l_out);
+  update(s.right.narrow(0, tl.right_offset, shampoo_packed_size(tl.cols)), pack(at::mm(gt.t(), gt)),
+         r_out);
 }
 
 std::vector<std::pair<std::string, at::Tensor>> Shampoo::state(size_t i) const {

@@ -11,13 +11,19 @@
 // and per tile of it, with G the tile of g:
 //   L <- b2 L + c G G^T;  R <- b2 R + c G^T G   (c = 1 - b2, or 1 when b2 = 1)
 //   when t % frequency == 0: L^-1/4, R^-1/4 of A = L / (1 - b2^t) + eps I (bias
-//   correction optional) by symmetric eigendecomposition, fp32, retried in fp64;
-//   a root that fails both keeps the previous one (identity at first), and three
-//   failures in a row on one tile are an error naming the tensor and the tile
+//   correction optional) by symmetric eigendecomposition in fp32 (retried in
+//   fp64 where it does not converge or is not finite), its eigenvalues treated
+//   as the rank_deficient rule says (see RankDeficient); a root that fails
+//   keeps the previous one (identity at first), and three failures in a row on
+//   one tile are an error naming the tensor and the tile
 //   when t >= start: P = L^-1/4 M^ R^-1/4 scaled to |D|_F (D where |P| = 0), else P = D
 //   X <- X (1 - lr wd) - lr P
 // Parameters that are not preconditioned (1-D ones, use_shampoo=False groups)
 // take D alone: AdamW.
+//
+// A step changes nothing until every rank agreed that it can be taken (StepGate:
+// NaN/Inf gradients, root failures, errors, on any rank): the roots are computed
+// first, from the factors the step would store.
 #pragma once
 
 #include <ATen/ATen.h>
@@ -38,6 +44,24 @@ struct ShampooOptions {
   double grafting_beta2 = 0.999, grafting_epsilon = 1e-8, weight_decay = 0.0;
 };
 
+// What the inverse root does with the eigenvalues l of A = L / bc + eps I, which
+// are >= eps in exact arithmetic but, for a rank-deficient factor (a tile whose
+// gradients span fewer than its rows: rare tokens, zero rows, low-rank
+// updates), fall below eps, or below zero, by rounding (about -1e-8 l_max in
+// fp32, -2^-9 l_max in bf16).
+enum class RankDeficient {
+  // l <- l - l_min + eps where l_min < eps: the spectrum lifted so that its
+  // smallest eigenvalue is eps (DistributedShampoo's perturbation). Needs eps > 0.
+  Shift,
+  // l <= rank_rtol * l_max count as zero: their directions get no
+  // preconditioning (a zero root there; a tile whose root is all zero takes D).
+  PseudoInverse,
+  // Any l <= 0 is a failure (retried in fp64): the three-failures error.
+  Strict,
+};
+RankDeficient parse_rank_deficient(const std::string& s);  // "shift" | "pseudo_inverse" | "strict"
+const char* to_string(RankDeficient r);
+
 // Settings that shape the state: one per optimizer.
 struct ShampooConfig {
   int64_t max_preconditioner_dim = 1024;
@@ -46,6 +70,10 @@ struct ShampooConfig {
   bool use_bias_correction = true;
   at::ScalarType factor_dtype = at::kFloat;  // of L, R and the roots (compute: fp32)
   bool check_finite = true;                   // NaN/Inf gradients: every rank throws
+  RankDeficient rank_deficient = RankDeficient::Shift;
+  // PseudoInverse's threshold relative to l_max; < 0: n * eps(float32) for an n x n
+  // factor (torch.linalg.matrix_rank's default tolerance).
+  double rank_rtol = -1.0;
 };
 
 // One tile of a parameter on this rank: rows [row0, row0 + rows) and columns
@@ -70,17 +98,23 @@ std::vector<ShampooTile> shampoo_tiles(const ParamShard& shard, size_t param, in
 // The granule (rows of `shape` seen with row_dims) that keeps every tile on one rank.
 int64_t shampoo_granule_rows(const std::vector<int64_t>& shape, int row_dims, int64_t max_dim);
 
-// A^(-1/4) of symmetric positive definite matrices of one size (batched eigh in
-// fp32, each failure retried alone in fp64). ok[k] is false where both failed
-// (a non-finite or non-positive eigenvalue, or no convergence); out[k] is then
-// undefined. Counts the fp64 retries in *retries.
-// floors (one per matrix, or empty): where the smallest eigenvalue l_min is below
-// floors[k], every eigenvalue becomes l - l_min + floors[k] (DistributedShampoo's
-// perturbation) instead of failing. For factors stored in bf16, whose rounding
-// makes them indefinite by up to about 2^-9 of their largest eigenvalue.
+// How inverse_fourth_roots treats the eigenvalues (see RankDeficient):
+// floors[k] is matrix k's eps (Shift), rtol PseudoInverse's threshold (< 0: n *
+// eps(float32)).
+struct RootRule {
+  RankDeficient mode = RankDeficient::Strict;
+  std::vector<double> floors;  // one per matrix (Shift)
+  double rtol = -1.0;
+};
+
+// A^(-1/4) of symmetric matrices of one size (batched eigh in fp32, each
+// failure retried alone in fp64), their eigenvalues treated by `rule`. ok[k] is
+// false where both failed (no convergence, a non-finite eigenvalue or root, or
+// under Strict a non-positive eigenvalue); out[k] is then undefined. Counts
+// the fp64 retries in *retries.
 std::vector<at::Tensor> inverse_fourth_roots(const std::vector<at::Tensor>& a,
                                              std::vector<bool>* ok, int64_t* retries = nullptr,
-                                             const std::vector<double>& floors = {});
+                                             const RootRule& rule = {});
 
 class Shampoo {
  public:
@@ -124,7 +158,17 @@ class Shampoo {
   const ShampooOptions& options_of(size_t i) const {
     return has_param_options_[i] ? param_options_[i] : options_;
   }
-  void update_roots(const std::vector<size_t>& params_due);
+  // Tile k of parameter i's factors L, R after this step's gradient, written to
+  // l_out, r_out (packed, the factor dtype): the state's own views (in place), or
+  // new tensors (the state is then left as it is).
+  void update_factors(size_t i, size_t k, const at::Tensor& l_out, const at::Tensor& r_out) const;
+  // The roots of the due parameters' tiles from the factors this step would
+  // store (new_left, new_right: packed, by tile), into new_roots (packed, by tile;
+  // undefined where the root failed). Changes no state; throws where a tile has
+  // now failed three times in a row (the gate then stops every rank).
+  void compute_roots(const std::vector<size_t>& due, const std::vector<at::Tensor>& new_left,
+                     const std::vector<at::Tensor>& new_right,
+                     std::vector<std::pair<at::Tensor, at::Tensor>>* new_roots);
   // Symmetric matrices packed as upper triangles: the n x n matrix at `offset` of
   // `flat` as a full fp32 matrix, and a full matrix packed (float32).
   static at::Tensor unpack(const at::Tensor& flat, int64_t offset, int64_t n);

@@ -68,6 +68,19 @@ def _run_closure(closure):
         return closure()
 
 
+def _agreed(comm, name, prepare):
+    """Runs prepare() (this rank's part of a step before its first collective). If
+    it raises, the error goes to the step gate the other ranks' step() opens with,
+    so every rank raises the same error at once (naming this rank) instead of
+    waiting for this one in a collective."""
+    try:
+        prepare()
+    except (ValueError, TypeError, RuntimeError, IndexError) as e:
+        _C.step_gate(comm, name + " step", [], "%s: %s" % (type(e).__name__, e),
+                     isinstance(e, (ValueError, TypeError, IndexError)))
+        raise  # not reached: the gate raised
+
+
 def _check_grad_layout(name, g):
     if g.dtype != torch.float32 or not g.is_contiguous():
         raise ValueError("%s: gradients must be contiguous float32" % name)
@@ -145,16 +158,19 @@ class _OverCpp(torch.optim.Optimizer):
         """Hands every parameter its gradient (None: it skips) and options(group),
         its group's hyperparameters as the C++ set_options takes them; then steps."""
         self._bind()
-        i = 0
-        for group in self.param_groups:
-            opts = options(group)
-            for p in group["params"]:
-                if p.grad is not None:
-                    _check_grad_layout(type(self).__name__, p.grad)
-                self._impl.set_grad(i, p.grad)
-                self._impl.set_options(i, *opts)
-                i += 1
-        self._impl.step()  # NaN/Inf: every rank raises before anything changes
+
+        def prepare():
+            i = 0
+            for group in self.param_groups:
+                opts = options(group)
+                for p in group["params"]:
+                    if p.grad is not None:
+                        _check_grad_layout(type(self).__name__, p.grad)
+                    self._impl.set_grad(i, p.grad)
+                    self._impl.set_options(i, *opts)
+                    i += 1
+        _agreed(self.comm, type(self).__name__, prepare)
+        self._impl.step()  # NaN/Inf, any error: every rank raises before anything changes
         self._stepped.update(id(p) for p in self._bound_params if p.grad is not None)
         self._publish()
 
@@ -295,27 +311,29 @@ class Muon(_OverCpp):
         params = self._bound_params
         group_of = {id(p): g for g in self.param_groups for p in g["params"]}
         grads = []
-        for k, i in enumerate(self._muon_idx):
-            p, g = params[i], group_of[id(params[i])]
-            if p.grad is None:  # a rank without a gradient still takes part in the collectives
-                p.grad = torch.zeros_like(p)
-            _check_grad_layout(type(self).__name__, p.grad)
-            self.layout.set_grad(k, p.grad)
-            self.layout.set_hyper(k, g["lr"], g["momentum"], g["weight_decay"], bool(g["nesterov"]),
-                                  g["adjust_lr"])
-            grads.append(p.grad)
-        for k, i in enumerate(self._aux_idx):
-            p, g = params[i], group_of[id(params[i])]
-            if p.grad is not None:
+
+        def prepare():
+            for k, i in enumerate(self._muon_idx):
+                p, g = params[i], group_of[id(params[i])]
+                if p.grad is None:  # a rank without a gradient still takes part in the collectives
+                    p.grad = torch.zeros_like(p)
                 _check_grad_layout(type(self).__name__, p.grad)
-                grads.append(p.grad)
-            b1, b2 = g["betas"]
-            self._aux.set_grad(k, p.grad)
-            self._aux.set_options(k, g["lr"], b1, b2, g["eps"], g["weight_decay"])
-        if not _C.all_ranks_finite(self.comm, grads):  # every rank agrees, before any change
-            raise RuntimeError("Muon: a gradient on some rank holds NaN or Inf; the step was not "
-                               "taken on any rank (check the loss, lower the learning rate, or "
-                               "clip gradients)")
+                self.layout.set_grad(k, p.grad)
+                self.layout.set_hyper(k, g["lr"], g["momentum"], g["weight_decay"],
+                                      bool(g["nesterov"]), g["adjust_lr"])
+                grads.append((self.layout.param_name(k), p.grad))
+            for k, i in enumerate(self._aux_idx):
+                p, g = params[i], group_of[id(params[i])]
+                if p.grad is not None:
+                    _check_grad_layout(type(self).__name__, p.grad)
+                    grads.append((self._aux.param_name(k), p.grad))
+                b1, b2 = g["betas"]
+                self._aux.set_grad(k, p.grad)
+                self._aux.set_options(k, g["lr"], b1, b2, g["eps"], g["weight_decay"])
+        _agreed(self.comm, "Muon", prepare)
+        # One gate over both parts (NaN/Inf), so neither changes anything alone; the
+        # Muon part agrees its roots again before it changes anything.
+        _C.step_gate(self.comm, "Muon step", grads)
         self.layout.step()
         self._aux.step()
         self._stepped.update(id(params[i]) for i in self._muon_idx)
@@ -341,13 +359,27 @@ class Shampoo(_OverCpp):
     by eigendecomposition in fp32, retried in fp64; from start_preconditioning_step
     on, P = L^-1/4 M^ R^-1/4 scaled to |D| per tile, else D; X <- X (1 - lr wd) - lr P.
     factor_dtype=torch.bfloat16 stores L, R and the roots in bf16 (computed in fp32).
+
+    Rank-deficient factors (rare tokens' rows, zero rows, low-rank gradients) are
+    normal: rounding then puts their smallest eigenvalues below epsilon, or below
+    zero (about -1e-8 of the largest in fp32, -2^-9 in bf16). rank_deficient says
+    what the root does with them: "shift" (default; DistributedShampoo's
+    perturbation) lifts the spectrum so its smallest eigenvalue is epsilon (needs
+    epsilon > 0); "pseudo_inverse" treats eigenvalues <= rank_rtol * the largest as
+    zero, leaving their directions unpreconditioned (rank_rtol None: n * eps(float32)
+    for an n x n factor); "strict" fails on any eigenvalue <= 0 (retried in fp64;
+    three failures in a row on one tile are an error). Roots that do not converge
+    or are not finite fail in every mode. Any failure, on any rank, stops the step
+    on every rank before anything changes.
     """
+
+    RANK_DEFICIENT = ("shift", "pseudo_inverse", "strict")
 
     def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), epsilon=1e-12, grafting_beta2=0.999,
                  grafting_epsilon=1e-8, weight_decay=0.0, max_preconditioner_dim=1024,
                  precondition_frequency=20, start_preconditioning_step=20,
-                 use_bias_correction=True, factor_dtype=torch.float32, process_group=None,
-                 timeout_seconds=300.0):
+                 use_bias_correction=True, factor_dtype=torch.float32, rank_deficient="shift",
+                 rank_rtol=None, process_group=None, timeout_seconds=300.0):
         if lr < 0 or not (0 <= betas[0] < 1 and 0 <= betas[1] <= 1) or epsilon < 0 \
                 or not (0 <= grafting_beta2 < 1) or grafting_epsilon <= 0 or weight_decay < 0:
             raise ValueError("Shampoo: need lr >= 0, 0 <= beta1 < 1, 0 <= beta2 <= 1, "
@@ -365,11 +397,23 @@ class Shampoo(_OverCpp):
                              % (start_preconditioning_step, precondition_frequency))
         if factor_dtype not in (torch.float32, torch.bfloat16):
             raise ValueError("Shampoo: factor_dtype must be torch.float32 or torch.bfloat16")
+        if rank_deficient not in self.RANK_DEFICIENT:
+            raise ValueError("Shampoo: rank_deficient must be one of %s, got %r"
+                             % (self.RANK_DEFICIENT, rank_deficient))
+        if rank_rtol is not None and not (0 <= rank_rtol < 1):
+            raise ValueError("Shampoo: rank_rtol must be in [0, 1) (None: n * eps(float32) for an "
+                             "n x n factor), got %r" % (rank_rtol,))
+        if rank_deficient == "shift" and not epsilon > 0:
+            raise ValueError("Shampoo: rank_deficient='shift' lifts the smallest eigenvalue of "
+                             "every factor to epsilon, so it needs epsilon > 0; use "
+                             "rank_deficient='pseudo_inverse' for epsilon = 0")
         self.config = dict(max_preconditioner_dim=max_preconditioner_dim,
                            precondition_frequency=precondition_frequency,
                            start_preconditioning_step=start_preconditioning_step,
                            use_bias_correction=bool(use_bias_correction),
-                           factor_dtype=str(factor_dtype).replace("torch.", ""))
+                           factor_dtype=str(factor_dtype).replace("torch.", ""),
+                           rank_deficient=rank_deficient,
+                           rank_rtol=-1.0 if rank_rtol is None else float(rank_rtol))
         super().__init__(params, dict(lr=lr, betas=betas, epsilon=epsilon,
                                       grafting_beta2=grafting_beta2,
                                       grafting_epsilon=grafting_epsilon, weight_decay=weight_decay,
@@ -385,7 +429,8 @@ class Shampoo(_OverCpp):
                                 self.config["precondition_frequency"],
                                 self.config["start_preconditioning_step"],
                                 self.config["use_bias_correction"], self.config["factor_dtype"],
-                                self.comm)
+                                self.comm, self.config["rank_deficient"],
+                                self.config["rank_rtol"])
         return [(self._impl, list(range(len(params))))]
 
     @torch.no_grad()

@@ -3,6 +3,7 @@
 #include <gtest/gtest.h>
 
 #include <algorithm>
+#include <chrono>
 #include <cmath>
 #include <map>
 #include <mutex>
@@ -321,6 +322,90 @@ TEST(Muon, NanGradientOnOneRankStopsEveryRankBeforeAnyChange) {
   });
   for (const auto& e : errors) EXPECT_TRUE(e) << "a rank took the step";
 }
+
+class MuonGate : public ::testing::TestWithParam<int> {};
+
+TEST_P(MuonGate, ARootFailureOnOneRanksMatrixStopsEveryRankAtOnceAndALaterStepWorks) {
+  // Two 12 x 5 matrices cut by rows over the ranks, each rooted on its own rank.
+  // With the NaN check off (as the Python wrapper runs it, having checked both of
+  // its parts), a NaN in one rank's piece of "a" reaches a's root, whose
+  // Newton–Schulz result is not finite: every rank raises that, naming the
+  // matrix and its root, before any momentum or parameter changed.
+  const int world = GetParam();
+  const uint64_t seed = fresh_seed();
+  SCOPED_TRACE("seed " + std::to_string(seed));
+  std::mutex mu;
+  std::vector<std::string> messages(world);
+  std::vector<double> seconds(world);
+  int root_of_a = -1;
+  run_local_ranks(world, [&](Comm& comm) {
+    const int64_t rows = 12, cols = 5;
+    auto piece = [&](int r) {  // rows [b, e) of rank r
+      return std::make_pair(rows * r / world, rows * (r + 1) / world);
+    };
+    const auto [b, e] = piece(comm.rank());
+    std::vector<ParamShard> shards;
+    for (const char* name : {"a", "b"}) {
+      ParamShard p;
+      p.name = name;
+      p.shape = {rows, cols};
+      p.full_rows = rows;
+      p.row_len = cols;
+      p.row_begin = b;
+      p.param = seeded_randn({rows, cols}, seed, name[0]).narrow(0, b, e - b).clone();
+      shards.push_back(p);
+    }
+    MuonOptions o;
+    o.check_finite = false;
+    Muon muon(std::shared_ptr<Comm>(&comm, [](Comm*) {}), shards, o);
+    const int root = muon.layout().matrices()[0].root;
+    auto give = [&](int step, bool nan) {
+      for (size_t i = 0; i < 2; ++i) {
+        at::Tensor g = seeded_randn({rows, cols}, seed, 100 * step + i).narrow(0, b, e - b).clone();
+        // the NaN lands in a piece another rank than the root holds, where there is one
+        if (nan && i == 0 && comm.rank() == (root + 1) % world) g[0][0] = std::nan("");
+        muon.set_grad(i, g);
+      }
+    };
+    give(1, false);
+    muon.step();
+    give(2, true);
+    std::vector<at::Tensor> before;
+    for (size_t i = 0; i < 2; ++i) before.push_back(shards[i].param.clone()), before.push_back(muon.momentum(i).clone());
+    const auto t0 = std::chrono::steady_clock::now();
+    try {
+      muon.step();
+      ADD_FAILURE() << "rank " << comm.rank() << " took the step";
+    } catch (const std::runtime_error& x) {
+      std::lock_guard<std::mutex> lock(mu);
+      messages[comm.rank()] = x.what();
+      seconds[comm.rank()] = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+      root_of_a = root;
+    }
+    for (size_t i = 0; i < 2; ++i) {
+      EXPECT_TRUE(at::equal(shards[i].param, before[2 * i])) << "parameter " << i;
+      EXPECT_TRUE(at::equal(muon.momentum(i), before[2 * i + 1])) << "momentum " << i;
+    }
+    EXPECT_EQ(muon.steps(), 1);
+    give(3, false);  // the ranks step on together
+    muon.step();
+    EXPECT_EQ(muon.steps(), 2);
+    EXPECT_FALSE(at::equal(muon.momentum(0), before[1]));
+  });
+  for (int r = 0; r < world; ++r) {
+    EXPECT_EQ(messages[r], messages[0]) << "rank " << r;
+    EXPECT_LT(seconds[r], 20.0) << "rank " << r << " waited (the harness timeout is 60 s)";
+  }
+  const std::string& m = messages[0];
+  EXPECT_NE(m.find("Muon step: the Newton-Schulz result of matrix 0 of 'a' (12 x 5) is not finite"),
+            std::string::npos) << m;
+  if (world > 1) {
+    EXPECT_NE(m.find("(on rank " + std::to_string(root_of_a) + ")"), std::string::npos) << m;
+    EXPECT_NE(m.find("not taken on any rank"), std::string::npos) << m;
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(Worlds, MuonGate, ::testing::Values(1, 2, 3));
 
 TEST(NewtonSchulz, SingularValuesNearOneInFloat32AndBf16) {
   const uint64_t seed = fresh_seed();

@@ -3,7 +3,9 @@
 // float64 eigh, the fp64 retry and the three-failures error.
 #include <gtest/gtest.h>
 
+#include <chrono>
 #include <cmath>
+#include <functional>
 #include <map>
 #include <mutex>
 #include <random>
@@ -49,9 +51,30 @@ at::Tensor ref_root(const at::Tensor& a) {
   return at::matmul(q * lam.pow(-0.25).unsqueeze(0), q.t());
 }
 
+// The float64 reference of a rule (RankDeficient) on A, eigenvalue by eigenvalue:
+// Shift lifts the spectrum to a smallest eigenvalue of eps where it is below;
+// PseudoInverse keeps eigenvalues above rtol * the largest (root 0 elsewhere);
+// Strict keeps them all.
+at::Tensor ref_root_rule(const at::Tensor& a, RankDeficient mode, double eps, double rtol) {
+  auto [lam, q] = at::linalg_eigh(a.to(at::kDouble));
+  const int64_t n = lam.size(0);
+  std::vector<double> l(n);
+  for (int64_t k = 0; k < n; ++k) l[k] = lam[k].item<double>();
+  const double lo = *std::min_element(l.begin(), l.end());
+  const double hi = *std::max_element(l.begin(), l.end());
+  at::Tensor s = at::zeros({n}, at::kDouble);
+  for (int64_t k = 0; k < n; ++k) {
+    double x = l[k];
+    if (mode == RankDeficient::Shift && lo < eps) x = x - lo + eps;
+    if (mode == RankDeficient::PseudoInverse && !(x > rtol * hi)) continue;
+    s[k] = std::pow(x, -0.25);
+  }
+  return at::matmul(q * s.unsqueeze(0), q.t());
+}
+
 struct RefShampoo {
   ShampooOptions o;
-  ShampooConfig c;
+  ShampooConfig c;  // its rank_deficient rule and rank_rtol (>= 0) are followed
   std::vector<at::Tensor> x, m, v;
   std::vector<std::vector<RefTile>> tiles;
   int64_t t = 0;
@@ -103,13 +126,15 @@ struct RefShampoo {
         tl.r = o.beta2 * tl.r + (1 - o.beta2) * at::matmul(gt.t(), gt);
         if (t % c.precondition_frequency == 0) {
           const double bc = 1 - std::pow(o.beta2, t);
-          tl.rl = ref_root(tl.l / bc + o.epsilon * at::eye(tl.rows, at::kDouble));
-          tl.rr = ref_root(tl.r / bc + o.epsilon * at::eye(tl.cols, at::kDouble));
+          tl.rl = ref_root_rule(tl.l / bc + o.epsilon * at::eye(tl.rows, at::kDouble),
+                                c.rank_deficient, o.epsilon, c.rank_rtol);
+          tl.rr = ref_root_rule(tl.r / bc + o.epsilon * at::eye(tl.cols, at::kDouble),
+                                c.rank_deficient, o.epsilon, c.rank_rtol);
         }
         if (t >= c.start_preconditioning_step) {
           at::Tensor d = ref_view(u, tl);
           const at::Tensor p = at::matmul(at::matmul(tl.rl, ref_view(mh, tl)), tl.rr);
-          d.copy_(p * (d.norm() / p.norm()));
+          if (p.norm().item<double>() > 0) d.copy_(p * (d.norm() / p.norm()));  // else D
         }
       }
       x[i] = x[i] * (1 - o.lr * o.weight_decay) - o.lr * u;
@@ -258,7 +283,8 @@ TEST(ShampooRoots, FloorShiftsAnIndefiniteMatrixInsteadOfFailing) {
   inverse_fourth_roots({a32}, &ok, &retries);
   EXPECT_FALSE(ok[0]);
   const double floor = 1e-4;
-  const auto roots = inverse_fourth_roots({a32, a32}, &ok, &retries, {floor, 10.0});
+  const auto roots = inverse_fourth_roots({a32, a32}, &ok, &retries,
+                                          {RankDeficient::Shift, {floor, 10.0}});
   const at::Tensor x = a32.to(at::kDouble);
   const double lo = std::get<0>(at::linalg_eigh(x)).min().item<double>();
   const at::Tensor id = at::eye(5, at::kDouble);
@@ -272,10 +298,99 @@ TEST(ShampooRoots, FloorShiftsAnIndefiniteMatrixInsteadOfFailing) {
   }
   // A positive definite matrix above the floor is left as it is.
   const at::Tensor pd = (a32 + (0.01 - lo) * at::eye(5)).contiguous();
-  const auto same = inverse_fourth_roots({pd}, &ok, &retries, {1e-6});
+  const auto same = inverse_fourth_roots({pd}, &ok, &retries, {RankDeficient::Shift, {1e-6}});
   ASSERT_TRUE(ok[0]);
   EXPECT_TRUE(at::allclose(same[0].to(at::kDouble), ref_root(pd.to(at::kDouble)), 1e-4, 1e-4));
-  EXPECT_THROW(inverse_fourth_roots({pd}, &ok, &retries, {1e-6, 1e-6}), std::invalid_argument);
+  EXPECT_THROW(inverse_fourth_roots({pd}, &ok, &retries, {RankDeficient::Shift, {1e-6, 1e-6}}),
+               std::invalid_argument);
+}
+
+// A rank-deficient factor as Shampoo makes it: L = G G^T of a rank-r gradient
+// (n x cols) computed in float32, some rows zero; the float32 rounding of the
+// product leaves its n - r zero eigenvalues slightly positive or negative.
+at::Tensor deficient_factor(int64_t n, int64_t r, int64_t cols, int64_t zero_rows, uint64_t seed) {
+  at::Tensor g = at::matmul(seeded_randn({n, r}, seed, 1, at::kDouble),
+                            seeded_randn({r, cols}, seed, 2, at::kDouble))
+                     .to(at::kFloat);
+  g.narrow(0, 0, zero_rows).zero_();
+  return at::mm(g, g.t()) / static_cast<double>(cols);
+}
+
+// The largest |x - want| over the largest |want|.
+double rel_error(const at::Tensor& x, const at::Tensor& want) {
+  return (x.to(at::kDouble) - want).abs().max().item<double>() / want.abs().max().item<double>();
+}
+
+TEST(ShampooRoots, RankDeficientFactorsUnderEachRuleEqualTheirFloat64Reference) {
+  // Rank 5 of 12 with 3 zero rows, eps large enough that rounding (about 1e-7 of
+  // the largest eigenvalue) cannot move which eigenvalues a rule shifts or drops.
+  const uint64_t seed = fresh_seed();
+  SCOPED_TRACE("seed " + std::to_string(seed));
+  const at::Tensor l = deficient_factor(12, 5, 30, 3, seed);
+  std::vector<bool> ok;
+  for (double eps : {1e-3, 0.0}) {
+    const at::Tensor a = (l + eps * at::eye(12)).contiguous();
+    // Shift (eps > 0 only) and PseudoInverse, against float64 on the same float32 matrix.
+    if (eps > 0) {
+      const auto r = inverse_fourth_roots({a}, &ok, nullptr, {RankDeficient::Shift, {eps}});
+      ASSERT_TRUE(ok[0]);
+      EXPECT_LT(rel_error(r[0], ref_root_rule(a, RankDeficient::Shift, eps, 0)), 1e-3);
+    }
+    const double rtol = 12 * 1.1920929e-7;  // the default: n * eps(float32)
+    const auto p = inverse_fourth_roots({a}, &ok, nullptr, {RankDeficient::PseudoInverse, {}, -1});
+    ASSERT_TRUE(ok[0]);
+    const at::Tensor want = ref_root_rule(a, RankDeficient::PseudoInverse, eps, rtol);
+    EXPECT_LT(rel_error(p[0], want), 1e-3) << "eps " << eps;
+    // The zero rows' directions: no preconditioning (eps = 0) or eps^-1/4 (eps > 0).
+    const at::Tensor corner = p[0].narrow(0, 0, 3).narrow(1, 0, 3).to(at::kDouble);
+    const at::Tensor id = eps > 0 ? std::pow(eps, -0.25) * at::eye(3, at::kDouble)
+                                  : at::zeros({3, 3}, at::kDouble);
+    EXPECT_LT((corner - id).abs().max().item<double>(), 1e-3 * want.abs().max().item<double>());
+  }
+  // Strict: eps keeps it positive definite: fine; eps = 0: its zero eigenvalues fail.
+  inverse_fourth_roots({(l + 1e-3 * at::eye(12)).contiguous()}, &ok, nullptr, {});
+  EXPECT_TRUE(ok[0]);
+  int64_t retries = 0;
+  inverse_fourth_roots({l}, &ok, &retries, {});
+  EXPECT_FALSE(ok[0]);
+  EXPECT_EQ(retries, 1);
+}
+
+TEST(ShampooRoots, AFactorMadeIndefiniteByFloat32RoundingFailsStrictlyButNotUnderShiftOrPseudoInverse) {
+  // What the main job met on AMD EPYC: a 64 x 64 factor of rank 8 whose float32
+  // product left eigenvalues below zero (about -1e-8 of the largest), with the
+  // main job's eps = 1e-10. The matrix itself is indefinite (float64 sees it too),
+  // so the old code, which failed on any eigenvalue <= 0 in fp32 and then fp64
+  // (Strict), fails on it on any CPU.
+  const uint64_t seed = fresh_seed();
+  SCOPED_TRACE("seed " + std::to_string(seed));
+  const double eps = 1e-10;
+  const at::Tensor a = (deficient_factor(64, 8, 64, 0, seed) + eps * at::eye(64)).contiguous();
+  const at::Tensor lam64 = std::get<0>(at::linalg_eigh(a.to(at::kDouble)));
+  const double lmax = lam64.max().item<double>();
+  ASSERT_LT(lam64.min().item<double>(), -1e-9 * lmax) << "the rounding left it positive definite";
+  std::vector<bool> ok;
+  int64_t retries = 0;
+  inverse_fourth_roots({a}, &ok, &retries, {});
+  EXPECT_FALSE(ok[0]) << "strict accepted an indefinite factor";
+  EXPECT_EQ(retries, 1);
+  // Shift: finite and positive definite; on the factor's range (eigenvalues well
+  // above the rounding) it equals the float64 reference.
+  const auto r = inverse_fourth_roots({a}, &ok, nullptr, {RankDeficient::Shift, {eps}});
+  ASSERT_TRUE(ok[0]);
+  const at::Tensor r64 = r[0].to(at::kDouble);
+  EXPECT_GT(std::get<0>(at::linalg_eigh(r64)).min().item<double>(), 0);
+  auto [lam, q] = at::linalg_eigh(a.to(at::kDouble));
+  const at::Tensor range = q.index({at::indexing::Slice(), lam > 1e-4 * lmax});
+  ASSERT_EQ(range.size(1), 8);
+  const at::Tensor want = ref_root_rule(a, RankDeficient::Shift, eps, 0);
+  const at::Tensor on_range = at::matmul(at::matmul(range.t(), r64), range);
+  EXPECT_LT(rel_error(on_range, at::matmul(at::matmul(range.t(), want), range)), 1e-3);
+  // PseudoInverse: the reference's eigenvalues above n * eps(float32) * l_max, the rest 0.
+  const auto p = inverse_fourth_roots({a}, &ok, nullptr, {RankDeficient::PseudoInverse, {}, -1});
+  ASSERT_TRUE(ok[0]);
+  EXPECT_LT(rel_error(p[0], ref_root_rule(a, RankDeficient::PseudoInverse, eps, 64 * 1.1920929e-7)),
+            1e-3);
 }
 
 // --- the optimizer -----------------------------------------------------------------
@@ -310,10 +425,13 @@ ShampooConfig rank_test_config(at::ScalarType factor_dtype = at::kFloat) {
 
 constexpr int kSteps = 30;
 
+using Gradients = std::function<std::vector<at::Tensor>(int step)>;  // full tensors, step >= 1
+
 // kSteps of Shampoo on `world` ranks (threads), planned with the Shampoo granule;
-// returns the full parameters.
+// returns the full parameters. Gradients: full_tensors(seed, step) unless given.
 std::vector<at::Tensor> run_sharded(int world, uint64_t seed, const ShampooOptions& o,
-                                    const ShampooConfig& c) {
+                                    const ShampooConfig& c, Gradients grads = nullptr) {
+  if (!grads) grads = [seed](int step) { return full_tensors(seed, step); };
   const std::vector<at::Tensor> init = full_tensors(seed, 0);
   const Plan plan = plan_unit(unit_specs(kB), world, 16);
   std::vector<at::Tensor> got(kCases.size());
@@ -324,7 +442,7 @@ std::vector<at::Tensor> run_sharded(int world, uint64_t seed, const ShampooOptio
     for (size_t i = 0; i < kCases.size(); ++i) shards.push_back(shard_of(plan, i, comm.rank(), init[i]));
     Shampoo opt(shards, o, c, std::shared_ptr<Comm>(&comm, [](Comm*) {}));
     for (int s = 0; s < kSteps; ++s) {
-      const auto g = full_tensors(seed, s + 1);
+      const auto g = grads(s + 1);
       for (size_t i = 0; i < kCases.size(); ++i) {
         opt.set_grad(i, shard_of(plan, i, comm.rank(), g[i]).param);
       }
@@ -375,7 +493,127 @@ TEST(Shampoo, Bf16FactorsShardLikeOneRankAndStayNearFloat64) {
   expect_close(one, ref.x, 3e-3);  // measured: up to 5e-4
 }
 
+// Gradients that leave every factor rank-deficient: "big" (20 x 19) of rank 3 in
+// a fixed column space (so its momentum stays in that space, as a real layer's
+// does), "odd" with its first 5 rows zero, expert 1 of "experts" zero.
+std::vector<at::Tensor> deficient_gradients(uint64_t seed, int step) {
+  std::vector<at::Tensor> g = full_tensors(seed, step);
+  g[0] = at::matmul(seeded_randn({20, 3}, seed, 999), seeded_randn({3, 19}, seed, 1000 + step));
+  g[1].narrow(0, 0, 5).zero_();
+  g[2][1].zero_();
+  return g;
+}
+
+TEST_P(ShampooRanks, RankDeficientGradientsUnderShiftAndPseudoInverseEqualTheirFloat64Shampoo) {
+  const int world = GetParam();
+  const uint64_t seed = fresh_seed();
+  SCOPED_TRACE("seed " + std::to_string(seed));
+  const Gradients grads = [seed](int step) { return deficient_gradients(seed, step); };
+  for (RankDeficient rule : {RankDeficient::Shift, RankDeficient::PseudoInverse}) {
+    SCOPED_TRACE(to_string(rule));
+    ShampooOptions o = rank_test_options();
+    ShampooConfig c = rank_test_config();
+    c.rank_deficient = rule;
+    if (rule == RankDeficient::PseudoInverse) {
+      o.epsilon = 0;  // the pseudo-inverse alone
+      c.rank_rtol = 1e-4;  // well above float32 rounding, well below the gradients' spectrum
+    }
+    RefShampoo ref(full_tensors(seed, 0), o, c);
+    for (int s = 0; s < kSteps; ++s) ref.step(grads(s + 1));
+    expect_close(run_sharded(world, seed, o, c, grads), ref.x, 2e-4);
+  }
+}
+
 INSTANTIATE_TEST_SUITE_P(Worlds, ShampooRanks, ::testing::Values(1, 2, 3, 4));
+
+// --- a failed step: agreed by every rank, nothing changed ---------------------------
+
+class ShampooGate : public ::testing::TestWithParam<int> {};
+
+TEST_P(ShampooGate, ARootFailureOnOneRanksTileStopsEveryRankAtOnceAndALaterStepWorks) {
+  // One rank's left factors of "big" turn NaN (as a corrupted state would):
+  // every root there fails, the third failure in a row is an error, and every
+  // rank raises it at once, naming the tile and the rank, with nothing changed.
+  const int world = GetParam();
+  const uint64_t seed = fresh_seed();
+  SCOPED_TRACE("seed " + std::to_string(seed));
+  const Plan plan = plan_unit(unit_specs(kB), world, 16);
+  const std::vector<at::Tensor> init = full_tensors(seed, 0);
+  int failing = world - 1;  // the last rank that holds rows of "big"
+  while (shard_of(plan, 0, failing, init[0]).rows() == 0) --failing;
+  const ParamShard last = shard_of(plan, 0, failing, init[0]);
+  ShampooConfig c = rank_test_config();
+  c.precondition_frequency = 1;
+  c.start_preconditioning_step = 1;
+  std::mutex mu;
+  std::vector<std::string> messages(world);
+  std::vector<double> seconds(world);
+  run_local_ranks(world, [&](Comm& comm) {
+    std::vector<ParamShard> shards;
+    for (size_t i = 0; i < kCases.size(); ++i) shards.push_back(shard_of(plan, i, comm.rank(), init[i]));
+    Shampoo opt(shards, rank_test_options(), c, std::shared_ptr<Comm>(&comm, [](Comm*) {}));
+    auto give = [&](int step) {
+      const auto g = full_tensors(seed, step);
+      for (size_t i = 0; i < kCases.size(); ++i) {
+        opt.set_grad(i, shard_of(plan, i, comm.rank(), g[i]).param);
+      }
+    };
+    at::Tensor left;
+    for (auto& [name, t] : opt.state(0)) {
+      if (name == "factor_left") left = t;
+    }
+    give(1), opt.step();
+    if (comm.rank() == failing) left.fill_(std::nan(""));
+    for (int step = 2; step <= 3; ++step) give(step), opt.step();  // failures 1 and 2: roots kept
+    give(4);
+    std::vector<at::Tensor> before;
+    for (size_t i = 0; i < kCases.size(); ++i) {
+      before.push_back(shards[i].param.clone());
+      for (const auto& [name, t] : opt.state(i)) before.push_back(t.clone());
+    }
+    const auto t0 = std::chrono::steady_clock::now();
+    try {
+      opt.step();
+      ADD_FAILURE() << "rank " << comm.rank() << " took the step";
+    } catch (const std::runtime_error& e) {
+      std::lock_guard<std::mutex> lock(mu);
+      messages[comm.rank()] = e.what();
+      seconds[comm.rank()] =
+          std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+    }
+    size_t k = 0;
+    for (size_t i = 0; i < kCases.size(); ++i) {
+      // NaN == NaN for this check: the factors that were NaN stay NaN, bit for bit
+      EXPECT_TRUE(at::equal(shards[i].param, before[k++])) << "parameter " << kCases[i].name;
+      for (const auto& [name, t] : opt.state(i)) {
+        const at::Tensor& b = before[k++];
+        EXPECT_TRUE(at::equal(t.isnan(), b.isnan()) && at::equal(t.nan_to_num(0), b.nan_to_num(0)))
+            << kCases[i].name << " " << name;
+      }
+      EXPECT_EQ(opt.step_count(i), 3);
+    }
+    // The state mended (as a reload would): the ranks step on together.
+    left.zero_();
+    opt.step();
+    EXPECT_EQ(opt.step_count(0), 4);
+  });
+  for (int r = 0; r < world; ++r) {
+    EXPECT_EQ(messages[r], messages[0]) << "rank " << r;
+    EXPECT_LT(seconds[r], 20.0) << "rank " << r << " waited (the harness timeout is 60 s)";
+  }
+  const std::string& m = messages[0];
+  EXPECT_NE(m.find("Shampoo step: the inverse roots of parameter 'big' tile of matrix 0 rows [" +
+                   std::to_string(last.row_begin)),
+            std::string::npos)
+      << m;
+  EXPECT_NE(m.find("3 times in a row"), std::string::npos) << m;
+  if (world > 1) {
+    EXPECT_NE(m.find("(on rank " + std::to_string(failing) + ")"), std::string::npos) << m;
+    EXPECT_NE(m.find("not taken on any rank"), std::string::npos) << m;
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(Worlds, ShampooGate, ::testing::Values(1, 2, 3));
 
 TEST(Shampoo, ThreeRootFailuresInARowAreAnErrorNamingTheTile) {
   ShampooConfig c;
@@ -415,6 +653,21 @@ TEST(Shampoo, BadSettingsAndNanGradientsAreClearErrors) {
   ShampooOptions o;
   o.beta1 = 1.0;
   EXPECT_THROW(Shampoo({whole_param("w", w, g)}, o), std::invalid_argument);
+  o = {};
+  o.epsilon = 0;  // the shift lifts the spectrum to epsilon: 0 is refused, by name
+  try {
+    Shampoo({whole_param("w", w, g)}, o);
+    ADD_FAILURE() << "shift with epsilon 0 was accepted";
+  } catch (const std::invalid_argument& e) {
+    EXPECT_NE(std::string(e.what()).find("pseudo_inverse"), std::string::npos) << e.what();
+  }
+  ShampooConfig pc;
+  pc.rank_deficient = RankDeficient::PseudoInverse;
+  Shampoo ok_with_zero({whole_param("w", w, g)}, o, pc);  // the pseudo-inverse takes it
+  pc.rank_rtol = 1.0;
+  EXPECT_THROW(Shampoo({whole_param("w", w, g)}, {}, pc), std::invalid_argument);
+  EXPECT_EQ(parse_rank_deficient("pseudo_inverse"), RankDeficient::PseudoInverse);
+  EXPECT_THROW(parse_rank_deficient("pinv"), std::invalid_argument);
   Shampoo opt({whole_param("w", w, g)});
   const at::Tensor before = w.clone();
   g[0][0] = std::nan("");

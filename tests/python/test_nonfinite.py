@@ -45,6 +45,17 @@ def snapshot(model, opt):
     return params, state
 
 
+def slice_backward(opt, model, xs, ys, rank, world):
+    """backward(step): zero the gradients, then backward on this rank's slice of batch step."""
+    per = xs.shape[1] // world
+
+    def backward(step):
+        opt.zero_grad()
+        x, y = xs[step, rank * per:(rank + 1) * per], ys[step, rank * per:(rank + 1) * per]
+        nn.functional.mse_loss(model(x), y).backward()
+    return backward
+
+
 def worker(rank, name, seed, init_file, out_file):
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method="file://" + init_file, rank=rank, world_size=WORLD)
@@ -57,13 +68,7 @@ def worker(rank, name, seed, init_file, out_file):
     rfsdp.fully_shard(model, policy=pol)
     opt = make_optimizer(name, model)
     xs, ys = data(seed)
-    per = xs.shape[1] // WORLD
-
-    def backward(step):
-        opt.zero_grad()
-        x, y = xs[step, rank * per:(rank + 1) * per], ys[step, rank * per:(rank + 1) * per]
-        nn.functional.mse_loss(model(x), y).backward()
-
+    backward = slice_backward(opt, model, xs, ys, rank, WORLD)
     backward(0)
     opt.step()  # the state exists now
     backward(1)

@@ -1,0 +1,69 @@
+// The gate every optimizer step passes before it changes anything: what this
+// rank found (a NaN/Inf gradient, a root that failed, an error thrown while the
+// step was prepared) is agreed by every rank in one all-reduce of a code per
+// rank, and if any rank found something, every rank throws the same error,
+// naming the rank and what it found (their messages travel only then). Nothing
+// has changed anywhere, and a later step works again. A rank that raised alone
+// would leave the others waiting in their next collective.
+#pragma once
+
+#include <ATen/ATen.h>
+
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "core/comm/comm.h"
+
+namespace rfsdp {
+
+class StepGate {
+ public:
+  // comm: the ranks that step together (null or one rank: this process alone).
+  // who: the start of every message ("Shampoo step").
+  StepGate(Comm* comm, std::string who);
+
+  // Records a gradient to check for NaN/Inf: CPU tensors are scanned now,
+  // device tensors in agree() (one multi-tensor check per device and dtype).
+  void check_finite(const std::string& name, const at::Tensor& grad);
+  // Checks the device gradients recorded so far now (one host wait), so that
+  // failed() covers them: for steps whose local work would be wasted on NaN.
+  void check_device_now();
+  // This rank's failure (the first one recorded is kept). invalid_argument: the
+  // agreed error is a std::invalid_argument (Python's ValueError).
+  void fail(const std::string& message, bool invalid_argument = false);
+  // Runs fn; what it throws becomes this rank's failure. Returns whether it ran through.
+  template <class F>
+  bool guard(F&& fn) {
+    try {
+      fn();
+      return true;
+    } catch (const std::invalid_argument& e) {
+      fail(e.what(), true);
+    } catch (const std::exception& e) {
+      fail(e.what());
+    }
+    return false;
+  }
+  // Whether this rank has recorded a failure or a non-finite CPU gradient.
+  bool failed() const { return code_ != kOk; }
+
+  // One all-reduce of every rank's code (collective); throws the agreed error.
+  void agree();
+
+ private:
+  enum Code : int64_t { kOk = 0, kNonFinite = 1, kError = 2, kInvalid = 3 };
+  void record(Code code, std::string message);
+  // This rank's message once agree() knows it failed (names a non-finite device gradient).
+  std::string local_message(bool device_nonfinite) const;
+  // The device gradients' NaN/Inf flag on `dev` (> 0: some hold one); undefined if none.
+  at::Tensor device_nonfinite_flag(const at::Device& dev) const;
+
+  Comm* comm_;
+  std::string who_;
+  Code code_ = kOk;
+  std::string message_;
+  std::vector<std::pair<std::string, at::Tensor>> on_device_;
+};
+
+}  // namespace rfsdp
