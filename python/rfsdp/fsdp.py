@@ -103,7 +103,8 @@ def shard_info(param):
 
 
 class _Unit:
-    def __init__(self, entries, pg, rg, pol, mp, reshard_after_forward, planner, device):
+    def __init__(self, entries, comm, replicate_comm, pg, rg, pol, mp, reshard_after_forward,
+                 planner, device):
         # entries[i]: every place parameter i stands, [(owner module, attr name, fqn)];
         # a tied parameter stands in several and is sharded once, under the first name.
         self.entries = entries
@@ -118,11 +119,12 @@ class _Unit:
                           pol.row_dims(fqn, p) if p.dim() > 0 else 1, dtype_bytes))
         self.plan = _C.plan_specs(specs, pg.size(), 16, planner.max_buffers,
                                   planner.collective_cost_bytes)
-        self.comm = make_comm(pg)  # kept: rfsdp closes it at exit (see _comm)
-        self.replicate_comm = make_comm(rg) if rg is not None and rg.size() > 1 else None
+        self.comm = comm  # kept: rfsdp closes it at exit (see _comm)
+        self.replicate_comm = replicate_comm
+        # agree=False: fully_shard agreed on all of this (and more) already.
         self.unit = _C.FSDPUnit(self.comm, self.plan, str(mp.param_dtype).replace("torch.", ""),
                                 str(mp.reduce_dtype).replace("torch.", ""), self.replicate_comm,
-                                str(device))
+                                str(device), False)
         # Every rank starts from the values of the shard group's rank 0: one all-reduce
         # of its values and zeros elsewhere (exact; one collective for the whole unit);
         # under HSDP, replica 0's then go to the other replicas (one broadcast).
@@ -430,6 +432,42 @@ def _groups(mesh, process_group, replicate_group):
     return pg, replicate_group
 
 
+_CALLS = {}  # the ranks of a shard group -> fully_shard calls this process made over it
+
+
+def _describe(module, call, entries, pol, mp, reshard_after_forward):
+    """What every rank of the group must hold alike for this fully_shard call: the
+    call's place in this process's sequence, every parameter's name, shape, dtype,
+    device type and granule, the settings, and the inner calls (by name, with their
+    place in the sequence: blocks sharded in another order differ there)."""
+    lines = ["call %d of fully_shard, on a %s" % (call, type(module).__name__)]
+    for uses in entries:
+        owner, attr, fqn = uses[0]
+        p = owner._parameters[attr]
+        try:
+            layout = "granule %s, row_dims %s" % (
+                pol.granule(fqn, p), pol.row_dims(fqn, p) if p.dim() > 0 else 1)
+        except Exception as e:  # noqa: BLE001 (an error is part of what must agree)
+            layout = "policy error: %s" % e
+        lines.append("parameter '%s': shape %s, %s on %s, requires_grad %s, %s, %d uses"
+                     % (fqn, list(p.shape), p.dtype, p.device.type, p.requires_grad, layout,
+                        len(uses)))
+    lines.append("mixed precision %s, reshard_after_forward %s" % (mp, reshard_after_forward))
+    for name, m in module.named_modules():
+        if m is not module and getattr(m, "_rfsdp_call", None) is not None \
+                and getattr(m, "_rfsdp_unit", None) is not None:
+            lines.append("inner fully_shard of '%s': call %d" % (name, m._rfsdp_call))
+    return lines
+
+
+def _agree(module, comms, lines):
+    """One small collective per group: every rank's lines must be equal; if not,
+    every rank raises a ValueError naming the first difference and the ranks."""
+    for comm in comms:
+        if comm is not None and comm.size() > 1:
+            _C.agree_lines(comm, lines, "fully_shard(%s)" % type(module).__name__)
+
+
 def fully_shard(module, *, mesh=None, process_group=None, replicate_group=None, policy=None,
                 mp_policy=None, reshard_after_forward=True, planner=None):
     """Shards the parameters of `module` that no inner fully_shard call claimed
@@ -448,6 +486,21 @@ def fully_shard(module, *, mesh=None, process_group=None, replicate_group=None, 
     pg, rg = _groups(mesh, process_group, replicate_group)
     pol = policy if policy is not None else policy_mod.adamw()
     entries, devices = _collect(module)
+    planner = planner if planner is not None else PlannerOptions()
+    if not isinstance(planner, PlannerOptions):
+        raise ValueError("fully_shard: planner must be an rfsdp.PlannerOptions, got %r" % (planner,))
+    # Before anything else that could differ between ranks (and before any other
+    # collective): ranks that shard different modules would meet in collectives of
+    # different sizes, which abort the processes inside Gloo.
+    key = tuple(dist.get_process_group_ranks(pg)) if dist.is_initialized() else ()
+    call = _CALLS.get(key, 0)
+    _CALLS[key] = call + 1
+    module._rfsdp_call = call
+    comm = make_comm(pg)  # kept by the unit: rfsdp closes it at exit (see _comm)
+    replicate_comm = make_comm(rg) if rg is not None and rg.size() > 1 else None
+    _agree(module, (comm, replicate_comm),
+           _describe(module, call, entries, pol, mp_policy, reshard_after_forward) +
+           ["planner %s" % (planner,)])
     if len(devices) > 1:
         raise ValueError("fully_shard: the parameters of this module live on different devices (%s); "
                          "move the module to one device first" % sorted(str(d) for d in devices))
@@ -469,11 +522,8 @@ def fully_shard(module, *, mesh=None, process_group=None, replicate_group=None, 
     if mp is None:  # GPUs compute in bfloat16 and reduce in float32 by default
         mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16) if device.type == "cuda" \
             else MixedPrecisionPolicy()
-    planner = planner if planner is not None else PlannerOptions()
-    if not isinstance(planner, PlannerOptions):
-        raise ValueError("fully_shard: planner must be an rfsdp.PlannerOptions, got %r" % (planner,))
-    unit = _Unit(entries, pg, rg, pol, mp, reshard_after_forward, planner, device) \
-        if entries else None
+    unit = _Unit(entries, comm, replicate_comm, pg, rg, pol, mp, reshard_after_forward, planner,
+                 device) if entries else None
     module._rfsdp_unit = unit if unit is not None else False
     # This call's schedule takes over the units of the calls below it (their
     # schedules are emptied). Its pre-hook runs before the unit's, its post-hook after.
