@@ -23,10 +23,23 @@ A save writes into <path>.partial, adds rfsdp.json (a SHA-256 per file) last,
 and renames the folder into place, so a save that dies leaves the previous
 checkpoint whole. load() checks the files and every tensor's name, shape and
 dtype before it reads, reads into fresh tensors, and only then copies into the
-model and optimizer: a bad checkpoint changes nothing."""
+model and optimizer: a bad checkpoint changes nothing.
+
+Loading never runs code from the files. DCP reads its .metadata with a plain
+pickle.load and its non-tensor values with torch.load(weights_only=False), so a
+crafted checkpoint could run anything (the SHA-256 sums are no defence: whoever
+writes the folder recomputes them). rfsdp reads .metadata through an unpickler
+that knows only DCP's metadata classes, torch sizes, dtypes and layouts
+(SafeFileSystemReader), non-tensor values with torch's weights-only unpickler
+(SafeLoadPlanner), and `extra` in torch's weights-only format; anything else is
+refused (UnsafeCheckpointError) before it is built. dcp_load(state_dict, path) reads
+any DCP checkpoint (an FSDP2 one too) the same way."""
+import enum
 import hashlib
+import io
 import json
 import os
+import pathlib
 import pickle
 import re
 import shutil
@@ -34,14 +47,18 @@ import shutil
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+import torch.distributed.checkpoint.filesystem as dcp_filesystem
+import torch.distributed.checkpoint.metadata as dcp_metadata
+from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.metadata import (ChunkStorageMetadata, MetadataIndex,
-                                                   TensorProperties)
+                                                   StorageMeta, TensorProperties)
 from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, WriteItemType
 
 from . import _C
 from .fsdp import shard_info
 
-FORMAT = 1
+FORMAT = 2          # 2: `extra` in torch's weights-only format (1: a plain pickle)
+READS = (1, 2)
 MARKER = "rfsdp.json"
 STEP_DIR = re.compile(r"^step_(\d+)$")
 # Optimizer states shaped like their parameter (chunked as it is); every other
@@ -52,6 +69,176 @@ LIKE_PARAMETER = ("exp_avg", "exp_avg_sq", "momentum_buffer")
 
 class CheckpointError(ValueError):
     """A checkpoint that cannot be loaded into this model and optimizer (nothing was changed)."""
+
+
+class UnsafeCheckpointError(CheckpointError):
+    """A checkpoint whose files name code or objects that loading would build (a
+    crafted or foreign pickle): refused before anything was built."""
+
+
+# ---- reading without running code ---------------------------------------------------------
+
+def _dcp_classes():
+    """{(module, name): object} a DCP .metadata pickle may name: the metadata
+    dataclasses, the storage info, torch sizes, dtypes and the layout decoder,
+    paths, and plain containers."""
+    allowed = {}
+    for mod in (dcp_metadata, dcp_filesystem):
+        for name in dir(mod):
+            obj = getattr(mod, name)
+            if isinstance(obj, type) and getattr(obj, "__module__", None) == mod.__name__ and \
+                    (hasattr(obj, "__dataclass_fields__") or issubclass(obj, enum.Enum)):
+                allowed[(mod.__name__, name)] = obj
+    for name in dir(torch):
+        obj = getattr(torch, name, None)
+        if isinstance(obj, (torch.dtype, torch.layout, torch.memory_format)):
+            allowed[("torch", name)] = obj
+    allowed[("torch", "Size")] = torch.Size
+    allowed[("torch.serialization", "_get_layout")] = torch.serialization._get_layout
+    allowed[("pathlib", "PosixPath")] = pathlib.PosixPath
+    allowed[("pathlib", "WindowsPath")] = pathlib.WindowsPath
+    allowed[("collections", "OrderedDict")] = __import__("collections").OrderedDict
+    allowed[("builtins", "getattr")] = _enum_member
+    return allowed
+
+
+def _enum_member(cls, name):
+    """pickle's getattr(enum class, member): for allowed enums' members only (a free
+    getattr would reach any object's attributes, and from there anything)."""
+    if isinstance(cls, type) and issubclass(cls, enum.Enum) and name in cls.__members__:
+        return cls.__members__[name]
+    raise UnsafeCheckpointError("getattr(%r, %r) is not an enum member" % (cls, name))
+
+
+class _RestrictedUnpickler(pickle.Unpickler):
+    """An unpickler that builds only the objects in `allowed` (and plain values)."""
+
+    def __init__(self, f, allowed, where):
+        super().__init__(f)
+        self.allowed, self.where = allowed, where
+
+    def find_class(self, module, name):
+        obj = self.allowed.get((module, name))
+        if obj is None:
+            raise UnsafeCheckpointError(
+                "%s names %s.%s, which it never holds when written by DCP or rfsdp: refused "
+                "(loading it could run code); nothing was loaded" % (self.where, module, name))
+        return obj
+
+    def persistent_load(self, pid):
+        raise UnsafeCheckpointError("%s holds a persistent reference: refused" % self.where)
+
+
+def read_metadata(path):
+    """A DCP checkpoint folder's Metadata, read through the restricted unpickler
+    (UnsafeCheckpointError for anything but DCP's metadata)."""
+    where = "checkpoint %s: .metadata" % path
+    with open(os.path.join(path, ".metadata"), "rb") as f:
+        try:
+            md = _RestrictedUnpickler(f, _dcp_classes(), where).load()
+        except UnsafeCheckpointError:
+            raise
+        except Exception as e:  # noqa: BLE001 (a damaged or foreign file)
+            raise CheckpointError("%s is unreadable (%s: %s)" % (where, type(e).__name__, e)) from None
+    if not isinstance(md, dcp_metadata.Metadata):
+        raise UnsafeCheckpointError("%s holds a %s, not DCP metadata: refused"
+                                    % (where, type(md).__name__))
+    return md
+
+
+class SafeFileSystemReader(dcp.FileSystemReader):
+    """dcp.FileSystemReader whose .metadata is read by read_metadata (no code runs;
+    a file naming anything else is refused before DCP touches it)."""
+
+    def read_metadata(self, *args, **kwargs):
+        if kwargs.get("rank") is not None:  # per-rank metadata files: not written by rfsdp
+            raise CheckpointError("SafeFileSystemReader: per-rank metadata is not supported")
+        md = read_metadata(str(self.path))
+        if getattr(md, "storage_meta", None) is None:
+            md.storage_meta = StorageMeta()
+        md.storage_meta.load_id = getattr(self, "load_id", None)
+        return md
+
+
+def dcp_load(state_dict, path, *, process_group=None, planner=None):
+    """dcp.load(state_dict) from the folder `path` without running code from it: its
+    .metadata checked first (UnsafeCheckpointError naming what it refused: inside
+    dcp.load the reader's errors are caught and replaced by DCP's own), then read by
+    SafeFileSystemReader, non-tensor values by SafeLoadPlanner (or `planner`). For
+    any DCP checkpoint: a plain model's, an FSDP2 model's, rfsdp's."""
+    path = os.path.abspath(str(path))
+    read_metadata(path)
+    pg = _group(process_group)
+    try:
+        dcp.load(state_dict, storage_reader=SafeFileSystemReader(path),
+                 planner=planner if planner is not None else SafeLoadPlanner(), process_group=pg,
+                 no_dist=pg is None)
+    except dcp.api.CheckpointException as e:
+        inner = _unwrap(e)
+        if inner is None:
+            raise
+        raise inner from None
+
+
+def _why_refused(e):
+    """The line of torch's weights-only error that says what it refused."""
+    lines = [x.strip() for x in str(e).splitlines() if x.strip()]
+    return next((x for x in lines if "GLOBAL" in x or "Unsupported" in x), lines[0] if lines else "")
+
+
+def _weights_only_load(data, where):
+    try:
+        return torch.load(io.BytesIO(data) if isinstance(data, bytes) else data, weights_only=True)
+    except pickle.UnpicklingError as e:
+        raise UnsafeCheckpointError("%s: refused by torch's weights-only unpickler (%s); "
+                                    "nothing was loaded" % (where, _why_refused(e))) from None
+
+
+def _unwrap(e):
+    """The CheckpointError inside DCP's CheckpointException (the one a rank raised),
+    else None."""
+    for exc, _ in getattr(e, "failures", {}).values():
+        if isinstance(exc, CheckpointError):
+            return exc
+    return None
+
+
+class SafeLoadPlanner(DefaultLoadPlanner):
+    """DCP's default load planner, with non-tensor values read by torch's
+    weights-only unpickler (plain values, tensors) instead of
+    torch.load(weights_only=False)."""
+
+    def load_bytes(self, read_item, value):
+        fqn = read_item.dest_index.fqn
+        obj = _weights_only_load(value, "checkpoint value '%s'" % fqn)
+        if self.flatten_state_dict:
+            from torch.distributed.checkpoint._nested_dict import set_element  # noqa: PLC0415
+            set_element(self.original_state_dict, self.mappings[fqn], obj)
+        else:
+            self.state_dict[fqn] = obj
+
+
+def _encode_extra(extra):
+    """extra in torch's weights-only format; refused at save (not at load) when it
+    holds what that format cannot read back."""
+    buf = io.BytesIO()
+    torch.save(extra, buf)
+    data = buf.getvalue()
+    try:
+        torch.load(io.BytesIO(data), weights_only=True)
+    except pickle.UnpicklingError as e:
+        raise ValueError("checkpoint.save: extra must hold plain values (dict, list, tuple, str, "
+                         "int, float, bool, None, tensors): a checkpoint never runs code on load, "
+                         "and this one would need to (%s)" % _why_refused(e)) from None
+    return data
+
+
+def _decode_extra(data, path, fmt):
+    if fmt >= 2:
+        return _weights_only_load(data, "checkpoint %s: extra" % path)
+    # Format 1 pickled extra with pickle.dumps: plain values need no globals.
+    return _RestrictedUnpickler(io.BytesIO(data), {}, "checkpoint %s: extra (saved by an older "
+                                "rfsdp)" % path).load()
 
 
 # ---- the pieces a rank holds ------------------------------------------------------------
@@ -294,10 +481,16 @@ def _optim_entries(model, optimizer):
 
 
 def _entries(model, optimizer, pg):
+    entries = _unplaced_entries(model, optimizer)
+    _place_sequences(entries, pg)
+    return entries
+
+
+def _unplaced_entries(model, optimizer):
+    """This rank's entries, before their 1-D sequences are placed (a collective)."""
     entries = _model_entries(model)
     if optimizer is not None:
         entries += _optim_entries(model, optimizer)
-    _place_sequences(entries, pg)
     return entries
 
 
@@ -333,19 +526,62 @@ def _agree(pg, fn):
     return value
 
 
+def _every_rank(pg, fn):
+    """fn() on every rank; if it raised on any, the first such rank's error (its
+    type and message, naming the rank) is raised on every rank. One all_gather_object."""
+    try:
+        result, failure = fn(), None
+    except (CheckpointError, ValueError, TypeError, OSError) as e:
+        result, failure = None, (type(e).__name__, str(e))
+    failures = [failure]
+    if pg is not None and pg.size() > 1:
+        failures = [None] * pg.size()
+        dist.all_gather_object(failures, failure, group=pg)
+    for rank, f in enumerate(failures):
+        if f is not None:
+            kind = {"CheckpointError": CheckpointError, "ValueError": ValueError,
+                    "TypeError": TypeError}.get(f[0], CheckpointError)
+            raise kind(f[1] + ("" if len(failures) == 1 else " (on rank %d)" % rank))
+    return result
+
+
+def _failed(what, path, e):
+    """One message for a save or load that the file system refused (the same on every
+    rank: DCP and _agree hand every rank the same exception)."""
+    if isinstance(e, dcp.api.CheckpointException):
+        why = "; ".join("rank %d: %s: %s" % (r, type(x[0]).__name__, x[0])
+                        for r, x in sorted(e.failures.items()))
+    else:
+        why = "%s: %s" % (type(e).__name__, e)
+    return CheckpointError(
+        "checkpoint.%s of %s failed (%s); a read-only or full file system? Nothing was replaced: "
+        "the checkpoint there before, if any, is whole and loadable" % (what, path, why))
+
+
+def _recover(path):
+    """A save that died between moving the old checkpoint aside and moving the new
+    one in left only <path>.old: it is the checkpoint at path."""
+    old = path + ".old"
+    if not os.path.exists(path) and os.path.isfile(os.path.join(old, MARKER)):
+        os.rename(old, path)
+
+
 def save(path, model, optimizer=None, *, extra=None, process_group=None):
     """Saves model (and optimizer) into the folder `path`, replacing a checkpoint
     there only once the new one is complete. Collective: every rank calls it.
-    extra: any picklable object (data position, scheduler state), returned by load."""
+    extra: plain values (dicts, lists, numbers, strings, tensors: a data position, a
+    scheduler's state_dict), returned by load; stored in torch's weights-only
+    format, so that loading never runs code. Errors are the same on every rank; a
+    save the file system refuses (full, read-only) is a CheckpointError and leaves
+    the checkpoint there before as it was."""
     pg = _group(process_group)
     path = os.path.abspath(path)
     tmp = path + ".partial"
 
-    def fresh():
-        shutil.rmtree(tmp, ignore_errors=True)  # a save that died before
-        os.makedirs(tmp)
-    _agree(pg, fresh)
-    entries = _entries(model, optimizer, pg)
+    def prepare():  # everything that could fail on one rank alone, before any file changes
+        return _unplaced_entries(model, optimizer), _encode_extra(extra)
+    entries, encoded = _every_rank(pg, prepare)
+    _place_sequences(entries, pg)
     for e in entries:
         if e.replica:  # HSDP: the first replica writes the shards; the others hold equal ones
             e.pieces = []
@@ -354,9 +590,12 @@ def save(path, model, optimizer=None, *, extra=None, process_group=None):
     if optimizer is not None:
         sd["optim.groups"] = json.dumps(_groups(model, optimizer))
         sd["optim.settings"] = json.dumps(_settings(optimizer))
-    sd["extra"] = pickle.dumps(extra)
-    dcp.save(_nest(sd), storage_writer=dcp.FileSystemWriter(tmp),
-             process_group=pg, no_dist=pg is None)
+    sd["extra"] = encoded
+
+    def fresh():
+        _recover(path)
+        shutil.rmtree(tmp, ignore_errors=True)  # a save that died before
+        os.makedirs(tmp)
 
     def seal():
         files = sorted(f for f in os.listdir(tmp) if f != MARKER)
@@ -373,7 +612,13 @@ def save(path, model, optimizer=None, *, extra=None, process_group=None):
             os.rename(path, old)
         os.rename(tmp, path)
         shutil.rmtree(old, ignore_errors=True)
-    _agree(pg, seal)
+    try:
+        _agree(pg, fresh)
+        dcp.save(_nest(sd), storage_writer=dcp.FileSystemWriter(tmp),
+                 process_group=pg, no_dist=pg is None)
+        _agree(pg, seal)
+    except (OSError, dcp.api.CheckpointException) as e:
+        raise _failed("save", path, e) from None
     return path
 
 
@@ -394,9 +639,9 @@ def verify(path):
             raise ValueError("'files' is not a map of file names to SHA-256 sums")
     except (ValueError, KeyError, TypeError) as e:  # UnicodeDecodeError is a ValueError
         raise CheckpointError("checkpoint %s: %s is unreadable (%s)" % (path, MARKER, e)) from None
-    if marker.get("format") != FORMAT:
-        raise CheckpointError("checkpoint %s: format %r, this rfsdp reads %d"
-                              % (path, marker.get("format"), FORMAT))
+    if marker.get("format") not in READS:
+        raise CheckpointError("checkpoint %s: format %r, this rfsdp reads %s"
+                              % (path, marker.get("format"), ", ".join(map(str, READS))))
     for name, digest in sorted(files.items()):
         f = os.path.join(path, name)
         if not os.path.isfile(f):
@@ -485,13 +730,14 @@ def load(path, model, optimizer=None, *, process_group=None, check_files=True, r
     then quantised with the new blocks: within one code of each)."""
     pg = _group(process_group)
     path = os.path.abspath(path)
-    reader = dcp.FileSystemReader(path)
+    reader = SafeFileSystemReader(path)
 
     def inspect():
-        saved = None
+        _recover(path)
+        saved, fmt = None, FORMAT
         if (check_files and os.path.exists(os.path.join(path, MARKER))) or optimizer is not None:
             marker = verify(path)  # (only rfsdp's own checkpoints hold optimizer states)
-            saved = marker.get("optimizer")
+            saved, fmt = marker.get("optimizer"), marker["format"]
             if optimizer is not None and saved is not None:
                 now = _settings(optimizer)
                 differ = {k for k in set(saved) | set(now) if saved.get(k) != now.get(k)}
@@ -501,8 +747,8 @@ def load(path, model, optimizer=None, *, process_group=None, check_files=True, r
         if not os.path.isfile(os.path.join(path, ".metadata")):
             raise CheckpointError("checkpoint %s: no .metadata (not a DCP checkpoint, or "
                                   "incomplete)" % path)
-        return reader.read_metadata(), saved
-    meta, saved = _agree(pg, inspect)
+        return read_metadata(path), saved, fmt
+    meta, saved, fmt = _agree(pg, inspect)
     requant = optimizer is not None and saved is not None and saved != _settings(optimizer)
     entries = _entries(model, None if requant else optimizer, pg)
     for e in entries:  # read into copies: the live tensors change only at the end
@@ -525,7 +771,12 @@ def load(path, model, optimizer=None, *, process_group=None, check_files=True, r
     if has_extra:
         sd["extra"] = None
     nested = _nest(sd)
-    dcp.load(nested, storage_reader=reader, process_group=pg, no_dist=pg is None)
+    try:
+        dcp.load(nested, storage_reader=reader, planner=SafeLoadPlanner(), process_group=pg,
+                 no_dist=pg is None)
+    except dcp.api.CheckpointException as e:  # DCP gave every rank the same failures
+        inner = _unwrap(e)
+        raise inner if inner is not None else _failed("load", path, e) from None
     sd = _flat(nested)
     if optimizer is not None:
         if not requant:
@@ -541,6 +792,7 @@ def load(path, model, optimizer=None, *, process_group=None, check_files=True, r
             new_states = {fqn: _requantized(path, sd, fqn, p, saved, settings,
                                             dict(optimizer._state_of(p)))
                           for fqn, p in _fqns(model, optimizer)}
+    extra = _decode_extra(sd["extra"], path, fmt) if has_extra else None
     # Everything was read: copy into the live tensors.
     with torch.no_grad():
         for e in entries:
@@ -565,7 +817,7 @@ def load(path, model, optimizer=None, *, process_group=None, check_files=True, r
                 if k != "params":
                     g[k] = tuple(v) if isinstance(g.get(k), tuple) else v
         optimizer._publish()
-    return pickle.loads(sd["extra"]) if has_extra else None
+    return extra
 
 
 # ---- a folder of checkpoints ---------------------------------------------------------------
@@ -599,6 +851,8 @@ def save_step(root, step, model, optimizer=None, *, keep_last=None, extra=None, 
                            for m in [STEP_DIR.match(d)]
                            if m and os.path.isfile(os.path.join(root, d, MARKER)))
             for _, d in steps[:-keep_last]:
+                # The marker first: a folder half removed is never taken for a checkpoint.
+                os.remove(os.path.join(root, d, MARKER))
                 shutil.rmtree(os.path.join(root, d), ignore_errors=True)
         _agree(pg, prune)
     return path

@@ -1,10 +1,12 @@
 """rfsdp.checkpoint: exact resume at the same world size (bit for bit, parameters
-and optimizer states) and resume at another world size (fp32 tolerance) for
+and optimizer states) and resume at another world size (fp32 tolerance; AdamW8bit's
+8-bit codes may flip where the ranks sum gradients in another order) for
 AdamW, AdamW8bit, Muon and Shampoo, each in fresh processes (Gloo); the model
 part read by torch's own tools into a plain module, and a plain model's and a
 torch FSDP2 model's DCP checkpoints read into an rfsdp model; atomic saves and
 keep_last; bad checkpoints refused with the model and optimizer untouched."""
 import os
+import sys
 import tempfile
 
 import pytest
@@ -16,6 +18,9 @@ from torch import nn
 
 import rfsdp
 import rfsdp.checkpoint as ckpt
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from test_hsdp import close_but_for_code_flips  # noqa: E402
 
 STEPS_BEFORE, STEPS_AFTER, BATCH = 4, 4, 12
 
@@ -139,6 +144,9 @@ def test_resume_is_exact_and_reshards(name):
         mp.spawn(worker, args=(w, name, seed, d, "resume"), nprocs=w)
         want = torch.load(os.path.join(d, "train_%d_0.pt" % ws))["full"]
         got = torch.load(os.path.join(d, "resume_%d_0.pt" % w))["full"]
+        if name == "adamw8bit":  # another world size sums gradients in another order
+            close_but_for_code_flips(got, want, "at %d ranks, seed %d" % (w, seed))
+            return
         for n, t in want.items():
             torch.testing.assert_close(got[n], t, rtol=1e-4, atol=1e-5,
                                        msg=lambda m: "%s at %d ranks (seed %d): %s" % (n, w, seed, m))
@@ -249,7 +257,7 @@ def test_save_step_keep_last_and_a_save_that_dies(monkeypatch, tmp_path):
             f.write(b"partial")
         raise OSError("disk full")
     monkeypatch.setattr(ckpt.dcp, "save", dies)
-    with pytest.raises(OSError):
+    with pytest.raises(ckpt.CheckpointError, match="OSError: disk full.*Nothing was replaced"):
         ckpt.save_step(tmp_path, 5, m, opt, keep_last=2)
     monkeypatch.undo()
     assert ckpt.latest(tmp_path) == str(tmp_path / "step_00000004")  # the partial one is not
