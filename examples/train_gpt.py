@@ -188,6 +188,8 @@ def run(name, args, train, val, rank, world):
         full = rfsdp.full_parameters(model)
         if rank == 0:
             torch.save(full, "%s.%s.pt" % (args.save_final, name))
+    if args.final_checkpoint:
+        rfsdp.checkpoint.save(os.path.join(args.final_checkpoint, name), model, opt)
     note = ""
     if name == "muon":  # how the roots balance Newton–Schulz, and what a step moves
         sent = torch.tensor([float(opt.layout.gather_send_elems())], device=DEVICE)
@@ -212,6 +214,7 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--optimizer", choices=OPTIMIZERS, default="adamw")
     ap.add_argument("--compare", action="store_true", help="run every optimizer on the same data and seed")
+    ap.add_argument("--optimizers", help="run these (comma-separated) on the same data and seed")
     ap.add_argument("--steps", type=int, default=150)
     ap.add_argument("--batch", type=int, default=8, help="sequences per rank per step")
     ap.add_argument("--ctx", type=int, default=128)
@@ -234,6 +237,8 @@ def main():
     ap.add_argument("--resume", action="store_true",
                     help="continue from the newest checkpoint under --checkpoint-dir, if any")
     ap.add_argument("--save-final", help="write the final full parameters to <this>.<optimizer>.pt")
+    ap.add_argument("--final-checkpoint", help="save the final model and optimizer to "
+                    "<this>/<optimizer> (an rfsdp checkpoint)")
     ap.add_argument("--text", help="train on this file instead of Debian's fortunes")
     ap.add_argument("--device", choices=["cpu", "cuda"], default="cpu",
                     help="cuda: each rank on GPU LOCAL_RANK over NCCL (bf16 compute, fp32 "
@@ -255,8 +260,13 @@ def main():
     if rank == 0:
         print("%s: %.2f MB of text, %d ranks, %d steps x %d x %d tokens per rank"
               % (args.text or "fortunes", text.numel() / 1e6, world, args.steps, args.batch, args.ctx), flush=True)
-    results = [run(n, args, train, val, rank, world)
-               for n in (OPTIMIZERS if args.compare else [args.optimizer])]
+    names = OPTIMIZERS if args.compare else [args.optimizer]
+    if args.optimizers:
+        names = args.optimizers.split(",")
+        unknown = [n for n in names if n not in OPTIMIZERS]
+        if unknown:
+            ap.error("--optimizers: unknown %s (choose from %s)" % (unknown, OPTIMIZERS))
+    results = [run(n, args, train, val, rank, world) for n in names]
     if rank == 0:
         print("\n%-10s %8s %10s %10s %10s %12s %14s" % ("optimizer", "params", "train loss",
                                                          "val loss", "tokens/s", "peak MiB/rank",

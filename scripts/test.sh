@@ -14,7 +14,8 @@ if [ $# -gt 0 ]; then
     *) echo "usage: bash scripts/test.sh [cpp|py [arguments for ctest or pytest]]" >&2; exit 2 ;;
   esac
 fi
-bash scripts/setup.sh
+# fortunes: real text for the main job's model in the tests
+RFSDP_EXTRA_PACKAGES="fortunes ${RFSDP_EXTRA_PACKAGES:-}" bash scripts/setup.sh
 BUILD_DIR=${RFSDP_BUILD_DIR:-build}
 PY=${RFSDP_VENV:-$HOME/.cache/rfsdp/venv}/bin/python
 if [ "$suite" != py ]; then
