@@ -96,19 +96,20 @@ void StepGate::agree() {
   const std::string msg = c[me] != kOk ? local_message(device_nonfinite) : std::string();
   const std::vector<std::string> messages =
       comm_ ? all_gather_strings(*comm_, msg) : std::vector<std::string>{msg};
-  int first = -1;
+  int first = -1, n_others = 0;
   std::string others;
   for (int r = 0; r < world; ++r) {
     if (c[r] == worst && first < 0) {
       first = r;
     } else if (c[r] != kOk) {
       others += (others.empty() ? "" : ", ") + std::to_string(r);
+      ++n_others;
     }
   }
   std::string text = who_ + ": " + messages[first];
   if (comm_) {
     text += " (on rank " + std::to_string(first) +
-            (others.empty() ? "" : "; ranks " + others + " also failed") +
+            (n_others == 0 ? "" : (n_others == 1 ? "; rank " : "; ranks ") + others + " failed too") +
             "); the step was not taken on any rank";
   } else {
     text += "; the step was not taken";

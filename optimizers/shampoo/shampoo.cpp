@@ -487,13 +487,13 @@ void Shampoo::update_factors(size_t i, size_t k, const at::Tensor& l_out,
   const ShampooTile& tl = tiles_[k];
   const double c = o.beta2 < 1 ? 1.0 - o.beta2 : 1.0;
   const at::Tensor gt = tile_of(params_[i].grad.view({-1}), tl);
-  // f <- b2 f + c gg in fp32, stored in the factor dtype: in place where out is the
-  // float32 state itself, else through a float32 copy.
-  auto update = [&](const at::Tensor& f, const at::Tensor& gg, const at::Tensor& out) {
-    if (out.data_ptr() == f.data_ptr() && f.scalar_type() == at::kFloat) {
-      out.mul_(o.beta2).add_(gg, c);
-    } else {
-      out.copy_(f.to(at::kFloat).mul(o.beta2).add_(gg, c));
+  // f <- b2 f + c gg in fp32 (the same two operations whether out is f itself or
+  // a new tensor, so both round alike), stored in the factor dtype.
+  auto update = [&](const at::Tensor& f, const at::Tensor& gg, at::Tensor out) {
+    if (f.scalar_type() == at::kFloat) {
+      at::mul_out(out, f, o.beta2).add_(gg, c);
+    } else {  // bf16: through a float32 copy
+      out.copy_(f.to(at::kFloat).mul_(o.beta2).add_(gg, c));
     }
   };
   update(s.left.narrow(0, tl.left_offset, shampoo_packed_size(tl.rows)), pack(at::mm(gt, gt.t())),

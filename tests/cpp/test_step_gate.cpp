@@ -1,0 +1,96 @@
+// StepGate on 1-3 thread ranks: what one rank found is every rank's error, the
+// worst kind first (an invalid argument, an error, then NaN/Inf), naming the rank.
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <mutex>
+
+#include "core/comm/local_ranks.h"
+#include "optimizers/common/step_gate.h"
+
+namespace rfsdp {
+namespace {
+
+// What each rank's agree() threw: (kind, message); kind "" where it went on.
+std::vector<std::pair<std::string, std::string>> outcomes(int world,
+                                                          const std::function<void(StepGate&, int)>& find) {
+  std::vector<std::pair<std::string, std::string>> out(world);
+  std::mutex mu;
+  run_local_ranks(world, [&](Comm& comm) {
+    StepGate gate(&comm, "Test step");
+    find(gate, comm.rank());
+    std::pair<std::string, std::string> got;
+    try {
+      gate.agree();
+    } catch (const std::invalid_argument& e) {
+      got = {"invalid", e.what()};
+    } catch (const std::runtime_error& e) {
+      got = {"error", e.what()};
+    }
+    std::lock_guard<std::mutex> lock(mu);
+    out[comm.rank()] = got;
+  });
+  return out;
+}
+
+TEST(StepGate, NothingFoundAnywhereGoesOn) {
+  for (const auto& [kind, msg] : outcomes(3, [](StepGate& g, int) {
+         g.check_finite("w", at::randn({5, 3}));
+         EXPECT_TRUE(g.guard([] {}));
+       })) {
+    EXPECT_EQ(kind, "") << msg;
+  }
+}
+
+TEST(StepGate, TheWorstFindingOfAnyRankIsEveryRanksErrorNamingIt) {
+  // rank 0: a NaN; rank 1: an error (thrown inside guard); rank 2: nothing.
+  const auto got = outcomes(3, [](StepGate& g, int rank) {
+    at::Tensor grad = at::randn({4, 4});
+    if (rank == 0) grad[3][3] = std::nan("");
+    g.check_finite("layer.weight", grad);
+    EXPECT_EQ(g.guard([rank] {
+      if (rank == 1) throw std::runtime_error("the root of tile 3 failed");
+    }), rank != 1);
+  });
+  for (const auto& [kind, msg] : got) {
+    EXPECT_EQ(kind, "error");
+    EXPECT_EQ(msg, got[0].second);
+  }
+  EXPECT_EQ(got[0].second,
+            "Test step: the root of tile 3 failed (on rank 1; rank 0 failed too); the step was not "
+            "taken on any rank");
+  // NaN alone, on ranks 1 and 2: the first names the tensor, the other is counted.
+  const auto nan = outcomes(3, [](StepGate& g, int rank) {
+    g.check_finite("b", rank > 0 ? at::full({2}, INFINITY) : at::zeros({2}));
+  });
+  for (const auto& [kind, msg] : nan) EXPECT_EQ(msg, nan[0].second);
+  EXPECT_EQ(nan[0].second,
+            "Test step: the gradient of parameter 'b' holds NaN or Inf (on rank 1; rank 2 failed "
+            "too); the step was not taken on any rank (check the loss, lower the learning rate, "
+            "or clip gradients)");
+}
+
+TEST(StepGate, ABadArgumentIsAnInvalidArgumentEverywhereAndOneRankAloneNeedsNoComm) {
+  const auto got = outcomes(2, [](StepGate& g, int rank) {
+    if (rank == 1) g.fail("ValueError: lr must be >= 0", /*invalid_argument=*/true);
+    if (rank == 0) g.fail("something else");  // an error ranks below a bad argument
+  });
+  for (const auto& [kind, msg] : got) {
+    EXPECT_EQ(kind, "invalid");
+    EXPECT_NE(msg.find("ValueError: lr must be >= 0 (on rank 1; rank 0 failed too)"),
+              std::string::npos) << msg;
+  }
+  StepGate alone(nullptr, "Solo step");
+  alone.check_finite("x", at::full({3}, NAN));
+  try {
+    alone.agree();
+    FAIL() << "no error";
+  } catch (const std::runtime_error& e) {
+    EXPECT_EQ(std::string(e.what()),
+              "Solo step: the gradient of parameter 'x' holds NaN or Inf; the step was not taken "
+              "(check the loss, lower the learning rate, or clip gradients)");
+  }
+}
+
+}  // namespace
+}  // namespace rfsdp
