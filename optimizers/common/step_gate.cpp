@@ -27,13 +27,17 @@ void StepGate::record(Code code, std::string message) {
   message_ = std::move(message);
 }
 
-void StepGate::check_finite(const std::string& name, const at::Tensor& grad) {
-  if (!grad.defined() || grad.numel() == 0) return;
-  if (grad.device().is_cpu()) {
-    if (code_ == kOk && !tensor_finite(grad)) record(kNonFinite, nonfinite_message(name));
+void StepGate::expect_finite(const at::Tensor& t, std::string message) {
+  if (!t.defined() || t.numel() == 0) return;
+  if (t.device().is_cpu()) {
+    if (code_ == kOk && !tensor_finite(t)) record(kNonFinite, std::move(message));
   } else {
-    on_device_.emplace_back(name, grad);
+    on_device_.emplace_back(std::move(message), t);
   }
+}
+
+void StepGate::check_finite(const std::string& name, const at::Tensor& grad) {
+  if (grad.defined()) expect_finite(grad, nonfinite_message(name));
 }
 
 void StepGate::fail(const std::string& message, bool invalid_argument) {
@@ -42,10 +46,10 @@ void StepGate::fail(const std::string& message, bool invalid_argument) {
 
 std::string StepGate::local_message(bool device_nonfinite) const {
   if (code_ != kOk || !device_nonfinite) return message_;
-  for (const auto& [name, t] : on_device_) {  // the failure path: one check per tensor
-    if (!at::isfinite(t).all().item<bool>()) return nonfinite_message(name);
+  for (const auto& [message, t] : on_device_) {  // the failure path: one check per tensor
+    if (!at::isfinite(t).all().item<bool>()) return message;
   }
-  return nonfinite_message(on_device_.front().first);
+  return on_device_.front().first;
 }
 
 at::Tensor StepGate::device_nonfinite_flag(const at::Device& dev) const {
@@ -54,7 +58,7 @@ at::Tensor StepGate::device_nonfinite_flag(const at::Device& dev) const {
   // changes no value): no host wait.
   if (on_device_.empty()) return at::Tensor();
   std::map<std::pair<std::string, at::ScalarType>, std::vector<at::Tensor>> groups;
-  for (const auto& [name, t] : on_device_) groups[{t.device().str(), t.scalar_type()}].push_back(t);
+  for (const auto& [message, t] : on_device_) groups[{t.device().str(), t.scalar_type()}].push_back(t);
   at::Tensor flag = at::zeros({1}, at::TensorOptions(at::kFloat).device(dev));
   for (auto& [key, ts] : groups) {
     const auto f32 = at::TensorOptions(at::kFloat).device(ts.front().device());

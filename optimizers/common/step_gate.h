@@ -23,8 +23,11 @@ class StepGate {
   // who: the start of every message ("Shampoo step").
   StepGate(Comm* comm, std::string who);
 
-  // Records a gradient to check for NaN/Inf: CPU tensors are scanned now,
-  // device tensors in agree() (one multi-tensor check per device and dtype).
+  // Records a tensor that must hold only finite values; `message` is this rank's
+  // failure where it does not. CPU tensors are scanned now, device tensors in
+  // agree() (one multi-tensor check per device and dtype).
+  void expect_finite(const at::Tensor& t, std::string message);
+  // expect_finite for a gradient: "the gradient of parameter '<name>' holds NaN or Inf".
   void check_finite(const std::string& name, const at::Tensor& grad);
   // Checks the device gradients recorded so far now (one host wait), so that
   // failed() covers them: for steps whose local work would be wasted on NaN.
@@ -63,7 +66,7 @@ class StepGate {
   std::string who_;
   Code code_ = kOk;
   std::string message_;
-  std::vector<std::pair<std::string, at::Tensor>> on_device_;
+  std::vector<std::pair<std::string, at::Tensor>> on_device_;  // (message, tensor)
 };
 
 }  // namespace rfsdp

@@ -228,10 +228,10 @@ namespace {
 
 // Newton–Schulz of the matrices rooted here, in place in `own` ((matrix, update)
 // pairs): one matrix at a time, or (batch_same_shape) one batched product chain
-// per group of equal shape and steps (expert stacks, layers). Throws, naming the
-// matrix, where a result is not finite.
+// per group of equal shape and steps (expert stacks, layers). Each result must
+// be finite: the gate checks them with the gradients' check (one host wait).
 void orthogonalise(const MuonLayout& layout, std::vector<std::pair<size_t, at::Tensor>>* own,
-                   at::ScalarType ns_dtype, bool batch_same_shape) {
+                   at::ScalarType ns_dtype, bool batch_same_shape, StepGate* gate) {
   const auto& mats = layout.matrices();
   const auto& geo = layout.params();
   std::map<std::tuple<int64_t, int64_t, int>, std::vector<size_t>> batches;  // -> indices in own
@@ -254,21 +254,16 @@ void orthogonalise(const MuonLayout& layout, std::vector<std::pair<size_t, at::T
     const at::Tensor o = newton_schulz(at::stack(batch), std::get<2>(key), ns_dtype);
     for (size_t b = 0; b < js.size(); ++b) (*own)[js[b]].second = o[b];
   }
-  // One flag for all of them (one host wait): a sum is finite only if every element
-  // is (results are near-orthogonal, so a sum of finite ones cannot overflow).
-  if (own->empty()) return;
-  std::vector<at::Tensor> sums;
-  for (const auto& [k, o] : *own) sums.push_back(o.sum());
-  if (at::isfinite(at::stack(sums)).all().item<bool>()) return;
+  std::vector<int> index(mats.size());  // each matrix's index within its parameter
+  std::map<size_t, int> seen;
+  for (size_t k = 0; k < mats.size(); ++k) index[k] = seen[mats[k].param]++;
   for (const auto& [k, o] : *own) {
-    if (at::isfinite(o).all().item<bool>()) continue;
     const MuonMatrix& mat = mats[k];
-    int index = 0;  // the matrix's index within its parameter
-    for (size_t x = 0; x < k; ++x) index += mats[x].param == mat.param;
-    throw std::runtime_error("the Newton-Schulz result of matrix " + std::to_string(index) + " of '" +
-                             geo[mat.param].name + "' (" + std::to_string(mat.rows) + " x " +
-                             std::to_string(mat.cols) + ") is not finite: its update holds NaN or "
-                             "Inf, or overflowed (check the gradients and the momentum)");
+    gate->expect_finite(o, "the Newton-Schulz result of matrix " + std::to_string(index[k]) +
+                               " of '" + geo[mat.param].name + "' (" + std::to_string(mat.rows) +
+                               " x " + std::to_string(mat.cols) +
+                               ") is not finite: its update holds NaN or Inf, or overflowed "
+                               "(check the gradients and the momentum)");
   }
 }
 
@@ -360,7 +355,7 @@ void muon_step(Comm* comm, const MuonLayout& layout, const std::vector<at::Tenso
     // Newton–Schulz (its failures, and a result that is not finite, agreed by
     // every rank before anything changes).
     StepGate gate(comm, "Muon step");
-    gate.guard([&] { orthogonalise(layout, &own, ns_dtype, batch_same_shape); });
+    gate.guard([&] { orthogonalise(layout, &own, ns_dtype, batch_same_shape, &gate); });
     gate.agree();
     for (size_t i = 0; i < P; ++i) momenta[i].view(-1).copy_(new_momenta[i]);
     auto to = offsets_of(recv_splits);
