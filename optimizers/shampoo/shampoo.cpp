@@ -367,7 +367,6 @@ void Shampoo::compute_roots(const std::vector<size_t>& due, const std::vector<at
     for (size_t j = 0; j < s.tiles.size(); ++j) {
       const size_t k = s.tiles[j];
       if (failed[k]) {
-        (*new_roots)[k] = {};  // both sides kept, as the failure count says
         if (s.failures.data_ptr<int64_t>()[j] + 1 >= 3) {
           throw std::runtime_error(
               "the inverse roots of " + tile_name(params_[i], tiles_[k]) +
@@ -437,14 +436,16 @@ void Shampoo::step() {
         if (new_left[k].defined()) {  // due: computed above
           l.copy_(new_left[k]);
           r.copy_(new_right[k]);
-          int64_t& f = s.failures.data_ptr<int64_t>()[j];
-          if (new_roots[k].first.defined()) {
-            s.root_l.narrow(0, tl.left_offset, shampoo_packed_size(tl.rows)).copy_(new_roots[k].first);
-            s.root_r.narrow(0, tl.right_offset, shampoo_packed_size(tl.cols)).copy_(new_roots[k].second);
-            f = 0;
-          } else {
-            ++f;
+          // Each side's new root where it succeeded; a failed side keeps its old one.
+          const auto& [root_l, root_r] = new_roots[k];
+          if (root_l.defined()) {
+            s.root_l.narrow(0, tl.left_offset, shampoo_packed_size(tl.rows)).copy_(root_l);
           }
+          if (root_r.defined()) {
+            s.root_r.narrow(0, tl.right_offset, shampoo_packed_size(tl.cols)).copy_(root_r);
+          }
+          int64_t& f = s.failures.data_ptr<int64_t>()[j];
+          f = root_l.defined() && root_r.defined() ? 0 : f + 1;
         } else {
           update_factors(i, k, l, r);
         }

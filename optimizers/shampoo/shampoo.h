@@ -164,7 +164,7 @@ class Shampoo {
   void update_factors(size_t i, size_t k, const at::Tensor& l_out, const at::Tensor& r_out) const;
   // The roots of the due parameters' tiles from the factors this step would
   // store (new_left, new_right: packed, by tile), into new_roots (packed, by tile;
-  // undefined where the root failed). Changes no state; throws where a tile has
+  // a side undefined where its root failed). Changes no state; throws where a tile has
   // now failed three times in a row (the gate then stops every rank).
   void compute_roots(const std::vector<size_t>& due, const std::vector<at::Tensor>& new_left,
                      const std::vector<at::Tensor>& new_right,
