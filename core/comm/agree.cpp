@@ -29,8 +29,7 @@ std::vector<std::string> split_lines(const std::string& s) {
   return out;
 }
 
-}  // namespace
-
+// 64-bit FNV-1a of the lines (each terminated, so ["ab"] and ["a", "b"] differ).
 uint64_t hash_lines(const std::vector<std::string>& lines) {
   uint64_t h = 1469598103934665603ULL;
   auto mix = [&h](unsigned char c) { h = (h ^ c) * 1099511628211ULL; };
@@ -40,6 +39,8 @@ uint64_t hash_lines(const std::vector<std::string>& lines) {
   }
   return h;
 }
+
+}  // namespace
 
 std::vector<std::string> all_gather_strings(Comm& comm, const std::string& mine) {
   if (comm.size() == 1) return {mine};

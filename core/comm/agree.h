@@ -21,7 +21,4 @@ std::vector<std::string> all_gather_strings(Comm& comm, const std::string& mine)
 // that differs; the lines travel only then. Collective.
 void agree_lines(Comm& comm, const std::vector<std::string>& lines, const std::string& what);
 
-// 64-bit FNV-1a of the lines (each terminated, so ["ab"] and ["a", "b"] differ).
-uint64_t hash_lines(const std::vector<std::string>& lines);
-
 }  // namespace rfsdp

@@ -35,6 +35,7 @@ that knows only DCP's metadata classes, torch sizes, dtypes and layouts
 refused (UnsafeCheckpointError) before it is built. dcp_load(state_dict, path) reads
 any DCP checkpoint (an FSDP2 one too) the same way."""
 import enum
+import functools
 import hashlib
 import io
 import json
@@ -78,6 +79,7 @@ class UnsafeCheckpointError(CheckpointError):
 
 # ---- reading without running code ---------------------------------------------------------
 
+@functools.lru_cache(maxsize=None)
 def _dcp_classes():
     """{(module, name): object} a DCP .metadata pickle may name: the metadata
     dataclasses, the storage info, torch sizes, dtypes and the layout decoder,
@@ -168,16 +170,20 @@ def dcp_load(state_dict, path, *, process_group=None, planner=None):
     any DCP checkpoint: a plain model's, an FSDP2 model's, rfsdp's."""
     path = os.path.abspath(str(path))
     read_metadata(path)
-    pg = _group(process_group)
+    _read(state_dict, path, _group(process_group), planner)
+
+
+def _read(state_dict, path, pg, planner=None):
+    """dcp.load through SafeFileSystemReader and SafeLoadPlanner (or planner). DCP
+    hands every rank the same failures: a refusal of rfsdp's is raised as it is,
+    anything else as one CheckpointError."""
     try:
         dcp.load(state_dict, storage_reader=SafeFileSystemReader(path),
                  planner=planner if planner is not None else SafeLoadPlanner(), process_group=pg,
                  no_dist=pg is None)
     except dcp.api.CheckpointException as e:
         inner = _unwrap(e)
-        if inner is None:
-            raise
-        raise inner from None
+        raise inner if inner is not None else _failed("load", path, e) from None
 
 
 def _why_refused(e):
@@ -546,13 +552,15 @@ def _every_rank(pg, fn):
 
 
 def _failed(what, path, e):
-    """One message for a save or load that the file system refused (the same on every
-    rank: DCP and _agree hand every rank the same exception)."""
+    """One message for a save or load that failed in the file system or in DCP (the
+    same on every rank: DCP and _agree hand every rank the same exception)."""
     if isinstance(e, dcp.api.CheckpointException):
         why = "; ".join("rank %d: %s: %s" % (r, type(x[0]).__name__, x[0])
                         for r, x in sorted(e.failures.items()))
     else:
         why = "%s: %s" % (type(e).__name__, e)
+    if what == "load":
+        return CheckpointError("checkpoint.load of %s failed (%s); nothing was loaded" % (path, why))
     return CheckpointError(
         "checkpoint.%s of %s failed (%s); a read-only or full file system? Nothing was replaced: "
         "the checkpoint there before, if any, is whole and loadable" % (what, path, why))
@@ -730,7 +738,6 @@ def load(path, model, optimizer=None, *, process_group=None, check_files=True, r
     then quantised with the new blocks: within one code of each)."""
     pg = _group(process_group)
     path = os.path.abspath(path)
-    reader = SafeFileSystemReader(path)
 
     def inspect():
         _recover(path)
@@ -771,12 +778,7 @@ def load(path, model, optimizer=None, *, process_group=None, check_files=True, r
     if has_extra:
         sd["extra"] = None
     nested = _nest(sd)
-    try:
-        dcp.load(nested, storage_reader=reader, planner=SafeLoadPlanner(), process_group=pg,
-                 no_dist=pg is None)
-    except dcp.api.CheckpointException as e:  # DCP gave every rank the same failures
-        inner = _unwrap(e)
-        raise inner if inner is not None else _failed("load", path, e) from None
+    _read(nested, path, pg)
     sd = _flat(nested)
     if optimizer is not None:
         if not requant:

@@ -435,7 +435,7 @@ def _groups(mesh, process_group, replicate_group):
 _CALLS = {}  # the ranks of a shard group -> fully_shard calls this process made over it
 
 
-def _describe(module, call, entries, pol, mp, reshard_after_forward):
+def _describe(module, call, entries, pol, mp, reshard_after_forward, planner):
     """What every rank of the group must hold alike for this fully_shard call: the
     call's place in this process's sequence, every parameter's name, shape, dtype,
     device type and granule, the settings, and the inner calls (by name, with their
@@ -452,7 +452,8 @@ def _describe(module, call, entries, pol, mp, reshard_after_forward):
         lines.append("parameter '%s': shape %s, %s on %s, requires_grad %s, %s, %d uses"
                      % (fqn, list(p.shape), p.dtype, p.device.type, p.requires_grad, layout,
                         len(uses)))
-    lines.append("mixed precision %s, reshard_after_forward %s" % (mp, reshard_after_forward))
+    lines.append("mixed precision %s, reshard_after_forward %s, planner %s"
+                 % (mp, reshard_after_forward, planner))
     for name, m in module.named_modules():
         if m is not module and getattr(m, "_rfsdp_call", None) is not None \
                 and getattr(m, "_rfsdp_unit", None) is not None:
@@ -499,8 +500,7 @@ def fully_shard(module, *, mesh=None, process_group=None, replicate_group=None, 
     comm = make_comm(pg)  # kept by the unit: rfsdp closes it at exit (see _comm)
     replicate_comm = make_comm(rg) if rg is not None and rg.size() > 1 else None
     _agree(module, (comm, replicate_comm),
-           _describe(module, call, entries, pol, mp_policy, reshard_after_forward) +
-           ["planner %s" % (planner,)])
+           _describe(module, call, entries, pol, mp_policy, reshard_after_forward, planner))
     if len(devices) > 1:
         raise ValueError("fully_shard: the parameters of this module live on different devices (%s); "
                          "move the module to one device first" % sorted(str(d) for d in devices))

@@ -373,8 +373,6 @@ class Shampoo(_OverCpp):
     on every rank before anything changes.
     """
 
-    RANK_DEFICIENT = ("shift", "pseudo_inverse", "strict")
-
     def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), epsilon=1e-12, grafting_beta2=0.999,
                  grafting_epsilon=1e-8, weight_decay=0.0, max_preconditioner_dim=1024,
                  precondition_frequency=20, start_preconditioning_step=20,
@@ -397,9 +395,6 @@ class Shampoo(_OverCpp):
                              % (start_preconditioning_step, precondition_frequency))
         if factor_dtype not in (torch.float32, torch.bfloat16):
             raise ValueError("Shampoo: factor_dtype must be torch.float32 or torch.bfloat16")
-        if rank_deficient not in self.RANK_DEFICIENT:
-            raise ValueError("Shampoo: rank_deficient must be one of %s, got %r"
-                             % (self.RANK_DEFICIENT, rank_deficient))
         if rank_rtol is not None and not (0 <= rank_rtol < 1):
             raise ValueError("Shampoo: rank_rtol must be in [0, 1) (None: n * eps(float32) for an "
                              "n x n factor), got %r" % (rank_rtol,))
