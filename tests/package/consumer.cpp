@@ -68,7 +68,9 @@ int main() {
   rfsdp::ParamShard shard = rfsdp::whole_param("w", w, at::zeros({64, 64}));
   rfsdp::AdamW8bit opt({shard}, {1e-2f, 0.9f, 0.999f, 1e-8f, 0.0f}, rfsdp::quant::BlockShape::blocks(256), 1);
   const double first = (w - target).pow(2).mean().item<double>();
-  for (int step = 0; step < 200; ++step) {
+  // 300 steps: the loss is then about 1 % of the first (at 200 steps it was 4-5 %, too
+  // near the 5 % bound: 1 run in about 30 failed on AMD EPYC).
+  for (int step = 0; step < 300; ++step) {
     shard.grad.copy_(2.0 * (w - target) / w.numel());
     opt.step();
   }
