@@ -379,6 +379,7 @@ TEST(AdamW8bit, StepEqualsFloat64TranscriptionElementByElement) {
       // float64: dequantise, AdamW, requantise per block.
       std::vector<double> m(n), v(n), pw(n), am1(L.num_blocks, 0.0), am2(L.num_blocks, 0.0);
       std::vector<double> mscale(n), vscale(n);  // size of the terms fp32 rounds (cancellation)
+      std::vector<double> bm(L.num_blocks, 0.0), bv(L.num_blocks, 0.0);  // their block maxima
       const double bc1 = 1 - std::pow(b1, double(step)), bc2 = 1 - std::pow(b2, double(step));
       for (int64_t e = 0; e < n; ++e) {
         const double ge = g.data_ptr<float>()[e];
@@ -392,14 +393,20 @@ TEST(AdamW8bit, StepEqualsFloat64TranscriptionElementByElement) {
                 (lr / bc1) * m[e] / (std::sqrt(v[e]) / std::sqrt(bc2) + eps);
         am1[ids[e]] = std::max(am1[ids[e]], std::fabs(m[e]));
         am2[ids[e]] = std::max(am2[ids[e]], std::fabs(v[e]));
+        bm[ids[e]] = std::max(bm[ids[e]], mscale[e]);
+        bv[ids[e]] = std::max(bv[ids[e]], vscale[e]);
       }
       quant::cpu::adamw8bit_step(p.data_ptr<float>(), g.data_ptr<float>(), q1.data_ptr<uint8_t>(),
                                  a1.data_ptr<float>(), q2.data_ptr<uint8_t>(),
                                  a2.data_ptr<float>(), L, *lut1, *lut2,
                                  {float(lr), float(b1), float(b2), float(eps), float(wd), step});
       for (int64_t b = 0; b < L.num_blocks; ++b) {
-        ASSERT_NEAR(a1.data_ptr<float>()[b], am1[b], 1e-5 * am1[b]) << "case " << c << " block " << b;
-        ASSERT_NEAR(a2.data_ptr<float>()[b], am2[b], 1e-5 * am2[b]) << "case " << c << " block " << b;
+        // fp32 rounds each moment's terms: where they cancel, the absmax's error is
+        // relative to the terms (a few ulps of them), not to the absmax itself
+        ASSERT_NEAR(a1.data_ptr<float>()[b], am1[b], 1e-5 * am1[b] + 1e-6 * bm[b])
+            << "case " << c << " block " << b;
+        ASSERT_NEAR(a2.data_ptr<float>()[b], am2[b], 1e-5 * am2[b] + 1e-6 * bv[b])
+            << "case " << c << " block " << b;
       }
       for (int64_t e = 0; e < n; ++e) {
         ASSERT_NEAR(p.data_ptr<float>()[e], pw[e], 1e-6 + 1e-6 * std::fabs(pw[e]))

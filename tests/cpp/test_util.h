@@ -5,12 +5,15 @@
 #include <ATen/CPUGeneratorImpl.h>
 
 #include <cstdint>
+#include <cstdlib>
 #include <random>
 
 namespace rfsdp::testing {
 
 // A new seed every run (tests use fresh random inputs); print it on failure.
+// RFSDP_TEST_SEED=<printed seed> replays a failure.
 inline uint64_t fresh_seed() {
+  if (const char* s = std::getenv("RFSDP_TEST_SEED")) return std::strtoull(s, nullptr, 10);
   std::random_device rd;
   return (static_cast<uint64_t>(rd()) << 32) ^ rd();
 }
