@@ -58,13 +58,11 @@ class FSDPUnit {
   const Plan& plan() const { return plan_; }
   // The shard group (gathers, reduce-scatters, clipping norms, Muon's roots).
   Comm& comm() { return *comm_; }
-  const std::shared_ptr<Comm>& shared_comm() const { return comm_; }
   // The replica group, or null (plain FSDP).
   const std::shared_ptr<Comm>& replicate_comm() const { return replicate_; }
   // Ranks whose gradients each local gradient slice sums: shard x replica group sizes.
   int data_parallel_size() const;
   size_t num_params() const { return plan_.tensors.size(); }
-  size_t index_of(const std::string& name) const { return plan_.index_of(name); }
   const MixedPrecision& mixed_precision() const { return mp_; }
   at::Device device() const { return device_; }
 

@@ -98,14 +98,6 @@ std::shared_ptr<rfsdp::Comm> make_comm(const c10::intrusive_ptr<c10d::ProcessGro
       });
 }
 
-rfsdp::FlatAlgorithm flat_algorithm(const std::string& name) {
-  if (name == "auto") return rfsdp::FlatAlgorithm::Auto;
-  if (name == "native") return rfsdp::FlatAlgorithm::Native;
-  if (name == "per-rank") return rfsdp::FlatAlgorithm::PerRank;
-  throw std::invalid_argument("flat collective algorithm must be \"auto\", \"native\" or "
-                              "\"per-rank\", got \"" + name + "\"");
-}
-
 py::dict stats_dict(const rfsdp::CommStats& s) {
   return py::dict(py::arg("collectives") = s.collectives, py::arg("fallbacks") = s.fallbacks,
                   py::arg("gathers_native") = s.gathers_native,
@@ -157,18 +149,8 @@ PYBIND11_MODULE(_C, m) {
       .def(py::init(&make_comm), py::arg("process_group"), py::arg("timeout_seconds") = 300.0)
       .def("rank", &rfsdp::Comm::rank)
       .def("size", &rfsdp::Comm::size)
-      .def("backend_name", &rfsdp::Comm::backend_name)
-      .def("control_device", [](const rfsdp::Comm& c) { return c.control_device().str(); })
       .def("close", &rfsdp::Comm::close, py::call_guard<py::gil_scoped_release>())
       .def("closed", &rfsdp::Comm::closed)
-      .def("set_flat_algorithms", [](rfsdp::Comm& c, const std::string& gather,
-                                     const std::string& reduce_scatter) {
-             c.set_flat_algorithms(flat_algorithm(gather), flat_algorithm(reduce_scatter));
-           }, py::arg("gather"), py::arg("reduce_scatter"))
-      .def("flat_algorithms", [](const rfsdp::Comm& c) {
-             return py::make_tuple(rfsdp::to_string(c.gather_algorithm()),
-                                   rfsdp::to_string(c.reduce_scatter_algorithm()));
-           })
       .def("stats", [](const rfsdp::Comm& c) { return stats_dict(c.stats()); })
       .def("reset_stats", &rfsdp::Comm::reset_stats);
 
@@ -186,7 +168,6 @@ PYBIND11_MODULE(_C, m) {
            py::arg("replicate") = nullptr, py::arg("device") = "cpu", py::arg("agree") = true,
            // HSDP checks the replicas with a collective: Gloo's workers may need the GIL.
            py::call_guard<py::gil_scoped_release>())
-      .def("data_parallel_size", &rfsdp::FSDPUnit::data_parallel_size)
       .def("device", [](const rfsdp::FSDPUnit& u) { return u.device().str(); })
       .def("shard", &rfsdp::FSDPUnit::shard)
       // Calls that enqueue collectives release the GIL: a Gloo worker thread may need it
@@ -206,7 +187,6 @@ PYBIND11_MODULE(_C, m) {
       .def("full_grad", &rfsdp::FSDPUnit::full_grad)
       .def("local_param", &rfsdp::FSDPUnit::local_param)
       .def("local_grad", &rfsdp::FSDPUnit::local_grad)
-      .def("local_grad_slice", &rfsdp::FSDPUnit::local_grad_slice)
       .def("shard_range", [](const rfsdp::FSDPUnit& u, size_t i) {
              const auto r = u.shard_range(i);
              return py::make_tuple(r.row_begin, r.row_end);
@@ -221,34 +201,42 @@ PYBIND11_MODULE(_C, m) {
           return rfsdp::clip_grad_norm(raw, max_norm, error_if_nonfinite);
         });
 
-  // Muon: params [(name, full shape, elem_begin, elem_end, ns_steps)]; hyper per
-  // parameter (lr, momentum, weight_decay, nesterov, adjust_lr).
   // The optimizers: the C++ classes over this rank's shards. Python's
-  // rfsdp.optim keeps param groups, schedulers and state_dict, and gives each
-  // step the gradients and every parameter's group hyperparameters.
-  py::class_<rfsdp::AdamW, std::shared_ptr<rfsdp::AdamW>>(m, "AdamW")
+  // rfsdp.optim keeps param groups, schedulers and state_dict; it sends the
+  // gradients once per step (set_grads) and a group's options when they change.
+  py::class_<rfsdp::ShardedOptimizer, std::shared_ptr<rfsdp::ShardedOptimizer>>(m, "ShardedOptimizer")
+      .def("set_grads", [](rfsdp::ShardedOptimizer& o, const std::vector<std::optional<at::Tensor>>& gs) {
+             std::vector<at::Tensor> grads;
+             for (const auto& g : gs) grads.push_back(g ? *g : at::Tensor());
+             o.set_grads(grads);
+           })
+      .def("set_groups", &rfsdp::ShardedOptimizer::set_groups)
+      .def("step", &rfsdp::ShardedOptimizer::step, py::call_guard<py::gil_scoped_release>())  // collective
+      .def("name", &rfsdp::ShardedOptimizer::name)
+      .def("param_name", [](const rfsdp::ShardedOptimizer& o, size_t i) { return o.params().at(i).name; })
+      .def("step_count", &rfsdp::ShardedOptimizer::step_count)
+      .def("step_counts", &rfsdp::ShardedOptimizer::step_counts)
+      .def("set_step_count", &rfsdp::ShardedOptimizer::set_step_count)
+      .def("state_has_step", &rfsdp::ShardedOptimizer::state_has_step)
+      .def("state", [](const rfsdp::ShardedOptimizer& o, size_t i) { return named(o.state(i)); })
+      .def("fused_launches", &rfsdp::ShardedOptimizer::fused_launches);
+
+  py::class_<rfsdp::AdamW, rfsdp::ShardedOptimizer, std::shared_ptr<rfsdp::AdamW>>(m, "AdamW")
       .def(py::init([](const std::vector<ShardSpec>& params, std::shared_ptr<rfsdp::Comm> comm,
-                       bool check_finite) {
+                       bool check_finite, bool fused_on_cpu) {
              rfsdp::AdamWOptions o;
              o.check_finite = check_finite;
+             o.fused_on_cpu = fused_on_cpu;
              return std::make_shared<rfsdp::AdamW>(shards_of(params), o, std::move(comm));
            }),
-           py::arg("params"), py::arg("comm"), py::arg("check_finite") = true)
-      .def("set_grad", [](rfsdp::AdamW& o, size_t i, const std::optional<at::Tensor>& g) {
-             o.set_grad(i, g ? *g : at::Tensor());
-           })
-      .def("set_options", [](rfsdp::AdamW& o, size_t i, double lr, double b1, double b2,
-                             double eps, double wd) {
-             rfsdp::AdamWOptions x = o.options();
+           py::arg("params"), py::arg("comm"), py::arg("check_finite") = true,
+           py::arg("fused_on_cpu") = false)
+      .def("set_group_options", [](rfsdp::AdamW& o, size_t g, double lr, double b1, double b2,
+                                   double eps, double wd) {
+             rfsdp::AdamWOptions x = o.group_options(g);
              x.lr = lr, x.beta1 = b1, x.beta2 = b2, x.eps = eps, x.weight_decay = wd;
-             o.set_param_options(i, x);
+             o.set_group_options(g, x);
            })
-      .def("step", &rfsdp::AdamW::step, py::call_guard<py::gil_scoped_release>())  // collective
-      .def("name", &rfsdp::AdamW::name)
-      .def("param_name", [](const rfsdp::AdamW& o, size_t i) { return o.params().at(i).name; })
-      .def("step_count", &rfsdp::AdamW::step_count)
-      .def("set_step_count", &rfsdp::AdamW::set_step_count)
-      .def("state", [](const rfsdp::AdamW& o, size_t i) { return named(o.state(i)); })
       .def("state_bytes", &rfsdp::AdamW::state_bytes);
   py::class_<rfsdp::AdamW8bit, rfsdp::AdamW, std::shared_ptr<rfsdp::AdamW8bit>>(m, "AdamW8bit")
       .def(py::init([](const std::vector<ShardSpec>& params, const py::object& block,
@@ -260,11 +248,10 @@ PYBIND11_MODULE(_C, m) {
                                                        min_8bit_size, std::move(comm));
            }),
            py::arg("params"), py::arg("block"), py::arg("min_8bit_size"), py::arg("comm"),
-           py::arg("check_finite") = true)
-      .def("is_8bit", &rfsdp::AdamW8bit::is_8bit);
+           py::arg("check_finite") = true);
 
   // Muon over one process group: roots chosen at construction (collective), then steps.
-  py::class_<rfsdp::Muon, std::shared_ptr<rfsdp::Muon>>(m, "Muon")
+  py::class_<rfsdp::Muon, rfsdp::ShardedOptimizer, std::shared_ptr<rfsdp::Muon>>(m, "Muon")
       .def(py::init([](const std::vector<ShardSpec>& params, const std::vector<int>& ns_steps,
                        const std::string& ns_dtype, std::shared_ptr<rfsdp::Comm> comm,
                        bool check_finite) {
@@ -277,17 +264,11 @@ PYBIND11_MODULE(_C, m) {
            }),
            py::arg("params"), py::arg("ns_steps"), py::arg("ns_dtype"), py::arg("comm"),
            py::arg("check_finite") = true)
-      .def("set_grad", &rfsdp::Muon::set_grad)
-      .def("param_name", [](const rfsdp::Muon& o, size_t i) {
-             return o.layout().params().at(i).name;
+      .def("set_group_options", [](rfsdp::Muon& o, size_t g, double lr, double momentum, double wd,
+                                   bool nesterov, const std::string& adjust_lr) {
+             o.set_group_options(g, {lr, momentum, wd, nesterov,
+                                     rfsdp::parse_muon_adjust_lr(adjust_lr)});
            })
-      .def("set_hyper", [](rfsdp::Muon& o, size_t i, double lr, double momentum, double wd,
-                           bool nesterov, const std::string& adjust_lr) {
-             o.set_param_hyper(i, {lr, momentum, wd, nesterov,
-                                   rfsdp::parse_muon_adjust_lr(adjust_lr)});
-           })
-      .def("step", &rfsdp::Muon::step, py::call_guard<py::gil_scoped_release>())  // collectives
-      .def("state", [](const rfsdp::Muon& o, size_t i) { return named(o.state(i)); })
       .def("matrices", [](const rfsdp::Muon& o) {
              py::list out;
              for (const auto& x : o.layout().matrices()) {
@@ -297,13 +278,12 @@ PYBIND11_MODULE(_C, m) {
              }
              return out;
            })
-      .def("rank_flops", [](const rfsdp::Muon& o) { return o.layout().rank_flops(); })
       .def("flop_imbalance", [](const rfsdp::Muon& o) { return o.layout().flop_imbalance(); })
-      .def("gather_send_elems", [](const rfsdp::Muon& o) { return o.layout().gather_send_elems(); })
-      .def("gather_recv_elems", [](const rfsdp::Muon& o) { return o.layout().gather_recv_elems(); });
+      .def("gather_send_elems", [](const rfsdp::Muon& o) { return o.layout().gather_send_elems(); });
+
 
   // Shampoo: each rank's tiles are its own (no communication but the NaN flag).
-  py::class_<rfsdp::Shampoo, std::shared_ptr<rfsdp::Shampoo>>(m, "Shampoo")
+  py::class_<rfsdp::Shampoo, rfsdp::ShardedOptimizer, std::shared_ptr<rfsdp::Shampoo>>(m, "Shampoo")
       .def(py::init([](const std::vector<ShardSpec>& params, const std::vector<bool>& precondition,
                        int64_t max_dim, int frequency, int start, bool bias_correction,
                        const std::string& factor_dtype, std::shared_ptr<rfsdp::Comm> comm,
@@ -323,21 +303,13 @@ PYBIND11_MODULE(_C, m) {
            py::arg("precondition_frequency"), py::arg("start_preconditioning_step"),
            py::arg("use_bias_correction"), py::arg("factor_dtype"), py::arg("comm"),
            py::arg("rank_deficient") = "shift", py::arg("rank_rtol") = -1.0)
-      .def("set_grad", [](rfsdp::Shampoo& o, size_t i, const std::optional<at::Tensor>& g) {
-             o.set_grad(i, g ? *g : at::Tensor());
+      .def("set_group_options", [](rfsdp::Shampoo& o, size_t g, double lr, double b1, double b2,
+                                   double eps, double gb2, double geps, double wd) {
+             o.set_group_options(g, {lr, b1, b2, eps, gb2, geps, wd});
            })
-      .def("set_options", [](rfsdp::Shampoo& o, size_t i, double lr, double b1, double b2,
-                             double eps, double gb2, double geps, double wd) {
-             o.set_param_options(i, {lr, b1, b2, eps, gb2, geps, wd});
-           })
-      .def("step", &rfsdp::Shampoo::step, py::call_guard<py::gil_scoped_release>())  // collective
-      .def("step_count", &rfsdp::Shampoo::step_count)
-      .def("set_step_count", &rfsdp::Shampoo::set_step_count)
-      .def("state", [](const rfsdp::Shampoo& o, size_t i) { return named(o.state(i)); })
       .def("num_tiles", [](const rfsdp::Shampoo& o) { return o.tiles().size(); })
       .def("factor_bytes", &rfsdp::Shampoo::factor_bytes)
       .def("root_seconds", &rfsdp::Shampoo::root_seconds)
-      .def("root_flops", &rfsdp::Shampoo::root_flops)
       .def("fp64_retries", &rfsdp::Shampoo::fp64_retries);
   m.def("shampoo_granule_rows", &rfsdp::shampoo_granule_rows, py::arg("shape"),
         py::arg("row_dims"), py::arg("max_preconditioner_dim"));
@@ -481,7 +453,6 @@ PYBIND11_MODULE(_C, m) {
         py::arg("collective_cost_bytes") = rfsdp::PlannerOptions{}.collective_cost_bytes);
 
   m.def("dynamic_map", &rfsdp::quant::dynamic_map, py::arg("signed") = true);
-  m.def("linear_map", &rfsdp::quant::linear_map, py::arg("signed") = true);
   m.def("code_map", &rfsdp::quant::code_map, py::arg("name"), py::arg("signed"));
   m.def("newton_schulz",
         [](const at::Tensor& g, int steps, const std::string& dtype) {

@@ -107,7 +107,6 @@ class Comm {
   int rank() const { return rank_; }
   int size() const { return size_; }
   std::chrono::milliseconds timeout() const { return timeout_; }
-  void set_timeout(std::chrono::milliseconds t) { timeout_ = t; }
   const c10::intrusive_ptr<c10d::ProcessGroup>& process_group() const { return pg_; }
   const std::string& backend_name() const { return backend_name_; }
   // Where this group's small control tensors (flags, norms, tables) must live:

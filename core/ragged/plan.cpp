@@ -82,13 +82,6 @@ ShardRange Plan::shard(size_t tensor, int64_t rank) const {
   return r;
 }
 
-size_t Plan::index_of(const std::string& name) const {
-  for (size_t i = 0; i < tensors.size(); ++i) {
-    if (tensors[i].name == name) return i;
-  }
-  throw std::invalid_argument("no tensor named '" + name + "' in the plan");
-}
-
 std::vector<std::string> plan_violations(const Plan& plan) {
   std::vector<std::string> bad;
   auto tensor_msg = [](const TensorSpec& t, const std::string& what) {

@@ -52,7 +52,6 @@ struct Plan {
   // (m*S - sum n) / (m*S)
   double padding_fraction() const;
   ShardRange shard(size_t tensor, int64_t rank) const;
-  size_t index_of(const std::string& name) const;  // throws if absent
 };
 
 // Alignment in elements for a buffer of elem_bytes-sized elements such that

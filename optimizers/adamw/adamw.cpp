@@ -1,11 +1,11 @@
 #include "optimizers/adamw/adamw.h"
 
 #include <map>
+#include <tuple>
 #include <stdexcept>
 #include <string>
 #include <utility>
 
-#include "optimizers/common/step_gate.h"
 #include "quant/blockwise/code_maps.h"
 #include "quant/blockwise/cpu_kernels.h"
 #include "quant/blockwise/cuda_ops.h"
@@ -37,25 +37,28 @@ quant::AdamWHyper hyper(const AdamWOptions& o, int64_t step) {
           static_cast<float>(o.eps), static_cast<float>(o.weight_decay), step};
 }
 
-void check_options(const AdamWOptions& o) {
-  if (!(o.lr >= 0) || !(o.eps > 0) || o.beta1 < 0 || o.beta1 >= 1 || o.beta2 < 0 ||
-      o.beta2 >= 1 || o.weight_decay < 0) {
-    throw std::invalid_argument("AdamW: need lr >= 0, eps > 0, 0 <= betas < 1, weight_decay >= 0");
+}  // namespace
+
+void AdamW::check_options(const AdamWOptions& o) const {
+  if (!(o.lr >= 0) || !(o.eps > 0) || !(o.beta1 >= 0 && o.beta1 < 1) ||
+      !(o.beta2 >= 0 && o.beta2 < 1) || !(o.weight_decay >= 0)) {
+    throw std::invalid_argument(std::string(name()) +
+                                ": need lr >= 0, eps > 0, 0 <= betas < 1, weight_decay >= 0; got "
+                                "lr=" + std::to_string(o.lr) + ", eps=" + std::to_string(o.eps) +
+                                ", betas=(" + std::to_string(o.beta1) + ", " +
+                                std::to_string(o.beta2) + "), weight_decay=" +
+                                std::to_string(o.weight_decay));
   }
 }
-
-}  // namespace
 
 AdamW::AdamW(std::vector<ParamShard> params, AdamWOptions options, std::shared_ptr<Comm> comm)
     : AdamW(std::move(params), options, std::move(comm), std::vector<bool>()) {}
 
 AdamW::AdamW(std::vector<ParamShard> params, AdamWOptions options, std::shared_ptr<Comm> comm,
              const std::vector<bool>& fp32_state)
-    : params_(std::move(params)), options_(options), comm_(std::move(comm)) {
-  check_options(options_);
-  param_options_.resize(params_.size());
-  has_param_options_.assign(params_.size(), false);
-  param_steps_.assign(params_.size(), 0);
+    : GroupedOptimizer(std::move(params), std::move(comm), options.check_finite, options),
+      fused_on_cpu_(options.fused_on_cpu) {
+  check_options(options);
   for (size_t i = 0; i < params_.size(); ++i) {
     check_param(params_[i]);
     const bool fp32 = fp32_state.empty() || fp32_state[i];
@@ -72,50 +75,31 @@ std::vector<bool> small_tensors(const std::vector<ParamShard>& params, int64_t m
 }
 }  // namespace
 
-void AdamW::set_param_options(size_t i, const AdamWOptions& o) {
-  check_options(o);
-  param_options_.at(i) = o;
-  has_param_options_.at(i) = true;
-}
-
-void AdamW::set_grad(size_t i, const at::Tensor& grad) {
-  check_grad("AdamW", params_.at(i), grad);
-  params_[i].grad = grad;
-}
-
-void AdamW::check_grads() const {
-  StepGate gate(comm_.get(), std::string(name()) + " step");
-  for (const auto& p : params_) gate.check_finite(p.name, p.grad);
-  gate.agree();
-}
-
-void AdamW::step() {
-  if (options_.check_finite) check_grads();
-  ++steps_;
-  std::vector<size_t> fused;  // GPU parameters with fp32 moments: torch's fused kernel
-  for (size_t i = 0; i < params_.size(); ++i) {
-    if (!params_[i].grad.defined()) continue;
-    const int64_t step = ++param_steps_[i];
-    if (params_[i].param.is_cuda() && m_[i].defined()) {
+void AdamW::run_step(StepGate& gate, const std::vector<size_t>& stepping) {
+  // Nothing but the gradients' check can fail before state changes: without it
+  // (a caller that gates the step itself, as Python's Muon does) no collective.
+  if (check_finite_) gate.agree();
+  std::vector<size_t> fused;  // fp32 moments on a GPU (or fused_on_cpu): torch's fused kernel
+  for (size_t i : stepping) {
+    if (m_[i].defined() && (params_[i].param.is_cuda() || fused_on_cpu_)) {
       fused.push_back(i);
     } else {
-      update(i, step);
+      update(i, param_steps_[i]);
     }
   }
   fused_update(fused);
 }
 
 void AdamW::fused_update(const std::vector<size_t>& idx) {
-  // One launch per set of hyperparameters (a parameter group) and device, over
-  // every tensor of the set: torch's _fused_adamw_, what torch.optim.AdamW(fused=True) runs.
-  std::map<std::pair<const AdamWOptions*, std::string>, std::vector<size_t>> sets;
+  // One launch per parameter group, device and dtype, over every tensor of it:
+  // torch's _fused_adamw_, what torch.optim.AdamW(fused=True) runs.
+  std::map<std::tuple<size_t, std::string, at::ScalarType>, std::vector<size_t>> sets;
   for (size_t i : idx) {
-    if (params_[i].param.numel() > 0) {
-      sets[{&options_of(i), params_[i].param.device().str()}].push_back(i);
-    }
+    const at::Tensor& p = params_[i].param;
+    if (p.numel() > 0) sets[{group_of_[i], p.device().str(), p.scalar_type()}].push_back(i);
   }
   for (const auto& [key, members] : sets) {
-    const AdamWOptions& o = *key.first;
+    const AdamWOptions& o = groups_[std::get<0>(key)];
     std::vector<at::Tensor> ps, gs, ms, vs, steps;
     for (size_t i : members) {
       ps.push_back(params_[i].param);
@@ -127,6 +111,7 @@ void AdamW::fused_update(const std::vector<size_t>& idx) {
     }
     at::_fused_adamw_(ps, gs, ms, vs, {}, steps, o.lr, o.beta1, o.beta2, o.weight_decay, o.eps,
                       /*amsgrad=*/false, /*maximize=*/false);
+    ++fused_launches_;
   }
 }
 

@@ -12,7 +12,7 @@
 #include <string>
 #include <vector>
 
-#include "optimizers/common/param_shard.h"
+#include "optimizers/common/sharded_optimizer.h"
 #include "quant/blockwise/block_layout.h"
 #include "quant/blockwise/cpu_kernels.h"
 
@@ -21,36 +21,25 @@ namespace rfsdp {
 struct AdamWOptions {
   double lr = 1e-3, beta1 = 0.9, beta2 = 0.999, eps = 1e-8, weight_decay = 1e-2;
   // Scan gradients for NaN/Inf before a step and throw (state untouched); with
-  // a Comm every rank agrees (StepGate: one all-reduce), so all of them throw together.
+  // a Comm every rank agrees (StepGate: one all-reduce), so all of them throw
+  // together. The optimizer's, read at construction (not a group's).
   bool check_finite = true;
+  // Step CPU parameters with fp32 moments by torch's fused multi-tensor kernel
+  // too (what GPU parameters always use), instead of rfsdp's own CPU kernel.
+  // The optimizer's, read at construction.
+  bool fused_on_cpu = false;
 };
 
-class AdamW {
+class AdamW : public GroupedOptimizer<AdamWOptions> {
  public:
   // comm (optional): the ranks that must agree on a NaN/Inf gradient.
+  // options: every group's until set_group_options.
   AdamW(std::vector<ParamShard> params, AdamWOptions options = {},
         std::shared_ptr<Comm> comm = nullptr);
-  virtual ~AdamW() = default;
-  AdamW(const AdamW&) = delete;
-  AdamW& operator=(const AdamW&) = delete;
-  // One step of every parameter that has a gradient (each counts its own steps,
-  // as torch.optim.AdamW does). With a Comm, every rank agrees first (StepGate).
-  void step();
-  // What its errors call it.
-  virtual const char* name() const { return "AdamW"; }
-  int64_t steps() const { return steps_; }  // calls of step() that stepped
-  // Hyperparameters of every parameter; set_param_options overrides one (a
-  // parameter group's).
-  AdamWOptions& options() { return options_; }
-  void set_param_options(size_t i, const AdamWOptions& o);
-  // The gradient parameter i steps with; undefined: it takes no step.
-  void set_grad(size_t i, const at::Tensor& grad);
-  int64_t step_count(size_t i) const { return param_steps_.at(i); }
-  void set_step_count(size_t i, int64_t n) { param_steps_.at(i) = n; }
+  const char* name() const override { return "AdamW"; }
   // The tensors the step updates for parameter i, by name (exp_avg and
   // exp_avg_sq; 8-bit: q1, absmax1, q2, absmax2): a checkpoint saves these.
-  virtual std::vector<std::pair<std::string, at::Tensor>> state(size_t i) const;
-  const std::vector<ParamShard>& params() const { return params_; }
+  std::vector<std::pair<std::string, at::Tensor>> state(size_t i) const override;
   // The moments of parameter i, fp32 (dequantised for 8-bit state).
   virtual at::Tensor exp_avg(size_t i) const { return m_.at(i); }
   virtual at::Tensor exp_avg_sq(size_t i) const { return v_.at(i); }
@@ -61,21 +50,14 @@ class AdamW {
   // Checks the parameters; fp32 moments only where fp32_state(i) says so.
   AdamW(std::vector<ParamShard> params, AdamWOptions options, std::shared_ptr<Comm> comm,
         const std::vector<bool>& fp32_state);
+  void run_step(StepGate& gate, const std::vector<size_t>& stepping) override;
+  void check_options(const AdamWOptions& o) const override;
   // One parameter's step (CPU kernels; AdamW8bit: also its CUDA kernel).
   virtual void update(size_t i, int64_t step);
-  // GPU parameters with fp32 moments, all at once (torch's fused AdamW kernel).
+  // Parameters with fp32 moments on a GPU (or on the CPU with fused_on_cpu), all
+  // at once: torch's fused AdamW kernel, one launch per group, device and dtype.
   void fused_update(const std::vector<size_t>& params);
-  const AdamWOptions& options_of(size_t i) const {
-    return has_param_options_[i] ? param_options_[i] : options_;
-  }
-  void check_grads() const;
-  std::vector<ParamShard> params_;
-  AdamWOptions options_;
-  std::vector<AdamWOptions> param_options_;
-  std::vector<bool> has_param_options_;
-  std::vector<int64_t> param_steps_;
-  std::shared_ptr<Comm> comm_;
-  int64_t steps_ = 0;
+  bool fused_on_cpu_ = false;
   std::vector<at::Tensor> m_, v_;  // fp32 moments (for AdamW8bit: the small tensors only)
 };
 

@@ -11,6 +11,7 @@ void check_grad(const char* optimizer, const ParamShard& p, const at::Tensor& gr
                                 p.name + "' must be a contiguous float32 tensor of " +
                                 std::to_string(p.param.numel()) + " elements on " +
                                 p.param.device().str() + " (the parameter's device); got " +
+                                (grad.is_contiguous() ? "" : "a non-contiguous tensor of ") +
                                 std::to_string(grad.numel()) + " " +
                                 c10::toString(grad.scalar_type()) + " elements on " +
                                 grad.device().str());

@@ -94,7 +94,10 @@ void StepGate::agree() {
   const at::Tensor codes = table.cpu();
   const int64_t* c = codes.data_ptr<int64_t>();
   const int64_t worst = *std::max_element(c, c + world);
-  if (worst == kOk) return;
+  if (worst == kOk) {
+    agreed_ = true;
+    return;
+  }
   // What each rank found: the ranks' messages (a second collective, on failure only).
   const bool device_nonfinite = c[me] == kNonFinite && code_ == kOk;
   const std::string msg = c[me] != kOk ? local_message(device_nonfinite) : std::string();

@@ -53,6 +53,8 @@ class StepGate {
 
   // One all-reduce of every rank's code (collective); throws the agreed error.
   void agree();
+  // Whether agree() found nothing on any rank (the step may change state).
+  bool agreed() const { return agreed_; }
 
  private:
   enum Code : int64_t { kOk = 0, kNonFinite = 1, kError = 2, kInvalid = 3 };
@@ -65,6 +67,7 @@ class StepGate {
   Comm* comm_;
   std::string who_;
   Code code_ = kOk;
+  bool agreed_ = false;
   std::string message_;
   std::vector<std::pair<std::string, at::Tensor>> on_device_;  // (message, tensor)
 };

@@ -429,49 +429,54 @@ std::vector<int> steps_per_param(size_t n, const MuonOptions& o, std::vector<int
 
 Muon::Muon(std::shared_ptr<Comm> comm, std::vector<ParamShard> params, MuonOptions options,
            std::vector<int> ns_steps)
-    : comm_(std::move(comm)),
-      params_(std::move(params)),
+    : GroupedOptimizer(std::move(params), std::move(comm), options.check_finite, options.hyper),
       options_(options),
-      param_hyper_(params_.size()),
-      has_param_hyper_(params_.size(), false),
       layout_(comm_.get(), geometry(params_, steps_per_param(params_.size(), options, ns_steps))) {
+  check_options(options.hyper);
   for (const auto& p : params_) momenta_.push_back(at::zeros_like(p.param));
 }
 
-void Muon::set_param_hyper(size_t i, const MuonHyper& h) {
-  if (!(h.lr >= 0) || h.momentum < 0 || h.momentum >= 1 || h.weight_decay < 0) {
-    throw std::invalid_argument("Muon: need lr >= 0, 0 <= momentum < 1, weight_decay >= 0");
+void Muon::check_options(const MuonHyper& h) const {
+  if (!(h.lr >= 0) || !(h.momentum >= 0 && h.momentum < 1) || !(h.weight_decay >= 0)) {
+    throw std::invalid_argument("Muon: need lr >= 0, 0 <= momentum < 1, weight_decay >= 0; got lr=" +
+                                std::to_string(h.lr) + ", momentum=" + std::to_string(h.momentum) +
+                                ", weight_decay=" + std::to_string(h.weight_decay));
   }
-  param_hyper_.at(i) = h;
-  has_param_hyper_.at(i) = true;
 }
 
-void Muon::set_grad(size_t i, const at::Tensor& grad) {
+void Muon::check_grad_of(size_t i, const at::Tensor& grad) const {
   const ParamShard& p = params_.at(i);
-  if (!grad.defined() || grad.numel() != p.param.numel() || !grad.is_contiguous()) {
-    throw std::invalid_argument("Muon: parameter '" + p.name + "' needs a contiguous gradient of " +
-                                std::to_string(p.param.numel()) + " elements on every rank");
+  if (!grad.defined()) {
+    throw std::invalid_argument("Muon: parameter '" + p.name + "' needs a gradient on every rank "
+                                "(every matrix is gathered and scattered each step); give zeros "
+                                "where a rank has none");
   }
-  params_[i].grad = grad;
+  check_grad(name(), p, grad);
 }
 
-void Muon::step() {
+void Muon::run_step(StepGate& gate, const std::vector<size_t>& stepping) {
+  for (size_t i = 0; i < params_.size(); ++i) {
+    if (!params_[i].grad.defined()) {  // set_grad refuses none: not given yet
+      const std::string what = "parameter '" + params_[i].name + "' was given no gradient; every "
+                               "parameter needs one on every rank (zeros where a rank has none)";
+      if (!check_finite_) throw std::invalid_argument("Muon step: " + what);
+      gate.fail(what, true);
+      break;
+    }
+  }
+  // Without the gradients' check (a caller that gates the step itself, as
+  // Python's Muon does) no collective here; Newton–Schulz failures are agreed in muon_step.
+  if (check_finite_) gate.agree();
   std::vector<at::Tensor> ps, gs;
   std::vector<MuonHyper> hyper;
   for (size_t i = 0; i < params_.size(); ++i) {
     ps.push_back(params_[i].param);
     gs.push_back(params_[i].grad);
-    hyper.push_back(has_param_hyper_[i] ? param_hyper_[i] : options_.hyper);
-  }
-  if (options_.check_finite) {
-    StepGate gate(comm_.get(), "Muon step");
-    for (const auto& p : params_) gate.check_finite(p.name, p.grad);
-    gate.agree();
+    hyper.push_back(options_of(i));
   }
   const bool on_gpu = !ps.empty() && ps[0].is_cuda();
   muon_step(comm_.get(), layout_, ps, gs, momenta_, hyper, options_.ns_dtype,
             options_.batch_newton_schulz.value_or(on_gpu));
-  ++steps_;
 }
 
 }  // namespace rfsdp

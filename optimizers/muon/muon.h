@@ -16,7 +16,7 @@
 #include <vector>
 
 #include "core/comm/comm.h"
-#include "optimizers/common/param_shard.h"
+#include "optimizers/common/sharded_optimizer.h"
 
 namespace rfsdp {
 
@@ -120,37 +120,34 @@ struct MuonOptions {
 
 // The C++ optimizer: Muon over parameter shards (ParamShard.shape must be the
 // full shape). Pair it with AdamW for 0-D/1-D parameters, embeddings and heads.
-class Muon {
+// Groups hold MuonHyper (options.hyper: every group's until set_group_options).
+class Muon : public GroupedOptimizer<MuonHyper> {
  public:
   // ns_steps: Newton–Schulz steps per parameter (empty: options.ns_steps for all).
+  // Collective: the layout agrees on every rank's ranges.
   Muon(std::shared_ptr<Comm> comm, std::vector<ParamShard> params, MuonOptions options = {},
        std::vector<int> ns_steps = {});
-  // One step of every parameter (collective: every parameter needs a gradient
-  // on every rank; a rank without one gives zeros).
-  void step();
-  int64_t steps() const { return steps_; }
+  const char* name() const override { return "Muon"; }
   const MuonLayout& layout() const { return layout_; }
   const at::Tensor& momentum(size_t i) const { return momenta_.at(i); }
-  MuonOptions& options() { return options_; }
-  // Hyperparameters of parameter i (a parameter group's), over options().hyper.
-  void set_param_hyper(size_t i, const MuonHyper& h);
-  void set_grad(size_t i, const at::Tensor& grad);
   // The tensors the step updates for parameter i, by name (momentum_buffer).
-  std::vector<std::pair<std::string, at::Tensor>> state(size_t i) const {
+  std::vector<std::pair<std::string, at::Tensor>> state(size_t i) const override {
     return {{"momentum_buffer", momenta_.at(i)}};
   }
+  bool state_has_step() const override { return false; }
+
+ protected:
+  // Every parameter steps on every rank (collectives): a gradient is required.
+  void check_grad_of(size_t i, const at::Tensor& grad) const override;
+  void check_options(const MuonHyper& h) const override;
+  void run_step(StepGate& gate, const std::vector<size_t>& stepping) override;
 
  private:
   static std::vector<MuonParamGeometry> geometry(const std::vector<ParamShard>& params,
                                                  const std::vector<int>& ns_steps);
-  std::shared_ptr<Comm> comm_;
-  std::vector<ParamShard> params_;
   MuonOptions options_;
-  std::vector<MuonHyper> param_hyper_;
-  std::vector<bool> has_param_hyper_;
   MuonLayout layout_;
   std::vector<at::Tensor> momenta_;
-  int64_t steps_ = 0;
 };
 
 }  // namespace rfsdp

@@ -18,22 +18,6 @@ namespace rfsdp {
 
 namespace {
 
-void check_options(const ShampooOptions& o, const ShampooConfig& c) {
-  if (!(o.lr >= 0) || o.beta1 < 0 || o.beta1 >= 1 || o.beta2 < 0 || o.beta2 > 1 ||
-      !(o.epsilon >= 0) || o.grafting_beta2 < 0 || o.grafting_beta2 >= 1 ||
-      !(o.grafting_epsilon > 0) || !(o.weight_decay >= 0)) {
-    throw std::invalid_argument(
-        "Shampoo: need lr >= 0, 0 <= beta1 < 1, 0 <= beta2 <= 1, epsilon >= 0, "
-        "0 <= grafting_beta2 < 1, grafting_epsilon > 0, weight_decay >= 0");
-  }
-  if (c.rank_deficient == RankDeficient::Shift && !(o.epsilon > 0)) {
-    throw std::invalid_argument(
-        "Shampoo: rank_deficient=\"shift\" lifts the smallest eigenvalue of every factor to "
-        "epsilon, so it needs epsilon > 0 (got 0); use rank_deficient=\"pseudo_inverse\" for "
-        "epsilon = 0");
-  }
-}
-
 void check_config(const ShampooConfig& c) {
   if (c.max_preconditioner_dim < 1) {
     throw std::invalid_argument("Shampoo: max_preconditioner_dim must be >= 1");
@@ -213,19 +197,33 @@ std::vector<at::Tensor> inverse_fourth_roots(const std::vector<at::Tensor>& a,
   return out;
 }
 
+void Shampoo::check_options(const ShampooOptions& o) const {
+  if (!(o.lr >= 0) || !(o.beta1 >= 0 && o.beta1 < 1) || !(o.beta2 >= 0 && o.beta2 <= 1) ||
+      !(o.epsilon >= 0) || !(o.grafting_beta2 >= 0 && o.grafting_beta2 < 1) ||
+      !(o.grafting_epsilon > 0) || !(o.weight_decay >= 0)) {
+    throw std::invalid_argument(
+        "Shampoo: need lr >= 0, 0 <= beta1 < 1, 0 <= beta2 <= 1, epsilon >= 0, "
+        "0 <= grafting_beta2 < 1, grafting_epsilon > 0, weight_decay >= 0");
+  }
+  if (config_.rank_deficient == RankDeficient::Shift && !(o.epsilon > 0)) {
+    throw std::invalid_argument(
+        "Shampoo: rank_deficient=\"shift\" lifts the smallest eigenvalue of every factor to "
+        "epsilon, so it needs epsilon > 0 (got 0); use rank_deficient=\"pseudo_inverse\" for "
+        "epsilon = 0");
+  }
+}
+
 Shampoo::Shampoo(std::vector<ParamShard> params, ShampooOptions options, ShampooConfig config,
                  std::shared_ptr<Comm> comm, std::vector<bool> precondition)
-    : params_(std::move(params)), options_(options), config_(config), comm_(std::move(comm)) {
+    : GroupedOptimizer(std::move(params), std::move(comm), config.check_finite, options),
+      config_(config) {
   check_config(config_);
-  check_options(options_, config_);
+  check_options(options);
   const size_t n = params_.size();
   if (!precondition.empty() && precondition.size() != n) {
     throw std::invalid_argument("Shampoo: " + std::to_string(precondition.size()) +
                                 " precondition flags for " + std::to_string(n) + " parameters");
   }
-  param_options_.resize(n);
-  has_param_options_.assign(n, false);
-  steps_.assign(n, 0);
   const auto fdt = at::TensorOptions().dtype(config_.factor_dtype);
   for (size_t i = 0; i < n; ++i) {
     const ParamShard& p = params_[i];
@@ -263,17 +261,6 @@ Shampoo::Shampoo(std::vector<ParamShard> params, ShampooOptions options, Shampoo
     }
     state_.push_back(std::move(s));
   }
-}
-
-void Shampoo::set_param_options(size_t i, const ShampooOptions& o) {
-  check_options(o, config_);
-  param_options_.at(i) = o;
-  has_param_options_.at(i) = true;
-}
-
-void Shampoo::set_grad(size_t i, const at::Tensor& grad) {
-  check_grad("Shampoo", params_.at(i), grad);
-  params_[i].grad = grad;
 }
 
 // Row i of the upper triangle, columns [i, n), follows rows 0..i-1: plain copies
@@ -332,7 +319,7 @@ void Shampoo::compute_roots(const std::vector<size_t>& due, const std::vector<at
     const ParamState& s = state_[i];
     const ShampooOptions& o = options_of(i);
     const bool correct = config_.use_bias_correction && o.beta2 < 1;
-    const double bc = correct ? 1.0 - std::pow(o.beta2, static_cast<double>(steps_[i] + 1)) : 1.0;
+    const double bc = correct ? 1.0 - std::pow(o.beta2, static_cast<double>(param_steps_[i])) : 1.0;
     for (size_t k : s.tiles) {
       const ShampooTile& t = tiles_[k];
       for (bool left : {true, false}) {
@@ -384,18 +371,13 @@ void Shampoo::compute_roots(const std::vector<size_t>& due, const std::vector<at
   }
 }
 
-void Shampoo::step() {
-  StepGate gate(comm_.get(), "Shampoo step");
-  if (config_.check_finite) {
-    for (const auto& p : params_) gate.check_finite(p.name, p.grad);
-  }
+void Shampoo::run_step(StepGate& gate, const std::vector<size_t>& stepping) {
   at::NoGradGuard no_grad;
   // What this step would store, computed before anything changes: the factors of
   // the tiles whose roots are due (packed, in the factor dtype), and their roots.
   std::vector<size_t> due;
-  for (size_t i = 0; i < params_.size(); ++i) {
-    if (params_[i].grad.defined() && precondition_[i] &&
-        (steps_[i] + 1) % config_.precondition_frequency == 0) {
+  for (size_t i : stepping) {
+    if (precondition_[i] && param_steps_[i] % config_.precondition_frequency == 0) {
       due.push_back(i);
     }
   }
@@ -418,10 +400,7 @@ void Shampoo::step() {
     }
   }
   gate.agree();  // every rank can take the step: from here on it changes state
-  std::vector<size_t> stepped;
-  for (size_t i = 0; i < params_.size(); ++i) {
-    if (!params_[i].grad.defined()) continue;
-    ++steps_[i];
+  for (size_t i : stepping) {
     const ShampooOptions& o = options_of(i);
     ParamState& s = state_[i];
     const at::Tensor g = params_[i].grad.view({-1});
@@ -451,10 +430,9 @@ void Shampoo::step() {
         }
       }
     }
-    stepped.push_back(i);
   }
-  for (size_t i : stepped) {
-    const int64_t t = steps_[i];
+  for (size_t i : stepping) {
+    const int64_t t = param_steps_[i];
     const ShampooOptions& o = options_of(i);
     ParamState& s = state_[i];
     const double bc1 = 1.0 - std::pow(o.beta1, static_cast<double>(t));

@@ -34,7 +34,7 @@
 #include <vector>
 
 #include "core/comm/comm.h"
-#include "optimizers/common/param_shard.h"
+#include "optimizers/common/sharded_optimizer.h"
 
 namespace rfsdp {
 
@@ -116,27 +116,21 @@ std::vector<at::Tensor> inverse_fourth_roots(const std::vector<at::Tensor>& a,
                                              std::vector<bool>* ok, int64_t* retries = nullptr,
                                              const RootRule& rule = {});
 
-class Shampoo {
+class Shampoo : public GroupedOptimizer<ShampooOptions> {
  public:
   // precondition[i] false: parameter i takes Adam's direction alone (1-D
   // parameters always do). comm: the ranks that agree on NaN/Inf gradients.
+  // options: every group's until set_group_options.
   Shampoo(std::vector<ParamShard> params, ShampooOptions options = {}, ShampooConfig config = {},
           std::shared_ptr<Comm> comm = nullptr, std::vector<bool> precondition = {});
 
-  // One step of every parameter that has a gradient.
-  void step();
-  void set_grad(size_t i, const at::Tensor& grad);
-  void set_param_options(size_t i, const ShampooOptions& o);
-  ShampooOptions& options() { return options_; }
+  const char* name() const override { return "Shampoo"; }
   const ShampooConfig& config() const { return config_; }
-  int64_t step_count(size_t i) const { return steps_.at(i); }
-  void set_step_count(size_t i, int64_t n) { steps_.at(i) = n; }
   // The tensors the step updates for parameter i, by name: exp_avg (M),
   // exp_avg_sq (V), and for a preconditioned one factor_left, factor_right,
   // root_left, root_right (its tiles' matrices, packed upper triangles in tile
-  // order) and
-  // root_failures (failures in a row, per tile).
-  std::vector<std::pair<std::string, at::Tensor>> state(size_t i) const;
+  // order) and root_failures (failures in a row, per tile).
+  std::vector<std::pair<std::string, at::Tensor>> state(size_t i) const override;
 
   const std::vector<ShampooTile>& tiles() const { return tiles_; }
   bool preconditioned(size_t i) const { return precondition_.at(i); }
@@ -155,9 +149,8 @@ class Shampoo {
     at::Tensor failures;                      // int64, per tile
     std::vector<size_t> tiles;                // indices into tiles_
   };
-  const ShampooOptions& options_of(size_t i) const {
-    return has_param_options_[i] ? param_options_[i] : options_;
-  }
+  void check_options(const ShampooOptions& o) const override;
+  void run_step(StepGate& gate, const std::vector<size_t>& stepping) override;
   // Tile k of parameter i's factors L, R after this step's gradient, written to
   // l_out, r_out (packed, the factor dtype): the state's own views (in place), or
   // new tensors (the state is then left as it is).
@@ -174,14 +167,8 @@ class Shampoo {
   static at::Tensor unpack(const at::Tensor& flat, int64_t offset, int64_t n);
   static at::Tensor pack(const at::Tensor& full);
 
-  std::vector<ParamShard> params_;
-  ShampooOptions options_;
   ShampooConfig config_;
-  std::shared_ptr<Comm> comm_;
   std::vector<bool> precondition_;
-  std::vector<ShampooOptions> param_options_;
-  std::vector<bool> has_param_options_;
-  std::vector<int64_t> steps_;
   std::vector<ParamState> state_;
   std::vector<ShampooTile> tiles_;
   double root_seconds_ = 0.0;

@@ -460,29 +460,15 @@ def _fqns(model, optimizer):
             for n, p in zip(names, g["params"])]
 
 
-def _settings(optimizer):
-    """What shapes an optimizer's states, beyond its parameters, as JSON values (so
-    it equals what a checkpoint's marker holds)."""
-    s = {"type": type(optimizer).__name__}
-    for k in ("block", "min_8bit_size", "ns_dtype"):
-        if hasattr(optimizer, k):
-            v = getattr(optimizer, k)
-            s[k] = list(v) if isinstance(v, tuple) else v
-    if isinstance(getattr(optimizer, "config", None), dict):
-        s.update(optimizer.config)
-    return s
-
-
 def _groups(model, optimizer):
     return [dict({k: v for k, v in g.items() if k != "params"}, params=names)
             for names, g in zip(_group_fqns(model, optimizer), optimizer.param_groups)]
 
 
 def _optim_entries(model, optimizer):
-    optimizer._bind()
     out = []
     for fqn, p in _fqns(model, optimizer):
-        out += _state_entries("optim." + fqn, p, optimizer._state_of(p))
+        out += _state_entries("optim." + fqn, p, optimizer.sharded_state(p))
     return out
 
 
@@ -597,7 +583,7 @@ def save(path, model, optimizer=None, *, extra=None, process_group=None):
     # Non-tensor values as one string or bytes each (DCP would flatten a dict).
     if optimizer is not None:
         sd["optim.groups"] = json.dumps(_groups(model, optimizer))
-        sd["optim.settings"] = json.dumps(_settings(optimizer))
+        sd["optim.settings"] = json.dumps(optimizer.settings())
     sd["extra"] = encoded
 
     def fresh():
@@ -609,7 +595,7 @@ def save(path, model, optimizer=None, *, extra=None, process_group=None):
         files = sorted(f for f in os.listdir(tmp) if f != MARKER)
         marker = {"format": FORMAT, "files": {f: _sha256(os.path.join(tmp, f)) for f in files},
                   "world_size": 1 if pg is None else pg.size(),
-                  "optimizer": None if optimizer is None else _settings(optimizer)}
+                  "optimizer": None if optimizer is None else optimizer.settings()}
         with open(os.path.join(tmp, MARKER), "w") as f:
             json.dump(marker, f, indent=1)
             f.flush()
@@ -685,7 +671,7 @@ def _check_against(path, meta, entries, want_optim):
 
 
 def _check_settings(path, saved, optimizer):
-    now = _settings(optimizer)
+    now = optimizer.settings()
     if saved != now:
         raise CheckpointError(
             "checkpoint %s: the optimizer was %s, this one is %s: build it with the saved "
@@ -697,36 +683,16 @@ def _check_settings(path, saved, optimizer):
 REQUANTIZABLE = {"block", "min_8bit_size"}  # AdamW8bit settings requantize=True may change
 
 
-def _requantized(path, sd, fqn, p, saved, now, live):
-    """AdamW8bit's state of p under the current settings from the saved one: the
-    saved full moments (8-bit codes dequantised with the saved blocks, or fp32),
-    this rank's rows, quantised with the current blocks (or kept fp32)."""
-    # The rows the optimizer sees (row_dims included) decide the 8-bit blocks.
-    info = shard_info(p)
-    rows, row_len = (info.full_rows, info.row_len) if info else _C.row_geometry(list(p.shape), 1)
-    begin, end = (info.row_begin, info.row_end) if info else (0, rows)
-    old_block = tuple(saved["block"]) if isinstance(saved["block"], list) else saved["block"]
-    new_block = tuple(now["block"]) if isinstance(now["block"], list) else now["block"]
-    out = {}
-    for codes, scale, moment, signed in (("q1", "absmax1", "exp_avg", True),
-                                         ("q2", "absmax2", "exp_avg_sq", False)):
-        code = _C.dynamic_map(signed)
-        key = "optim.%s." % fqn
-        if key + codes in sd:
-            full = _C.dequantize_blockwise(sd[key + codes], sd[key + scale], code, old_block,
-                                           row_len).reshape(rows, row_len)
-        elif key + moment in sd:
-            full = sd[key + moment].reshape(rows, row_len)
-        else:
-            raise CheckpointError("checkpoint %s holds no moments of '%s'" % (path, fqn))
-        mine = full[begin:end].contiguous()
-        if codes in live:
-            q, a = _C.quantize_blockwise(mine, code, new_block, row_len)
-            out[codes], out[scale] = q.reshape(-1), a.reshape(-1)
-        else:
-            out[moment] = mine.reshape(live[moment].shape)
-    out["step"] = sd["optim.%s.step" % fqn]
-    return out
+def _requantized(path, sd, fqn, p, saved, optimizer):
+    """p's state in `optimizer` (an AdamW8bit) from the saved full state (saved
+    with the AdamW8bit settings `saved`): the optimizer requantises it."""
+    key = "optim.%s." % fqn
+    full = {name: sd[key + name] for name in ("q1", "absmax1", "q2", "absmax2", "exp_avg",
+                                               "exp_avg_sq", "step") if key + name in sd}
+    try:
+        return optimizer.requantized_state(p, saved, full)
+    except ValueError as e:
+        raise CheckpointError("checkpoint %s: %s" % (path, e)) from None
 
 
 def load(path, model, optimizer=None, *, process_group=None, check_files=True, requantize=False):
@@ -746,7 +712,7 @@ def load(path, model, optimizer=None, *, process_group=None, check_files=True, r
             marker = verify(path)  # (only rfsdp's own checkpoints hold optimizer states)
             saved, fmt = marker.get("optimizer"), marker["format"]
             if optimizer is not None and saved is not None:
-                now = _settings(optimizer)
+                now = optimizer.settings()
                 differ = {k for k in set(saved) | set(now) if saved.get(k) != now.get(k)}
                 if not (requantize and saved.get("type") == "AdamW8bit" and differ
                         and differ <= REQUANTIZABLE):
@@ -756,7 +722,7 @@ def load(path, model, optimizer=None, *, process_group=None, check_files=True, r
                                   "incomplete)" % path)
         return read_metadata(path), saved, fmt
     meta, saved, fmt = _agree(pg, inspect)
-    requant = optimizer is not None and saved is not None and saved != _settings(optimizer)
+    requant = optimizer is not None and saved is not None and saved != optimizer.settings()
     entries = _entries(model, None if requant else optimizer, pg)
     for e in entries:  # read into copies: the live tensors change only at the end
         if e.pieces is None:
@@ -790,9 +756,7 @@ def load(path, model, optimizer=None, *, process_group=None, check_files=True, r
                                   "%d groups over other parameters; nothing was loaded)"
                                   % (path, len(groups)))
         if requant:
-            settings = _settings(optimizer)
-            new_states = {fqn: _requantized(path, sd, fqn, p, saved, settings,
-                                            dict(optimizer._state_of(p)))
+            new_states = {fqn: _requantized(path, sd, fqn, p, saved, optimizer)
                           for fqn, p in _fqns(model, optimizer)}
     extra = _decode_extra(sd["extra"], path, fmt) if has_extra else None
     # Everything was read: copy into the live tensors.
@@ -809,16 +773,15 @@ def load(path, model, optimizer=None, *, process_group=None, check_files=True, r
             if requant:
                 st = new_states[fqn]
             else:
-                st = optimizer._state_of(p)  # the live tensors, now holding the loaded values
+                st = optimizer.sharded_state(p)  # the live tensors, now holding the loaded values
                 step = read.get("optim.%s.step" % fqn)
                 if step is not None:
                     st["step"] = step.tensor
-            optimizer._load_state_of(p, st)
+            optimizer.load_sharded_state(p, st)
         for g, saved_group in zip(optimizer.param_groups, groups):
             for k, v in saved_group.items():
                 if k != "params":
                     g[k] = tuple(v) if isinstance(g.get(k), tuple) else v
-        optimizer._publish()
     return extra
 
 

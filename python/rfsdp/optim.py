@@ -81,19 +81,37 @@ def _agreed(comm, name, prepare):
         raise  # not reached: the gate raised
 
 
-def _check_grad_layout(name, g):
-    if g.dtype != torch.float32 or not g.is_contiguous():
-        raise ValueError("%s: gradients must be contiguous float32" % name)
+def _adamw_options(g):
+    return (g["lr"], *g["betas"], g["eps"], g["weight_decay"])
+
+
+class _Part:
+    """One C++ optimizer over some of the parameters: their indices, options(group)
+    (a group's hyperparameters as its set_group_options takes them), the groups
+    it holds and the options it was last sent."""
+
+    def __init__(self, impl, idx, options, groups):
+        self.impl, self.idx, self.options = impl, idx, options
+        self.groups = sorted(set(groups))
+        self.sent = {}
+        self.has_step = impl.state_has_step()
 
 
 class _OverCpp(torch.optim.Optimizer):
     """The C++ optimizer(s) over param_groups' parameters: built at construction
-    (shards are checked then), rebuilt with the state carried over when a group is
-    added. self.state[p] is torch's format and holds the C++ tensors themselves:
-    {"step": counted steps (AdamW's), name: tensor, ...}, present once p stepped."""
+    (shards and options are checked then, in C++), rebuilt with the state carried
+    over when a group is added. Each C++ optimizer knows every parameter's group;
+    a group's options cross to it only when they change (an LR scheduler), and a
+    step's gradients cross in one call. self.state[p] is torch's format and holds
+    the C++ tensors themselves: {"step": counted steps, name: tensor, ...},
+    present once p stepped.
+
+    The checkpoint protocol (what rfsdp.checkpoint uses): settings(),
+    sharded_state(p) and load_sharded_state(p, state)."""
 
     def _parts(self, params):
-        """[(C++ optimizer, [indices into params])] for these parameters."""
+        """[(C++ optimizer, [indices into params], options(group))] for these
+        parameters."""
         raise NotImplementedError
 
     def _all_params(self):
@@ -107,16 +125,35 @@ class _OverCpp(torch.optim.Optimizer):
         _check_params(type(self).__name__, self.param_groups)
         stepped = getattr(self, "_stepped", set())
         kept = {id(p): self._state_of(p) for p in (old or []) if id(p) in stepped}
+        group_index = {id(p): k for k, g in enumerate(self.param_groups) for p in g["params"]}
         self._bound_params = params
         self._where = {}
-        for impl, idx in self._parts(params):
+        self._part_list = []
+        for impl, idx, options in self._parts(params):
+            groups = [group_index[id(params[i])] for i in idx]
+            impl.set_groups(groups)
+            part = _Part(impl, idx, options, groups)
             for k, i in enumerate(idx):
-                self._where[id(params[i])] = (impl, k)
+                self._where[id(params[i])] = (part, k)
+            self._part_list.append(part)
+        self._send_options()
         self._stepped = set()
+        self._published = {}  # id(p) -> the dict self.state[p] holds (its tensors are live)
         for p in params:
             if id(p) in kept:
                 self._load_state_of(p, kept[id(p)])
         self._publish()
+
+    def _send_options(self):
+        """Every group's options to the C++ optimizers holding its parameters, where
+        they changed since they were last sent (C++ checks them: a bad value is a
+        ValueError naming it, and the group keeps its previous options)."""
+        for part in self._part_list:
+            for k in part.groups:
+                opts = part.options(self.param_groups[k])
+                if part.sent.get(k) != opts:
+                    part.impl.set_group_options(k, *opts)
+                    part.sent[k] = opts
 
     def add_param_group(self, param_group):
         super().add_param_group(param_group)
@@ -124,15 +161,15 @@ class _OverCpp(torch.optim.Optimizer):
             self._bind()
 
     def _state_of(self, p):
-        impl, k = self._where[id(p)]
-        st = dict(impl.state(k))
-        if hasattr(impl, "step_count"):
-            st["step"] = torch.tensor(float(impl.step_count(k)))
+        part, k = self._where[id(p)]
+        st = dict(part.impl.state(k))
+        if part.has_step:
+            st["step"] = torch.tensor(float(part.impl.step_count(k)))
         return st
 
     def _load_state_of(self, p, st):
-        impl, k = self._where[id(p)]
-        for name, t in impl.state(k).items():
+        part, k = self._where[id(p)]
+        for name, t in part.impl.state(k).items():
             if name not in st:
                 raise ValueError("%s.load_state_dict: the state of a parameter of shape %s lacks "
                                  "'%s' (saved by another optimizer or with other settings?)"
@@ -145,33 +182,72 @@ class _OverCpp(torch.optim.Optimizer):
             # torch's load_state_dict casts every state tensor to the parameter's dtype
             # (8-bit codes arrive as float32 holding 0..255): the copy casts them back exactly.
             t.copy_(src)
-        if hasattr(impl, "set_step_count"):
-            impl.set_step_count(k, int(st["step"]))
+        if part.has_step:
+            part.impl.set_step_count(k, int(st["step"]))
         self._stepped.add(id(p))
+        self._published.pop(id(p), None)
 
     def _publish(self):
-        for p in self._bound_params:
-            if id(p) in self._stepped:
-                self.state[p] = self._state_of(p)
+        """self.state[p] for every parameter that stepped: made once (its tensors are
+        the C++ optimizer's own), then only its "step" follows the C++ count (one
+        call per C++ optimizer for all of them)."""
+        params = self._bound_params
+        for part in self._part_list:
+            counts = part.impl.step_counts() if part.has_step else None
+            for k, i in enumerate(part.idx):
+                p = params[i]
+                if id(p) not in self._stepped:
+                    continue
+                st = self._published.get(id(p))
+                if st is None or self.state.get(p) is not st:  # new, or replaced by a load
+                    st = self._state_of(p)
+                    self._published[id(p)] = st
+                    self.state[p] = st
+                elif counts is not None:
+                    st["step"].fill_(float(counts[k]))
 
-    def _step_each(self, options):
-        """Hands every parameter its gradient (None: it skips) and options(group),
-        its group's hyperparameters as the C++ set_options takes them; then steps."""
+    def _grads_of(self, idx, zeros_for_none=False):
+        params = self._bound_params
+        if zeros_for_none:  # a rank without a gradient still takes part in the collectives
+            for i in idx:
+                if params[i].grad is None:
+                    params[i].grad = torch.zeros_like(params[i])
+        return [params[i].grad for i in idx]
+
+    def _step_all(self):
+        """One step of every part: options where they changed, each part's
+        gradients in one call (C++ checks them), then the step (NaN/Inf, any
+        error: every rank raises before anything changes)."""
         self._bind()
 
         def prepare():
-            i = 0
-            for group in self.param_groups:
-                opts = options(group)
-                for p in group["params"]:
-                    if p.grad is not None:
-                        _check_grad_layout(type(self).__name__, p.grad)
-                    self._impl.set_grad(i, p.grad)
-                    self._impl.set_options(i, *opts)
-                    i += 1
+            self._send_options()
+            for part in self._part_list:
+                part.impl.set_grads(self._grads_of(part.idx))
         _agreed(self.comm, type(self).__name__, prepare)
-        self._impl.step()  # NaN/Inf, any error: every rank raises before anything changes
+        for part in self._part_list:
+            part.impl.step()
         self._stepped.update(id(p) for p in self._bound_params if p.grad is not None)
+        self._publish()
+
+    # ---- the checkpoint protocol ----
+
+    def settings(self):
+        """What shapes this optimizer's states beyond its parameters, as JSON values:
+        a checkpoint keeps it and refuses to load into an optimizer whose settings differ."""
+        return {"type": type(self).__name__}
+
+    def sharded_state(self, p):
+        """Parameter p's state on this rank, by name: the live tensors (a load writes
+        into them), and "step" (a 0-D count) where the optimizer keeps one."""
+        self._bind()
+        return self._state_of(p)
+
+    def load_sharded_state(self, p, state):
+        """Sets p's state from `state` (sharded_state's names and shapes; tensors
+        are copied): p then counts as stepped."""
+        self._bind()
+        self._load_state_of(p, state)
         self._publish()
 
     def state_dict(self):
@@ -195,8 +271,6 @@ class AdamW(_OverCpp):
 
     def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=1e-2,
                  process_group=None, timeout_seconds=300.0):
-        if lr < 0 or eps <= 0 or not (0 <= betas[0] < 1 and 0 <= betas[1] < 1) or weight_decay < 0:
-            raise ValueError("AdamW: need lr >= 0, eps > 0, 0 <= betas < 1, weight_decay >= 0")
         super().__init__(params, dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay))
         self.comm = _default_comm(process_group, timeout_seconds, self.param_groups)
         self._bind()
@@ -206,12 +280,12 @@ class AdamW(_OverCpp):
 
     def _parts(self, params):
         self._impl = self._make([_shard_spec(i, p) for i, p in enumerate(params)])
-        return [(self._impl, list(range(len(params))))]
+        return [(self._impl, list(range(len(params))), _adamw_options)]
 
     @torch.no_grad()
     def step(self, closure=None):
         loss = _run_closure(closure)
-        self._step_each(lambda g: (g["lr"], *g["betas"], g["eps"], g["weight_decay"]))
+        self._step_all()
         return loss
 
 
@@ -230,6 +304,43 @@ class AdamW8bit(AdamW):
 
     def _make(self, specs):
         return _C.AdamW8bit(specs, self.block, self.min_8bit_size, self.comm)
+
+    def settings(self):
+        return dict(super().settings(), block=list(self.block) if isinstance(self.block, tuple)
+                    else self.block, min_8bit_size=self.min_8bit_size)
+
+    def requantized_state(self, p, saved_settings, full):
+        """p's state under this optimizer's blocks from a checkpoint's full
+        (unsharded) state of p, saved by an AdamW8bit with saved_settings (other
+        blocks or min_8bit_size): the full moments (8-bit codes dequantised with
+        the saved blocks, or fp32), this rank's rows, quantised with this
+        optimizer's blocks (or kept fp32 where this one keeps them so): within
+        one code of the saved values. For load_sharded_state."""
+        info = shard_info(p)  # the rows the optimizer sees (row_dims included) decide the blocks
+        rows, row_len = (info.full_rows, info.row_len) if info else _C.row_geometry(list(p.shape), 1)
+        begin, end = (info.row_begin, info.row_end) if info else (0, rows)
+        old_block = saved_settings["block"]
+        old_block = tuple(old_block) if isinstance(old_block, list) else old_block
+        live = self.sharded_state(p)
+        out = {}
+        for codes, scale, moment, signed in (("q1", "absmax1", "exp_avg", True),
+                                             ("q2", "absmax2", "exp_avg_sq", False)):
+            code = _C.dynamic_map(signed)
+            if codes in full:
+                whole = _C.dequantize_blockwise(full[codes], full[scale], code, old_block,
+                                                row_len).reshape(rows, row_len)
+            elif moment in full:
+                whole = full[moment].reshape(rows, row_len)
+            else:
+                raise ValueError("no saved moments of a parameter of shape %s" % (tuple(p.shape),))
+            mine = whole[begin:end].contiguous()
+            if codes in live:
+                q, a = _C.quantize_blockwise(mine, code, self.block, row_len)
+                out[codes], out[scale] = q.reshape(-1), a.reshape(-1)
+            else:
+                out[moment] = mine.reshape(live[moment].shape)
+        out["step"] = full["step"]
+        return out
 
 
 class Muon(_OverCpp):
@@ -255,7 +366,6 @@ class Muon(_OverCpp):
     """
 
     AUX_DEFAULTS = dict(lr=3e-4, betas=(0.9, 0.95), eps=1e-10, weight_decay=0.0)
-    ADJUST_LR = ("original", "match_rms_adamw")
 
     def __init__(self, param_groups, lr=0.02, momentum=0.95, nesterov=True, ns_steps=5,
                  weight_decay=0.0, adjust_lr="original", process_group=None,
@@ -272,16 +382,11 @@ class Muon(_OverCpp):
         super().__init__(groups, dict(lr=lr, momentum=momentum, nesterov=nesterov,
                                       ns_steps=ns_steps, weight_decay=weight_decay,
                                       adjust_lr=adjust_lr, use_muon=True))
-        for g in self.param_groups:
-            if g["use_muon"]:
-                if g["adjust_lr"] not in self.ADJUST_LR:
-                    raise ValueError("Muon: adjust_lr must be one of %s, got %r"
-                                     % (self.ADJUST_LR, g["adjust_lr"]))
-                if not (0 <= g["momentum"] < 1) or g["lr"] < 0 or g["weight_decay"] < 0:
-                    raise ValueError("Muon: need 0 <= momentum < 1, lr >= 0, weight_decay >= 0")
-                if isinstance(g["ns_steps"], bool) or not isinstance(g["ns_steps"], int) \
-                        or g["ns_steps"] < 1:
-                    raise ValueError("Muon: ns_steps must be a positive integer")
+        for g in self.param_groups:  # the values are checked in C++ (set_group_options)
+            if g["use_muon"] and (isinstance(g["ns_steps"], bool)
+                                  or not isinstance(g["ns_steps"], int) or g["ns_steps"] < 1):
+                raise ValueError("Muon: ns_steps must be a positive integer, got %r"
+                                 % (g["ns_steps"],))
         if ns_dtype is None:
             on_gpu = any(p.device.type == "cuda" for g in self.param_groups for p in g["params"])
             ns_dtype = torch.bfloat16 if on_gpu else torch.float32
@@ -291,6 +396,9 @@ class Muon(_OverCpp):
         # The Comm, not the group object: rfsdp closes its Comms at exit (see _comm).
         self.comm = _default_comm(process_group, timeout_seconds, self.param_groups)
         self._bind()
+
+    def settings(self):
+        return dict(super().settings(), ns_dtype=self.ns_dtype)
 
     def _parts(self, params):
         group_of = {id(p): g for g in self.param_groups for p in g["params"]}
@@ -302,44 +410,43 @@ class Muon(_OverCpp):
                               self.comm, False)
         self._aux = _C.AdamW([_shard_spec(i, params[i]) for i in aux], self.comm, False)
         self._muon_idx, self._aux_idx = muon, aux
-        return [(self.layout, muon), (self._aux, aux)]
+        self._gate_names = [self.layout.param_name(k) for k in range(len(muon))] + \
+            [self._aux.param_name(k) for k in range(len(aux))]
+        return [(self.layout, muon, _muon_options), (self._aux, aux, _adamw_options)]
 
     @torch.no_grad()
     def step(self, closure=None):
         loss = _run_closure(closure)
         self._bind()
-        params = self._bound_params
-        group_of = {id(p): g for g in self.param_groups for p in g["params"]}
         grads = []
 
         def prepare():
-            for k, i in enumerate(self._muon_idx):
-                p, g = params[i], group_of[id(params[i])]
-                if p.grad is None:  # a rank without a gradient still takes part in the collectives
-                    p.grad = torch.zeros_like(p)
-                _check_grad_layout(type(self).__name__, p.grad)
-                self.layout.set_grad(k, p.grad)
-                self.layout.set_hyper(k, g["lr"], g["momentum"], g["weight_decay"],
-                                      bool(g["nesterov"]), g["adjust_lr"])
-                grads.append((self.layout.param_name(k), p.grad))
-            for k, i in enumerate(self._aux_idx):
-                p, g = params[i], group_of[id(params[i])]
-                if p.grad is not None:
-                    _check_grad_layout(type(self).__name__, p.grad)
-                    grads.append((self._aux.param_name(k), p.grad))
-                b1, b2 = g["betas"]
-                self._aux.set_grad(k, p.grad)
-                self._aux.set_options(k, g["lr"], b1, b2, g["eps"], g["weight_decay"])
+            self._send_options()
+            muon = self._grads_of(self._muon_idx, zeros_for_none=True)
+            aux = self._grads_of(self._aux_idx)
+            self.layout.set_grads(muon)
+            self._aux.set_grads(aux)
+            grads.extend((n, g) for n, g in zip(self._gate_names, muon + aux) if g is not None)
         _agreed(self.comm, "Muon", prepare)
         # One gate over both parts (NaN/Inf), so neither changes anything alone; the
         # Muon part agrees its roots again before it changes anything.
         _C.step_gate(self.comm, "Muon step", grads)
         self.layout.step()
         self._aux.step()
+        params = self._bound_params
         self._stepped.update(id(params[i]) for i in self._muon_idx)
         self._stepped.update(id(params[i]) for i in self._aux_idx if params[i].grad is not None)
         self._publish()
         return loss
+
+
+def _muon_options(g):
+    return (g["lr"], g["momentum"], g["weight_decay"], bool(g["nesterov"]), g["adjust_lr"])
+
+
+def _shampoo_options(g):
+    return (g["lr"], *g["betas"], g["epsilon"], g["grafting_beta2"], g["grafting_epsilon"],
+            g["weight_decay"])
 
 
 class Shampoo(_OverCpp):
@@ -378,30 +485,16 @@ class Shampoo(_OverCpp):
                  precondition_frequency=20, start_preconditioning_step=20,
                  use_bias_correction=True, factor_dtype=torch.float32, rank_deficient="shift",
                  rank_rtol=None, process_group=None, timeout_seconds=300.0):
-        if lr < 0 or not (0 <= betas[0] < 1 and 0 <= betas[1] <= 1) or epsilon < 0 \
-                or not (0 <= grafting_beta2 < 1) or grafting_epsilon <= 0 or weight_decay < 0:
-            raise ValueError("Shampoo: need lr >= 0, 0 <= beta1 < 1, 0 <= beta2 <= 1, "
-                             "epsilon >= 0, 0 <= grafting_beta2 < 1, grafting_epsilon > 0, "
-                             "weight_decay >= 0")
         for name, v in (("max_preconditioner_dim", max_preconditioner_dim),
                         ("precondition_frequency", precondition_frequency),
                         ("start_preconditioning_step", start_preconditioning_step)):
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
                 raise ValueError("Shampoo: %s must be a positive integer, got %r" % (name, v))
-        if start_preconditioning_step < precondition_frequency:
-            raise ValueError("Shampoo: start_preconditioning_step (%d) must be >= "
-                             "precondition_frequency (%d), so that the roots exist when "
-                             "preconditioning starts"
-                             % (start_preconditioning_step, precondition_frequency))
         if factor_dtype not in (torch.float32, torch.bfloat16):
             raise ValueError("Shampoo: factor_dtype must be torch.float32 or torch.bfloat16")
         if rank_rtol is not None and not (0 <= rank_rtol < 1):
             raise ValueError("Shampoo: rank_rtol must be in [0, 1) (None: n * eps(float32) for an "
                              "n x n factor), got %r" % (rank_rtol,))
-        if rank_deficient == "shift" and not epsilon > 0:
-            raise ValueError("Shampoo: rank_deficient='shift' lifts the smallest eigenvalue of "
-                             "every factor to epsilon, so it needs epsilon > 0; use "
-                             "rank_deficient='pseudo_inverse' for epsilon = 0")
         self.config = dict(max_preconditioner_dim=max_preconditioner_dim,
                            precondition_frequency=precondition_frequency,
                            start_preconditioning_step=start_preconditioning_step,
@@ -416,6 +509,9 @@ class Shampoo(_OverCpp):
         self.comm = _default_comm(process_group, timeout_seconds, self.param_groups)
         self._bind()
 
+    def settings(self):
+        return dict(super().settings(), **self.config)
+
     def _parts(self, params):
         group_of = {id(p): g for g in self.param_groups for p in g["params"]}
         self._impl = _C.Shampoo([_shard_spec(i, p) for i, p in enumerate(params)],
@@ -426,11 +522,10 @@ class Shampoo(_OverCpp):
                                 self.config["use_bias_correction"], self.config["factor_dtype"],
                                 self.comm, self.config["rank_deficient"],
                                 self.config["rank_rtol"])
-        return [(self._impl, list(range(len(params))))]
+        return [(self._impl, list(range(len(params))), _shampoo_options)]
 
     @torch.no_grad()
     def step(self, closure=None):
         loss = _run_closure(closure)
-        self._step_each(lambda g: (g["lr"], *g["betas"], g["epsilon"], g["grafting_beta2"],
-                                   g["grafting_epsilon"], g["weight_decay"]))
+        self._step_all()
         return loss

@@ -69,6 +69,73 @@ TEST(AdamW, EqualsTorchAdamWFormulaOver100Steps) {
   EXPECT_EQ(opt.steps(), 100);
 }
 
+// The fused path (torch's multi-tensor kernel: GPU parameters always take it;
+// fused_on_cpu makes the CPU take it too, so it is tested here): one launch per
+// group and step, whatever the number of parameters, and each parameter's
+// update is torch.optim.AdamW's formula with its own group's options and its
+// own step count (parameters skip steps).
+TEST(AdamW, FusedPathLaunchesOncePerGroupAndEqualsFloat64Formula) {
+  const uint64_t seed = fresh_seed();
+  SCOPED_TRACE("seed " + std::to_string(seed));
+  const std::vector<std::vector<int64_t>> shapes = {{17, 9}, {300}, {2, 3, 5}, {0, 4}, {33}, {8, 8}};
+  const std::vector<size_t> group = {0, 1, 0, 1, 2, 2};
+  std::vector<AdamWOptions> go(3);
+  go[0].lr = 3e-3, go[0].beta1 = 0.85, go[0].beta2 = 0.99, go[0].weight_decay = 0.1;
+  go[1].lr = 1e-2, go[1].beta1 = 0.9, go[1].beta2 = 0.95, go[1].weight_decay = 0.0;
+  go[2].lr = 5e-4, go[2].beta1 = 0.5, go[2].beta2 = 0.999, go[2].eps = 1e-6;
+  std::vector<at::Tensor> p, g;
+  std::vector<ParamShard> shards;
+  for (size_t i = 0; i < shapes.size(); ++i) {
+    p.push_back(seeded_randn(shapes[i], seed, i));
+    g.push_back(at::zeros(shapes[i]));
+    shards.push_back(whole_param("p" + std::to_string(i), p[i], g[i]));
+  }
+  AdamWOptions defaults;
+  defaults.fused_on_cpu = true;
+  AdamW opt(shards, defaults);
+  opt.set_groups(group);
+  for (size_t k = 0; k < 3; ++k) opt.set_group_options(k, go[k]);
+  std::vector<at::Tensor> rp, rm, rv;
+  std::vector<int64_t> count(p.size(), 0);
+  for (auto& t : p) {
+    rp.push_back(t.to(at::kDouble));
+    rm.push_back(at::zeros_like(rp.back()));
+    rv.push_back(at::zeros_like(rp.back()));
+  }
+  std::mt19937_64 rng(seed);
+  for (int step = 1; step <= 20; ++step) {
+    std::vector<bool> has(p.size());
+    std::vector<bool> group_steps(3, false);
+    for (size_t i = 0; i < p.size(); ++i) {
+      has[i] = rng() % 4 != 0;  // a quarter of the parameters skip a step
+      opt.set_grad(i, has[i] ? g[i] : at::Tensor());
+      if (!has[i]) continue;
+      g[i].copy_(seeded_randn(shapes[i], seed, 1000 * step + i));
+      if (p[i].numel() > 0) group_steps[group[i]] = true;
+      const AdamWOptions& o = go[group[i]];
+      const int64_t t = ++count[i];
+      const at::Tensor gd = g[i].to(at::kDouble);
+      rp[i].mul_(1 - o.lr * o.weight_decay);
+      rm[i].mul_(o.beta1).add_(gd, 1 - o.beta1);
+      rv[i].mul_(o.beta2).addcmul_(gd, gd, 1 - o.beta2);
+      const double bc1 = 1 - std::pow(o.beta1, t), bc2 = 1 - std::pow(o.beta2, t);
+      rp[i].addcdiv_(rm[i], (rv[i].sqrt() / std::sqrt(bc2)).add_(o.eps), -o.lr / bc1);
+    }
+    const int64_t before = opt.fused_launches();
+    opt.step();
+    EXPECT_EQ(opt.fused_launches() - before,
+              std::count(group_steps.begin(), group_steps.end(), true))
+        << "step " << step;
+  }
+  for (size_t i = 0; i < p.size(); ++i) {
+    EXPECT_EQ(opt.step_count(i), count[i]) << "tensor " << i;
+    const at::Tensor err = (p[i].to(at::kDouble) - rp[i]).abs();
+    const at::Tensor bound = 2e-6 + 1e-5 * rp[i].abs();
+    EXPECT_TRUE((err <= bound).all().item<bool>())
+        << "tensor " << i << ": max error " << (p[i].numel() ? err.max().item<double>() : 0.0);
+  }
+}
+
 // Linear regression y = x w*^T + b* + noise, trained by `Opt` from one init.
 template <class MakeOpt>
 double regression_loss(uint64_t seed, MakeOpt make_opt, int steps) {
@@ -80,9 +147,11 @@ double regression_loss(uint64_t seed, MakeOpt make_opt, int steps) {
   at::Tensor gw = at::zeros_like(w), gb = at::zeros_like(b);
   auto opt = make_opt(std::vector<ParamShard>{whole_param("w", w, gw), whole_param("b", b, gb)});
   double loss = 0;
-  const double lr0 = opt->options().lr;
+  const AdamWOptions o0 = opt->group_options(0);
   for (int s = 0; s < steps; ++s) {
-    opt->options().lr = lr0 * (1.0 - static_cast<double>(s) / steps);  // linear decay
+    AdamWOptions o = o0;
+    o.lr = o0.lr * (1.0 - static_cast<double>(s) / steps);  // linear decay
+    opt->set_group_options(0, o);
     const at::Tensor err = at::matmul(x, w.t()) + b - y;  // d(mean err^2)/d...
     loss = err.pow(2).mean().item<double>();
     gw.copy_(2.0 / (n * dout) * at::matmul(err.t(), x));

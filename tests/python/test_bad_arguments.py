@@ -18,10 +18,21 @@ def plan(world=2, **tensor):
     return rfsdp.plan([t], world)
 
 
-def step_with_grad(make, grad):
+def step_with_grad(make, grad, reshape_to=None):
     q = p(4, 4)
     opt = make([q])
+    q.grad_dtype = None  # torch refuses a .grad of another dtype unless told
     q.grad = grad
+    if reshape_to is not None:  # and one of another shape when assigned: set_ changes it after
+        q.grad.set_(torch.zeros(reshape_to))
+    opt.step()
+
+
+def lr_set_later(lr):
+    q = p(4, 4)
+    opt = rfsdp.optim.Shampoo([q])
+    opt.param_groups[0]["lr"] = lr
+    q.grad = torch.zeros(4, 4)
     opt.step()
 
 
@@ -58,7 +69,7 @@ CASES = [
     ("muon momentum 1", lambda: rfsdp.optim.Muon([p(4, 4)], momentum=1.0), ValueError,
      "0 <= momentum < 1"),
     ("muon adjust_lr", lambda: rfsdp.optim.Muon([p(4, 4)], adjust_lr="rms"), ValueError,
-     "adjust_lr must be one of"),
+     'adjust_lr must be "original" or "match_rms_adamw", got "rms"'),
     ("muon ns_dtype", lambda: rfsdp.optim.Muon([p(4, 4)], ns_dtype=torch.float16), ValueError,
      "ns_dtype"),
     ("shampoo frequency 0", lambda: rfsdp.optim.Shampoo([p(4, 4)], precondition_frequency=0),
@@ -82,11 +93,18 @@ CASES = [
     ("meta parameter", lambda: rfsdp.optim.Shampoo([p(3, device="meta")]), ValueError,
      "on the CPU or a CUDA device, got torch.float32 on meta"),
     ("replaced parameters", replaced, ValueError, "was replaced by fully_shard"),
-    ("gradient of another shape", lambda: step_with_grad(rfsdp.optim.AdamW, torch.zeros(3, 4)),
-     RuntimeError, "gradient of size"),
+    ("gradient of another shape",
+     lambda: step_with_grad(rfsdp.optim.AdamW, torch.zeros(4, 4), reshape_to=(3, 4)),
+     ValueError, "AdamW: the gradient of parameter 'param 0' must be a contiguous float32 tensor "
+     "of 16 elements on cpu (the parameter's device); got 12 Float elements"),
     ("non-contiguous gradient",
      lambda: step_with_grad(rfsdp.optim.AdamW, torch.zeros(4, 4).t().contiguous().t()),
-     ValueError, "gradients must be contiguous float32"),
+     ValueError, "the gradient of parameter 'param 0' must be a contiguous float32 tensor"),
+    ("float64 gradient for Muon",
+     lambda: step_with_grad(rfsdp.optim.Muon, torch.zeros(4, 4, dtype=torch.float64)),
+     ValueError, "Muon: the gradient of parameter 'param 0' must be a contiguous float32 tensor"),
+    ("a bad lr from a scheduler", lambda: lr_set_later(-1.0), ValueError,
+     "Shampoo: need lr >= 0"),
     ("NaN gradient", lambda: step_with_grad(rfsdp.optim.Shampoo, torch.full((4, 4), float("nan"))),
      RuntimeError, "holds NaN or Inf"),
     # planning and policies

@@ -96,25 +96,38 @@ def test_adamw8bit_on_the_gpu_equals_the_cpu_kernel(block):
                 torch.testing.assert_close(y, x, rtol=1e-5, atol=1e-7)
 
 
-def test_adamw_on_the_gpu_equals_torch_fused_adamw():
+def test_adamw_on_the_gpu_equals_a_float64_reference_in_one_launch_per_group():
     seed = fresh_seed()
     g = torch.Generator().manual_seed(seed)
-    shapes = [(64, 48), (48,), (3, 5, 7)]
-    init = [torch.randn(s, generator=g).cuda() for s in shapes]
-    mine = [nn.Parameter(t.clone()) for t in init]
-    ref = [nn.Parameter(t.clone()) for t in init]
-    groups = lambda ps: [dict(params=ps[:2]), dict(params=ps[2:], lr=3e-3, weight_decay=0.1)]
-    o1 = rfsdp.optim.AdamW(groups(mine), lr=1e-3, betas=(0.9, 0.95), weight_decay=0.01)
-    o2 = torch.optim.AdamW(groups(ref), lr=1e-3, betas=(0.9, 0.95), weight_decay=0.01, fused=True)
-    for _ in range(10):
-        for a, b in zip(mine, ref):
-            gr = torch.randn(a.shape, generator=g).cuda()
-            a.grad, b.grad = gr.clone(), gr.clone()
-        o1.step()
-        o2.step()
-    for a, b in zip(mine, ref):
-        torch.testing.assert_close(a.detach(), b.detach(), rtol=1e-6, atol=1e-7,
-                                   msg=lambda m: "seed %d: %s" % (seed, m))
+    shapes = [(64, 48), (48,), (3, 5, 7), (17,)]
+    init = [torch.randn(s, generator=g, dtype=torch.float64) for s in shapes]
+    mine = [nn.Parameter(t.float().cuda()) for t in init]
+    settings = [dict(lr=1e-3, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.01),
+                dict(lr=3e-3, betas=(0.8, 0.99), eps=1e-6, weight_decay=0.1)]
+    group_of = [0, 0, 1, 1]
+    opt = rfsdp.optim.AdamW([dict(params=mine[:2], **settings[0]),
+                             dict(params=mine[2:], **settings[1])])
+    ref = [t.float().double() for t in init]  # float64, torch.optim.AdamW's formula
+    m = [torch.zeros_like(t) for t in ref]
+    v = [torch.zeros_like(t) for t in ref]
+    for step in range(1, 11):
+        for i, a in enumerate(mine):
+            gr = torch.randn(a.shape, generator=g)
+            a.grad = gr.cuda()
+            c = settings[group_of[i]]
+            b1, b2 = c["betas"]
+            gd = gr.double()
+            ref[i].mul_(1 - c["lr"] * c["weight_decay"])
+            m[i].mul_(b1).add_(gd, alpha=1 - b1)
+            v[i].mul_(b2).addcmul_(gd, gd, value=1 - b2)
+            denom = (v[i] / (1 - b2 ** step)).sqrt() + c["eps"]
+            ref[i].addcdiv_(m[i], denom, value=-c["lr"] / (1 - b1 ** step))
+        before = opt._impl.fused_launches()
+        opt.step()
+        assert opt._impl.fused_launches() - before == 2, "one fused launch per group and step"
+    for i, a in enumerate(mine):
+        torch.testing.assert_close(a.detach().cpu().double(), ref[i], rtol=1e-5, atol=2e-6,
+                                   msg=lambda msg: "seed %d, param %d: %s" % (seed, i, msg))
 
 
 OPTIMIZERS = {

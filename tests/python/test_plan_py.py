@@ -8,13 +8,13 @@ import pytest
 import rfsdp
 
 
-def test_to_json_equals_the_cli(build_dir, zoo_dir):
+def test_to_json_equals_the_cli(plan_cli, zoo_dir):
     for unit_file in ["llama3_8b.block.json", "gpt_oss_120b.block.json"]:
         path = os.path.join(zoo_dir, unit_file)
         with open(path) as f:
             unit = json.load(f)
         for m, k in [(8, 4), (1024, 4), (1024, 1)]:
-            cli = subprocess.run([os.path.join(build_dir, "rfsdp-plan"), path, "--world-size", str(m),
+            cli = subprocess.run([plan_cli, path, "--world-size", str(m),
                                   "--max-buffers", str(k), "--json"],
                                  capture_output=True, text=True, check=True)
             want = json.loads(cli.stdout)

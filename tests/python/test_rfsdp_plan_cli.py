@@ -10,10 +10,8 @@ import pytest
 
 
 @pytest.fixture(scope="module")
-def plan_bin(build_dir):
-    path = os.path.join(build_dir, "rfsdp-plan")
-    assert os.path.exists(path), "build rfsdp-plan first (scripts/setup.sh)"
-    return path
+def plan_bin(plan_cli):
+    return plan_cli
 
 
 def run(plan_bin, args, stdin=None):

@@ -167,7 +167,9 @@ def test_a_muon_root_failure_on_one_rank_stops_every_rank(world):
 
 def test_a_bad_gradient_on_one_rank_is_a_value_error_on_every_rank():
     got = run(bad_gradient_worker, 2, int(torch.randint(0, 2 ** 30, ()).item()))
-    check_agreed(got, 2, "AdamW step: ValueError: AdamW: gradients must be contiguous float32",
+    check_agreed(got, 2, "AdamW step: ValueError: AdamW: the gradient of parameter 'embed.weight' "
+                 "must be a contiguous float32 tensor of 28 elements on cpu (the parameter's "
+                 "device); got a non-contiguous tensor of 28 Float elements on cpu",
                  "(on rank 1)")
 
 

@@ -1,0 +1,112 @@
+// What every optimizer over parameter shards shares: its parameters and their
+// gradients (checked once, here), parameter groups with one set of options
+// each, per-parameter step counts, the step gate every rank passes before a
+// step changes anything, and its state by name (what a checkpoint saves).
+// AdamW, AdamW8bit, Muon and Shampoo derive from it; Python binds it once.
+#pragma once
+
+#include <ATen/ATen.h>
+
+#include <memory>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "core/comm/comm.h"
+#include "optimizers/common/param_shard.h"
+#include "optimizers/common/step_gate.h"
+
+namespace rfsdp {
+
+class ShardedOptimizer {
+ public:
+  // comm: the ranks that step together (null: this process alone). check_finite:
+  // a NaN/Inf gradient on any rank stops the step on every rank (StepGate).
+  ShardedOptimizer(std::vector<ParamShard> params, std::shared_ptr<Comm> comm,
+                   bool check_finite);
+  virtual ~ShardedOptimizer() = default;
+  ShardedOptimizer(const ShardedOptimizer&) = delete;
+  ShardedOptimizer& operator=(const ShardedOptimizer&) = delete;
+
+  // What its errors call it ("AdamW", "Muon", ...).
+  virtual const char* name() const = 0;
+  size_t num_params() const { return params_.size(); }
+  const std::vector<ParamShard>& params() const { return params_; }
+
+  // The gradient parameter i steps with; undefined: it takes no step (Muon:
+  // refused, every rank takes part in every step). Checked here, once.
+  void set_grad(size_t i, const at::Tensor& grad);
+  // All of them at once (one call per step from Python).
+  void set_grads(const std::vector<at::Tensor>& grads);
+
+  // Parameter i belongs to group group_of[i] (0 .. n-1); every group starts
+  // with group 0's options. Until then, all parameters are in group 0.
+  void set_groups(const std::vector<size_t>& group_of);
+  size_t group_of(size_t i) const { return group_of_.at(i); }
+  size_t num_groups() const { return num_groups_; }
+
+  // One step of every parameter that has a gradient: the gradients' NaN/Inf
+  // check and the optimizer's own failures are agreed by every rank before
+  // anything changes (collective with a Comm).
+  void step();
+  int64_t steps() const { return steps_; }  // calls of step() that stepped
+  int64_t step_count(size_t i) const { return param_steps_.at(i); }
+  const std::vector<int64_t>& step_counts() const { return param_steps_; }
+  void set_step_count(size_t i, int64_t n);
+
+  // The tensors the step updates for parameter i, by name: what a checkpoint
+  // saves and loads (in place).
+  virtual std::vector<std::pair<std::string, at::Tensor>> state(size_t i) const = 0;
+  // Whether a checkpoint keeps the step count beside the state (false for
+  // Muon, whose update does not depend on it, as torch.optim.Muon's).
+  virtual bool state_has_step() const { return true; }
+  // Launches of a fused multi-tensor kernel (the GPU path) so far: tests count
+  // them per step.
+  int64_t fused_launches() const { return fused_launches_; }
+
+ protected:
+  // The step itself, after this rank's gradient checks went into `gate`: it
+  // records its own failures there and calls gate.agree() before it changes
+  // any state. Called with the parameters that have a gradient; their step
+  // counts are already advanced.
+  virtual void run_step(StepGate& gate, const std::vector<size_t>& stepping) = 0;
+  // Throws std::invalid_argument unless parameter i may step with `grad`.
+  virtual void check_grad_of(size_t i, const at::Tensor& grad) const;
+  // Groups became n (each new one a copy of group 0's options).
+  virtual void resize_groups(size_t n) = 0;
+  // The parameter's name and where its shard lies, for messages.
+  std::string who(size_t i) const;
+
+  std::vector<ParamShard> params_;
+  std::shared_ptr<Comm> comm_;
+  bool check_finite_ = true;
+  std::vector<size_t> group_of_;
+  size_t num_groups_ = 1;
+  std::vector<int64_t> param_steps_;
+  int64_t steps_ = 0;
+  int64_t fused_launches_ = 0;
+};
+
+// A ShardedOptimizer whose groups each hold one Options (the hyperparameters a
+// scheduler may change); Derived checks them (check_options).
+template <class Options>
+class GroupedOptimizer : public ShardedOptimizer {
+ public:
+  GroupedOptimizer(std::vector<ParamShard> params, std::shared_ptr<Comm> comm, bool check_finite,
+                   const Options& defaults)
+      : ShardedOptimizer(std::move(params), std::move(comm), check_finite), groups_{defaults} {}
+  const Options& group_options(size_t g) const { return groups_.at(g); }
+  void set_group_options(size_t g, const Options& o) {
+    check_options(o);
+    groups_.at(g) = o;
+  }
+  const Options& options_of(size_t i) const { return groups_[group_of_.at(i)]; }
+
+ protected:
+  // Throws std::invalid_argument, naming what is wrong, unless o can be stepped with.
+  virtual void check_options(const Options& o) const = 0;
+  void resize_groups(size_t n) override { groups_.resize(n, groups_[0]); }
+  std::vector<Options> groups_;
+};
+
+}  // namespace rfsdp
