@@ -15,7 +15,7 @@ import rfsdp
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from slice_training import train_on_slices  # noqa: E402
-from test_fully_shard import Net  # noqa: E402  (embedding, 3 residual blocks, head)
+from models import Net  # noqa: E402  (embedding, 3 residual blocks, head)
 
 STEPS = 10
 WORLD = 2

@@ -16,56 +16,10 @@ from torch import nn
 import rfsdp
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from models import CLIP, STEPS, Block, Net, data, reference  # noqa: E402,F401
 from slice_training import train_on_slices  # noqa: E402
 
-STEPS = 6
-CLIP = 0.5  # small enough to clip most steps
 HANG_SECONDS = 60
-
-
-class Block(nn.Module):
-    def __init__(self, d):
-        super().__init__()
-        self.fc = nn.Linear(d, d)
-        self.norm = nn.LayerNorm(d)
-
-    def forward(self, x):
-        return x + torch.relu(self.fc(self.norm(x)))
-
-
-class Net(nn.Module):
-    def __init__(self, d=24, depth=3, out=5):
-        super().__init__()
-        self.embed = nn.Linear(7, d)
-        self.blocks = nn.ModuleList(Block(d) for _ in range(depth))
-        self.head = nn.Linear(d, out)
-
-    def forward(self, x):
-        h = self.embed(x)
-        for b in self.blocks:
-            h = b(h)
-        return self.head(h)
-
-
-def data(seed):
-    g = torch.Generator().manual_seed(seed)
-    return torch.randn(STEPS, 16, 7, generator=g), torch.randn(STEPS, 16, 5, generator=g)
-
-
-def reference(seed):
-    torch.manual_seed(seed)
-    model = Net()
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.05)
-    xs, ys = data(seed)
-    losses = []
-    for x, y in zip(xs, ys):
-        loss = nn.functional.mse_loss(model(x), y)
-        opt.zero_grad()
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP)
-        opt.step()
-        losses.append(loss.item())
-    return losses, {k: v.detach().clone() for k, v in model.state_dict().items()}
 
 
 def worker(rank, world, seed, init_file, out_file, reshard):

@@ -16,7 +16,7 @@ from torch import nn
 import rfsdp
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from test_fully_shard import Net, data  # noqa: E402
+from models import Net, data  # noqa: E402
 
 WORLD = 2
 

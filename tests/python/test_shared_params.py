@@ -18,7 +18,7 @@ import rfsdp
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from slice_training import train_on_slices  # noqa: E402
-from test_fully_shard import Block  # noqa: E402
+from models import Block  # noqa: E402
 
 VOCAB, DIM, CTX, BATCH, STEPS, WORLD, LR = 40, 16, 6, 8, 5, 2, 1e-2
 

@@ -20,7 +20,7 @@ from torch import nn
 import rfsdp
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from test_fully_shard import Net, data  # noqa: E402
+from models import Net, data  # noqa: E402
 from test_nonfinite import slice_backward, snapshot  # noqa: E402
 
 TIMEOUT = 30  # seconds: a rank waiting for a peer that raised alone would wait this long

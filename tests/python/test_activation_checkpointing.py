@@ -19,7 +19,7 @@ import rfsdp
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from slice_training import train_on_slices  # noqa: E402
-from test_fully_shard import CLIP, Net, data, reference  # noqa: E402
+from models import CLIP, Net, data, reference  # noqa: E402
 
 WORLD = 2
 
@@ -103,9 +103,23 @@ def test_eval_under_no_grad_and_frozen_parameters(one_rank):
 
 def test_compiled_block_matches_eager(one_rank):
     """torch.compile of a sharded block (the unit's hooks run around the compiled
-    forward): losses and gradients equal the unsharded eager model's."""
+    forward): losses and gradients equal the unsharded eager model's, and the
+    block's forward ran the compiled graph each step (a silent fall-back to eager
+    would not count)."""
+    from torch._inductor.compile_fx import compile_fx
+    calls = dict(graphs=0, runs=0)
+
+    def counting_inductor(gm, example_inputs):  # inductor, with its graphs' calls counted
+        compiled = compile_fx(gm, example_inputs)
+        calls["graphs"] += 1
+
+        def run(*args):
+            calls["runs"] += 1
+            return compiled(*args)
+        return run
+
     ref, model = unsharded_and_sharded()
-    model.blocks[1] = torch.compile(model.blocks[1])
+    model.blocks[1] = torch.compile(model.blocks[1], backend=counting_inductor)
     xs, ys = data(0)
     for i in range(2):
         loss = nn.functional.mse_loss(model(xs[i]), ys[i])
@@ -113,6 +127,7 @@ def test_compiled_block_matches_eager(one_rank):
         torch.testing.assert_close(loss, want, rtol=1e-6, atol=1e-6)
         loss.backward()
         want.backward()
+    assert calls["graphs"] >= 1 and calls["runs"] >= 2, calls
     grads = {n.replace("_orig_mod.", ""): p.grad for n, p in model.named_parameters()}
     for n, p in ref.named_parameters():
         torch.testing.assert_close(grads[n].reshape(p.shape), p.grad, rtol=1e-5, atol=1e-6)
