@@ -17,7 +17,7 @@
 
 #include "bench/bench_util.h"
 #include "core/comm/hybrid_groups.h"
-#include "core/comm/local_ranks.h"
+#include "tests/support/local_ranks.h"
 #include "core/ragged/int_math.h"
 #include "core/ragged/planner.h"
 #include "fsdp/fsdp_unit.h"

@@ -21,7 +21,7 @@
 #include <vector>
 
 #include "bench/bench_util.h"
-#include "core/comm/local_ranks.h"
+#include "tests/support/local_ranks.h"
 #include "core/ragged/planner.h"
 #include "optimizers/muon/muon.h"
 

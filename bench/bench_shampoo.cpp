@@ -19,7 +19,7 @@
 #include <vector>
 
 #include "bench/bench_util.h"
-#include "core/comm/local_ranks.h"
+#include "tests/support/local_ranks.h"
 #include "core/ragged/planner.h"
 #include "optimizers/shampoo/shampoo.h"
 

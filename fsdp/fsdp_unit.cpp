@@ -265,4 +265,12 @@ void FSDPUnit::zero_grad() {
   has_grad_ = false;
 }
 
+std::vector<ParamShard> param_shards(const FSDPUnit& unit) {
+  std::vector<ParamShard> out;
+  for (size_t i = 0; i < unit.num_params(); ++i) {
+    out.emplace_back(unit.tensor_shard(i), unit.local_param(i), unit.local_grad(i));
+  }
+  return out;
+}
+
 }  // namespace rfsdp

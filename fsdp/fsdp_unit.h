@@ -22,6 +22,8 @@
 
 #include "core/comm/comm.h"
 #include "core/ragged/plan.h"
+#include "core/ragged/param_shard.h"
+#include "core/ragged/tensor_shard.h"
 #include "fsdp/device_streams.h"
 #include "fsdp/gathered_buffer.h"
 
@@ -99,6 +101,9 @@ class FSDPUnit {
   at::Tensor local_param(size_t i) const { return local_view(local_param_, i); }
   at::Tensor local_grad(size_t i) const { return local_view(local_grad_, i); }
   ShardRange shard_range(size_t i) const { return plan_.shard(i, comm_->rank()); }
+  // Tensor i's piece on this rank, with every rank's rows: what optimizers,
+  // clipping and checkpoints read.
+  TensorShard tensor_shard(size_t i) const { return TensorShard::of_plan(plan_, i, comm_->rank()); }
 
   const at::Tensor& local_param_slice() const { return local_param_; }
   const at::Tensor& local_grad_slice() const { return local_grad_; }
@@ -124,5 +129,9 @@ class FSDPUnit {
   bool has_grad_ = false;  // the local gradient slice holds reduced gradients
   int64_t bytes_cast_ = 0;
 };
+
+// The local shards of a unit's parameters (views of its local slices), each
+// knowing every rank's rows (the unit's plan): what the optimizers take.
+std::vector<ParamShard> param_shards(const FSDPUnit& unit);
 
 }  // namespace rfsdp

@@ -30,16 +30,15 @@ rfsdp::quant::BlockShape block_shape(const py::object& block) {
   return rfsdp::quant::BlockShape::tiles(t.first, t.second);
 }
 
-// Plans from Python's spec list: [(name, shape, granule_rows (0 = whole), row_dims, dtype_bytes)].
+// The planner's options from Python (plan_unit checks them).
 rfsdp::PlannerOptions planner_options(int max_buffers, int64_t collective_cost_bytes) {
-  if (max_buffers < 1) throw std::invalid_argument("max_buffers must be >= 1");
-  if (collective_cost_bytes < 0) throw std::invalid_argument("collective_cost_bytes must be >= 0");
   rfsdp::PlannerOptions o;
   o.max_buffers = max_buffers;
   o.collective_cost_bytes = collective_cost_bytes;
   return o;
 }
 
+// Plans from Python's spec list: [(name, shape, granule_rows (0 = whole), row_dims, dtype_bytes)].
 rfsdp::Plan plan_specs(const std::vector<std::tuple<std::string, std::vector<int64_t>, int64_t, int,
                                                     int64_t>>& specs,
                        int64_t world_size, int64_t align_bytes, int max_buffers,
@@ -107,25 +106,12 @@ py::dict stats_dict(const rfsdp::CommStats& s) {
                   py::arg("bytes_sent") = s.bytes_sent, py::arg("bytes_copied") = s.bytes_copied);
 }
 
-// An optimizer's parameter from Python: (name, this rank's tensor, the full
-// shape, row_dims, row_begin); rows and row length as TensorSpec defines them.
-using ShardSpec = std::tuple<std::string, at::Tensor, std::vector<int64_t>, int, int64_t>;
+// An optimizer's parameter from Python: its shard descriptor and this rank's tensor.
+using ShardOf = std::pair<rfsdp::TensorShard, at::Tensor>;
 
-std::vector<rfsdp::ParamShard> shards_of(const std::vector<ShardSpec>& specs) {
+std::vector<rfsdp::ParamShard> shards_of(const std::vector<ShardOf>& given) {
   std::vector<rfsdp::ParamShard> out;
-  for (const auto& [name, param, shape, row_dims, row_begin] : specs) {
-    rfsdp::TensorSpec t;
-    t.shape = shape;
-    t.row_dims = row_dims;
-    rfsdp::ParamShard p;
-    p.name = name;
-    p.param = param;
-    p.full_rows = t.rows();
-    p.row_len = t.row_elems();
-    p.row_begin = row_begin;
-    p.shape = shape;
-    out.push_back(std::move(p));
-  }
+  for (const auto& [shard, param] : given) out.emplace_back(shard, param);
   return out;
 }
 
@@ -153,6 +139,36 @@ PYBIND11_MODULE(_C, m) {
       .def("closed", &rfsdp::Comm::closed)
       .def("stats", [](const rfsdp::Comm& c) { return stats_dict(c.stats()); })
       .def("reset_stats", &rfsdp::Comm::reset_stats);
+
+  // One rank's piece of a tensor (core/ragged/tensor_shard.h): what fully_shard
+  // makes per parameter and every optimizer, clipping and checkpoint reads;
+  // rfsdp.ShardInfo is a view of it.
+  py::class_<rfsdp::TensorShard>(m, "TensorShard")
+      .def(py::init(&rfsdp::TensorShard::rows_of), py::arg("name"), py::arg("shape"),
+           py::arg("row_dims"), py::arg("row_begin"), py::arg("row_end"),
+           py::arg("rank_rows") = std::vector<std::pair<int64_t, int64_t>>())
+      .def_static("whole", &rfsdp::TensorShard::whole, py::arg("name"), py::arg("shape"),
+                  py::arg("row_dims") = 1)
+      .def_readonly("name", &rfsdp::TensorShard::name)
+      .def_property_readonly("shape", [](const rfsdp::TensorShard& t) {
+             return py::tuple(py::cast(t.shape));
+           })
+      .def_readonly("row_dims", &rfsdp::TensorShard::row_dims)
+      .def_readonly("full_rows", &rfsdp::TensorShard::full_rows)
+      .def_readonly("row_len", &rfsdp::TensorShard::row_len)
+      .def_readonly("row_begin", &rfsdp::TensorShard::row_begin)
+      .def_readonly("row_end", &rfsdp::TensorShard::row_end)
+      .def_readonly("rank_rows", &rfsdp::TensorShard::rank_rows)
+      .def(py::pickle(
+          [](const rfsdp::TensorShard& t) {
+            return py::make_tuple(t.name, t.shape, t.row_dims, t.row_begin, t.row_end, t.rank_rows);
+          },
+          [](const py::tuple& s) {
+            return rfsdp::TensorShard::rows_of(
+                s[0].cast<std::string>(), s[1].cast<std::vector<int64_t>>(), s[2].cast<int>(),
+                s[3].cast<int64_t>(), s[4].cast<int64_t>(),
+                s[5].cast<std::vector<std::pair<int64_t, int64_t>>>());
+          }));
 
   py::class_<rfsdp::FSDPUnit, std::shared_ptr<rfsdp::FSDPUnit>>(m, "FSDPUnit")
       .def(py::init([](std::shared_ptr<rfsdp::Comm> comm, const rfsdp::Plan& plan,
@@ -187,10 +203,7 @@ PYBIND11_MODULE(_C, m) {
       .def("full_grad", &rfsdp::FSDPUnit::full_grad)
       .def("local_param", &rfsdp::FSDPUnit::local_param)
       .def("local_grad", &rfsdp::FSDPUnit::local_grad)
-      .def("shard_range", [](const rfsdp::FSDPUnit& u, size_t i) {
-             const auto r = u.shard_range(i);
-             return py::make_tuple(r.row_begin, r.row_end);
-           })
+      .def("tensor_shard", &rfsdp::FSDPUnit::tensor_shard)
       .def("stats", [](rfsdp::FSDPUnit& u) { return stats_dict(u.comm().stats()); });
 
   m.def("clip_grad_norm", [](const std::vector<std::shared_ptr<rfsdp::FSDPUnit>>& units,
@@ -222,7 +235,7 @@ PYBIND11_MODULE(_C, m) {
       .def("fused_launches", &rfsdp::ShardedOptimizer::fused_launches);
 
   py::class_<rfsdp::AdamW, rfsdp::ShardedOptimizer, std::shared_ptr<rfsdp::AdamW>>(m, "AdamW")
-      .def(py::init([](const std::vector<ShardSpec>& params, std::shared_ptr<rfsdp::Comm> comm,
+      .def(py::init([](const std::vector<ShardOf>& params, std::shared_ptr<rfsdp::Comm> comm,
                        bool check_finite, bool fused_on_cpu) {
              rfsdp::AdamWOptions o;
              o.check_finite = check_finite;
@@ -239,7 +252,7 @@ PYBIND11_MODULE(_C, m) {
            })
       .def("state_bytes", &rfsdp::AdamW::state_bytes);
   py::class_<rfsdp::AdamW8bit, rfsdp::AdamW, std::shared_ptr<rfsdp::AdamW8bit>>(m, "AdamW8bit")
-      .def(py::init([](const std::vector<ShardSpec>& params, const py::object& block,
+      .def(py::init([](const std::vector<ShardOf>& params, const py::object& block,
                        int64_t min_8bit_size, std::shared_ptr<rfsdp::Comm> comm,
                        bool check_finite) {
              rfsdp::AdamWOptions o;
@@ -252,7 +265,7 @@ PYBIND11_MODULE(_C, m) {
 
   // Muon over one process group: roots chosen at construction (collective), then steps.
   py::class_<rfsdp::Muon, rfsdp::ShardedOptimizer, std::shared_ptr<rfsdp::Muon>>(m, "Muon")
-      .def(py::init([](const std::vector<ShardSpec>& params, const std::vector<int>& ns_steps,
+      .def(py::init([](const std::vector<ShardOf>& params, const std::vector<int>& ns_steps,
                        const std::string& ns_dtype, std::shared_ptr<rfsdp::Comm> comm,
                        bool check_finite) {
              rfsdp::MuonOptions o;
@@ -284,7 +297,7 @@ PYBIND11_MODULE(_C, m) {
 
   // Shampoo: each rank's tiles are its own (no communication but the NaN flag).
   py::class_<rfsdp::Shampoo, rfsdp::ShardedOptimizer, std::shared_ptr<rfsdp::Shampoo>>(m, "Shampoo")
-      .def(py::init([](const std::vector<ShardSpec>& params, const std::vector<bool>& precondition,
+      .def(py::init([](const std::vector<ShardOf>& params, const std::vector<bool>& precondition,
                        int64_t max_dim, int frequency, int start, bool bias_correction,
                        const std::string& factor_dtype, std::shared_ptr<rfsdp::Comm> comm,
                        const std::string& rank_deficient, double rank_rtol) {

@@ -494,6 +494,14 @@ Plan plan_unit(const std::vector<TensorSpec>& tensors, int64_t world_size, int64
   if (world_size < 1) {
     throw std::invalid_argument("world size must be >= 1, got " + std::to_string(world_size));
   }
+  if (options.max_buffers < 1) {
+    throw std::invalid_argument("planner: max_buffers must be >= 1, got " +
+                                std::to_string(options.max_buffers));
+  }
+  if (options.collective_cost_bytes < 0) {
+    throw std::invalid_argument("planner: collective_cost_bytes must be >= 0, got " +
+                                std::to_string(options.collective_cost_bytes));
+  }
   check_unit_specs(tensors);
   Plan plan = plan_one_buffer(tensors, world_size, align_bytes, options);
   if (options.max_buffers > 1 && plan.shard_elems > plan.lower_bound_shard_elems()) {

@@ -14,24 +14,6 @@ namespace rfsdp {
 
 namespace {
 
-// The gradient may be undefined (given later by set_grad; no step until then).
-void check_param(const ParamShard& p) {
-  const std::string who = "parameter '" + p.name + "': ";
-  if (!p.param.defined() || p.param.scalar_type() != at::kFloat || !p.param.is_contiguous() ||
-      !(p.param.device().is_cpu() || p.param.device().is_cuda())) {
-    throw std::invalid_argument(who + "must be a contiguous float32 tensor on the CPU or a CUDA "
-                                "device");
-  }
-  check_grad("AdamW", p, p.grad);  // dtype, layout, device and size; undefined passes
-  if (p.row_len < 1 || p.param.numel() % p.row_len != 0 || p.row_begin < 0 ||
-      p.row_begin + p.rows() > p.full_rows) {
-    throw std::invalid_argument(who + "rows [" + std::to_string(p.row_begin) + ", " +
-                                std::to_string(p.row_begin + p.rows()) + ") of " +
-                                std::to_string(p.row_len) + " elements do not lie in a tensor of " +
-                                std::to_string(p.full_rows) + " rows");
-  }
-}
-
 quant::AdamWHyper hyper(const AdamWOptions& o, int64_t step) {
   return {static_cast<float>(o.lr), static_cast<float>(o.beta1), static_cast<float>(o.beta2),
           static_cast<float>(o.eps), static_cast<float>(o.weight_decay), step};
@@ -56,11 +38,11 @@ AdamW::AdamW(std::vector<ParamShard> params, AdamWOptions options, std::shared_p
 
 AdamW::AdamW(std::vector<ParamShard> params, AdamWOptions options, std::shared_ptr<Comm> comm,
              const std::vector<bool>& fp32_state)
-    : GroupedOptimizer(std::move(params), std::move(comm), options.check_finite, options),
+    : GroupedOptimizer(fp32_state.empty() ? "AdamW" : "AdamW8bit", std::move(params),
+                       std::move(comm), options.check_finite, options),
       fused_on_cpu_(options.fused_on_cpu) {
   check_options(options);
   for (size_t i = 0; i < params_.size(); ++i) {
-    check_param(params_[i]);
     const bool fp32 = fp32_state.empty() || fp32_state[i];
     m_.push_back(fp32 ? at::zeros_like(params_[i].param) : at::Tensor());
     v_.push_back(fp32 ? at::zeros_like(params_[i].param) : at::Tensor());

@@ -4,13 +4,35 @@
 
 namespace rfsdp {
 
-ShardedOptimizer::ShardedOptimizer(std::vector<ParamShard> params, std::shared_ptr<Comm> comm,
-                                   bool check_finite)
+ShardedOptimizer::ShardedOptimizer(const char* name, std::vector<ParamShard> params,
+                                   std::shared_ptr<Comm> comm, bool check_finite)
     : params_(std::move(params)),
       comm_(std::move(comm)),
       check_finite_(check_finite),
       group_of_(params_.size(), 0),
-      param_steps_(params_.size(), 0) {}
+      param_steps_(params_.size(), 0) {
+  for (const ParamShard& p : params_) {
+    const std::string who = std::string(name) + ": parameter '" + p.name + "' ";
+    if (!p.param.defined() || p.param.scalar_type() != at::kFloat || !p.param.is_contiguous() ||
+        !(p.param.device().is_cpu() || p.param.device().is_cuda())) {
+      throw std::invalid_argument(
+          who + "must be a contiguous float32 tensor on the CPU or a CUDA device; got " +
+          (!p.param.defined() ? std::string("none")
+                              : std::string(p.param.is_contiguous() ? "" : "a non-contiguous ") +
+                                    c10::toString(p.param.scalar_type()) + " tensor on " +
+                                    p.param.device().str()));
+    }
+    if (p.row_len < 1 || p.row_begin < 0 || p.row_begin > p.row_end || p.row_end > p.full_rows ||
+        p.param.numel() != p.numel()) {
+      throw std::invalid_argument(who + "holds " + std::to_string(p.param.numel()) +
+                                  " elements, but its shard is rows [" +
+                                  std::to_string(p.row_begin) + ", " + std::to_string(p.row_end) +
+                                  ") of " + std::to_string(p.row_len) + " elements of a tensor of " +
+                                  std::to_string(p.full_rows) + " rows");
+    }
+    check_grad(name, p, p.grad);  // a gradient given with the parameter; undefined passes
+  }
+}
 
 std::string ShardedOptimizer::who(size_t i) const { return "parameter '" + params_.at(i).name + "'"; }
 

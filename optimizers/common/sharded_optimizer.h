@@ -20,9 +20,11 @@ namespace rfsdp {
 
 class ShardedOptimizer {
  public:
-  // comm: the ranks that step together (null: this process alone). check_finite:
-  // a NaN/Inf gradient on any rank stops the step on every rank (StepGate).
-  ShardedOptimizer(std::vector<ParamShard> params, std::shared_ptr<Comm> comm,
+  // name: what construction errors call it. comm: the ranks that step together
+  // (null: this process alone). check_finite: a NaN/Inf gradient on any rank
+  // stops the step on every rank (StepGate). Checks every parameter (float32,
+  // contiguous, on the CPU or a GPU, as many elements as its shard's rows).
+  ShardedOptimizer(const char* name, std::vector<ParamShard> params, std::shared_ptr<Comm> comm,
                    bool check_finite);
   virtual ~ShardedOptimizer() = default;
   ShardedOptimizer(const ShardedOptimizer&) = delete;
@@ -92,9 +94,10 @@ class ShardedOptimizer {
 template <class Options>
 class GroupedOptimizer : public ShardedOptimizer {
  public:
-  GroupedOptimizer(std::vector<ParamShard> params, std::shared_ptr<Comm> comm, bool check_finite,
-                   const Options& defaults)
-      : ShardedOptimizer(std::move(params), std::move(comm), check_finite), groups_{defaults} {}
+  GroupedOptimizer(const char* name, std::vector<ParamShard> params, std::shared_ptr<Comm> comm,
+                   bool check_finite, const Options& defaults)
+      : ShardedOptimizer(name, std::move(params), std::move(comm), check_finite),
+        groups_{defaults} {}
   const Options& group_options(size_t g) const { return groups_.at(g); }
   void set_group_options(size_t g, const Options& o) {
     check_options(o);

@@ -10,6 +10,7 @@
 #include <stdexcept>
 #include <tuple>
 
+#include "core/comm/agree.h"
 #include "core/ragged/tensor_spec.h"
 #include "optimizers/common/step_gate.h"
 #include "optimizers/common/lpt.h"
@@ -112,32 +113,61 @@ MuonLayout::MuonLayout(Comm* comm, std::vector<MuonParamGeometry> params)
                                   " elements");
     }
   }
-  // Every rank's ranges: one all-reduce of a table where each rank fills its row.
-  at::Tensor table = at::zeros({world_, 2 + 2 * P}, at::kLong);
-  auto t = table.accessor<int64_t, 2>();
-  t[rank_][0] = P;
-  t[rank_][1] = fingerprint(params_);
-  for (int64_t i = 0; i < P; ++i) {
-    t[rank_][2 + 2 * i] = params_[i].elem_begin;
-    t[rank_][3 + 2 * i] = params_[i].elem_end;
-  }
-  if (comm && world_ > 1) {
-    at::Tensor shared = table.to(comm->control_device());  // NCCL takes no CPU tensors
-    comm->all_reduce(shared, ReduceOp::Sum).wait();
-    table.copy_(shared.cpu());
-  }
-  for (int r = 0; r < world_; ++r) {
-    if (t[r][0] != P || t[r][1] != t[rank_][1]) {
-      throw std::invalid_argument(
-          "Muon: rank " + std::to_string(r) + " passed a different parameter list (count " +
-          std::to_string(t[r][0]) + " vs " + std::to_string(P) + " here, or other shapes) than rank " +
-          std::to_string(rank_) + "; build the optimizer from the same model on every rank");
+  ranges_.assign(P, {});
+  const bool known = std::all_of(params_.begin(), params_.end(), [&](const MuonParamGeometry& p) {
+    return static_cast<int>(p.rank_elems.size()) == world_;
+  });
+  if (known) {
+    // Every rank's ranges came with the shards (the plan): the ranks only agree
+    // that they hold the same parameters and ranges (one all-reduce of a hash;
+    // the first difference named on every rank).
+    std::vector<std::string> lines;
+    for (int64_t i = 0; i < P; ++i) {
+      const auto& p = params_[i];
+      std::string line = p.name + " " + shape_to_string(p.shape) + " ns_steps " +
+                         std::to_string(p.ns_steps) + " elements";
+      for (const auto& [b, e] : p.rank_elems) line += " [" + std::to_string(b) + ", " + std::to_string(e) + ")";
+      if (p.rank_elems[rank_] != std::make_pair(p.elem_begin, p.elem_end)) {
+        // (a line of its own: every rank then fails in agree_lines, naming it)
+        line += "; but rank " + std::to_string(rank_) + " holds [" + std::to_string(p.elem_begin) +
+                ", " + std::to_string(p.elem_end) + ")";
+      }
+      lines.push_back(std::move(line));
+      ranges_[i] = p.rank_elems;
+    }
+    if (comm && world_ > 1) {
+      agree_lines(*comm, lines, "Muon's parameters (build the optimizer from the same model on "
+                                "every rank)");
+    }
+  } else {
+    // Every rank's ranges: one all-reduce of a table where each rank fills its row.
+    at::Tensor table = at::zeros({world_, 2 + 2 * P}, at::kLong);
+    auto t = table.accessor<int64_t, 2>();
+    t[rank_][0] = P;
+    t[rank_][1] = fingerprint(params_);
+    for (int64_t i = 0; i < P; ++i) {
+      t[rank_][2 + 2 * i] = params_[i].elem_begin;
+      t[rank_][3 + 2 * i] = params_[i].elem_end;
+    }
+    if (comm && world_ > 1) {
+      at::Tensor shared = table.to(comm->control_device());  // NCCL takes no CPU tensors
+      comm->all_reduce(shared, ReduceOp::Sum).wait();
+      table.copy_(shared.cpu());
+    }
+    for (int r = 0; r < world_; ++r) {
+      if (t[r][0] != P || t[r][1] != t[rank_][1]) {
+        throw std::invalid_argument(
+            "Muon: rank " + std::to_string(r) + " passed a different parameter list (count " +
+            std::to_string(t[r][0]) + " vs " + std::to_string(P) + " here, or other shapes) than " +
+            "rank " + std::to_string(rank_) + "; build the optimizer from the same model on every rank");
+      }
+    }
+    for (int64_t i = 0; i < P; ++i) {
+      for (int r = 0; r < world_; ++r) ranges_[i].emplace_back(t[r][2 + 2 * i], t[r][3 + 2 * i]);
     }
   }
-  ranges_.assign(P, {});
   for (int64_t i = 0; i < P; ++i) {
-    auto& rs = ranges_[i];
-    for (int r = 0; r < world_; ++r) rs.emplace_back(t[r][2 + 2 * i], t[r][3 + 2 * i]);
+    const auto& rs = ranges_[i];
     // The ranks' shards must tile the tensor: disjoint, together everything.
     std::vector<std::pair<int64_t, int64_t>> sorted;
     for (const auto& x : rs) {
@@ -409,7 +439,8 @@ std::vector<MuonParamGeometry> Muon::geometry(const std::vector<ParamShard>& par
     g.name = p.name;
     g.shape = p.shape;
     g.elem_begin = p.row_begin * p.row_len;
-    g.elem_end = g.elem_begin + p.param.numel();
+    g.elem_end = p.row_end * p.row_len;
+    for (const auto& [b, e] : p.rank_rows) g.rank_elems.emplace_back(b * p.row_len, e * p.row_len);
     g.ns_steps = ns_steps[i];
     out.push_back(std::move(g));
   }
@@ -429,7 +460,8 @@ std::vector<int> steps_per_param(size_t n, const MuonOptions& o, std::vector<int
 
 Muon::Muon(std::shared_ptr<Comm> comm, std::vector<ParamShard> params, MuonOptions options,
            std::vector<int> ns_steps)
-    : GroupedOptimizer(std::move(params), std::move(comm), options.check_finite, options.hyper),
+    : GroupedOptimizer("Muon", std::move(params), std::move(comm), options.check_finite,
+                       options.hyper),
       options_(options),
       layout_(comm_.get(), geometry(params_, steps_per_param(params_.size(), options, ns_steps))) {
   check_options(options.hyper);

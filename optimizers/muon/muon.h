@@ -42,6 +42,9 @@ struct MuonParamGeometry {
   std::vector<int64_t> shape;
   int64_t elem_begin = 0, elem_end = 0;
   int ns_steps = 5;
+  // Every rank's [begin, end), where the shard descriptor knows them (the
+  // plan's); empty: the layout gathers them (one all-reduce).
+  std::vector<std::pair<int64_t, int64_t>> rank_elems;
 };
 
 struct MuonMatrix {
@@ -53,8 +56,9 @@ struct MuonMatrix {
 };
 
 // Where every matrix lives and which rank orthogonalises it. Built once per set
-// of shards; collective (one all-reduce to learn every rank's ranges): every
-// rank passes the same parameters in the same order, its own ranges.
+// of shards; collective: every rank passes the same parameters in the same
+// order, its own ranges and (from a plan) every rank's; one all-reduce agrees
+// on them (a hash), or gathers the ranges where they are not known.
 //
 // Root selection: a matrix held by one rank is rooted there; the rest go
 // longest-processing-time first (most flops first) to the least-loaded rank,

@@ -215,7 +215,7 @@ void Shampoo::check_options(const ShampooOptions& o) const {
 
 Shampoo::Shampoo(std::vector<ParamShard> params, ShampooOptions options, ShampooConfig config,
                  std::shared_ptr<Comm> comm, std::vector<bool> precondition)
-    : GroupedOptimizer(std::move(params), std::move(comm), config.check_finite, options),
+    : GroupedOptimizer("Shampoo", std::move(params), std::move(comm), config.check_finite, options),
       config_(config) {
   check_config(config_);
   check_options(options);
@@ -227,12 +227,6 @@ Shampoo::Shampoo(std::vector<ParamShard> params, ShampooOptions options, Shampoo
   const auto fdt = at::TensorOptions().dtype(config_.factor_dtype);
   for (size_t i = 0; i < n; ++i) {
     const ParamShard& p = params_[i];
-    if (!p.param.defined() || p.param.scalar_type() != at::kFloat || !p.param.is_contiguous() ||
-        !(p.param.device().is_cpu() || p.param.device().is_cuda())) {
-      throw std::invalid_argument("Shampoo: parameter '" + p.name +
-                                  "' must be a contiguous float32 tensor on the CPU or a CUDA "
-                                  "device");
-    }
     precondition_.push_back((precondition.empty() || precondition[i]) && p.shape.size() >= 2);
     ParamState s;
     s.m = at::zeros_like(p.param);

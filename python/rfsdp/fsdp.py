@@ -8,8 +8,8 @@ reshards after, if asked); backward gathers again before the module's backward,
 then reduce-scatters each unit's gradients into the local gradient slice as soon
 as its last gradient lands (it runs while backward moves on; it is finished, and
 its gathered gradient buffer freed, before the next unit allocates its own, so
-at most one unit's gradient buffer is live: bench/bench_ddp.py measured the
-same step time and 4 fewer percentage points of peak memory this way). The local slice
+at most one unit's gradient buffer is live: measured, the same step time and 4
+fewer percentage points of peak memory this way). The local slice
 is each shard's .grad (summed across micro-batches until the optimizer zeroes it).
 
 Prefetch: the units under one outer fully_shard call share a schedule that
@@ -25,7 +25,7 @@ scatters on another, compute on the current stream, ordered by CUDA events
 after it and does not block the host. The default mixed precision there is
 bfloat16 parameters with float32 gradient reduction."""
 import enum
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
@@ -37,30 +37,53 @@ from .planning import PlannerOptions
 from ._comm import make_comm
 
 
-@dataclass(frozen=True)
 class ShardInfo:
-    """Where a sharded parameter's rows come from, and the groups it lives in:
+    """Where a sharded parameter's rows come from, and the groups it lives in: a
+    view of its shard descriptor (`shard`, a _C.TensorShard: the full shape, its
+    row geometry, this rank's rows and, from fully_shard's plan, every rank's),
+    which the optimizers, clipping and the checkpoint read as it is.
     process_group shards it (the ranks whose rows together make the tensor);
     replicate_group (HSDP; None for plain FSDP) holds the ranks with equal rows."""
-    name: str
-    global_shape: tuple
-    row_dims: int
-    row_begin: int
-    row_end: int
-    process_group: object = field(default=None, compare=False, repr=False)
-    replicate_group: object = field(default=None, compare=False, repr=False)
+
+    __slots__ = ("shard", "process_group", "replicate_group")
+
+    def __init__(self, name, global_shape, row_dims, row_begin, row_end, process_group=None,
+                 replicate_group=None, rank_rows=()):
+        self.shard = _C.TensorShard(name, list(global_shape), row_dims, row_begin, row_end,
+                                    list(rank_rows))
+        self.process_group = process_group
+        self.replicate_group = replicate_group
+
+    @classmethod
+    def of(cls, shard, process_group=None, replicate_group=None):
+        info = cls.__new__(cls)
+        info.shard, info.process_group, info.replicate_group = shard, process_group, replicate_group
+        return info
+
+    name = property(lambda self: self.shard.name)
+    global_shape = property(lambda self: self.shard.shape)
+    row_dims = property(lambda self: self.shard.row_dims)
+    row_begin = property(lambda self: self.shard.row_begin)
+    row_end = property(lambda self: self.shard.row_end)
+    row_len = property(lambda self: self.shard.row_len)
+    full_rows = property(lambda self: self.shard.full_rows)
+    rank_rows = property(lambda self: self.shard.rank_rows)  # [] where unknown
+
+    def _key(self):
+        return (self.name, self.global_shape, self.row_dims, self.row_begin, self.row_end)
+
+    def __eq__(self, other):
+        return isinstance(other, ShardInfo) and self._key() == other._key()
+
+    def __hash__(self):
+        return hash(self._key())
+
+    def __repr__(self):
+        return "ShardInfo(name=%r, global_shape=%r, row_dims=%d, row_begin=%d, row_end=%d)" % \
+            self._key()
 
     def __reduce__(self):  # groups live in one process: a pickled ShardInfo drops them
-        return (ShardInfo, (self.name, self.global_shape, self.row_dims, self.row_begin,
-                            self.row_end))
-
-    @property
-    def row_len(self):
-        return _C.row_geometry(list(self.global_shape), self.row_dims)[1]
-
-    @property
-    def full_rows(self):
-        return _C.row_geometry(list(self.global_shape), self.row_dims)[0]
+        return (ShardInfo.of, (self.shard,))
 
 
 @dataclass
@@ -139,10 +162,9 @@ class _Unit:
         self.unit.shard(full)
         self.sharded, self.full = [], []
         for i, (uses, p) in enumerate(zip(entries, params)):
-            begin, end = self.unit.shard_range(i)
             sp = nn.Parameter(self.unit.local_param(i), requires_grad=p.requires_grad)
-            sp._rfsdp_shard = ShardInfo(uses[0][2], tuple(p.shape), specs[i][3], begin, end,
-                                        pg, rg if self.replicate_comm is not None else None)
+            sp._rfsdp_shard = ShardInfo.of(self.unit.tensor_shard(i), pg,
+                                           rg if self.replicate_comm is not None else None)
             p._rfsdp_replaced = uses[0][2]  # an optimizer built on the old parameter is an error
             self.sharded.append(sp)
             fp = nn.Parameter(self.unit.full_param(i).data, requires_grad=p.requires_grad)

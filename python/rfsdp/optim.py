@@ -20,19 +20,15 @@ def _check_params(optimizer_name, params):
                 raise ValueError(
                     "%s: parameter '%s' was replaced by fully_shard; build the optimizer after "
                     "fully_shard, from model.parameters()" % (optimizer_name, replaced))
-            if p.dtype != torch.float32 or p.device.type not in ("cpu", "cuda") \
-                    or not p.is_contiguous():
-                raise ValueError("%s: parameters must be contiguous float32 tensors on the CPU or "
-                                 "a CUDA device, got %s on %s" % (optimizer_name, p.dtype, p.device))
 
 
 def _shard_spec(i, p):
-    """What the C++ optimizers take for a parameter: (name, this rank's tensor, the
-    full shape, row_dims, row_begin); a plain tensor is its own whole shard."""
+    """What the C++ optimizers take for a parameter: (its shard descriptor, this
+    rank's tensor); a plain tensor is its own whole shard."""
     info = shard_info(p)
     if info is None:
-        return ("param %d" % i, p.data, list(p.shape), 1, 0)
-    return (info.name, p.data, list(info.global_shape), info.row_dims, info.row_begin)
+        return (_C.TensorShard.whole("param %d" % i, list(p.shape)), p.data)
+    return (info.shard, p.data)
 
 
 def _default_comm(process_group, timeout_seconds, param_groups):

@@ -9,8 +9,9 @@
 #include <iostream>
 #include <random>
 
-#include "core/comm/local_ranks.h"
+#include "tests/support/local_ranks.h"
 #include "core/ragged/planner.h"
+#include "fsdp/fsdp_unit.h"
 #include "optimizers/adamw/adamw.h"
 #include "quant/blockwise/code_maps.h"
 #include "tests/cpp/quant_isas.h"
@@ -21,6 +22,18 @@ namespace {
 
 using testing::fresh_seed;
 using testing::seeded_randn;
+
+// Whole tensors of these shapes, random (seeded) with zero gradients: p, g hold them.
+std::vector<ParamShard> whole_params(const std::vector<std::vector<int64_t>>& shapes, uint64_t seed,
+                                     std::vector<at::Tensor>* p, std::vector<at::Tensor>* g) {
+  std::vector<ParamShard> shards;
+  for (size_t i = 0; i < shapes.size(); ++i) {
+    p->push_back(seeded_randn(shapes[i], seed, i));
+    g->push_back(at::zeros(shapes[i]));
+    shards.push_back(whole_param("p" + std::to_string(i), p->back(), g->back()));
+  }
+  return shards;
+}
 
 TEST(AdamW, EqualsTorchAdamWFormulaOver100Steps) {
   const uint64_t seed = fresh_seed();
@@ -33,12 +46,7 @@ TEST(AdamW, EqualsTorchAdamWFormulaOver100Steps) {
   o.eps = 1e-8;
   o.weight_decay = 0.1;
   std::vector<at::Tensor> p, g;
-  std::vector<ParamShard> shards;
-  for (size_t i = 0; i < shapes.size(); ++i) {
-    p.push_back(seeded_randn(shapes[i], seed, i));
-    g.push_back(at::zeros(shapes[i]));
-    shards.push_back(whole_param("p" + std::to_string(i), p[i], g[i]));
-  }
+  const std::vector<ParamShard> shards = whole_params(shapes, seed, &p, &g);
   AdamW opt(shards, o);
   // Reference, float64: torch.optim.AdamW's single-tensor update.
   std::vector<at::Tensor> rp, rm, rv;
@@ -84,12 +92,7 @@ TEST(AdamW, FusedPathLaunchesOncePerGroupAndEqualsFloat64Formula) {
   go[1].lr = 1e-2, go[1].beta1 = 0.9, go[1].beta2 = 0.95, go[1].weight_decay = 0.0;
   go[2].lr = 5e-4, go[2].beta1 = 0.5, go[2].beta2 = 0.999, go[2].eps = 1e-6;
   std::vector<at::Tensor> p, g;
-  std::vector<ParamShard> shards;
-  for (size_t i = 0; i < shapes.size(); ++i) {
-    p.push_back(seeded_randn(shapes[i], seed, i));
-    g.push_back(at::zeros(shapes[i]));
-    shards.push_back(whole_param("p" + std::to_string(i), p[i], g[i]));
-  }
+  const std::vector<ParamShard> shards = whole_params(shapes, seed, &p, &g);
   AdamWOptions defaults;
   defaults.fused_on_cpu = true;
   AdamW opt(shards, defaults);
@@ -218,14 +221,7 @@ std::vector<at::Tensor> run_8bit(const std::vector<Tensor8>& ts, quant::BlockSha
       const int64_t row_len = specs[i].row_elems();
       p[r].push_back(full_p[i].reshape({-1, row_len}).slice(0, sr.row_begin, sr.row_end).clone());
       g[r].push_back(at::zeros_like(p[r].back()));
-      ParamShard s;
-      s.name = ts[i].name;
-      s.param = p[r].back();
-      s.grad = g[r].back();
-      s.full_rows = specs[i].rows();
-      s.row_len = row_len;
-      s.row_begin = sr.row_begin;
-      shards.push_back(s);
+      shards.emplace_back(TensorShard::of_plan(plan, i, r), p[r].back(), g[r].back());
     }
     AdamWOptions o;
     o.lr = 1e-2;
@@ -280,13 +276,7 @@ TEST(AdamW8bit, StatePrecisionFollowsTheFullTensorSize) {
   // 5000 elements in 4 shards of 1250: still 8-bit; 3000 elements: fp32 everywhere.
   for (int64_t n : {5000, 3000}) {
     at::Tensor p = at::zeros({n / 4}), g = at::zeros({n / 4});
-    ParamShard s;
-    s.name = "t";
-    s.param = p;
-    s.grad = g;
-    s.full_rows = n;
-    s.row_len = 1;
-    s.row_begin = 0;
+    ParamShard s(TensorShard::rows_of("t", {n}, 1, 0, n / 4), p, g);
     AdamW8bit opt({s}, {}, quant::BlockShape::blocks(250));
     EXPECT_EQ(opt.is_8bit(0), n >= 4096);
   }
@@ -294,13 +284,8 @@ TEST(AdamW8bit, StatePrecisionFollowsTheFullTensorSize) {
 
 TEST(AdamW8bit, ShardCuttingABlockIsAClearError) {
   at::Tensor p = at::zeros({10, 40}), g = at::zeros({10, 40});
-  ParamShard s;
-  s.name = "w";
-  s.param = p;
-  s.grad = g;
-  s.full_rows = 300;
-  s.row_len = 40;
-  s.row_begin = 5;  // element 200: inside the first 256-element block
+  // rows from 5 (element 200: inside the first 256-element block)
+  ParamShard s(TensorShard::rows_of("w", {300, 40}, 1, 5, 15), p, g);
   try {
     AdamW8bit opt({s});
     FAIL() << "no error";

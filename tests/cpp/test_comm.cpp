@@ -8,7 +8,7 @@
 
 #include "core/comm/agree.h"
 #include "core/comm/hybrid_groups.h"
-#include "core/comm/local_ranks.h"
+#include "tests/support/local_ranks.h"
 #include "tests/cpp/test_util.h"
 
 namespace rfsdp {

@@ -6,7 +6,7 @@
 #include <random>
 
 #include "core/comm/hybrid_groups.h"
-#include "core/comm/local_ranks.h"
+#include "tests/support/local_ranks.h"
 #include "core/ragged/planner.h"
 #include "fsdp/fsdp_unit.h"
 #include "fsdp/grad_clip.h"

@@ -9,7 +9,7 @@
 #include <mutex>
 #include <random>
 
-#include "core/comm/local_ranks.h"
+#include "tests/support/local_ranks.h"
 #include "optimizers/muon/muon.h"
 #include "tests/cpp/test_util.h"
 
@@ -140,14 +140,16 @@ void run_against_reference(const Config& cfg) {
     std::vector<ParamShard> shards;
     for (size_t t = 0; t < kShapes.size(); ++t) {
       const Shape& s = kShapes[t];
-      ParamShard p;
-      p.name = s.name;
-      p.shape = s.shape;
-      p.full_rows = rows_of(s);
-      p.row_len = numel_of(s) / p.full_rows;
-      p.row_begin = cuts[t][r];
+      // Every rank's rows known (as fully_shard's are) on odd worlds; gathered by
+      // the layout (one all-reduce) on even ones: both paths see every case.
+      std::vector<std::pair<int64_t, int64_t>> every;
+      if (cfg.world % 2 == 1) {
+        for (int q = 0; q < cfg.world; ++q) every.emplace_back(cuts[t][q], cuts[t][q + 1]);
+      }
       const int64_t n = cuts[t][r + 1] - cuts[t][r];
-      p.param = rows_view(init[t], s).narrow(0, p.row_begin, n).to(at::kFloat).contiguous();
+      ParamShard p(TensorShard::rows_of(s.name, s.shape, s.row_dims, cuts[t][r], cuts[t][r + 1], every),
+                   rows_view(init[t], s).narrow(0, cuts[t][r], n).to(at::kFloat).contiguous());
+      ASSERT_EQ(p.full_rows, rows_of(s));
       p.grad = at::zeros_like(p.param);
       shards.push_back(p);
     }
@@ -292,6 +294,35 @@ TEST(Muon, RanksWithDifferentParametersFailClearly) {
   expect_every_rank_refused(errors, "different parameter list");
 }
 
+// Shards that know every rank's rows (fully_shard's, from the plan) give the
+// layout its ranges: the ranks only agree on a hash of them (one collective of
+// 8 bytes a rank, not a table of every range), and a rank that differs is named on
+// every rank.
+TEST(Muon, RangesFromTheShardsNeedOnlyAnAgreedHash) {
+  auto errors = run_local_ranks_collect(3, [](Comm& comm) {
+    const std::vector<std::pair<int64_t, int64_t>> rows = {{0, 2}, {2, 5}, {5, 8}};
+    const auto [b, e] = rows[comm.rank()];
+    std::vector<ParamShard> shards;
+    shards.emplace_back(TensorShard::rows_of("w", {8, 6}, 1, b, e, rows), at::zeros({e - b, 6}));
+    shards.emplace_back(TensorShard::rows_of("v", {8, 6}, 1, b, e, rows), at::zeros({e - b, 6}));
+    comm.reset_stats();
+    Muon muon(std::shared_ptr<Comm>(&comm, [](Comm*) {}), shards);
+    EXPECT_EQ(comm.stats().collectives, 1);
+    EXPECT_EQ(comm.stats().bytes_sent, 3 * 8) << "one 64-bit hash per rank";
+    // The layout equals the gathered one: every rank's pieces as the plan says.
+    for (size_t k = 0; k < muon.layout().matrices().size(); ++k) {
+      for (int r = 0; r < 3; ++r) {
+        EXPECT_EQ(muon.layout().piece(k, r), std::make_pair(rows[r].first * 6, rows[r].second * 6));
+      }
+    }
+    // Rank 2 builds Muon with other Newton-Schulz steps: every rank fails, naming it.
+    std::vector<int> steps = {5, comm.rank() == 2 ? 3 : 5};
+    Muon other(std::shared_ptr<Comm>(&comm, [](Comm*) {}), shards, {}, steps);
+  });
+  expect_every_rank_refused(errors, "Muon's parameters");
+  expect_every_rank_refused(errors, "ns_steps 3");
+}
+
 TEST(Muon, ReplicatedTensorsAreRefused) {
   auto errors = run_local_ranks_collect(2, [](Comm& comm) {
     MuonLayout layout(&comm, {{"w", {4, 6}, 0, 24, 5}});  // both ranks claim everything
@@ -302,14 +333,8 @@ TEST(Muon, ReplicatedTensorsAreRefused) {
 TEST(Muon, NanGradientOnOneRankStopsEveryRankBeforeAnyChange) {
   auto errors = run_local_ranks_collect(2, [](Comm& comm) {
     const int64_t b = comm.rank() * 3;
-    ParamShard p;
-    p.name = "w";
-    p.shape = {6, 4};
-    p.full_rows = 6;
-    p.row_len = 4;
-    p.row_begin = b;
-    p.param = at::ones({3, 4});
-    p.grad = at::ones({3, 4});
+    ParamShard p(TensorShard::rows_of("w", {6, 4}, 1, b, b + 3, {{0, 3}, {3, 6}}), at::ones({3, 4}),
+                 at::ones({3, 4}));
     if (comm.rank() == 1) p.grad[1][2] = std::nan("");
     Muon muon(std::shared_ptr<Comm>(&comm, [](Comm*) {}), {p});
     try {
@@ -346,14 +371,8 @@ TEST_P(MuonGate, ARootFailureOnOneRanksMatrixStopsEveryRankAtOnceAndALaterStepWo
     const auto [b, e] = piece(comm.rank());
     std::vector<ParamShard> shards;
     for (const char* name : {"a", "b"}) {
-      ParamShard p;
-      p.name = name;
-      p.shape = {rows, cols};
-      p.full_rows = rows;
-      p.row_len = cols;
-      p.row_begin = b;
-      p.param = seeded_randn({rows, cols}, seed, name[0]).narrow(0, b, e - b).clone();
-      shards.push_back(p);
+      shards.emplace_back(TensorShard::rows_of(name, {rows, cols}, 1, b, e),
+                          seeded_randn({rows, cols}, seed, name[0]).narrow(0, b, e - b).clone());
     }
     MuonOptions o;
     o.check_finite = false;

@@ -9,9 +9,11 @@
 #include <map>
 #include <random>
 #include <sstream>
+#include <tuple>
 
 #include "core/ragged/plan_json.h"
 #include "core/ragged/planner.h"
+#include "core/ragged/tensor_shard.h"
 
 namespace rfsdp {
 namespace {
@@ -242,6 +244,70 @@ TEST(Planner, RandomUnitsValidateAndTile) {
   EXPECT_GE(several, 20);  // the random units do reach several buffers (about 90 in 3000)
 }
 
+// A tensor's shard descriptor from a plan: its own rows and every rank's are
+// the plan's ranges, every rank's rows tile the tensor in rank order, and the row
+// geometry is TensorSpec's.
+TEST(TensorShard, OfPlanHoldsEveryRanksRowsAndTheirsTileTheTensor) {
+  uint64_t seed;
+  auto rng = fresh_rng(&seed);
+  SCOPED_TRACE("seed " + std::to_string(seed));
+  for (int c = 0; c < 200; ++c) {
+    std::vector<TensorSpec> unit;
+    const int T = static_cast<int>(uniform(rng, 1, 12));
+    for (int i = 0; i < T; ++i) unit.push_back(random_tensor(rng, i, 4));
+    const int64_t m = uniform(rng, 1, 9);
+    const Plan p = plan_unit(unit, m, 16);
+    for (size_t i = 0; i < p.tensors.size(); ++i) {
+      const TensorSpec& t = p.tensors[i];
+      int64_t next = 0;
+      for (int64_t r = 0; r < m; ++r) {
+        const TensorShard s = TensorShard::of_plan(p, i, r);
+        const ShardRange want = p.shard(i, r);
+        ASSERT_EQ(s.name, t.name);
+        ASSERT_EQ(s.shape, t.shape);
+        ASSERT_EQ(s.full_rows, t.rows());
+        ASSERT_EQ(s.row_len, t.row_elems());
+        ASSERT_EQ(s.row_begin, want.row_begin) << "case " << c;
+        ASSERT_EQ(s.row_end, want.row_end) << "case " << c;
+        ASSERT_EQ(s.numel(), want.numel);
+        ASSERT_EQ(s.rank_rows.size(), static_cast<size_t>(m));
+        for (int64_t q = 0; q < m; ++q) {
+          ASSERT_EQ(s.rank_rows[q], std::make_pair(p.shard(i, q).row_begin, p.shard(i, q).row_end));
+        }
+        if (want.row_end > want.row_begin) {  // rank order, no gap, no overlap
+          ASSERT_EQ(want.row_begin, next) << "case " << c << " tensor " << t.name << " rank " << r;
+          next = want.row_end;
+        }
+      }
+      ASSERT_EQ(next, t.rows()) << "case " << c << " tensor " << t.name;
+    }
+  }
+}
+
+TEST(TensorShard, BadRowsOrRowDimsAreErrorsNamingTheTensor) {
+  const auto refused = [](auto make, const std::string& words) {
+    try {
+      make();
+      ADD_FAILURE() << "accepted: " << words;
+    } catch (const std::invalid_argument& e) {
+      EXPECT_NE(std::string(e.what()).find(words), std::string::npos) << e.what();
+    }
+  };
+  refused([] { TensorShard::rows_of("w", {4, 5}, 3, 0, 4); }, "tensor 'w': row_dims 3 is out of range");
+  refused([] { TensorShard::rows_of("w", {4, 5}, 1, 2, 5); }, "tensor 'w': rows [2, 5) do not lie");
+  refused([] { TensorShard::rows_of("w", {4, 5}, 1, 3, 2); }, "tensor 'w': rows [3, 2)");
+  refused([] { TensorShard::rows_of("e", {2, 3, 4}, 2, 0, 6, {{0, 6}, {6, 7}}); },
+          "tensor 'e': a rank's rows [6, 7)");
+  const TensorShard e = TensorShard::whole("e", {2, 3, 4}, 2);
+  EXPECT_EQ(e.full_rows, 6);
+  EXPECT_EQ(e.row_len, 4);
+  EXPECT_EQ(e.rows(), 6);
+  EXPECT_FALSE(e.knows_every_rank());
+  const TensorShard scalar = TensorShard::whole("s", {});
+  EXPECT_EQ(scalar.full_rows, 1);
+  EXPECT_EQ(scalar.numel(), 1);
+}
+
 // Two matrices with row lengths 7 and 9 on 8 ranks: one buffer needs S to be a
 // multiple of both granule spacings (lcm(28, 36) = 252 elements, fp32, 16-byte
 // alignment); two buffers fit both exactly (56 + 72 = the size bound 128).
@@ -349,6 +415,19 @@ TEST(Planner, BadInput) {
   bad = t;
   bad.row_dims = 5;
   expect_plan_error({bad}, 2, "'w': row_dims 5 is out of range");
+  for (const auto& [buffers, cost, words] :
+       {std::make_tuple(0, int64_t{0}, "planner: max_buffers must be >= 1, got 0"),
+        std::make_tuple(2, int64_t{-1}, "planner: collective_cost_bytes must be >= 0, got -1")}) {
+    PlannerOptions o;
+    o.max_buffers = buffers;
+    o.collective_cost_bytes = cost;
+    try {
+      plan_unit({t}, 2, 16, o);
+      ADD_FAILURE() << "accepted: " << words;
+    } catch (const std::invalid_argument& e) {
+      EXPECT_NE(std::string(e.what()).find(words), std::string::npos) << e.what();
+    }
+  }
 }
 
 }  // namespace

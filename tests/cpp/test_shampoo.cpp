@@ -10,7 +10,7 @@
 #include <mutex>
 #include <random>
 
-#include "core/comm/local_ranks.h"
+#include "tests/support/local_ranks.h"
 #include "core/ragged/planner.h"
 #include "optimizers/shampoo/shampoo.h"
 #include "tests/cpp/test_util.h"
@@ -160,14 +160,8 @@ std::vector<TensorSpec> unit_specs(int64_t max_dim) {
 ParamShard shard_of(const Plan& plan, size_t i, int rank, const at::Tensor& full) {
   const TensorSpec& t = plan.tensors[i];
   const ShardRange r = plan.shard(i, rank);
-  ParamShard p;
-  p.name = t.name;
-  p.param = full.reshape(-1).narrow(0, r.row_begin * t.row_elems(), r.numel).clone();
-  p.full_rows = t.rows();
-  p.row_len = t.row_elems();
-  p.row_begin = r.row_begin;
-  p.shape = t.shape;
-  return p;
+  return ParamShard(TensorShard::of_plan(plan, i, rank),
+                    full.reshape(-1).narrow(0, r.row_begin * t.row_elems(), r.numel).clone());
 }
 
 TEST(ShampooTiles, TheGranuleKeepsEveryTileOnOneRank) {
@@ -192,13 +186,7 @@ TEST(ShampooTiles, TheGranuleKeepsEveryTileOnOneRank) {
     }
   }
   // A shard that cuts a tile is refused by name.
-  ParamShard p;
-  p.name = "w";
-  p.shape = {20, 19};
-  p.full_rows = 20;
-  p.row_len = 19;
-  p.row_begin = 4;
-  p.param = at::zeros({16 * 19});
+  ParamShard p(TensorShard::rows_of("w", {20, 19}, 1, 4, 20), at::zeros({16 * 19}));
   try {
     shampoo_tiles(p, 0, kB);
     ADD_FAILURE() << "a cut tile was accepted";

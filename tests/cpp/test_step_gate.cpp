@@ -5,7 +5,7 @@
 #include <cmath>
 #include <mutex>
 
-#include "core/comm/local_ranks.h"
+#include "tests/support/local_ranks.h"
 #include "optimizers/common/step_gate.h"
 
 namespace rfsdp {

@@ -89,9 +89,11 @@ CASES = [
      ValueError, "factor_dtype"),
     # optimizers: parameters and gradients
     ("float64 parameter", lambda: rfsdp.optim.AdamW([p(3, dtype=torch.float64)]), ValueError,
-     "contiguous float32 tensors on the CPU or a CUDA device, got torch.float64"),
+     "AdamW: parameter 'param 0' must be a contiguous float32 tensor on the CPU or a CUDA "
+     "device; got Double tensor on cpu"),
     ("meta parameter", lambda: rfsdp.optim.Shampoo([p(3, device="meta")]), ValueError,
-     "on the CPU or a CUDA device, got torch.float32 on meta"),
+     "Shampoo: parameter 'param 0' must be a contiguous float32 tensor on the CPU or a CUDA "
+     "device; got Float tensor on meta"),
     ("replaced parameters", replaced, ValueError, "was replaced by fully_shard"),
     ("gradient of another shape",
      lambda: step_with_grad(rfsdp.optim.AdamW, torch.zeros(4, 4), reshape_to=(3, 4)),

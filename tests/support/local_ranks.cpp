@@ -1,4 +1,4 @@
-#include "core/comm/local_ranks.h"
+#include "tests/support/local_ranks.h"
 
 #include <ATen/Parallel.h>
 #include <torch/csrc/distributed/c10d/HashStore.hpp>
