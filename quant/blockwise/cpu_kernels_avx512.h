@@ -8,7 +8,9 @@
 
 #include <cstdint>
 
-#include "quant/blockwise/cpu_kernels.h"
+#include "quant/blockwise/adamw_update.h"
+#include "quant/blockwise/block_layout.h"
+#include "quant/blockwise/code_lut.h"
 
 namespace rfsdp::quant::cpu::avx512 {
 

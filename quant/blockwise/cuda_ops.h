@@ -7,7 +7,7 @@
 
 #include "quant/blockwise/adamw_update.h"
 #include "quant/blockwise/block_layout.h"
-#include "quant/blockwise/cpu_kernels.h"
+#include "quant/blockwise/code_lut.h"
 
 namespace rfsdp::quant::cuda_ops {
 

@@ -1,0 +1,63 @@
+// CodeLut: a 256-value code with its nearest-code lookup table, the one thing
+// every quantisation kernel (portable, AVX-512, CUDA) needs of a code.
+#pragma once
+
+#include <cstdint>
+#include <optional>
+#include <vector>
+
+#include "quant/blockwise/code_index.h"
+
+namespace rfsdp::quant::cpu {
+
+// A sorted 256-value code with a lookup table for nearest-code search: the
+// sign, the exponent (clamped to the 32 binades below 2) and the top 7 mantissa
+// bits of a float pick a candidate, one compare against the midpoint to the next
+// code decides. 8 KiB, so it stays in L1. Built once per code.
+class CodeLut {
+ public:
+  explicit CodeLut(const float* code256);
+  const float* code() const { return code_; }
+  const float* mid() const { return mid_; }
+  // The arithmetic index (code_index.h), proven exact for this code; null if none.
+  const CodeIndex* index() const { return index_ ? &*index_ : nullptr; }
+  // Byte planes for lookups in vector registers: plane k, entry i is byte k of
+  // code[i] (code_planes) or of the midpoint the index compares against for the
+  // candidate i (index_mid_planes: mid[index()->mid_slot(i)]).
+  const uint8_t* code_planes() const { return code_planes_; }
+  const uint8_t* index_mid_planes() const { return index_mid_planes_; }
+  const uint8_t* table() const { return table_.data(); }
+  // slot_mid()[slot] == mid()[table()[slot]]: the compare needs no dependent load.
+  const float* slot_mid() const { return slot_mid_.data(); }
+  // Index of the code value nearest to v (ties to the lower index).
+  inline uint8_t nearest(float v) const;
+  uint8_t nearest_by_search(float v) const;  // binary search; the reference for the table
+  bool table_exact() const { return exact_; }
+
+  // Table slot of v: sign, binade (exponents 97..127 -> 1..31; smaller -> 0), 7 mantissa bits.
+  static inline uint32_t key(float v) {
+    uint32_t bits;
+    __builtin_memcpy(&bits, &v, 4);
+    const int32_t e = static_cast<int32_t>((bits >> 23) & 0xFF) - 96;
+    const uint32_t binade = e < 0 ? 0u : (e > 31 ? 31u : static_cast<uint32_t>(e));
+    return ((bits >> 31) << 12) | (binade << 7) | ((bits >> 16) & 0x7F);
+  }
+
+ private:
+  float code_[256];
+  float mid_[256];  // mid_[i] = (code[i] + code[i+1]) / 2; mid_[255] = +inf
+  std::vector<uint8_t> table_;
+  std::vector<float> slot_mid_;
+  bool exact_ = true;
+  std::optional<CodeIndex> index_;
+  alignas(64) uint8_t code_planes_[4 * 256];
+  alignas(64) uint8_t index_mid_planes_[4 * 256];
+};
+
+inline uint8_t CodeLut::nearest(float v) const {
+  if (!exact_) return nearest_by_search(v);
+  const uint32_t k = key(v);
+  return static_cast<uint8_t>(table_[k] + (v > slot_mid_[k]));
+}
+
+}  // namespace rfsdp::quant::cpu
