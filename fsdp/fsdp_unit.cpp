@@ -187,9 +187,12 @@ void FSDPUnit::reshard() {
   if (streams_) streams_->release_after_reads(std::move(memory));
 }
 
-void FSDPUnit::prepare_grads() {
+void FSDPUnit::prepare_grads(bool keep) {
   if (grads_.in_flight()) {
     throw std::logic_error("FSDPUnit::prepare_grads: a reduce-scatter is in flight; wait on it");
+  }
+  if (keep && grads_.live()) {
+    return;
   }
   grads_.allocate();
   grads_.flat().zero_();

@@ -84,8 +84,12 @@ class FSDPUnit {
   int64_t gathered_bytes() const { return params_.bytes() + grads_.bytes(); }
 
   // Allocates and zeroes the global gradient buffer: backward accumulates into
-  // full_grad views (set them as the parameters' .grad).
-  void prepare_grads();
+  // full_grad views (set them as the parameters' .grad). keep: a buffer still
+  // holding gradients of backwards not reduced (gradient sync off, accumulation
+  // unsharded) is kept as it is, so this backward adds to them.
+  void prepare_grads(bool keep = false);
+  // The global gradient buffer holds gradients not yet reduced (or being reduced).
+  bool grads_unsharded() const { return grads_.live(); }
   // Reduce-scatters the global gradients into the local gradient slice (and
   // all-reduces them across replicas), adding to what it holds (gradient
   // accumulation), then releases the global buffer. Avg divides by every rank's

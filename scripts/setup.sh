@@ -57,9 +57,14 @@ cmake --build "$BUILD_DIR"
 
 # Editable install of this checkout (the environment may hold another checkout's).
 installed=$("$PY" -c "import importlib.util as u; s = u.find_spec('rfsdp'); print(s.origin if s else '')" 2>/dev/null || true)
-if [ "$installed" != "$ROOT/python/rfsdp/__init__.py" ]; then
+# The editable install maps the package's files as they were: a file added or
+# removed since needs it again.
+files=$(cd python && find rfsdp -name '*.py' | LC_ALL=C sort | sha256sum | cut -c1-16)
+FILES_STAMP=$VENV/.rfsdp-editable-files
+if [ "$installed" != "$ROOT/python/rfsdp/__init__.py" ] || [ "$(cat "$FILES_STAMP" 2>/dev/null)" != "$ROOT $files" ]; then
   echo "setup: pip install -e . (into $VENV, over $BUILD_DIR)"
   "$PY" -m pip install -q --disable-pip-version-check --no-build-isolation --no-deps -e . \
     --config-settings=build-dir="$BUILD_DIR" --config-settings=cmake.define.RFSDP_TESTS=ON --config-settings=cmake.define.RFSDP_BENCH=ON \
     --config-settings=cmake.define.RFSDP_PYTHON_EXE:FILEPATH="$PY"
+  echo "$ROOT $files" > "$FILES_STAMP"
 fi

@@ -9,9 +9,11 @@ import torch  # noqa: F401  (loads libtorch before the extension)
 from . import _C, checkpoint, optim, policy, quant
 
 __version__ = _C.__version__  # CMakeLists.txt's project() version, as the wheel's
-from .fsdp import (MixedPrecisionPolicy, ShardInfo, clip_grad_norm_, full_parameters, fully_shard,
-                   set_prefetch, shard_info)
+from .fsdp import (FSDPModule, MixedPrecisionPolicy, ShardedRows, ShardGrad, ShardInfo,
+                   clip_grad_norm_, full_parameters, fully_shard, get_state_dict_type,
+                   global_numel, set_prefetch, set_state_dict_type, shard_info)
 from .planning import PlannerOptions, plan
 
 __all__ = ["plan", "PlannerOptions", "quant", "policy", "optim", "checkpoint", "fully_shard", "shard_info", "ShardInfo",
-           "MixedPrecisionPolicy", "clip_grad_norm_", "full_parameters", "set_prefetch"]
+           "MixedPrecisionPolicy", "clip_grad_norm_", "full_parameters", "set_prefetch", "FSDPModule",
+           "ShardedRows", "ShardGrad", "global_numel", "set_state_dict_type", "get_state_dict_type"]

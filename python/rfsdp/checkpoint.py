@@ -51,12 +51,10 @@ import torch.distributed.checkpoint as dcp
 import torch.distributed.checkpoint.filesystem as dcp_filesystem
 import torch.distributed.checkpoint.metadata as dcp_metadata
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
-from torch.distributed.checkpoint.metadata import (ChunkStorageMetadata, MetadataIndex,
-                                                   StorageMeta, TensorProperties)
-from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, WriteItemType
+from torch.distributed.checkpoint.metadata import StorageMeta
 
-from . import _C
 from .fsdp import shard_info
+from .fsdp.state_dict import Pieces as _Pieces, rectangles
 
 FORMAT = 2          # 2: `extra` in torch's weights-only format (1: a plain pickle)
 READS = (1, 2)
@@ -249,34 +247,6 @@ def _decode_extra(data, path, fmt):
 
 # ---- the pieces a rank holds ------------------------------------------------------------
 
-def rectangles(global_shape, row_dims, row_begin, row_end):
-    """[(offsets, sizes, first local row, rows)]: rows [row_begin, row_end) of a
-    tensor seen as rows over its first row_dims dims, as rectangles of the global
-    tensor."""
-    shape = list(global_shape)
-    if row_end <= row_begin:
-        return []
-    if row_dims == 1 or len(shape) <= 1:
-        if len(shape) == 0:
-            return [((), (), 0, 1)]
-        return [((row_begin,) + (0,) * (len(shape) - 1), (row_end - row_begin, *shape[1:]), 0,
-                 row_end - row_begin)]
-    if row_dims != 2:
-        raise CheckpointError("checkpoint: rows over %d dims are not supported" % row_dims)
-    h, rest = shape[1], shape[2:]
-    out, r = [], row_begin
-    while r < row_end:
-        e, within = divmod(r, h)
-        if within or row_end - r < h:  # a partial expert
-            n = min(h - within, row_end - r)
-            out.append(((e, within) + (0,) * len(rest), (1, n, *rest), r - row_begin, n))
-        else:  # whole experts
-            n = (row_end - r) // h
-            out.append(((e, 0) + (0,) * len(rest), (n, h, *rest), r - row_begin, n * h))
-        r += out[-1][3]
-    return out
-
-
 class _Entry:
     """One tensor of the checkpoint: its key, global shape, dtype and this rank's
     pieces [(offsets, sizes, local tensor)]; replicated (a plain tensor) when
@@ -363,42 +333,6 @@ def _place_sequences(entries, pg):
         row, n = e.sequence
         e.pieces = [((at[(row, n)],), (n,), e.pieces[0][2])] if n else []
         e.shape = (total,)
-
-
-class _Pieces(torch.Tensor):
-    """This rank's pieces of one global tensor, as DCP sees them through its
-    _Checkpointable protocol (as DTensor does): one write item and one chunk per
-    piece, found again by its offsets. Every rank describes only its own pieces.
-    A tensor subclass without storage, of the global size: DCP passes tensors
-    through its planners and drops other objects."""
-
-    @staticmethod
-    def __new__(cls, shape, dtype, pieces):
-        self = torch.Tensor._make_wrapper_subclass(cls, torch.Size(shape), dtype=dtype,
-                                                    device="cpu")
-        self.pieces = {torch.Size(o): t.contiguous() for o, _, t in pieces if t.numel()}
-        return self
-
-    def __init__(self, shape, dtype, pieces):
-        super().__init__()
-
-    @classmethod
-    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
-        raise RuntimeError("rfsdp.checkpoint: %s on a checkpoint piece list" % func)
-
-    def __create_write_items__(self, fqn, obj):
-        return [WriteItem(index=MetadataIndex(fqn, o), type=WriteItemType.SHARD,
-                          tensor_data=TensorWriteData(
-                              chunk=ChunkStorageMetadata(offsets=o, sizes=t.size()),
-                              properties=TensorProperties.create_from_tensor(t),
-                              size=self.size()))
-                for o, t in self.pieces.items()]
-
-    def __create_chunk_list__(self):
-        return [ChunkStorageMetadata(offsets=o, sizes=t.size()) for o, t in self.pieces.items()]
-
-    def __get_tensor_shard__(self, index):
-        return self.pieces[torch.Size(index.offset)]
 
 
 def _nest(flat):

@@ -160,6 +160,38 @@ TEST_P(UnitWorld, ReduceGradsGivesEachRankItsSliceOfTheSum) {
   }
 }
 
+// Gradient sync off (rfsdp's set_requires_gradient_sync(False)): two backward
+// passes add into the kept global gradient buffer, one reduce-scatter of the
+// sum follows; the same slices as reducing each pass.
+TEST_P(UnitWorld, KeptGradientsReduceOnceToTheSum) {
+  const int world = GetParam();
+  const uint64_t seed = fresh_seed();
+  SCOPED_TRACE("seed " + std::to_string(seed));
+  const Plan plan = plan_unit(random_unit(seed), world, 16);
+  for (ReduceOp op : {ReduceOp::Sum, ReduceOp::Avg}) {
+    run_local_ranks(world, [&](Comm& c) {
+      auto comm = std::shared_ptr<Comm>(&c, [](Comm*) {});
+      FSDPUnit unit(comm, plan, MixedPrecision{});
+      unit.shard(full_values(plan, seed, 0));
+      ASSERT_FALSE(unit.grads_unsharded());
+      for (int pass = 0; pass < 2; ++pass) {
+        unit.prepare_grads(/*keep=*/true);  // zeroed on the first pass only
+        ASSERT_TRUE(unit.grads_unsharded());
+        const auto g = full_values(plan, seed, 1 + pass * 10 + c.rank());
+        for (size_t i = 0; i < g.size(); ++i) unit.full_grad(i).add_(g[i]);
+      }
+      unit.reduce_grads(op).wait();
+      ASSERT_FALSE(unit.grads_unsharded());
+      for (size_t i = 0; i < plan.tensors.size(); ++i) {
+        const at::Tensor ref = summed_reference(plan, seed, i, world, at::kFloat, op);
+        const at::Tensor want = rows_of(ref, plan.tensors[i], unit.shard_range(i));
+        ASSERT_TRUE(at::allclose(unit.local_grad(i).to(at::kDouble), want, 1e-5, 1e-5))
+            << "tensor " << i << " rank " << c.rank();
+      }
+    });
+  }
+}
+
 // A 2-layer MLP whose parameters live in one unit; SGD on the local shards.
 struct MlpShapes {
   static constexpr int64_t in = 7, hidden = 13, out = 5, batch = 12;

@@ -24,7 +24,7 @@ import torch.distributed.checkpoint as dcp
 
 import rfsdp
 import rfsdp.checkpoint as ckpt
-import rfsdp.fsdp as fsdp_mod
+import rfsdp.fsdp.unit as unit_mod
 import rfsdp.optim as optim_mod
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -79,8 +79,8 @@ def start_gather(self):
         event("gather")
 
 
-wrap(fsdp_mod._Unit, "prefetch", before=start_gather)
-wrap(fsdp_mod._Unit, "unshard", before=start_gather)
+wrap(unit_mod.Unit, "prefetch", before=start_gather)
+wrap(unit_mod.Unit, "unshard", before=start_gather)
 
 
 # step: after this rank's part of the step, before the agreed gate

@@ -1,0 +1,434 @@
+"""rfsdp.fully_shard and the module type it gives: FSDP2's API over RaggedFSDP units.
+
+Each fully_shard(module) call makes one unit of the parameters of `module` not
+claimed by an inner call, and turns the module into an FSDPModule (its class
+becomes a subclass of FSDPModule and of its own class, with the same name, as
+FSDP2 does), whose methods (unshard, reshard, set_requires_gradient_sync, ...)
+have FSDP2's names and meanings.
+
+On a GPU (parameters on a CUDA device): gathers run on a side stream, reduce-
+scatters on another, compute on the current stream, ordered by CUDA events
+(fsdp/device_streams.h); waiting on a collective orders the current stream
+after it and does not block the host. The default mixed precision there is
+bfloat16 parameters with float32 gradient reduction."""
+from typing import List, Optional
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from .. import _C
+from .. import policy as policy_mod
+from .._comm import make_comm
+from ..planning import PlannerOptions
+from . import state_dict as state_dict_mod
+from .schedule import Schedule
+from .unit import MixedPrecisionPolicy, TrainingState, Unit, shard_info
+
+
+class UnshardHandle:
+    """What FSDPModule.unshard(async_op=True) returns: wait() finishes the
+    all-gather and puts the full parameters into the module."""
+
+    def __init__(self, unit: Optional[Unit]):
+        self._unit = unit
+
+    def wait(self) -> None:
+        if self._unit is not None:
+            self._unit.use_full()
+            self._unit = None
+
+
+class FSDPModule:
+    """The methods every module fully_shard returns has (FSDP2's FSDPModule)."""
+
+    def _units_below(self, recurse: bool) -> List[Unit]:
+        mods = self.modules() if recurse else [self]
+        return [m._rfsdp_unit for m in mods if getattr(m, "_rfsdp_unit", None)]
+
+    def _own_unit(self) -> Optional[Unit]:
+        return self._rfsdp_unit or None
+
+    def unshard(self, async_op: bool = False) -> Optional[UnshardHandle]:
+        """All-gathers this module's own parameters (not its children's) and puts
+        them into the module; forward then uses them without gathering. With
+        async_op=True the gather runs in the background: wait() on the handle."""
+        unit = self._own_unit()
+        if unit is not None:
+            _check_idle(unit, "unshard")
+            unit.prefetch()
+        handle = UnshardHandle(unit)
+        if async_op:
+            return handle
+        handle.wait()
+        return None
+
+    def reshard(self) -> None:
+        """Frees this module's gathered parameters; the module holds its shards again."""
+        unit = self._own_unit()
+        if unit is not None:
+            _check_idle(unit, "reshard")
+            unit.reshard()
+
+    def set_requires_gradient_sync(self, requires_gradient_sync: bool, *,
+                                   recurse: bool = True) -> None:
+        """False: backward adds gradients into each unit's full gradient buffer and
+        reduce-scatters nothing (gradient accumulation without communication, at
+        the memory of the full gradients); the next backward with True adds its
+        gradients and reduce-scatters the sum once."""
+        for u in self._units_below(recurse):
+            u.requires_grad_sync = bool(requires_gradient_sync)
+
+    def set_reshard_after_forward(self, reshard_after_forward: bool, recurse: bool = True) -> None:
+        value = _reshard_after_forward(reshard_after_forward)
+        for u in self._units_below(recurse):
+            u.reshard_after_forward = value
+
+    def set_reshard_after_backward(self, reshard_after_backward: bool, *,
+                                   recurse: bool = True) -> None:
+        """False keeps the parameters gathered after a backward with gradient sync
+        off (the next micro-batch's forward gathers nothing). A synced backward
+        always reshards: the optimizer step that follows changes the shards."""
+        for u in self._units_below(recurse):
+            u.reshard_after_backward = bool(reshard_after_backward)
+
+    def set_modules_to_forward_prefetch(self, modules: List[nn.Module]) -> None:
+        """When this module's forward starts, start the all-gathers of these
+        (instead of the next unit in the recorded order)."""
+        self._own_unit_or_error("set_modules_to_forward_prefetch").forward_prefetch = \
+            _units_of(modules, "set_modules_to_forward_prefetch")
+
+    def set_modules_to_backward_prefetch(self, modules: List[nn.Module]) -> None:
+        """When this module's backward starts, start the all-gathers of these
+        (instead of the unit before it in the recorded order)."""
+        self._own_unit_or_error("set_modules_to_backward_prefetch").backward_prefetch = \
+            _units_of(modules, "set_modules_to_backward_prefetch")
+
+    def set_is_last_backward(self, is_last_backward: bool) -> None:
+        """Accepted for FSDP2 code; rfsdp finishes every reduce-scatter at the end
+        of each backward, so there is nothing to defer to the last one."""
+        self._rfsdp_last_backward = bool(is_last_backward)
+
+    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
+        """FSDP1's name: clips the gradients of this module's parameters by their
+        global norm (torch.nn.utils.clip_grad_norm_ over the shards); returns it."""
+        return torch.nn.utils.clip_grad_norm_(self.parameters(), max_norm, norm_type)
+
+    def _own_unit_or_error(self, what: str) -> Unit:
+        unit = self._own_unit()
+        if unit is None:
+            raise ValueError("%s: this %s's fully_shard call sharded no parameters of its own"
+                             % (what, type(self).__name__))
+        return unit
+
+    # FSDP2 methods rfsdp does not have: loud, saying what to do instead.
+    def set_requires_all_reduce(self, *args, **kwargs):
+        raise NotImplementedError(
+            "rfsdp: set_requires_all_reduce is not supported: under HSDP every synced backward "
+            "all-reduces across replicas; use set_requires_gradient_sync(False) to skip both")
+
+    def set_reduce_scatter_divide_factor(self, *args, **kwargs):
+        raise NotImplementedError(
+            "rfsdp: set_reduce_scatter_divide_factor is not supported: gradients are averaged "
+            "over every data-parallel rank; scale the loss instead")
+
+    def set_post_optim_event(self, *args, **kwargs):
+        raise NotImplementedError("rfsdp: set_post_optim_event is not supported: the next "
+                                  "forward's gather waits on the current stream")
+
+    def set_unshard_in_backward(self, *args, **kwargs):
+        raise NotImplementedError("rfsdp: set_unshard_in_backward is not supported: a unit "
+                                  "always gathers for its backward")
+
+    def set_custom_all_gather(self, *args, **kwargs):
+        raise NotImplementedError("rfsdp: custom all-gathers are not supported: gathers run in "
+                                  "place on the unit's flat buffer")
+
+    def set_custom_reduce_scatter(self, *args, **kwargs):
+        raise NotImplementedError("rfsdp: custom reduce-scatters are not supported: they run in "
+                                  "place on the unit's flat buffer")
+
+
+def _check_idle(unit, what):
+    if unit.state is not TrainingState.IDLE:
+        raise RuntimeError("%s: the module is in its %s; call it between forward/backward "
+                           "passes" % (what, unit.state.value))
+
+
+def _units_of(modules, what):
+    out = []
+    for m in modules:
+        u = getattr(m, "_rfsdp_unit", None)
+        if not u:
+            raise ValueError("%s: %s is not a module fully_shard sharded parameters of"
+                             % (what, type(m).__name__))
+        out.append(u)
+    return out
+
+
+def _reshard_after_forward(value):
+    if value is None:
+        return True
+    if not isinstance(value, bool):
+        raise ValueError("fully_shard: reshard_after_forward must be True or False, got %r (an "
+                         "int, FSDP2's reshard to a smaller world, is not supported)" % (value,))
+    return value
+
+
+_CLASSES = {}
+
+
+def _as_fsdp_module(module):
+    cls = type(module)
+    if isinstance(module, FSDPModule):
+        return
+    new = _CLASSES.get(cls)
+    if new is None:  # the same name, so code that prints or saves class names sees the user's
+        new = type(cls.__name__, (FSDPModule, cls), {"__qualname__": cls.__qualname__,
+                                                      "__module__": cls.__module__})
+        _CLASSES[cls] = new
+    module.__class__ = new
+
+
+def _collect(module):
+    """The parameters of module that no inner fully_shard call claimed, each with
+    every place it stands (a parameter tied to several modules is one entry), and
+    their devices. Storage shared in ways a shard cannot keep is refused."""
+    entries, index, devices, storages = [], {}, set(), []
+    for owner_name, owner in module.named_modules():
+        for attr, p in owner._parameters.items():
+            if p is None or shard_info(p) is not None:  # an inner call's shard
+                continue
+            fqn = (owner_name + "." if owner_name else "") + attr
+            claimed = getattr(p, "_rfsdp_replaced", None)
+            if claimed is not None:
+                raise ValueError(
+                    "fully_shard: '%s' is the parameter '%s', which an inner fully_shard call "
+                    "already sharded: a parameter shared by two units is not supported. Shard "
+                    "every module that uses it in one call (e.g. a tied embedding and head both in "
+                    "the root's call)" % (fqn, claimed))
+            if id(p) in index:  # tied: another use of a parameter met already
+                entries[index[id(p)]].append((owner, attr, fqn))
+                continue
+            if p.numel() > 0 and p.device.type != "meta":  # meta tensors have no memory
+                lo = p.data_ptr()
+                hi = lo + p.numel() * p.element_size()
+                for other_lo, other_hi, other in storages:
+                    if lo < other_hi and other_lo < hi:
+                        raise ValueError(
+                            "fully_shard: parameters '%s' and '%s' are different tensors over the "
+                            "same memory; sharding would separate them. Tie them as one "
+                            "parameter (b.weight = a.weight) or give each its own storage"
+                            % (other, fqn))
+                storages.append((lo, hi, fqn))
+            index[id(p)] = len(entries)
+            entries.append([(owner, attr, fqn)])
+            devices.add(p.device)
+    return entries, devices
+
+
+def _groups(mesh, process_group, replicate_group):
+    """(shard group, replicate group or None) from fully_shard's arguments."""
+    if mesh is not None:
+        if process_group is not None or replicate_group is not None:
+            raise ValueError("fully_shard: give either mesh or process_group/replicate_group, "
+                             "not both")
+        if mesh.ndim == 1:
+            return mesh.get_group(0), None
+        if mesh.ndim == 2:  # FSDP2's HSDP convention: dim 0 replicates, dim 1 shards
+            return mesh.get_group(1), mesh.get_group(0)
+        raise ValueError("fully_shard: mesh must be 1-D (shard) or 2-D (replicate, shard), "
+                         "got %d dimensions" % mesh.ndim)
+    pg = process_group if process_group is not None else dist.group.WORLD
+    if pg is None:
+        raise ValueError("fully_shard needs torch.distributed initialised "
+                         "(dist.init_process_group), a mesh or an explicit process_group")
+    if replicate_group is not None and dist.is_initialized():
+        world = dist.get_world_size()
+        if pg.size() * replicate_group.size() != world:
+            raise ValueError("fully_shard: a shard group of %d ranks and a replicate group of %d "
+                             "do not make the world of %d; HSDP needs shard x replicate = world "
+                             "(build both from a 2-D DeviceMesh)"
+                             % (pg.size(), replicate_group.size(), world))
+    return pg, replicate_group
+
+
+_CALLS = {}  # the ranks of a shard group -> fully_shard calls this process made over it
+
+
+def _describe(module, call, entries, pol, mp, reshard_after_forward, planner):
+    """What every rank of the group must hold alike for this fully_shard call: the
+    call's place in this process's sequence, every parameter's name, shape, dtype,
+    device type and granule, the settings, and the inner calls (by name, with their
+    place in the sequence: blocks sharded in another order differ there)."""
+    lines = ["call %d of fully_shard, on a %s" % (call, type(module).__name__)]
+    for uses in entries:
+        owner, attr, fqn = uses[0]
+        p = owner._parameters[attr]
+        try:
+            layout = "granule %s, row_dims %s" % (
+                pol.granule(fqn, p), pol.row_dims(fqn, p) if p.dim() > 0 else 1)
+        except Exception as e:  # noqa: BLE001 (an error is part of what must agree)
+            layout = "policy error: %s" % e
+        lines.append("parameter '%s': shape %s, %s on %s, requires_grad %s, %s, %d uses"
+                     % (fqn, list(p.shape), p.dtype, p.device.type, p.requires_grad, layout,
+                        len(uses)))
+    lines.append("mixed precision %s, reshard_after_forward %s, planner %s"
+                 % (mp, reshard_after_forward, planner))
+    for name, m in module.named_modules():
+        if m is not module and getattr(m, "_rfsdp_call", None) is not None \
+                and getattr(m, "_rfsdp_unit", None) is not None:
+            lines.append("inner fully_shard of '%s': call %d" % (name, m._rfsdp_call))
+    return lines
+
+
+def _agree(module, comms, lines):
+    """One small collective per group: every rank's lines must be equal; if not,
+    every rank raises a ValueError naming the first difference and the ranks."""
+    for comm in comms:
+        if comm is not None and comm.size() > 1:
+            _C.agree_lines(comm, lines, "fully_shard(%s)" % type(module).__name__)
+
+
+def fully_shard(module: nn.Module, *, mesh=None, process_group=None, replicate_group=None,
+                policy=None, mp_policy: Optional[MixedPrecisionPolicy] = None,
+                reshard_after_forward: Optional[bool] = True,
+                planner: Optional[PlannerOptions] = None, shard_placement_fn=None,
+                offload_policy=None, ignored_params=None) -> nn.Module:
+    """Shards the parameters of `module` that no inner fully_shard call claimed
+    (apply bottom-up, like FSDP2's fully_shard). Returns the module, now an FSDPModule.
+
+    Groups: process_group (default: torch.distributed's default group) shards
+    every unit. HSDP: replicate_group holds the ranks with equal shards (one per
+    shard group), or mesh, a DeviceMesh as FSDP2 takes it: 1-D shards over its
+    ranks, 2-D (replicate, shard) shards along dim 1 and replicates along dim 0.
+    Gradients reduce-scatter inside the shard group and all-reduce across the
+    replicas (the mean over every rank); optimizers and clipping work inside the
+    shard group. policy: rfsdp.policy (the row granules each optimizer needs; it
+    is what FSDP2's shard_placement_fn would say). planner: rfsdp.PlannerOptions
+    (how many flat buffers, each with its own collective, a unit may take)."""
+    if shard_placement_fn is not None:
+        raise ValueError("fully_shard: shard_placement_fn is not supported: the planner places "
+                         "rows; say what must stay whole with policy=rfsdp.policy...")
+    if offload_policy is not None and type(offload_policy).__name__ != "OffloadPolicy":
+        raise ValueError("fully_shard: CPU offload (offload_policy) is not supported")
+    if ignored_params:
+        raise ValueError("fully_shard: ignored_params is not supported: keep such parameters in "
+                         "a module outside the sharded one")
+    if getattr(module, "_rfsdp_unit", None) is not None:
+        raise ValueError("fully_shard was already applied to this %s" % type(module).__name__)
+    reshard_after_forward = _reshard_after_forward(reshard_after_forward)
+    pg, rg = _groups(mesh, process_group, replicate_group)
+    pol = policy if policy is not None else policy_mod.adamw()
+    entries, devices = _collect(module)
+    planner = planner if planner is not None else PlannerOptions()
+    if not isinstance(planner, PlannerOptions):
+        raise ValueError("fully_shard: planner must be an rfsdp.PlannerOptions, got %r" % (planner,))
+    # Before anything else that could differ between ranks (and before any other
+    # collective): ranks that shard different modules would meet in collectives of
+    # different sizes, which abort the processes inside Gloo.
+    key = tuple(dist.get_process_group_ranks(pg)) if dist.is_initialized() else ()
+    call = _CALLS.get(key, 0)
+    _CALLS[key] = call + 1
+    module._rfsdp_call = call
+    comm = make_comm(pg)  # kept by the unit: rfsdp closes it at exit (see _comm)
+    replicate_comm = make_comm(rg) if rg is not None and rg.size() > 1 else None
+    _agree(module, (comm, replicate_comm),
+           _describe(module, call, entries, pol, mp_policy, reshard_after_forward, planner))
+    if len(devices) > 1:
+        raise ValueError("fully_shard: the parameters of this module live on different devices (%s); "
+                         "move the module to one device first" % sorted(str(d) for d in devices))
+    device = next(iter(devices)) if devices else torch.device("cpu")
+    if device.type not in ("cpu", "cuda"):
+        raise ValueError("fully_shard: parameters on %s are not supported; move the module to the "
+                         "CPU or a CUDA device" % device)
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
+    for uses in entries:
+        p = uses[0][0]._parameters[uses[0][1]]
+        if p.dtype != torch.float32:
+            # Shards are float32 master weights; converting here would change the model silently.
+            raise ValueError("fully_shard: parameter '%s' is %s; shards hold float32 master "
+                             "weights: convert the module with .float() first (compute in bf16 "
+                             "or fp16 with mp_policy=MixedPrecisionPolicy(param_dtype=...))"
+                             % (uses[0][2], p.dtype))
+    mp = mp_policy
+    if mp is None:  # GPUs compute in bfloat16 and reduce in float32 by default
+        mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16) if device.type == "cuda" \
+            else MixedPrecisionPolicy()
+    unit = Unit(entries, comm, replicate_comm, pg, rg, pol, mp, reshard_after_forward, planner,
+                device) if entries else None
+    module._rfsdp_unit = unit if unit is not None else False
+    # This call's schedule takes over the units of the calls below it (their
+    # schedules are emptied). Its pre-hook runs before the unit's, its post-hook after.
+    inner = units(module)
+    schedule = None
+    if len(inner) > 1:
+        for u in inner:
+            if u.schedule is not None:
+                u.schedule.units = []
+        schedule = Schedule(inner)
+        module.register_forward_pre_hook(schedule.root_pre_forward)
+    if unit is not None:
+        module.register_forward_pre_hook(unit.pre_forward, with_kwargs=True)
+        module.register_forward_hook(unit.post_forward)
+    if schedule is not None:
+        module.register_forward_hook(schedule.root_post_forward)
+    state_dict_mod.install(module)
+    _as_fsdp_module(module)
+    return module
+
+
+def units(model: nn.Module) -> List[Unit]:
+    return [m._rfsdp_unit for m in model.modules() if getattr(m, "_rfsdp_unit", None)]
+
+
+def set_prefetch(model: nn.Module, enabled: bool) -> None:
+    """Turns the all-gather prefetch of model's units on (the default) or off
+    (each unit then gathers when it starts: no overlap; for measurements)."""
+    us = units(model)
+    if not us:
+        raise ValueError("set_prefetch: the model has no fully_shard units")
+    for u in us:
+        if u.schedule is not None:
+            u.schedule.prefetching = bool(enabled)
+
+
+def clip_grad_norm_(model: nn.Module, max_norm: float, error_if_nonfinite: bool = True) -> torch.Tensor:
+    """Clips the sharded gradients of all of model's units by their global L2
+    norm (one all-reduce, in C++); returns the norm. torch.nn.utils.clip_grad_norm_
+    over model.parameters() gives the same (see grad_norm)."""
+    us = units(model)
+    if not us:
+        raise ValueError("clip_grad_norm_: the model has no fully_shard units")
+    return _C.clip_grad_norm([u.unit for u in us], float(max_norm), bool(error_if_nonfinite))
+
+
+def global_numel(model: nn.Module) -> int:
+    """The number of elements of model's parameters as one process holds them
+    (each tied parameter once); p.numel() of a shard counts only this rank's rows."""
+    total = 0
+    for p in model.parameters():
+        info = shard_info(p)
+        total += info.global_numel if info is not None else p.numel()
+    return total
+
+
+def full_parameters(model: nn.Module, process_group=None) -> dict:
+    """{name: full tensor} of a fully sharded model's parameters, on every rank
+    (each rank of a parameter's shard group contributes its rows; one all-reduce
+    per parameter). For checks and small-model checkpoints: it holds the whole
+    model on every rank."""
+    out = {}
+    for name, p in model.named_parameters():
+        info = shard_info(p)
+        if info is None:
+            out[name] = p.detach().clone()
+            continue
+        pg = process_group or info.process_group or dist.group.WORLD
+        rows = torch.zeros(info.full_rows, info.row_len, dtype=p.dtype, device=p.device)
+        rows[info.row_begin:info.row_end] = p.detach().reshape(-1, info.row_len)
+        if pg.size() > 1:
+            dist.all_reduce(rows, group=pg)
+        out[name] = rows.reshape(info.global_shape)
+    return out

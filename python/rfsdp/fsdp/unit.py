@@ -1,0 +1,362 @@
+"""One fully_shard call's parameters: the unit (FSDP2's parameter group).
+
+The module's parameters become this rank's shards (rows [row_begin, row_end) of
+each tensor, views of the unit's local fp32 slice; rfsdp.shard_info(p)
+describes them). Forward gathers the full parameters (and reshards after, if
+asked); backward gathers again before the module's backward, then reduce-scatters
+the unit's gradients into the local gradient slice as soon as its last gradient
+lands (a post-accumulate-grad hook on every full parameter counts them). The
+reduce runs while backward moves on; it is finished, and its gathered gradient
+buffer freed, before the next unit allocates its own, so at most one unit's
+gradient buffer is live. The local slice is each shard's .grad (a ShardGrad:
+norms of it are global), summed across micro-batches until the optimizer zeroes it.
+
+With gradient sync off (set_requires_gradient_sync(False)) a backward adds into
+the unit's full gradient buffer and reduces nothing; the next synced backward
+adds to it and reduce-scatters the sum once."""
+import enum
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from .. import _C
+from .. import policy as policy_mod
+from . import trees
+from .grad_norm import ShardGrad
+
+
+class ShardInfo:
+    """Where a sharded parameter's rows come from, and the groups it lives in: a
+    view of its shard descriptor (`shard`, a _C.TensorShard: the full shape, its
+    row geometry, this rank's rows and, from fully_shard's plan, every rank's),
+    which the optimizers, clipping and the checkpoint read as it is.
+    process_group shards it (the ranks whose rows together make the tensor);
+    replicate_group (HSDP; None for plain FSDP) holds the ranks with equal rows.
+    global_shape / global_numel are the parameter's; the shard's own shape and
+    numel() are this rank's rows."""
+
+    __slots__ = ("shard", "process_group", "replicate_group")
+
+    def __init__(self, name, global_shape, row_dims, row_begin, row_end, process_group=None,
+                 replicate_group=None, rank_rows=()):
+        self.shard = _C.TensorShard(name, list(global_shape), row_dims, row_begin, row_end,
+                                    list(rank_rows))
+        self.process_group = process_group
+        self.replicate_group = replicate_group
+
+    @classmethod
+    def of(cls, shard, process_group=None, replicate_group=None):
+        info = cls.__new__(cls)
+        info.shard, info.process_group, info.replicate_group = shard, process_group, replicate_group
+        return info
+
+    name = property(lambda self: self.shard.name)
+    global_shape = property(lambda self: self.shard.shape)
+    row_dims = property(lambda self: self.shard.row_dims)
+    row_begin = property(lambda self: self.shard.row_begin)
+    row_end = property(lambda self: self.shard.row_end)
+    row_len = property(lambda self: self.shard.row_len)
+    full_rows = property(lambda self: self.shard.full_rows)
+    rank_rows = property(lambda self: self.shard.rank_rows)  # [] where unknown
+    global_numel = property(lambda self: self.shard.full_rows * self.shard.row_len)
+
+    def _key(self):
+        return (self.name, self.global_shape, self.row_dims, self.row_begin, self.row_end)
+
+    def __eq__(self, other):
+        return isinstance(other, ShardInfo) and self._key() == other._key()
+
+    def __hash__(self):
+        return hash(self._key())
+
+    def __repr__(self):
+        return "ShardInfo(name=%r, global_shape=%r, row_dims=%d, row_begin=%d, row_end=%d)" % \
+            self._key()
+
+    def __reduce__(self):  # groups live in one process: a pickled ShardInfo drops them
+        return (ShardInfo.of, (self.shard,))
+
+
+@dataclass
+class MixedPrecisionPolicy:
+    """param_dtype: dtype of the gathered parameters forward and backward run in
+    (float32, bfloat16, float16); reduce_dtype: dtype gradients are reduce-scattered
+    in; cast_forward_inputs: cast a unit's floating-point tensor inputs (positional
+    and keyword, anywhere in a pytree) to param_dtype (as FSDP2 does), so a float32
+    batch meets bfloat16 weights."""
+    param_dtype: torch.dtype = torch.float32
+    reduce_dtype: torch.dtype = torch.float32
+    cast_forward_inputs: bool = True
+
+    DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+    def __post_init__(self):
+        for name in ("param_dtype", "reduce_dtype"):
+            if getattr(self, name) not in self.DTYPES:
+                raise ValueError("MixedPrecisionPolicy: %s must be torch.float32, torch.bfloat16 "
+                                 "or torch.float16, got %r" % (name, getattr(self, name)))
+
+
+class TrainingState(enum.Enum):
+    """Where a unit is in a step (FSDP2's TrainingState is the model)."""
+    IDLE = "idle"              # between steps, or done with this pass
+    FORWARD = "forward"        # between its pre-forward and post-forward
+    BACKWARD = "backward"      # from its first gradient to the end of backward
+
+
+class DataState(enum.Enum):
+    """What a unit's buffers hold now."""
+    SHARDED = "sharded"        # the local slices only
+    GATHERING = "gathering"    # a prefetch all-gather is in flight
+    GATHERED = "gathered"      # the full parameters are live
+    REDUCING = "reducing"      # a gradient reduce-scatter is in flight
+
+
+def shard_info(param: torch.Tensor) -> Optional[ShardInfo]:
+    """The ShardInfo of a parameter managed by fully_shard, else None."""
+    return getattr(param, "_rfsdp_shard", None)
+
+
+class Unit:
+    def __init__(self, entries, comm, replicate_comm, pg, rg, pol, mp, reshard_after_forward,
+                 planner, device):
+        # entries[i]: every place parameter i stands, [(owner module, attr name, fqn)];
+        # a tied parameter stands in several and is sharded once, under the first name.
+        self.entries = entries
+        self.reshard_after_forward = reshard_after_forward
+        self.reshard_after_backward = True
+        self.requires_grad_sync = True
+        self.forward_prefetch = None   # units to prefetch at this forward (None: the schedule's)
+        self.backward_prefetch = None  # units to prefetch at this backward (None: the schedule's)
+        self.process_group = pg
+        params = [uses[0][0]._parameters[uses[0][1]] for uses in entries]
+        dtype_bytes = torch.empty((), dtype=mp.param_dtype).element_size()
+        specs = []
+        for uses, p in zip(entries, params):
+            fqn = uses[0][2]
+            g = pol.granule(fqn, p)
+            specs.append((fqn, list(p.shape), 0 if g == policy_mod.WHOLE else g,
+                          pol.row_dims(fqn, p) if p.dim() > 0 else 1, dtype_bytes))
+        self.plan = _C.plan_specs(specs, pg.size(), 16, planner.max_buffers,
+                                  planner.collective_cost_bytes)
+        self.comm = comm  # kept: rfsdp closes it at exit (see _comm)
+        self.replicate_comm = replicate_comm
+        # agree=False: fully_shard agreed on all of this (and more) already.
+        self.unit = _C.FSDPUnit(self.comm, self.plan, str(mp.param_dtype).replace("torch.", ""),
+                                str(mp.reduce_dtype).replace("torch.", ""), self.replicate_comm,
+                                str(device), False)
+        # Every rank starts from the values of the shard group's rank 0: one all-reduce
+        # of its values and zeros elsewhere (exact; one collective for the whole unit);
+        # under HSDP, replica 0's then go to the other replicas (one broadcast).
+        flat = torch.cat([p.detach().to(torch.float32).reshape(-1) for p in params])
+        if pg.size() > 1:
+            if pg.rank() != 0:
+                flat.zero_()
+            dist.all_reduce(flat, group=pg)
+        if self.replicate_comm is not None:
+            dist.broadcast(flat, src=dist.get_global_rank(rg, 0), group=rg)
+        full = [t.view(p.shape) for t, p in zip(flat.split([p.numel() for p in params]), params)]
+        self.unit.shard(full)
+        self.sharded, self.full, self.grads = [], [], []
+        for i, (uses, p) in enumerate(zip(entries, params)):
+            sp = nn.Parameter(self.unit.local_param(i), requires_grad=p.requires_grad)
+            sp._rfsdp_shard = ShardInfo.of(self.unit.tensor_shard(i), pg,
+                                           rg if self.replicate_comm is not None else None)
+            p._rfsdp_replaced = uses[0][2]  # an optimizer built on the old parameter is an error
+            self.sharded.append(sp)
+            self.grads.append(ShardGrad.of(self.unit.local_grad(i), pg))
+            fp = nn.Parameter(self.unit.full_param(i).data, requires_grad=p.requires_grad)
+            if fp.requires_grad:
+                fp.register_post_accumulate_grad_hook(self._grad_landed)
+            self.full.append(fp)
+        self._use(self.sharded)
+        self.state = TrainingState.IDLE
+        self.cast_to = mp.param_dtype if mp.cast_forward_inputs and mp.param_dtype != torch.float32 else None
+        # Units missing a gradient this backward reduce at the end of backward.
+        self.grads_expected = sum(fp.requires_grad for fp in self.full)
+        self.grads_waiting = 0
+        self.grads_done = False  # this backward's gradients are all in (reducing, or kept)
+        self.grads_kept = False  # the full gradient buffer holds unreduced gradients (sync off)
+        self.reduce_handle = None
+        self.pending = None     # handle of a prefetch all-gather not yet waited on
+        self.schedule = None    # the Schedule of the outermost fully_shard call above
+        self.recomputing = False  # this forward runs inside backward (checkpointing)
+
+    def data_state(self):
+        if self.reduce_handle is not None and not self.reduce_handle.waited():
+            return DataState.REDUCING
+        if self.pending is not None:
+            return DataState.GATHERING
+        return DataState.GATHERED if self.unit.unsharded() else DataState.SHARDED
+
+    def fqns(self):
+        return [uses[0][2] for uses in self.entries]
+
+    # -- parameters ------------------------------------------------------------
+    def _use(self, tensors):
+        for uses, t in zip(self.entries, tensors):
+            for owner, attr, _ in uses:
+                owner._parameters[attr] = t
+
+    def unshard(self):
+        if self.pending is not None:
+            self.pending.wait()
+            self.pending = None
+        elif not self.unit.unsharded():
+            self.unit.unshard().wait()
+
+    def prefetch(self):
+        if self.pending is None and not self.unit.unsharded():
+            self.pending = self.unit.unshard()
+
+    def use_full(self):
+        self.unshard()
+        self._use(self.full)
+
+    def reshard(self):
+        if self.pending is not None:
+            self.pending.wait()
+            self.pending = None
+        self._use(self.sharded)
+        self.unit.reshard()
+
+    def settle(self):
+        """A prefetch this pass did not use: finish it and free the buffer."""
+        if self.pending is not None and self.state is TrainingState.IDLE:
+            self.pending.wait()
+            self.pending = None
+            self.unit.reshard()
+
+    # -- forward ---------------------------------------------------------------
+    def in_backward(self):
+        return self.state is TrainingState.BACKWARD or \
+            (self.schedule is not None and self.schedule.in_backward)
+
+    # The hooks run eagerly around a compiled module (torch.compile traces the
+    # module's forward, not the collectives and bookkeeping here).
+    @torch.compiler.disable
+    def pre_forward(self, module, args, kwargs):
+        # Inside backward, a forward is activation checkpointing's recomputation
+        # (reentrant or not): gather again if needed, but record no order, prefetch
+        # nothing, and keep the parameters gathered for the backward that follows.
+        self.recomputing = self.in_backward()
+        if not self.recomputing:
+            self.state = TrainingState.FORWARD
+            if self.schedule is not None:
+                self.schedule.forward_started(self)
+            elif self.forward_prefetch:
+                for u in self.forward_prefetch:
+                    u.prefetch()
+        self.use_full()
+        if self.cast_to is not None:
+            return trees.cast_floating(args, self.cast_to), trees.cast_floating(kwargs, self.cast_to)
+        return None
+
+    @torch.compiler.disable
+    def post_forward(self, module, args, output):
+        self._use(self.sharded)
+        if not self.recomputing:
+            self.state = TrainingState.IDLE
+            if self.reshard_after_forward:
+                self.unit.reshard()
+        if torch.is_grad_enabled() and self.state is not TrainingState.BACKWARD:
+            for t in trees.tensors(output):
+                if t.requires_grad:
+                    t.register_hook(self._pre_backward_hook)
+        return output
+
+    # -- backward --------------------------------------------------------------
+    def _pre_backward_hook(self, grad):
+        if self.state is not TrainingState.BACKWARD:
+            self.state = TrainingState.BACKWARD
+            if self.schedule is not None:
+                self.schedule.backward_started(self)
+            elif self.backward_prefetch:
+                for u in self.backward_prefetch:
+                    u.prefetch()
+            self.unshard()
+            if self.schedule is not None and self.schedule.reducing is not None:
+                self.schedule.reducing._finish_reduce()  # its gradient buffer goes first
+            self.unit.prepare_grads(keep=self.grads_kept)
+            for i, fp in enumerate(self.full):
+                g = self.unit.full_grad(i)
+                # Backward adds into the gradient view in place; with another reduce
+                # dtype it lands in a fresh .grad that _gather_grads adds over.
+                fp.grad = g.data if fp.dtype == g.dtype else None
+            self.grads_waiting = self.grads_expected
+            self.grads_done = False
+            torch.autograd.Variable._execution_engine.queue_callback(self._post_backward)
+        return None
+
+    def _grad_landed(self, param):
+        if self.state is TrainingState.BACKWARD and not self.grads_done:
+            self.grads_waiting -= 1
+            if self.grads_waiting == 0:
+                self._grads_done()
+
+    def _gather_grads(self):
+        """Every full gradient into the full gradient buffer (in the reduce dtype)."""
+        for i, fp in enumerate(self.full):
+            g_full = self.unit.full_grad(i)
+            if fp.grad is not None and fp.grad.data_ptr() != g_full.data_ptr():
+                g_full.add_(fp.grad)  # mixed precision: gradient dtype != reduce dtype
+            fp.grad = None
+
+    def _grads_done(self):
+        self.grads_done = True
+        if self.requires_grad_sync:
+            self._start_reduce()
+        else:
+            self._gather_grads()
+            self.grads_kept = True
+            if self.reshard_after_backward:
+                self.unit.reshard()
+
+    def _start_reduce(self):
+        self._gather_grads()
+        self.grads_kept = False
+        # The optimizer's zero_grad set .grad to None: tell the unit (it owns "zeroed"),
+        # so the reduce-scatter writes straight into the local gradient slice instead
+        # of adding a scratch copy. Shards zeroed one by one are zeroed in place.
+        trained = [sp for sp in self.sharded if sp.requires_grad]
+        if trained and all(sp.grad is None for sp in trained):
+            self.unit.zero_grad()
+        else:
+            for i, sp in enumerate(self.sharded):
+                if sp.requires_grad and sp.grad is None:
+                    self.unit.local_grad(i).zero_()
+        self.reduce_handle = self.unit.reduce_grads(True)
+        # Always resharded after a synced backward: the optimizer step that follows
+        # changes the shards, and gathered parameters kept would be stale.
+        self.unit.reshard()
+        if self.schedule is not None:  # one reduce in flight: finish the one before
+            if self.schedule.reducing is not None:
+                self.schedule.reducing._finish_reduce()
+            self.schedule.reducing = self
+
+    def _finish_reduce(self):
+        if self.reduce_handle is not None and not self.reduce_handle.waited():
+            self.reduce_handle.wait()  # frees the gathered gradient buffer
+            for i, sp in enumerate(self.sharded):
+                if sp.requires_grad:
+                    sp.grad = self.grads[i]
+        if self.schedule is not None and self.schedule.reducing is self:
+            self.schedule.reducing = None
+
+    def _post_backward(self):
+        """End of backward: finish this unit's reduce-scatter (.grad = the local
+        slice), or, with gradient sync off, keep the gradients unsharded."""
+        # A checkpoint's recomputation may stop inside this unit's forward (non-reentrant
+        # checkpoints stop once they have what backward needs): put the shards back.
+        self._use(self.sharded)
+        if not self.grads_done:
+            self._grads_done()
+        if self.requires_grad_sync:
+            self._finish_reduce()
+            self.reduce_handle = None
+        elif self.reshard_after_backward:
+            self.reshard()
+        self.state = TrainingState.IDLE
