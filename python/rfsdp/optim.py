@@ -9,7 +9,7 @@ import torch.distributed as dist
 
 from . import _C
 from ._comm import make_comm
-from .fsdp import shard_info
+from .fsdp.dtensor import info_of, is_dtensor, local
 
 
 def _check_params(optimizer_name, params):
@@ -24,26 +24,40 @@ def _check_params(optimizer_name, params):
 
 def _shard_spec(i, p):
     """What the C++ optimizers take for a parameter: (its shard descriptor, this
-    rank's tensor); a plain tensor is its own whole shard."""
-    info = shard_info(p)
+    rank's tensor): fully_shard's shard, an FSDP2 DTensor's local rows (see
+    fsdp/dtensor.py), or a plain tensor as its own whole shard."""
+    info = info_of("param %d" % i, p)
     if info is None:
         return (_C.TensorShard.whole("param %d" % i, list(p.shape)), p.data)
-    return (info.shard, p.data)
+    return (info.shard, local(p.data))
+
+
+def _for_fsdp2(e, params):
+    """A C++ layout error about a parameter FSDP2 sharded says what fits FSDP2: its
+    advice (plan with an rfsdp policy) is for fully_shard's parameters."""
+    msg = str(e)
+    if "plan the unit" not in msg or not any(is_dtensor(p) for p in params):
+        return e
+    return ValueError(
+        msg + ". For parameters sharded by torch's FSDP2 (torch.chunk rows): blocks and tiles "
+        "that a chunk boundary cuts are not supported yet; shard the model with "
+        "rfsdp.fully_shard and that policy, or choose a block / max_preconditioner_dim that "
+        "FSDP2's row counts keep whole")
 
 
 def _default_comm(process_group, timeout_seconds, param_groups):
     """The Comm an optimizer's cross-rank checks (and Muon's gathers) run over:
-    the given group, else the shard group of the parameters fully_shard made (one
+    the given group, else the shard group of the parameters fully_shard (or FSDP2) made (one
     for all: under HSDP every replica steps alike, with nothing across replicas),
     else torch.distributed's default group, else none (one process)."""
     if process_group is None:
         shard_groups = {}
-        for g in param_groups:
-            for p in g["params"]:
-                info = shard_info(p)
-                if info is not None and info.process_group is not None:
-                    key = tuple(dist.get_process_group_ranks(info.process_group))
-                    shard_groups.setdefault(key, (info.process_group, info.name))
+        params = [p for g in param_groups for p in g["params"]]
+        for i, p in enumerate(params):
+            info = info_of("param %d" % i, p)
+            if info is not None and info.process_group is not None:
+                key = tuple(dist.get_process_group_ranks(info.process_group))
+                shard_groups.setdefault(key, (info.process_group, info.name))
         if len(shard_groups) > 1:
             (_, a), (_, b) = list(shard_groups.values())[:2]
             raise ValueError("optimizer: parameters '%s' and '%s' are sharded over different "
@@ -125,7 +139,11 @@ class _OverCpp(torch.optim.Optimizer):
         self._bound_params = params
         self._where = {}
         self._part_list = []
-        for impl, idx, options in self._parts(params):
+        try:
+            parts = self._parts(params)
+        except ValueError as e:
+            raise _for_fsdp2(e, params) from None
+        for impl, idx, options in parts:
             groups = [group_index[id(params[i])] for i in idx]
             impl.set_groups(groups)
             part = _Part(impl, idx, options, groups)
@@ -208,7 +226,7 @@ class _OverCpp(torch.optim.Optimizer):
             for i in idx:
                 if params[i].grad is None:
                     params[i].grad = torch.zeros_like(params[i])
-        return [params[i].grad for i in idx]
+        return [local(params[i].grad) for i in idx]
 
     def _step_all(self):
         """One step of every part: options where they changed, each part's
@@ -312,7 +330,7 @@ class AdamW8bit(AdamW):
         the saved blocks, or fp32), this rank's rows, quantised with this
         optimizer's blocks (or kept fp32 where this one keeps them so): within
         one code of the saved values. For load_sharded_state."""
-        info = shard_info(p)  # the rows the optimizer sees (row_dims included) decide the blocks
+        info = info_of("param", p)  # the rows the optimizer sees (row_dims included) decide the blocks
         rows, row_len = (info.full_rows, info.row_len) if info else _C.row_geometry(list(p.shape), 1)
         begin, end = (info.row_begin, info.row_end) if info else (0, rows)
         old_block = saved_settings["block"]
