@@ -3,7 +3,8 @@ rfsdp, 2 ranks (processes, Gloo), against the same model in one process on the
 whole batch: Qwen3-MoE (fused 3-D experts) sharded per decoder layer with
 gradient checkpointing (reentrant and not); Llama with tied embeddings trained,
 saved with save_pretrained from a full state dict, loaded with from_pretrained
-into an unsharded model and into rfsdp at another world size (1 rank)."""
+into an unsharded model and into rfsdp at another world size (1 rank);
+generate() on the sharded model gives the unsharded model's tokens."""
 import os
 import tempfile
 
@@ -86,6 +87,9 @@ def worker(rank, seed, init_file, out_file, d):
     m.eval()
     with torch.no_grad():
         out["llama_logits"] = m(input_ids=ids[0]).logits
+        prompt = ids[0, :, :4]
+        out["generated"] = m.generate(prompt, max_new_tokens=6, do_sample=False,
+                                      pad_token_id=0)
     rfsdp.set_state_dict_type(m, "full", rank0_only=True, cpu_offload=True)
     m.save_pretrained(os.path.join(d, "hf"), is_main_process=rank == 0)
     dist.barrier()
@@ -94,6 +98,8 @@ def worker(rank, seed, init_file, out_file, d):
         plain.eval()
         with torch.no_grad():
             out["plain_logits"] = plain(input_ids=ids[0]).logits
+            out["plain_generated"] = plain.generate(prompt, max_new_tokens=6, do_sample=False,
+                                                    pad_token_id=0)
         again = shard(transformers.LlamaForCausalLM.from_pretrained(os.path.join(d, "hf")),
                       one_rank)
         again.eval()
@@ -134,4 +140,6 @@ def test_transformers_models_train_save_and_load_like_one_process():
                                        % (k, reentrant, seed, m))
     assert got["llama_losses"] == pytest.approx(want["llama_losses"], rel=1e-5), seed
     torch.testing.assert_close(got["plain_logits"], got["llama_logits"], rtol=1e-5, atol=1e-5)
+    assert torch.equal(got["generated"], got["plain_generated"]), seed
+    assert got["generated"].shape[1] == 10
     torch.testing.assert_close(got["one_rank_logits"], got["llama_logits"], rtol=1e-5, atol=1e-5)
