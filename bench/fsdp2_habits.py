@@ -9,7 +9,7 @@
    norm, one all-reduce) vs rfsdp.clip_grad_norm_ (C++, one all-reduce) vs torch's
    function on plain tensors of the same local gradients (each rank's own norm:
    wrong, the floor of the local work); and a torch AdamW step with ShardGrad
-   gradients vs plain ones (what the type costs an optimizer).
+   gradients vs plain ones (what the type costs an optimizer) vs FSDP2's DTensors.
 
   python bench/fsdp2_habits.py [--dim 512] [--depth 8] [--steps 10]"""
 import argparse
@@ -98,7 +98,17 @@ def clipping(args, rank):
             fn()
             ts.append(time.perf_counter() - t0)
         out[name] = statistics.median(ts)
-    for name, ps in (("AdamW step, ShardGrad grads", params), ("AdamW step, plain grads", plain_params)):
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard as fsdp2_fully_shard
+    torch.manual_seed(0)
+    theirs = Net(d=args.dim, depth=args.depth)
+    mesh = init_device_mesh("cpu", (WORLD,))
+    for b in theirs.blocks:
+        fsdp2_fully_shard(b, mesh=mesh)
+    fsdp2_fully_shard(theirs, mesh=mesh)
+    nn.functional.mse_loss(theirs(x), y).backward()
+    for name, ps in (("AdamW step, ShardGrad grads", params), ("AdamW step, plain grads", plain_params),
+                     ("AdamW step, FSDP2 (DTensor params and grads)", list(theirs.parameters()))):
         opt = torch.optim.AdamW(ps, lr=1e-6)
         ts = []
         for _ in range(args.steps * 5):
