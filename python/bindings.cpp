@@ -195,7 +195,6 @@ PYBIND11_MODULE(_C, m) {
       .def("gathered_bytes", &rfsdp::FSDPUnit::gathered_bytes)
       .def("bytes_cast", &rfsdp::FSDPUnit::bytes_cast)
       .def("prepare_grads", &rfsdp::FSDPUnit::prepare_grads, py::arg("keep") = false)
-      .def("grads_unsharded", &rfsdp::FSDPUnit::grads_unsharded)
       .def("reduce_grads", [](rfsdp::FSDPUnit& u, bool avg) {
              return u.reduce_grads(avg ? rfsdp::ReduceOp::Avg : rfsdp::ReduceOp::Sum);
            }, py::arg("average") = true, py::call_guard<py::gil_scoped_release>())

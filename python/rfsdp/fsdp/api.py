@@ -416,19 +416,18 @@ def global_numel(model: nn.Module) -> int:
 
 def full_parameters(model: nn.Module, process_group=None) -> dict:
     """{name: full tensor} of a fully sharded model's parameters, on every rank
-    (each rank of a parameter's shard group contributes its rows; one all-reduce
-    per parameter). For checks and small-model checkpoints: it holds the whole
+    (one all-gather of every rank's rows per shard group, as a full state dict
+    gathers a unit). For checks and small-model checkpoints: it holds the whole
     model on every rank."""
-    out = {}
+    out, by_group = {}, {}
     for name, p in model.named_parameters():
         info = shard_info(p)
         if info is None:
             out[name] = p.detach().clone()
             continue
         pg = process_group or info.process_group or dist.group.WORLD
-        rows = torch.zeros(info.full_rows, info.row_len, dtype=p.dtype, device=p.device)
-        rows[info.row_begin:info.row_end] = p.detach().reshape(-1, info.row_len)
-        if pg.size() > 1:
-            dist.all_reduce(rows, group=pg)
-        out[name] = rows.reshape(info.global_shape)
-    return out
+        by_group.setdefault(pg, []).append((name, p, info))
+    for pg, items in by_group.items():
+        full = state_dict_mod.gather_rows([(p, info) for _, p, info in items], pg)
+        out.update((name, t) for (name, _, _), t in zip(items, full))
+    return {name: out[name] for name, _ in model.named_parameters()}

@@ -21,6 +21,7 @@ from typing import Any, Optional
 
 import torch
 import torch.distributed as dist
+import torch.utils._pytree as pytree
 
 _plain = torch._C._disabled_torch_function_impl
 _NORMS = {torch.linalg.vector_norm, torch._foreach_norm, torch.Tensor.norm, torch.norm}
@@ -122,7 +123,7 @@ class PartialNorm(torch.Tensor):
             total = _total(args, kwargs)
             if total is not None:
                 return total
-        args, kwargs = _resolve_all((args, kwargs))
+        args, kwargs = pytree.tree_map_only(PartialNorm, PartialNorm.resolve, (args, kwargs))
         with torch._C.DisableTorchFunctionSubclass():
             return func(*args, **kwargs)
 
@@ -153,16 +154,6 @@ def _by_group(parts):
         if part is not None:
             out.setdefault(part, []).append(i)
     return out
-
-
-def _resolve_all(tree):
-    if isinstance(tree, PartialNorm):
-        return tree.resolve()
-    if isinstance(tree, (list, tuple)):
-        return type(tree)(_resolve_all(x) for x in tree)
-    if isinstance(tree, dict):
-        return {k: _resolve_all(v) for k, v in tree.items()}
-    return tree
 
 
 def _stackable(args, kwargs):

@@ -12,8 +12,6 @@ pre-backward hook to the end of that backward): a unit's forward then is
 activation checkpointing's recomputation."""
 import torch
 
-from .unit import TrainingState
-
 
 class Schedule:
     def __init__(self, units):
@@ -40,7 +38,9 @@ class Schedule:
             return None
         return self.order[i] if 0 <= i < len(self.order) else None
 
-    def _targets(self, unit, explicit, step):
+    def targets(self, unit, explicit, step):
+        """The units to prefetch when `unit` starts its forward (step 1) or backward
+        (step -1): the explicit list if given, else its neighbour in the recorded order."""
         if not self.prefetching:
             return []
         if explicit is not None:
@@ -50,16 +50,11 @@ class Schedule:
 
     def forward_started(self, unit):
         self.recording.append(unit)
-        for u in self._targets(unit, unit.forward_prefetch, 1):
-            u.prefetch()
 
     def backward_started(self, unit):
         if not self.in_backward:
             self.in_backward = True
             torch.autograd.Variable._execution_engine.queue_callback(self._backward_done)
-        for u in self._targets(unit, unit.backward_prefetch, -1):
-            if u.state is not TrainingState.BACKWARD:
-                u.prefetch()
 
     def _backward_done(self):
         self.in_backward = False

@@ -118,7 +118,7 @@ class ShardedRows(Pieces):
 
     def full_tensor(self) -> torch.Tensor:
         """The whole tensor on every rank of the shard group (collective)."""
-        return _gather_rows([(self.local, self.info)], self.info.process_group)[0]
+        return gather_rows([(self.local, self.info)], self.info.process_group)[0]
 
     def __repr__(self, **kwargs):
         return "ShardedRows(global shape %s, rows [%d, %d) of %d)" % (
@@ -139,7 +139,7 @@ def _rebuild_sharded_rows(local, name, shape, row_dims, row_begin, row_end, rank
 torch.serialization.add_safe_globals([_rebuild_sharded_rows])
 
 
-def _gather_rows(items, pg):
+def gather_rows(items, pg):
     """The full tensors of [(local rows, info)] of one shard group, on every rank:
     one all-gather of every rank's rows, padded to the longest rank's."""
     world = pg.size() if pg is not None else 1
@@ -147,8 +147,9 @@ def _gather_rows(items, pg):
     for local, info in items:
         rr = info.rank_rows
         if len(rr) != world:
-            raise ValueError("rfsdp: '%s' does not know every rank's rows; gather it with "
-                             "rfsdp.full_parameters" % info.name)
+            raise ValueError("rfsdp: '%s' does not know every rank's rows (%d of %d ranks); "
+                             "only shards made by fully_shard or FSDP2 can be gathered"
+                             % (info.name, len(rr), world))
         sizes.append(max(e - b for b, e in rr) * info.row_len)
     per_rank = sum(sizes)
     device = items[0][0].device
@@ -270,7 +271,7 @@ def _post_state_dict(module, state_dict, prefix, local_metadata):
     unit = module._rfsdp_unit
     _check_in(unit, settings, "model.state_dict() (full)")
     with torch.no_grad():
-        full = _gather_rows([(sp, shard_info(sp)) for _, sp in items], unit.process_group)
+        full = gather_rows([(sp, shard_info(sp)) for _, sp in items], unit.process_group)
     keep = not settings.rank0_only or not dist.is_initialized() or dist.get_rank() == 0
     for (keys, _), t in zip(items, full):
         for k in keys:

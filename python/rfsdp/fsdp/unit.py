@@ -192,42 +192,49 @@ class Unit:
             return DataState.GATHERING
         return DataState.GATHERED if self.unit.unsharded() else DataState.SHARDED
 
-    def fqns(self):
-        return [uses[0][2] for uses in self.entries]
-
     # -- parameters ------------------------------------------------------------
     def _use(self, tensors):
         for uses, t in zip(self.entries, tensors):
             for owner, attr, _ in uses:
                 owner._parameters[attr] = t
 
+    def _wait_pending(self):
+        """Finishes a prefetch all-gather in flight; whether there was one."""
+        if self.pending is None:
+            return False
+        self.pending.wait()
+        self.pending = None
+        return True
+
     def unshard(self):
-        if self.pending is not None:
-            self.pending.wait()
-            self.pending = None
-        elif not self.unit.unsharded():
+        if not self._wait_pending() and not self.unit.unsharded():
             self.unit.unshard().wait()
 
     def prefetch(self):
         if self.pending is None and not self.unit.unsharded():
             self.pending = self.unit.unshard()
 
+    def _prefetch(self, explicit, step):
+        """Starts the gathers of the units this one's forward (step 1) or backward
+        (step -1) prefetches: the explicit list, else the schedule's neighbour."""
+        targets = self.schedule.targets(self, explicit, step) if self.schedule is not None \
+            else explicit or []
+        for u in targets:
+            if u.state is not TrainingState.BACKWARD:  # already gathered for its backward
+                u.prefetch()
+
     def use_full(self):
         self.unshard()
         self._use(self.full)
 
     def reshard(self):
-        if self.pending is not None:
-            self.pending.wait()
-            self.pending = None
+        self._wait_pending()
         self._use(self.sharded)
         self.unit.reshard()
 
     def settle(self):
         """A prefetch this pass did not use: finish it and free the buffer."""
-        if self.pending is not None and self.state is TrainingState.IDLE:
-            self.pending.wait()
-            self.pending = None
+        if self.state is TrainingState.IDLE and self._wait_pending():
             self.unit.reshard()
 
     # -- forward ---------------------------------------------------------------
@@ -247,9 +254,7 @@ class Unit:
             self.state = TrainingState.FORWARD
             if self.schedule is not None:
                 self.schedule.forward_started(self)
-            elif self.forward_prefetch:
-                for u in self.forward_prefetch:
-                    u.prefetch()
+            self._prefetch(self.forward_prefetch, 1)
         self.use_full()
         if self.cast_to is not None:
             return trees.cast_floating(args, self.cast_to), trees.cast_floating(kwargs, self.cast_to)
@@ -274,9 +279,7 @@ class Unit:
             self.state = TrainingState.BACKWARD
             if self.schedule is not None:
                 self.schedule.backward_started(self)
-            elif self.backward_prefetch:
-                for u in self.backward_prefetch:
-                    u.prefetch()
+            self._prefetch(self.backward_prefetch, -1)
             self.unshard()
             if self.schedule is not None and self.schedule.reducing is not None:
                 self.schedule.reducing._finish_reduce()  # its gradient buffer goes first
@@ -284,7 +287,7 @@ class Unit:
             for i, fp in enumerate(self.full):
                 g = self.unit.full_grad(i)
                 # Backward adds into the gradient view in place; with another reduce
-                # dtype it lands in a fresh .grad that _gather_grads adds over.
+                # dtype it lands in a fresh .grad that _grads_to_buffer adds over.
                 fp.grad = g.data if fp.dtype == g.dtype else None
             self.grads_waiting = self.grads_expected
             self.grads_done = False
@@ -297,7 +300,7 @@ class Unit:
             if self.grads_waiting == 0:
                 self._grads_done()
 
-    def _gather_grads(self):
+    def _grads_to_buffer(self):
         """Every full gradient into the full gradient buffer (in the reduce dtype)."""
         for i, fp in enumerate(self.full):
             g_full = self.unit.full_grad(i)
@@ -310,13 +313,13 @@ class Unit:
         if self.requires_grad_sync:
             self._start_reduce()
         else:
-            self._gather_grads()
+            self._grads_to_buffer()
             self.grads_kept = True
             if self.reshard_after_backward:
                 self.unit.reshard()
 
     def _start_reduce(self):
-        self._gather_grads()
+        self._grads_to_buffer()
         self.grads_kept = False
         # The optimizer's zero_grad set .grad to None: tell the unit (it owns "zeroed"),
         # so the reduce-scatter writes straight into the local gradient slice instead
