@@ -18,9 +18,13 @@
     (1 thread): GB/s of block-wise quantise and dequantise (block 256, dynamic
     map) and of one AdamW8bit step on one tensor (fp32 AdamW beside it), state
     bytes per parameter.
+ 6. rfsdp's optimizers on a model sharded by torch FSDP2 (its torch.chunk rows
+    cut 8-bit blocks) vs the same model under rfsdp.fully_shard with a
+    whole-block plan, torch AdamW on FSDP2 beside them, 2 ranks: median
+    optimizer step time, bytes the optimizer sends per step, blocks shared.
 
     python bench/compare_anchors.py [--widths 256,512] [--steps 20]
-        [--only fsdp,muon,8bit,shampoo,kernels8] [--distributed-shampoo DIR]
+        [--only fsdp,muon,8bit,shampoo,kernels8,fsdp2opt] [--distributed-shampoo DIR]
 
 bitsandbytes and torchao are the bench's optional set-up, not project
 dependencies: `--install-anchors` puts them (no dependencies: they use the
@@ -220,6 +224,105 @@ def section_fsdp(args):
           "and the reduced slice out); FSDP2 and DDP computed from their designs (FSDP2: "
           "all-gather copy-in/copy-out and reduce-scatter chunk-cat, plus Gloo's staging; DDP: "
           "gradient buckets in and out). +gath.: with the most gathered-unit bytes live at once.")
+
+
+# ---- 6. rfsdp's optimizers on FSDP2's parameters ------------------------------------
+
+def fsdp2opt_worker(args):
+    """One sharding (args.variant: fsdp2 or rfsdp) of the GPT, each optimizer in
+    turn on fresh copies, the same batches: median opt.step() time, bytes its
+    Comm sent per step, shared 8-bit blocks."""
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    rows = {}
+    names = ["adamw8bit", "muon"] + (["torch_adamw"] if args.variant == "fsdp2" else [])
+    for name in names:
+        torch.manual_seed(0)
+        model = GPT(args.dim, args.layers, args.heads, args.ctx)
+        if args.variant == "fsdp2":
+            from torch.distributed.device_mesh import init_device_mesh
+            from torch.distributed.fsdp import fully_shard as fsdp2_fully_shard
+            mesh = init_device_mesh("cpu", (world,))
+            for b in model.blocks:
+                fsdp2_fully_shard(b, mesh=mesh)
+            fsdp2_fully_shard(model, mesh=mesh)
+        else:
+            pol = rfsdp.policy.combine(rfsdp.policy.blockwise_8bit(256), rfsdp.policy.muon())
+            for b in model.blocks:
+                rfsdp.fully_shard(b, policy=pol)
+            rfsdp.fully_shard(model, policy=pol)
+        if name == "muon":
+            matrices = [p for b in model.blocks for p in b.parameters() if p.dim() == 2]
+            ids = {id(p) for p in matrices}
+            opt = rfsdp.optim.Muon([dict(params=matrices),
+                                    dict(params=[p for p in model.parameters() if id(p) not in ids],
+                                         use_muon=False, lr=LR)], lr=0.02)
+        elif name == "adamw8bit":
+            opt = rfsdp.optim.AdamW8bit(model.parameters(), lr=LR, betas=BETAS, eps=EPS,
+                                        weight_decay=WD)
+        else:
+            opt = torch.optim.AdamW(model.parameters(), lr=LR, betas=BETAS, eps=EPS,
+                                    weight_decay=WD)
+        comm = getattr(opt, "comm", None)
+        data = batches(load_text(), args.batch, args.ctx, torch.Generator().manual_seed(rank))
+        times, sent = [], []
+        for step in range(args.warmup + args.steps):
+            x, y = next(data)
+            loss = nn.functional.cross_entropy(model(x).view(-1, 256), y.view(-1))
+            opt.zero_grad()
+            loss.backward()
+            if comm is not None:
+                comm.reset_stats()
+            dist.barrier()
+            t0 = time.perf_counter()
+            opt.step()
+            times.append(time.perf_counter() - t0)
+            sent.append(comm.stats()["bytes_sent"] if comm is not None else 0)
+        rows[name] = dict(step_ms=median_ms(times[args.warmup:]),
+                          sent=statistics.median(sent[args.warmup:]),
+                          shared=opt.shared_blocks() if name == "adamw8bit" else 0,
+                          loss=loss.item())
+    every = [None] * world
+    dist.all_gather_object(every, rows)
+    if rank == 0:
+        with open(args.out, "w") as f:
+            json.dump(every, f)
+    dist.destroy_process_group()
+    leave()
+
+
+def section_fsdp2opt(args):
+    dim = args.fsdp2_width
+    results = {}
+    with tempfile.TemporaryDirectory() as d:
+        for v in ("fsdp2", "rfsdp"):
+            out = os.path.join(d, "%s.json" % v)
+            torchrun(2, ["--worker", "fsdp2opt", "--variant", v, "--dim", str(dim), "--out", out,
+                         "--steps", str(args.steps), "--warmup", str(args.warmup),
+                         "--batch", str(args.batch)])
+            with open(out) as f:
+                results[v] = json.load(f)
+    print("\n## 6. rfsdp's optimizers on torch FSDP2's parameters vs rfsdp.fully_shard "
+          "(whole-block plan): 2 ranks, GPT width %d, %d layers, median optimizer step of %d"
+          % (dim, args.layers, args.steps))
+    print("%-12s %-14s %9s %12s %14s %10s" % ("optimizer", "sharded by", "step ms",
+                                             "/ fully_shard", "sent B/step", "shared blk"))
+    for name in ("adamw8bit", "muon", "torch_adamw"):
+        for v in ("fsdp2", "rfsdp"):
+            rows = [r[name] for r in results[v] if name in r]
+            if not rows:
+                continue
+            ms = max(r["step_ms"] for r in rows)
+            base = results["rfsdp"][0].get(name)
+            base_ms = max(r[name]["step_ms"] for r in results["rfsdp"]) if base else None
+            print("%-12s %-14s %9.2f %12s %14d %10d" % (
+                name, "FSDP2" if v == "fsdp2" else "fully_shard", ms,
+                "%.2fx" % (ms / base_ms) if base_ms else "-",
+                max(r["sent"] for r in rows), sum(r["shared"] for r in rows)))
+    print("sent: what the optimizer's Comm sent in its step (the NaN gate, Muon's gathers and "
+          "scatters, AdamW8bit's shared-block scales); shared blk: 8-bit blocks a chunk boundary "
+          "cuts, summed over ranks (their scales agreed in one all-reduce a step).")
 
 
 # ---- 2. Muon: rfsdp vs torch.optim.Muon ----------------------------------------------
@@ -679,6 +782,8 @@ def main():
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--muon-dim", type=int, default=256)
+    ap.add_argument("--fsdp2-width", type=int, default=200,
+                    help="GPT width of section 6 (200: FSDP2's half-row chunks cut 8-bit blocks)")
     ap.add_argument("--dim8", type=int, default=256, help="GPT width of section 3")
     ap.add_argument("--steps8", type=int, default=30)
     ap.add_argument("--shampoo-dim", type=int, default=128, help="GPT width of section 4")
@@ -689,9 +794,9 @@ def main():
     ap.add_argument("--distributed-shampoo", help="a checkout of facebookresearch/optimizers")
     ap.add_argument("--kernel-mib", default="1,16", help="tensor sizes of section 5, Mi elements")
     ap.add_argument("--kernel-reps", type=int, default=7)
-    ap.add_argument("--only", default="fsdp,muon,8bit,shampoo,kernels8")
+    ap.add_argument("--only", default="fsdp,muon,8bit,shampoo,kernels8,fsdp2opt")
     ap.add_argument("--install-anchors", action="store_true")
-    ap.add_argument("--worker", choices=["fsdp", "muon"], help=argparse.SUPPRESS)
+    ap.add_argument("--worker", choices=["fsdp", "muon", "fsdp2opt"], help=argparse.SUPPRESS)
     ap.add_argument("--variant", choices=["rfsdp", "fsdp2", "ddp"], help=argparse.SUPPRESS)
     ap.add_argument("--dim", type=int, default=256, help=argparse.SUPPRESS)
     ap.add_argument("--out", help=argparse.SUPPRESS)
@@ -700,6 +805,8 @@ def main():
         return fsdp_worker(args)
     if args.worker == "muon":
         return muon_worker(args)
+    if args.worker == "fsdp2opt":
+        return fsdp2opt_worker(args)
     if args.install_anchors:
         install_anchors()
     args.widths = [int(w) for w in args.widths.split(",")]
@@ -717,6 +824,8 @@ def main():
         section_shampoo(args)
     if "kernels8" in only:
         section_kernels8(args)
+    if "fsdp2opt" in only:
+        section_fsdp2opt(args)
 
 
 if __name__ == "__main__":

@@ -261,7 +261,14 @@ PYBIND11_MODULE(_C, m) {
                                                        min_8bit_size, std::move(comm));
            }),
            py::arg("params"), py::arg("block"), py::arg("min_8bit_size"), py::arg("comm"),
-           py::arg("check_finite") = true);
+           py::arg("check_finite") = true)
+      // (global blocks, global index of the first absmax entry, leading entries of blocks
+      // that start on an earlier rank)
+      .def("block_span", [](const rfsdp::AdamW8bit& o, size_t i) {
+             const auto s = o.block_span(i);
+             return py::make_tuple(s.global_blocks, s.first, s.shared_head);
+           })
+      .def("shared_blocks", &rfsdp::AdamW8bit::shared_blocks);
 
   // Muon over one process group: roots chosen at construction (collective), then steps.
   py::class_<rfsdp::Muon, rfsdp::ShardedOptimizer, std::shared_ptr<rfsdp::Muon>>(m, "Muon")

@@ -376,6 +376,7 @@ CommHandle Comm::reduce_scatter_flat(const at::Tensor& buffer, const at::Tensor&
                                 std::to_string(size_) + ") x out (" + std::to_string(S) +
                                 ") elements of one dtype, got " + std::to_string(buffer.numel()));
   }
+  if (op == ReduceOp::Max) throw std::invalid_argument("reduce_scatter_flat: Sum or Avg only");
   const double scale = op == ReduceOp::Avg ? 1.0 / size_ : 1.0;
   auto average = [out, scale] {
     if (scale != 1.0) out.mul_(scale);
@@ -462,7 +463,7 @@ CommHandle Comm::all_reduce(const at::Tensor& t, ReduceOp op) {
   bytes_sent_ += nbytes(t);
   std::vector<at::Tensor> ts{t};
   c10d::AllreduceOptions opts;
-  opts.reduceOp = sum_op();
+  opts.reduceOp = op == ReduceOp::Max ? c10d::ReduceOp(c10d::ReduceOp::MAX) : sum_op();
   opts.timeout = timeout_;
   auto work = group().allreduce(ts, opts);
   ++collectives_;

@@ -21,7 +21,8 @@
 
 namespace rfsdp {
 
-enum class ReduceOp { Sum, Avg };
+// Max: all_reduce only (agreeing a block's absmax across the ranks that share it).
+enum class ReduceOp { Sum, Avg, Max };
 
 // How all_gather_flat / reduce_scatter_flat run.
 //  Native:  the backend's all_gather_into_tensor / reduce_scatter_tensor. NCCL

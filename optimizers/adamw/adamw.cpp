@@ -1,6 +1,8 @@
 #include "optimizers/adamw/adamw.h"
 
+#include <iterator>
 #include <map>
+#include <set>
 #include <tuple>
 #include <stdexcept>
 #include <string>
@@ -61,6 +63,10 @@ void AdamW::run_step(StepGate& gate, const std::vector<size_t>& stepping) {
   // Nothing but the gradients' check can fail before state changes: without it
   // (a caller that gates the step itself, as Python's Muon does) no collective.
   if (check_finite_) gate.agree();
+  update_params(stepping);
+}
+
+void AdamW::update_params(const std::vector<size_t>& stepping) {
   std::vector<size_t> fused;  // fp32 moments on a GPU (or fused_on_cpu): torch's fused kernel
   for (size_t i : stepping) {
     if (m_[i].defined() && (params_[i].param.is_cuda() || fused_on_cpu_)) {
@@ -127,19 +133,35 @@ AdamW8bit::AdamW8bit(std::vector<ParamShard> params, AdamWOptions options,
     const ParamShard& p = params_[i];
     const bool eight = p.full_numel() >= min_8bit_size;
     eight_bit_.push_back(eight);
-    Quantized8 q;
+    q_.push_back({});
     if (eight) {
-      try {
-        quant::check_whole_blocks(block_, p.name, p.full_rows, p.row_len, p.row_begin, p.rows());
-      } catch (const std::invalid_argument& e) {
-        throw std::invalid_argument(std::string("AdamW8bit: ") + e.what());
+      const int64_t shared = lay_out(i, agreed_entries_);
+      if (shared > 0 && (!comm_ || comm_->size() != static_cast<int>(p.rank_rows.size()))) {
+        throw std::invalid_argument(
+            "AdamW8bit: parameter '" + p.name + "' has quantisation blocks that its ranks' "
+            "shards cut (" + block_.str() + "); the ranks sharing one agree its scale, so the "
+            "optimizer needs their process group (" + std::to_string(p.rank_rows.size()) +
+            " ranks; it has " + (comm_ ? std::to_string(comm_->size()) : std::string("none")) + ")");
       }
-      q.layout = quant::BlockLayout(block_, p.rows(), p.row_len);
+      agreed_entries_ += shared;
+      Quantized8& q = q_.back();
+      int64_t blocks = 0;
+      for (const Region& r : q.regions) {
+        blocks += r.layout.num_blocks;
+        if (r.agreed >= 0 && p.param.is_cuda()) {
+          throw std::invalid_argument(
+              "AdamW8bit: parameter '" + p.name + "' (rows [" + std::to_string(p.row_begin) +
+              ", " + std::to_string(p.row_end) + ") of " + std::to_string(p.full_rows) +
+              ") cuts its " + block_.str() + ", and blocks shared by ranks are stepped on the "
+              "CPU only so far; on a GPU, give every rank whole blocks (rfsdp.fully_shard with "
+              "rfsdp.policy.blockwise_8bit), or choose a block that the rows keep whole");
+        }
+      }
       const auto dev = p.param.options();
       q.q1 = at::full({p.param.numel()}, lut1_->nearest(0.0f), dev.dtype(at::kByte));
       q.q2 = at::full({p.param.numel()}, lut2_->nearest(0.0f), dev.dtype(at::kByte));
-      q.absmax1 = at::zeros({q.layout.num_blocks}, dev);
-      q.absmax2 = at::zeros({q.layout.num_blocks}, dev);
+      q.absmax1 = at::zeros({blocks}, dev);
+      q.absmax2 = at::zeros({blocks}, dev);
       if (p.param.is_cuda()) {
         if (!quant::cuda_ops::built()) {
           throw std::invalid_argument("AdamW8bit: parameter '" + p.name + "' is on " +
@@ -158,52 +180,218 @@ AdamW8bit::AdamW8bit(std::vector<ParamShard> params, AdamWOptions options,
         }
       }
     }
-    q_.push_back(q);
   }
+}
+
+int64_t AdamW8bit::lay_out(size_t i, int64_t cut_offset) {
+  const ParamShard& p = params_[i];
+  Quantized8& q = q_[i];
+  // Units: 1-D blocks (measured in elements) or rows of tiles (in rows); a cut unit
+  // is one a shard boundary falls inside.
+  const bool tiles = block_.is_tile();
+  const int64_t unit = tiles ? block_.tile_rows : block_.block;
+  const int64_t per_unit = tiles ? (p.row_len + block_.tile_cols - 1) / block_.tile_cols : 1;
+  const int64_t extent = tiles ? p.full_rows : p.full_numel();
+  const int64_t step = tiles ? p.row_len : 1;  // elements per unit of measure
+  auto at_row = [&](int64_t row) { return tiles ? row : row * p.row_len; };
+  std::set<int64_t> cut;
+  auto boundary = [&](int64_t row) {
+    const int64_t x = at_row(row);
+    if (x > 0 && x < extent && x % unit != 0) cut.insert(x / unit);
+  };
+  if (p.rows() > 0) {
+    boundary(p.row_begin);
+    boundary(p.row_end);
+  }
+  if (!cut.empty() && !p.knows_every_rank()) {
+    try {
+      quant::check_whole_blocks(block_, p.name, p.full_rows, p.row_len, p.row_begin, p.rows());
+    } catch (const std::invalid_argument& e) {
+      throw std::invalid_argument(std::string("AdamW8bit: ") + e.what() +
+                                  " (or describe the shard with every rank's rows, so the ranks "
+                                  "that share a block can agree its scale)");
+    }
+  }
+  for (const auto& [b, e] : p.rank_rows) {
+    if (e > b) {
+      boundary(b);
+      boundary(e);
+    }
+  }
+  shared_owner_.insert(shared_owner_.end(), cut.size() * per_unit, i);
+  q.span.global_blocks = (extent + unit - 1) / unit * per_unit;
+  if (p.rows() == 0) return static_cast<int64_t>(cut.size());
+  const int64_t x0 = at_row(p.row_begin), x1 = at_row(p.row_end);
+  const int64_t u0 = x0 / unit, u1 = (x1 - 1) / unit + 1;
+  q.span.first = u0 * per_unit;
+  q.span.shared_head = u0 * unit < x0 ? per_unit : 0;
+  auto layout = [&](int64_t len) {  // len units of measure from a unit edge
+    return tiles ? quant::BlockLayout(block_, len, p.row_len) : quant::BlockLayout(block_, 1, len);
+  };
+  int64_t block = 0, whole_from = -1;
+  auto close_whole = [&](int64_t x) {
+    if (whole_from < 0) return;
+    Region r;
+    r.elem = (whole_from - x0) * step;
+    r.layout = layout(x - whole_from);
+    r.block = block - r.layout.num_blocks;
+    q.regions.push_back(r);
+    whole_from = -1;
+  };
+  for (int64_t u = u0; u < u1; ++u) {
+    const int64_t lo = std::max(x0, u * unit), hi = std::min(x1, (u + 1) * unit);
+    if (cut.count(u)) {
+      close_whole(lo);
+      Region r;
+      r.elem = (lo - x0) * step;
+      r.block = block;
+      r.layout = layout(hi - lo);
+      r.agreed = cut_offset + static_cast<int64_t>(std::distance(cut.begin(), cut.find(u))) * per_unit;
+      q.regions.push_back(r);
+    } else if (whole_from < 0) {
+      whole_from = lo;
+    }
+    block += per_unit;
+  }
+  close_whole(x1);
+  return static_cast<int64_t>(cut.size()) * per_unit;
 }
 
 void AdamW8bit::update(size_t i, int64_t step) {
   if (!eight_bit_[i]) return AdamW::update(i, step);
   ParamShard& p = params_[i];
   Quantized8& q = q_[i];
-  if (p.param.numel() == 0) return;
-  if (p.param.is_cuda()) {
-    quant::cuda_ops::adamw8bit_step(p.param, p.grad, q.q1, q.absmax1, q.q2, q.absmax2, q.layout,
-                                    code1_on_, *lut1_, code2_on_, *lut2_,
-                                    hyper(options_of(i), step));
-    return;
+  const quant::AdamWHyper h = hyper(options_of(i), step);
+  for (const Region& r : q.regions) {  // the whole blocks (the shared ones stepped already)
+    if (r.agreed >= 0) continue;
+    const int64_t n = r.layout.numel, nb = r.layout.num_blocks;
+    if (p.param.is_cuda()) {
+      quant::cuda_ops::adamw8bit_step(
+          p.param.view(-1).narrow(0, r.elem, n), p.grad.view(-1).narrow(0, r.elem, n),
+          q.q1.narrow(0, r.elem, n), q.absmax1.narrow(0, r.block, nb), q.q2.narrow(0, r.elem, n),
+          q.absmax2.narrow(0, r.block, nb), r.layout, code1_on_, *lut1_, code2_on_, *lut2_, h);
+      continue;
+    }
+    quant::cpu::adamw8bit_step(p.param.data_ptr<float>() + r.elem,
+                               p.grad.data_ptr<float>() + r.elem, q.q1.data_ptr<uint8_t>() + r.elem,
+                               q.absmax1.data_ptr<float>() + r.block,
+                               q.q2.data_ptr<uint8_t>() + r.elem,
+                               q.absmax2.data_ptr<float>() + r.block, r.layout, *lut1_, *lut2_, h);
   }
-  quant::cpu::adamw8bit_step(p.param.data_ptr<float>(), p.grad.data_ptr<float>(),
-                             q.q1.data_ptr<uint8_t>(), q.absmax1.data_ptr<float>(),
-                             q.q2.data_ptr<uint8_t>(), q.absmax2.data_ptr<float>(), q.layout,
-                             *lut1_, *lut2_, hyper(options_of(i), step));
 }
 
-namespace {
-at::Tensor dequantized(const at::Tensor& q, const at::Tensor& absmax,
-                       const quant::BlockLayout& layout, const quant::cpu::CodeLut& lut,
-                       const at::Tensor& code_on_device, at::IntArrayRef shape) {
-  at::Tensor out = at::empty({q.numel()}, absmax.options());
-  if (q.is_cuda()) {
-    quant::cuda_ops::dequantize(q, absmax, layout, code_on_device, out);
-  } else {
-    quant::cpu::dequantize(q.data_ptr<uint8_t>(), absmax.data_ptr<float>(), layout, lut,
-                           out.data_ptr<float>());
-  }
-  return out.view(shape);
+void AdamW8bit::run_step(StepGate& gate, const std::vector<size_t>& stepping) {
+  if (check_finite_) gate.agree();
+  if (agreed_entries_ > 0) step_shared_blocks(stepping);
+  update_params(stepping);
 }
-}  // namespace
+
+void AdamW8bit::step_shared_blocks(const std::vector<size_t>& stepping) {
+  // Per shared block: the new absmax of m and of v over this rank's elements,
+  // whether this rank steps it, whether it holds some of it without a gradient.
+  // One max all-reduce gives every rank the block's absmax (and the flags).
+  const int64_t K = agreed_entries_;
+  at::Tensor agreed = at::zeros({4 * K}, at::kFloat);
+  float* a = agreed.data_ptr<float>();
+  std::vector<bool> steps(params_.size(), false);
+  for (size_t i : stepping) steps[i] = true;
+  struct Pending {
+    size_t i;
+    const Region* r;
+    at::Tensor param, scratch;  // the region's parameter, updated on a copy until agreed
+  };
+  std::vector<Pending> pending;
+  for (size_t i = 0; i < params_.size(); ++i) {
+    if (!eight_bit_[i]) continue;
+    ParamShard& p = params_[i];
+    Quantized8& q = q_[i];
+    for (const Region& r : q.regions) {
+      if (r.agreed < 0) continue;
+      const int64_t nb = r.layout.num_blocks;
+      if (!steps[i]) {
+        for (int64_t j = 0; j < nb; ++j) a[3 * K + r.agreed + j] = 1.0f;
+        continue;
+      }
+      Pending pd{i, &r, p.param.view(-1).narrow(0, r.elem, r.layout.numel).clone(),
+                 at::empty({2 * nb * r.layout.max_block_elems()}, at::kFloat)};
+      std::vector<float> am1(nb), am2(nb);
+      quant::cpu::adamw8bit_begin(pd.param.data_ptr<float>(), p.grad.data_ptr<float>() + r.elem,
+                                  q.q1.data_ptr<uint8_t>() + r.elem,
+                                  q.absmax1.data_ptr<float>() + r.block,
+                                  q.q2.data_ptr<uint8_t>() + r.elem,
+                                  q.absmax2.data_ptr<float>() + r.block, r.layout, *lut1_, *lut2_,
+                                  hyper(options_of(i), param_steps_[i]), pd.scratch.data_ptr<float>(),
+                                  am1.data(), am2.data());
+      for (int64_t j = 0; j < nb; ++j) {
+        a[r.agreed + j] = am1[j];
+        a[K + r.agreed + j] = am2[j];
+        a[2 * K + r.agreed + j] = 1.0f;
+      }
+      pending.push_back(std::move(pd));
+    }
+  }
+  if (comm_) comm_->all_reduce(agreed, ReduceOp::Max).wait();
+  for (int64_t k = 0; k < K; ++k) {
+    if (a[2 * K + k] > 0 && a[3 * K + k] > 0) {
+      // The same on every rank, before anything changed (the step does not count).
+      for (size_t i : stepping) --param_steps_[i];
+      throw std::invalid_argument(
+          "AdamW8bit step: parameter '" + params_[shared_owner_[k]].name + "' has a gradient on "
+          "some of the ranks that share one of its blocks and none on others; give every rank "
+          "a gradient for it (zeros where it has none), or none on any. Nothing was changed");
+    }
+  }
+  for (Pending& pd : pending) {
+    ParamShard& p = params_[pd.i];
+    Quantized8& q = q_[pd.i];
+    const Region& r = *pd.r;
+    quant::cpu::adamw8bit_end(pd.scratch.data_ptr<float>(), r.layout, *lut1_, *lut2_,
+                              a + r.agreed, a + K + r.agreed, q.q1.data_ptr<uint8_t>() + r.elem,
+                              q.absmax1.data_ptr<float>() + r.block,
+                              q.q2.data_ptr<uint8_t>() + r.elem,
+                              q.absmax2.data_ptr<float>() + r.block);
+    p.param.view(-1).narrow(0, r.elem, r.layout.numel).copy_(pd.param);
+  }
+}
+
+int64_t AdamW8bit::shared_blocks() const {
+  int64_t n = 0;
+  for (size_t i = 0; i < q_.size(); ++i) {
+    if (!eight_bit_[i]) continue;
+    for (const Region& r : q_[i].regions) {
+      if (r.agreed >= 0) n += r.layout.num_blocks;
+    }
+  }
+  return n;
+}
+
+at::Tensor AdamW8bit::dequantized(size_t i, bool second) const {
+  const ParamShard& p = params_.at(i);
+  const Quantized8& q = q_[i];
+  const at::Tensor& codes = second ? q.q2 : q.q1;
+  const at::Tensor& absmax = second ? q.absmax2 : q.absmax1;
+  at::Tensor out = at::empty({codes.numel()}, absmax.options());
+  for (const Region& r : q.regions) {
+    const int64_t n = r.layout.numel;
+    if (codes.is_cuda()) {
+      quant::cuda_ops::dequantize(codes.narrow(0, r.elem, n),
+                                  absmax.narrow(0, r.block, r.layout.num_blocks), r.layout,
+                                  second ? code2_on_ : code1_on_, out.narrow(0, r.elem, n));
+    } else {
+      quant::cpu::dequantize(codes.data_ptr<uint8_t>() + r.elem,
+                             absmax.data_ptr<float>() + r.block, r.layout,
+                             second ? *lut2_ : *lut1_, out.data_ptr<float>() + r.elem);
+    }
+  }
+  return out.view(p.param.sizes());
+}
 
 at::Tensor AdamW8bit::exp_avg(size_t i) const {
-  if (!eight_bit_.at(i)) return m_[i];
-  return dequantized(q_[i].q1, q_[i].absmax1, q_[i].layout, *lut1_, code1_on_,
-                     params_[i].param.sizes());
+  return eight_bit_.at(i) ? dequantized(i, false) : m_[i];
 }
 
 at::Tensor AdamW8bit::exp_avg_sq(size_t i) const {
-  if (!eight_bit_.at(i)) return v_[i];
-  return dequantized(q_[i].q2, q_[i].absmax2, q_[i].layout, *lut2_, code2_on_,
-                     params_[i].param.sizes());
+  return eight_bit_.at(i) ? dequantized(i, true) : v_[i];
 }
 
 std::vector<std::pair<std::string, at::Tensor>> AdamW8bit::state(size_t i) const {

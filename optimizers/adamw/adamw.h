@@ -2,8 +2,11 @@
 // cases). The same formula as torch.optim.AdamW: decoupled weight decay, bias
 // correction. AdamW8bit keeps both moments as 8-bit block-wise codes (signed
 // and unsigned dynamic maps) with one fp32 absmax per block; blocks are defined
-// on the global tensor, so a shard must hold whole blocks and the result never
-// depends on the world size.
+// on the global tensor, so the result never depends on the world size. A block
+// that a shard boundary cuts (torch FSDP2's row chunks do) is shared: each of
+// its ranks keeps its elements' codes and a copy of its absmax, and the ranks
+// agree the new absmax (the max over theirs) in one all-reduce for all shared
+// blocks of a step, so codes and scales equal the one-device ones bit for bit.
 #pragma once
 
 #include <ATen/ATen.h>
@@ -54,6 +57,8 @@ class AdamW : public GroupedOptimizer<AdamWOptions> {
   void check_options(const AdamWOptions& o) const override;
   // One parameter's step (CPU kernels; AdamW8bit: also its CUDA kernel).
   virtual void update(size_t i, int64_t step);
+  // The updates of the parameters in `stepping` (after the gate agreed).
+  void update_params(const std::vector<size_t>& stepping);
   // Parameters with fp32 moments on a GPU (or on the CPU with fused_on_cpu), all
   // at once: torch's fused AdamW kernel, one launch per group, device and dtype.
   void fused_update(const std::vector<size_t>& params);
@@ -75,13 +80,42 @@ class AdamW8bit : public AdamW {
   std::vector<std::pair<std::string, at::Tensor>> state(size_t i) const override;
   int64_t state_bytes() const override;
   const quant::BlockShape& block() const { return block_; }
+  // Where parameter i's absmax entries lie among the global tensor's blocks: the
+  // number of blocks of the global tensor, the global index of its first entry,
+  // and how many leading entries are blocks that start on an earlier rank (a
+  // checkpoint writes a shared block once, from the rank where it starts).
+  struct BlockSpan {
+    int64_t global_blocks = 0, first = 0, shared_head = 0;
+  };
+  BlockSpan block_span(size_t i) const { return q_.at(i).span; }
+  // Blocks this rank shares with others (cut by a shard boundary), all parameters.
+  int64_t shared_blocks() const;
 
  private:
+  // A run of the shard's blocks (local elements from `elem`, absmax entries from
+  // `block`): whole blocks, or the blocks of one cut unit (a 1-D block, or a row
+  // of tiles), agreed with the other ranks at entry `agreed` on.
+  struct Region {
+    int64_t elem = 0, block = 0;
+    quant::BlockLayout layout;
+    int64_t agreed = -1;  // -1: whole blocks
+  };
   struct Quantized8 {
     at::Tensor q1, absmax1, q2, absmax2;
-    quant::BlockLayout layout;
+    std::vector<Region> regions;
+    BlockSpan span;
   };
+  void run_step(StepGate& gate, const std::vector<size_t>& stepping) override;
   void update(size_t i, int64_t step) override;
+  // Parameter i's first (m) or second (v) moment, fp32, from its codes.
+  at::Tensor dequantized(size_t i, bool second) const;
+  // The regions of parameter i's shard, and (cut_offset on) the agreed entries
+  // of its cut blocks; returns how many it has globally.
+  int64_t lay_out(size_t i, int64_t cut_offset);
+  // The shared blocks' step (collective over comm_ when any exist anywhere).
+  void step_shared_blocks(const std::vector<size_t>& stepping);
+  int64_t agreed_entries_ = 0;        // shared blocks over all ranks and parameters
+  std::vector<size_t> shared_owner_;  // each agreed entry's parameter
   quant::BlockShape block_;
   std::vector<bool> eight_bit_;
   std::vector<Quantized8> q_;

@@ -53,7 +53,7 @@ import torch.distributed.checkpoint.metadata as dcp_metadata
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.metadata import StorageMeta
 
-from .fsdp import shard_info
+from .fsdp.dtensor import info_of, local
 from .fsdp.state_dict import Pieces as _Pieces, rectangles
 
 FORMAT = 2          # 2: `extra` in torch's weights-only format (1: a plain pickle)
@@ -257,6 +257,7 @@ class _Entry:
         self.pieces, self.tensor = pieces, tensor
         self.sequence = None  # (first row, elements): a piece of a global 1-D sequence
         self.replica = 0      # HSDP: this rank's index in its replica group (0 writes)
+        self.shared = 0       # leading elements an earlier rank writes (it reads them too)
 
 
 def _replica_index(info):
@@ -278,25 +279,34 @@ def _rows_entry(key, t, info):
 
 
 def _param_entry(key, p):
-    info = shard_info(p)
+    """A parameter fully_shard or FSDP2 sharded (its rows), or a plain one."""
+    info = info_of(key, p)
     if info is None:
         return _Entry(key, p.shape, p.dtype, tensor=p.detach())
-    return _rows_entry(key, p, info)
+    return _rows_entry(key, local(p), info)
 
 
-def _state_entries(prefix, p, state):
+def _state_entries(prefix, p, state, spans):
     """Entries of one parameter's optimizer state. LIKE_PARAMETER tensors
-    follow the shard's chunks; other 1-D tensors are pieces of a global sequence whose
+    follow the shard's chunks; 1-D tensors whose place the optimizer gives (spans:
+    {name: (global size, offset, leading elements an earlier rank writes)}) are
+    pieces of that global sequence; other 1-D tensors are pieces of a global sequence whose
     offsets are found across ranks (_place_sequences); 0-D ones are replicated."""
-    info = shard_info(p)
+    info = info_of(prefix, p)
     out = []
     for name, t in sorted(state.items()):
         key = "%s.%s" % (prefix, name)
         t = t.detach()
         if t.dim() == 0 or info is None:
             out.append(_Entry(key, t.shape, t.dtype, tensor=t))
-        elif name in LIKE_PARAMETER and tuple(t.shape) == tuple(p.shape):
+        elif name in LIKE_PARAMETER and tuple(t.shape) == tuple(local(p).shape):
             out.append(_rows_entry(key, t, info))
+        elif t.dim() == 1 and name in spans:
+            total, offset, shared = spans[name]
+            e = _Entry(key, (total,), t.dtype, [((offset,), (t.numel(),), t)] if t.numel() else [])
+            e.shared = shared
+            e.replica = _replica_index(info)
+            out.append(e)
         elif t.dim() == 1:
             e = _Entry(key, None, t.dtype, pieces=[(None, (t.numel(),), t)])
             e.sequence = (info.row_begin, t.numel())
@@ -402,7 +412,8 @@ def _groups(model, optimizer):
 def _optim_entries(model, optimizer):
     out = []
     for fqn, p in _fqns(model, optimizer):
-        out += _state_entries("optim." + fqn, p, optimizer.sharded_state(p))
+        out += _state_entries("optim." + fqn, p, optimizer.sharded_state(p),
+                              optimizer.sequence_spans(p))
     return out
 
 
@@ -513,6 +524,10 @@ def save(path, model, optimizer=None, *, extra=None, process_group=None):
     for e in entries:
         if e.replica:  # HSDP: the first replica writes the shards; the others hold equal ones
             e.pieces = []
+        elif e.shared and e.pieces:  # (an 8-bit block's scale that ranks share: written once)
+            (offset,), (n,), t = e.pieces[0]
+            e.pieces = [((offset + e.shared,), (n - e.shared,), t[e.shared:])] \
+                if n > e.shared else []
     sd = _state_dict(entries)
     # Non-tensor values as one string or bytes each (DCP would flatten a dict).
     if optimizer is not None:

@@ -39,9 +39,9 @@ def _for_fsdp2(e, params):
     if "plan the unit" not in msg or not any(is_dtensor(p) for p in params):
         return e
     return ValueError(
-        msg + ". For parameters sharded by torch's FSDP2 (torch.chunk rows): blocks and tiles "
+        msg + ". For parameters sharded by torch's FSDP2 (torch.chunk rows): Shampoo tiles "
         "that a chunk boundary cuts are not supported yet; shard the model with "
-        "rfsdp.fully_shard and that policy, or choose a block / max_preconditioner_dim that "
+        "rfsdp.fully_shard and that policy, or choose a max_preconditioner_dim that "
         "FSDP2's row counts keep whole")
 
 
@@ -251,6 +251,12 @@ class _OverCpp(torch.optim.Optimizer):
         a checkpoint keeps it and refuses to load into an optimizer whose settings differ."""
         return {"type": type(self).__name__}
 
+    def sequence_spans(self, p):
+        """{name: (global size, offset, shared)} for p's 1-D states that are pieces of
+        a global sequence whose place this optimizer knows: the first `shared`
+        elements are also held (and written) by an earlier rank. Others: none."""
+        return {}
+
     def sharded_state(self, p):
         """Parameter p's state on this rank, by name: the live tensors (a load writes
         into them), and "step" (a 0-D count) where the optimizer keeps one."""
@@ -307,8 +313,12 @@ class AdamW8bit(AdamW):
     """AdamW with both moments as 8-bit block-wise codes (bitsandbytes' dynamic
     maps, one fp32 absmax per block). block: 256 (1-D blocks) or (32, 32) tiles.
     Tensors with fewer than min_8bit_size elements (the full tensor's size)
-    keep fp32 moments. Shards must hold whole blocks: plan with
-    rfsdp.policy.blockwise_8bit(block)."""
+    keep fp32 moments. Blocks are the global tensor's, so codes and scales do not
+    depend on the world size: a block that a shard boundary cuts (FSDP2's
+    torch.chunk rows, or a plan without rfsdp.policy.blockwise_8bit(block)) is
+    shared by its ranks, which agree its scale in one small all-reduce a step
+    (for all such blocks). Plans made with that policy hold whole blocks: no
+    all-reduce. On a GPU, shards must hold whole blocks."""
 
     def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=1e-2,
                  block=256, min_8bit_size=4096, process_group=None, timeout_seconds=300.0):
@@ -318,6 +328,20 @@ class AdamW8bit(AdamW):
 
     def _make(self, specs):
         return _C.AdamW8bit(specs, self.block, self.min_8bit_size, self.comm)
+
+    def sequence_spans(self, p):
+        self._bind()
+        part, k = self._where[id(p)]
+        if "absmax1" not in part.impl.state(k):  # fp32 moments: shaped like the parameter
+            return {}
+        total, first, shared = part.impl.block_span(k)
+        return {"absmax1": (total, first, shared), "absmax2": (total, first, shared)}
+
+    def shared_blocks(self):
+        """Blocks this rank shares with other ranks (a shard boundary cuts them):
+        their scales are agreed in one all-reduce a step; 0 means none."""
+        self._bind()
+        return self._impl.shared_blocks()
 
     def settings(self):
         return dict(super().settings(), block=list(self.block) if isinstance(self.block, tuple)
@@ -336,6 +360,7 @@ class AdamW8bit(AdamW):
         old_block = saved_settings["block"]
         old_block = tuple(old_block) if isinstance(old_block, list) else old_block
         live = self.sharded_state(p)
+        spans = self.sequence_spans(p)
         out = {}
         for codes, scale, moment, signed in (("q1", "absmax1", "exp_avg", True),
                                              ("q2", "absmax2", "exp_avg_sq", False)):
@@ -347,12 +372,13 @@ class AdamW8bit(AdamW):
                 whole = full[moment].reshape(rows, row_len)
             else:
                 raise ValueError("no saved moments of a parameter of shape %s" % (tuple(p.shape),))
-            mine = whole[begin:end].contiguous()
-            if codes in live:
-                q, a = _C.quantize_blockwise(mine, code, self.block, row_len)
-                out[codes], out[scale] = q.reshape(-1), a.reshape(-1)
+            if codes in live:  # the whole tensor's blocks, then this rank's codes and scales
+                q, a = _C.quantize_blockwise(whole.contiguous(), code, self.block, row_len)
+                _, first, _ = spans[scale]
+                out[codes] = q.reshape(-1)[begin * row_len:end * row_len].clone()
+                out[scale] = a.reshape(-1)[first:first + live[scale].numel()].clone()
             else:
-                out[moment] = mine.reshape(live[moment].shape)
+                out[moment] = whole[begin:end].contiguous().reshape(live[moment].shape)
         out["step"] = full["step"]
         return out
 

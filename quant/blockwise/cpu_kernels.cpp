@@ -86,6 +86,33 @@ void adamw8bit_step(float* param, const float* grad, uint8_t* q1, float* absmax1
   });
 }
 
+// (One thread: a tensor's shared blocks are the few at its shard's two ends.)
+void adamw8bit_begin(float* param, const float* grad, const uint8_t* q1, const float* absmax1,
+                     const uint8_t* q2, const float* absmax2, const BlockLayout& L,
+                     const CodeLut& lut1, const CodeLut& lut2, const AdamWHyper& h,
+                     float* scratch, float* amax1, float* amax2) {
+  const AdamWCoeffs c = adamw_coeffs(h);
+  if (active_isa() == Isa::kAvx512 && lut1.index() && lut2.index()) {
+    avx512::adamw8bit_begin_blocks(param, grad, q1, absmax1, q2, absmax2, L, lut1, lut2, c, 0,
+                                   L.num_blocks, scratch, amax1, amax2);
+  } else {
+    portable::adamw8bit_begin_blocks(param, grad, q1, absmax1, q2, absmax2, L, lut1, lut2, c, 0,
+                                     L.num_blocks, scratch, amax1, amax2);
+  }
+}
+
+void adamw8bit_end(const float* scratch, const BlockLayout& L, const CodeLut& lut1,
+                   const CodeLut& lut2, const float* agreed1, const float* agreed2, uint8_t* q1,
+                   float* absmax1, uint8_t* q2, float* absmax2) {
+  if (active_isa() == Isa::kAvx512 && lut1.index() && lut2.index()) {
+    avx512::adamw8bit_end_blocks(scratch, L, lut1, lut2, agreed1, agreed2, q1, absmax1, q2,
+                                 absmax2, 0, L.num_blocks);
+  } else {
+    portable::adamw8bit_end_blocks(scratch, L, lut1, lut2, agreed1, agreed2, q1, absmax1, q2,
+                                   absmax2, 0, L.num_blocks);
+  }
+}
+
 void adamw32_step(float* param, const float* grad, float* m, float* v, int64_t n,
                   const AdamWHyper& h) {
   const AdamWCoeffs c = adamw_coeffs(h);

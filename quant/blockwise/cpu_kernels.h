@@ -37,6 +37,21 @@ void adamw8bit_step(float* param, const float* grad, uint8_t* q1, float* absmax1
                     float* absmax2, const BlockLayout& layout, const CodeLut& lut1,
                     const CodeLut& lut2, const AdamWHyper& h);
 
+// adamw8bit_step for blocks that ranks share (a shard boundary cuts them), in
+// two halves around the agreement of each block's absmax. begin: the parameter
+// updated, this rank's elements of the new moments kept in `scratch`
+// (2 * L.num_blocks * L.max_block_elems() floats), their max |.| per block in
+// amax1, amax2 (the codes are untouched). end: the codes under the agreed absmax
+// (the max over the ranks sharing each block), stored in absmax1, absmax2. With
+// every block whole and agreed = amax, the two are adamw8bit_step bit for bit.
+void adamw8bit_begin(float* param, const float* grad, const uint8_t* q1, const float* absmax1,
+                     const uint8_t* q2, const float* absmax2, const BlockLayout& layout,
+                     const CodeLut& lut1, const CodeLut& lut2, const AdamWHyper& h,
+                     float* scratch, float* amax1, float* amax2);
+void adamw8bit_end(const float* scratch, const BlockLayout& layout, const CodeLut& lut1,
+                   const CodeLut& lut2, const float* agreed1, const float* agreed2, uint8_t* q1,
+                   float* absmax1, uint8_t* q2, float* absmax2);
+
 // One AdamW step with fp32 moments (the baseline), torch.optim.AdamW's formula.
 void adamw32_step(float* param, const float* grad, float* m, float* v, int64_t n,
                   const AdamWHyper& h);

@@ -363,75 +363,131 @@ void dequantize_blocks(const uint8_t* q, const float* absmax, const BlockLayout&
   }
 }
 
+namespace {
+
+// What one AdamW8bit step holds in registers: both codes, their indexes, the coefficients.
+struct StepRegs {
+  Table256 code1, code2;
+  IndexRegs r1, r2;
+  Domain d1, d2;
+  __m512 b1v, omb1, b2v, omb2, decay, step, isb, eps;
+  StepRegs(const CodeLut& lut1, const CodeLut& lut2, const AdamWCoeffs& c)
+      : code1(lut1.code_planes()), code2(lut2.code_planes()),
+        r1(*lut1.index(), lut1.index_mid_planes()), r2(*lut2.index(), lut2.index_mid_planes()),
+        d1(domain_of(*lut1.index())), d2(domain_of(*lut2.index())),
+        b1v(_mm512_set1_ps(c.b1)), omb1(_mm512_set1_ps(c.one_minus_b1)),
+        b2v(_mm512_set1_ps(c.b2)), omb2(_mm512_set1_ps(c.one_minus_b2)),
+        decay(_mm512_set1_ps(c.decay)), step(_mm512_set1_ps(c.step_size)),
+        isb(_mm512_set1_ps(c.inv_sqrt_bc2)), eps(_mm512_set1_ps(c.eps)) {}
+};
+
+// The first half of one block's step, one pass: decode the moments, update them
+// and the parameter (adamw_update's operations), keep the new moments in mbuf,
+// vbuf (the block's elements segment after segment); their max |.| into *amax1, *amax2.
+void update_block(const StepRegs& R, float* p, const float* g, const uint8_t* q1,
+                  const uint8_t* q2, float absmax1, float absmax2, const BlockLayout::Block& blk,
+                  int64_t row_len, float* mbuf, float* vbuf, float* amax1, float* amax2) {
+  const __m512 a1 = _mm512_set1_ps(absmax1), a2 = _mm512_set1_ps(absmax2);
+  __m512 am1 = _mm512_setzero_ps(), am2 = _mm512_setzero_ps();
+  const int64_t ahead = prefetch_distance(blk);
+  for_chunks(blk, row_len, [&](const Chunk& ch) {
+    prefetch(p, ch, ahead);
+    prefetch(g, ch, ahead);
+    prefetch(q1, ch, ahead);
+    prefetch(q2, ch, ahead);
+    __m512 m[4], v[4], gj[4], pj[4];
+    decode64(load_bytes(q1, ch), R.code1, m);
+    decode64(load_bytes(q2, ch), R.code2, v);
+    load_floats(g, ch.off, ch, gj);
+    load_floats(p, ch.off, ch, pj);
+    for (int j = 0; j < 4; ++j) {
+      const __m512 mj = _mm512_fmadd_ps(R.b1v, _mm512_mul_ps(m[j], a1), _mm512_mul_ps(R.omb1, gj[j]));
+      const __m512 vj = _mm512_fmadd_ps(R.b2v, _mm512_mul_ps(v[j], a2),
+                                        _mm512_mul_ps(_mm512_mul_ps(R.omb2, gj[j]), gj[j]));
+      const __m512 denom = _mm512_fmadd_ps(sqrt_nr(vj), R.isb, R.eps);
+      pj[j] = _mm512_fnmadd_ps(R.step, div_nr(mj, denom), _mm512_mul_ps(pj[j], R.decay));
+      am1 = _mm512_mask_max_ps(am1, ch.lane[j], am1, _mm512_abs_ps(mj));
+      am2 = _mm512_mask_max_ps(am2, ch.lane[j], am2, _mm512_abs_ps(vj));
+      m[j] = mj;
+      v[j] = vj;
+    }
+    store_floats(p, ch.off, ch, pj);
+    store_floats(mbuf, ch.buf, ch, m);
+    store_floats(vbuf, ch.buf, ch, v);
+  });
+  *amax1 = _mm512_reduce_max_ps(am1);
+  *amax2 = _mm512_reduce_max_ps(am2);
+}
+
+// The second half: the block's codes of mbuf, vbuf under absmax a1, a2.
+void encode_block(const StepRegs& R, const float* mbuf, const float* vbuf,
+                  const BlockLayout::Block& blk, int64_t row_len, float a1, float a2, uint8_t* q1,
+                  uint8_t* q2) {
+  const float s1 = a1 > 0.0f ? 1.0f / a1 : 0.0f, s2 = a2 > 0.0f ? 1.0f / a2 : 0.0f;
+  if (R.d1 == Domain::kFolded && R.d2 == Domain::kNonNegative) {  // the dynamic maps: one pass
+    const __m512 sc1 = _mm512_set1_ps(s1), sc2 = _mm512_set1_ps(s2);
+    for_chunks(blk, row_len, [&](const Chunk& ch) {
+      __m512 m[4], v[4];
+      load_floats(mbuf, ch.buf, ch, m);
+      load_floats(vbuf, ch.buf, ch, v);
+      for (int j = 0; j < 4; ++j) {
+        m[j] = _mm512_mul_ps(m[j], sc1);
+        v[j] = _mm512_mul_ps(v[j], sc2);
+      }
+      const __m512i c1 = encode64<Domain::kFolded>(m, R.r1);
+      const __m512i c2 = encode64<Domain::kNonNegative>(v, R.r2);
+      store_bytes(q1, ch, c1);
+      store_bytes(q2, ch, c2);
+    });
+  } else {
+    quantize_block_in(R.d1, mbuf, true, blk, row_len, s1, R.r1, q1);
+    quantize_block_in(R.d2, vbuf, true, blk, row_len, s2, R.r2, q2);
+  }
+}
+
+}  // namespace
+
 void adamw8bit_blocks(float* p, const float* g, uint8_t* q1, float* absmax1, uint8_t* q2,
                       float* absmax2, const BlockLayout& L, const CodeLut& lut1,
                       const CodeLut& lut2, const AdamWCoeffs& c, int64_t b0, int64_t b1,
                       float* buf) {
-  const Table256 code1(lut1.code_planes()), code2(lut2.code_planes());
-  const IndexRegs r1(*lut1.index(), lut1.index_mid_planes());
-  const IndexRegs r2(*lut2.index(), lut2.index_mid_planes());
-  const Domain d1 = domain_of(*lut1.index()), d2 = domain_of(*lut2.index());
+  const StepRegs R(lut1, lut2, c);
   float* mbuf = buf;
   float* vbuf = buf + L.max_block_elems();
-  const __m512 b1v = _mm512_set1_ps(c.b1), omb1 = _mm512_set1_ps(c.one_minus_b1);
-  const __m512 b2v = _mm512_set1_ps(c.b2), omb2 = _mm512_set1_ps(c.one_minus_b2);
-  const __m512 decay = _mm512_set1_ps(c.decay), step = _mm512_set1_ps(c.step_size);
-  const __m512 isb = _mm512_set1_ps(c.inv_sqrt_bc2), eps = _mm512_set1_ps(c.eps);
   for (int64_t b = b0; b < b1; ++b) {
     const auto blk = L.block(b);
-    const __m512 a1 = _mm512_set1_ps(absmax1[b]), a2 = _mm512_set1_ps(absmax2[b]);
-    __m512 am1 = _mm512_setzero_ps(), am2 = _mm512_setzero_ps();
-    // One pass: decode the moments, update them and the parameter (adamw_update's
-    // operations), keep the new moments for the block's absmax.
-    const int64_t ahead = prefetch_distance(blk);
-    for_chunks(blk, L.row_len, [&](const Chunk& ch) {
-      prefetch(p, ch, ahead);
-      prefetch(g, ch, ahead);
-      prefetch(q1, ch, ahead);
-      prefetch(q2, ch, ahead);
-      __m512 m[4], v[4], gj[4], pj[4];
-      decode64(load_bytes(q1, ch), code1, m);
-      decode64(load_bytes(q2, ch), code2, v);
-      load_floats(g, ch.off, ch, gj);
-      load_floats(p, ch.off, ch, pj);
-      for (int j = 0; j < 4; ++j) {
-        const __m512 mj = _mm512_fmadd_ps(b1v, _mm512_mul_ps(m[j], a1), _mm512_mul_ps(omb1, gj[j]));
-        const __m512 vj = _mm512_fmadd_ps(b2v, _mm512_mul_ps(v[j], a2),
-                                          _mm512_mul_ps(_mm512_mul_ps(omb2, gj[j]), gj[j]));
-        const __m512 denom = _mm512_fmadd_ps(sqrt_nr(vj), isb, eps);
-        pj[j] = _mm512_fnmadd_ps(step, div_nr(mj, denom), _mm512_mul_ps(pj[j], decay));
-        am1 = _mm512_mask_max_ps(am1, ch.lane[j], am1, _mm512_abs_ps(mj));
-        am2 = _mm512_mask_max_ps(am2, ch.lane[j], am2, _mm512_abs_ps(vj));
-        m[j] = mj;
-        v[j] = vj;
-      }
-      store_floats(p, ch.off, ch, pj);
-      store_floats(mbuf, ch.buf, ch, m);
-      store_floats(vbuf, ch.buf, ch, v);
-    });
-    const float amax1 = _mm512_reduce_max_ps(am1), amax2 = _mm512_reduce_max_ps(am2);
-    const float s1 = amax1 > 0.0f ? 1.0f / amax1 : 0.0f, s2 = amax2 > 0.0f ? 1.0f / amax2 : 0.0f;
-    if (d1 == Domain::kFolded && d2 == Domain::kNonNegative) {  // the dynamic maps: one pass
-      const __m512 sc1 = _mm512_set1_ps(s1), sc2 = _mm512_set1_ps(s2);
-      for_chunks(blk, L.row_len, [&](const Chunk& ch) {
-        __m512 m[4], v[4];
-        load_floats(mbuf, ch.buf, ch, m);
-        load_floats(vbuf, ch.buf, ch, v);
-        for (int j = 0; j < 4; ++j) {
-          m[j] = _mm512_mul_ps(m[j], sc1);
-          v[j] = _mm512_mul_ps(v[j], sc2);
-        }
-        const __m512i c1 = encode64<Domain::kFolded>(m, r1);
-        const __m512i c2 = encode64<Domain::kNonNegative>(v, r2);
-        store_bytes(q1, ch, c1);
-        store_bytes(q2, ch, c2);
-      });
-    } else {
-      quantize_block_in(d1, mbuf, true, blk, L.row_len, s1, r1, q1);
-      quantize_block_in(d2, vbuf, true, blk, L.row_len, s2, r2, q2);
-    }
+    float amax1, amax2;
+    update_block(R, p, g, q1, q2, absmax1[b], absmax2[b], blk, L.row_len, mbuf, vbuf, &amax1,
+                 &amax2);
+    encode_block(R, mbuf, vbuf, blk, L.row_len, amax1, amax2, q1, q2);
     absmax1[b] = amax1;
     absmax2[b] = amax2;
+  }
+}
+
+void adamw8bit_begin_blocks(float* p, const float* g, const uint8_t* q1, const float* absmax1,
+                            const uint8_t* q2, const float* absmax2, const BlockLayout& L,
+                            const CodeLut& lut1, const CodeLut& lut2, const AdamWCoeffs& c,
+                            int64_t b0, int64_t b1, float* scratch, float* amax1, float* amax2) {
+  const StepRegs R(lut1, lut2, c);
+  const int64_t w = L.max_block_elems();
+  for (int64_t b = b0; b < b1; ++b) {
+    update_block(R, p, g, q1, q2, absmax1[b], absmax2[b], L.block(b), L.row_len,
+                 scratch + 2 * b * w, scratch + (2 * b + 1) * w, amax1 + b, amax2 + b);
+  }
+}
+
+void adamw8bit_end_blocks(const float* scratch, const BlockLayout& L, const CodeLut& lut1,
+                          const CodeLut& lut2, const float* agreed1, const float* agreed2,
+                          uint8_t* q1, float* absmax1, uint8_t* q2, float* absmax2, int64_t b0,
+                          int64_t b1) {
+  const StepRegs R(lut1, lut2, AdamWCoeffs{});
+  const int64_t w = L.max_block_elems();
+  for (int64_t b = b0; b < b1; ++b) {
+    encode_block(R, scratch + 2 * b * w, scratch + (2 * b + 1) * w, L.block(b), L.row_len,
+                 agreed1[b], agreed2[b], q1, q2);
+    absmax1[b] = agreed1[b];
+    absmax2[b] = agreed2[b];
   }
 }
 
@@ -455,6 +511,16 @@ void dequantize_blocks(const uint8_t*, const float*, const BlockLayout&, const C
 void adamw8bit_blocks(float*, const float*, uint8_t*, float*, uint8_t*, float*,
                       const BlockLayout&, const CodeLut&, const CodeLut&, const AdamWCoeffs&,
                       int64_t, int64_t, float*) { absent(); }
+void adamw8bit_begin_blocks(float*, const float*, const uint8_t*, const float*, const uint8_t*,
+                            const float*, const BlockLayout&, const CodeLut&, const CodeLut&,
+                            const AdamWCoeffs&, int64_t, int64_t, float*, float*, float*) {
+  absent();
+}
+void adamw8bit_end_blocks(const float*, const BlockLayout&, const CodeLut&, const CodeLut&,
+                          const float*, const float*, uint8_t*, float*, uint8_t*, float*, int64_t,
+                          int64_t) {
+  absent();
+}
 }  // namespace rfsdp::quant::cpu::avx512
 
 #endif

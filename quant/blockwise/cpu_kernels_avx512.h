@@ -30,4 +30,14 @@ void adamw8bit_blocks(float* p, const float* g, uint8_t* q1, float* absmax1, uin
                       const CodeLut& lut2, const AdamWCoeffs& c, int64_t b0, int64_t b1,
                       float* buf);
 
+// A step of blocks that ranks share, in two halves (cpu_kernels.h).
+void adamw8bit_begin_blocks(float* p, const float* g, const uint8_t* q1, const float* absmax1,
+                            const uint8_t* q2, const float* absmax2, const BlockLayout& L,
+                            const CodeLut& lut1, const CodeLut& lut2, const AdamWCoeffs& c,
+                            int64_t b0, int64_t b1, float* scratch, float* amax1, float* amax2);
+void adamw8bit_end_blocks(const float* scratch, const BlockLayout& L, const CodeLut& lut1,
+                          const CodeLut& lut2, const float* agreed1, const float* agreed2,
+                          uint8_t* q1, float* absmax1, uint8_t* q2, float* absmax2, int64_t b0,
+                          int64_t b1);
+
 }  // namespace rfsdp::quant::cpu::avx512

@@ -146,6 +146,40 @@ float max_abs(const float* __restrict x, int64_t n) {
   return r;
 }
 
+namespace {
+
+// The first half of one block's step: decode, update the parameter and the
+// moments (into mbuf, vbuf: the block's elements segment after segment); the
+// new moments' max |.| into *amax1, *amax2.
+void update_block(float* __restrict p, const float* __restrict g, const uint8_t* __restrict q1,
+                  const uint8_t* __restrict q2, float a1, float a2, const BlockLayout& L,
+                  const BlockLayout::Block& blk, const CodeLut& lut1, const CodeLut& lut2,
+                  const AdamWCoeffs& c, float* __restrict mbuf, float* __restrict vbuf,
+                  float* amax1, float* amax2) {
+  for (int64_t s = 0; s < blk.segments; ++s) {
+    const int64_t off = blk.start + s * L.row_len, k = s * blk.seg_len;
+    adamw8bit_run(p + off, g + off, q1 + off, q2 + off, a1, a2, lut1.code(), lut2.code(), c,
+                  blk.seg_len, mbuf + k, vbuf + k);
+  }
+  *amax1 = max_abs(mbuf, blk.count);
+  *amax2 = max_abs(vbuf, blk.count);
+}
+
+// The second half: the block's codes of mbuf, vbuf under absmax a1, a2.
+void encode_block(const float* mbuf, const float* vbuf, const BlockLayout& L,
+                  const BlockLayout::Block& blk, const CodeLut& lut1, const CodeLut& lut2,
+                  float a1, float a2, uint8_t* __restrict q1, uint8_t* __restrict q2) {
+  const float s1 = a1 > 0.0f ? 1.0f / a1 : 0.0f;
+  const float s2 = a2 > 0.0f ? 1.0f / a2 : 0.0f;
+  for (int64_t s = 0; s < blk.segments; ++s) {
+    const int64_t off = blk.start + s * L.row_len, k = s * blk.seg_len;
+    nearest_codes(mbuf + k, s1, blk.seg_len, lut1, q1 + off);
+    nearest_codes(vbuf + k, s2, blk.seg_len, lut2, q2 + off);
+  }
+}
+
+}  // namespace
+
 void adamw8bit_blocks(float* __restrict p, const float* __restrict g, uint8_t* __restrict q1,
                       float* __restrict absmax1, uint8_t* __restrict q2, float* __restrict absmax2,
                       const BlockLayout& L, const CodeLut& lut1, const CodeLut& lut2,
@@ -153,21 +187,36 @@ void adamw8bit_blocks(float* __restrict p, const float* __restrict g, uint8_t* _
                       float* __restrict vbuf) {
   for (int64_t b = b0; b < b1; ++b) {
     const auto blk = L.block(b);
-    for (int64_t s = 0; s < blk.segments; ++s) {
-      const int64_t off = blk.start + s * L.row_len, k = s * blk.seg_len;
-      adamw8bit_run(p + off, g + off, q1 + off, q2 + off, absmax1[b], absmax2[b], lut1.code(),
-                    lut2.code(), c, blk.seg_len, mbuf + k, vbuf + k);
-    }
-    const float amax1 = max_abs(mbuf, blk.count), amax2 = max_abs(vbuf, blk.count);
-    const float s1 = amax1 > 0.0f ? 1.0f / amax1 : 0.0f;
-    const float s2 = amax2 > 0.0f ? 1.0f / amax2 : 0.0f;
-    for (int64_t s = 0; s < blk.segments; ++s) {
-      const int64_t off = blk.start + s * L.row_len, k = s * blk.seg_len;
-      nearest_codes(mbuf + k, s1, blk.seg_len, lut1, q1 + off);
-      nearest_codes(vbuf + k, s2, blk.seg_len, lut2, q2 + off);
-    }
+    float amax1, amax2;
+    update_block(p, g, q1, q2, absmax1[b], absmax2[b], L, blk, lut1, lut2, c, mbuf, vbuf, &amax1,
+                 &amax2);
+    encode_block(mbuf, vbuf, L, blk, lut1, lut2, amax1, amax2, q1, q2);
     absmax1[b] = amax1;
     absmax2[b] = amax2;
+  }
+}
+
+void adamw8bit_begin_blocks(float* p, const float* g, const uint8_t* q1, const float* absmax1,
+                            const uint8_t* q2, const float* absmax2, const BlockLayout& L,
+                            const CodeLut& lut1, const CodeLut& lut2, const AdamWCoeffs& c,
+                            int64_t b0, int64_t b1, float* scratch, float* amax1, float* amax2) {
+  const int64_t w = L.max_block_elems();
+  for (int64_t b = b0; b < b1; ++b) {
+    update_block(p, g, q1, q2, absmax1[b], absmax2[b], L, L.block(b), lut1, lut2, c,
+                 scratch + 2 * b * w, scratch + (2 * b + 1) * w, amax1 + b, amax2 + b);
+  }
+}
+
+void adamw8bit_end_blocks(const float* scratch, const BlockLayout& L, const CodeLut& lut1,
+                          const CodeLut& lut2, const float* agreed1, const float* agreed2,
+                          uint8_t* q1, float* absmax1, uint8_t* q2, float* absmax2, int64_t b0,
+                          int64_t b1) {
+  const int64_t w = L.max_block_elems();
+  for (int64_t b = b0; b < b1; ++b) {
+    encode_block(scratch + 2 * b * w, scratch + (2 * b + 1) * w, L, L.block(b), lut1, lut2,
+                 agreed1[b], agreed2[b], q1, q2);
+    absmax1[b] = agreed1[b];
+    absmax2[b] = agreed2[b];
   }
 }
 

@@ -5,6 +5,7 @@
 #include <gtest/gtest.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <iostream>
 #include <random>
@@ -297,50 +298,173 @@ TEST(AdamW8bit, ShardCuttingABlockIsAClearError) {
 }
 
 TEST(AdamW8bit, OnTheShardsOfAnFsdpUnit) {
-  // A unit planned with the 8-bit granule works; one planned with 1-row granules
-  // (whose shards cut blocks) is refused by name.
+  // A unit planned with the 8-bit granule holds whole blocks; one planned with
+  // 1-row granules splits the 12000 elements at row 150 (element 6000: inside a
+  // block), which the two ranks then share. Both step as one device, bit for bit.
   TensorSpec w;
   w.name = "w";
   w.shape = {300, 40};
   const uint64_t seed = testing::fresh_seed();
   SCOPED_TRACE("seed " + std::to_string(seed));
   for (int64_t granule : {int64_t{32}, int64_t{1}}) {
+    SCOPED_TRACE("granule " + std::to_string(granule));
     w.granule_rows = granule;
     const Plan plan = plan_unit({w}, 2, 16);
+    if (granule == 1) ASSERT_EQ(plan.shard(0, 1).row_begin, 150);
     run_local_ranks(2, [&](Comm& c) {
-      FSDPUnit unit(std::shared_ptr<Comm>(&c, [](Comm*) {}), plan);
-      unit.shard({at::randn({300, 40})});
-      if (granule == 32) {
-        // The sharded step equals the unsharded one on this rank's rows, bit for bit
-        // (blocks are row bands of the whole tensor, so the states do not depend on
-        // the world size).
-        const at::Tensor full = testing::seeded_randn({300, 40}, seed, 0);
-        const at::Tensor grad = testing::seeded_randn({300, 40}, seed, 1);
-        unit.shard({full});
-        const ShardRange range = unit.shard_range(0);
-        AdamW8bit opt(param_shards(unit));
-        at::Tensor whole_p = full.clone(), whole_g = grad.clone();
-        AdamW8bit whole({whole_param("w", whole_p, whole_g)});
-        for (int step = 0; step < 3; ++step) {
-          unit.local_grad(0).copy_(grad.narrow(0, range.row_begin, range.row_end - range.row_begin));
-          opt.step();
-          whole.step();
-        }
-        EXPECT_TRUE(at::equal(unit.local_param(0),
-                              whole_p.narrow(0, range.row_begin, range.row_end - range.row_begin)));
-        EXPECT_FALSE(at::equal(whole_p, full));
-      } else {
-        // 1-row granules split the 12000 elements at row 150 (6000 elements): inside a block.
-        ASSERT_EQ(plan.shard(0, 1).row_begin, 150);
-        try {
-          AdamW8bit opt(param_shards(unit));
-          ADD_FAILURE() << "a shard that cuts 8-bit blocks was accepted";
-        } catch (const std::invalid_argument& e) {
-          EXPECT_NE(std::string(e.what()).find("parameter 'w'"), std::string::npos) << e.what();
-        }
+      auto comm = std::shared_ptr<Comm>(&c, [](Comm*) {});
+      FSDPUnit unit(comm, plan);
+      const at::Tensor full = testing::seeded_randn({300, 40}, seed, 0);
+      const at::Tensor grad = testing::seeded_randn({300, 40}, seed, 1);
+      unit.shard({full});
+      const ShardRange range = unit.shard_range(0);
+      AdamW8bit opt(param_shards(unit), {}, quant::BlockShape::blocks(256), 4096, comm);
+      EXPECT_EQ(opt.shared_blocks(), granule == 1 ? 1 : 0);
+      at::Tensor whole_p = full.clone(), whole_g = grad.clone();
+      AdamW8bit whole({whole_param("w", whole_p, whole_g)});
+      for (int step = 0; step < 3; ++step) {
+        unit.local_grad(0).copy_(grad.narrow(0, range.row_begin, range.row_end - range.row_begin));
+        opt.step();
+        whole.step();
       }
+      EXPECT_TRUE(at::equal(unit.local_param(0),
+                            whole_p.narrow(0, range.row_begin, range.row_end - range.row_begin)));
+      EXPECT_FALSE(at::equal(whole_p, full));
     });
   }
+}
+
+// Every rank's rows [begin, end) of n rows as torch.chunk splits them (FSDP2's split).
+std::vector<std::pair<int64_t, int64_t>> chunk_rows(int64_t n, int64_t world) {
+  const int64_t c = (n + world - 1) / world;
+  std::vector<std::pair<int64_t, int64_t>> rows;
+  for (int64_t r = 0; r < world; ++r) rows.push_back({std::min(r * c, n), std::min((r + 1) * c, n)});
+  return rows;
+}
+
+TEST(AdamW8bit, BlocksThatShardsCutAreAgreedAndEqualOneDeviceBitForBit) {
+  // torch.chunk rows over 2-4 ranks cut blocks: at one end or both, a block
+  // spread over three ranks (20 x 16 = 320 elements, 112 a rank), a rank with no
+  // rows (5 rows over 4 ranks), rows of tiles cut. Each rank's parameter, codes
+  // and absmax equal the one-device optimizer's (its rows; its blocks' entries)
+  // bit for bit after every step. Without the agreement (each rank quantising its
+  // rows as a tensor of its own, what a shard-local 8-bit optimizer does) they differ.
+  const uint64_t seed = fresh_seed();
+  SCOPED_TRACE("seed " + std::to_string(seed));
+  const std::vector<std::pair<quant::BlockShape, std::vector<Tensor8>>> configs = {
+      {quant::BlockShape::blocks(256), {{"a", {300, 40}}, {"t", {20, 16}}, {"e", {5, 300}}}},
+      {quant::BlockShape::tiles(32, 32), {{"b", {70, 45}}, {"f", {130, 40}}}}};
+  for (const auto& [block, ts] : configs) {
+    for (int world : {2, 3, 4}) {
+      SCOPED_TRACE(block.str() + ", " + std::to_string(world) + " ranks");
+      // The one-device run: every step's parameters, codes and absmax.
+      std::vector<at::Tensor> wp, wg;
+      std::vector<ParamShard> whole_shards;
+      for (size_t i = 0; i < ts.size(); ++i) {
+        wp.push_back(seeded_randn(ts[i].shape, seed, i));
+        wg.push_back(at::zeros(ts[i].shape));
+        whole_shards.push_back(whole_param(ts[i].name, wp.back(), wg.back()));
+      }
+      AdamWOptions o;
+      o.lr = 1e-2;
+      AdamW8bit whole(whole_shards, o, block, 1);
+      const int steps = 4;
+      std::vector<std::vector<std::vector<at::Tensor>>> want(steps);  // [step][tensor] p, q1, a1, q2, a2
+      auto grad_of = [&](size_t i, int step) {
+        return seeded_randn(ts[i].shape, seed, 100 + 10 * step + i);
+      };
+      for (int step = 0; step < steps; ++step) {
+        for (size_t i = 0; i < ts.size(); ++i) wg[i].copy_(grad_of(i, step));
+        whole.step();
+        for (size_t i = 0; i < ts.size(); ++i) {
+          std::vector<at::Tensor> w = {wp[i].clone()};
+          for (const auto& kv : whole.state(i)) w.push_back(kv.second.clone());
+          want[step].push_back(w);
+        }
+      }
+      std::atomic<int> differ_without{0};
+      run_local_ranks(world, [&](Comm& c) {
+        auto comm = std::shared_ptr<Comm>(&c, [](Comm*) {});
+        const int r = c.rank();
+        std::vector<at::Tensor> p, g, lp, lg;
+        std::vector<ParamShard> shards, local_shards;
+        std::vector<std::pair<int64_t, int64_t>> mine;
+        for (size_t i = 0; i < ts.size(); ++i) {
+          const auto rows = chunk_rows(ts[i].shape[0], world);
+          const auto [b, e] = rows[r];
+          mine.push_back(rows[r]);
+          p.push_back(seeded_randn(ts[i].shape, seed, i).narrow(0, b, e - b).clone());
+          g.push_back(at::zeros_like(p.back()));
+          shards.emplace_back(TensorShard::rows_of(ts[i].name, ts[i].shape, 1, b, e, rows),
+                              p.back(), g.back());
+          lp.push_back(p.back().clone());
+          lg.push_back(at::zeros_like(p.back()));
+          local_shards.push_back(whole_param(ts[i].name, lp.back(), lg.back()));
+        }
+        AdamW8bit opt(shards, o, block, 1, comm);
+        AdamW8bit shard_local(local_shards, o, block, 1);
+        for (int step = 0; step < steps; ++step) {
+          for (size_t i = 0; i < ts.size(); ++i) {
+            const auto [b, e] = mine[i];
+            g[i].copy_(grad_of(i, step).narrow(0, b, e - b));
+            lg[i].copy_(g[i]);
+          }
+          opt.step();
+          shard_local.step();
+          for (size_t i = 0; i < ts.size(); ++i) {
+            SCOPED_TRACE("step " + std::to_string(step) + ", '" + ts[i].name + "', rank " +
+                         std::to_string(r));
+            const auto [b, e] = mine[i];
+            const int64_t row_len = p[i].numel() / std::max<int64_t>(1, e - b);
+            const auto span = opt.block_span(i);
+            const auto st = opt.state(i);
+            const auto& w = want[step][i];
+            ASSERT_TRUE(at::equal(p[i], w[0].narrow(0, b, e - b)));
+            ASSERT_EQ(st.size(), 4u);
+            for (int k : {0, 2}) {  // codes: this rank's elements
+              const int64_t n = st[k].second.numel();
+              ASSERT_TRUE(at::equal(st[k].second, w[1 + k].narrow(0, b * (n ? row_len : 0), n)))
+                  << st[k].first;
+            }
+            for (int k : {1, 3}) {  // absmax: the blocks this rank touches
+              ASSERT_TRUE(at::equal(st[k].second,
+                                    w[1 + k].narrow(0, span.first, st[k].second.numel())))
+                  << st[k].first;
+            }
+            if (!at::equal(lp[i], p[i])) ++differ_without;
+          }
+        }
+      });
+      EXPECT_GT(differ_without.load(), 0) << "shard-local quantisation gave the same result";
+    }
+  }
+}
+
+TEST(AdamW8bit, SharedBlockWithAGradientOnOnlySomeRanksIsAnErrorEverywhere) {
+  // 300 x 40 over 3 ranks: rows 100 (element 4000) and 200 cut blocks. Rank 1
+  // gives no gradient: every rank raises, nothing changes, the step does not count.
+  run_local_ranks(3, [&](Comm& c) {
+    auto comm = std::shared_ptr<Comm>(&c, [](Comm*) {});
+    const auto rows = chunk_rows(300, 3);
+    const auto [b, e] = rows[c.rank()];
+    at::Tensor p = at::randn({e - b, 40}), g = at::randn({e - b, 40});
+    AdamW8bit opt({ParamShard(TensorShard::rows_of("w", {300, 40}, 1, b, e, rows), p,
+                              c.rank() == 1 ? at::Tensor() : g)},
+                  {}, quant::BlockShape::blocks(256), 4096, comm);
+    const at::Tensor before = p.clone(), q1 = opt.state(0)[0].second.clone();
+    try {
+      opt.step();
+      ADD_FAILURE() << "no error on rank " << c.rank();
+    } catch (const std::invalid_argument& err) {
+      EXPECT_NE(std::string(err.what()).find("'w'"), std::string::npos) << err.what();
+    }
+    EXPECT_TRUE(at::equal(p, before));
+    EXPECT_TRUE(at::equal(opt.state(0)[0].second, q1));
+    EXPECT_EQ(opt.step_count(0), 0);
+    opt.set_grad(0, g);  // every rank with a gradient: the next step works
+    opt.step();
+    EXPECT_FALSE(at::equal(p, before));
+  });
 }
 
 TEST(AdamW, NonFiniteGradientIsAnErrorAndTheStepIsNotTaken) {

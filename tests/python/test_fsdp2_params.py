@@ -4,7 +4,10 @@ last rank short; a 3-row matrix gives each rank one row): Muon against the
 float64 single-device Muon (muon_reference.py) on the whole batch, AdamW
 against torch's AdamW unsharded; AdamW8bit and Shampoo where the chunks hold
 whole blocks and tiles against the same optimizer in one process (a cut tile is
-refused); placements rfsdp does not take are refused
+refused); AdamW8bit where the chunks cut blocks (the ranks agree the shared
+blocks' scales), bit for bit against one process, codes and scales included,
+under FSDP and HSDP; its state saved by rfsdp.checkpoint on 3 ranks, loaded on
+2, resuming as one process; placements rfsdp does not take are refused
 naming the parameter and the placement."""
 import os
 import sys
@@ -17,6 +20,7 @@ import torch.multiprocessing as mp
 from torch import nn
 
 import rfsdp
+from torch.distributed.tensor import Replicate
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import muon_reference  # noqa: E402
@@ -75,6 +79,66 @@ def aligned_grads(seed):
     return [(torch.randn(96, 64, generator=g), torch.randn(96, generator=g)) for _ in range(STEPS)]
 
 
+# Chunks that cut blocks: (300, 40) in 100-row chunks (4000 elements, mid-block)
+# or 150 (HSDP), (13, 64) as 5, 5, 3 rows (or 7, 6); (70, 45) under 32 x 32 tiles.
+CUT = {256: [(300, 40), (13, 64)], (32, 32): [(70, 45), (13, 64)]}
+
+
+def cut_grads(seed, shapes):
+    g = torch.Generator().manual_seed(seed + 23)
+    return [[torch.randn(s, generator=g) for s in shapes] for _ in range(STEPS)]
+
+
+def cut_8bit(mesh, seed):
+    """AdamW8bit over FSDP2 parameters whose chunks cut its blocks, on given
+    gradients: every rank's full parameters, and every rank's states and spans."""
+    from torch.distributed.tensor import Shard, distribute_tensor
+    placements = [Shard(0)] if mesh.ndim == 1 else [Replicate(), Shard(0)]
+    out = {}
+    for block, shapes in CUT.items():
+        ps = [nn.Parameter(distribute_tensor(torch.zeros(s), mesh, placements)) for s in shapes]
+        opt = rfsdp.optim.AdamW8bit(ps, lr=1e-2, block=block, min_8bit_size=256)
+        assert opt.shared_blocks() > 0
+        for gs in cut_grads(seed, shapes):
+            for p, g in zip(ps, gs):
+                p.grad = distribute_tensor(g, mesh, placements)
+            opt.step()
+        mine = [({k: t.clone() for k, t in opt.sharded_state(p).items()}, opt.sequence_spans(p),
+                 rfsdp.fsdp.dtensor.info_of("p", p).row_begin) for p in ps]
+        every = [None] * dist.get_world_size()
+        dist.all_gather_object(every, mine)
+        out[block] = ([p.full_tensor() for p in ps], every)
+    return out
+
+
+def check_cut_8bit(got, seed):
+    """Parameters, codes (each rank's rows) and scales (each rank's blocks, shared
+    ones on every rank that holds part of them) equal one process's, bit for bit."""
+    for block, shapes in CUT.items():
+        ps = [nn.Parameter(torch.zeros(s)) for s in shapes]
+        opt = rfsdp.optim.AdamW8bit(ps, lr=1e-2, block=block, min_8bit_size=256)
+        for gs in cut_grads(seed, shapes):
+            for p, g in zip(ps, gs):
+                p.grad = g
+            opt.step()
+        params, every = got[block]
+        for i, p in enumerate(ps):
+            assert torch.equal(params[i], p.detach()), (block, shapes[i], seed)
+            whole = opt.sharded_state(p)
+            for rank, states in enumerate(every):
+                st, spans, row_begin = states[i]
+                row_len = shapes[i][1]
+                for name in ("q1", "q2"):
+                    n = st[name].numel()
+                    want = whole[name][row_begin * row_len:row_begin * row_len + n]
+                    assert torch.equal(st[name], want), (block, shapes[i], rank, name, seed)
+                for name in ("absmax1", "absmax2"):
+                    total, first, shared = spans[name]
+                    assert total == whole[name].numel()
+                    want = whole[name][first:first + st[name].numel()]
+                    assert torch.equal(st[name], want), (block, shapes[i], rank, name, seed)
+
+
 def worker(rank, seed, init_file, out_file, mesh_shape=(WORLD,)):
     torch.set_num_threads(1)
     world = 1
@@ -83,7 +147,7 @@ def worker(rank, seed, init_file, out_file, mesh_shape=(WORLD,)):
     dist.init_process_group("gloo", init_method="file://" + init_file, rank=rank,
                             world_size=world)
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
+    from torch.distributed.tensor import DTensor, Shard, distribute_tensor
     mesh = init_device_mesh("cpu", mesh_shape, mesh_dim_names=("replicate", "shard")[-len(mesh_shape):])
     xs, ys = data(seed)
     out = {}
@@ -97,7 +161,8 @@ def worker(rank, seed, init_file, out_file, mesh_shape=(WORLD,)):
                                  use_muon=False, lr=3e-4)], **HYPER)
     out["muon_losses"] = train_on_slices(model, opt, xs, ys, rank, world)
     out["muon"] = full_of(model)
-    if len(mesh_shape) == 2:  # HSDP: Muon only
+    out["cut_8bit"] = cut_8bit(mesh, seed)
+    if len(mesh_shape) == 2:  # HSDP: Muon and cut-block AdamW8bit
         if rank == 0:
             torch.save(out, out_file)
         dist.barrier()
@@ -161,13 +226,16 @@ def check_muon(got, seed):
 def test_muon_on_fsdp2_hsdp_parameters_matches_one_device():
     """(Replicate(), Shard(0)) over a 2x2 mesh: 13 rows as 7 + 6 inside each replica."""
     seed = int(torch.randint(0, 2 ** 30, ()).item())
-    check_muon(run(seed, (2, 2)), seed)
+    got = run(seed, (2, 2))
+    check_muon(got, seed)
+    check_cut_8bit(got["cut_8bit"], seed)
 
 
 def test_rfsdp_optimizers_on_fsdp2_parameters_match_one_device():
     seed = int(torch.randint(0, 2 ** 30, ()).item())
     got = run(seed, (WORLD,))
     check_muon(got, seed)
+    check_cut_8bit(got["cut_8bit"], seed)
     xs, ys = data(seed)
     for name in ("8bit", "shampoo"):
         w, b = nn.Parameter(torch.zeros(96, 64)), nn.Parameter(torch.zeros(96))
@@ -186,3 +254,72 @@ def test_rfsdp_optimizers_on_fsdp2_parameters_match_one_device():
     for n, p in model.named_parameters():
         torch.testing.assert_close(got["adamw"][n], p.detach(), rtol=1e-5, atol=1e-6,
                                    msg=lambda m: "AdamW %s (seed %d): %s" % (n, seed, m))
+
+
+# ---- optimizer state of an FSDP2 model through rfsdp.checkpoint, resharded ----
+
+def ckpt_model(mesh):
+    torch.manual_seed(0)
+    return fsdp2(Odd(), mesh)
+
+
+def ckpt_grads(seed, model):
+    g = torch.Generator().manual_seed(seed + 31)
+    return [{n: torch.randn(p.shape, generator=g) for n, p in model.named_parameters()}
+            for _ in range(4)]
+
+
+def ckpt_worker(rank, world, seed, path, init_file, out_file, save):
+    """save: 2 steps on 3 ranks, save, 2 more; load: on 2 ranks, the last 2 steps.
+    Given gradients, so each step is the one-device step (AdamW8bit's blocks
+    cut by FSDP2's chunks: scales agreed)."""
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method="file://" + init_file, rank=rank,
+                            world_size=world)
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+    mesh = init_device_mesh("cpu", (world,))
+    model = ckpt_model(mesh)
+    opt = rfsdp.optim.AdamW8bit(model.parameters(), lr=1e-2, block=32, min_8bit_size=16)
+    grads = ckpt_grads(seed, model)
+
+    def step(k):
+        for n, p in model.named_parameters():
+            p.grad = distribute_tensor(grads[k][n], mesh, [Shard(0)])
+        opt.step()
+    if save:
+        assert opt.shared_blocks() > 0
+        step(0)
+        step(1)
+        rfsdp.checkpoint.save(path, model, opt)
+    else:
+        rfsdp.checkpoint.load(path, model, opt)
+    step(2)
+    step(3)
+    full = full_of(model)
+    if rank == 0:
+        torch.save(full, out_file)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def test_fsdp2_adamw8bit_state_checkpoint_reshards_and_resumes_exactly():
+    seed = int(torch.randint(0, 2 ** 30, ()).item())
+    with tempfile.TemporaryDirectory() as d:
+        path = os.path.join(d, "ckpt")
+        outs = []
+        for world, save in ((3, True), (2, False)):
+            out_file = os.path.join(d, "out%d.pt" % world)
+            mp.spawn(ckpt_worker, args=(world, seed, path, os.path.join(d, "init%d" % world),
+                                        out_file, save), nprocs=world)
+            outs.append(torch.load(out_file))
+    torch.manual_seed(0)
+    model = Odd()
+    opt = rfsdp.optim.AdamW8bit(model.parameters(), lr=1e-2, block=32, min_8bit_size=16)
+    for grads in ckpt_grads(seed, model):
+        for n, p in model.named_parameters():
+            p.grad = grads[n]
+        opt.step()
+    for n, p in model.named_parameters():
+        for world, got in zip((3, 2), outs):
+            assert torch.equal(got[n], p.detach()), (n, world, seed)
