@@ -56,6 +56,7 @@ import rfsdp  # noqa: E402
 ANCHORS_DIR = os.path.expanduser(os.environ.get("RFSDP_ANCHORS", "~/.cache/rfsdp/anchors"))
 ANCHOR_PINS = ["bitsandbytes==0.50.2", "torchao==0.18.0"]
 LR, BETAS, EPS, WD = 1e-3, (0.9, 0.999), 1e-8, 0.1
+FSDP2_SHAMPOO_DIM = 64  # section 6's max_preconditioner_dim
 MIB = 2 ** 20
 
 
@@ -236,7 +237,7 @@ def fsdp2opt_worker(args):
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
     rows = {}
-    names = ["adamw8bit", "muon"] + (["torch_adamw"] if args.variant == "fsdp2" else [])
+    names = ["adamw8bit", "muon", "shampoo"] + (["torch_adamw"] if args.variant == "fsdp2" else [])
     for name in names:
         torch.manual_seed(0)
         model = GPT(args.dim, args.layers, args.heads, args.ctx)
@@ -248,7 +249,8 @@ def fsdp2opt_worker(args):
                 fsdp2_fully_shard(b, mesh=mesh)
             fsdp2_fully_shard(model, mesh=mesh)
         else:
-            pol = rfsdp.policy.combine(rfsdp.policy.blockwise_8bit(256), rfsdp.policy.muon())
+            pol = rfsdp.policy.combine(rfsdp.policy.blockwise_8bit(256), rfsdp.policy.muon(),
+                                       rfsdp.policy.shampoo(FSDP2_SHAMPOO_DIM))
             for b in model.blocks:
                 rfsdp.fully_shard(b, policy=pol)
             rfsdp.fully_shard(model, policy=pol)
@@ -261,6 +263,10 @@ def fsdp2opt_worker(args):
         elif name == "adamw8bit":
             opt = rfsdp.optim.AdamW8bit(model.parameters(), lr=LR, betas=BETAS, eps=EPS,
                                         weight_decay=WD)
+        elif name == "shampoo":  # roots every 5 steps: the median step is a step without them
+            opt = rfsdp.optim.Shampoo(model.parameters(), lr=LR, betas=BETAS, epsilon=1e-10,
+                                      weight_decay=WD, max_preconditioner_dim=FSDP2_SHAMPOO_DIM,
+                                      precondition_frequency=5, start_preconditioning_step=5)
         else:
             opt = torch.optim.AdamW(model.parameters(), lr=LR, betas=BETAS, eps=EPS,
                                     weight_decay=WD)
@@ -281,7 +287,8 @@ def fsdp2opt_worker(args):
             sent.append(comm.stats()["bytes_sent"] if comm is not None else 0)
         rows[name] = dict(step_ms=median_ms(times[args.warmup:]),
                           sent=statistics.median(sent[args.warmup:]),
-                          shared=opt.shared_blocks() if name == "adamw8bit" else 0,
+                          shared=opt.shared_blocks() if name == "adamw8bit" else
+                          opt.shared_tile_rows() if name == "shampoo" else 0,
                           loss=loss.item())
     every = [None] * world
     dist.all_gather_object(every, rows)
@@ -307,8 +314,8 @@ def section_fsdp2opt(args):
           "(whole-block plan): 2 ranks, GPT width %d, %d layers, median optimizer step of %d"
           % (dim, args.layers, args.steps))
     print("%-12s %-14s %9s %12s %14s %10s" % ("optimizer", "sharded by", "step ms",
-                                             "/ fully_shard", "sent B/step", "shared blk"))
-    for name in ("adamw8bit", "muon", "torch_adamw"):
+                                             "/ fully_shard", "sent B/step", "shared"))
+    for name in ("adamw8bit", "muon", "shampoo", "torch_adamw"):
         for v in ("fsdp2", "rfsdp"):
             rows = [r[name] for r in results[v] if name in r]
             if not rows:
@@ -319,10 +326,13 @@ def section_fsdp2opt(args):
             print("%-12s %-14s %9.2f %12s %14d %10d" % (
                 name, "FSDP2" if v == "fsdp2" else "fully_shard", ms,
                 "%.2fx" % (ms / base_ms) if base_ms else "-",
-                max(r["sent"] for r in rows), sum(r["shared"] for r in rows)))
+                max(r["sent"] for r in rows),
+                (sum if name == "adamw8bit" else max)(r["shared"] for r in rows)))
     print("sent: what the optimizer's Comm sent in its step (the NaN gate, Muon's gathers and "
-          "scatters, AdamW8bit's shared-block scales); shared blk: 8-bit blocks a chunk boundary "
-          "cuts, summed over ranks (their scales agreed in one all-reduce a step).")
+          "scatters, AdamW8bit's shared-block scales, Shampoo's shared tile rows); shared: "
+          "AdamW8bit: 8-bit blocks a chunk boundary cuts, summed over ranks (their scales agreed "
+          "in one all-reduce a step); Shampoo: rows of %d-row tiles cut (all ranks; each "
+          "gathered to its owner, three all-to-alls a step)." % FSDP2_SHAMPOO_DIM)
 
 
 # ---- 2. Muon: rfsdp vs torch.optim.Muon ----------------------------------------------

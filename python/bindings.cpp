@@ -328,6 +328,7 @@ PYBIND11_MODULE(_C, m) {
              o.set_group_options(g, {lr, b1, b2, eps, gb2, geps, wd});
            })
       .def("num_tiles", [](const rfsdp::Shampoo& o) { return o.tiles().size(); })
+      .def("shared_tile_rows", [](const rfsdp::Shampoo& o) { return o.shared_rows().size(); })
       .def("factor_bytes", &rfsdp::Shampoo::factor_bytes)
       .def("root_seconds", &rfsdp::Shampoo::root_seconds)
       .def("fp64_retries", &rfsdp::Shampoo::fp64_retries);

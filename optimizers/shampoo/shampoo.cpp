@@ -82,17 +82,47 @@ int64_t shampoo_granule_rows(const std::vector<int64_t>& shape, int row_dims, in
                               "-D tensor are not supported (use row_dims 1, or 2 for [E, H, I])");
 }
 
-std::vector<ShampooTile> shampoo_tiles(const ParamShard& p, size_t param, int64_t max_dim) {
+std::vector<ShampooTile> shampoo_tiles(const ParamShard& p, size_t param, int64_t max_dim,
+                                       int rank, std::vector<SharedTileRow>* shared) {
   std::vector<ShampooTile> out;
   const int64_t e0 = p.row_begin * p.row_len, e1 = e0 + p.param.numel();
   int64_t left = 0, right = 0;
+  auto add_tiles = [&](int64_t k, const MatrixView& m, int64_t r0, int64_t rows, int64_t first,
+                       int64_t shared_row) {
+    for (int64_t c0 = 0; c0 < m.cols; c0 += max_dim) {
+      const int64_t cols = std::min(max_dim, m.cols - c0);
+      out.push_back({param, k, r0, rows, c0, cols, first + c0, m.cols, left, right, shared_row});
+      left += shampoo_packed_size(rows);
+      right += shampoo_packed_size(cols);
+    }
+  };
   const auto mats = matrices_of(p.shape);
   for (size_t k = 0; k < mats.size(); ++k) {
     const MatrixView& m = mats[k];
     for (int64_t r0 = 0; r0 < m.rows; r0 += max_dim) {
       const int64_t rows = std::min(max_dim, m.rows - r0);
       const int64_t lo = m.offset + r0 * m.cols, hi = lo + rows * m.cols;
-      if (hi <= e0 || lo >= e1 || m.cols == 0) continue;  // another rank's
+      if (m.cols == 0) continue;
+      if (shared && p.knows_every_rank()) {  // a row of tiles that several ranks hold: shared
+        SharedTileRow row{param, static_cast<int64_t>(k), r0, rows, m.cols, lo, hi, -1, {}};
+        int holders = 0;
+        for (size_t r = 0; r < p.rank_rows.size(); ++r) {
+          const int64_t b = std::max(lo, p.rank_rows[r].first * p.row_len);
+          const int64_t e = std::min(hi, p.rank_rows[r].second * p.row_len);
+          row.parts.push_back(e > b ? std::make_pair(b, e) : std::make_pair(int64_t{0}, int64_t{0}));
+          if (e > b) ++holders;
+          if (e > b && b == lo) row.owner = static_cast<int>(r);
+        }
+        if (holders > 1) {
+          shared->push_back(row);
+          if (row.owner == rank) {
+            add_tiles(static_cast<int64_t>(k), m, r0, rows, 0,
+                      static_cast<int64_t>(shared->size()) - 1);
+          }
+          continue;
+        }
+      }
+      if (hi <= e0 || lo >= e1) continue;  // another rank's
       if (lo < e0 || hi > e1) {
         throw std::invalid_argument(
             "Shampoo: parameter '" + p.name + "': this shard holds elements [" +
@@ -100,15 +130,10 @@ std::vector<ShampooTile> shampoo_tiles(const ParamShard& p, size_t param, int64_
             std::to_string(r0) + ", " + std::to_string(r0 + rows) + ") of matrix " +
             std::to_string(k) + "; plan the unit with the Shampoo granule "
             "(rfsdp.policy.shampoo(max_preconditioner_dim=" + std::to_string(max_dim) +
-            ") in Python) so every tile lies on one rank");
+            ") in Python) so every tile lies on one rank, or describe the shard with every "
+            "rank's rows so the ranks can share the cut tiles");
       }
-      for (int64_t c0 = 0; c0 < m.cols; c0 += max_dim) {
-        const int64_t cols = std::min(max_dim, m.cols - c0);
-        out.push_back({param, static_cast<int64_t>(k), r0, rows, c0, cols, lo - e0 + c0, m.cols,
-                       left, right});
-        left += shampoo_packed_size(rows);
-        right += shampoo_packed_size(cols);
-      }
+      add_tiles(static_cast<int64_t>(k), m, r0, rows, lo - e0, -1);
     }
   }
   return out;
@@ -232,9 +257,30 @@ Shampoo::Shampoo(std::vector<ParamShard> params, ShampooOptions options, Shampoo
     s.m = at::zeros_like(p.param);
     s.v = at::zeros_like(p.param);
     if (precondition_[i]) {
-      for (const ShampooTile& t : shampoo_tiles(p, i, config_.max_preconditioner_dim)) {
+      const size_t shared_before = shared_.size();
+      const int rank = comm_ ? comm_->rank() : 0;
+      for (const ShampooTile& t : shampoo_tiles(p, i, config_.max_preconditioner_dim, rank,
+                                                &shared_)) {
         s.tiles.push_back(tiles_.size());
         tiles_.push_back(t);
+      }
+      if (shared_.size() > shared_before) {
+        if (!comm_ || comm_->size() != static_cast<int>(p.rank_rows.size())) {
+          throw std::invalid_argument(
+              "Shampoo: parameter '" + p.name + "' has rows of tiles that its ranks' shards cut; "
+              "the ranks holding one send it to its owner, so the optimizer needs their process "
+              "group (" + std::to_string(p.rank_rows.size()) + " ranks; it has " +
+              (comm_ ? std::to_string(comm_->size()) : std::string("none")) + ")");
+        }
+        if (p.param.is_cuda()) {
+          throw std::invalid_argument(
+              "Shampoo: parameter '" + p.name + "': its shard (rows [" +
+              std::to_string(p.row_begin) + ", " + std::to_string(p.row_end) + ")) cuts tiles of " +
+              std::to_string(config_.max_preconditioner_dim) + " rows, and tiles shared by ranks "
+              "are preconditioned on the CPU only so far; on a GPU, give every rank whole tiles "
+              "(rfsdp.fully_shard with rfsdp.policy.shampoo), or choose a "
+              "max_preconditioner_dim that the rows keep whole");
+        }
       }
       int64_t left = 0, right = 0;
       for (size_t k : s.tiles) {
@@ -255,6 +301,58 @@ Shampoo::Shampoo(std::vector<ParamShard> params, ShampooOptions options, Shampoo
     }
     state_.push_back(std::move(s));
   }
+  // The shared rows' parts on each side of the exchanges, and the owner's buffers.
+  const int me = comm_ ? comm_->rank() : 0;
+  for (size_t j = 0; j < shared_.size(); ++j) {
+    const SharedTileRow& row = shared_[j];
+    const ParamShard& p = params_[row.param];
+    const int64_t n = row.end - row.begin;
+    const bool owner = row.owner == me;
+    shared_g_.push_back(owner ? at::zeros({n}, at::kFloat) : at::Tensor());
+    shared_m_.push_back(owner ? at::zeros({n}, at::kFloat) : at::Tensor());
+    shared_d_.push_back(owner ? at::zeros({n}, at::kFloat) : at::Tensor());
+    for (size_t r = 0; r < row.parts.size(); ++r) {
+      const auto [b, e] = row.parts[r];
+      if (e <= b) continue;
+      if (static_cast<int>(r) == me) {
+        held_parts_.push_back({j, row.owner, b - p.row_begin * p.row_len, b - row.begin, e - b});
+      }
+      if (owner) owned_parts_.push_back({j, static_cast<int>(r), -1, b - row.begin, e - b});
+    }
+  }
+  std::stable_sort(held_parts_.begin(), held_parts_.end(),
+                   [](const PartRef& a, const PartRef& b) { return a.peer < b.peer; });
+  std::stable_sort(owned_parts_.begin(), owned_parts_.end(),
+                   [](const PartRef& a, const PartRef& b) { return a.peer < b.peer; });
+}
+
+void Shampoo::exchange(bool forward, int64_t head, int64_t width,
+                       const std::function<void(const PartRef&, float*)>& fill,
+                       const std::function<void(const PartRef&, const float*)>& take) {
+  const std::vector<PartRef>& send_parts = forward ? held_parts_ : owned_parts_;
+  const std::vector<PartRef>& recv_parts = forward ? owned_parts_ : held_parts_;
+  const int world = comm_->size();
+  std::vector<int64_t> send_splits(world, 0), recv_splits(world, 0);
+  int64_t sends = 0, recvs = 0;
+  for (const PartRef& q : send_parts) send_splits[q.peer] += head + width * q.n;
+  for (const PartRef& q : recv_parts) recv_splits[q.peer] += head + width * q.n;
+  for (int r = 0; r < world; ++r) sends += send_splits[r], recvs += recv_splits[r];
+  at::Tensor send = at::empty({sends}, at::kFloat), recv = at::empty({recvs}, at::kFloat);
+  float* out = send.data_ptr<float>();
+  for (const PartRef& q : send_parts) {
+    fill(q, out);
+    out += head + width * q.n;
+  }
+  comm_->all_to_all(recv, send, recv_splits, send_splits).wait();
+  const float* in = recv.data_ptr<float>();
+  for (const PartRef& q : recv_parts) {
+    take(q, in);
+    in += head + width * q.n;
+  }
+}
+
+at::Tensor Shampoo::grad_tile(size_t i, const ShampooTile& t) const {
+  return tile_of(t.shared >= 0 ? shared_g_[t.shared] : params_[i].grad.view({-1}), t);
 }
 
 // Row i of the upper triangle, columns [i, n), follows rows 0..i-1: plain copies
@@ -375,6 +473,36 @@ void Shampoo::run_step(StepGate& gate, const std::vector<size_t>& stepping) {
       due.push_back(i);
     }
   }
+  std::vector<bool> steps(params_.size(), false);
+  for (size_t i : stepping) steps[i] = true;
+  if (!shared_.empty()) {
+    // The shared rows' gradients to their owners (with "has a gradient" flags:
+    // a row stepped on some of its ranks and not on others is refused).
+    std::string mismatch;
+    exchange(
+        true, 1, 1,
+        [&](const PartRef& q, float* dst) {
+          const size_t i = shared_[q.row].param;
+          dst[0] = steps[i] ? 1.0f : 0.0f;
+          if (steps[i]) {
+            std::copy_n(params_[i].grad.data_ptr<float>() + q.local, q.n, dst + 1);
+          } else {
+            std::fill_n(dst + 1, q.n, 0.0f);
+          }
+        },
+        [&](const PartRef& q, const float* src) {
+          const size_t i = shared_[q.row].param;
+          if ((src[0] > 0) != steps[i] && mismatch.empty()) {
+            mismatch = "parameter '" + params_[i].name + "' has a gradient on some of the ranks "
+                       "that share a row of its tiles and none on others (rank " +
+                       std::to_string(q.peer) + (src[0] > 0 ? " has one" : " has none") +
+                       "); give every rank a gradient for it (zeros where it has none), or none "
+                       "on any";
+          }
+          std::copy_n(src + 1, q.n, shared_g_[q.row].data_ptr<float>() + q.at);
+        });
+    if (!mismatch.empty()) gate.fail(mismatch, true);
+  }
   std::vector<at::Tensor> new_left(tiles_.size()), new_right(tiles_.size());
   std::vector<std::pair<at::Tensor, at::Tensor>> new_roots(tiles_.size());
   if (!due.empty()) {
@@ -425,6 +553,24 @@ void Shampoo::run_step(StepGate& gate, const std::vector<size_t>& stepping) {
       }
     }
   }
+  // P = L^-1/4 M^ R^-1/4 scaled to |D| in tile d (D where |P| = 0).
+  auto precondition_tile = [&](const ParamState& s, const ShampooTile& tl, at::Tensor d,
+                               const at::Tensor& m_hat) {
+    const at::Tensor rl = unpack(s.root_l, tl.left_offset, tl.rows);
+    const at::Tensor rr = unpack(s.root_r, tl.right_offset, tl.cols);
+    at::Tensor p = at::matmul(at::matmul(rl, m_hat), rr);
+    if (p.is_cuda()) {  // the same on the device, with no host wait per tile
+      const at::Tensor np = p.norm();
+      d.copy_(at::where(np > 0, p * (d.norm() / np), d));
+      return;
+    }
+    const double np = p.norm().item<double>();
+    if (np > 0) d.copy_(p.mul_(d.norm().item<double>() / np));  // else keep D
+  };
+  auto preconditions = [&](size_t i) {
+    return precondition_[i] && param_steps_[i] >= config_.start_preconditioning_step;
+  };
+  std::vector<at::Tensor> update(params_.size()), m_hats(params_.size());
   for (size_t i : stepping) {
     const int64_t t = param_steps_[i];
     const ShampooOptions& o = options_of(i);
@@ -433,23 +579,57 @@ void Shampoo::run_step(StepGate& gate, const std::vector<size_t>& stepping) {
     const double bc2g = 1.0 - std::pow(o.grafting_beta2, static_cast<double>(t));
     const at::Tensor m_hat = s.m.view({-1}) / bc1;
     at::Tensor u = m_hat / ((s.v.view({-1}) / bc2g).sqrt_().add_(o.grafting_epsilon));  // D
-    if (precondition_[i] && t >= config_.start_preconditioning_step) {
+    if (preconditions(i)) {
       for (size_t k : s.tiles) {
         const ShampooTile& tl = tiles_[k];
-        at::Tensor d = tile_of(u, tl);
-        const at::Tensor rl = unpack(s.root_l, tl.left_offset, tl.rows);
-        const at::Tensor rr = unpack(s.root_r, tl.right_offset, tl.cols);
-        at::Tensor p = at::matmul(at::matmul(rl, tile_of(m_hat, tl)), rr);
-        if (p.is_cuda()) {  // the same on the device, with no host wait per tile
-          const at::Tensor np = p.norm();
-          d.copy_(at::where(np > 0, p * (d.norm() / np), d));
-          continue;
-        }
-        const double np = p.norm().item<double>();
-        if (np > 0) d.copy_(p.mul_(d.norm().item<double>() / np));  // else keep D
+        if (tl.shared < 0) precondition_tile(s, tl, tile_of(u, tl), tile_of(m_hat, tl));
       }
     }
-    params_[i].param.view({-1}).mul_(1.0 - o.lr * o.weight_decay).add_(u, -o.lr);
+    update[i] = u;
+    m_hats[i] = m_hat;
+  }
+  if (!shared_.empty()) {
+    // The shared rows' M^ and D to their owners, which precondition their tiles
+    // and send each holder its rows of the update.
+    exchange(
+        true, 0, 2,
+        [&](const PartRef& q, float* dst) {
+          const size_t i = shared_[q.row].param;
+          if (!steps[i]) {
+            std::fill_n(dst, 2 * q.n, 0.0f);
+            return;
+          }
+          std::copy_n(m_hats[i].data_ptr<float>() + q.local, q.n, dst);
+          std::copy_n(update[i].data_ptr<float>() + q.local, q.n, dst + q.n);
+        },
+        [&](const PartRef& q, const float* src) {
+          std::copy_n(src, q.n, shared_m_[q.row].data_ptr<float>() + q.at);
+          std::copy_n(src + q.n, q.n, shared_d_[q.row].data_ptr<float>() + q.at);
+        });
+    for (size_t i : stepping) {
+      if (!preconditions(i)) continue;
+      const ParamState& s = state_[i];
+      for (size_t k : s.tiles) {
+        const ShampooTile& tl = tiles_[k];
+        if (tl.shared >= 0) {
+          precondition_tile(s, tl, tile_of(shared_d_[tl.shared], tl),
+                            tile_of(shared_m_[tl.shared], tl));
+        }
+      }
+    }
+    exchange(
+        false, 0, 1,
+        [&](const PartRef& q, float* dst) {
+          std::copy_n(shared_d_[q.row].data_ptr<float>() + q.at, q.n, dst);
+        },
+        [&](const PartRef& q, const float* src) {
+          const size_t i = shared_[q.row].param;
+          if (steps[i]) std::copy_n(src, q.n, update[i].data_ptr<float>() + q.local);
+        });
+  }
+  for (size_t i : stepping) {
+    const ShampooOptions& o = options_of(i);
+    params_[i].param.view({-1}).mul_(1.0 - o.lr * o.weight_decay).add_(update[i], -o.lr);
   }
 }
 
@@ -459,7 +639,7 @@ void Shampoo::update_factors(size_t i, size_t k, const at::Tensor& l_out,
   const ParamState& s = state_[i];
   const ShampooTile& tl = tiles_[k];
   const double c = o.beta2 < 1 ? 1.0 - o.beta2 : 1.0;
-  const at::Tensor gt = tile_of(params_[i].grad.view({-1}), tl);
+  const at::Tensor gt = grad_tile(i, tl);
   // f <- b2 f + c gg in fp32 (the same two operations whether out is f itself or
   // a new tensor, so both round alike), stored in the factor dtype.
   auto update = [&](const at::Tensor& f, const at::Tensor& gg, at::Tensor out) {

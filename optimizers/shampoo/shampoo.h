@@ -3,7 +3,12 @@
 // into tiles of at most B x B (B = max_preconditioner_dim); the planner's
 // Shampoo granule keeps every tile whole on one rank, so each rank keeps and
 // inverts the factors of its own tiles: the sharded step is the single-device
-// step, and nothing but the NaN/Inf flag is communicated.
+// step, and nothing but the NaN/Inf flag is communicated. Where shard
+// boundaries cut a row of tiles (torch FSDP2's chunk rows, a plan without the
+// granule), the rank holding the row's first element owns it (SharedTileRow):
+// the other holders send it their gradient rows before the gate and their
+// M^ and D rows after it, and get their rows of the update back (three
+// all-to-alls a step for all such rows).
 //
 // Per parameter with gradient g (t: its step count from 1):
 //   V <- b2g V + (1 - b2g) g^2;  M <- b1 M + (1 - b1) g;  M^ = M / (1 - b1^t)
@@ -28,6 +33,7 @@
 
 #include <ATen/ATen.h>
 
+#include <functional>
 #include <memory>
 #include <string>
 #include <utility>
@@ -87,13 +93,33 @@ struct ShampooTile {
   int64_t matrix, row0, rows, col0, cols;
   int64_t local_offset, stride;
   int64_t left_offset, right_offset;
+  // >= 0: a tile of shared row `shared` (this rank owns it); local_offset is then
+  // in that row's gathered buffers, not in the shard.
+  int64_t shared = -1;
+};
+
+// A row of tiles (rows [row0, row0 + rows) of matrix `matrix`, all `cols`
+// columns: elements [begin, end) of the flattened tensor) that shard boundaries
+// cut. parts[r]: the elements rank r holds ([begin, end) of them; empty: none);
+// the owner is the rank holding `begin`, so each rank's tiles stay in the
+// tensor's tile order (a checkpoint's sequence does not depend on the ranks).
+struct SharedTileRow {
+  size_t param;
+  int64_t matrix, row0, rows, cols;
+  int64_t begin, end;
+  int owner;
+  std::vector<std::pair<int64_t, int64_t>> parts;
 };
 
 inline int64_t shampoo_packed_size(int64_t n) { return n * (n + 1) / 2; }
 
-// The preconditioner tiles that `shard` holds (whole ones only). Throws,
-// naming the parameter and the tile, when the shard cuts a tile.
-std::vector<ShampooTile> shampoo_tiles(const ParamShard& shard, size_t param, int64_t max_dim);
+// The preconditioner tiles that `shard` holds whole, and (shared given, every
+// rank's rows known) those of the rows of tiles it owns; every cut row of tiles
+// of the tensor is appended to *shared (rank: this rank's index among the
+// shard's ranks). Throws, naming the parameter and the tile, when the shard cuts
+// a tile and shared is null or the other ranks' rows are unknown.
+std::vector<ShampooTile> shampoo_tiles(const ParamShard& shard, size_t param, int64_t max_dim,
+                                       int rank = -1, std::vector<SharedTileRow>* shared = nullptr);
 
 // The granule (rows of `shape` seen with row_dims) that keeps every tile on one rank.
 int64_t shampoo_granule_rows(const std::vector<int64_t>& shape, int row_dims, int64_t max_dim);
@@ -133,6 +159,8 @@ class Shampoo : public GroupedOptimizer<ShampooOptions> {
   std::vector<std::pair<std::string, at::Tensor>> state(size_t i) const override;
 
   const std::vector<ShampooTile>& tiles() const { return tiles_; }
+  // Rows of tiles that shard boundaries cut (over all ranks).
+  const std::vector<SharedTileRow>& shared_rows() const { return shared_; }
   bool preconditioned(size_t i) const { return precondition_.at(i); }
   // Measurements for benches: seconds spent computing roots, root computations
   // retried in fp64, bytes of factors and roots, root flops (about 9 b^3 per
@@ -162,6 +190,21 @@ class Shampoo : public GroupedOptimizer<ShampooOptions> {
   void compute_roots(const std::vector<size_t>& due, const std::vector<at::Tensor>& new_left,
                      const std::vector<at::Tensor>& new_right,
                      std::vector<std::pair<at::Tensor, at::Tensor>>* new_roots);
+  // A shared row's part on one side of an exchange: the row, the other rank, the
+  // part's first element in this rank's shard (contributor) or in the row (owner).
+  struct PartRef {
+    size_t row;
+    int peer;
+    int64_t local, at, n;
+  };
+  // One all-to-all over the shared rows' parts: forward, each holder's parts to
+  // the owners (head + width floats per element each, written by fill, read by
+  // take); back, the owners' to the holders.
+  void exchange(bool forward, int64_t head, int64_t width,
+                const std::function<void(const PartRef&, float*)>& fill,
+                const std::function<void(const PartRef&, const float*)>& take);
+  // The gradient of tile k of parameter i (a view: the shard's, or a shared row's).
+  at::Tensor grad_tile(size_t i, const ShampooTile& t) const;
   // Symmetric matrices packed as upper triangles: the n x n matrix at `offset` of
   // `flat` as a full fp32 matrix, and a full matrix packed (float32).
   static at::Tensor unpack(const at::Tensor& flat, int64_t offset, int64_t n);
@@ -171,6 +214,11 @@ class Shampoo : public GroupedOptimizer<ShampooOptions> {
   std::vector<bool> precondition_;
   std::vector<ParamState> state_;
   std::vector<ShampooTile> tiles_;
+  // Shared rows of tiles; at their owner, gathered gradient, M^ and D (rows x cols).
+  std::vector<SharedTileRow> shared_;
+  std::vector<at::Tensor> shared_g_, shared_m_, shared_d_;
+  std::vector<PartRef> held_parts_;   // parts this rank holds, by owner then row
+  std::vector<PartRef> owned_parts_;  // parts of the rows this rank owns, by holder then row
   double root_seconds_ = 0.0;
   int64_t fp64_retries_ = 0;
 };

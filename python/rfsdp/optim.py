@@ -9,7 +9,7 @@ import torch.distributed as dist
 
 from . import _C
 from ._comm import make_comm
-from .fsdp.dtensor import info_of, is_dtensor, local
+from .fsdp.dtensor import info_of, local
 
 
 def _check_params(optimizer_name, params):
@@ -30,19 +30,6 @@ def _shard_spec(i, p):
     if info is None:
         return (_C.TensorShard.whole("param %d" % i, list(p.shape)), p.data)
     return (info.shard, local(p.data))
-
-
-def _for_fsdp2(e, params):
-    """A C++ layout error about a parameter FSDP2 sharded says what fits FSDP2: its
-    advice (plan with an rfsdp policy) is for fully_shard's parameters."""
-    msg = str(e)
-    if "plan the unit" not in msg or not any(is_dtensor(p) for p in params):
-        return e
-    return ValueError(
-        msg + ". For parameters sharded by torch's FSDP2 (torch.chunk rows): Shampoo tiles "
-        "that a chunk boundary cuts are not supported yet; shard the model with "
-        "rfsdp.fully_shard and that policy, or choose a max_preconditioner_dim that "
-        "FSDP2's row counts keep whole")
 
 
 def _default_comm(process_group, timeout_seconds, param_groups):
@@ -139,11 +126,7 @@ class _OverCpp(torch.optim.Optimizer):
         self._bound_params = params
         self._where = {}
         self._part_list = []
-        try:
-            parts = self._parts(params)
-        except ValueError as e:
-            raise _for_fsdp2(e, params) from None
-        for impl, idx, options in parts:
+        for impl, idx, options in self._parts(params):
             groups = [group_index[id(params[i])] for i in idx]
             impl.set_groups(groups)
             part = _Part(impl, idx, options, groups)
@@ -496,7 +479,10 @@ class Shampoo(_OverCpp):
     H x I), each tile's factors L, R and inverse fourth roots live on the rank
     that holds the tile (plan with rfsdp.policy.shampoo(max_preconditioner_dim)),
     so the sharded step is the single-device step and nothing is communicated but
-    the NaN/Inf flag. 1-D parameters and groups with use_shampoo=False take the
+    the NaN/Inf flag. Where shard boundaries cut a row of tiles (torch FSDP2's
+    chunk rows), the rank holding its first row owns it: the others send it their
+    rows (gradient; M^ and D) and get their update rows back, three all-to-alls a
+    step for all such rows (on the CPU; on a GPU a cut tile is refused). 1-D parameters and groups with use_shampoo=False take the
     grafted direction alone (AdamW with grafting_beta2 and grafting_epsilon).
 
     Per step t of a parameter: V <- b2g V + (1 - b2g) g^2; M <- b1 M + (1 - b1) g;
@@ -551,6 +537,12 @@ class Shampoo(_OverCpp):
 
     def settings(self):
         return dict(super().settings(), **self.config)
+
+    def shared_tile_rows(self):
+        """Rows of tiles that shard boundaries cut (over all ranks): each is
+        gathered to its owner every step; 0 means none."""
+        self._bind()
+        return self._impl.shared_tile_rows()
 
     def _parts(self, params):
         group_of = {id(p): g for g in self.param_groups for p in g["params"]}

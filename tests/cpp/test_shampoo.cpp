@@ -415,24 +415,44 @@ constexpr int kSteps = 30;
 
 using Gradients = std::function<std::vector<at::Tensor>(int step)>;  // full tensors, step >= 1
 
-// kSteps of Shampoo on `world` ranks (threads), planned with the Shampoo granule;
-// returns the full parameters. Gradients: full_tensors(seed, step) unless given.
+// Case i's rows as torch.chunk splits them over `world` ranks (FSDP2's split,
+// which cuts tiles), rank `rank`'s, with every rank's rows.
+ParamShard chunk_shard_of(size_t i, int world, int rank, const at::Tensor& full) {
+  const Case& k = kCases[i];
+  const TensorShard whole = TensorShard::whole(k.name, k.shape, k.row_dims);
+  const int64_t rows = whole.full_rows, row_len = whole.row_len;
+  const int64_t c = (rows + world - 1) / world;
+  std::vector<std::pair<int64_t, int64_t>> every;
+  for (int r = 0; r < world; ++r) every.push_back({std::min(r * c, rows), std::min((r + 1) * c, rows)});
+  const auto [b, e] = every[rank];
+  return ParamShard(TensorShard::rows_of(k.name, k.shape, k.row_dims, b, e, every),
+                    full.reshape(-1).narrow(0, b * row_len, (e - b) * row_len).clone());
+}
+
+// kSteps of Shampoo on `world` ranks (threads), planned with the Shampoo granule
+// (or, chunk_rows, split as torch.chunk splits rows, cutting tiles); returns the
+// full parameters. Gradients: full_tensors(seed, step) unless given.
 std::vector<at::Tensor> run_sharded(int world, uint64_t seed, const ShampooOptions& o,
-                                    const ShampooConfig& c, Gradients grads = nullptr) {
+                                    const ShampooConfig& c, Gradients grads = nullptr,
+                                    bool chunk_rows = false, int64_t* shared_rows = nullptr) {
   if (!grads) grads = [seed](int step) { return full_tensors(seed, step); };
   const std::vector<at::Tensor> init = full_tensors(seed, 0);
   const Plan plan = plan_unit(unit_specs(kB), world, 16);
+  auto shard = [&](size_t i, int rank, const at::Tensor& full) {
+    return chunk_rows ? chunk_shard_of(i, world, rank, full) : shard_of(plan, i, rank, full);
+  };
   std::vector<at::Tensor> got(kCases.size());
   for (size_t i = 0; i < kCases.size(); ++i) got[i] = at::zeros({init[i].numel()});
   std::mutex mu;
   run_local_ranks(world, [&](Comm& comm) {
     std::vector<ParamShard> shards;
-    for (size_t i = 0; i < kCases.size(); ++i) shards.push_back(shard_of(plan, i, comm.rank(), init[i]));
+    for (size_t i = 0; i < kCases.size(); ++i) shards.push_back(shard(i, comm.rank(), init[i]));
     Shampoo opt(shards, o, c, std::shared_ptr<Comm>(&comm, [](Comm*) {}));
+    if (shared_rows && comm.rank() == 0) *shared_rows = static_cast<int64_t>(opt.shared_rows().size());
     for (int s = 0; s < kSteps; ++s) {
       const auto g = grads(s + 1);
       for (size_t i = 0; i < kCases.size(); ++i) {
-        opt.set_grad(i, shard_of(plan, i, comm.rank(), g[i]).param);
+        opt.set_grad(i, shard(i, comm.rank(), g[i]).param);
       }
       opt.step();
     }
@@ -465,6 +485,49 @@ TEST_P(ShampooRanks, ShardsEqualTheFloat64SingleDeviceShampoo) {
   RefShampoo ref(full_tensors(seed, 0), o, c);
   for (int s = 0; s < kSteps; ++s) ref.step(full_tensors(seed, s + 1));
   expect_close(run_sharded(world, seed, o, c), ref.x, 2e-4);
+}
+
+TEST_P(ShampooRanks, TorchChunkRowsThatCutTilesEqualTheFloat64SingleDeviceShampoo) {
+  // FSDP2's rows: a row of tiles that shard boundaries cut is owned by the rank
+  // holding its first row, which gathers the others' rows, preconditions it and
+  // sends their update rows back.
+  const int world = GetParam();
+  const uint64_t seed = fresh_seed();
+  SCOPED_TRACE("seed " + std::to_string(seed));
+  const ShampooOptions o = rank_test_options();
+  const ShampooConfig c = rank_test_config();
+  RefShampoo ref(full_tensors(seed, 0), o, c);
+  for (int s = 0; s < kSteps; ++s) ref.step(full_tensors(seed, s + 1));
+  int64_t shared = -1;
+  expect_close(run_sharded(world, seed, o, c, nullptr, true, &shared), ref.x, 2e-4);
+  if (world > 1) EXPECT_GT(shared, 0) << "no tile was cut: the test tests nothing new";
+}
+
+TEST(Shampoo, SharedTileRowWithAGradientOnOnlySomeRanksIsAnErrorEverywhere) {
+  // 20 x 19 over 2 ranks: rows [0, 10) and [10, 20) cut the tile rows [8, 16).
+  run_local_ranks(2, [&](Comm& comm) {
+    const at::Tensor full = at::randn({20, 19});
+    std::vector<std::pair<int64_t, int64_t>> every = {{0, 10}, {10, 20}};
+    const auto [b, e] = every[comm.rank()];
+    ParamShard p(TensorShard::rows_of("w", {20, 19}, 1, b, e, every),
+                 full.narrow(0, b, e - b).clone());
+    Shampoo opt({p}, rank_test_options(), rank_test_config(),
+                std::shared_ptr<Comm>(&comm, [](Comm*) {}));
+    ASSERT_EQ(opt.shared_rows().size(), 1u);
+    const at::Tensor g = at::randn({e - b, 19});
+    if (comm.rank() == 0) opt.set_grad(0, g);
+    const at::Tensor before = opt.params()[0].param.clone();
+    try {
+      opt.step();
+      ADD_FAILURE() << "no error on rank " << comm.rank();
+    } catch (const std::invalid_argument& err) {
+      EXPECT_NE(std::string(err.what()).find("'w'"), std::string::npos) << err.what();
+    }
+    EXPECT_TRUE(at::equal(opt.params()[0].param, before));
+    opt.set_grad(0, g);  // every rank with a gradient: the next step works
+    opt.step();
+    EXPECT_FALSE(at::equal(opt.params()[0].param, before));
+  });
 }
 
 TEST(Shampoo, Bf16FactorsShardLikeOneRankAndStayNearFloat64) {

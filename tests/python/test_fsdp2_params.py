@@ -3,8 +3,8 @@ torch.chunk rows), 3 ranks (processes, Gloo), rows that 3 does not divide (the
 last rank short; a 3-row matrix gives each rank one row): Muon against the
 float64 single-device Muon (muon_reference.py) on the whole batch, AdamW
 against torch's AdamW unsharded; AdamW8bit and Shampoo where the chunks hold
-whole blocks and tiles against the same optimizer in one process (a cut tile is
-refused); AdamW8bit where the chunks cut blocks (the ranks agree the shared
+whole blocks and tiles against the same optimizer in one process; Shampoo where the chunks cut rows of tiles (owned by the rank
+holding the first row) against one process; AdamW8bit where the chunks cut blocks (the ranks agree the shared
 blocks' scales), bit for bit against one process, codes and scales included,
 under FSDP and HSDP; its state saved by rfsdp.checkpoint on 3 ranks, loaded on
 2, resuming as one process; placements rfsdp does not take are refused
@@ -87,6 +87,44 @@ CUT = {256: [(300, 40), (13, 64)], (32, 32): [(70, 45), (13, 64)]}
 def cut_grads(seed, shapes):
     g = torch.Generator().manual_seed(seed + 23)
     return [[torch.randn(s, generator=g) for s in shapes] for _ in range(STEPS)]
+
+
+# Shampoo where the chunks cut rows of 8-row tiles: (13, 20) as 5, 5, 3 rows and
+# (30, 9) as 10 a rank, an expert stack (3, 10, 6) (whole experts a rank), a bias.
+CUT_SHAMPOO = [(13, 20), (30, 9), (3, 10, 6), (13,)]
+
+
+def shampoo_of(params):
+    return rfsdp.optim.Shampoo(params, lr=1e-2, betas=(0.9, 0.95), epsilon=1e-6,
+                               max_preconditioner_dim=8, precondition_frequency=2,
+                               start_preconditioning_step=2, weight_decay=0.01)
+
+
+def cut_shampoo(mesh, seed):
+    """Shampoo over FSDP2 parameters whose chunks cut its tiles, given gradients:
+    the full parameters after STEPS steps."""
+    from torch.distributed.tensor import Shard, distribute_tensor
+    ps = [nn.Parameter(distribute_tensor(torch.zeros(s), mesh, [Shard(0)])) for s in CUT_SHAMPOO]
+    opt = shampoo_of(ps)
+    assert opt.shared_tile_rows() > 0
+    for gs in cut_grads(seed, CUT_SHAMPOO):
+        for p, g in zip(ps, gs):
+            p.grad = distribute_tensor(g, mesh, [Shard(0)])
+        opt.step()
+    return [p.full_tensor() for p in ps]
+
+
+def check_cut_shampoo(got, seed):
+    ps = [nn.Parameter(torch.zeros(s)) for s in CUT_SHAMPOO]
+    opt = shampoo_of(ps)
+    for gs in cut_grads(seed, CUT_SHAMPOO):
+        for p, g in zip(ps, gs):
+            p.grad = g
+        opt.step()
+    for got_t, p in zip(got, ps):
+        torch.testing.assert_close(got_t, p.detach(), rtol=1e-5, atol=1e-6,
+                                   msg=lambda m: "Shampoo %s (seed %d): %s"
+                                   % (tuple(p.shape), seed, m))
 
 
 def cut_8bit(mesh, seed):
@@ -187,9 +225,7 @@ def worker(rank, seed, init_file, out_file, mesh_shape=(WORLD,)):
             b.grad = distribute_tensor(g_b, mesh, [Shard(0)])
             opt.step()
         out[name] = (w.full_tensor(), b.full_tensor())
-    cut = nn.Parameter(distribute_tensor(torch.zeros(13, 64), mesh, [Shard(0)]))
-    with pytest.raises(ValueError, match="FSDP2"):
-        rfsdp.optim.Shampoo([cut], max_preconditioner_dim=32)
+    out["cut_shampoo"] = cut_shampoo(mesh, seed)
 
     # Placements rfsdp's optimizers do not take: refused, naming both.
     w = nn.Parameter(distribute_tensor(torch.randn(6, 6), mesh, [Shard(1)]))
@@ -236,6 +272,7 @@ def test_rfsdp_optimizers_on_fsdp2_parameters_match_one_device():
     got = run(seed, (WORLD,))
     check_muon(got, seed)
     check_cut_8bit(got["cut_8bit"], seed)
+    check_cut_shampoo(got["cut_shampoo"], seed)
     xs, ys = data(seed)
     for name in ("8bit", "shampoo"):
         w, b = nn.Parameter(torch.zeros(96, 64)), nn.Parameter(torch.zeros(96))
@@ -269,10 +306,18 @@ def ckpt_grads(seed, model):
             for _ in range(4)]
 
 
-def ckpt_worker(rank, world, seed, path, init_file, out_file, save):
+def ckpt_optimizer(name, params):
+    if name == "8bit":
+        return rfsdp.optim.AdamW8bit(params, lr=1e-2, block=32, min_8bit_size=16)
+    return rfsdp.optim.Shampoo(params, lr=1e-2, betas=(0.9, 0.95), epsilon=1e-6,
+                               max_preconditioner_dim=4, precondition_frequency=2,
+                               start_preconditioning_step=2)
+
+
+def ckpt_worker(rank, world, name, seed, path, init_file, out_file, save):
     """save: 2 steps on 3 ranks, save, 2 more; load: on 2 ranks, the last 2 steps.
-    Given gradients, so each step is the one-device step (AdamW8bit's blocks
-    cut by FSDP2's chunks: scales agreed)."""
+    Given gradients, so each step is the one-device step (AdamW8bit's blocks and
+    Shampoo's rows of tiles cut by FSDP2's chunks, differently at 3 and 2 ranks)."""
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method="file://" + init_file, rank=rank,
                             world_size=world)
@@ -280,7 +325,7 @@ def ckpt_worker(rank, world, seed, path, init_file, out_file, save):
     from torch.distributed.tensor import Shard, distribute_tensor
     mesh = init_device_mesh("cpu", (world,))
     model = ckpt_model(mesh)
-    opt = rfsdp.optim.AdamW8bit(model.parameters(), lr=1e-2, block=32, min_8bit_size=16)
+    opt = ckpt_optimizer(name, model.parameters())
     grads = ckpt_grads(seed, model)
 
     def step(k):
@@ -288,7 +333,7 @@ def ckpt_worker(rank, world, seed, path, init_file, out_file, save):
             p.grad = distribute_tensor(grads[k][n], mesh, [Shard(0)])
         opt.step()
     if save:
-        assert opt.shared_blocks() > 0
+        assert (opt.shared_blocks() if name == "8bit" else opt.shared_tile_rows()) > 0
         step(0)
         step(1)
         rfsdp.checkpoint.save(path, model, opt)
@@ -303,23 +348,31 @@ def ckpt_worker(rank, world, seed, path, init_file, out_file, save):
     dist.destroy_process_group()
 
 
-def test_fsdp2_adamw8bit_state_checkpoint_reshards_and_resumes_exactly():
+@pytest.mark.parametrize("name", ["8bit", "shampoo"])
+def test_fsdp2_optimizer_state_checkpoint_reshards_and_resumes_as_one_process(name):
+    """AdamW8bit: bit for bit; Shampoo: to fp32 rounding (its roots and matmuls)."""
     seed = int(torch.randint(0, 2 ** 30, ()).item())
     with tempfile.TemporaryDirectory() as d:
         path = os.path.join(d, "ckpt")
         outs = []
         for world, save in ((3, True), (2, False)):
             out_file = os.path.join(d, "out%d.pt" % world)
-            mp.spawn(ckpt_worker, args=(world, seed, path, os.path.join(d, "init%d" % world),
-                                        out_file, save), nprocs=world)
+            mp.spawn(ckpt_worker, args=(world, name, seed, path,
+                                        os.path.join(d, "init%d" % world), out_file, save),
+                     nprocs=world)
             outs.append(torch.load(out_file))
     torch.manual_seed(0)
     model = Odd()
-    opt = rfsdp.optim.AdamW8bit(model.parameters(), lr=1e-2, block=32, min_8bit_size=16)
+    opt = ckpt_optimizer(name, model.parameters())
     for grads in ckpt_grads(seed, model):
         for n, p in model.named_parameters():
             p.grad = grads[n]
         opt.step()
     for n, p in model.named_parameters():
         for world, got in zip((3, 2), outs):
-            assert torch.equal(got[n], p.detach()), (n, world, seed)
+            if name == "8bit":
+                assert torch.equal(got[n], p.detach()), (n, world, seed)
+            else:
+                torch.testing.assert_close(got[n], p.detach(), rtol=1e-5, atol=1e-6,
+                                           msg=lambda m: "%s, %d ranks (seed %d): %s"
+                                           % (n, world, seed, m))
