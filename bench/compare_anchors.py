@@ -22,9 +22,14 @@
     cut 8-bit blocks) vs the same model under rfsdp.fully_shard with a
     whole-block plan, torch AdamW on FSDP2 beside them, 2 ranks: median
     optimizer step time, bytes the optimizer sends per step, blocks shared.
+ 7. Muon on FSDP2's parameters: rfsdp.optim.Muon vs dion's Muon
+    (microsoft/dion, a checkout given by --dion or $RFSDP_DION; measured:
+    0a059a4), 2 ranks, the same gradients: step time, bytes sent per step,
+    largest distance from a float64 one-device Muon of the same algorithm.
 
     python bench/compare_anchors.py [--widths 256,512] [--steps 20]
-        [--only fsdp,muon,8bit,shampoo,kernels8,fsdp2opt] [--distributed-shampoo DIR]
+        [--only fsdp,muon,8bit,shampoo,kernels8,fsdp2opt,dion] [--distributed-shampoo DIR]
+        [--dion DIR]
 
 bitsandbytes and torchao are the bench's optional set-up, not project
 dependencies: `--install-anchors` puts them (no dependencies: they use the
@@ -333,6 +338,159 @@ def section_fsdp2opt(args):
           "AdamW8bit: 8-bit blocks a chunk boundary cuts, summed over ranks (their scales agreed "
           "in one all-reduce a step); Shampoo: rows of %d-row tiles cut (all ranks; each "
           "gathered to its owner, three all-to-alls a step)." % FSDP2_SHAMPOO_DIM)
+
+
+# ---- 7. Muon on FSDP2's parameters: rfsdp vs dion -----------------------------------
+
+NS_ABC = (3.4445, -4.7750, 2.0315)  # Keller Jordan's quintic, what rfsdp's Muon runs
+
+
+def newton_schulz(g, epsilon=1e-7, steps=5):
+    """The quintic Newton-Schulz, 2-D or a batch of matrices (dion's
+    newton_schulz_func signature), in float64 for float64 input and float32
+    otherwise (dion hands it bf16 matrices: bf16 matmuls are slow on CPUs
+    without AMX), returned in g's dtype."""
+    a, b, c = NS_ABC
+    eps = float(epsilon)
+    dtype = g.dtype
+    g = g.double() if dtype == torch.float64 else g.float()
+    x = g / (g.norm(dim=(-2, -1), keepdim=True) + eps)
+    tall = g.size(-2) > g.size(-1)
+    if tall:
+        x = x.mT
+    for _ in range(steps):
+        A = x @ x.mT
+        x = a * x + (b * A + c * (A @ A)) @ x
+    return (x.mT if tall else x).to(dtype)
+
+
+def dion_path(args):
+    for d in (args.dion, os.environ.get("RFSDP_DION"), os.path.join(ANCHORS_DIR, "dion")):
+        if d and os.path.isfile(os.path.join(d, "dion", "muon.py")):
+            return d
+    return None
+
+
+def muon_float64(init, grads, lr, wd, mu=0.95):
+    """One-device Muon in float64: momentum, Nesterov, the quintic, lr scaled by
+    0.2 sqrt(max(rows, cols)) (rfsdp's match_rms_adamw, dion's rms_norm),
+    p *= 1 - lr wd."""
+    ps = [w.double().clone() for w in init]
+    bufs = [torch.zeros_like(p) for p in ps]
+    for step in grads:
+        for p, b, g in zip(ps, bufs, step):
+            g = g.double()
+            b.mul_(mu).add_(g)
+            o = newton_schulz(g + mu * b)
+            p.mul_(1 - lr * wd).add_(o, alpha=-lr * 0.2 * math.sqrt(max(p.shape)))
+    return ps
+
+
+def dion_worker(args):
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo")
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard as fsdp2_fully_shard
+    from torch.distributed.tensor import Shard, distribute_tensor
+    sys.path.insert(0, args.dion)
+    import dion
+    world = dist.get_world_size()
+    mesh = init_device_mesh("cpu", (world,))
+    lr, wd, steps, warm = 0.02, 0.01, 12, 3
+    init = muon_matrices(args.dim, 2, 1)
+    torch.manual_seed(2)  # the same gradients on every rank
+    grads = [[torch.randn_like(w) for w in init] for _ in range(steps)]
+    want = muon_float64(init, grads, lr, wd)
+    sent = [0]  # bytes dion's collectives send (their inputs), per step
+    single, gather = dist.all_to_all_single, dist.all_gather
+
+    class _Done:
+        def wait(self):
+            return True
+
+    def all_to_all(outputs, inputs, group=None, async_op=False):
+        # Gloo has no list all_to_all (dion's): the same exchange as one
+        # all_to_all_single over the concatenated chunks, the same bytes.
+        sent[0] += sum(t.numel() * t.element_size() for t in inputs)
+        out = torch.empty(sum(o.numel() for o in outputs), dtype=outputs[0].dtype)
+        single(out, torch.cat([t.reshape(-1) for t in inputs]),
+               output_split_sizes=[o.numel() for o in outputs],
+               input_split_sizes=[t.numel() for t in inputs], group=group)
+        for o, piece in zip(outputs, out.split([o.numel() for o in outputs])):
+            o.copy_(piece.view(o.shape))
+        return _Done() if async_op else None
+
+    def all_gather(outputs, tensor, group=None, async_op=False):
+        sent[0] += tensor.numel() * tensor.element_size()
+        return gather(outputs, tensor, group=group, async_op=async_op)
+    dist.all_to_all, dist.all_gather = all_to_all, all_gather
+    variants = {
+        "rfsdp": lambda ps: rfsdp.optim.Muon(ps, lr=lr, weight_decay=wd, momentum=0.95,
+                                             nesterov=True, adjust_lr="match_rms_adamw",
+                                             ns_dtype=torch.float32),
+        "dion (quintic fp32)": lambda ps: dion.Muon(
+            ps, distributed_mesh=mesh, lr=lr, mu=0.95, weight_decay=wd, nesterov=True,
+            adjust_lr="rms_norm", use_polar_express=False, newton_schulz_func=newton_schulz),
+        "dion (defaults)": lambda ps: dion.Muon(ps, distributed_mesh=mesh, lr=lr, mu=0.95,
+                                                weight_decay=wd, nesterov=True,
+                                                adjust_lr="rms_norm"),
+    }
+    out = {}
+    for name, make in variants.items():
+        model = _Matrices(init)
+        fsdp2_fully_shard(model, mesh=mesh)
+        ps = list(model.parameters())
+        opt = make(ps)
+        times, bytes_per = [], []
+        for s in range(steps):
+            for p, g in zip(ps, grads[s]):
+                p.grad = distribute_tensor(g, mesh, [Shard(0)])
+            if name == "rfsdp":
+                opt.comm.reset_stats()
+            sent[0] = 0
+            dist.barrier()
+            t0 = time.perf_counter()
+            opt.step()
+            times.append(time.perf_counter() - t0)
+            bytes_per.append(opt.comm.stats()["bytes_sent"] if name == "rfsdp" else sent[0])
+        worst = max((p.full_tensor().double() - w).abs().max().item() for p, w in zip(ps, want))
+        out[name] = dict(step_ms=median_ms(times[warm:]), sent=statistics.median(bytes_per[warm:]),
+                         worst=worst, times_ms=[round(t * 1e3, 1) for t in times])
+    rows = [None] * world
+    dist.all_gather_object(rows, out)
+    if dist.get_rank() == 0:
+        with open(args.out, "w") as f:
+            json.dump(rows, f)
+    dist.destroy_process_group()
+    leave()
+
+
+def section_dion(args):
+    path = dion_path(args)
+    print("\n## 7. Muon on torch FSDP2's parameters: rfsdp.optim.Muon vs dion's Muon, 2 ranks, "
+          "%d matrices of a width-%d GPT, the same gradients" % (8, args.muon_dim))
+    if path is None:
+        print("dion not found: give a checkout of microsoft/dion with --dion DIR (or $RFSDP_DION)")
+        return
+    with tempfile.TemporaryDirectory() as d:
+        out = os.path.join(d, "dion.json")
+        torchrun(2, ["--worker", "dion", "--dim", str(args.muon_dim), "--out", out,
+                     "--dion", path])
+        with open(out) as f:
+            rows = json.load(f)
+    print("%-22s %9s %9s %14s %18s" % ("", "step ms", "/ rfsdp", "sent MiB/step",
+                                       "max |p - f64 Muon|"))
+    base = max(r["rfsdp"]["step_ms"] for r in rows)
+    for name in rows[0]:
+        ms = max(r[name]["step_ms"] for r in rows)
+        print("%-22s %9.1f %8.2fx %14.2f %18.3g" % (
+            name, ms, ms / base, max(r[name]["sent"] for r in rows) / MIB, rows[0][name]["worst"]))
+    print("f64 Muon: momentum 0.95 with Nesterov, the quintic %s, lr x 0.2 sqrt(max(rows, cols)), "
+          "decoupled weight decay. dion (quintic fp32): its Muon with that Newton-Schulz passed "
+          "in (computing in fp32); it sends its updates in bf16 (its design). dion (defaults): Polar Express "
+          "coefficients in bf16 (bf16 matmuls: slow on this CPU), a different algorithm. Sent: rfsdp's Comm; dion's collectives' "
+          "inputs, counted in the worker (Gloo has no list all_to_all: the worker runs dion's as "
+          "one all_to_all_single of the same bytes)." % (NS_ABC,))
 
 
 # ---- 2. Muon: rfsdp vs torch.optim.Muon ----------------------------------------------
@@ -804,9 +962,11 @@ def main():
     ap.add_argument("--distributed-shampoo", help="a checkout of facebookresearch/optimizers")
     ap.add_argument("--kernel-mib", default="1,16", help="tensor sizes of section 5, Mi elements")
     ap.add_argument("--kernel-reps", type=int, default=7)
-    ap.add_argument("--only", default="fsdp,muon,8bit,shampoo,kernels8,fsdp2opt")
+    ap.add_argument("--only", default="fsdp,muon,8bit,shampoo,kernels8,fsdp2opt,dion")
     ap.add_argument("--install-anchors", action="store_true")
-    ap.add_argument("--worker", choices=["fsdp", "muon", "fsdp2opt"], help=argparse.SUPPRESS)
+    ap.add_argument("--worker", choices=["fsdp", "muon", "fsdp2opt", "dion"],
+                    help=argparse.SUPPRESS)
+    ap.add_argument("--dion", help="a checkout of microsoft/dion (section 7)")
     ap.add_argument("--variant", choices=["rfsdp", "fsdp2", "ddp"], help=argparse.SUPPRESS)
     ap.add_argument("--dim", type=int, default=256, help=argparse.SUPPRESS)
     ap.add_argument("--out", help=argparse.SUPPRESS)
@@ -817,6 +977,8 @@ def main():
         return muon_worker(args)
     if args.worker == "fsdp2opt":
         return fsdp2opt_worker(args)
+    if args.worker == "dion":
+        return dion_worker(args)
     if args.install_anchors:
         install_anchors()
     args.widths = [int(w) for w in args.widths.split(",")]
@@ -836,6 +998,8 @@ def main():
         section_kernels8(args)
     if "fsdp2opt" in only:
         section_fsdp2opt(args)
+    if "dion" in only:
+        section_dion(args)
 
 
 if __name__ == "__main__":
