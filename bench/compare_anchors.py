@@ -22,14 +22,20 @@
     cut 8-bit blocks) vs the same model under rfsdp.fully_shard with a
     whole-block plan, torch AdamW on FSDP2 beside them, 2 ranks: median
     optimizer step time, bytes the optimizer sends per step, blocks shared.
+ 8. rfsdp.optim.SOAP vs the reference SOAP (nikhilvyas/SOAP, a checkout given by
+    --soap or $RFSDP_SOAP; measured: a1e5535) in one process, on matrices no
+    larger than max_preconditioner_dim (there the two are one algorithm: the
+    reference leaves larger dimensions unpreconditioned, rfsdp tiles them), the
+    same gradients: update differences, step time with and without basis
+    refreshes, optimizer-state bytes.
  7. Muon on FSDP2's parameters: rfsdp.optim.Muon vs dion's Muon
     (microsoft/dion, a checkout given by --dion or $RFSDP_DION; measured:
     0a059a4), 2 ranks, the same gradients: step time, bytes sent per step,
     largest distance from a float64 one-device Muon of the same algorithm.
 
     python bench/compare_anchors.py [--widths 256,512] [--steps 20]
-        [--only fsdp,muon,8bit,shampoo,kernels8,fsdp2opt,dion] [--distributed-shampoo DIR]
-        [--dion DIR]
+        [--only fsdp,muon,8bit,shampoo,kernels8,fsdp2opt,dion,soap] [--distributed-shampoo DIR]
+        [--dion DIR] [--soap DIR]
 
 bitsandbytes and torchao are the bench's optional set-up, not project
 dependencies: `--install-anchors` puts them (no dependencies: they use the
@@ -338,6 +344,73 @@ def section_fsdp2opt(args):
           "AdamW8bit: 8-bit blocks a chunk boundary cuts, summed over ranks (their scales agreed "
           "in one all-reduce a step); Shampoo: rows of %d-row tiles cut (all ranks; each "
           "gathered to its owner, three all-to-alls a step)." % FSDP2_SHAMPOO_DIM)
+
+
+# ---- 8. SOAP: rfsdp vs the reference SOAP -------------------------------------------
+
+def reference_soap_class(args):
+    """The reference SOAP class from a checkout of nikhilvyas/SOAP, or None."""
+    for d in (args.soap, os.environ.get("RFSDP_SOAP"), os.path.join(ANCHORS_DIR, "SOAP")):
+        if d and os.path.isfile(os.path.join(d, "soap.py")):
+            import importlib.util
+            spec = importlib.util.spec_from_file_location("reference_soap", os.path.join(d, "soap.py"))
+            mod = importlib.util.module_from_spec(spec)
+            spec.loader.exec_module(mod)
+            return mod.SOAP
+    return None
+
+
+def section_soap(args):
+    print("\n## 8. SOAP: rfsdp.optim.SOAP vs the reference SOAP (nikhilvyas/SOAP), one process, "
+          "the matrices of a width-%d GPT (%d layers) and a bias, the same gradients"
+          % (args.soap_dim, 2))
+    ref_cls = reference_soap_class(args)
+    if ref_cls is None:
+        print("reference SOAP not found: give a checkout of nikhilvyas/SOAP with --soap DIR "
+              "(or $RFSDP_SOAP)")
+        return
+    steps, freq, lr, wd = args.soap_steps, 5, 3e-3, 0.01
+    init = muon_matrices(args.soap_dim, 2, 1) + [torch.zeros(4 * args.soap_dim)]
+    B = max(max(w.shape) for w in init)
+    grads = [[torch.randn_like(w) for w in init] for _ in range(steps)]
+    pr = [nn.Parameter(w.clone()) for w in init]
+    pt = [nn.Parameter(w.clone()) for w in init]
+    ours = rfsdp.optim.SOAP(pr, lr=lr, betas=(0.95, 0.95), weight_decay=wd,
+                            precondition_frequency=freq, max_preconditioner_dim=B)
+    ref = ref_cls(pt, lr=lr, betas=(0.95, 0.95), weight_decay=wd, precondition_frequency=freq,
+                  max_precond_dim=B)
+    t_ours, t_ref, worst_rel = {True: [], False: []}, {True: [], False: []}, 0.0
+    for s in range(steps):
+        refresh = s >= 1 and s % freq == 0  # s updates taken after this step
+        before = [p.detach().clone() for p in pt]
+        for ps, opt, times in ((pr, ours, t_ours), (pt, ref, t_ref)):
+            for p, g in zip(ps, grads[s]):
+                p.grad = g.clone()
+            t0 = time.perf_counter()
+            opt.step()
+            times[refresh].append(time.perf_counter() - t0)
+        for a, b, w0 in zip(pr, pt, before):
+            du = (b.detach() - w0).abs().max().item()
+            if du > 0:
+                worst_rel = max(worst_rel, ((a.detach() - w0) - (b.detach() - w0)).abs().max().item() / du)
+    final = max((a - b).abs().max().item() for a, b in zip(pr, pt))
+    ref_bytes = sum(t.numel() * t.element_size() for st in ref.state.values() for v in st.values()
+                    for t in (v if isinstance(v, list) else [v]) if torch.is_tensor(t))
+    n = sum(w.numel() for w in init)
+    print("max_preconditioner_dim %d (every matrix one tile), precondition_frequency %d, %d steps, "
+          "%.2fM parameters" % (B, freq, steps, n / 1e6))
+    print("%-40s %12s" % ("", "value"))
+    print("%-40s %12.3g" % ("max update difference / update size", worst_rel))
+    print("%-40s %12.3g" % ("max |p_rfsdp - p_reference| at the end", final))
+    for refresh in (False, True):
+        print("%-40s %12.2f" % ("reference step ms%s (median)" % (" with refresh" if refresh else ""),
+                                median_ms(t_ref[refresh][1:] or t_ref[refresh])))
+        print("%-40s %12.2f" % ("rfsdp step ms%s (median)" % (" with refresh" if refresh else ""),
+                                median_ms(t_ours[refresh][1:] or t_ours[refresh])))
+    print("%-40s %12.2f" % ("reference state MiB", ref_bytes / MIB))
+    print("%-40s %12.2f" % ("rfsdp state MiB", ours.state_bytes() / MIB))
+    print("The reference keeps m in the eigenbasis and re-projects it at a refresh; rfsdp keeps it "
+          "in the original basis and rotates it each step (the same values, in exact arithmetic).")
 
 
 # ---- 7. Muon on FSDP2's parameters: rfsdp vs dion -----------------------------------
@@ -962,11 +1035,14 @@ def main():
     ap.add_argument("--distributed-shampoo", help="a checkout of facebookresearch/optimizers")
     ap.add_argument("--kernel-mib", default="1,16", help="tensor sizes of section 5, Mi elements")
     ap.add_argument("--kernel-reps", type=int, default=7)
-    ap.add_argument("--only", default="fsdp,muon,8bit,shampoo,kernels8,fsdp2opt,dion")
+    ap.add_argument("--only", default="fsdp,muon,8bit,shampoo,kernels8,fsdp2opt,dion,soap")
     ap.add_argument("--install-anchors", action="store_true")
     ap.add_argument("--worker", choices=["fsdp", "muon", "fsdp2opt", "dion"],
                     help=argparse.SUPPRESS)
     ap.add_argument("--dion", help="a checkout of microsoft/dion (section 7)")
+    ap.add_argument("--soap", help="a checkout of nikhilvyas/SOAP (section 8)")
+    ap.add_argument("--soap-dim", type=int, default=64, help="GPT width of section 8")
+    ap.add_argument("--soap-steps", type=int, default=21)
     ap.add_argument("--variant", choices=["rfsdp", "fsdp2", "ddp"], help=argparse.SUPPRESS)
     ap.add_argument("--dim", type=int, default=256, help=argparse.SUPPRESS)
     ap.add_argument("--out", help=argparse.SUPPRESS)
@@ -1000,6 +1076,8 @@ def main():
         section_fsdp2opt(args)
     if "dion" in only:
         section_dion(args)
+    if "soap" in only:
+        section_soap(args)
 
 
 if __name__ == "__main__":

@@ -22,7 +22,7 @@ from torch import nn
 
 import rfsdp
 
-OPTIMIZERS = ["adamw", "adamw8bit", "muon", "shampoo"]
+OPTIMIZERS = ["adamw", "adamw8bit", "muon", "shampoo", "soap"]
 SHAMPOO_DIM = 256  # max_preconditioner_dim: tiles of at most 256 x 256
 FORTUNES = "/usr/share/games/fortunes"
 DEVICE = torch.device("cpu")  # main() sets it (--device)
@@ -114,6 +114,14 @@ def run(name, args, train, val, rank, world):
                                   precondition_frequency=args.precondition_frequency,
                                   start_preconditioning_step=args.precondition_frequency,
                                   factor_dtype=getattr(torch, args.factor_dtype))
+    elif name == "soap":
+        # Adam in Shampoo's eigenbasis, on the same tiles (the plan keeps them whole);
+        # AdamW's learning rate and weight decay, SOAP's refresh frequency. Betas (0.9,
+        # 0.99): with SOAP's (0.95, 0.95) this run ends at validation loss 2.797, with
+        # these at 2.640 (AMD EPYC, 150 steps).
+        opt = rfsdp.optim.SOAP(model.parameters(), lr=args.lr, betas=(0.9, 0.99),
+                               weight_decay=0.1, max_preconditioner_dim=SHAMPOO_DIM,
+                               precondition_frequency=10)
     else:
         opt_cls = {"adamw": rfsdp.optim.AdamW, "adamw8bit": rfsdp.optim.AdamW8bit}[name]
         opt = opt_cls(model.parameters(), lr=args.lr, weight_decay=0.1)
@@ -202,6 +210,10 @@ def run(name, args, train, val, rank, world):
                 "%d roots retried in fp64" % (opt._impl.num_tiles(), opt._impl.factor_bytes() / 2 ** 20,
                                               opt._impl.root_seconds(), elapsed,
                                               opt._impl.fp64_retries()))
+    if name == "soap":
+        note = ("%d tiles, %.2f MiB of moments, factors and bases per rank, %d eigendecompositions "
+                "retried in fp64" % (opt._impl.num_tiles(), opt.state_bytes() / 2 ** 20,
+                                     opt._impl.fp64_retries()))
     peak_mib = torch.cuda.max_memory_allocated() / 2 ** 20 if DEVICE.type == "cuda" \
         else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # GPU memory / host RSS
     return dict(name=name, params=n_params, train=sum(curve[-10:]) / len(curve[-10:]),
@@ -261,6 +273,11 @@ def main():
         print("%s: %.2f MB of text, %d ranks, %d steps x %d x %d tokens per rank"
               % (args.text or "fortunes", text.numel() / 1e6, world, args.steps, args.batch, args.ctx), flush=True)
     names = OPTIMIZERS if args.compare else [args.optimizer]
+    if args.compare and DEVICE.type == "cuda":  # said, not silent: SOAP has no GPU path yet
+        names = [n for n in names if n != "soap"]
+        if rank == 0:
+            print("--compare on cuda: soap left out (rfsdp.optim.SOAP runs on the CPU only so far)",
+                  flush=True)
     if args.optimizers:
         names = args.optimizers.split(",")
         unknown = [n for n in names if n not in OPTIMIZERS]

@@ -14,6 +14,7 @@
 #include "optimizers/common/step_gate.h"
 #include "optimizers/muon/muon.h"
 #include "optimizers/shampoo/shampoo.h"
+#include "optimizers/soap/soap.h"
 #include "quant/blockwise/cpu_kernels.h"
 #include "core/ragged/planner.h"
 #include "quant/blockwise/blockwise.h"
@@ -332,6 +333,26 @@ PYBIND11_MODULE(_C, m) {
       .def("factor_bytes", &rfsdp::Shampoo::factor_bytes)
       .def("root_seconds", &rfsdp::Shampoo::root_seconds)
       .def("fp64_retries", &rfsdp::Shampoo::fp64_retries);
+  py::class_<rfsdp::SOAP, rfsdp::ShardedOptimizer, std::shared_ptr<rfsdp::SOAP>>(m, "SOAP")
+      .def(py::init([](const std::vector<ShardOf>& params, const std::vector<bool>& precondition,
+                       int64_t max_dim, int frequency, bool correct_bias,
+                       std::shared_ptr<rfsdp::Comm> comm) {
+             rfsdp::SOAPConfig c;
+             c.max_preconditioner_dim = max_dim;
+             c.precondition_frequency = frequency;
+             c.correct_bias = correct_bias;
+             return std::make_shared<rfsdp::SOAP>(shards_of(params), rfsdp::SOAPOptions{}, c,
+                                                  std::move(comm), precondition);
+           }),
+           py::arg("params"), py::arg("precondition"), py::arg("max_preconditioner_dim"),
+           py::arg("precondition_frequency"), py::arg("correct_bias"), py::arg("comm"))
+      .def("set_group_options", [](rfsdp::SOAP& o, size_t g, double lr, double b1, double b2,
+                                   double shampoo_beta, double eps, double wd) {
+             o.set_group_options(g, {lr, b1, b2, shampoo_beta, eps, wd});
+           })
+      .def("num_tiles", [](const rfsdp::SOAP& o) { return o.tiles().size(); })
+      .def("state_bytes", &rfsdp::SOAP::state_bytes)
+      .def("fp64_retries", &rfsdp::SOAP::fp64_retries);
   m.def("shampoo_granule_rows", &rfsdp::shampoo_granule_rows, py::arg("shape"),
         py::arg("row_dims"), py::arg("max_preconditioner_dim"));
 

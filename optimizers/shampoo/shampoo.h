@@ -170,6 +170,12 @@ class Shampoo : public GroupedOptimizer<ShampooOptions> {
   int64_t factor_bytes() const;
   double root_flops() const;
 
+  // Symmetric matrices packed as upper triangles (Shampoo's and SOAP's factors):
+  // the n x n matrix at `offset` of `flat` as a full fp32 matrix, and a full
+  // matrix packed (float32).
+  static at::Tensor unpack(const at::Tensor& flat, int64_t offset, int64_t n);
+  static at::Tensor pack(const at::Tensor& full);
+
  private:
   struct ParamState {
     at::Tensor m, v;                          // fp32, the shard's shape
@@ -205,10 +211,6 @@ class Shampoo : public GroupedOptimizer<ShampooOptions> {
                 const std::function<void(const PartRef&, const float*)>& take);
   // The gradient of tile k of parameter i (a view: the shard's, or a shared row's).
   at::Tensor grad_tile(size_t i, const ShampooTile& t) const;
-  // Symmetric matrices packed as upper triangles: the n x n matrix at `offset` of
-  // `flat` as a full fp32 matrix, and a full matrix packed (float32).
-  static at::Tensor unpack(const at::Tensor& flat, int64_t offset, int64_t n);
-  static at::Tensor pack(const at::Tensor& full);
 
   ShampooConfig config_;
   std::vector<bool> precondition_;

@@ -561,3 +561,65 @@ class Shampoo(_OverCpp):
         loss = _run_closure(closure)
         self._step_all()
         return loss
+
+
+def _soap_options(g):
+    return (g["lr"], *g["betas"], g["shampoo_beta"], g["eps"], g["weight_decay"])
+
+
+class SOAP(_OverCpp):
+    """SOAP (Vyas et al. 2024): Adam in the eigenbasis of Shampoo's factors, over
+    ragged shards. Tiles are Shampoo's (at most max_preconditioner_dim rows and
+    columns; a 3-D [E, H, I] stack: E matrices H x I), each whole on the rank
+    that holds it (plan with rfsdp.policy.shampoo(max_preconditioner_dim)), so the
+    sharded step is the single-device step. 1-D parameters and groups with
+    use_soap=False take Adam with the same betas, eps, bias correction, weight
+    decay and first-step skip.
+
+    Per step t of a parameter (s = t - 1 updates so far): at t = 1 only the
+    factors L, R and their eigenbases Q_L, Q_R (eigh, descending); from t = 2:
+    G' = Q_L^T G Q_R, m <- b1 m + (1 - b1) G, v <- b2 v + (1 - b2) G'^2,
+    N = Q_L ((Q_L^T m Q_R) / (sqrt(v) + eps)) Q_R^T,
+    p <- (p - lr sqrt(1 - b2^s) / (1 - b1^s) N) (1 - lr weight_decay) (lr alone
+    without correct_bias); then L, R <- shampoo_beta (default: betas[1]) decay
+    plus G G^T, G^T G; every precondition_frequency updates the bases are
+    refreshed by one power step and QR (columns reordered by their estimated
+    eigenvalues, v permuted with them). fp32 states, on the CPU so far.
+    """
+
+    def __init__(self, params, lr=3e-3, betas=(0.95, 0.95), shampoo_beta=-1.0, eps=1e-8,
+                 weight_decay=0.01, precondition_frequency=10, max_preconditioner_dim=1024,
+                 correct_bias=True, process_group=None, timeout_seconds=300.0):
+        for name, v in (("max_preconditioner_dim", max_preconditioner_dim),
+                        ("precondition_frequency", precondition_frequency)):
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                raise ValueError("SOAP: %s must be a positive integer, got %r" % (name, v))
+        self.config = dict(max_preconditioner_dim=max_preconditioner_dim,
+                           precondition_frequency=precondition_frequency,
+                           correct_bias=bool(correct_bias))
+        super().__init__(params, dict(lr=lr, betas=tuple(betas), shampoo_beta=shampoo_beta,
+                                      eps=eps, weight_decay=weight_decay, use_soap=True))
+        self.comm = _default_comm(process_group, timeout_seconds, self.param_groups)
+        self._bind()
+
+    def settings(self):
+        return dict(super().settings(), **self.config)
+
+    def _parts(self, params):
+        group_of = {id(p): g for g in self.param_groups for p in g["params"]}
+        self._impl = _C.SOAP([_shard_spec(i, p) for i, p in enumerate(params)],
+                             [bool(group_of[id(p)]["use_soap"]) for p in params],
+                             self.config["max_preconditioner_dim"],
+                             self.config["precondition_frequency"],
+                             self.config["correct_bias"], self.comm)
+        return [(self._impl, list(range(len(params))), _soap_options)]
+
+    def state_bytes(self):
+        self._bind()
+        return self._impl.state_bytes()
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        loss = _run_closure(closure)
+        self._step_all()
+        return loss

@@ -1,0 +1,106 @@
+// SOAP (Vyas et al. 2024, "SOAP: Improving and Stabilizing Shampoo using Adam"):
+// Adam in the eigenbasis of Shampoo's factors, over ragged shards. The tiles are
+// Shampoo's (optimizers/shampoo/shampoo.h: every matrix cut into tiles of at most
+// B x B, B = max_preconditioner_dim; rfsdp.policy.shampoo(B) keeps each whole on
+// one rank), so each tile's factors, bases and moments live on the rank that
+// holds it: the sharded step is the single-device step, and nothing but the step
+// gate's flag is communicated.
+//
+// Per parameter with gradient g, t its count of steps with a gradient, per tile G:
+//   t = 1: L = (1 - b_s) G G^T, R = (1 - b_s) G^T G; Q_L, Q_R their eigenvectors by
+//     descending eigenvalue (eigh in fp32, retried in fp64). No update (1-D
+//     parameters skip their first step too).
+//   t >= 2, s = t - 1: G' = Q_L^T G Q_R; m <- b1 m + (1 - b1) G; v <- b2 v + (1 - b2) G'^2;
+//     N = Q_L ((Q_L^T m Q_R) / (sqrt(v) + eps)) Q_R^T (1-D: v <- b2 v + (1 - b2) g^2,
+//     N = m / (sqrt(v) + eps)); p <- (p - step N) (1 - lr wd), step = lr sqrt(1 - b2^s) /
+//     (1 - b1^s) (lr without correct_bias); then L <- b_s L + (1 - b_s) G G^T, R likewise;
+//     when s % precondition_frequency == 0, per side: order = argsort(diag(Q^T X Q),
+//     descending), Q <- qr(X Q[:, order]).Q, and v permuted by order along that side
+//     (rows for L, columns for R).
+// m is kept in the original basis, v in the eigenbasis; both have the shard's shape.
+// b_s = shampoo_beta (negative: b2). A step changes nothing until every rank has
+// agreed that it can be taken (StepGate): first bases and refreshed ones are
+// computed from the factors the step would store, before anything changes.
+#pragma once
+
+#include <ATen/ATen.h>
+
+#include <memory>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "core/comm/comm.h"
+#include "optimizers/common/sharded_optimizer.h"
+#include "optimizers/shampoo/shampoo.h"
+
+namespace rfsdp {
+
+// Hyperparameters a parameter group may set.
+struct SOAPOptions {
+  double lr = 3e-3, beta1 = 0.95, beta2 = 0.95;
+  double shampoo_beta = -1.0;  // < 0: beta2
+  double eps = 1e-8, weight_decay = 0.01;
+};
+
+// Settings that shape the state: one per optimizer.
+struct SOAPConfig {
+  int64_t max_preconditioner_dim = 1024;
+  int precondition_frequency = 10;
+  bool correct_bias = true;
+  bool check_finite = true;  // NaN/Inf gradients: every rank throws
+};
+
+// The eigenvectors of symmetric matrices of one size, columns by descending
+// eigenvalue (batched eigh in fp32, each failure retried alone in fp64); ok[k]
+// false where both failed (no convergence, a non-finite result). Counts the
+// fp64 retries in *retries.
+std::vector<at::Tensor> descending_eigenvectors(const std::vector<at::Tensor>& a,
+                                                std::vector<bool>* ok, int64_t* retries);
+
+class SOAP : public GroupedOptimizer<SOAPOptions> {
+ public:
+  // precondition[i] false: parameter i takes Adam (with SOAP's first-step skip
+  // and weight decay); 1-D parameters always do. comm: the ranks that step together.
+  SOAP(std::vector<ParamShard> params, SOAPOptions options = {}, SOAPConfig config = {},
+       std::shared_ptr<Comm> comm = nullptr, std::vector<bool> precondition = {});
+
+  const char* name() const override { return "SOAP"; }
+  const SOAPConfig& config() const { return config_; }
+  // exp_avg (m), exp_avg_sq (v, in the eigenbasis) and, for a preconditioned
+  // parameter, factor_left, factor_right (its tiles' L, R: packed upper
+  // triangles in tile order) and basis_left, basis_right (Q_L, Q_R: n x n row by
+  // row, in tile order).
+  std::vector<std::pair<std::string, at::Tensor>> state(size_t i) const override;
+  const std::vector<ShampooTile>& tiles() const { return tiles_; }
+  bool preconditioned(size_t i) const { return precondition_.at(i); }
+  int64_t state_bytes() const;
+  int64_t fp64_retries() const { return fp64_retries_; }
+
+ private:
+  struct ParamState {
+    at::Tensor m, v;                 // fp32, the shard's shape
+    at::Tensor left, right;          // packed factors
+    at::Tensor q_left, q_right;      // bases, n x n each, flat
+    std::vector<size_t> tiles;       // indices into tiles_
+    std::vector<int64_t> ql, qr;     // each tile's offsets in q_left, q_right
+  };
+  // What a step computes for a tile before the gate: its new factors (full fp32)
+  // and, at t = 1 or a refresh, its new bases and (refresh) the orders of v.
+  struct TileUpdate {
+    at::Tensor l, r, q_l, q_r, order_l, order_r;
+  };
+  void check_options(const SOAPOptions& o) const override;
+  void run_step(StepGate& gate, const std::vector<size_t>& stepping) override;
+  // The new factors of every stepping tile, and its new bases where due.
+  void prepare(const std::vector<size_t>& stepping, std::vector<TileUpdate>* up);
+  double shampoo_beta(const SOAPOptions& o) const { return o.shampoo_beta < 0 ? o.beta2 : o.shampoo_beta; }
+
+  SOAPConfig config_;
+  std::vector<bool> precondition_;
+  std::vector<ParamState> state_;
+  std::vector<ShampooTile> tiles_;
+  int64_t fp64_retries_ = 0;
+};
+
+}  // namespace rfsdp

@@ -1,0 +1,146 @@
+"""rfsdp.optim.SOAP from Python: on fully_shard's shards (2 ranks, planned with
+rfsdp.policy.shampoo) it steps as one process does on the same gradients;
+param groups (use_soap=False, an LR scheduler), torch's state_dict round trip
+and an rfsdp.checkpoint round trip resume exactly; bad settings are errors."""
+import os
+import tempfile
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from torch import nn
+
+import rfsdp
+
+STEPS = 6
+B = 8  # max_preconditioner_dim
+
+
+class Net(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a = nn.Linear(12, 16)
+        self.b = nn.Linear(16, 20)
+        self.experts = nn.Parameter(torch.randn(2, 8, 8) * 0.3)
+
+
+def grads(seed):
+    """Full gradients of every parameter, every step."""
+    g = torch.Generator().manual_seed(seed + 5)
+    shapes = [(n, p.shape) for n, p in Net().named_parameters()]
+    return [{n: torch.randn(s, generator=g) for n, s in shapes} for _ in range(STEPS)]
+
+
+def soap(model):
+    mats = [p for n, p in model.named_parameters() if n != "b.bias"]
+    return rfsdp.optim.SOAP([dict(params=mats),
+                             dict(params=[model.b.bias], use_soap=False, lr=1e-3)],
+                            lr=1e-2, betas=(0.9, 0.95), weight_decay=0.01,
+                            precondition_frequency=2, max_preconditioner_dim=B)
+
+
+def set_grads(model, full):
+    for n, p in model.named_parameters():
+        info = rfsdp.shard_info(p)
+        g = full[n]
+        if info is not None:
+            g = g.reshape(info.full_rows, -1)[info.row_begin:info.row_end].reshape(p.shape)
+        p.grad = g.clone()
+
+
+def worker(rank, seed, init_file, out_file):
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method="file://" + init_file, rank=rank, world_size=2)
+    torch.manual_seed(seed)
+    model = Net()
+    rfsdp.fully_shard(model, policy=rfsdp.policy.shampoo(B))
+    opt = soap(model)
+    for g in grads(seed):
+        set_grads(model, g)
+        opt.step()
+    full = rfsdp.full_parameters(model)
+    if rank == 0:
+        torch.save(full, out_file)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def one_process(seed):
+    torch.manual_seed(seed)
+    model = Net()
+    opt = soap(model)
+    for g in grads(seed):
+        set_grads(model, g)
+        opt.step()
+    return model
+
+
+def test_soap_on_fully_shard_steps_as_one_process():
+    seed = int(torch.randint(0, 2 ** 30, ()).item())
+    with tempfile.TemporaryDirectory() as d:
+        out = os.path.join(d, "out.pt")
+        mp.spawn(worker, args=(seed, os.path.join(d, "init"), out), nprocs=2)
+        got = torch.load(out)
+    want = one_process(seed)
+    torch.manual_seed(seed)
+    start = dict(Net().named_parameters())
+    for n, p in want.named_parameters():
+        moved = (p.detach() - start[n].detach()).abs().max().item()
+        assert moved > 0, n
+        torch.testing.assert_close(got[n], p.detach(), rtol=0, atol=1e-4 * moved,
+                                   msg=lambda m: "%s (seed %d): %s" % (n, seed, m))
+
+
+def test_soap_state_dict_and_checkpoint_resume_exactly():
+    seed = int(torch.randint(0, 2 ** 30, ()).item())
+    torch.manual_seed(seed)
+    model = Net()
+    opt = soap(model)
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=2, gamma=0.5)
+    gs = grads(seed)
+    with tempfile.TemporaryDirectory() as d:
+        for k, g in enumerate(gs):
+            if k == 3:
+                saved_sd = opt.state_dict()
+                torch.save(saved_sd, os.path.join(d, "opt.pt"))
+                rfsdp.checkpoint.save(os.path.join(d, "ckpt"), model, opt)
+                params_at_3 = {n: p.detach().clone() for n, p in model.named_parameters()}
+                lrs = [grp["lr"] for grp in opt.param_groups]
+            set_grads(model, g)
+            opt.step()
+            sched.step()
+        for how in ("state_dict", "checkpoint"):
+            m2 = Net()
+            o2 = soap(m2)
+            with torch.no_grad():
+                for n, p in m2.named_parameters():
+                    p.copy_(params_at_3[n])
+            if how == "state_dict":
+                o2.load_state_dict(torch.load(os.path.join(d, "opt.pt"), weights_only=True))
+            else:
+                rfsdp.checkpoint.load(os.path.join(d, "ckpt"), m2, o2)
+            assert [grp["lr"] for grp in o2.param_groups] == lrs
+            s2 = torch.optim.lr_scheduler.StepLR(o2, step_size=2, gamma=0.5, last_epoch=-1)
+            s2.last_epoch = 3
+            for g in gs[3:]:
+                set_grads(m2, g)
+                o2.step()
+                s2.step()
+            for (n, p), p2 in zip(model.named_parameters(), m2.parameters()):
+                assert torch.equal(p, p2), (how, n, seed)
+    assert set(opt.state[model.a.weight]) == {"step", "exp_avg", "exp_avg_sq", "factor_left",
+                                              "factor_right", "basis_left", "basis_right"}
+    assert set(opt.state[model.b.bias]) == {"step", "exp_avg", "exp_avg_sq"}  # use_soap=False
+
+
+def test_soap_bad_settings_are_clear_errors():
+    w = nn.Parameter(torch.randn(4, 4))
+    with pytest.raises(ValueError, match="precondition_frequency"):
+        rfsdp.optim.SOAP([w], precondition_frequency=0)
+    with pytest.raises(ValueError, match="betas"):
+        rfsdp.optim.SOAP([w], betas=(0.9, 1.0))
+    opt = rfsdp.optim.SOAP([w])
+    w.grad = torch.full((4, 4), float("nan"))
+    with pytest.raises(RuntimeError, match="NaN"):
+        opt.step()
