@@ -1,5 +1,6 @@
 """rfsdp.optim.SOAP from Python: on fully_shard's shards (2 ranks, planned with
-rfsdp.policy.shampoo) it steps as one process does on the same gradients;
+rfsdp.policy.shampoo) it steps as one process does on the same gradients, and
+its checkpoint saved on 2 ranks resumes on 1;
 param groups (use_soap=False, an LR scheduler), torch's state_dict round trip
 and an rfsdp.checkpoint round trip resume exactly; bad settings are errors."""
 import os
@@ -49,14 +50,24 @@ def set_grads(model, full):
         p.grad = g.clone()
 
 
-def worker(rank, seed, init_file, out_file):
+def worker(rank, world, seed, init_file, out_file, ckpt=None):
+    """STEPS steps on `world` ranks; ckpt: save after 3 (2 ranks), or load and take
+    the last STEPS - 3 (1 rank)."""
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method="file://" + init_file, rank=rank, world_size=2)
+    dist.init_process_group("gloo", init_method="file://" + init_file, rank=rank,
+                            world_size=world)
     torch.manual_seed(seed)
     model = Net()
     rfsdp.fully_shard(model, policy=rfsdp.policy.shampoo(B))
     opt = soap(model)
-    for g in grads(seed):
+    gs = grads(seed)
+    first = 0
+    if ckpt is not None and world == 1:
+        rfsdp.checkpoint.load(ckpt, model, opt)
+        first = 3
+    for k, g in enumerate(gs[first:], start=first):
+        if ckpt is not None and world == 2 and k == 3:
+            rfsdp.checkpoint.save(ckpt, model, opt)
         set_grads(model, g)
         opt.step()
     full = rfsdp.full_parameters(model)
@@ -76,20 +87,26 @@ def one_process(seed):
     return model
 
 
-def test_soap_on_fully_shard_steps_as_one_process():
+def test_soap_on_fully_shard_steps_as_one_process_and_its_checkpoint_resumes_on_one_rank():
     seed = int(torch.randint(0, 2 ** 30, ()).item())
     with tempfile.TemporaryDirectory() as d:
-        out = os.path.join(d, "out.pt")
-        mp.spawn(worker, args=(seed, os.path.join(d, "init"), out), nprocs=2)
-        got = torch.load(out)
+        got = []
+        ckpt = os.path.join(d, "ckpt")
+        for world in (2, 1):  # 2 ranks save after 3 steps; 1 rank loads and finishes
+            out = os.path.join(d, "out%d.pt" % world)
+            mp.spawn(worker, args=(world, seed, os.path.join(d, "init%d" % world), out, ckpt),
+                     nprocs=world)
+            got.append(torch.load(out))
     want = one_process(seed)
     torch.manual_seed(seed)
     start = dict(Net().named_parameters())
-    for n, p in want.named_parameters():
-        moved = (p.detach() - start[n].detach()).abs().max().item()
-        assert moved > 0, n
-        torch.testing.assert_close(got[n], p.detach(), rtol=0, atol=1e-4 * moved,
-                                   msg=lambda m: "%s (seed %d): %s" % (n, seed, m))
+    for world, full in zip((2, 1), got):
+        for n, p in want.named_parameters():
+            moved = (p.detach() - start[n].detach()).abs().max().item()
+            assert moved > 0, n
+            torch.testing.assert_close(full[n], p.detach(), rtol=0, atol=1e-4 * moved,
+                                       msg=lambda m: "%s, %d rank(s) (seed %d): %s"
+                                       % (n, world, seed, m))
 
 
 def test_soap_state_dict_and_checkpoint_resume_exactly():
