@@ -39,11 +39,6 @@ void check_config(const ShampooConfig& c) {
   }
 }
 
-// A tile of a flat tensor: rows x cols, rows `stride` apart (a view).
-at::Tensor tile_of(const at::Tensor& flat, const ShampooTile& t) {
-  return flat.as_strided({t.rows, t.cols}, {t.stride, 1}, flat.storage_offset() + t.local_offset);
-}
-
 std::string tile_name(const ParamShard& p, const ShampooTile& t) {
   return "parameter '" + p.name + "' tile of matrix " + std::to_string(t.matrix) + " rows [" +
          std::to_string(t.row0) + ", " + std::to_string(t.row0 + t.rows) + ") columns [" +
@@ -352,7 +347,7 @@ void Shampoo::exchange(bool forward, int64_t head, int64_t width,
 }
 
 at::Tensor Shampoo::grad_tile(size_t i, const ShampooTile& t) const {
-  return tile_of(t.shared >= 0 ? shared_g_[t.shared] : params_[i].grad.view({-1}), t);
+  return shampoo_tile_view(t.shared >= 0 ? shared_g_[t.shared] : params_[i].grad.view({-1}), t);
 }
 
 // Row i of the upper triangle, columns [i, n), follows rows 0..i-1: plain copies
@@ -582,7 +577,9 @@ void Shampoo::run_step(StepGate& gate, const std::vector<size_t>& stepping) {
     if (preconditions(i)) {
       for (size_t k : s.tiles) {
         const ShampooTile& tl = tiles_[k];
-        if (tl.shared < 0) precondition_tile(s, tl, tile_of(u, tl), tile_of(m_hat, tl));
+        if (tl.shared < 0) {
+          precondition_tile(s, tl, shampoo_tile_view(u, tl), shampoo_tile_view(m_hat, tl));
+        }
       }
     }
     update[i] = u;
@@ -612,8 +609,8 @@ void Shampoo::run_step(StepGate& gate, const std::vector<size_t>& stepping) {
       for (size_t k : s.tiles) {
         const ShampooTile& tl = tiles_[k];
         if (tl.shared >= 0) {
-          precondition_tile(s, tl, tile_of(shared_d_[tl.shared], tl),
-                            tile_of(shared_m_[tl.shared], tl));
+          precondition_tile(s, tl, shampoo_tile_view(shared_d_[tl.shared], tl),
+                            shampoo_tile_view(shared_m_[tl.shared], tl));
         }
       }
     }

@@ -113,6 +113,12 @@ struct SharedTileRow {
 
 inline int64_t shampoo_packed_size(int64_t n) { return n * (n + 1) / 2; }
 
+// Tile t of a flat tensor laid out as its shard (or a shared row's buffer):
+// rows x cols, rows `stride` apart (a view). Shampoo's and SOAP's.
+inline at::Tensor shampoo_tile_view(const at::Tensor& flat, const ShampooTile& t) {
+  return flat.as_strided({t.rows, t.cols}, {t.stride, 1}, flat.storage_offset() + t.local_offset);
+}
+
 // The preconditioner tiles that `shard` holds whole, and (shared given, every
 // rank's rows known) those of the rows of tiles it owns; every cut row of tiles
 // of the tensor is appended to *shared (rank: this rank's index among the

@@ -12,11 +12,6 @@ namespace rfsdp {
 
 namespace {
 
-// A tile of a flat tensor: rows x cols, rows `stride` apart (a view).
-at::Tensor tile_view(const at::Tensor& flat, const ShampooTile& t) {
-  return flat.as_strided({t.rows, t.cols}, {t.stride, 1}, flat.storage_offset() + t.local_offset);
-}
-
 // The n x n basis at `offset` of flat storage (a view).
 at::Tensor basis_view(const at::Tensor& flat, int64_t offset, int64_t n) {
   return flat.narrow(0, offset, n * n).view({n, n});
@@ -142,7 +137,7 @@ void SOAP::prepare(const std::vector<size_t>& stepping, std::vector<TileUpdate>*
     for (size_t j = 0; j < s.tiles.size(); ++j) {
       const size_t k = s.tiles[j];
       const ShampooTile& tl = tiles_[k];
-      const at::Tensor gt = tile_view(g, tl);
+      const at::Tensor gt = shampoo_tile_view(g, tl);
       TileUpdate& u = (*up)[k];
       u.l = Shampoo::unpack(s.left, tl.left_offset, tl.rows).mul_(bs).add_(at::mm(gt, gt.t()), 1 - bs);
       u.r = Shampoo::unpack(s.right, tl.right_offset, tl.cols).mul_(bs).add_(at::mm(gt.t(), gt), 1 - bs);
@@ -207,11 +202,11 @@ void SOAP::run_step(StepGate& gate, const std::vector<size_t>& stepping) {
           const ShampooTile& tl = tiles_[s.tiles[j]];
           const at::Tensor ql = basis_view(s.q_left, s.ql[j], tl.rows);
           const at::Tensor qr = basis_view(s.q_right, s.qr[j], tl.cols);
-          const at::Tensor gp = at::mm(at::mm(ql.t(), tile_view(g, tl)), qr);
-          at::Tensor vt = tile_view(v, tl);
+          const at::Tensor gp = at::mm(at::mm(ql.t(), shampoo_tile_view(g, tl)), qr);
+          at::Tensor vt = shampoo_tile_view(v, tl);
           vt.mul_(o.beta2).addcmul_(gp, gp, 1 - o.beta2);
-          const at::Tensor mp = at::mm(at::mm(ql.t(), tile_view(m, tl)), qr);
-          tile_view(n, tl).copy_(at::mm(at::mm(ql, mp / (vt.sqrt() + o.eps)), qr.t()));
+          const at::Tensor mp = at::mm(at::mm(ql.t(), shampoo_tile_view(m, tl)), qr);
+          shampoo_tile_view(n, tl).copy_(at::mm(at::mm(ql, mp / (vt.sqrt() + o.eps)), qr.t()));
         }
       } else {
         v.mul_(o.beta2).addcmul_(g, g, 1 - o.beta2);
@@ -234,7 +229,7 @@ void SOAP::run_step(StepGate& gate, const std::vector<size_t>& stepping) {
       if (u.q_l.defined()) basis_view(s.q_left, s.ql[j], tl.rows).copy_(u.q_l);
       if (u.q_r.defined()) basis_view(s.q_right, s.qr[j], tl.cols).copy_(u.q_r);
       if (u.order_l.defined()) {  // a refresh: v follows its basis' new column order
-        at::Tensor vt = tile_view(v, tl);
+        at::Tensor vt = shampoo_tile_view(v, tl);
         vt.copy_(vt.index_select(0, u.order_l).index_select(1, u.order_r));
       }
     }
