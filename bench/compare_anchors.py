@@ -23,11 +23,14 @@
     whole-block plan, torch AdamW on FSDP2 beside them, 2 ranks: median
     optimizer step time, bytes the optimizer sends per step, blocks shared.
  8. rfsdp.optim.SOAP vs the reference SOAP (nikhilvyas/SOAP, a checkout given by
-    --soap or $RFSDP_SOAP; measured: a1e5535) in one process, on matrices no
-    larger than max_preconditioner_dim (there the two are one algorithm: the
+    --soap or $RFSDP_SOAP; measured: a1e5535) in one process, on square
+    matrices (full-rank first factors) no larger than max_preconditioner_dim (there the two are one algorithm: the
     reference leaves larger dimensions unpreconditioned, rfsdp tiles them), the
     same gradients: update differences, step time with and without basis
-    refreshes, optimizer-state bytes.
+    refreshes, optimizer-state bytes; beside them DistributedShampoo's
+    eigenvalue-corrected Shampoo (--distributed-shampoo), which differs in the
+    details listed there: the direction (cosine) and size of its update from
+    the same parameters, step times, state bytes.
  7. Muon on FSDP2's parameters: rfsdp.optim.Muon vs dion's Muon
     (microsoft/dion, a checkout given by --dion or $RFSDP_DION; measured:
     0a059a4), 2 ranks, the same gradients: step time, bytes sent per step,
@@ -362,17 +365,23 @@ def reference_soap_class(args):
 
 def section_soap(args):
     print("\n## 8. SOAP: rfsdp.optim.SOAP vs the reference SOAP (nikhilvyas/SOAP), one process, "
-          "the matrices of a width-%d GPT (%d layers) and a bias, the same gradients"
-          % (args.soap_dim, 2))
+          "square matrices of sizes %d, %d, %d and a bias, the same gradients"
+          % (args.soap_dim, 2 * args.soap_dim, 4 * args.soap_dim))
     ref_cls = reference_soap_class(args)
     if ref_cls is None:
         print("reference SOAP not found: give a checkout of nikhilvyas/SOAP with --soap DIR "
               "(or $RFSDP_SOAP)")
         return
     steps, freq, lr, wd = args.soap_steps, 5, 3e-3, 0.01
-    init = muon_matrices(args.soap_dim, 2, 1) + [torch.zeros(4 * args.soap_dim)]
+    # Square matrices: a first factor G G^T of a rectangular G has a null space
+    # whose basis is arbitrary (eigh's choice, which moves with the last bit of
+    # its input), so two correct SOAPs differ there; square ones are full rank.
+    g = torch.Generator().manual_seed(1)
+    d = args.soap_dim
+    init = [torch.randn(n, n, generator=g) / math.sqrt(n) for n in (d, d, d, 2 * d, 4 * d)]
+    init.append(torch.zeros(4 * d))
     B = max(max(w.shape) for w in init)
-    grads = [[torch.randn_like(w) for w in init] for _ in range(steps)]
+    grads = [[torch.randn(w.shape, generator=g) for w in init] for _ in range(steps)]
     pr = [nn.Parameter(w.clone()) for w in init]
     pt = [nn.Parameter(w.clone()) for w in init]
     ours = rfsdp.optim.SOAP(pr, lr=lr, betas=(0.95, 0.95), weight_decay=wd,
@@ -411,6 +420,97 @@ def section_soap(args):
     print("%-40s %12.2f" % ("rfsdp state MiB", ours.state_bytes() / MIB))
     print("The reference keeps m in the eigenbasis and re-projects it at a refresh; rfsdp keeps it "
           "in the original basis and rotates it each step (the same values, in exact arithmetic).")
+    soap_vs_distributed_shampoo(args, init, grads, B, freq, lr, wd)
+
+
+def all_tensors(x, out):
+    """Every tensor in x (dicts, lists, tuples, dataclasses), appended to out."""
+    import dataclasses
+    if torch.is_tensor(x):
+        out.append(x)
+    elif dataclasses.is_dataclass(x) and not isinstance(x, type):
+        for f in dataclasses.fields(x):
+            all_tensors(getattr(x, f.name), out)
+    elif isinstance(x, dict):
+        for v in x.values():
+            all_tensors(v, out)
+    elif isinstance(x, (list, tuple)):
+        for v in x:
+            all_tensors(v, out)
+    return out
+
+
+def soap_vs_distributed_shampoo(args, init, grads, B, freq, lr, wd):
+    # DistributedShampoo's eigenvalue-corrected preconditioner is SOAP's algorithm
+    # up to: no first-step skip, and no basis before start_preconditioning_step
+    # (which must be >= precondition_frequency: until then the identity, i.e.
+    # Adam), bases recomputed (eigh, or QR iterations from the last basis) at
+    # steps freq, 2 freq, ... before v's update, no v permutation, m bias-
+    # corrected on its own and eps added to sqrt(v^) (rfsdp: to sqrt(v), with the
+    # correction in the step size). So the updates are compared by direction
+    # (cosine) and size, each step from rfsdp's parameters; 1-D tensors take Adam
+    # on both (ignored_basis_change_dims).
+    rev = import_distributed_shampoo(args)
+    if rev is None:
+        return
+    from distributed_shampoo import (DistributedShampoo, EigenvalueCorrectedShampooPreconditionerConfig,
+                                     QREigendecompositionConfig)
+    steps = len(grads)
+    print("\nSOAP vs DistributedShampoo's eigenvalue-corrected Shampoo (facebookresearch/optimizers "
+          "@ %s), the same gradients, each step from rfsdp's parameters:" % rev)
+    pr = [nn.Parameter(w.clone()) for w in init]
+    ours = rfsdp.optim.SOAP(pr, lr=lr, betas=(0.95, 0.95), weight_decay=wd,
+                            precondition_frequency=freq, max_preconditioner_dim=B)
+    variants = {}
+    for label, amortized in (("eigh", None), ("QR x1", QREigendecompositionConfig(max_iterations=1))):
+        cfg = dict(ignored_basis_change_dims={1: [0]})
+        if amortized is not None:
+            cfg["amortized_computation_config"] = amortized
+        ps = [nn.Parameter(w.clone()) for w in init]
+        opt = DistributedShampoo(ps, lr=lr, betas=(0.95, 0.95), epsilon=1e-8, weight_decay=wd,
+                                 max_preconditioner_dim=B, precondition_frequency=freq,
+                                 start_preconditioning_step=freq, use_bias_correction=True,
+                                 preconditioner_config=EigenvalueCorrectedShampooPreconditionerConfig(**cfg))
+        variants[label] = (ps, opt, {True: [], False: []}, [])
+    t_ours = {True: [], False: []}
+    for s in range(steps):
+        start = [p.detach().clone() for p in pr]
+        for p, g in zip(pr, grads[s]):
+            p.grad = g.clone()
+        t0 = time.perf_counter()
+        ours.step()
+        t_ours[s >= 1 and s % freq == 0].append(time.perf_counter() - t0)
+        u = torch.cat([(p.detach() - w).reshape(-1) for p, w in zip(pr, start)])
+        for label, (ps, opt, times, rows) in variants.items():
+            with torch.no_grad():
+                for p, w in zip(ps, start):
+                    p.copy_(w)
+            for p, g in zip(ps, grads[s]):
+                p.grad = g.clone()
+            t0 = time.perf_counter()
+            opt.step()
+            times[(s + 1) % freq == 0].append(time.perf_counter() - t0)
+            d = torch.cat([(p.detach() - w).reshape(-1) for p, w in zip(ps, start)])
+            if s >= 1:  # rfsdp's SOAP takes no update at its first step
+                rows.append((s + 1, float(torch.dot(u, d) / (u.norm() * d.norm())),
+                             float(u.norm() / d.norm())))
+    print("%5s %s" % ("step", "".join("%16s %12s" % ("cos(" + k + ")", "|u|/|u_DS|") for k in variants)))
+    for k in range(len(variants["eigh"][3])):
+        step = variants["eigh"][3][k][0]
+        if step <= 3 or step % freq in (0, 1) or k == len(variants["eigh"][3]) - 1:
+            print("%5d %s" % (step, "".join("%16.4f %12.3f" % v[3][k][1:] for v in variants.values())))
+    print("%-40s %12s %12s %12s" % ("", "rfsdp", "DS eigh", "DS QR x1"))
+    for refresh in (False, True):
+        row = [median_ms(t_ours[refresh][1:] or t_ours[refresh])]
+        row += [median_ms(v[2][refresh][1:] or v[2][refresh]) for v in variants.values()]
+        print("%-40s %12.2f %12.2f %12.2f" % ("step ms%s (median)" % (" with refresh" if refresh else ""),
+                                              *row))
+    ds_bytes = [unique_bytes(all_tensors(dict(v[1].state), [])) for v in variants.values()]
+    print("%-40s %12.2f %12.2f %12.2f" % ("state MiB", ours.state_bytes() / MIB, *(b / MIB for b in ds_bytes)))
+    print("cos: the cosine of rfsdp's update and DistributedShampoo's from the same parameters; "
+          "DS eigh recomputes the bases by eigh at every refresh, DS QR x1 by one QR iteration "
+          "from the last basis (SOAP's refresh, without the reordering). State: DS's whole "
+          "optimizer state (its tensors, counted once).")
 
 
 # ---- 7. Muon on FSDP2's parameters: rfsdp vs dion -----------------------------------
@@ -864,6 +964,20 @@ def distributed_shampoo_path(args):
     return None
 
 
+def import_distributed_shampoo(args):
+    """Puts DistributedShampoo's checkout on sys.path; returns its revision
+    ("not a git checkout" for an export), or None (said) where there is none."""
+    src = distributed_shampoo_path(args)
+    if src is None:
+        print("DistributedShampoo: not available (not on PyPI; pass --distributed-shampoo DIR, a "
+              "checkout of facebookresearch/optimizers)")
+        return None
+    sys.path.insert(0, src)
+    rev = subprocess.run(["git", "-C", src, "rev-parse", "--short", "HEAD"], capture_output=True,
+                         text=True).stdout.strip()
+    return rev or "not a git checkout"
+
+
 def unique_bytes(tensors):
     seen = {}
     for t in tensors:
@@ -902,16 +1016,11 @@ def section_shampoo(args):
           "the same gradient to both each step"
           % (args.shampoo_dim, args.layers, args.shampoo_tile, args.shampoo_steps,
              args.shampoo_freq))
-    src = distributed_shampoo_path(args)
-    if src is None:
-        print("DistributedShampoo: not available (not on PyPI; pass --distributed-shampoo DIR, a "
-              "checkout of facebookresearch/optimizers)")
+    rev = import_distributed_shampoo(args)
+    if rev is None:
         return
-    sys.path.insert(0, src)
     from distributed_shampoo import (AdamPreconditionerConfig, DistributedShampoo,
                                      RootInvShampooPreconditionerConfig)
-    rev = subprocess.run(["git", "-C", src, "rev-parse", "--short", "HEAD"], capture_output=True,
-                         text=True).stdout.strip() or "?"
     lr, wd, betas, eps, geps, b2g = 1e-3, 0.1, (0.9, 0.999), args.shampoo_epsilon, 1e-8, 0.999
     text = load_text()
     torch.manual_seed(0)
@@ -1041,7 +1150,8 @@ def main():
                     help=argparse.SUPPRESS)
     ap.add_argument("--dion", help="a checkout of microsoft/dion (section 7)")
     ap.add_argument("--soap", help="a checkout of nikhilvyas/SOAP (section 8)")
-    ap.add_argument("--soap-dim", type=int, default=64, help="GPT width of section 8")
+    ap.add_argument("--soap-dim", type=int, default=64,
+                    help="section 8: its square matrices are n, n, n, 2n and 4n")
     ap.add_argument("--soap-steps", type=int, default=21)
     ap.add_argument("--variant", choices=["rfsdp", "fsdp2", "ddp"], help=argparse.SUPPRESS)
     ap.add_argument("--dim", type=int, default=256, help=argparse.SUPPRESS)

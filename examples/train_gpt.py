@@ -273,11 +273,6 @@ def main():
         print("%s: %.2f MB of text, %d ranks, %d steps x %d x %d tokens per rank"
               % (args.text or "fortunes", text.numel() / 1e6, world, args.steps, args.batch, args.ctx), flush=True)
     names = OPTIMIZERS if args.compare else [args.optimizer]
-    if args.compare and DEVICE.type == "cuda":  # said, not silent: SOAP has no GPU path yet
-        names = [n for n in names if n != "soap"]
-        if rank == 0:
-            print("--compare on cuda: soap left out (rfsdp.optim.SOAP runs on the CPU only so far)",
-                  flush=True)
     if args.optimizers:
         names = args.optimizers.split(",")
         unknown = [n for n in names if n not in OPTIMIZERS]

@@ -25,17 +25,22 @@ std::vector<at::Tensor> descending_eigenvectors(const std::vector<at::Tensor>& a
   std::vector<at::Tensor> out(n);
   ok->assign(n, false);
   if (n == 0) return out;
+  // Which matrices of a batch [b, d, d] are finite, on the host: one wait per batch.
+  auto finite = [](const at::Tensor& q) {
+    return at::isfinite(q).flatten(1).all(1).to(at::kCPU).contiguous();
+  };
   auto accept = [&](size_t k, const at::Tensor& q) {
-    if (!at::isfinite(q).all().item<bool>()) return false;
     out[k] = q.flip({-1}).to(at::kFloat).contiguous();  // eigh: ascending
     (*ok)[k] = true;
-    return true;
   };
   bool batched = false;
   try {
     auto [l, q] = at::linalg_eigh(at::stack(a).to(at::kFloat));
     batched = true;
-    for (size_t k = 0; k < n; ++k) accept(k, q[k]);
+    const at::Tensor fin = finite(q);
+    for (size_t k = 0; k < n; ++k) {
+      if (fin.data_ptr<bool>()[k]) accept(k, q[k]);
+    }
   } catch (const c10::Error&) {
     // Some matrix did not converge: each is tried alone below.
   }
@@ -44,14 +49,17 @@ std::vector<at::Tensor> descending_eigenvectors(const std::vector<at::Tensor>& a
     if (!batched) {
       try {
         auto [l, q] = at::linalg_eigh(a[k].to(at::kFloat));
-        if (accept(k, q)) continue;
+        if (finite(q.unsqueeze(0)).data_ptr<bool>()[0]) {
+          accept(k, q);
+          continue;
+        }
       } catch (const c10::Error&) {
       }
     }
     if (retries) ++*retries;
     try {
       auto [l, q] = at::linalg_eigh(a[k].to(at::kDouble));
-      accept(k, q);
+      if (finite(q.unsqueeze(0)).data_ptr<bool>()[0]) accept(k, q);
     } catch (const c10::Error&) {
     }
   }
@@ -81,6 +89,11 @@ SOAP::SOAP(std::vector<ParamShard> params, SOAPOptions options, SOAPConfig confi
   if (config_.precondition_frequency < 1) {
     throw std::invalid_argument("SOAP: precondition_frequency must be >= 1");
   }
+  for (at::ScalarType d : {config_.factor_dtype, config_.basis_dtype}) {
+    if (d != at::kFloat && d != at::kBFloat16) {
+      throw std::invalid_argument("SOAP: factor_dtype and basis_dtype must be float32 or bfloat16");
+    }
+  }
   check_options(options);
   const size_t n = params_.size();
   if (!precondition.empty() && precondition.size() != n) {
@@ -89,10 +102,6 @@ SOAP::SOAP(std::vector<ParamShard> params, SOAPOptions options, SOAPConfig confi
   }
   for (size_t i = 0; i < n; ++i) {
     const ParamShard& p = params_[i];
-    if (p.param.is_cuda()) {
-      throw std::invalid_argument("SOAP: parameter '" + p.name + "' is on " +
-                                  p.param.device().str() + "; SOAP runs on the CPU only so far");
-    }
     precondition_.push_back((precondition.empty() || precondition[i]) && p.shape.size() >= 2);
     ParamState s;
     s.m = at::zeros_like(p.param);
@@ -109,30 +118,38 @@ SOAP::SOAP(std::vector<ParamShard> params, SOAPOptions options, SOAPConfig confi
         ql += t.rows * t.rows;
         qr += t.cols * t.cols;
       }
-      s.left = at::zeros({left}, at::kFloat);
-      s.right = at::zeros({right}, at::kFloat);
-      s.q_left = at::zeros({ql}, at::kFloat);
-      s.q_right = at::zeros({qr}, at::kFloat);
+      const auto on = at::TensorOptions().device(p.param.device());  // states live with the shard
+      s.left = at::zeros({left}, on.dtype(config_.factor_dtype));
+      s.right = at::zeros({right}, on.dtype(config_.factor_dtype));
+      s.q_left = at::zeros({ql}, on.dtype(config_.basis_dtype));
+      s.q_right = at::zeros({qr}, on.dtype(config_.basis_dtype));
     }
     state_.push_back(std::move(s));
   }
 }
 
+at::Tensor SOAP::basis(size_t i, size_t j, bool left) const {
+  const ParamState& s = state_[i];
+  const ShampooTile& tl = tiles_[s.tiles[j]];
+  return basis_view(left ? s.q_left : s.q_right, left ? s.ql[j] : s.qr[j], left ? tl.rows : tl.cols)
+      .to(at::kFloat);
+}
+
 void SOAP::prepare(const std::vector<size_t>& stepping, std::vector<TileUpdate>* up) {
-  // Factors first (every stepping tile), then the first bases by eigh, batched
-  // by size, and the refreshed ones by one power step and QR.
+  // Factors first (every stepping tile), then, batched by size, the first bases
+  // by eigh and the refreshed ones by one power step and QR.
   struct Job {
     size_t tile;
     bool left;
+    at::Tensor x, q;  // the new factor; (refresh) the basis it refreshes
   };
-  std::map<int64_t, std::vector<Job>> jobs;
-  std::map<int64_t, std::vector<at::Tensor>> mats;
+  std::map<int64_t, std::vector<Job>> first, refresh;
   for (size_t i : stepping) {
     if (!precondition_[i]) continue;
     const ParamState& s = state_[i];
-    const SOAPOptions& o = options_of(i);
-    const double bs = shampoo_beta(o);
+    const double bs = shampoo_beta(options_of(i));
     const int64_t t = param_steps_[i];
+    const bool refreshes = t >= 2 && (t - 1) % config_.precondition_frequency == 0;
     const at::Tensor g = params_[i].grad.view({-1});
     for (size_t j = 0; j < s.tiles.size(); ++j) {
       const size_t k = s.tiles[j];
@@ -141,42 +158,52 @@ void SOAP::prepare(const std::vector<size_t>& stepping, std::vector<TileUpdate>*
       TileUpdate& u = (*up)[k];
       u.l = Shampoo::unpack(s.left, tl.left_offset, tl.rows).mul_(bs).add_(at::mm(gt, gt.t()), 1 - bs);
       u.r = Shampoo::unpack(s.right, tl.right_offset, tl.cols).mul_(bs).add_(at::mm(gt.t(), gt), 1 - bs);
-      if (t == 1) {
-        for (bool left : {true, false}) {
-          const int64_t d = left ? tl.rows : tl.cols;
-          jobs[d].push_back({k, left});
-          mats[d].push_back(left ? u.l : u.r);
-        }
-      } else if ((t - 1) % config_.precondition_frequency == 0) {
-        for (bool left : {true, false}) {
-          const at::Tensor x = left ? u.l : u.r;
-          const int64_t d = left ? tl.rows : tl.cols;
-          const at::Tensor q = basis_view(left ? s.q_left : s.q_right, left ? s.ql[j] : s.qr[j], d);
-          const at::Tensor est = at::mm(q.t(), at::mm(x, q)).diagonal();
-          const at::Tensor order = at::argsort(est, /*stable=*/true, /*dim=*/0, /*descending=*/true);
-          const at::Tensor qn = std::get<0>(at::linalg_qr(at::mm(x, q.index_select(1, order))));
-          if (!at::isfinite(qn).all().item<bool>()) {
-            throw std::runtime_error("SOAP: the basis refresh of parameter '" + params_[i].name +
-                                     "' is not finite (check the gradients)");
-          }
-          (left ? u.q_l : u.q_r) = qn.contiguous();
-          (left ? u.order_l : u.order_r) = order;
-        }
+      for (bool left : {true, false}) {
+        const int64_t d = left ? tl.rows : tl.cols;
+        if (t == 1) first[d].push_back({k, left, left ? u.l : u.r, {}});
+        if (refreshes) refresh[d].push_back({k, left, left ? u.l : u.r, basis(i, j, left)});
       }
     }
   }
-  for (auto& [d, js] : jobs) {
+  auto where = [&](size_t tile) {
+    const ShampooTile& tl = tiles_[tile];
+    return "parameter '" + params_[tl.param].name + "' (tile rows [" + std::to_string(tl.row0) +
+           ", " + std::to_string(tl.row0 + tl.rows) + ") of matrix " + std::to_string(tl.matrix) + ")";
+  };
+  for (auto& [d, js] : first) {
+    std::vector<at::Tensor> mats;
+    for (const Job& j : js) mats.push_back(j.x);
     std::vector<bool> ok;
-    const auto qs = descending_eigenvectors(mats[d], &ok, &fp64_retries_);
+    const auto qs = descending_eigenvectors(mats, &ok, &fp64_retries_);
     for (size_t j = 0; j < js.size(); ++j) {
       if (!ok[j]) {
-        const ShampooTile& tl = tiles_[js[j].tile];
-        throw std::runtime_error(
-            "SOAP: the eigendecomposition of a factor of parameter '" + params_[tl.param].name +
-            "' (tile rows [" + std::to_string(tl.row0) + ", " + std::to_string(tl.row0 + tl.rows) +
-            ") of matrix " + std::to_string(tl.matrix) + ") failed in fp32 and fp64");
+        throw std::runtime_error("SOAP: the eigendecomposition of a factor of " + where(js[j].tile) +
+                                 " failed in fp32 and fp64");
       }
       (js[j].left ? (*up)[js[j].tile].q_l : (*up)[js[j].tile].q_r) = qs[j];
+    }
+  }
+  for (auto& [d, js] : refresh) {
+    std::vector<at::Tensor> xs, qs;
+    for (const Job& j : js) {
+      xs.push_back(j.x);
+      qs.push_back(j.q);
+    }
+    const at::Tensor x = at::stack(xs), q = at::stack(qs);  // [b, d, d]
+    // diag(Q^T X Q), column c: sum over r of Q[r, c] (X Q)[r, c].
+    const at::Tensor est = (q * at::bmm(x, q)).sum(1);
+    const at::Tensor order = at::argsort(est, /*stable=*/true, /*dim=*/1, /*descending=*/true);
+    const at::Tensor sorted = at::gather(q, 2, order.unsqueeze(1).expand({-1, d, -1}));
+    const at::Tensor qn = std::get<0>(at::linalg_qr(at::bmm(x, sorted)));
+    const at::Tensor fin = at::isfinite(qn).flatten(1).all(1).to(at::kCPU).contiguous();
+    for (size_t j = 0; j < js.size(); ++j) {
+      if (!fin.data_ptr<bool>()[j]) {
+        throw std::runtime_error("SOAP: the basis refresh of " + where(js[j].tile) +
+                                 " is not finite (check the gradients)");
+      }
+      TileUpdate& u = (*up)[js[j].tile];
+      (js[j].left ? u.q_l : u.q_r) = qn[j];
+      (js[j].left ? u.order_l : u.order_r) = order[j];
     }
   }
 }
@@ -184,6 +211,13 @@ void SOAP::prepare(const std::vector<size_t>& stepping, std::vector<TileUpdate>*
 void SOAP::run_step(StepGate& gate, const std::vector<size_t>& stepping) {
   at::NoGradGuard no_grad;
   std::vector<TileUpdate> up(tiles_.size());
+  for (size_t i : stepping) {  // no eigh or QR of NaN gradients
+    const int64_t t = param_steps_[i];
+    if (precondition_[i] && (t == 1 || (t - 1) % config_.precondition_frequency == 0)) {
+      gate.check_device_now();
+      break;
+    }
+  }
   if (!gate.failed()) gate.guard([&] { prepare(stepping, &up); });
   gate.agree();  // every rank can take the step: from here on it changes state
   for (size_t i : stepping) {
@@ -200,8 +234,7 @@ void SOAP::run_step(StepGate& gate, const std::vector<size_t>& stepping) {
         n = at::empty_like(g);
         for (size_t j = 0; j < s.tiles.size(); ++j) {
           const ShampooTile& tl = tiles_[s.tiles[j]];
-          const at::Tensor ql = basis_view(s.q_left, s.ql[j], tl.rows);
-          const at::Tensor qr = basis_view(s.q_right, s.qr[j], tl.cols);
+          const at::Tensor ql = basis(i, j, true), qr = basis(i, j, false);
           const at::Tensor gp = at::mm(at::mm(ql.t(), shampoo_tile_view(g, tl)), qr);
           at::Tensor vt = shampoo_tile_view(v, tl);
           vt.mul_(o.beta2).addcmul_(gp, gp, 1 - o.beta2);

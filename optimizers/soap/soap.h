@@ -21,6 +21,9 @@
 // b_s = shampoo_beta (negative: b2). A step changes nothing until every rank has
 // agreed that it can be taken (StepGate): first bases and refreshed ones are
 // computed from the factors the step would store, before anything changes.
+// eigh and QR run batched, one call per tile size. States live with the shard
+// (CPU or GPU); a tile that shard boundaries cut is refused (plan with
+// rfsdp.policy.shampoo(B)).
 #pragma once
 
 #include <ATen/ATen.h>
@@ -49,12 +52,17 @@ struct SOAPConfig {
   int precondition_frequency = 10;
   bool correct_bias = true;
   bool check_finite = true;  // NaN/Inf gradients: every rank throws
+  // Storage of L, R (factor_dtype) and Q_L, Q_R (basis_dtype): float32 or
+  // bfloat16. Every step computes in fp32 from them; a refresh and a first basis
+  // use the fp32 factors of this step before they are stored.
+  at::ScalarType factor_dtype = at::kFloat;
+  at::ScalarType basis_dtype = at::kFloat;
 };
 
 // The eigenvectors of symmetric matrices of one size, columns by descending
 // eigenvalue (batched eigh in fp32, each failure retried alone in fp64); ok[k]
 // false where both failed (no convergence, a non-finite result). Counts the
-// fp64 retries in *retries.
+// fp64 retries in *retries. One host wait per call (the finiteness of the batch).
 std::vector<at::Tensor> descending_eigenvectors(const std::vector<at::Tensor>& a,
                                                 std::vector<bool>* ok, int64_t* retries);
 
@@ -80,13 +88,13 @@ class SOAP : public GroupedOptimizer<SOAPOptions> {
  private:
   struct ParamState {
     at::Tensor m, v;                 // fp32, the shard's shape
-    at::Tensor left, right;          // packed factors
-    at::Tensor q_left, q_right;      // bases, n x n each, flat
+    at::Tensor left, right;          // packed factors (factor_dtype)
+    at::Tensor q_left, q_right;      // bases, n x n each, flat (basis_dtype)
     std::vector<size_t> tiles;       // indices into tiles_
     std::vector<int64_t> ql, qr;     // each tile's offsets in q_left, q_right
   };
   // What a step computes for a tile before the gate: its new factors (full fp32)
-  // and, at t = 1 or a refresh, its new bases and (refresh) the orders of v.
+  // and, at t = 1 or a refresh, its new bases (fp32) and (refresh) the orders of v.
   struct TileUpdate {
     at::Tensor l, r, q_l, q_r, order_l, order_r;
   };
@@ -95,6 +103,8 @@ class SOAP : public GroupedOptimizer<SOAPOptions> {
   // The new factors of every stepping tile, and its new bases where due.
   void prepare(const std::vector<size_t>& stepping, std::vector<TileUpdate>* up);
   double shampoo_beta(const SOAPOptions& o) const { return o.shampoo_beta < 0 ? o.beta2 : o.shampoo_beta; }
+  // Tile j of parameter i's basis on one side, in fp32 (a copy when stored in bf16).
+  at::Tensor basis(size_t i, size_t j, bool left) const;
 
   SOAPConfig config_;
   std::vector<bool> precondition_;

@@ -584,19 +584,30 @@ class SOAP(_OverCpp):
     without correct_bias); then L, R <- shampoo_beta (default: betas[1]) decay
     plus G G^T, G^T G; every precondition_frequency updates the bases are
     refreshed by one power step and QR (columns reordered by their estimated
-    eigenvalues, v permuted with them). fp32 states, on the CPU so far.
+    eigenvalues, v permuted with them), batched by tile size. m and v are fp32;
+    factor_dtype and basis_dtype (torch.float32 or torch.bfloat16) store L, R and
+    Q_L, Q_R (every step computes in fp32; bf16 bases are orthogonal to about
+    1e-2, not rectified). States live with the parameters, on the CPU or a GPU
+    (where a tile cut by a shard boundary is refused, as for Shampoo).
     """
 
     def __init__(self, params, lr=3e-3, betas=(0.95, 0.95), shampoo_beta=-1.0, eps=1e-8,
                  weight_decay=0.01, precondition_frequency=10, max_preconditioner_dim=1024,
-                 correct_bias=True, process_group=None, timeout_seconds=300.0):
+                 correct_bias=True, factor_dtype=torch.float32, basis_dtype=torch.float32,
+                 process_group=None, timeout_seconds=300.0):
         for name, v in (("max_preconditioner_dim", max_preconditioner_dim),
                         ("precondition_frequency", precondition_frequency)):
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
                 raise ValueError("SOAP: %s must be a positive integer, got %r" % (name, v))
+        for name, v in (("factor_dtype", factor_dtype), ("basis_dtype", basis_dtype)):
+            if v not in (torch.float32, torch.bfloat16):
+                raise ValueError("SOAP: %s must be torch.float32 or torch.bfloat16, got %r"
+                                 % (name, v))
         self.config = dict(max_preconditioner_dim=max_preconditioner_dim,
                            precondition_frequency=precondition_frequency,
-                           correct_bias=bool(correct_bias))
+                           correct_bias=bool(correct_bias),
+                           factor_dtype=str(factor_dtype).replace("torch.", ""),
+                           basis_dtype=str(basis_dtype).replace("torch.", ""))
         super().__init__(params, dict(lr=lr, betas=tuple(betas), shampoo_beta=shampoo_beta,
                                       eps=eps, weight_decay=weight_decay, use_soap=True))
         self.comm = _default_comm(process_group, timeout_seconds, self.param_groups)
@@ -611,7 +622,8 @@ class SOAP(_OverCpp):
                              [bool(group_of[id(p)]["use_soap"]) for p in params],
                              self.config["max_preconditioner_dim"],
                              self.config["precondition_frequency"],
-                             self.config["correct_bias"], self.comm)
+                             self.config["correct_bias"], self.config["factor_dtype"],
+                             self.config["basis_dtype"], self.comm)
         return [(self._impl, list(range(len(params))), _soap_options)]
 
     def state_bytes(self):

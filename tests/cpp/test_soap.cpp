@@ -11,6 +11,7 @@
 #include <iostream>
 #include <map>
 #include <mutex>
+#include <tuple>
 
 #include "core/ragged/planner.h"
 #include "optimizers/soap/soap.h"
@@ -178,13 +179,27 @@ ParamShard shard_of(const Plan& plan, size_t i, int rank, const at::Tensor& full
                     full.reshape(-1).narrow(0, r.row_begin * t.row_elems(), r.numel).clone());
 }
 
+// This rank's shards of the cases, and their use_soap flags.
+std::vector<ParamShard> shards_of(const Plan& plan, int rank, const std::vector<at::Tensor>& full) {
+  std::vector<ParamShard> out;
+  for (size_t i = 0; i < kCases.size(); ++i) out.push_back(shard_of(plan, i, rank, full[i]));
+  return out;
+}
+
+std::vector<bool> preconditioned() {
+  std::vector<bool> out;
+  for (const Case& c : kCases) out.push_back(c.precondition);
+  return out;
+}
+
 struct SoapRun {
   std::vector<at::Tensor> params;  // full, flat
   // Per case, per tile (tile order): the first bases; and the first factors' L, R.
   std::vector<std::vector<std::pair<at::Tensor, at::Tensor>>> bases;
 };
 
-SoapRun run_sharded(int world, uint64_t seed) {
+// The cases planned on `world` ranks with Shampoo's granule (every tile whole).
+Plan plan_cases(int world) {
   std::vector<TensorSpec> specs;
   for (const Case& c : kCases) {
     TensorSpec t;
@@ -194,7 +209,11 @@ SoapRun run_sharded(int world, uint64_t seed) {
     t.granule_rows = shampoo_granule_rows(c.shape, c.row_dims, kB);
     specs.push_back(t);
   }
-  const Plan plan = plan_unit(specs, world, 16);
+  return plan_unit(specs, world, 16);
+}
+
+SoapRun run_sharded(int world, uint64_t seed) {
+  const Plan plan = plan_cases(world);
   const std::vector<at::Tensor> init = full_tensors(seed, 0);
   SoapRun run;
   run.params.resize(kCases.size());
@@ -203,13 +222,8 @@ SoapRun run_sharded(int world, uint64_t seed) {
   std::mutex mu;
   run_local_ranks(world, [&](Comm& comm) {
     const int rank = comm.rank();
-    std::vector<ParamShard> shards;
-    std::vector<bool> pre;
-    for (size_t i = 0; i < kCases.size(); ++i) {
-      shards.push_back(shard_of(plan, i, rank, init[i]));
-      pre.push_back(kCases[i].precondition);
-    }
-    SOAP opt(shards, options(), config(), std::shared_ptr<Comm>(&comm, [](Comm*) {}), pre);
+    const std::vector<ParamShard> shards = shards_of(plan, rank, init);
+    SOAP opt(shards, options(), config(), std::shared_ptr<Comm>(&comm, [](Comm*) {}), preconditioned());
     for (int s = 0; s < kSteps; ++s) {
       const auto g = full_tensors(seed, s + 1);
       for (size_t i = 0; i < kCases.size(); ++i) opt.set_grad(i, shard_of(plan, i, rank, g[i]).param);
@@ -294,6 +308,178 @@ TEST_P(SOAPRanks, ShardsEqualTheFloat64SingleDeviceSOAP) {
 
 INSTANTIATE_TEST_SUITE_P(Worlds, SOAPRanks, ::testing::Values(1, 2, 3, 4));
 
+// --- bf16 factors and bases: every step from the state it starts from --------------
+
+// A rank's state as float64 copies: per parameter p, m, v and (preconditioned)
+// L, R (packed), Q_L, Q_R (flat).
+struct Snapshot {
+  std::vector<at::Tensor> p, m, v, l, r, ql, qr;
+};
+
+Snapshot snapshot(const SOAP& opt) {
+  Snapshot s;
+  for (size_t i = 0; i < opt.params().size(); ++i) {
+    const auto st = opt.state(i);
+    s.p.push_back(opt.params()[i].param.to(at::kDouble).reshape(-1).clone());
+    std::vector<at::Tensor>* out[] = {&s.m, &s.v, &s.l, &s.r, &s.ql, &s.qr};
+    for (size_t k = 0; k < 6; ++k) {
+      out[k]->push_back(k < st.size() ? st[k].second.to(at::kDouble).reshape(-1).clone()
+                                      : at::Tensor());
+    }
+  }
+  return s;
+}
+
+// max |got - want| / (rel |want| + abs * max|want|): at most 1 where within tolerance.
+double excess(const at::Tensor& got, const at::Tensor& want, double rel, double abs) {
+  if (want.numel() == 0) return 0;
+  const double scale = want.abs().max().item<double>();
+  return ((got - want).abs() / (want.abs() * rel + abs * scale + 1e-300)).max().item<double>();
+}
+
+// Checks this rank's step t from `b` (before) to `a` (after) in float64: m, v,
+// the parameter and the factors from b's values, bases at a refresh by a power
+// step and QR from b's bases. Stored bf16 values may differ from the float64
+// ones by one bf16 unit (2^-8 of the value, or 2^-7 where fp32 rounding crosses
+// a midpoint); fp32 ones by fp32 rounding. Returns the largest ||Q^T Q - I||.
+double expect_step(const SOAP& opt, const Snapshot& b, const Snapshot& a,
+                   const std::vector<at::Tensor>& grads, int64_t t) {
+  const SOAPOptions o = options();
+  const double bs = o.shampoo_beta, half_ulp = std::ldexp(1.0, -8);
+  const bool refresh = t >= 2 && (t - 1) % config().precondition_frequency == 0;
+  double ortho = 0;
+  std::map<size_t, std::pair<int64_t, int64_t>> qoff;  // per parameter: next Q_L, Q_R offsets
+  std::vector<at::Tensor> m(b.m.size()), v(b.v.size()), n(b.p.size());
+  for (size_t i = 0; i < b.p.size(); ++i) {
+    const at::Tensor g = grads[i].to(at::kDouble).reshape(-1);
+    m[i] = o.beta1 * b.m[i] + (1 - o.beta1) * g;
+    v[i] = b.v[i].clone();
+    n[i] = at::zeros_like(g);
+    if (!opt.preconditioned(i) && t >= 2) {
+      v[i] = o.beta2 * b.v[i] + (1 - o.beta2) * g * g;
+      n[i] = m[i] / (v[i].sqrt() + o.eps);
+    }
+  }
+  for (const ShampooTile& tl : opt.tiles()) {
+    const size_t i = tl.param;
+    auto& [ol, orr] = qoff[i];
+    const std::string where = kCases[i].name + " tile rows " + std::to_string(tl.row0) + " cols " +
+                              std::to_string(tl.col0) + ", step " + std::to_string(t);
+    const at::Tensor g = grads[i].to(at::kDouble).reshape(-1), gt = shampoo_tile_view(g, tl);
+    auto side = [&](const std::vector<at::Tensor>& q, int64_t off, int64_t d) {
+      return q[i].narrow(0, off, d * d).view({d, d});
+    };
+    const at::Tensor ql = side(b.ql, ol, tl.rows), qr = side(b.qr, orr, tl.cols);
+    const at::Tensor l0 = Shampoo::unpack(b.l[i], tl.left_offset, tl.rows).to(at::kDouble);
+    const at::Tensor r0 = Shampoo::unpack(b.r[i], tl.right_offset, tl.cols).to(at::kDouble);
+    const at::Tensor l1 = bs * l0 + (1 - bs) * at::mm(gt, gt.t());
+    const at::Tensor r1 = bs * r0 + (1 - bs) * at::mm(gt.t(), gt);
+    EXPECT_LE(excess(Shampoo::unpack(a.l[i], tl.left_offset, tl.rows).to(at::kDouble), l1,
+                     2 * half_ulp, 1e-6), 1.0) << "L, " << where;
+    EXPECT_LE(excess(Shampoo::unpack(a.r[i], tl.right_offset, tl.cols).to(at::kDouble), r1,
+                     2 * half_ulp, 1e-6), 1.0) << "R, " << where;
+    const at::Tensor ql1 = side(a.ql, ol, tl.rows), qr1 = side(a.qr, orr, tl.cols);
+    for (const at::Tensor& q : {ql1, qr1}) {
+      ortho = std::max(ortho, (at::mm(q.t(), q) - at::eye(q.size(0), at::kDouble)).abs().max().item<double>());
+    }
+    if (t == 1) {  // a basis of the factor's eigenvectors, in bf16: diagonalises it to 2e-2
+      for (auto [q, f] : {std::make_pair(ql1, l1), std::make_pair(qr1, r1)}) {
+        const at::Tensor d = at::mm(q.t(), at::mm(f, q));
+        EXPECT_LT((d - at::diag(d.diagonal())).abs().max().item<double>(),
+                  2e-2 * f.abs().max().item<double>()) << where;
+      }
+    } else {
+      const at::Tensor gp = at::mm(at::mm(ql.t(), gt), qr);
+      at::Tensor vt = shampoo_tile_view(v[i], tl);
+      vt.copy_(o.beta2 * vt + (1 - o.beta2) * gp * gp);
+      const at::Tensor mp = at::mm(at::mm(ql.t(), shampoo_tile_view(m[i], tl)), qr);
+      shampoo_tile_view(n[i], tl).copy_(at::mm(at::mm(ql, mp / (vt.sqrt() + o.eps)), qr.t()));
+      if (refresh) {
+        at::Tensor q2[2];
+        int k = 0;
+        for (auto [q, f, dim] : {std::make_tuple(ql, l1, 0), std::make_tuple(qr, r1, 1)}) {
+          const at::Tensor est = at::mm(q.t(), at::mm(f, q)).diagonal();
+          const at::Tensor order = at::argsort(est, true, 0, true);
+          vt.copy_(vt.index_select(dim, order));
+          q2[k++] = std::get<0>(at::linalg_qr(at::mm(f, q.index_select(1, order))));
+        }
+        EXPECT_LE(excess(ql1, q2[0], 2 * half_ulp, 1e-4), 1.0) << "Q_L, " << where;
+        EXPECT_LE(excess(qr1, q2[1], 2 * half_ulp, 1e-4), 1.0) << "Q_R, " << where;
+      } else {
+        EXPECT_TRUE(at::equal(ql1, ql) && at::equal(qr1, qr)) << "bases changed, " << where;
+      }
+    }
+    ol += tl.rows * tl.rows;
+    orr += tl.cols * tl.cols;
+  }
+  for (size_t i = 0; i < b.p.size(); ++i) {
+    const std::string where = kCases[i].name + ", step " + std::to_string(t);
+    if (b.p[i].numel() == 0) continue;
+    if (t == 1) {
+      EXPECT_TRUE(at::equal(a.p[i], b.p[i])) << where;
+      continue;
+    }
+    const double s = static_cast<double>(t - 1);
+    const double step = o.lr * std::sqrt(1 - std::pow(o.beta2, s)) / (1 - std::pow(o.beta1, s));
+    const at::Tensor p = (b.p[i] - step * n[i]) * (1 - o.lr * o.weight_decay);
+    EXPECT_LE(excess(a.m[i], m[i], 0, 1e-6), 1.0) << "m, " << where;
+    EXPECT_LE(excess(a.v[i], v[i], 0, 1e-5), 1.0) << "v, " << where;
+    const double moved = (p - b.p[i]).abs().max().item<double>();
+    EXPECT_LT((a.p[i] - p).abs().max().item<double>(), 1e-4 * moved) << "p, " << where;
+  }
+  return ortho;
+}
+
+class SOAPBf16Ranks : public ::testing::TestWithParam<int> {};
+
+TEST_P(SOAPBf16Ranks, Bf16FactorsAndBasesStepFromTheirStoredValues) {
+  const int world = GetParam();
+  const uint64_t seed = fresh_seed();
+  SCOPED_TRACE("seed " + std::to_string(seed));
+  const Plan plan = plan_cases(world);
+  const std::vector<at::Tensor> init = full_tensors(seed, 0);
+  SOAPConfig c = config();
+  c.factor_dtype = c.basis_dtype = at::kBFloat16;
+  std::mutex mu;
+  double ortho = 0;
+  int64_t bytes = 0, fp32_bytes = 0;
+  run_local_ranks(world, [&](Comm& comm) {
+    const int rank = comm.rank();
+    const std::vector<ParamShard> shards = shards_of(plan, rank, init);
+    auto no_delete = std::shared_ptr<Comm>(&comm, [](Comm*) {});
+    SOAP opt(shards, options(), c, no_delete, preconditioned());
+    const int64_t fp32 = SOAP(shards, options(), config(), no_delete, preconditioned()).state_bytes();
+    double mine = 0;
+    for (int s = 0; s < kSteps; ++s) {
+      const auto full = full_tensors(seed, s + 1);
+      std::vector<at::Tensor> g;
+      for (size_t i = 0; i < kCases.size(); ++i) {
+        g.push_back(shard_of(plan, i, rank, full[i]).param);
+        opt.set_grad(i, g.back());
+      }
+      const Snapshot before = snapshot(opt);
+      opt.step();
+      mine = std::max(mine, expect_step(opt, before, snapshot(opt), g, s + 1));
+    }
+    for (size_t i = 0; i < kCases.size(); ++i) {
+      if (!opt.preconditioned(i)) continue;
+      const auto st = opt.state(i);
+      for (size_t k = 2; k < 6; ++k) EXPECT_EQ(st[k].second.scalar_type(), at::kBFloat16) << st[k].first;
+    }
+    std::lock_guard<std::mutex> lock(mu);
+    ortho = std::max(ortho, mine);
+    bytes += opt.state_bytes();
+    fp32_bytes += fp32;
+  });
+  // Factors and bases are half the fp32 bytes; m and v stay fp32.
+  EXPECT_LT(bytes, fp32_bytes);
+  std::cout << "[ figure ] " << world << " ranks: bf16 state " << bytes << " B (fp32: " << fp32_bytes
+            << " B), max |Q^T Q - I| of the stored bases " << ortho << "\n";
+  EXPECT_LT(ortho, 2e-2);
+}
+
+INSTANTIATE_TEST_SUITE_P(Worlds, SOAPBf16Ranks, ::testing::Values(1, 2, 4));
+
 TEST(SOAP, FirstStepOnlyBuildsTheBasesAndBadSettingsAreClearErrors) {
   at::Tensor p = at::randn({8, 8}), b = at::randn({8});
   const at::Tensor p0 = p.clone(), b0 = b.clone();
@@ -311,6 +497,9 @@ TEST(SOAP, FirstStepOnlyBuildsTheBasesAndBadSettingsAreClearErrors) {
   EXPECT_THROW(SOAP({whole_param("w", p, {})}, bad, config()), std::invalid_argument);
   SOAPConfig c = config();
   c.precondition_frequency = 0;
+  EXPECT_THROW(SOAP({whole_param("w", p, {})}, options(), c), std::invalid_argument);
+  c = config();
+  c.basis_dtype = at::kHalf;
   EXPECT_THROW(SOAP({whole_param("w", p, {})}, options(), c), std::invalid_argument);
   // A shard that cuts a tile (without every rank's rows) is refused by name.
   ParamShard cut(TensorShard::rows_of("w", {20, 8}, 1, 4, 20), at::zeros({16 * 8}));

@@ -31,6 +31,9 @@ def make_optimizer(name, model):
         return rfsdp.optim.Shampoo(model.parameters(), lr=1e-2, max_preconditioner_dim=8,
                                    precondition_frequency=1, start_preconditioning_step=1,
                                    epsilon=1e-6, timeout_seconds=30)
+    if name == "soap":  # a basis refresh is due at the NaN step (the second)
+        return rfsdp.optim.SOAP(model.parameters(), lr=1e-2, max_preconditioner_dim=8,
+                                precondition_frequency=1, timeout_seconds=30)
     matrices = [p for n, p in model.named_parameters() if n.startswith("blocks.") and p.dim() == 2]
     ids = {id(p) for p in matrices}
     rest = [p for p in model.parameters() if id(p) not in ids]
@@ -62,7 +65,7 @@ def worker(rank, name, seed, init_file, out_file):
     torch.manual_seed(seed)
     model = Net()
     pol = {"adamw8bit": rfsdp.policy.blockwise_8bit(256),
-           "shampoo": rfsdp.policy.shampoo(8)}.get(name)
+           "shampoo": rfsdp.policy.shampoo(8), "soap": rfsdp.policy.shampoo(8)}.get(name)
     for b in model.blocks:
         rfsdp.fully_shard(b, policy=pol)
     rfsdp.fully_shard(model, policy=pol)
@@ -95,7 +98,7 @@ def worker(rank, name, seed, init_file, out_file):
     dist.destroy_process_group()
 
 
-@pytest.mark.parametrize("name", ["adamw", "adamw8bit", "muon", "shampoo"])
+@pytest.mark.parametrize("name", ["adamw", "adamw8bit", "muon", "shampoo", "soap"])
 def test_nan_on_one_rank_stops_every_rank(name):
     seed = int(torch.randint(0, 2 ** 30, ()).item())
     with tempfile.TemporaryDirectory() as d:

@@ -33,12 +33,13 @@ def grads(seed):
     return [{n: torch.randn(s, generator=g) for n, s in shapes} for _ in range(STEPS)]
 
 
-def soap(model):
+def soap(model, dtype=torch.float32):
     mats = [p for n, p in model.named_parameters() if n != "b.bias"]
     return rfsdp.optim.SOAP([dict(params=mats),
                              dict(params=[model.b.bias], use_soap=False, lr=1e-3)],
                             lr=1e-2, betas=(0.9, 0.95), weight_decay=0.01,
-                            precondition_frequency=2, max_preconditioner_dim=B)
+                            precondition_frequency=2, max_preconditioner_dim=B,
+                            factor_dtype=dtype, basis_dtype=dtype)
 
 
 def set_grads(model, full):
@@ -109,11 +110,12 @@ def test_soap_on_fully_shard_steps_as_one_process_and_its_checkpoint_resumes_on_
                                        % (n, world, seed, m))
 
 
-def test_soap_state_dict_and_checkpoint_resume_exactly():
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_soap_state_dict_and_checkpoint_resume_exactly(dtype):
     seed = int(torch.randint(0, 2 ** 30, ()).item())
     torch.manual_seed(seed)
     model = Net()
-    opt = soap(model)
+    opt = soap(model, dtype)
     sched = torch.optim.lr_scheduler.StepLR(opt, step_size=2, gamma=0.5)
     gs = grads(seed)
     with tempfile.TemporaryDirectory() as d:
@@ -129,7 +131,7 @@ def test_soap_state_dict_and_checkpoint_resume_exactly():
             sched.step()
         for how in ("state_dict", "checkpoint"):
             m2 = Net()
-            o2 = soap(m2)
+            o2 = soap(m2, dtype)
             with torch.no_grad():
                 for n, p in m2.named_parameters():
                     p.copy_(params_at_3[n])
@@ -149,6 +151,9 @@ def test_soap_state_dict_and_checkpoint_resume_exactly():
     assert set(opt.state[model.a.weight]) == {"step", "exp_avg", "exp_avg_sq", "factor_left",
                                               "factor_right", "basis_left", "basis_right"}
     assert set(opt.state[model.b.bias]) == {"step", "exp_avg", "exp_avg_sq"}  # use_soap=False
+    for k in ("factor_left", "factor_right", "basis_left", "basis_right"):
+        assert opt.state[model.a.weight][k].dtype == dtype, k
+    assert opt.state[model.a.weight]["exp_avg"].dtype == torch.float32
 
 
 def test_soap_bad_settings_are_clear_errors():
@@ -157,6 +162,8 @@ def test_soap_bad_settings_are_clear_errors():
         rfsdp.optim.SOAP([w], precondition_frequency=0)
     with pytest.raises(ValueError, match="betas"):
         rfsdp.optim.SOAP([w], betas=(0.9, 1.0))
+    with pytest.raises(ValueError, match="basis_dtype"):
+        rfsdp.optim.SOAP([w], basis_dtype=torch.float16)
     opt = rfsdp.optim.SOAP([w])
     w.grad = torch.full((4, 4), float("nan"))
     with pytest.raises(RuntimeError, match="NaN"):
