@@ -275,16 +275,22 @@ PYBIND11_MODULE(_C, m) {
   py::class_<rfsdp::Muon, rfsdp::ShardedOptimizer, std::shared_ptr<rfsdp::Muon>>(m, "Muon")
       .def(py::init([](const std::vector<ShardOf>& params, const std::vector<int>& ns_steps,
                        const std::string& ns_dtype, std::shared_ptr<rfsdp::Comm> comm,
-                       bool check_finite) {
+                       bool check_finite, const std::string& momentum_dtype,
+                       int64_t momentum_block, const std::string& momentum_map) {
              rfsdp::MuonOptions o;
              o.ns_dtype = dtype_of(ns_dtype);
              o.check_finite = check_finite;
+             o.momentum_dtype = momentum_dtype == "int8" ? at::kByte : dtype_of(momentum_dtype);
+             o.momentum_block = momentum_block;
+             o.momentum_map = momentum_map;
              auto shards = shards_of(params);
              py::gil_scoped_release release;  // collective
              return std::make_shared<rfsdp::Muon>(std::move(comm), std::move(shards), o, ns_steps);
            }),
            py::arg("params"), py::arg("ns_steps"), py::arg("ns_dtype"), py::arg("comm"),
-           py::arg("check_finite") = true)
+           py::arg("check_finite") = true, py::arg("momentum_dtype") = "float32",
+           py::arg("momentum_block") = 256, py::arg("momentum_map") = "dynamic")
+      .def("state_bytes", &rfsdp::Muon::state_bytes)
       .def("set_group_options", [](rfsdp::Muon& o, size_t g, double lr, double momentum, double wd,
                                    bool nesterov, const std::string& adjust_lr) {
              o.set_group_options(g, {lr, momentum, wd, nesterov,

@@ -15,6 +15,8 @@
 #include "optimizers/common/step_gate.h"
 #include "optimizers/common/lpt.h"
 #include "optimizers/common/matrices.h"
+#include "quant/blockwise/code_maps.h"
+#include "quant/blockwise/cpu_kernels.h"
 
 namespace rfsdp {
 
@@ -321,8 +323,6 @@ void muon_step(Comm* comm, const MuonLayout& layout, const std::vector<at::Tenso
     }
   }
   at::NoGradGuard no_grad;
-  const int me = layout.rank(), world = layout.world();
-  const auto& mats = layout.matrices();
   // 1. Momentum and the update to orthogonalise, on the local shard. The new
   // momentum is kept aside: it is stored only once every rank's roots succeeded.
   std::vector<at::Tensor> new_momenta(P), u(P);
@@ -331,6 +331,20 @@ void muon_step(Comm* comm, const MuonLayout& layout, const std::vector<at::Tenso
     new_momenta[i] = momenta[i].view(-1).lerp(g, 1.0 - hyper[i].momentum);
     u[i] = hyper[i].nesterov ? g.lerp(new_momenta[i], hyper[i].momentum) : new_momenta[i];
   }
+  muon_step_from_updates(comm, layout, params, u, hyper, ns_dtype, batch_same_shape, [&] {
+    for (size_t i = 0; i < P; ++i) momenta[i].view(-1).copy_(new_momenta[i]);
+  });
+}
+
+void muon_step_from_updates(Comm* comm, const MuonLayout& layout,
+                            const std::vector<at::Tensor>& params, const std::vector<at::Tensor>& u,
+                            const std::vector<MuonHyper>& hyper, at::ScalarType ns_dtype,
+                            bool batch_same_shape, const std::function<void()>& commit) {
+  at::NoGradGuard no_grad;
+  const auto& geo = layout.params();
+  const size_t P = geo.size();
+  const int me = layout.rank(), world = layout.world();
+  const auto& mats = layout.matrices();
   auto local = [&](const at::Tensor& flat, size_t k, std::pair<int64_t, int64_t> pc) {
     return flat.narrow(0, pc.first - geo[mats[k].param].elem_begin, pc.second - pc.first);
   };
@@ -387,7 +401,7 @@ void muon_step(Comm* comm, const MuonLayout& layout, const std::vector<at::Tenso
     StepGate gate(comm, "Muon step");
     gate.guard([&] { orthogonalise(layout, &own, ns_dtype, batch_same_shape, &gate); });
     gate.agree();
-    for (size_t i = 0; i < P; ++i) momenta[i].view(-1).copy_(new_momenta[i]);
+    commit();
     auto to = offsets_of(recv_splits);
     for (auto& [k, o_mat] : own) {
       const MuonMatrix& mat = mats[k];
@@ -465,7 +479,63 @@ Muon::Muon(std::shared_ptr<Comm> comm, std::vector<ParamShard> params, MuonOptio
       options_(options),
       layout_(comm_.get(), geometry(params_, steps_per_param(params_.size(), options, ns_steps))) {
   check_options(options.hyper);
-  for (const auto& p : params_) momenta_.push_back(at::zeros_like(p.param));
+  const at::ScalarType md = options_.momentum_dtype;
+  if (md != at::kFloat && md != at::kBFloat16 && md != at::kByte) {
+    throw std::invalid_argument("Muon: momentum_dtype must be float32, bfloat16 or int8 (8-bit "
+                                "block-wise codes)");
+  }
+  if (eight_bit()) {
+    if (options_.momentum_block < 1) {
+      throw std::invalid_argument("Muon: momentum_block must be >= 1, got " +
+                                  std::to_string(options_.momentum_block));
+    }
+    lut_ = quant::code_lut(quant::code_map(options_.momentum_map, /*is_signed=*/true));
+  }
+  for (const auto& p : params_) {
+    if (!eight_bit()) {
+      momenta_.push_back(at::zeros(p.param.sizes(), p.param.options().dtype(md)));
+      continue;
+    }
+    if (p.param.is_cuda()) {
+      throw std::invalid_argument("Muon: parameter '" + p.name + "' is on " + p.param.device().str() +
+                                  "; 8-bit momentum runs on the CPU only so far (use "
+                                  "momentum_dtype bfloat16 on a GPU)");
+    }
+    quant::check_whole_blocks(quant::BlockShape::blocks(options_.momentum_block), p.name,
+                              p.full_rows, p.row_len, p.row_begin, p.rows());
+    momenta_.push_back(at::zeros(p.param.sizes(), p.param.options().dtype(at::kByte)));
+    absmax_.push_back(at::zeros({block_layout(absmax_.size()).num_blocks}, at::kFloat));
+  }
+  if (eight_bit()) {  // zero codes decode to the map's value nearest 0: store its code
+    const uint8_t zero = lut_->nearest(0.0f);
+    for (auto& q : momenta_) q.fill_(zero);
+  }
+}
+
+quant::BlockLayout Muon::block_layout(size_t i) const {
+  // The shard starts on a block edge (checked), so its blocks are the global tensor's.
+  return quant::BlockLayout(quant::BlockShape::blocks(options_.momentum_block), 1,
+                            params_.at(i).param.numel());
+}
+
+at::Tensor Muon::momentum(size_t i) const {
+  if (!eight_bit()) return momenta_.at(i).to(at::kFloat);
+  at::Tensor out = at::empty(momenta_.at(i).sizes(), at::kFloat);
+  quant::cpu::dequantize(momenta_[i].data_ptr<uint8_t>(), absmax_.at(i).data_ptr<float>(),
+                         block_layout(i), *lut_, out.data_ptr<float>());
+  return out;
+}
+
+std::vector<std::pair<std::string, at::Tensor>> Muon::state(size_t i) const {
+  if (!eight_bit()) return {{"momentum_buffer", momenta_.at(i)}};
+  return {{"momentum_codes", momenta_.at(i)}, {"momentum_absmax", absmax_.at(i)}};
+}
+
+int64_t Muon::state_bytes() const {
+  int64_t b = 0;
+  for (const auto& t : momenta_) b += t.nbytes();
+  for (const auto& t : absmax_) b += t.nbytes();
+  return b;
 }
 
 void Muon::check_options(const MuonHyper& h) const {
@@ -507,8 +577,39 @@ void Muon::run_step(StepGate& gate, const std::vector<size_t>& stepping) {
     hyper.push_back(options_of(i));
   }
   const bool on_gpu = !ps.empty() && ps[0].is_cuda();
-  muon_step(comm_.get(), layout_, ps, gs, momenta_, hyper, options_.ns_dtype,
-            options_.batch_newton_schulz.value_or(on_gpu));
+  const bool batch = options_.batch_newton_schulz.value_or(on_gpu);
+  if (options_.momentum_dtype == at::kFloat) {
+    muon_step(comm_.get(), layout_, ps, gs, momenta_, hyper, options_.ns_dtype, batch);
+    return;
+  }
+  // bf16 / 8-bit: the new momentum (and the update) in fp32 now, stored on commit.
+  const size_t P = params_.size();
+  std::vector<at::Tensor> u(P), pending(P), pending_absmax(P);
+  for (size_t i = 0; i < P; ++i) {
+    const at::Tensor g = gs[i].contiguous().view(-1);
+    const double beta = hyper[i].momentum;
+    if (!eight_bit()) {  // bf16: torch's lerp in fp32, as muon_step's
+      pending[i] = momenta_[i].view(-1).to(at::kFloat).lerp(g, 1.0 - beta);
+      u[i] = hyper[i].nesterov ? g.lerp(pending[i], beta) : pending[i];
+      continue;
+    }
+    pending[i] = at::empty_like(momenta_[i]);
+    pending_absmax[i] = at::empty_like(absmax_[i]);
+    u[i] = at::empty({g.numel()}, g.options());
+    quant::cpu::momentum8bit_step(g.data_ptr<float>(), momenta_[i].data_ptr<uint8_t>(),
+                                  absmax_[i].data_ptr<float>(), block_layout(i), *lut_,
+                                  static_cast<float>(beta), hyper[i].nesterov,
+                                  pending[i].data_ptr<uint8_t>(),
+                                  pending_absmax[i].data_ptr<float>(), u[i].data_ptr<float>());
+  }
+  // (A momentum that overflowed makes u, and so Newton–Schulz's result, non-finite:
+  // that failure is agreed in the step below.)
+  muon_step_from_updates(comm_.get(), layout_, ps, u, hyper, options_.ns_dtype, batch, [&] {
+    for (size_t i = 0; i < P; ++i) {
+      momenta_[i].view(-1).copy_(pending[i].view(-1));
+      if (eight_bit()) absmax_[i].copy_(pending_absmax[i]);
+    }
+  });
 }
 
 }  // namespace rfsdp

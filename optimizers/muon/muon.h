@@ -11,12 +11,16 @@
 
 #include <ATen/ATen.h>
 
+#include <functional>
+#include <memory>
 #include <optional>
 #include <string>
 #include <vector>
 
 #include "core/comm/comm.h"
 #include "optimizers/common/sharded_optimizer.h"
+#include "quant/blockwise/block_layout.h"
+#include "quant/blockwise/code_lut.h"
 
 namespace rfsdp {
 
@@ -112,6 +116,14 @@ void muon_step(Comm* comm, const MuonLayout& layout, const std::vector<at::Tenso
                const std::vector<MuonHyper>& hyper, at::ScalarType ns_dtype = at::kFloat,
                bool batch_same_shape = false);
 
+// muon_step from the updates to orthogonalise (u: this rank's shards, fp32):
+// gather, Newton–Schulz, agreement, scatter, apply. commit runs once every rank
+// agreed (before the parameters change): it stores the new momenta.
+void muon_step_from_updates(Comm* comm, const MuonLayout& layout,
+                            const std::vector<at::Tensor>& params, const std::vector<at::Tensor>& u,
+                            const std::vector<MuonHyper>& hyper, at::ScalarType ns_dtype,
+                            bool batch_same_shape, const std::function<void()>& commit);
+
 struct MuonOptions {
   MuonHyper hyper;
   int ns_steps = 5;
@@ -120,6 +132,16 @@ struct MuonOptions {
   // (on a CPU one BLAS call already fills the cores, and results stay per matrix).
   std::optional<bool> batch_newton_schulz;
   bool check_finite = true;               // refuse NaN/Inf gradients (all ranks agree)
+  // The momentum's storage: float32; bfloat16 (updated in fp32, stored rounded);
+  // or at::kByte, 8-bit block-wise codes: blocks of momentum_block elements of
+  // the global (flattened) tensor, one fp32 absmax each, the code map
+  // momentum_map ("dynamic": bitsandbytes' signed dynamic map, or "linear"), the
+  // update computed from the fp32 momentum before it is encoded. 8-bit needs
+  // shards of whole blocks (plan with rfsdp.policy.blockwise_8bit(block)) and
+  // runs on the CPU.
+  at::ScalarType momentum_dtype = at::kFloat;
+  int64_t momentum_block = 256;
+  std::string momentum_map = "dynamic";
 };
 
 // The C++ optimizer: Muon over parameter shards (ParamShard.shape must be the
@@ -133,11 +155,14 @@ class Muon : public GroupedOptimizer<MuonHyper> {
        std::vector<int> ns_steps = {});
   const char* name() const override { return "Muon"; }
   const MuonLayout& layout() const { return layout_; }
-  const at::Tensor& momentum(size_t i) const { return momenta_.at(i); }
-  // The tensors the step updates for parameter i, by name (momentum_buffer).
-  std::vector<std::pair<std::string, at::Tensor>> state(size_t i) const override {
-    return {{"momentum_buffer", momenta_.at(i)}};
-  }
+  const MuonOptions& options() const { return options_; }
+  // Parameter i's momentum in fp32 (decoded where it is stored in 8 bits).
+  at::Tensor momentum(size_t i) const;
+  // The tensors the step updates for parameter i, by name: momentum_buffer
+  // (float32 / bfloat16), or momentum_codes (uint8, the shard's shape) and
+  // momentum_absmax (one per block of this shard, in order).
+  std::vector<std::pair<std::string, at::Tensor>> state(size_t i) const override;
+  int64_t state_bytes() const;
   bool state_has_step() const override { return false; }
 
  protected:
@@ -149,9 +174,14 @@ class Muon : public GroupedOptimizer<MuonHyper> {
  private:
   static std::vector<MuonParamGeometry> geometry(const std::vector<ParamShard>& params,
                                                  const std::vector<int>& ns_steps);
+  bool eight_bit() const { return options_.momentum_dtype == at::kByte; }
+  quant::BlockLayout block_layout(size_t i) const;
+
   MuonOptions options_;
   MuonLayout layout_;
-  std::vector<at::Tensor> momenta_;
+  std::vector<at::Tensor> momenta_;        // float32 / bfloat16: the momentum; 8-bit: its codes
+  std::vector<at::Tensor> absmax_;         // 8-bit: per block
+  std::shared_ptr<const quant::cpu::CodeLut> lut_;  // 8-bit: the code map
 };
 
 }  // namespace rfsdp

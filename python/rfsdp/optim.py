@@ -382,6 +382,17 @@ class Muon(_OverCpp):
     On a GPU the matrices of equal shape rooted on a rank (an expert stack, the
     layers' projections) are orthogonalised as one batch (bmm).
 
+    momentum_dtype: the momentum's storage. torch.float32; torch.bfloat16 (updated
+    in fp32, stored rounded); or "int8": 8-bit block-wise codes, blocks of
+    momentum_block elements of the global (flattened) tensor with one fp32 absmax
+    each and the signed code map momentum_map ("dynamic": bitsandbytes' dynamic
+    map, "linear": 256 even steps in [-1, 1]), dequantised, updated and encoded in
+    one pass on the owning shard; the update is taken from the fp32 momentum
+    before it is encoded, and what is gathered to the roots is unchanged. Codes
+    and scales do not depend on the world size; "int8" needs shards of whole
+    blocks (plan with rfsdp.policy.combine(rfsdp.policy.muon(...),
+    rfsdp.policy.blockwise_8bit(momentum_block))) and runs on the CPU.
+
     Collective: every rank builds it from the same model and steps together;
     process_group defaults to the shard group of fully_shard's parameters (under
     HSDP the roots are chosen inside it and each replica computes the same
@@ -392,7 +403,8 @@ class Muon(_OverCpp):
 
     def __init__(self, param_groups, lr=0.02, momentum=0.95, nesterov=True, ns_steps=5,
                  weight_decay=0.0, adjust_lr="original", process_group=None,
-                 ns_dtype=None, timeout_seconds=300.0):
+                 ns_dtype=None, timeout_seconds=300.0, momentum_dtype=torch.float32,
+                 momentum_block=256, momentum_map="dynamic"):
         groups = list(param_groups)
         if groups and not isinstance(groups[0], dict):
             groups = [dict(params=groups)]
@@ -416,12 +428,32 @@ class Muon(_OverCpp):
         if ns_dtype not in (torch.float32, torch.bfloat16):
             raise ValueError("Muon: ns_dtype must be torch.float32 or torch.bfloat16")
         self.ns_dtype = str(ns_dtype).replace("torch.", "")
+        if momentum_dtype not in (torch.float32, torch.bfloat16, "int8"):
+            raise ValueError("Muon: momentum_dtype must be torch.float32, torch.bfloat16 or "
+                             "\"int8\" (8-bit block-wise codes), got %r" % (momentum_dtype,))
+        if momentum_map not in ("dynamic", "linear"):
+            raise ValueError("Muon: momentum_map must be \"dynamic\" or \"linear\", got %r"
+                             % (momentum_map,))
+        if isinstance(momentum_block, bool) or not isinstance(momentum_block, int) \
+                or momentum_block < 1:
+            raise ValueError("Muon: momentum_block must be a positive integer, got %r"
+                             % (momentum_block,))
+        self.momentum = dict(momentum_dtype=str(momentum_dtype).replace("torch.", ""),
+                             momentum_block=momentum_block, momentum_map=momentum_map)
         # The Comm, not the group object: rfsdp closes its Comms at exit (see _comm).
         self.comm = _default_comm(process_group, timeout_seconds, self.param_groups)
         self._bind()
 
     def settings(self):
-        return dict(super().settings(), ns_dtype=self.ns_dtype)
+        return dict(super().settings(), ns_dtype=self.ns_dtype, **self.momentum)
+
+    def state_bytes(self):
+        """Bytes of this rank's optimizer state: the Muon momenta (codes and
+        scales where 8-bit) and the AdamW part's moments."""
+        self._bind()
+        return self.layout.state_bytes() + sum(
+            t.numel() * t.element_size() for k in range(len(self._aux_idx))
+            for _, t in self._aux.state(k).items() if t.dim() > 0)
 
     def _parts(self, params):
         group_of = {id(p): g for g in self.param_groups for p in g["params"]}
@@ -430,7 +462,7 @@ class Muon(_OverCpp):
         # One NaN/Inf check over both parts (step), so neither changes anything alone.
         self.layout = _C.Muon([_shard_spec(i, params[i]) for i in muon],
                               [group_of[id(params[i])]["ns_steps"] for i in muon], self.ns_dtype,
-                              self.comm, False)
+                              self.comm, False, **self.momentum)
         self._aux = _C.AdamW([_shard_spec(i, params[i]) for i in aux], self.comm, False)
         self._muon_idx, self._aux_idx = muon, aux
         self._gate_names = [self.layout.param_name(k) for k in range(len(muon))] + \

@@ -23,17 +23,29 @@ def row_len(param, row_dims=1):
 
 
 class Policy:
-    """granule(name, param) -> int | "whole"; row_dims(name, param) -> 1 or 2."""
+    """granule(name, param) -> int | "whole"; row_dims(name, param) -> 1 or 2.
+
+    granule_fn(name, param) or granule_fn(name, param, row_dims): the second form
+    (the granule depends on what a row is, as an 8-bit block's does) is asked in
+    the row_dims that the plan uses, which combine() may take from another policy.
+    row_dims_fn None: the policy has no preference (1 alone, any under combine)."""
 
     def __init__(self, granule_fn, row_dims_fn=None):
+        import inspect
         self._granule = granule_fn
-        self._row_dims = row_dims_fn or (lambda name, p: 1)
+        self._row_dims = row_dims_fn
+        try:
+            self._rows_aware = len(inspect.signature(granule_fn).parameters) >= 3
+        except (TypeError, ValueError):
+            self._rows_aware = False
 
-    def granule(self, name, param):
-        return check_granule(self._granule(name, param), name)
+    def granule(self, name, param, row_dims=None):
+        rd = self.row_dims(name, param) if row_dims is None else row_dims
+        g = self._granule(name, param, rd) if self._rows_aware else self._granule(name, param)
+        return check_granule(g, name)
 
     def row_dims(self, name, param):
-        return self._row_dims(name, param)
+        return self._row_dims(name, param) if self._row_dims else 1
 
 
 def adamw():
@@ -46,19 +58,30 @@ def blockwise_8bit(block=256):
     block: int (1-D blocks of B elements: B / gcd(B, row length) rows) or (rows, cols) tiles."""
     blk = block if isinstance(block, int) else tuple(int(b) for b in block)
 
-    def granule(name, p):
-        return _C.granule_rows(blk, row_len(p))  # quant::BlockShape::granule_rows
+    def granule(name, p, row_dims):
+        return _C.granule_rows(blk, row_len(p, row_dims))  # quant::BlockShape::granule_rows
     return Policy(granule)
 
 
 def combine(*policies):
-    """Granules of several users, by lcm ("whole" wins)."""
-    def granule(name, p):
-        gs = [pol.granule(name, p) for pol in policies]
+    """Granules of several users, by lcm ("whole" wins), each in the row_dims that
+    the policies with a preference agree on (they must: a ValueError otherwise;
+    none has one: 1)."""
+    def row_dims(name, p):
+        wants = {pol._row_dims(name, p) for pol in policies if pol._row_dims}
+        if len(wants) > 1:
+            raise ValueError("policy.combine: parameter '%s' (shape %s) is asked to be planned "
+                             "as rows of %s leading dims by different policies; combine "
+                             "policies that agree on it" % (name, tuple(p.shape),
+                                                            " and ".join(map(str, sorted(wants)))))
+        return wants.pop() if wants else 1
+
+    def granule(name, p, rd):
+        gs = [pol.granule(name, p, rd) for pol in policies]
         if WHOLE in gs:
             return WHOLE
         return math.lcm(*gs)
-    return Policy(granule, policies[0]._row_dims if policies else None)
+    return Policy(granule, row_dims if any(pol._row_dims for pol in policies) else None)
 
 
 def shampoo(max_preconditioner_dim=1024):

@@ -113,6 +113,18 @@ void adamw8bit_end(const float* scratch, const BlockLayout& L, const CodeLut& lu
   }
 }
 
+bool momentum8bit_step(const float* grad, const uint8_t* q, const float* absmax,
+                       const BlockLayout& L, const CodeLut& lut, float beta, bool nesterov,
+                       uint8_t* q_out, float* absmax_out, float* u) {
+  std::atomic<bool> bad{false};
+  at::parallel_for(0, L.num_blocks, grain(L), [&](int64_t b0, int64_t b1) {
+    std::vector<float> buf(L.max_block_elems());  // this task's block of m
+    portable::momentum8bit_blocks(grad, q, absmax, L, lut, beta, nesterov, q_out, absmax_out, u,
+                                  b0, b1, buf.data(), &bad);
+  });
+  return !bad.load();
+}
+
 void adamw32_step(float* param, const float* grad, float* m, float* v, int64_t n,
                   const AdamWHyper& h) {
   const AdamWCoeffs c = adamw_coeffs(h);

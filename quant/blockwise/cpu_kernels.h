@@ -52,6 +52,15 @@ void adamw8bit_end(const float* scratch, const BlockLayout& layout, const CodeLu
                    const CodeLut& lut2, const float* agreed1, const float* agreed2, uint8_t* q1,
                    float* absmax1, uint8_t* q2, float* absmax2);
 
+// Muon's momentum as 8-bit block-wise codes, one fused pass per block: decode m
+// (q, absmax), m <- lerp(m, g, 1 - beta), the update u = lerp(g, m, beta)
+// (nesterov) or m, both in fp32 with torch.lerp's arithmetic; then m's new codes
+// and scale into q_out, absmax_out (they may be q, absmax). Portable kernel on
+// every CPU (no AVX-512 one). Returns false if m holds NaN or Inf.
+bool momentum8bit_step(const float* grad, const uint8_t* q, const float* absmax,
+                       const BlockLayout& layout, const CodeLut& lut, float beta, bool nesterov,
+                       uint8_t* q_out, float* absmax_out, float* u);
+
 // One AdamW step with fp32 moments (the baseline), torch.optim.AdamW's formula.
 void adamw32_step(float* param, const float* grad, float* m, float* v, int64_t n,
                   const AdamWHyper& h);

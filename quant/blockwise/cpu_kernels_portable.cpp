@@ -114,6 +114,49 @@ void dequantize_blocks(const uint8_t* __restrict q, const float* __restrict absm
   }
 }
 
+// torch.lerp's float arithmetic: a + w (b - a) for |w| < 0.5, else b - (b - a)(1 - w).
+inline float torch_lerp(float a, float b, float w) {
+  return std::fabs(w) < 0.5f ? a + w * (b - a) : b - (b - a) * (1.0f - w);
+}
+
+// One run of a momentum block: decoded, updated (mbuf), the update written.
+RFSDP_CLONES
+void momentum8bit_run(const float* __restrict g, const uint8_t* __restrict q,
+                      const float* __restrict code, float a, float beta, bool nesterov,
+                      int64_t n, float* __restrict m, float* __restrict u) {
+  const float w = 1.0f - beta;
+  for (int64_t i = 0; i < n; ++i) m[i] = torch_lerp(code[q[i]] * a, g[i], w);
+  if (nesterov) {
+    for (int64_t i = 0; i < n; ++i) u[i] = torch_lerp(g[i], m[i], beta);
+  } else {
+    for (int64_t i = 0; i < n; ++i) u[i] = m[i];
+  }
+}
+
+void momentum8bit_blocks(const float* g, const uint8_t* q, const float* absmax, const BlockLayout& L,
+                         const CodeLut& lut, float beta, bool nesterov, uint8_t* q_out,
+                         float* absmax_out, float* u, int64_t b0, int64_t b1, float* mbuf,
+                         std::atomic<bool>* bad_any) {
+  for (int64_t b = b0; b < b1; ++b) {
+    const auto blk = L.block(b);
+    const float a = absmax[b];
+    for (int64_t s = 0; s < blk.segments; ++s) {  // the block's m, packed in mbuf
+      const int64_t off = blk.start + s * L.row_len;
+      momentum8bit_run(g + off, q + off, lut.code(), a, beta, nesterov, blk.seg_len,
+                       mbuf + s * blk.seg_len, u + off);
+    }
+    float bad;
+    const BlockLayout::Block packed{0, 1, blk.count, blk.count};
+    const float amax = block_absmax(mbuf, packed, blk.count, &bad);
+    if (bad != 0.0f || std::isnan(bad)) bad_any->store(true, std::memory_order_relaxed);
+    const float scale = amax > 0.0f ? 1.0f / amax : 0.0f;
+    for (int64_t s = 0; s < blk.segments; ++s) {
+      nearest_codes(mbuf + s * blk.seg_len, scale, blk.seg_len, lut, q_out + blk.start + s * L.row_len);
+    }
+    absmax_out[b] = amax;
+  }
+}
+
 // The fp32 update of one contiguous run: moments in m/v (dequantised on entry,
 // updated on exit), parameter in place. Simple loops, so each vectorises.
 RFSDP_CLONES

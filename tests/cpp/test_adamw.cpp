@@ -22,6 +22,7 @@ namespace rfsdp {
 namespace {
 
 using testing::fresh_seed;
+using testing::nearest_code;
 using testing::seeded_randn;
 
 // Whole tensors of these shapes, random (seeded) with zero gradients: p, g hold them.
@@ -508,21 +509,6 @@ std::vector<int64_t> block_ids(int64_t rows, int64_t row_len, const quant::Block
     }
   }
   return ids;
-}
-
-// The nearest code to x (ties to the lower), by scanning every code; `ambiguous`
-// when x is within `tol` (fp32's rounding of x) of the midpoint of two neighbouring codes.
-int nearest_code(double x, double tol, const std::vector<double>& code, bool* ambiguous) {
-  int best = 0;
-  for (int k = 1; k < 256; ++k) {
-    if (std::fabs(code[k] - x) < std::fabs(code[best] - x)) best = k;
-  }
-  *ambiguous = false;
-  for (int k = 1; k < 256; ++k) {
-    const double mid = (code[k - 1] + code[k]) / 2;
-    if (std::fabs(x - mid) <= tol) *ambiguous = true;
-  }
-  return best;
 }
 
 TEST(AdamW8bit, StepEqualsFloat64TranscriptionElementByElement) {

@@ -7,16 +7,20 @@
 #include <cmath>
 #include <map>
 #include <mutex>
+#include <numeric>
 #include <random>
 
 #include "tests/support/local_ranks.h"
 #include "optimizers/muon/muon.h"
 #include "tests/cpp/test_util.h"
+#include "quant/blockwise/code_maps.h"
+#include "optimizers/common/param_shard.h"
 
 namespace rfsdp {
 namespace {
 
 using testing::fresh_seed;
+using testing::nearest_code;
 using testing::seeded_randn;
 
 struct Shape {
@@ -425,6 +429,193 @@ TEST_P(MuonGate, ARootFailureOnOneRanksMatrixStopsEveryRankAtOnceAndALaterStepWo
 }
 
 INSTANTIATE_TEST_SUITE_P(Worlds, MuonGate, ::testing::Values(1, 2, 3));
+
+// --- low-bit momentum ------------------------------------------------------------
+// 8-bit momentum (blocks of 64 elements of the global tensor) on shards cut at
+// block edges: every step, codes and scales against float64 arithmetic of the
+// same quantised algorithm (decode, lerp, max |m| per block, nearest code), the
+// parameters against the float64 Muon step from the decoded momentum; and codes
+// and scales bit for bit equal on 1, 2 and 4 ranks. bf16: the stored momentum is
+// the bf16 rounding of the float64 lerp from the stored one (within one unit).
+constexpr int64_t kBlock = 64;
+const std::vector<Shape> kBlockShapes = {{"a", {24, 40}, 1}, {"b", {30, 16}, 1},
+                                         {"experts", {3, 8, 12}, 2}};
+
+struct LowBitRun {
+  // Per step and tensor, full: decoded momentum and parameters before, parameters
+  // after, codes and absmax after (8-bit).
+  std::vector<std::vector<at::Tensor>> m_before, p_before, p_after, codes, absmax;
+};
+
+LowBitRun run_low_bit(int world, uint64_t seed, at::ScalarType dtype, int steps, const MuonHyper& h) {
+  std::mt19937_64 rng(seed + world);
+  std::vector<std::vector<int64_t>> cuts;  // at block edges
+  for (const Shape& s : kBlockShapes) {
+    const int64_t rows = rows_of(s), row_len = numel_of(s) / rows;
+    const int64_t granule = kBlock / std::gcd(kBlock, row_len);
+    std::vector<int64_t> c(world + 1, rows);
+    c[0] = 0;
+    for (int r = 1; r < world; ++r) c[r] = std::min(rows, static_cast<int64_t>(rng() % (rows / granule + 1)) * granule);
+    std::sort(c.begin(), c.end());
+    cuts.push_back(c);
+  }
+  LowBitRun run;
+  auto full = [&](size_t t, at::ScalarType dt) { return at::zeros({numel_of(kBlockShapes[t])}, dt); };
+  for (auto* v : {&run.m_before, &run.p_before, &run.p_after, &run.codes, &run.absmax}) v->resize(steps);
+  for (int k = 0; k < steps; ++k) {
+    for (size_t t = 0; t < kBlockShapes.size(); ++t) {
+      run.m_before[k].push_back(full(t, at::kFloat));
+      run.p_before[k].push_back(full(t, at::kFloat));
+      run.p_after[k].push_back(full(t, at::kFloat));
+      run.codes[k].push_back(full(t, at::kByte));
+      run.absmax[k].push_back(at::zeros({(numel_of(kBlockShapes[t]) + kBlock - 1) / kBlock}));
+    }
+  }
+  std::mutex mu;
+  run_local_ranks(world, [&](Comm& comm) {
+    const int r = comm.rank();
+    std::vector<ParamShard> shards;
+    for (size_t t = 0; t < kBlockShapes.size(); ++t) {
+      const Shape& s = kBlockShapes[t];
+      const at::Tensor init = seeded_randn(s.shape, seed, t);
+      ParamShard p(TensorShard::rows_of(s.name, s.shape, s.row_dims, cuts[t][r], cuts[t][r + 1]),
+                   rows_view(init, s).narrow(0, cuts[t][r], cuts[t][r + 1] - cuts[t][r]).contiguous());
+      p.grad = at::zeros_like(p.param);
+      shards.push_back(p);
+    }
+    MuonOptions o;
+    o.hyper = h;
+    o.momentum_dtype = dtype;
+    o.momentum_block = kBlock;
+    Muon muon(std::shared_ptr<Comm>(&comm, [](Comm*) {}), shards, o);
+    for (int k = 0; k < steps; ++k) {
+      auto put = [&](std::vector<at::Tensor>& dst, size_t t, const at::Tensor& x) {
+        const int64_t e0 = shards[t].row_begin * shards[t].row_len;
+        std::lock_guard<std::mutex> lock(mu);
+        dst[t].narrow(0, e0, x.numel()).copy_(x.reshape(-1));
+      };
+      for (size_t t = 0; t < kBlockShapes.size(); ++t) {
+        const at::Tensor g = seeded_randn(kBlockShapes[t].shape, seed, 1000 + 100 * k + t);
+        shards[t].grad.copy_(rows_view(g, kBlockShapes[t]).narrow(0, shards[t].row_begin, shards[t].rows()));
+        put(run.m_before[k], t, muon.momentum(t));
+        put(run.p_before[k], t, shards[t].param);
+      }
+      muon.step();
+      for (size_t t = 0; t < kBlockShapes.size(); ++t) {
+        put(run.p_after[k], t, shards[t].param);
+        if (dtype != at::kByte) continue;
+        put(run.codes[k], t, muon.state(t)[0].second);
+        const at::Tensor a = muon.state(t)[1].second;
+        const int64_t b0 = shards[t].row_begin * shards[t].row_len / kBlock;
+        std::lock_guard<std::mutex> lock(mu);
+        run.absmax[k][t].narrow(0, b0, a.numel()).copy_(a);
+      }
+    }
+  });
+  return run;
+}
+
+TEST(MuonLowBit, EightBitMomentumEqualsTheFloat64QuantisedAlgorithmOnAnyWorld) {
+  const uint64_t seed = fresh_seed();
+  SCOPED_TRACE("seed " + std::to_string(seed));
+  constexpr int kSteps = 6;
+  MuonHyper h;
+  h.lr = 0.02;
+  h.momentum = 0.9;
+  h.weight_decay = 0.01;
+  const at::Tensor c = quant::dynamic_map(true);
+  const std::vector<double> code(c.data_ptr<float>(), c.data_ptr<float>() + 256);
+  const LowBitRun one = run_low_bit(1, seed, at::kByte, kSteps, h);
+  int64_t checked = 0, ambiguous_codes = 0;
+  for (int k = 0; k < kSteps; ++k) {
+    for (size_t t = 0; t < kBlockShapes.size(); ++t) {
+      const std::string where = kBlockShapes[t].name + ", step " + std::to_string(k + 1);
+      // The gradient the optimizer was given (fp32), in float64.
+      const at::Tensor g = seeded_randn(kBlockShapes[t].shape, seed, 1000 + 100 * k + t).to(at::kDouble).reshape(-1);
+      const at::Tensor m0 = one.m_before[k][t].to(at::kDouble);
+      const at::Tensor m = m0 + (1 - h.momentum) * (g - m0);
+      const at::Tensor a = one.absmax[k][t];
+      const auto* q = one.codes[k][t].data_ptr<uint8_t>();
+      for (int64_t b = 0; b < a.numel(); ++b) {
+        const int64_t e0 = b * kBlock, e1 = std::min<int64_t>(e0 + kBlock, m.numel());
+        const double want = m.narrow(0, e0, e1 - e0).abs().max().item<double>();
+        const double got = a[b].item<double>();
+        ASSERT_NEAR(got, want, 1e-6 * want) << where << ", block " << b;
+        for (int64_t e = e0; e < e1; ++e) {
+          bool amb;
+          const double x = m[e].item<double>() / got;
+          const int best = nearest_code(x, 1e-6 * std::max(1.0, std::fabs(x)), code, &amb);
+          if (amb) {
+            ++ambiguous_codes;
+            continue;
+          }
+          ASSERT_EQ(q[e], best) << where << ", element " << e << " (" << x << ")";
+          ++checked;
+        }
+      }
+      // The parameters: a float64 Muon step from the decoded momentum.
+      at::Tensor w = one.p_before[k][t].to(at::kDouble).view(kBlockShapes[t].shape).clone();
+      at::Tensor mm = m0.view(kBlockShapes[t].shape).clone();
+      ref_step(w, mm, g.view(kBlockShapes[t].shape), h);
+      const double err = (one.p_after[k][t].to(at::kDouble) - w.reshape(-1)).abs().max().item<double>();
+      EXPECT_LT(err, 2e-5 * (1 + w.abs().max().item<double>())) << where;
+    }
+  }
+  EXPECT_GT(checked, 1000);
+  std::cout << "[ figure ] " << checked << " codes checked, " << ambiguous_codes
+            << " on a rounding midpoint\n";
+  for (int world : {2, 4}) {  // codes and scales do not depend on the world
+    const LowBitRun other = run_low_bit(world, seed, at::kByte, kSteps, h);
+    for (int k = 0; k < kSteps; ++k) {
+      for (size_t t = 0; t < kBlockShapes.size(); ++t) {
+        EXPECT_TRUE(at::equal(other.codes[k][t], one.codes[k][t])) << world << " ranks, step " << k;
+        EXPECT_TRUE(at::equal(other.absmax[k][t], one.absmax[k][t])) << world << " ranks, step " << k;
+      }
+    }
+  }
+}
+
+TEST(MuonLowBit, Bf16MomentumIsTheRoundedFloat64Update) {
+  const uint64_t seed = fresh_seed();
+  SCOPED_TRACE("seed " + std::to_string(seed));
+  MuonHyper h;
+  h.momentum = 0.95;
+  const LowBitRun run = run_low_bit(2, seed, at::kBFloat16, 4, h);
+  for (int k = 0; k + 1 < 4; ++k) {
+    for (size_t t = 0; t < kBlockShapes.size(); ++t) {
+      const at::Tensor g = seeded_randn(kBlockShapes[t].shape, seed, 1000 + 100 * k + t).to(at::kDouble).reshape(-1);
+      const at::Tensor m0 = run.m_before[k][t].to(at::kDouble);
+      const at::Tensor want = m0 + (1 - h.momentum) * (g - m0);
+      const at::Tensor got = run.m_before[k + 1][t].to(at::kDouble);
+      EXPECT_TRUE(((got - want).abs() <= want.abs() * std::ldexp(1.0, -7) + 1e-30).all().item<bool>())
+          << kBlockShapes[t].name << ", step " << k + 1;
+      EXPECT_TRUE(at::equal(got, got.to(at::kBFloat16).to(at::kDouble)));  // bf16 values
+    }
+  }
+}
+
+TEST(MuonLowBit, ShardsThatCutABlockAndBadSettingsAreClearErrors) {
+  MuonOptions o;
+  o.momentum_dtype = at::kByte;
+  o.momentum_block = 64;
+  // Rows [0, 3) and [3, 24) of 24 x 40: a cut at element 120, inside a block of 64.
+  run_local_ranks(2, [&](Comm& comm) {
+    const int64_t b = comm.rank() == 0 ? 0 : 3, e = comm.rank() == 0 ? 3 : 24;
+    ParamShard cut(TensorShard::rows_of("w", {24, 40}, 1, b, e), at::zeros({e - b, 40}));
+    try {
+      Muon m(std::shared_ptr<Comm>(&comm, [](Comm*) {}), {cut}, o);
+      ADD_FAILURE() << "a cut block was accepted";
+    } catch (const std::invalid_argument& err) {
+      EXPECT_NE(std::string(err.what()).find("'w'"), std::string::npos) << err.what();
+      EXPECT_NE(std::string(err.what()).find("(8 rows"), std::string::npos) << err.what();
+    }
+  });
+  o.momentum_map = "cubic";
+  EXPECT_THROW(Muon(nullptr, {whole_param("w", at::zeros({4, 4}), {})}, o), std::invalid_argument);
+  o.momentum_map = "dynamic";
+  o.momentum_dtype = at::kHalf;
+  EXPECT_THROW(Muon(nullptr, {whole_param("w", at::zeros({4, 4}), {})}, o), std::invalid_argument);
+}
 
 TEST(NewtonSchulz, SingularValuesNearOneInFloat32AndBf16) {
   const uint64_t seed = fresh_seed();

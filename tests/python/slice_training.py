@@ -1,7 +1,41 @@
 """The loop the multi-rank tests share: every rank trains on its slice of each
-batch, so the ranks together see the whole batch the unsharded reference sees."""
+batch, so the ranks together see the whole batch the unsharded reference sees;
+and, for tests that give gradients, each rank's rows of a full gradient."""
+import os
+import tempfile
+
+import torch
 import torch.distributed as dist
+import torch.multiprocessing as mp
 from torch import nn
+
+import rfsdp
+
+
+def save_on_two_resume_on_one(worker, seed):
+    """worker(rank, world, seed, init_file, out_file, ckpt), spawned on 2 ranks
+    (it saves ckpt part way) and then on 1 (it loads ckpt and finishes); what
+    each run's rank 0 torch.save'd to out_file: [2 ranks' result, 1 rank's]."""
+    with tempfile.TemporaryDirectory() as d:
+        got = []
+        ckpt = os.path.join(d, "ckpt")
+        for world in (2, 1):
+            out = os.path.join(d, "out%d.pt" % world)
+            mp.spawn(worker, args=(world, seed, os.path.join(d, "init%d" % world), out, ckpt),
+                     nprocs=world)
+            got.append(torch.load(out))
+    return got
+
+
+def set_grads(model, full):
+    """Every parameter's gradient from full[name] (the whole tensor's): this
+    rank's rows of it where fully_shard sharded the parameter."""
+    for n, p in model.named_parameters():
+        info = rfsdp.shard_info(p)
+        g = full[n]
+        if info is not None:
+            g = g.reshape(info.full_rows, -1)[info.row_begin:info.row_end].reshape(p.shape)
+        p.grad = g.clone()
 
 
 def train_on_slices(model, opt, xs, ys, rank, world, loss_of=None, before_step=None,

@@ -4,15 +4,18 @@ its checkpoint saved on 2 ranks resumes on 1;
 param groups (use_soap=False, an LR scheduler), torch's state_dict round trip
 and an rfsdp.checkpoint round trip resume exactly; bad settings are errors."""
 import os
+import sys
 import tempfile
 
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 from torch import nn
 
 import rfsdp
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from slice_training import save_on_two_resume_on_one, set_grads  # noqa: E402
 
 STEPS = 6
 B = 8  # max_preconditioner_dim
@@ -40,15 +43,6 @@ def soap(model, dtype=torch.float32):
                             lr=1e-2, betas=(0.9, 0.95), weight_decay=0.01,
                             precondition_frequency=2, max_preconditioner_dim=B,
                             factor_dtype=dtype, basis_dtype=dtype)
-
-
-def set_grads(model, full):
-    for n, p in model.named_parameters():
-        info = rfsdp.shard_info(p)
-        g = full[n]
-        if info is not None:
-            g = g.reshape(info.full_rows, -1)[info.row_begin:info.row_end].reshape(p.shape)
-        p.grad = g.clone()
 
 
 def worker(rank, world, seed, init_file, out_file, ckpt=None):
@@ -90,14 +84,7 @@ def one_process(seed):
 
 def test_soap_on_fully_shard_steps_as_one_process_and_its_checkpoint_resumes_on_one_rank():
     seed = int(torch.randint(0, 2 ** 30, ()).item())
-    with tempfile.TemporaryDirectory() as d:
-        got = []
-        ckpt = os.path.join(d, "ckpt")
-        for world in (2, 1):  # 2 ranks save after 3 steps; 1 rank loads and finishes
-            out = os.path.join(d, "out%d.pt" % world)
-            mp.spawn(worker, args=(world, seed, os.path.join(d, "init%d" % world), out, ckpt),
-                     nprocs=world)
-            got.append(torch.load(out))
+    got = save_on_two_resume_on_one(worker, seed)  # 2 ranks save after 3 steps; 1 finishes
     want = one_process(seed)
     torch.manual_seed(seed)
     start = dict(Net().named_parameters())
