@@ -23,6 +23,14 @@ from torch import nn
 import rfsdp
 
 OPTIMIZERS = ["adamw", "adamw8bit", "muon", "shampoo", "soap"]
+# Low-bit state variants, named optimizer:variant (--optimizers muon,muon:int8):
+# the optimizer's own settings with these changed.
+VARIANTS = {
+    "muon": {"bf16": dict(momentum_dtype=torch.bfloat16), "int8": dict(momentum_dtype="int8"),
+             "int8-linear": dict(momentum_dtype="int8", momentum_map="linear")},
+    "shampoo": {"bf16": dict(factor_dtype=torch.bfloat16)},
+    "soap": {"bf16": dict(factor_dtype=torch.bfloat16, basis_dtype=torch.bfloat16)},
+}
 SHAMPOO_DIM = 256  # max_preconditioner_dim: tiles of at most 256 x 256
 FORTUNES = "/usr/share/games/fortunes"
 DEVICE = torch.device("cpu")  # main() sets it (--device)
@@ -94,7 +102,9 @@ def run(name, args, train, val, rank, world):
     for b in model.blocks:
         rfsdp.fully_shard(b, policy=pol)
     rfsdp.fully_shard(model, policy=pol)
-    if name == "muon":
+    base, _, variant = name.partition(":")
+    low_bit = VARIANTS.get(base, {}).get(variant, {})
+    if base == "muon":
         # The blocks' matrices take Muon; embeddings, head, norms and biases AdamW.
         # Weight decay per step (lr * wd) equal to the AdamW runs'.
         matrices = [p for b in model.blocks for p in b.parameters() if p.dim() == 2]
@@ -104,8 +114,8 @@ def run(name, args, train, val, rank, world):
                                 dict(params=rest, use_muon=False, lr=args.lr, betas=(0.9, 0.999),
                                      eps=1e-8, weight_decay=0.1)],
                                lr=args.muon_lr, momentum=0.95,
-                               weight_decay=0.1 * args.lr / args.muon_lr)
-    elif name == "shampoo":
+                               weight_decay=0.1 * args.lr / args.muon_lr, **low_bit)
+    elif base == "shampoo":
         # Adam grafting: the update has AdamW's size, so AdamW's learning rate and
         # weight decay; every matrix (embeddings and head included) preconditioned.
         opt = rfsdp.optim.Shampoo(model.parameters(), lr=args.lr, betas=(0.9, 0.999),
@@ -113,17 +123,18 @@ def run(name, args, train, val, rank, world):
                                   max_preconditioner_dim=SHAMPOO_DIM,
                                   precondition_frequency=args.precondition_frequency,
                                   start_preconditioning_step=args.precondition_frequency,
-                                  factor_dtype=getattr(torch, args.factor_dtype))
-    elif name == "soap":
+                                  **dict(dict(factor_dtype=getattr(torch, args.factor_dtype)),
+                                         **low_bit))
+    elif base == "soap":
         # Adam in Shampoo's eigenbasis, on the same tiles (the plan keeps them whole);
         # AdamW's learning rate and weight decay, SOAP's refresh frequency. Betas (0.9,
         # 0.99): with SOAP's (0.95, 0.95) this run ends at validation loss 2.797, with
         # these at 2.640 (AMD EPYC, 150 steps).
         opt = rfsdp.optim.SOAP(model.parameters(), lr=args.lr, betas=(0.9, 0.99),
                                weight_decay=0.1, max_preconditioner_dim=SHAMPOO_DIM,
-                               precondition_frequency=10)
+                               precondition_frequency=10, **low_bit)
     else:
-        opt_cls = {"adamw": rfsdp.optim.AdamW, "adamw8bit": rfsdp.optim.AdamW8bit}[name]
+        opt_cls = {"adamw": rfsdp.optim.AdamW, "adamw8bit": rfsdp.optim.AdamW8bit}[base]
         opt = opt_cls(model.parameters(), lr=args.lr, weight_decay=0.1)
     sched = torch.optim.lr_scheduler.LambdaLR(
         opt, lambda s: min(1.0, (s + 1) / 20) * 0.5 * (1 + math.cos(math.pi * min(s, args.steps) / args.steps)))
@@ -199,18 +210,18 @@ def run(name, args, train, val, rank, world):
     if args.final_checkpoint:
         rfsdp.checkpoint.save(os.path.join(args.final_checkpoint, name), model, opt)
     note = ""
-    if name == "muon":  # how the roots balance Newton–Schulz, and what a step moves
+    if base == "muon":  # how the roots balance Newton–Schulz, and what a step moves
         sent = torch.tensor([float(opt.layout.gather_send_elems())], device=DEVICE)
         dist.all_reduce(sent, op=dist.ReduceOp.MAX)
         note = ("Newton-Schulz flops per rank: max/mean %.3f; gather moves at most %.2f MiB per "
                 "rank per step (and the scatter as much back)"
                 % (opt.layout.flop_imbalance(), sent.item() * 4 / 2 ** 20))
-    if name == "shampoo":
+    if base == "shampoo":
         note = ("%d tiles, %.2f MiB of factors and roots per rank, %.1f s in roots (of %.1f s), "
                 "%d roots retried in fp64" % (opt._impl.num_tiles(), opt._impl.factor_bytes() / 2 ** 20,
                                               opt._impl.root_seconds(), elapsed,
                                               opt._impl.fp64_retries()))
-    if name == "soap":
+    if base == "soap":
         note = ("%d tiles, %.2f MiB of moments, factors and bases per rank, %d eigendecompositions "
                 "retried in fp64" % (opt._impl.num_tiles(), opt.state_bytes() / 2 ** 20,
                                      opt._impl.fp64_retries()))
@@ -275,16 +286,19 @@ def main():
     names = OPTIMIZERS if args.compare else [args.optimizer]
     if args.optimizers:
         names = args.optimizers.split(",")
-        unknown = [n for n in names if n not in OPTIMIZERS]
+        unknown = [n for n in names if n.partition(":")[0] not in OPTIMIZERS
+                   or (":" in n and n.partition(":")[2] not in VARIANTS.get(n.partition(":")[0], {}))]
         if unknown:
-            ap.error("--optimizers: unknown %s (choose from %s)" % (unknown, OPTIMIZERS))
+            ap.error("--optimizers: unknown %s (choose from %s, or these variants: %s)"
+                     % (unknown, OPTIMIZERS, ", ".join("%s:%s" % (b, v) for b in VARIANTS
+                                                      for v in VARIANTS[b])))
     results = [run(n, args, train, val, rank, world) for n in names]
     if rank == 0:
-        print("\n%-10s %8s %10s %10s %10s %12s %14s" % ("optimizer", "params", "train loss",
+        print("\n%-16s %8s %10s %10s %10s %12s %14s" % ("optimizer", "params", "train loss",
                                                          "val loss", "tokens/s", "peak MiB/rank",
                                                          "opt state/rank"))
         for r in results:
-            print("%-10s %7.2fM %10.4f %10.4f %10.0f %12.0f %13.2fM" % (
+            print("%-16s %7.2fM %10.4f %10.4f %10.0f %12.0f %13.2fM" % (
                 r["name"], r["params"] / 1e6, r["train"], r["val"], r["tps"], r["peak_mib"],
                 r["state_bytes"] / 2 ** 20))
         for r in results:
