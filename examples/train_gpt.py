@@ -29,7 +29,8 @@ VARIANTS = {
     "muon": {"bf16": dict(momentum_dtype=torch.bfloat16), "int8": dict(momentum_dtype="int8"),
              "int8-linear": dict(momentum_dtype="int8", momentum_map="linear")},
     "shampoo": {"bf16": dict(factor_dtype=torch.bfloat16)},
-    "soap": {"bf16": dict(factor_dtype=torch.bfloat16, basis_dtype=torch.bfloat16)},
+    "soap": {"bf16": dict(factor_dtype=torch.bfloat16, basis_dtype=torch.bfloat16),
+             "int8": dict(state_dtype="int8")},
 }
 SHAMPOO_DIM = 256  # max_preconditioner_dim: tiles of at most 256 x 256
 FORTUNES = "/usr/share/games/fortunes"

@@ -7,6 +7,8 @@
 #include <stdexcept>
 
 #include "optimizers/common/step_gate.h"
+#include "quant/blockwise/code_maps.h"
+#include "quant/blockwise/cpu_kernels.h"
 
 namespace rfsdp {
 
@@ -94,6 +96,14 @@ SOAP::SOAP(std::vector<ParamShard> params, SOAPOptions options, SOAPConfig confi
       throw std::invalid_argument("SOAP: factor_dtype and basis_dtype must be float32 or bfloat16");
     }
   }
+  if (config_.state_dtype != at::kFloat && config_.state_dtype != at::kByte) {
+    throw std::invalid_argument("SOAP: state_dtype must be float32 or int8 (8-bit codes)");
+  }
+  state_dtype_8bit_ = config_.state_dtype == at::kByte;
+  if (state_dtype_8bit_) {
+    lut_m_ = quant::code_lut(quant::dynamic_map(true));
+    lut_v_ = quant::code_lut(quant::dynamic_map(false));
+  }
   check_options(options);
   const size_t n = params_.size();
   if (!precondition.empty() && precondition.size() != n) {
@@ -104,8 +114,13 @@ SOAP::SOAP(std::vector<ParamShard> params, SOAPOptions options, SOAPConfig confi
     const ParamShard& p = params_[i];
     precondition_.push_back((precondition.empty() || precondition[i]) && p.shape.size() >= 2);
     ParamState s;
-    s.m = at::zeros_like(p.param);
-    s.v = at::zeros_like(p.param);
+    if (!eight_bit(i)) {
+      s.m = at::zeros_like(p.param);
+      s.v = at::zeros_like(p.param);
+    } else if (p.param.is_cuda()) {
+      throw std::invalid_argument("SOAP: parameter '" + p.name + "' is on " + p.param.device().str() +
+                                  "; 8-bit moments (state_dtype int8) run on the CPU only so far");
+    }
     if (precondition_[i]) {
       int64_t left = 0, right = 0, ql = 0, qr = 0;
       for (const ShampooTile& t : shampoo_tiles(p, i, config_.max_preconditioner_dim)) {
@@ -123,6 +138,14 @@ SOAP::SOAP(std::vector<ParamShard> params, SOAPOptions options, SOAPConfig confi
       s.right = at::zeros({right}, on.dtype(config_.factor_dtype));
       s.q_left = at::zeros({ql}, on.dtype(config_.basis_dtype));
       s.q_right = at::zeros({qr}, on.dtype(config_.basis_dtype));
+      if (eight_bit(i)) {  // zero scales: every code decodes to 0
+        int64_t rows = 0;
+        for (size_t k : s.tiles) s.arow.push_back(rows), rows += tiles_[k].rows;
+        s.mq = at::zeros(p.param.sizes(), at::kByte);
+        s.vq = at::zeros(p.param.sizes(), at::kByte);
+        s.ma = at::zeros({rows}, at::kFloat);
+        s.va = at::zeros({rows}, at::kFloat);
+      }
     }
     state_.push_back(std::move(s));
   }
@@ -133,6 +156,48 @@ at::Tensor SOAP::basis(size_t i, size_t j, bool left) const {
   const ShampooTile& tl = tiles_[s.tiles[j]];
   return basis_view(left ? s.q_left : s.q_right, left ? s.ql[j] : s.qr[j], left ? tl.rows : tl.cols)
       .to(at::kFloat);
+}
+
+at::Tensor SOAP::decode(size_t i, bool second) const {
+  const ParamState& s = state_[i];
+  const at::Tensor codes = (second ? s.vq : s.mq).view({-1});
+  const at::Tensor& absmax = second ? s.va : s.ma;
+  const auto& lut = second ? *lut_v_ : *lut_m_;
+  at::Tensor out = at::empty({codes.numel()}, at::kFloat);
+  for (size_t j = 0; j < s.tiles.size(); ++j) {  // the tiles cover the shard
+    const ShampooTile& tl = tiles_[s.tiles[j]];
+    const at::Tensor q = shampoo_tile_view(codes, tl).contiguous();
+    at::Tensor x = at::empty({tl.rows, tl.cols}, at::kFloat);
+    quant::cpu::dequantize(q.data_ptr<uint8_t>(), absmax.data_ptr<float>() + s.arow[j],
+                           quant::BlockLayout(quant::BlockShape::blocks(tl.cols), tl.rows, tl.cols),
+                           lut, x.data_ptr<float>());
+    shampoo_tile_view(out, tl).copy_(x);
+  }
+  return out;
+}
+
+void SOAP::encode(size_t i, bool second, const at::Tensor& flat) {
+  ParamState& s = state_[i];
+  const at::Tensor codes = (second ? s.vq : s.mq).view({-1});
+  at::Tensor& absmax = second ? s.va : s.ma;
+  const auto& lut = second ? *lut_v_ : *lut_m_;
+  for (size_t j = 0; j < s.tiles.size(); ++j) {
+    const ShampooTile& tl = tiles_[s.tiles[j]];
+    const at::Tensor x = shampoo_tile_view(flat, tl).contiguous();
+    at::Tensor q = at::empty({tl.rows, tl.cols}, at::kByte);
+    quant::cpu::quantize(x.data_ptr<float>(),
+                         quant::BlockLayout(quant::BlockShape::blocks(tl.cols), tl.rows, tl.cols),
+                         lut, q.data_ptr<uint8_t>(), absmax.data_ptr<float>() + s.arow[j]);
+    shampoo_tile_view(codes, tl).copy_(q);
+  }
+}
+
+std::pair<at::Tensor, at::Tensor> SOAP::moments(size_t i) const {
+  if (eight_bit(i)) {
+    const auto shape = params_.at(i).param.sizes();
+    return {decode(i, false).view(shape), decode(i, true).view(shape)};
+  }
+  return {state_.at(i).m, state_.at(i).v};
 }
 
 void SOAP::prepare(const std::vector<size_t>& stepping, std::vector<TileUpdate>* up) {
@@ -225,7 +290,10 @@ void SOAP::run_step(StepGate& gate, const std::vector<size_t>& stepping) {
     ParamState& s = state_[i];
     const int64_t t = param_steps_[i];
     const at::Tensor g = params_[i].grad.view({-1});
-    const at::Tensor m = s.m.view({-1}), v = s.v.view({-1});
+    // 8-bit: the moments decoded, updated below in fp32, encoded at the end.
+    const bool coded = eight_bit(i) && t >= 2;
+    const at::Tensor m = coded ? decode(i, false) : eight_bit(i) ? at::Tensor() : s.m.view({-1});
+    const at::Tensor v = coded ? decode(i, true) : eight_bit(i) ? at::Tensor() : s.v.view({-1});
     if (t >= 2) {
       const int64_t steps = t - 1;
       m.mul_(o.beta1).add_(g, 1 - o.beta1);
@@ -266,12 +334,22 @@ void SOAP::run_step(StepGate& gate, const std::vector<size_t>& stepping) {
         vt.copy_(vt.index_select(0, u.order_l).index_select(1, u.order_r));
       }
     }
+    if (coded) {  // (v permuted in fp32 first: the same codes as permuting codes and scales)
+      encode(i, false, m);
+      encode(i, true, v);
+    }
   }
 }
 
 std::vector<std::pair<std::string, at::Tensor>> SOAP::state(size_t i) const {
   const ParamState& s = state_.at(i);
-  std::vector<std::pair<std::string, at::Tensor>> out{{"exp_avg", s.m}, {"exp_avg_sq", s.v}};
+  std::vector<std::pair<std::string, at::Tensor>> out;
+  if (eight_bit(i)) {
+    out = {{"exp_avg_codes", s.mq}, {"exp_avg_absmax", s.ma},
+           {"exp_avg_sq_codes", s.vq}, {"exp_avg_sq_absmax", s.va}};
+  } else {
+    out = {{"exp_avg", s.m}, {"exp_avg_sq", s.v}};
+  }
   if (precondition_[i]) {
     out.insert(out.end(), {{"factor_left", s.left},
                            {"factor_right", s.right},
@@ -284,7 +362,8 @@ std::vector<std::pair<std::string, at::Tensor>> SOAP::state(size_t i) const {
 int64_t SOAP::state_bytes() const {
   int64_t b = 0;
   for (const auto& s : state_) {
-    for (const at::Tensor* t : {&s.m, &s.v, &s.left, &s.right, &s.q_left, &s.q_right}) {
+    for (const at::Tensor* t : {&s.m, &s.v, &s.mq, &s.vq, &s.ma, &s.va, &s.left, &s.right, &s.q_left,
+                                &s.q_right}) {
       if (t->defined()) b += t->nbytes();
     }
   }

@@ -36,6 +36,7 @@
 #include "core/comm/comm.h"
 #include "optimizers/common/sharded_optimizer.h"
 #include "optimizers/shampoo/shampoo.h"
+#include "quant/blockwise/code_lut.h"
 
 namespace rfsdp {
 
@@ -57,6 +58,14 @@ struct SOAPConfig {
   // use the fp32 factors of this step before they are stored.
   at::ScalarType factor_dtype = at::kFloat;
   at::ScalarType basis_dtype = at::kFloat;
+  // m and v of preconditioned parameters: float32, or at::kByte: 8-bit codes
+  // (bitsandbytes' dynamic maps, signed for m, unsigned for v), one block per
+  // tile row (a block never crosses a tile, and v's refresh permutation, rows
+  // and columns, moves whole blocks or stays inside one: codes move with their
+  // scales, nothing is requantised by it). Each step decodes a parameter's
+  // moments, updates them in fp32 and encodes them once it is done. CPU only;
+  // 1-D parameters and use_soap=False groups keep fp32 moments.
+  at::ScalarType state_dtype = at::kFloat;
 };
 
 // The eigenvectors of symmetric matrices of one size, columns by descending
@@ -75,19 +84,25 @@ class SOAP : public GroupedOptimizer<SOAPOptions> {
 
   const char* name() const override { return "SOAP"; }
   const SOAPConfig& config() const { return config_; }
-  // exp_avg (m), exp_avg_sq (v, in the eigenbasis) and, for a preconditioned
+  // exp_avg (m), exp_avg_sq (v, in the eigenbasis), or with 8-bit moments
+  // exp_avg_codes, exp_avg_absmax, exp_avg_sq_codes, exp_avg_sq_absmax (codes
+  // in the shard's shape, one absmax per tile row in tile order); for a preconditioned
   // parameter, factor_left, factor_right (its tiles' L, R: packed upper
   // triangles in tile order) and basis_left, basis_right (Q_L, Q_R: n x n row by
   // row, in tile order).
   std::vector<std::pair<std::string, at::Tensor>> state(size_t i) const override;
   const std::vector<ShampooTile>& tiles() const { return tiles_; }
+  // Parameter i's m and v in fp32 (decoded where they are stored in 8 bits).
+  std::pair<at::Tensor, at::Tensor> moments(size_t i) const;
   bool preconditioned(size_t i) const { return precondition_.at(i); }
   int64_t state_bytes() const;
   int64_t fp64_retries() const { return fp64_retries_; }
 
  private:
   struct ParamState {
-    at::Tensor m, v;                 // fp32, the shard's shape
+    at::Tensor m, v;                 // fp32, the shard's shape (undefined when 8-bit)
+    at::Tensor mq, vq, ma, va;       // 8-bit: codes (the shard's shape), absmax per tile row
+    std::vector<int64_t> arow;       // 8-bit: each tile's first row in ma, va
     at::Tensor left, right;          // packed factors (factor_dtype)
     at::Tensor q_left, q_right;      // bases, n x n each, flat (basis_dtype)
     std::vector<size_t> tiles;       // indices into tiles_
@@ -105,12 +120,18 @@ class SOAP : public GroupedOptimizer<SOAPOptions> {
   double shampoo_beta(const SOAPOptions& o) const { return o.shampoo_beta < 0 ? o.beta2 : o.shampoo_beta; }
   // Tile j of parameter i's basis on one side, in fp32 (a copy when stored in bf16).
   at::Tensor basis(size_t i, size_t j, bool left) const;
+  bool eight_bit(size_t i) const { return state_dtype_8bit_ && precondition_[i]; }
+  // 8-bit moments of parameter i: decoded into a flat fp32 tensor, or encoded from one.
+  at::Tensor decode(size_t i, bool second) const;
+  void encode(size_t i, bool second, const at::Tensor& flat);
 
   SOAPConfig config_;
   std::vector<bool> precondition_;
   std::vector<ParamState> state_;
   std::vector<ShampooTile> tiles_;
   int64_t fp64_retries_ = 0;
+  bool state_dtype_8bit_ = false;
+  std::shared_ptr<const quant::cpu::CodeLut> lut_m_, lut_v_;  // 8-bit: signed, unsigned maps
 };
 
 }  // namespace rfsdp

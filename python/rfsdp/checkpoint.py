@@ -63,7 +63,8 @@ STEP_DIR = re.compile(r"^step_(\d+)$")
 # Optimizer states shaped like their parameter (chunked as it is); every other
 # 1-D state is a piece of a global sequence. By name, so that a rank holding no
 # rows of a tensor (every shape 0) classifies its states as the others do.
-LIKE_PARAMETER = ("exp_avg", "exp_avg_sq", "momentum_buffer", "momentum_codes")
+LIKE_PARAMETER = ("exp_avg", "exp_avg_sq", "momentum_buffer", "momentum_codes", "exp_avg_codes",
+                  "exp_avg_sq_codes")
 
 
 class CheckpointError(ValueError):

@@ -621,12 +621,17 @@ class SOAP(_OverCpp):
     Q_L, Q_R (every step computes in fp32; bf16 bases are orthogonal to about
     1e-2, not rectified). States live with the parameters, on the CPU or a GPU
     (where a tile cut by a shard boundary is refused, as for Shampoo).
+    state_dtype="int8" keeps m and v of preconditioned parameters as 8-bit codes
+    (dynamic maps, signed for m and unsigned for v), one block per tile row, so
+    v's refresh permutation moves whole blocks with their scales; each step
+    decodes, updates in fp32 and encodes (CPU only; 1-D parameters and
+    use_soap=False groups keep fp32 moments).
     """
 
     def __init__(self, params, lr=3e-3, betas=(0.95, 0.95), shampoo_beta=-1.0, eps=1e-8,
                  weight_decay=0.01, precondition_frequency=10, max_preconditioner_dim=1024,
                  correct_bias=True, factor_dtype=torch.float32, basis_dtype=torch.float32,
-                 process_group=None, timeout_seconds=300.0):
+                 state_dtype=torch.float32, process_group=None, timeout_seconds=300.0):
         for name, v in (("max_preconditioner_dim", max_preconditioner_dim),
                         ("precondition_frequency", precondition_frequency)):
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
@@ -635,11 +640,15 @@ class SOAP(_OverCpp):
             if v not in (torch.float32, torch.bfloat16):
                 raise ValueError("SOAP: %s must be torch.float32 or torch.bfloat16, got %r"
                                  % (name, v))
+        if state_dtype not in (torch.float32, "int8"):
+            raise ValueError("SOAP: state_dtype must be torch.float32 or \"int8\", got %r"
+                             % (state_dtype,))
         self.config = dict(max_preconditioner_dim=max_preconditioner_dim,
                            precondition_frequency=precondition_frequency,
                            correct_bias=bool(correct_bias),
                            factor_dtype=str(factor_dtype).replace("torch.", ""),
-                           basis_dtype=str(basis_dtype).replace("torch.", ""))
+                           basis_dtype=str(basis_dtype).replace("torch.", ""),
+                           state_dtype=str(state_dtype).replace("torch.", ""))
         super().__init__(params, dict(lr=lr, betas=tuple(betas), shampoo_beta=shampoo_beta,
                                       eps=eps, weight_decay=weight_decay, use_soap=True))
         self.comm = _default_comm(process_group, timeout_seconds, self.param_groups)
@@ -655,7 +664,7 @@ class SOAP(_OverCpp):
                              self.config["max_preconditioner_dim"],
                              self.config["precondition_frequency"],
                              self.config["correct_bias"], self.config["factor_dtype"],
-                             self.config["basis_dtype"], self.comm)
+                             self.config["basis_dtype"], self.comm, self.config["state_dtype"])
         return [(self._impl, list(range(len(params))), _soap_options)]
 
     def state_bytes(self):

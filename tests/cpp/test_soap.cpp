@@ -15,6 +15,7 @@
 
 #include "core/ragged/planner.h"
 #include "optimizers/soap/soap.h"
+#include "quant/blockwise/code_maps.h"
 #include "tests/cpp/test_util.h"
 #include "tests/support/local_ranks.h"
 
@@ -22,6 +23,7 @@ namespace rfsdp {
 namespace {
 
 using testing::fresh_seed;
+using testing::nearest_code;
 using testing::seeded_randn;
 
 constexpr int64_t kB = 8;  // max_preconditioner_dim of these tests
@@ -316,18 +318,63 @@ struct Snapshot {
   std::vector<at::Tensor> p, m, v, l, r, ql, qr;
 };
 
+// The state tensor `name` of a parameter (undefined if it has none).
+at::Tensor named(const std::vector<std::pair<std::string, at::Tensor>>& state, const std::string& name) {
+  for (const auto& [n, t] : state) {
+    if (n == name) return t;
+  }
+  return {};
+}
+
 Snapshot snapshot(const SOAP& opt) {
   Snapshot s;
+  auto f64 = [](const at::Tensor& t) {
+    return t.defined() ? t.to(at::kDouble).reshape(-1).clone() : at::Tensor();
+  };
   for (size_t i = 0; i < opt.params().size(); ++i) {
     const auto st = opt.state(i);
-    s.p.push_back(opt.params()[i].param.to(at::kDouble).reshape(-1).clone());
-    std::vector<at::Tensor>* out[] = {&s.m, &s.v, &s.l, &s.r, &s.ql, &s.qr};
-    for (size_t k = 0; k < 6; ++k) {
-      out[k]->push_back(k < st.size() ? st[k].second.to(at::kDouble).reshape(-1).clone()
-                                      : at::Tensor());
-    }
+    const auto [m, v] = opt.moments(i);  // decoded where 8-bit
+    s.p.push_back(f64(opt.params()[i].param));
+    s.m.push_back(f64(m));
+    s.v.push_back(f64(v));
+    s.l.push_back(f64(named(st, "factor_left")));
+    s.r.push_back(f64(named(st, "factor_right")));
+    s.ql.push_back(f64(named(st, "basis_left")));
+    s.qr.push_back(f64(named(st, "basis_right")));
   }
   return s;
+}
+
+// 8-bit moments of parameter i after a step against their float64 values
+// (want: m or v, flat): one block per tile row, its absmax the row's max |.|
+// (to rel), each code the nearest to want / absmax unless fp32 rounding (tol,
+// in units of the absmax) puts it on a midpoint. Returns the midpoints skipped.
+int64_t expect_codes(const SOAP& opt, size_t i, bool second, const at::Tensor& want, double rel,
+                     double tol) {
+  const auto st = opt.state(i);
+  const std::string name = second ? "exp_avg_sq" : "exp_avg";
+  const at::Tensor codes = named(st, name + "_codes").reshape(-1), absmax = named(st, name + "_absmax");
+  const at::Tensor c = quant::dynamic_map(!second);
+  const std::vector<double> code(c.data_ptr<float>(), c.data_ptr<float>() + 256);
+  int64_t row = 0, skipped = 0;
+  for (const ShampooTile& tl : opt.tiles()) {
+    if (tl.param != i) continue;
+    const at::Tensor w = shampoo_tile_view(want, tl), q = shampoo_tile_view(codes, tl);
+    for (int64_t r = 0; r < tl.rows; ++r, ++row) {
+      const double a = absmax[row].item<double>(), wa = w[r].abs().max().item<double>();
+      EXPECT_NEAR(a, wa, rel * wa) << name << " absmax, tile row " << row;
+      for (int64_t k = 0; k < tl.cols; ++k) {
+        bool amb;
+        const int best = nearest_code(a > 0 ? w[r][k].item<double>() / a : 0.0, tol, code, &amb);
+        if (amb) {
+          ++skipped;
+          continue;
+        }
+        EXPECT_EQ(q[r][k].item<uint8_t>(), best) << name << " code, tile row " << row << " col " << k;
+      }
+    }
+  }
+  return skipped;
 }
 
 // max |got - want| / (rel |want| + abs * max|want|): at most 1 where within tolerance.
@@ -422,24 +469,41 @@ double expect_step(const SOAP& opt, const Snapshot& b, const Snapshot& a,
     const double s = static_cast<double>(t - 1);
     const double step = o.lr * std::sqrt(1 - std::pow(o.beta2, s)) / (1 - std::pow(o.beta1, s));
     const at::Tensor p = (b.p[i] - step * n[i]) * (1 - o.lr * o.weight_decay);
-    EXPECT_LE(excess(a.m[i], m[i], 0, 1e-6), 1.0) << "m, " << where;
-    EXPECT_LE(excess(a.v[i], v[i], 0, 1e-5), 1.0) << "v, " << where;
+    if (opt.config().state_dtype == at::kByte && opt.preconditioned(i)) {
+      expect_codes(opt, i, false, m[i], 1e-6, 1e-6);
+      expect_codes(opt, i, true, v[i], 1e-5, 1e-5);
+    } else {
+      EXPECT_LE(excess(a.m[i], m[i], 0, 1e-6), 1.0) << "m, " << where;
+      EXPECT_LE(excess(a.v[i], v[i], 0, 1e-5), 1.0) << "v, " << where;
+    }
     const double moved = (p - b.p[i]).abs().max().item<double>();
     EXPECT_LT((a.p[i] - p).abs().max().item<double>(), 1e-4 * moved) << "p, " << where;
   }
   return ortho;
 }
 
-class SOAPBf16Ranks : public ::testing::TestWithParam<int> {};
+class SOAPStoredRanks : public ::testing::TestWithParam<int> {};
 
-TEST_P(SOAPBf16Ranks, Bf16FactorsAndBasesStepFromTheirStoredValues) {
-  const int world = GetParam();
+void expect_stored_steps(int world, const SOAPConfig& c, const std::string& what);
+
+TEST_P(SOAPStoredRanks, Bf16FactorsAndBasesStepFromTheirStoredValues) {
+  SOAPConfig c = config();
+  c.factor_dtype = c.basis_dtype = at::kBFloat16;
+  expect_stored_steps(GetParam(), c, "bf16 factors and bases");
+}
+
+TEST_P(SOAPStoredRanks, EightBitMomentsEqualTheFloat64QuantisedAlgorithm) {
+  SOAPConfig c = config();
+  c.state_dtype = at::kByte;
+  expect_stored_steps(GetParam(), c, "8-bit moments");
+}
+
+// Every step of a SOAP with config c on `world` ranks checked by expect_step.
+void expect_stored_steps(int world, const SOAPConfig& c, const std::string& what) {
   const uint64_t seed = fresh_seed();
   SCOPED_TRACE("seed " + std::to_string(seed));
   const Plan plan = plan_cases(world);
   const std::vector<at::Tensor> init = full_tensors(seed, 0);
-  SOAPConfig c = config();
-  c.factor_dtype = c.basis_dtype = at::kBFloat16;
   std::mutex mu;
   double ortho = 0;
   int64_t bytes = 0, fp32_bytes = 0;
@@ -463,22 +527,26 @@ TEST_P(SOAPBf16Ranks, Bf16FactorsAndBasesStepFromTheirStoredValues) {
     }
     for (size_t i = 0; i < kCases.size(); ++i) {
       if (!opt.preconditioned(i)) continue;
-      const auto st = opt.state(i);
-      for (size_t k = 2; k < 6; ++k) EXPECT_EQ(st[k].second.scalar_type(), at::kBFloat16) << st[k].first;
+      for (const auto& [name, t] : opt.state(i)) {
+        const at::ScalarType want = name.rfind("factor", 0) == 0  ? c.factor_dtype
+                                    : name.rfind("basis", 0) == 0 ? c.basis_dtype
+                                    : name.find("_codes") != std::string::npos ? at::kByte
+                                                                               : at::kFloat;
+        EXPECT_EQ(t.scalar_type(), want) << name;
+      }
     }
     std::lock_guard<std::mutex> lock(mu);
     ortho = std::max(ortho, mine);
     bytes += opt.state_bytes();
     fp32_bytes += fp32;
   });
-  // Factors and bases are half the fp32 bytes; m and v stay fp32.
   EXPECT_LT(bytes, fp32_bytes);
-  std::cout << "[ figure ] " << world << " ranks: bf16 state " << bytes << " B (fp32: " << fp32_bytes
-            << " B), max |Q^T Q - I| of the stored bases " << ortho << "\n";
-  EXPECT_LT(ortho, 2e-2);
+  std::cout << "[ figure ] " << world << " ranks, " << what << ": state " << bytes << " B (fp32: "
+            << fp32_bytes << " B), max |Q^T Q - I| of the stored bases " << ortho << "\n";
+  EXPECT_LT(ortho, c.basis_dtype == at::kFloat ? 1e-5 : 2e-2);
 }
 
-INSTANTIATE_TEST_SUITE_P(Worlds, SOAPBf16Ranks, ::testing::Values(1, 2, 4));
+INSTANTIATE_TEST_SUITE_P(Worlds, SOAPStoredRanks, ::testing::Values(1, 2, 4));
 
 TEST(SOAP, FirstStepOnlyBuildsTheBasesAndBadSettingsAreClearErrors) {
   at::Tensor p = at::randn({8, 8}), b = at::randn({8});

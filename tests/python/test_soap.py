@@ -3,6 +3,7 @@ rfsdp.policy.shampoo) it steps as one process does on the same gradients, and
 its checkpoint saved on 2 ranks resumes on 1;
 param groups (use_soap=False, an LR scheduler), torch's state_dict round trip
 and an rfsdp.checkpoint round trip resume exactly; bad settings are errors."""
+import functools
 import os
 import sys
 import tempfile
@@ -36,25 +37,25 @@ def grads(seed):
     return [{n: torch.randn(s, generator=g) for n, s in shapes} for _ in range(STEPS)]
 
 
-def soap(model, dtype=torch.float32):
+def soap(model, dtype=torch.float32, state=torch.float32):
     mats = [p for n, p in model.named_parameters() if n != "b.bias"]
     return rfsdp.optim.SOAP([dict(params=mats),
                              dict(params=[model.b.bias], use_soap=False, lr=1e-3)],
                             lr=1e-2, betas=(0.9, 0.95), weight_decay=0.01,
                             precondition_frequency=2, max_preconditioner_dim=B,
-                            factor_dtype=dtype, basis_dtype=dtype)
+                            factor_dtype=dtype, basis_dtype=dtype, state_dtype=state)
 
 
-def worker(rank, world, seed, init_file, out_file, ckpt=None):
+def worker(rank, world, seed, init_file, out_file, ckpt=None, state=torch.float32):
     """STEPS steps on `world` ranks; ckpt: save after 3 (2 ranks), or load and take
-    the last STEPS - 3 (1 rank)."""
+    the last STEPS - 3 (1 rank). state: SOAP's state_dtype."""
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method="file://" + init_file, rank=rank,
                             world_size=world)
     torch.manual_seed(seed)
     model = Net()
     rfsdp.fully_shard(model, policy=rfsdp.policy.shampoo(B))
-    opt = soap(model)
+    opt = soap(model, state=state)
     gs = grads(seed)
     first = 0
     if ckpt is not None and world == 1:
@@ -72,20 +73,22 @@ def worker(rank, world, seed, init_file, out_file, ckpt=None):
     dist.destroy_process_group()
 
 
-def one_process(seed):
+def one_process(seed, state=torch.float32):
     torch.manual_seed(seed)
     model = Net()
-    opt = soap(model)
+    opt = soap(model, state=state)
     for g in grads(seed):
         set_grads(model, g)
         opt.step()
     return model
 
 
-def test_soap_on_fully_shard_steps_as_one_process_and_its_checkpoint_resumes_on_one_rank():
+@pytest.mark.parametrize("state", [torch.float32, "int8"], ids=["fp32", "int8"])
+def test_soap_on_fully_shard_steps_as_one_process_and_its_checkpoint_resumes_on_one_rank(state):
     seed = int(torch.randint(0, 2 ** 30, ()).item())
-    got = save_on_two_resume_on_one(worker, seed)  # 2 ranks save after 3 steps; 1 finishes
-    want = one_process(seed)
+    # 2 ranks save after 3 steps; 1 finishes
+    got = save_on_two_resume_on_one(functools.partial(worker, state=state), seed)
+    want = one_process(seed, state)
     torch.manual_seed(seed)
     start = dict(Net().named_parameters())
     for world, full in zip((2, 1), got):
@@ -97,12 +100,14 @@ def test_soap_on_fully_shard_steps_as_one_process_and_its_checkpoint_resumes_on_
                                        % (n, world, seed, m))
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
-def test_soap_state_dict_and_checkpoint_resume_exactly(dtype):
+@pytest.mark.parametrize("dtype,state", [(torch.float32, torch.float32),
+                                         (torch.bfloat16, torch.float32),
+                                         (torch.float32, "int8")], ids=["fp32", "bf16", "int8"])
+def test_soap_state_dict_and_checkpoint_resume_exactly(dtype, state):
     seed = int(torch.randint(0, 2 ** 30, ()).item())
     torch.manual_seed(seed)
     model = Net()
-    opt = soap(model, dtype)
+    opt = soap(model, dtype, state)
     sched = torch.optim.lr_scheduler.StepLR(opt, step_size=2, gamma=0.5)
     gs = grads(seed)
     with tempfile.TemporaryDirectory() as d:
@@ -118,7 +123,7 @@ def test_soap_state_dict_and_checkpoint_resume_exactly(dtype):
             sched.step()
         for how in ("state_dict", "checkpoint"):
             m2 = Net()
-            o2 = soap(m2, dtype)
+            o2 = soap(m2, dtype, state)
             with torch.no_grad():
                 for n, p in m2.named_parameters():
                     p.copy_(params_at_3[n])
@@ -135,12 +140,19 @@ def test_soap_state_dict_and_checkpoint_resume_exactly(dtype):
                 s2.step()
             for (n, p), p2 in zip(model.named_parameters(), m2.parameters()):
                 assert torch.equal(p, p2), (how, n, seed)
-    assert set(opt.state[model.a.weight]) == {"step", "exp_avg", "exp_avg_sq", "factor_left",
-                                              "factor_right", "basis_left", "basis_right"}
+    moments = {"exp_avg", "exp_avg_sq"} if state == torch.float32 else {
+        "exp_avg_codes", "exp_avg_absmax", "exp_avg_sq_codes", "exp_avg_sq_absmax"}
+    assert set(opt.state[model.a.weight]) == {"step", "factor_left", "factor_right", "basis_left",
+                                              "basis_right"} | moments
     assert set(opt.state[model.b.bias]) == {"step", "exp_avg", "exp_avg_sq"}  # use_soap=False
     for k in ("factor_left", "factor_right", "basis_left", "basis_right"):
         assert opt.state[model.a.weight][k].dtype == dtype, k
-    assert opt.state[model.a.weight]["exp_avg"].dtype == torch.float32
+    if state == "int8":
+        assert opt.state[model.a.weight]["exp_avg_codes"].dtype == torch.uint8
+        # one per tile row: 16 x 12 in tiles of 8 x 8 and 8 x 4
+        assert opt.state[model.a.weight]["exp_avg_absmax"].numel() == 32
+    else:
+        assert opt.state[model.a.weight]["exp_avg"].dtype == torch.float32
 
 
 def test_soap_bad_settings_are_clear_errors():
@@ -151,6 +163,8 @@ def test_soap_bad_settings_are_clear_errors():
         rfsdp.optim.SOAP([w], betas=(0.9, 1.0))
     with pytest.raises(ValueError, match="basis_dtype"):
         rfsdp.optim.SOAP([w], basis_dtype=torch.float16)
+    with pytest.raises(ValueError, match="state_dtype"):
+        rfsdp.optim.SOAP([w], state_dtype=torch.bfloat16)
     opt = rfsdp.optim.SOAP([w])
     w.grad = torch.full((4, 4), float("nan"))
     with pytest.raises(RuntimeError, match="NaN"):
