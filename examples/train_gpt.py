@@ -30,7 +30,8 @@ VARIANTS = {
              "int8-linear": dict(momentum_dtype="int8", momentum_map="linear")},
     "shampoo": {"bf16": dict(factor_dtype=torch.bfloat16)},
     "soap": {"bf16": dict(factor_dtype=torch.bfloat16, basis_dtype=torch.bfloat16),
-             "int8": dict(state_dtype="int8")},
+             "int8": dict(state_dtype="int8"), "int8-bases": dict(basis_dtype="int8"),
+             "int4-bases": dict(basis_dtype="int4")},
 }
 SHAMPOO_DIM = 256  # max_preconditioner_dim: tiles of at most 256 x 256
 FORTUNES = "/usr/share/games/fortunes"

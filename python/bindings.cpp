@@ -343,20 +343,30 @@ PYBIND11_MODULE(_C, m) {
       .def(py::init([](const std::vector<ShardOf>& params, const std::vector<bool>& precondition,
                        int64_t max_dim, int frequency, bool correct_bias,
                        const std::string& factor_dtype, const std::string& basis_dtype,
-                       std::shared_ptr<rfsdp::Comm> comm, const std::string& state_dtype) {
+                       std::shared_ptr<rfsdp::Comm> comm, const std::string& state_dtype,
+                       int64_t basis_block, const std::string& basis_map, int bjorck_iterations) {
              rfsdp::SOAPConfig c;
              c.max_preconditioner_dim = max_dim;
              c.precondition_frequency = frequency;
              c.correct_bias = correct_bias;
              c.factor_dtype = dtype_of(factor_dtype);
-             c.basis_dtype = dtype_of(basis_dtype);
              c.state_dtype = state_dtype == "int8" ? at::kByte : dtype_of(state_dtype);
+             if (basis_dtype == "int8" || basis_dtype == "int4") {
+               c.basis_bits = basis_dtype == "int8" ? 8 : 4;
+             } else {
+               c.basis_dtype = dtype_of(basis_dtype);
+             }
+             c.basis_block = basis_block;
+             c.basis_map = basis_map;
+             c.bjorck_iterations = bjorck_iterations;
              return std::make_shared<rfsdp::SOAP>(shards_of(params), rfsdp::SOAPOptions{}, c,
                                                   std::move(comm), precondition);
            }),
            py::arg("params"), py::arg("precondition"), py::arg("max_preconditioner_dim"),
            py::arg("precondition_frequency"), py::arg("correct_bias"), py::arg("factor_dtype"),
-           py::arg("basis_dtype"), py::arg("comm"), py::arg("state_dtype") = "float32")
+           py::arg("basis_dtype"), py::arg("comm"), py::arg("state_dtype") = "float32",
+           py::arg("basis_block") = 64, py::arg("basis_map") = "linear_square",
+           py::arg("bjorck_iterations") = 1)
       .def("set_group_options", [](rfsdp::SOAP& o, size_t g, double lr, double b1, double b2,
                                    double shampoo_beta, double eps, double wd) {
              o.set_group_options(g, {lr, b1, b2, shampoo_beta, eps, wd});

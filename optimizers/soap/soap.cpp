@@ -9,6 +9,7 @@
 #include "optimizers/common/step_gate.h"
 #include "quant/blockwise/code_maps.h"
 #include "quant/blockwise/cpu_kernels.h"
+#include "quant/blockwise/lowbit.h"
 
 namespace rfsdp {
 
@@ -100,6 +101,12 @@ SOAP::SOAP(std::vector<ParamShard> params, SOAPOptions options, SOAPConfig confi
     throw std::invalid_argument("SOAP: state_dtype must be float32 or int8 (8-bit codes)");
   }
   state_dtype_8bit_ = config_.state_dtype == at::kByte;
+  if (config_.basis_bits != 0) {
+    if (config_.basis_block < 1 || config_.bjorck_iterations < 0) {
+      throw std::invalid_argument("SOAP: basis_block must be >= 1 and bjorck_iterations >= 0");
+    }
+    basis_map_ = quant::lowbit_map(config_.basis_map, config_.basis_bits);  // checks the bits
+  }
   if (state_dtype_8bit_) {
     lut_m_ = quant::code_lut(quant::dynamic_map(true));
     lut_v_ = quant::code_lut(quant::dynamic_map(false));
@@ -122,22 +129,33 @@ SOAP::SOAP(std::vector<ParamShard> params, SOAPOptions options, SOAPConfig confi
                                   "; 8-bit moments (state_dtype int8) run on the CPU only so far");
     }
     if (precondition_[i]) {
-      int64_t left = 0, right = 0, ql = 0, qr = 0;
+      int64_t left = 0, right = 0, ql = 0, qr = 0, al = 0, ar = 0;
+      const int bits = config_.basis_bits;
+      auto basis_size = [&](int64_t n) { return bits ? quant::lowbit_code_bytes(n * n, bits) : n * n; };
       for (const ShampooTile& t : shampoo_tiles(p, i, config_.max_preconditioner_dim)) {
         s.tiles.push_back(tiles_.size());
         tiles_.push_back(t);
         s.ql.push_back(ql);
         s.qr.push_back(qr);
+        s.al.push_back(al);
+        s.ar.push_back(ar);
         left += shampoo_packed_size(t.rows);
         right += shampoo_packed_size(t.cols);
-        ql += t.rows * t.rows;
-        qr += t.cols * t.cols;
+        ql += basis_size(t.rows);
+        qr += basis_size(t.cols);
+        al += quant::lowbit_blocks(t.rows * t.rows, config_.basis_block);
+        ar += quant::lowbit_blocks(t.cols * t.cols, config_.basis_block);
       }
       const auto on = at::TensorOptions().device(p.param.device());  // states live with the shard
       s.left = at::zeros({left}, on.dtype(config_.factor_dtype));
       s.right = at::zeros({right}, on.dtype(config_.factor_dtype));
-      s.q_left = at::zeros({ql}, on.dtype(config_.basis_dtype));
-      s.q_right = at::zeros({qr}, on.dtype(config_.basis_dtype));
+      const auto qdt = bits ? at::kByte : config_.basis_dtype;
+      s.q_left = at::zeros({ql}, on.dtype(qdt));
+      s.q_right = at::zeros({qr}, on.dtype(qdt));
+      if (bits) {
+        s.a_left = at::zeros({al}, on.dtype(at::kFloat));
+        s.a_right = at::zeros({ar}, on.dtype(at::kFloat));
+      }
       if (eight_bit(i)) {  // zero scales: every code decodes to 0
         int64_t rows = 0;
         for (size_t k : s.tiles) s.arow.push_back(rows), rows += tiles_[k].rows;
@@ -154,8 +172,34 @@ SOAP::SOAP(std::vector<ParamShard> params, SOAPOptions options, SOAPConfig confi
 at::Tensor SOAP::basis(size_t i, size_t j, bool left) const {
   const ParamState& s = state_[i];
   const ShampooTile& tl = tiles_[s.tiles[j]];
-  return basis_view(left ? s.q_left : s.q_right, left ? s.ql[j] : s.qr[j], left ? tl.rows : tl.cols)
-      .to(at::kFloat);
+  const int64_t n = left ? tl.rows : tl.cols;
+  const int bits = config_.basis_bits;
+  if (!bits) return basis_view(left ? s.q_left : s.q_right, left ? s.ql[j] : s.qr[j], n).to(at::kFloat);
+  const at::Tensor codes = (left ? s.q_left : s.q_right)
+                               .narrow(0, left ? s.ql[j] : s.qr[j], quant::lowbit_code_bytes(n * n, bits));
+  const at::Tensor absmax = (left ? s.a_left : s.a_right)
+                                .narrow(0, left ? s.al[j] : s.ar[j],
+                                        quant::lowbit_blocks(n * n, config_.basis_block));
+  const at::Tensor q = quant::lowbit_dequantize(codes, absmax, basis_map_.to(codes.device()), bits,
+                                                config_.basis_block, n * n);
+  return quant::bjorck(q.view({n, n}), config_.bjorck_iterations);
+}
+
+void SOAP::store_basis(size_t i, size_t j, bool left, const at::Tensor& q) {
+  ParamState& s = state_[i];
+  const ShampooTile& tl = tiles_[s.tiles[j]];
+  const int64_t n = left ? tl.rows : tl.cols;
+  const int bits = config_.basis_bits;
+  if (!bits) {
+    basis_view(left ? s.q_left : s.q_right, left ? s.ql[j] : s.qr[j], n).copy_(q);
+    return;
+  }
+  quant::lowbit_quantize(q, basis_map_.to(q.device()), bits, config_.basis_block,
+                         (left ? s.q_left : s.q_right)
+                             .narrow(0, left ? s.ql[j] : s.qr[j], quant::lowbit_code_bytes(n * n, bits)),
+                         (left ? s.a_left : s.a_right)
+                             .narrow(0, left ? s.al[j] : s.ar[j],
+                                     quant::lowbit_blocks(n * n, config_.basis_block)));
 }
 
 at::Tensor SOAP::decode(size_t i, bool second) const {
@@ -327,8 +371,8 @@ void SOAP::run_step(StepGate& gate, const std::vector<size_t>& stepping) {
       const TileUpdate& u = up[k];
       s.left.narrow(0, tl.left_offset, shampoo_packed_size(tl.rows)).copy_(Shampoo::pack(u.l));
       s.right.narrow(0, tl.right_offset, shampoo_packed_size(tl.cols)).copy_(Shampoo::pack(u.r));
-      if (u.q_l.defined()) basis_view(s.q_left, s.ql[j], tl.rows).copy_(u.q_l);
-      if (u.q_r.defined()) basis_view(s.q_right, s.qr[j], tl.cols).copy_(u.q_r);
+      if (u.q_l.defined()) store_basis(i, j, true, u.q_l);
+      if (u.q_r.defined()) store_basis(i, j, false, u.q_r);
       if (u.order_l.defined()) {  // a refresh: v follows its basis' new column order
         at::Tensor vt = shampoo_tile_view(v, tl);
         vt.copy_(vt.index_select(0, u.order_l).index_select(1, u.order_r));
@@ -351,10 +395,15 @@ std::vector<std::pair<std::string, at::Tensor>> SOAP::state(size_t i) const {
     out = {{"exp_avg", s.m}, {"exp_avg_sq", s.v}};
   }
   if (precondition_[i]) {
-    out.insert(out.end(), {{"factor_left", s.left},
-                           {"factor_right", s.right},
-                           {"basis_left", s.q_left},
-                           {"basis_right", s.q_right}});
+    out.insert(out.end(), {{"factor_left", s.left}, {"factor_right", s.right}});
+    if (config_.basis_bits) {
+      out.insert(out.end(), {{"basis_left_codes", s.q_left},
+                             {"basis_left_absmax", s.a_left},
+                             {"basis_right_codes", s.q_right},
+                             {"basis_right_absmax", s.a_right}});
+    } else {
+      out.insert(out.end(), {{"basis_left", s.q_left}, {"basis_right", s.q_right}});
+    }
   }
   return out;
 }
@@ -363,7 +412,7 @@ int64_t SOAP::state_bytes() const {
   int64_t b = 0;
   for (const auto& s : state_) {
     for (const at::Tensor* t : {&s.m, &s.v, &s.mq, &s.vq, &s.ma, &s.va, &s.left, &s.right, &s.q_left,
-                                &s.q_right}) {
+                                &s.q_right, &s.a_left, &s.a_right}) {
       if (t->defined()) b += t->nbytes();
     }
   }

@@ -66,6 +66,15 @@ struct SOAPConfig {
   // moments, updates them in fp32 and encodes them once it is done. CPU only;
   // 1-D parameters and use_soap=False groups keep fp32 moments.
   at::ScalarType state_dtype = at::kFloat;
+  // basis_bits 8 or 4: Q_L, Q_R as block-wise codes instead (blocks of
+  // basis_block elements of a tile's n x n basis, row by row, one fp32 absmax
+  // each; map basis_map: lowbit_map's "linear_square", "linear", or "dynamic" at 8
+  // bits), dequantised and rectified by bjorck_iterations Björck steps wherever
+  // a step uses them (the refresh's power step included). 0: basis_dtype.
+  int basis_bits = 0;
+  int64_t basis_block = 64;
+  std::string basis_map = "linear_square";
+  int bjorck_iterations = 1;
 };
 
 // The eigenvectors of symmetric matrices of one size, columns by descending
@@ -92,6 +101,9 @@ class SOAP : public GroupedOptimizer<SOAPOptions> {
   // row, in tile order).
   std::vector<std::pair<std::string, at::Tensor>> state(size_t i) const override;
   const std::vector<ShampooTile>& tiles() const { return tiles_; }
+  // Tile j (of parameter i's tiles) of its basis on one side, as a step uses it:
+  // fp32 (a copy when stored in bf16; dequantised and rectified when quantised).
+  at::Tensor basis(size_t i, size_t j, bool left) const;
   // Parameter i's m and v in fp32 (decoded where they are stored in 8 bits).
   std::pair<at::Tensor, at::Tensor> moments(size_t i) const;
   bool preconditioned(size_t i) const { return precondition_.at(i); }
@@ -104,9 +116,11 @@ class SOAP : public GroupedOptimizer<SOAPOptions> {
     at::Tensor mq, vq, ma, va;       // 8-bit: codes (the shard's shape), absmax per tile row
     std::vector<int64_t> arow;       // 8-bit: each tile's first row in ma, va
     at::Tensor left, right;          // packed factors (factor_dtype)
-    at::Tensor q_left, q_right;      // bases, n x n each, flat (basis_dtype)
+    at::Tensor q_left, q_right;      // bases, n x n each, flat (basis_dtype), or their codes
+    at::Tensor a_left, a_right;      // quantised bases: absmax per block
     std::vector<size_t> tiles;       // indices into tiles_
     std::vector<int64_t> ql, qr;     // each tile's offsets in q_left, q_right
+    std::vector<int64_t> al, ar;     // quantised bases: each tile's offsets in a_left, a_right
   };
   // What a step computes for a tile before the gate: its new factors (full fp32)
   // and, at t = 1 or a refresh, its new bases (fp32) and (refresh) the orders of v.
@@ -118,8 +132,8 @@ class SOAP : public GroupedOptimizer<SOAPOptions> {
   // The new factors of every stepping tile, and its new bases where due.
   void prepare(const std::vector<size_t>& stepping, std::vector<TileUpdate>* up);
   double shampoo_beta(const SOAPOptions& o) const { return o.shampoo_beta < 0 ? o.beta2 : o.shampoo_beta; }
-  // Tile j of parameter i's basis on one side, in fp32 (a copy when stored in bf16).
-  at::Tensor basis(size_t i, size_t j, bool left) const;
+  // Stores q (fp32, n x n) as that basis.
+  void store_basis(size_t i, size_t j, bool left, const at::Tensor& q);
   bool eight_bit(size_t i) const { return state_dtype_8bit_ && precondition_[i]; }
   // 8-bit moments of parameter i: decoded into a flat fp32 tensor, or encoded from one.
   at::Tensor decode(size_t i, bool second) const;
@@ -132,6 +146,7 @@ class SOAP : public GroupedOptimizer<SOAPOptions> {
   int64_t fp64_retries_ = 0;
   bool state_dtype_8bit_ = false;
   std::shared_ptr<const quant::cpu::CodeLut> lut_m_, lut_v_;  // 8-bit: signed, unsigned maps
+  at::Tensor basis_map_;  // quantised bases: the map (2^basis_bits values)
 };
 
 }  // namespace rfsdp

@@ -625,21 +625,36 @@ class SOAP(_OverCpp):
     (dynamic maps, signed for m and unsigned for v), one block per tile row, so
     v's refresh permutation moves whole blocks with their scales; each step
     decodes, updates in fp32 and encodes (CPU only; 1-D parameters and
-    use_soap=False groups keep fp32 moments).
+    use_soap=False groups keep fp32 moments). basis_dtype="int8" or "int4" stores
+    Q_L, Q_R as block-wise codes (blocks of basis_block elements of a tile's
+    basis, one fp32 absmax each, the map basis_map: "linear_square" as 4-bit
+    Shampoo's, "linear", or "dynamic" at 8 bits; 4-bit codes two to a byte),
+    dequantised and rectified by bjorck_iterations Björck steps wherever used.
     """
 
     def __init__(self, params, lr=3e-3, betas=(0.95, 0.95), shampoo_beta=-1.0, eps=1e-8,
                  weight_decay=0.01, precondition_frequency=10, max_preconditioner_dim=1024,
                  correct_bias=True, factor_dtype=torch.float32, basis_dtype=torch.float32,
-                 state_dtype=torch.float32, process_group=None, timeout_seconds=300.0):
+                 state_dtype=torch.float32, basis_block=64, basis_map="linear_square",
+                 bjorck_iterations=1, process_group=None, timeout_seconds=300.0):
         for name, v in (("max_preconditioner_dim", max_preconditioner_dim),
                         ("precondition_frequency", precondition_frequency)):
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
                 raise ValueError("SOAP: %s must be a positive integer, got %r" % (name, v))
-        for name, v in (("factor_dtype", factor_dtype), ("basis_dtype", basis_dtype)):
-            if v not in (torch.float32, torch.bfloat16):
-                raise ValueError("SOAP: %s must be torch.float32 or torch.bfloat16, got %r"
-                                 % (name, v))
+        if factor_dtype not in (torch.float32, torch.bfloat16):
+            raise ValueError("SOAP: factor_dtype must be torch.float32 or torch.bfloat16, got %r"
+                             % (factor_dtype,))
+        if basis_dtype not in (torch.float32, torch.bfloat16, "int8", "int4"):
+            raise ValueError("SOAP: basis_dtype must be torch.float32, torch.bfloat16, \"int8\" "
+                             "or \"int4\", got %r" % (basis_dtype,))
+        if basis_map not in ("linear_square", "linear", "dynamic") or \
+                (basis_map == "dynamic" and basis_dtype != "int8"):
+            raise ValueError("SOAP: basis_map must be \"linear_square\", \"linear\" or "
+                             "\"dynamic\" (int8 only), got %r" % (basis_map,))
+        for name, v, least in (("basis_block", basis_block, 1),
+                               ("bjorck_iterations", bjorck_iterations, 0)):
+            if isinstance(v, bool) or not isinstance(v, int) or v < least:
+                raise ValueError("SOAP: %s must be an integer >= %d, got %r" % (name, least, v))
         if state_dtype not in (torch.float32, "int8"):
             raise ValueError("SOAP: state_dtype must be torch.float32 or \"int8\", got %r"
                              % (state_dtype,))
@@ -648,7 +663,9 @@ class SOAP(_OverCpp):
                            correct_bias=bool(correct_bias),
                            factor_dtype=str(factor_dtype).replace("torch.", ""),
                            basis_dtype=str(basis_dtype).replace("torch.", ""),
-                           state_dtype=str(state_dtype).replace("torch.", ""))
+                           state_dtype=str(state_dtype).replace("torch.", ""),
+                           basis_block=basis_block, basis_map=basis_map,
+                           bjorck_iterations=bjorck_iterations)
         super().__init__(params, dict(lr=lr, betas=tuple(betas), shampoo_beta=shampoo_beta,
                                       eps=eps, weight_decay=weight_decay, use_soap=True))
         self.comm = _default_comm(process_group, timeout_seconds, self.param_groups)
@@ -664,7 +681,9 @@ class SOAP(_OverCpp):
                              self.config["max_preconditioner_dim"],
                              self.config["precondition_frequency"],
                              self.config["correct_bias"], self.config["factor_dtype"],
-                             self.config["basis_dtype"], self.comm, self.config["state_dtype"])
+                             self.config["basis_dtype"], self.comm, self.config["state_dtype"],
+                             self.config["basis_block"], self.config["basis_map"],
+                             self.config["bjorck_iterations"])
         return [(self._impl, list(range(len(params))), _soap_options)]
 
     def state_bytes(self):

@@ -29,16 +29,17 @@ inline at::Tensor seeded_randn(at::IntArrayRef shape, uint64_t seed, uint64_t st
   return at::randn(shape, gen, at::TensorOptions().dtype(at::kDouble)).to(dtype);
 }
 
-// The nearest of 256 sorted codes to x (ties to the lower), by scanning every
+// The nearest of the sorted codes to x (ties to the lower), by scanning every
 // code; `ambiguous` when x is within `tol` (fp32's rounding of x) of the midpoint
 // of two neighbouring codes, where a correct fp32 kernel may pick either.
 inline int nearest_code(double x, double tol, const std::vector<double>& code, bool* ambiguous) {
+  const int n = static_cast<int>(code.size());
   int best = 0;
-  for (int k = 1; k < 256; ++k) {
+  for (int k = 1; k < n; ++k) {
     if (std::fabs(code[k] - x) < std::fabs(code[best] - x)) best = k;
   }
   *ambiguous = false;
-  for (int k = 1; k < 256; ++k) {
+  for (int k = 1; k < n; ++k) {
     const double mid = (code[k - 1] + code[k]) / 2;
     if (std::fabs(x - mid) <= tol) *ambiguous = true;
   }

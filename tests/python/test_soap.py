@@ -38,12 +38,14 @@ def grads(seed):
 
 
 def soap(model, dtype=torch.float32, state=torch.float32):
+    """dtype: the bases' (and, where a torch dtype, the factors'); state: m and v's."""
     mats = [p for n, p in model.named_parameters() if n != "b.bias"]
     return rfsdp.optim.SOAP([dict(params=mats),
                              dict(params=[model.b.bias], use_soap=False, lr=1e-3)],
                             lr=1e-2, betas=(0.9, 0.95), weight_decay=0.01,
                             precondition_frequency=2, max_preconditioner_dim=B,
-                            factor_dtype=dtype, basis_dtype=dtype, state_dtype=state)
+                            factor_dtype=dtype if isinstance(dtype, torch.dtype) else torch.float32,
+                            basis_dtype=dtype, state_dtype=state)
 
 
 def worker(rank, world, seed, init_file, out_file, ckpt=None, state=torch.float32):
@@ -102,7 +104,8 @@ def test_soap_on_fully_shard_steps_as_one_process_and_its_checkpoint_resumes_on_
 
 @pytest.mark.parametrize("dtype,state", [(torch.float32, torch.float32),
                                          (torch.bfloat16, torch.float32),
-                                         (torch.float32, "int8")], ids=["fp32", "bf16", "int8"])
+                                         (torch.float32, "int8"), ("int4", "int8")],
+                         ids=["fp32", "bf16", "int8", "int4-bases"])
 def test_soap_state_dict_and_checkpoint_resume_exactly(dtype, state):
     seed = int(torch.randint(0, 2 ** 30, ()).item())
     torch.manual_seed(seed)
@@ -142,11 +145,17 @@ def test_soap_state_dict_and_checkpoint_resume_exactly(dtype, state):
                 assert torch.equal(p, p2), (how, n, seed)
     moments = {"exp_avg", "exp_avg_sq"} if state == torch.float32 else {
         "exp_avg_codes", "exp_avg_absmax", "exp_avg_sq_codes", "exp_avg_sq_absmax"}
-    assert set(opt.state[model.a.weight]) == {"step", "factor_left", "factor_right", "basis_left",
-                                              "basis_right"} | moments
+    bases = {"basis_left", "basis_right"} if isinstance(dtype, torch.dtype) else {
+        "basis_left_codes", "basis_left_absmax", "basis_right_codes", "basis_right_absmax"}
+    assert set(opt.state[model.a.weight]) == {"step", "factor_left", "factor_right"} | moments | bases
     assert set(opt.state[model.b.bias]) == {"step", "exp_avg", "exp_avg_sq"}  # use_soap=False
-    for k in ("factor_left", "factor_right", "basis_left", "basis_right"):
-        assert opt.state[model.a.weight][k].dtype == dtype, k
+    if isinstance(dtype, torch.dtype):
+        for k in ("factor_left", "factor_right", "basis_left", "basis_right"):
+            assert opt.state[model.a.weight][k].dtype == dtype, k
+    else:  # 4-bit bases: two codes a byte, one absmax per 64 elements
+        codes = opt.state[model.a.weight]["basis_left_codes"]
+        assert codes.dtype == torch.uint8 and codes.numel() == 4 * 8 * 8 // 2
+        assert opt.state[model.a.weight]["basis_left_absmax"].numel() == 4
     if state == "int8":
         assert opt.state[model.a.weight]["exp_avg_codes"].dtype == torch.uint8
         # one per tile row: 16 x 12 in tiles of 8 x 8 and 8 x 4
@@ -165,6 +174,8 @@ def test_soap_bad_settings_are_clear_errors():
         rfsdp.optim.SOAP([w], basis_dtype=torch.float16)
     with pytest.raises(ValueError, match="state_dtype"):
         rfsdp.optim.SOAP([w], state_dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="basis_map"):
+        rfsdp.optim.SOAP([w], basis_dtype="int4", basis_map="dynamic")
     opt = rfsdp.optim.SOAP([w])
     w.grad = torch.full((4, 4), float("nan"))
     with pytest.raises(RuntimeError, match="NaN"):

@@ -1,0 +1,62 @@
+#include "quant/blockwise/lowbit.h"
+
+#include <stdexcept>
+
+#include "quant/blockwise/code_maps.h"
+
+namespace rfsdp::quant {
+
+at::Tensor lowbit_map(const std::string& name, int bits) {
+  if (bits != 4 && bits != 8) throw std::invalid_argument("low-bit codes have 4 or 8 bits");
+  const int64_t k = int64_t{1} << bits;
+  if (name == "dynamic") {
+    if (bits != 8) throw std::invalid_argument("the dynamic map has 8 bits; at 4 use \"linear_square\"");
+    return dynamic_map(true);
+  }
+  const at::Tensor x = at::linspace(-1.0, 1.0, k, at::kFloat);
+  if (name == "linear") return x;
+  if (name == "linear_square") return (x.sign() * x * x).contiguous();
+  throw std::invalid_argument("unknown low-bit map '" + name +
+                              "': use \"linear_square\", \"linear\" or \"dynamic\" (8 bits)");
+}
+
+int64_t lowbit_blocks(int64_t n, int64_t block) { return (n + block - 1) / block; }
+
+int64_t lowbit_code_bytes(int64_t n, int bits) { return bits == 4 ? (n + 1) / 2 : n; }
+
+void lowbit_quantize(const at::Tensor& x, const at::Tensor& map, int bits, int64_t block,
+                     at::Tensor codes, at::Tensor absmax) {
+  const int64_t n = x.numel(), nb = lowbit_blocks(n, block);
+  at::Tensor xb = at::zeros({nb * block}, x.options().dtype(at::kFloat));
+  xb.narrow(0, 0, n).copy_(x.reshape(-1));
+  xb = xb.view({nb, block});
+  const at::Tensor amax = xb.abs().amax(1);
+  const at::Tensor scale = at::where(amax > 0, amax.reciprocal(), at::zeros_like(amax));
+  const at::Tensor mids = (map.narrow(0, 1, map.numel() - 1) + map.narrow(0, 0, map.numel() - 1)) / 2;
+  // bucketize: i with mids[i-1] < y <= mids[i], the nearest code with ties to the lower.
+  at::Tensor idx = at::bucketize(xb * scale.unsqueeze(1), mids).reshape(-1).narrow(0, 0, n);
+  absmax.copy_(amax);
+  if (bits == 8) {
+    codes.copy_(idx.to(at::kByte));
+    return;
+  }
+  if (n % 2) idx = at::cat({idx, at::zeros({1}, idx.options())});
+  const at::Tensor pairs = idx.view({-1, 2});
+  codes.copy_((pairs.select(1, 0) + pairs.select(1, 1) * 16).to(at::kByte));
+}
+
+at::Tensor lowbit_dequantize(const at::Tensor& codes, const at::Tensor& absmax,
+                             const at::Tensor& map, int bits, int64_t block, int64_t n) {
+  at::Tensor idx = codes.to(at::kLong);
+  if (bits == 4) idx = at::stack({idx.remainder(16), idx.div(16, "floor")}, 1).reshape(-1);
+  idx = idx.narrow(0, 0, n);
+  const at::Tensor scale = absmax.repeat_interleave(block).narrow(0, 0, n);
+  return map.index_select(0, idx) * scale;
+}
+
+at::Tensor bjorck(at::Tensor v, int iterations) {
+  for (int k = 0; k < iterations; ++k) v = 1.5 * v - 0.5 * at::mm(v, at::mm(v.t(), v));
+  return v;
+}
+
+}  // namespace rfsdp::quant

@@ -1,0 +1,35 @@
+// Low-bit (8- or 4-bit) block-wise codes of small fp32 tensors, in ATen ops
+// (any device): what SOAP's quantised eigenbases are stored as. Blocks are runs
+// of `block` consecutive elements of the flat tensor, one fp32 absmax each;
+// codes are the indices of the nearest map value (ties to the lower), one byte
+// each at 8 bits, two to a byte at 4 bits (the even element in the low nibble).
+// And the Björck iteration that rectifies a dequantised orthogonal matrix.
+#pragma once
+
+#include <ATen/ATen.h>
+
+#include <string>
+
+namespace rfsdp::quant {
+
+// 2^bits sorted values in [-1, 1]: "linear_square" (sign(x) x^2 at x = -1 +
+// 2k / (2^bits - 1), the 4-bit Shampoo paper's), "linear" (x itself), or
+// "dynamic" (8 bits: bitsandbytes' signed dynamic map).
+at::Tensor lowbit_map(const std::string& name, int bits);
+
+int64_t lowbit_blocks(int64_t n, int64_t block);
+int64_t lowbit_code_bytes(int64_t n, int bits);
+
+// x (fp32, n elements) into codes (uint8, lowbit_code_bytes) and absmax (fp32,
+// lowbit_blocks): views they write into. map on x's device.
+void lowbit_quantize(const at::Tensor& x, const at::Tensor& map, int bits, int64_t block,
+                     at::Tensor codes, at::Tensor absmax);
+
+// The n fp32 values of codes and absmax.
+at::Tensor lowbit_dequantize(const at::Tensor& codes, const at::Tensor& absmax,
+                             const at::Tensor& map, int bits, int64_t block, int64_t n);
+
+// Björck orthonormalisation of a square v: v <- 1.5 v - 0.5 v v^T v, `iterations` times.
+at::Tensor bjorck(at::Tensor v, int iterations);
+
+}  // namespace rfsdp::quant
