@@ -15,6 +15,7 @@
 #include "quant/blockwise/blockwise.h"
 #include "quant/blockwise/code_maps.h"
 #include "quant/blockwise/cpu_kernels.h"
+#include "quant/blockwise/lowbit.h"
 
 namespace {
 
@@ -136,5 +137,64 @@ int main(int argc, char** argv) {
   std::printf("state bytes per parameter: AdamW 8 (two fp32 moments); AdamW8bit 2 + 8/B "
               "(two uint8 moments and two fp32 absmax per block: B=256 -> 2.031, B=2048 -> "
               "2.004, 32x32 tiles -> 2.008)\n");
+
+  // Muon's 8-bit momentum (blocks of 256): codes r/w (2) + grad r (4) + update w (4) = 10 B
+  // per element, against memcpy of as many bytes and the fp32 momentum as Muon steps it
+  // (m' = lerp(m, g), u = lerp(g, m'), m <- m': 36 B per element through ATen).
+  std::printf("\n%-7s | %12s %9s %6s | %12s %8s\n", "elems", "mom8 GB/s", "memcpy", "ratio",
+              "fp32 GB/s", "t32/t8");
+  const auto lut = code_lut(dynamic_map(true));
+  for (int64_t mi = 1; mi <= max_m; mi *= 4) {
+    const int64_t n = mi << 20;
+    const BlockLayout L(BlockShape::blocks(256), 1, n);
+    at::Tensor g = at::randn({n}), u = at::empty({n}), q = at::full({n}, 127, at::kByte);
+    at::Tensor q2 = at::empty({n}, at::kByte), a = at::ones({L.num_blocks}), a2 = at::empty({L.num_blocks});
+    at::Tensor m = at::randn({n});
+    std::vector<char> src(n * 10), dst(n * 10);
+    std::memset(src.data(), 1, src.size());
+    const double t8 = median_seconds(reps, [&] {
+      cpu::momentum8bit_step(g.data_ptr<float>(), q.data_ptr<uint8_t>(), a.data_ptr<float>(), L,
+                             *lut, 0.95f, true, q2.data_ptr<uint8_t>(), a2.data_ptr<float>(),
+                             u.data_ptr<float>());
+    });
+    const double tm = median_seconds(reps, [&] {
+      at::parallel_for(0, n * 5, 1 << 20, [&](int64_t x, int64_t y) {
+        std::memcpy(dst.data() + x, src.data() + x, y - x);
+      });
+    });
+    const double t32 = median_seconds(reps, [&] {
+      const at::Tensor nm = m.lerp(g, 0.05);
+      const at::Tensor uu = g.lerp(nm, 0.95);
+      m.copy_(nm);
+    });
+    std::printf("%-7s | %12.2f %9.2f %6.2f | %12.2f %8.2f\n", (std::to_string(mi) + "M").c_str(),
+                n * 10.0 / t8 / 1e9, n * 10.0 / tm / 1e9, tm / t8, n * 36.0 / t32 / 1e9, t32 / t8);
+  }
+
+  // Quantised eigenbases (SOAP's basis_dtype int8 / int4): what a step pays to use one n x n
+  // basis (dequantise + one Björck step, 4 n^3 flops) beside the rotation it serves (two n x n
+  // products of a square tile, 4 n^3 flops) and the eigh a first basis costs.
+  std::printf("\n%-6s | %10s %10s %12s | %10s %10s\n", "n", "int8 ms", "int4 ms", "Björck GFLOP/s",
+              "rotate ms", "eigh ms");
+  for (int64_t n : {128, 256, 512, 1024}) {
+    const at::Tensor qf = std::get<0>(at::linalg_qr(at::randn({n, n})));
+    double t[2];
+    for (int k = 0; k < 2; ++k) {
+      const int bits = k == 0 ? 8 : 4;
+      const at::Tensor map = lowbit_map("linear_square", bits);
+      at::Tensor codes = at::empty({lowbit_code_bytes(n * n, bits)}, at::kByte);
+      at::Tensor am = at::empty({lowbit_blocks(n * n, 64)});
+      lowbit_quantize(qf, map, bits, 64, codes, am);
+      t[k] = median_seconds(reps, [&] {
+        bjorck(lowbit_dequantize(codes, am, map, bits, 64, n * n).view({n, n}), 1);
+      });
+    }
+    const at::Tensor x = at::randn({n, n});
+    const double tr = median_seconds(reps, [&] { at::mm(at::mm(qf.t(), x), qf); });
+    const at::Tensor sym = at::mm(x, x.t());
+    const double te = median_seconds(std::min(reps, 3), [&] { at::linalg_eigh(sym); });
+    std::printf("%-6lld | %10.3f %10.3f %12.1f | %10.3f %10.2f\n", static_cast<long long>(n),
+                t[0] * 1e3, t[1] * 1e3, 4.0 * n * n * n / t[0] / 1e9, tr * 1e3, te * 1e3);
+  }
   return 0;
 }
