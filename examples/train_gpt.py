@@ -203,8 +203,7 @@ def run(name, args, train, val, rank, world):
     elapsed = time.time() - t0 - paused
     vl = validate()
     val_points.append((args.steps, seconds[-1], vl))
-    state = sum(t.numel() * t.element_size() for s in opt.state.values() for t in s.values()
-                if torch.is_tensor(t))
+    state = opt.state_bytes()
     if args.save_final:
         full = rfsdp.full_parameters(model)
         if rank == 0:
@@ -296,12 +295,13 @@ def main():
                                                       for v in VARIANTS[b])))
     results = [run(n, args, train, val, rank, world) for n in names]
     if rank == 0:
-        print("\n%-16s %8s %10s %10s %10s %12s %14s" % ("optimizer", "params", "train loss",
+        width = max([16] + [len(r["name"]) for r in results])
+        print("\n%-*s %8s %10s %10s %10s %12s %14s" % (width, "optimizer", "params", "train loss",
                                                          "val loss", "tokens/s", "peak MiB/rank",
                                                          "opt state/rank"))
         for r in results:
-            print("%-16s %7.2fM %10.4f %10.4f %10.0f %12.0f %13.2fM" % (
-                r["name"], r["params"] / 1e6, r["train"], r["val"], r["tps"], r["peak_mib"],
+            print("%-*s %7.2fM %10.4f %10.4f %10.0f %12.0f %13.2fM" % (
+                width, r["name"], r["params"] / 1e6, r["train"], r["val"], r["tps"], r["peak_mib"],
                 r["state_bytes"] / 2 ** 20))
         for r in results:
             if r["note"]:

@@ -233,6 +233,7 @@ PYBIND11_MODULE(_C, m) {
       .def("set_step_count", &rfsdp::ShardedOptimizer::set_step_count)
       .def("state_has_step", &rfsdp::ShardedOptimizer::state_has_step)
       .def("state", [](const rfsdp::ShardedOptimizer& o, size_t i) { return named(o.state(i)); })
+      .def("state_bytes", &rfsdp::ShardedOptimizer::state_bytes)
       .def("fused_launches", &rfsdp::ShardedOptimizer::fused_launches);
 
   py::class_<rfsdp::AdamW, rfsdp::ShardedOptimizer, std::shared_ptr<rfsdp::AdamW>>(m, "AdamW")
@@ -250,8 +251,7 @@ PYBIND11_MODULE(_C, m) {
              rfsdp::AdamWOptions x = o.group_options(g);
              x.lr = lr, x.beta1 = b1, x.beta2 = b2, x.eps = eps, x.weight_decay = wd;
              o.set_group_options(g, x);
-           })
-      .def("state_bytes", &rfsdp::AdamW::state_bytes);
+           });
   py::class_<rfsdp::AdamW8bit, rfsdp::AdamW, std::shared_ptr<rfsdp::AdamW8bit>>(m, "AdamW8bit")
       .def(py::init([](const std::vector<ShardOf>& params, const py::object& block,
                        int64_t min_8bit_size, std::shared_ptr<rfsdp::Comm> comm,
@@ -290,7 +290,6 @@ PYBIND11_MODULE(_C, m) {
            py::arg("params"), py::arg("ns_steps"), py::arg("ns_dtype"), py::arg("comm"),
            py::arg("check_finite") = true, py::arg("momentum_dtype") = "float32",
            py::arg("momentum_block") = 256, py::arg("momentum_map") = "dynamic")
-      .def("state_bytes", &rfsdp::Muon::state_bytes)
       .def("set_group_options", [](rfsdp::Muon& o, size_t g, double lr, double momentum, double wd,
                                    bool nesterov, const std::string& adjust_lr) {
              o.set_group_options(g, {lr, momentum, wd, nesterov,
@@ -372,7 +371,6 @@ PYBIND11_MODULE(_C, m) {
              o.set_group_options(g, {lr, b1, b2, shampoo_beta, eps, wd});
            })
       .def("num_tiles", [](const rfsdp::SOAP& o) { return o.tiles().size(); })
-      .def("state_bytes", &rfsdp::SOAP::state_bytes)
       .def("fp64_retries", &rfsdp::SOAP::fp64_retries);
   m.def("shampoo_granule_rows", &rfsdp::shampoo_granule_rows, py::arg("shape"),
         py::arg("row_dims"), py::arg("max_preconditioner_dim"));

@@ -114,12 +114,6 @@ std::vector<std::pair<std::string, at::Tensor>> AdamW::state(size_t i) const {
   return {{"exp_avg", m_.at(i)}, {"exp_avg_sq", v_.at(i)}};
 }
 
-int64_t AdamW::state_bytes() const {
-  int64_t b = 0;
-  for (size_t i = 0; i < m_.size(); ++i) b += (m_[i].numel() + v_[i].numel()) * 4;
-  return b;
-}
-
 AdamW8bit::AdamW8bit(std::vector<ParamShard> params, AdamWOptions options,
                      quant::BlockShape block, int64_t min_8bit_size, std::shared_ptr<Comm> comm)
     : AdamW(params, options, std::move(comm), small_tensors(params, min_8bit_size)),
@@ -397,18 +391,6 @@ at::Tensor AdamW8bit::exp_avg_sq(size_t i) const {
 std::vector<std::pair<std::string, at::Tensor>> AdamW8bit::state(size_t i) const {
   if (!eight_bit_.at(i)) return AdamW::state(i);
   return {{"q1", q_[i].q1}, {"absmax1", q_[i].absmax1}, {"q2", q_[i].q2}, {"absmax2", q_[i].absmax2}};
-}
-
-int64_t AdamW8bit::state_bytes() const {
-  int64_t b = 0;
-  for (size_t i = 0; i < params_.size(); ++i) {
-    if (eight_bit_[i]) {
-      b += q_[i].q1.numel() + q_[i].q2.numel() + (q_[i].absmax1.numel() + q_[i].absmax2.numel()) * 4;
-    } else {
-      b += (m_[i].numel() + v_[i].numel()) * 4;
-    }
-  }
-  return b;
 }
 
 }  // namespace rfsdp

@@ -46,8 +46,6 @@ class AdamW : public GroupedOptimizer<AdamWOptions> {
   // The moments of parameter i, fp32 (dequantised for 8-bit state).
   virtual at::Tensor exp_avg(size_t i) const { return m_.at(i); }
   virtual at::Tensor exp_avg_sq(size_t i) const { return v_.at(i); }
-  // Bytes of optimizer state on this rank.
-  virtual int64_t state_bytes() const;
 
  protected:
   // Checks the parameters; fp32 moments only where fp32_state(i) says so.
@@ -78,7 +76,6 @@ class AdamW8bit : public AdamW {
   at::Tensor exp_avg(size_t i) const override;
   at::Tensor exp_avg_sq(size_t i) const override;
   std::vector<std::pair<std::string, at::Tensor>> state(size_t i) const override;
-  int64_t state_bytes() const override;
   const quant::BlockShape& block() const { return block_; }
   // Where parameter i's absmax entries lie among the global tensor's blocks: the
   // number of blocks of the global tensor, the global index of its first entry,

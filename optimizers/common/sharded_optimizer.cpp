@@ -79,6 +79,14 @@ void ShardedOptimizer::set_step_count(size_t i, int64_t n) {
   param_steps_.at(i) = n;
 }
 
+int64_t ShardedOptimizer::state_bytes() const {
+  int64_t b = 0;
+  for (size_t i = 0; i < params_.size(); ++i) {
+    for (const auto& [name, t] : state(i)) b += t.defined() ? static_cast<int64_t>(t.nbytes()) : 0;
+  }
+  return b;
+}
+
 void ShardedOptimizer::step() {
   StepGate gate(comm_.get(), std::string(name()) + " step");
   if (check_finite_) {

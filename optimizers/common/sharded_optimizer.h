@@ -59,6 +59,8 @@ class ShardedOptimizer {
   // The tensors the step updates for parameter i, by name: what a checkpoint
   // saves and loads (in place).
   virtual std::vector<std::pair<std::string, at::Tensor>> state(size_t i) const = 0;
+  // Bytes of this rank's optimizer state: every tensor state() names.
+  int64_t state_bytes() const;
   // Whether a checkpoint keeps the step count beside the state (false for
   // Muon, whose update does not depend on it, as torch.optim.Muon's).
   virtual bool state_has_step() const { return true; }

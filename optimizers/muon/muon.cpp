@@ -531,13 +531,6 @@ std::vector<std::pair<std::string, at::Tensor>> Muon::state(size_t i) const {
   return {{"momentum_codes", momenta_.at(i)}, {"momentum_absmax", absmax_.at(i)}};
 }
 
-int64_t Muon::state_bytes() const {
-  int64_t b = 0;
-  for (const auto& t : momenta_) b += t.nbytes();
-  for (const auto& t : absmax_) b += t.nbytes();
-  return b;
-}
-
 void Muon::check_options(const MuonHyper& h) const {
   if (!(h.lr >= 0) || !(h.momentum >= 0 && h.momentum < 1) || !(h.weight_decay >= 0)) {
     throw std::invalid_argument("Muon: need lr >= 0, 0 <= momentum < 1, weight_decay >= 0; got lr=" +

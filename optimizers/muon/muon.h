@@ -162,7 +162,6 @@ class Muon : public GroupedOptimizer<MuonHyper> {
   // (float32 / bfloat16), or momentum_codes (uint8, the shard's shape) and
   // momentum_absmax (one per block of this shard, in order).
   std::vector<std::pair<std::string, at::Tensor>> state(size_t i) const override;
-  int64_t state_bytes() const;
   bool state_has_step() const override { return false; }
 
  protected:

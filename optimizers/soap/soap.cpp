@@ -408,15 +408,4 @@ std::vector<std::pair<std::string, at::Tensor>> SOAP::state(size_t i) const {
   return out;
 }
 
-int64_t SOAP::state_bytes() const {
-  int64_t b = 0;
-  for (const auto& s : state_) {
-    for (const at::Tensor* t : {&s.m, &s.v, &s.mq, &s.vq, &s.ma, &s.va, &s.left, &s.right, &s.q_left,
-                                &s.q_right, &s.a_left, &s.a_right}) {
-      if (t->defined()) b += t->nbytes();
-    }
-  }
-  return b;
-}
-
 }  // namespace rfsdp

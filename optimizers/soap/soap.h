@@ -107,7 +107,6 @@ class SOAP : public GroupedOptimizer<SOAPOptions> {
   // Parameter i's m and v in fp32 (decoded where they are stored in 8 bits).
   std::pair<at::Tensor, at::Tensor> moments(size_t i) const;
   bool preconditioned(size_t i) const { return precondition_.at(i); }
-  int64_t state_bytes() const;
   int64_t fp64_retries() const { return fp64_retries_; }
 
  private:

@@ -152,6 +152,12 @@ class _OverCpp(torch.optim.Optimizer):
                     part.impl.set_group_options(k, *opts)
                     part.sent[k] = opts
 
+    def state_bytes(self):
+        """Bytes of this rank's optimizer state: every tensor its C++ optimizers
+        keep (codes and scales where quantised)."""
+        self._bind()
+        return sum(part.impl.state_bytes() for part in self._part_list)
+
     def add_param_group(self, param_group):
         super().add_param_group(param_group)
         if getattr(self, "_bound_params", None) is not None:  # a group added later
@@ -447,14 +453,6 @@ class Muon(_OverCpp):
     def settings(self):
         return dict(super().settings(), ns_dtype=self.ns_dtype, **self.momentum)
 
-    def state_bytes(self):
-        """Bytes of this rank's optimizer state: the Muon momenta (codes and
-        scales where 8-bit) and the AdamW part's moments."""
-        self._bind()
-        return self.layout.state_bytes() + sum(
-            t.numel() * t.element_size() for k in range(len(self._aux_idx))
-            for _, t in self._aux.state(k).items() if t.dim() > 0)
-
     def _parts(self, params):
         group_of = {id(p): g for g in self.param_groups for p in g["params"]}
         muon = [i for i, p in enumerate(params) if group_of[id(p)]["use_muon"]]
@@ -685,10 +683,6 @@ class SOAP(_OverCpp):
                              self.config["basis_block"], self.config["basis_map"],
                              self.config["bjorck_iterations"])
         return [(self._impl, list(range(len(params))), _soap_options)]
-
-    def state_bytes(self):
-        self._bind()
-        return self._impl.state_bytes()
 
     @torch.no_grad()
     def step(self, closure=None):
