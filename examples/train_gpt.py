@@ -28,7 +28,8 @@ OPTIMIZERS = ["adamw", "adamw8bit", "muon", "shampoo", "soap"]
 VARIANTS = {
     "muon": {"bf16": dict(momentum_dtype=torch.bfloat16), "int8": dict(momentum_dtype="int8"),
              "int8-linear": dict(momentum_dtype="int8", momentum_map="linear")},
-    "shampoo": {"bf16": dict(factor_dtype=torch.bfloat16)},
+    "shampoo": {"bf16": dict(factor_dtype=torch.bfloat16), "int8-bases": dict(basis_dtype="int8"),
+                "int4-bases": dict(basis_dtype="int4")},
     "soap": {"bf16": dict(factor_dtype=torch.bfloat16, basis_dtype=torch.bfloat16),
              "int8": dict(state_dtype="int8"), "int8-bases": dict(basis_dtype="int8"),
              "int4-bases": dict(basis_dtype="int4")},

@@ -313,7 +313,9 @@ PYBIND11_MODULE(_C, m) {
       .def(py::init([](const std::vector<ShardOf>& params, const std::vector<bool>& precondition,
                        int64_t max_dim, int frequency, int start, bool bias_correction,
                        const std::string& factor_dtype, std::shared_ptr<rfsdp::Comm> comm,
-                       const std::string& rank_deficient, double rank_rtol) {
+                       const std::string& rank_deficient, double rank_rtol,
+                       const std::string& basis_dtype, int64_t basis_block,
+                       const std::string& basis_map, int bjorck_iterations) {
              rfsdp::ShampooConfig c;
              c.max_preconditioner_dim = max_dim;
              c.precondition_frequency = frequency;
@@ -322,13 +324,23 @@ PYBIND11_MODULE(_C, m) {
              c.factor_dtype = dtype_of(factor_dtype);
              c.rank_deficient = rfsdp::parse_rank_deficient(rank_deficient);
              c.rank_rtol = rank_rtol;
+             if (basis_dtype == "int8" || basis_dtype == "int4") {
+               c.basis_bits = basis_dtype == "int8" ? 8 : 4;
+             } else if (!basis_dtype.empty()) {
+               throw std::invalid_argument("Shampoo: basis_dtype must be \"int8\", \"int4\" or none");
+             }
+             c.basis_block = basis_block;
+             c.basis_map = basis_map;
+             c.bjorck_iterations = bjorck_iterations;
              return std::make_shared<rfsdp::Shampoo>(shards_of(params), rfsdp::ShampooOptions{}, c,
                                                      std::move(comm), precondition);
            }),
            py::arg("params"), py::arg("precondition"), py::arg("max_preconditioner_dim"),
            py::arg("precondition_frequency"), py::arg("start_preconditioning_step"),
            py::arg("use_bias_correction"), py::arg("factor_dtype"), py::arg("comm"),
-           py::arg("rank_deficient") = "shift", py::arg("rank_rtol") = -1.0)
+           py::arg("rank_deficient") = "shift", py::arg("rank_rtol") = -1.0,
+           py::arg("basis_dtype") = "", py::arg("basis_block") = 64,
+           py::arg("basis_map") = "linear_square", py::arg("bjorck_iterations") = 1)
       .def("set_group_options", [](rfsdp::Shampoo& o, size_t g, double lr, double b1, double b2,
                                    double eps, double gb2, double geps, double wd) {
              o.set_group_options(g, {lr, b1, b2, eps, gb2, geps, wd});

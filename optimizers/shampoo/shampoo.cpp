@@ -37,6 +37,12 @@ void check_config(const ShampooConfig& c) {
   if (!(c.rank_rtol < 1)) {  // NaN, or every eigenvalue dropped
     throw std::invalid_argument("Shampoo: rank_rtol must be < 1 (negative: n * eps(float32))");
   }
+  if (c.basis_bits != 0) {
+    if (c.basis_block < 1 || c.bjorck_iterations < 0) {
+      throw std::invalid_argument("Shampoo: basis_block must be >= 1 and bjorck_iterations >= 0");
+    }
+    quant::lowbit_map(c.basis_map, c.basis_bits);  // checks the bits and the map
+  }
 }
 
 std::string tile_name(const ParamShard& p, const ShampooTile& t) {
@@ -153,13 +159,15 @@ const char* to_string(RankDeficient r) {
 
 std::vector<at::Tensor> inverse_fourth_roots(const std::vector<at::Tensor>& a,
                                              std::vector<bool>* ok, int64_t* retries,
-                                             const RootRule& rule) {
+                                             const RootRule& rule,
+                                             std::vector<std::pair<at::Tensor, at::Tensor>>* eigen) {
   const size_t n = a.size();
   if (rule.mode == RankDeficient::Shift && rule.floors.size() != n) {
     throw std::invalid_argument("inverse_fourth_roots: the shift rule needs one floor per matrix");
   }
   std::vector<at::Tensor> out(n);
   ok->assign(n, false);
+  if (eigen) eigen->assign(n, {});
   if (n == 0) return out;
   // One eigendecomposition A = Q diag(l) Q^T gives A^-1/4 = Q diag(s) Q^T, with
   // s = l^-1/4 for the eigenvalues the rule keeps (after its shift) and 0 for those
@@ -183,7 +191,9 @@ std::vector<at::Tensor> inverse_fourth_roots(const std::vector<at::Tensor>& a,
       s = l.pow(-0.25);
     }
     *r = at::matmul(q * s.unsqueeze(-2), q.transpose(-1, -2));
-    return static_cast<bool>(at::isfinite(*r).all().item<bool>());
+    if (!at::isfinite(*r).all().item<bool>()) return false;
+    if (eigen) (*eigen)[k] = {q.to(at::kFloat), s.to(at::kFloat)};
+    return true;
   };
   auto single = [&](size_t k, at::ScalarType dt, at::Tensor* r) {
     try {
@@ -285,12 +295,36 @@ Shampoo::Shampoo(std::vector<ParamShard> params, ShampooOptions options, Shampoo
       const auto on = fdt.device(p.param.device());  // factors live with the shard
       s.left = at::zeros({left}, on);
       s.right = at::zeros({right}, on);
-      s.root_l = at::zeros({left}, on);
-      s.root_r = at::zeros({right}, on);
-      for (size_t k : s.tiles) {  // roots start as the identity
-        const ShampooTile& t = tiles_[k];
-        s.root_l.narrow(0, t.left_offset, shampoo_packed_size(t.rows)).copy_(pack(at::eye(t.rows)));
-        s.root_r.narrow(0, t.right_offset, shampoo_packed_size(t.cols)).copy_(pack(at::eye(t.cols)));
+      if (const int bits = config_.basis_bits) {  // roots start as the identity: Q = I, s = 1
+        std::vector<int64_t> rows, cols;
+        int64_t sl = 0, sr = 0;
+        for (size_t k : s.tiles) {
+          s.sl.push_back(sl);
+          s.sr.push_back(sr);
+          rows.push_back(tiles_[k].rows);
+          cols.push_back(tiles_[k].cols);
+          sl += tiles_[k].rows;
+          sr += tiles_[k].cols;
+        }
+        const auto f32 = on.dtype(at::kFloat);
+        s.q_l = quant::LowbitSquares(rows, bits, config_.basis_block, config_.basis_map,
+                                     config_.bjorck_iterations, f32);
+        s.q_r = quant::LowbitSquares(cols, bits, config_.basis_block, config_.basis_map,
+                                     config_.bjorck_iterations, f32);
+        for (size_t j = 0; j < s.tiles.size(); ++j) {
+          s.q_l.store(j, at::eye(rows[j], f32));
+          s.q_r.store(j, at::eye(cols[j], f32));
+        }
+        s.s_l = at::ones({sl}, f32);
+        s.s_r = at::ones({sr}, f32);
+      } else {
+        s.root_l = at::zeros({left}, on);
+        s.root_r = at::zeros({right}, on);
+        for (size_t k : s.tiles) {  // roots start as the identity
+          const ShampooTile& t = tiles_[k];
+          s.root_l.narrow(0, t.left_offset, shampoo_packed_size(t.rows)).copy_(pack(at::eye(t.rows)));
+          s.root_r.narrow(0, t.right_offset, shampoo_packed_size(t.cols)).copy_(pack(at::eye(t.cols)));
+        }
       }
       s.failures = at::zeros({static_cast<int64_t>(s.tiles.size())}, at::kLong);
     }
@@ -392,7 +426,7 @@ at::Tensor Shampoo::unpack(const at::Tensor& flat, int64_t offset, int64_t n) {
 
 void Shampoo::compute_roots(const std::vector<size_t>& due, const std::vector<at::Tensor>& new_left,
                             const std::vector<at::Tensor>& new_right,
-                            std::vector<std::pair<at::Tensor, at::Tensor>>* new_roots) {
+                            std::vector<std::pair<NewRoot, NewRoot>>* new_roots) {
   const auto t0 = std::chrono::steady_clock::now();
   // Every factor whose root is due, grouped by size: one batched eigh per size.
   struct Job {
@@ -423,16 +457,24 @@ void Shampoo::compute_roots(const std::vector<size_t>& due, const std::vector<at
     }
   }
   std::vector<bool> failed(tiles_.size(), false);
+  const bool quantised = config_.basis_bits != 0;
   for (auto& [d, jobs] : by_size) {
     std::vector<bool> ok;
-    const auto roots = inverse_fourth_roots(mats[d], &ok, &fp64_retries_, rules[d]);
+    std::vector<std::pair<at::Tensor, at::Tensor>> eigen;
+    const auto roots = inverse_fourth_roots(mats[d], &ok, &fp64_retries_, rules[d],
+                                            quantised ? &eigen : nullptr);
     for (size_t j = 0; j < jobs.size(); ++j) {
       if (!ok[j]) {  // the previous root is kept
         failed[jobs[j].tile] = true;
         continue;
       }
       auto& slot = (*new_roots)[jobs[j].tile];
-      (jobs[j].left ? slot.first : slot.second) = pack(roots[j]);
+      NewRoot& r = jobs[j].left ? slot.first : slot.second;
+      if (quantised) {
+        r.q = eigen[j].first, r.s = eigen[j].second;
+      } else {
+        r.packed = pack(roots[j]);
+      }
     }
   }
   root_seconds_ += std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
@@ -499,7 +541,7 @@ void Shampoo::run_step(StepGate& gate, const std::vector<size_t>& stepping) {
     if (!mismatch.empty()) gate.fail(mismatch, true);
   }
   std::vector<at::Tensor> new_left(tiles_.size()), new_right(tiles_.size());
-  std::vector<std::pair<at::Tensor, at::Tensor>> new_roots(tiles_.size());
+  std::vector<std::pair<NewRoot, NewRoot>> new_roots(tiles_.size());
   if (!due.empty()) {
     gate.check_device_now();  // no roots of NaN gradients (counted as root failures)
     if (!gate.failed()) {
@@ -534,12 +576,8 @@ void Shampoo::run_step(StepGate& gate, const std::vector<size_t>& stepping) {
           r.copy_(new_right[k]);
           // Each side's new root where it succeeded; a failed side keeps its old one.
           const auto& [root_l, root_r] = new_roots[k];
-          if (root_l.defined()) {
-            s.root_l.narrow(0, tl.left_offset, shampoo_packed_size(tl.rows)).copy_(root_l);
-          }
-          if (root_r.defined()) {
-            s.root_r.narrow(0, tl.right_offset, shampoo_packed_size(tl.cols)).copy_(root_r);
-          }
+          if (root_l.defined()) store_root(i, j, true, root_l);
+          if (root_r.defined()) store_root(i, j, false, root_r);
           int64_t& f = s.failures.data_ptr<int64_t>()[j];
           f = root_l.defined() && root_r.defined() ? 0 : f + 1;
         } else {
@@ -548,11 +586,9 @@ void Shampoo::run_step(StepGate& gate, const std::vector<size_t>& stepping) {
       }
     }
   }
-  // P = L^-1/4 M^ R^-1/4 scaled to |D| in tile d (D where |P| = 0).
-  auto precondition_tile = [&](const ParamState& s, const ShampooTile& tl, at::Tensor d,
-                               const at::Tensor& m_hat) {
-    const at::Tensor rl = unpack(s.root_l, tl.left_offset, tl.rows);
-    const at::Tensor rr = unpack(s.root_r, tl.right_offset, tl.cols);
+  // P = L^-1/4 M^ R^-1/4 scaled to |D| in tile j of parameter i's (D where |P| = 0).
+  auto precondition_tile = [&](size_t i, size_t j, at::Tensor d, const at::Tensor& m_hat) {
+    const at::Tensor rl = root(i, j, true), rr = root(i, j, false);
     at::Tensor p = at::matmul(at::matmul(rl, m_hat), rr);
     if (p.is_cuda()) {  // the same on the device, with no host wait per tile
       const at::Tensor np = p.norm();
@@ -575,10 +611,10 @@ void Shampoo::run_step(StepGate& gate, const std::vector<size_t>& stepping) {
     const at::Tensor m_hat = s.m.view({-1}) / bc1;
     at::Tensor u = m_hat / ((s.v.view({-1}) / bc2g).sqrt_().add_(o.grafting_epsilon));  // D
     if (preconditions(i)) {
-      for (size_t k : s.tiles) {
-        const ShampooTile& tl = tiles_[k];
+      for (size_t j = 0; j < s.tiles.size(); ++j) {
+        const ShampooTile& tl = tiles_[s.tiles[j]];
         if (tl.shared < 0) {
-          precondition_tile(s, tl, shampoo_tile_view(u, tl), shampoo_tile_view(m_hat, tl));
+          precondition_tile(i, j, shampoo_tile_view(u, tl), shampoo_tile_view(m_hat, tl));
         }
       }
     }
@@ -606,10 +642,10 @@ void Shampoo::run_step(StepGate& gate, const std::vector<size_t>& stepping) {
     for (size_t i : stepping) {
       if (!preconditions(i)) continue;
       const ParamState& s = state_[i];
-      for (size_t k : s.tiles) {
-        const ShampooTile& tl = tiles_[k];
+      for (size_t j = 0; j < s.tiles.size(); ++j) {
+        const ShampooTile& tl = tiles_[s.tiles[j]];
         if (tl.shared >= 0) {
-          precondition_tile(s, tl, shampoo_tile_view(shared_d_[tl.shared], tl),
+          precondition_tile(i, j, shampoo_tile_view(shared_d_[tl.shared], tl),
                             shampoo_tile_view(shared_m_[tl.shared], tl));
         }
       }
@@ -636,7 +672,10 @@ void Shampoo::update_factors(size_t i, size_t k, const at::Tensor& l_out,
   const ParamState& s = state_[i];
   const ShampooTile& tl = tiles_[k];
   const double c = o.beta2 < 1 ? 1.0 - o.beta2 : 1.0;
-  const at::Tensor gt = grad_tile(i, tl);
+  // A fresh copy: BLAS rounds G G^T differently as the tile's address is aligned
+  // differently (seen at 8-byte alignment), which the shard layout decides; so
+  // that the factors (and codes) do not depend on the ranks.
+  const at::Tensor gt = grad_tile(i, tl).clone();
   // f <- b2 f + c gg in fp32 (the same two operations whether out is f itself or
   // a new tensor, so both round alike), stored in the factor dtype.
   auto update = [&](const at::Tensor& f, const at::Tensor& gg, at::Tensor out) {
@@ -656,21 +695,54 @@ std::vector<std::pair<std::string, at::Tensor>> Shampoo::state(size_t i) const {
   const ParamState& s = state_.at(i);
   std::vector<std::pair<std::string, at::Tensor>> out{{"exp_avg", s.m}, {"exp_avg_sq", s.v}};
   if (precondition_[i]) {
-    out.insert(out.end(), {{"factor_left", s.left},
-                           {"factor_right", s.right},
-                           {"root_left", s.root_l},
-                           {"root_right", s.root_r},
-                           {"root_failures", s.failures}});
+    out.insert(out.end(), {{"factor_left", s.left}, {"factor_right", s.right}});
+    if (config_.basis_bits) {
+      out.insert(out.end(), {{"root_left_basis_codes", s.q_l.codes()},
+                             {"root_left_basis_absmax", s.q_l.absmax()},
+                             {"root_left_eigenvalues", s.s_l},
+                             {"root_right_basis_codes", s.q_r.codes()},
+                             {"root_right_basis_absmax", s.q_r.absmax()},
+                             {"root_right_eigenvalues", s.s_r}});
+    } else {
+      out.insert(out.end(), {{"root_left", s.root_l}, {"root_right", s.root_r}});
+    }
+    out.push_back({"root_failures", s.failures});
   }
   return out;
+}
+
+at::Tensor Shampoo::root(size_t i, size_t j, bool left) const {
+  const ParamState& s = state_.at(i);
+  const ShampooTile& tl = tiles_[s.tiles.at(j)];
+  const int64_t n = left ? tl.rows : tl.cols;
+  if (!config_.basis_bits) {
+    return unpack(left ? s.root_l : s.root_r, left ? tl.left_offset : tl.right_offset, n);
+  }
+  const at::Tensor q = (left ? s.q_l : s.q_r).orthogonal(j);
+  const at::Tensor d = (left ? s.s_l : s.s_r).narrow(0, left ? s.sl[j] : s.sr[j], n);
+  return at::matmul(q * d.unsqueeze(0), q.t());
+}
+
+void Shampoo::store_root(size_t i, size_t j, bool left, const NewRoot& r) {
+  ParamState& s = state_[i];
+  const ShampooTile& tl = tiles_[s.tiles[j]];
+  const int64_t n = left ? tl.rows : tl.cols;
+  if (!config_.basis_bits) {
+    (left ? s.root_l : s.root_r).narrow(0, left ? tl.left_offset : tl.right_offset,
+                                        shampoo_packed_size(n)).copy_(r.packed);
+    return;
+  }
+  (left ? s.q_l : s.q_r).store(j, r.q);
+  (left ? s.s_l : s.s_r).narrow(0, left ? s.sl[j] : s.sr[j], n).copy_(r.s);
 }
 
 int64_t Shampoo::factor_bytes() const {
   int64_t b = 0;
   for (const auto& s : state_) {
-    for (const at::Tensor* t : {&s.left, &s.right, &s.root_l, &s.root_r}) {
+    for (const at::Tensor* t : {&s.left, &s.right, &s.root_l, &s.root_r, &s.s_l, &s.s_r}) {
       if (t->defined()) b += t->nbytes();
     }
+    b += s.q_l.nbytes() + s.q_r.nbytes();
   }
   return b;
 }

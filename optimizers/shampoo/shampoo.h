@@ -41,6 +41,7 @@
 
 #include "core/comm/comm.h"
 #include "optimizers/common/sharded_optimizer.h"
+#include "quant/blockwise/lowbit.h"
 
 namespace rfsdp {
 
@@ -80,6 +81,17 @@ struct ShampooConfig {
   // PseudoInverse's threshold relative to l_max; < 0: n * eps(float32) for an n x n
   // factor (torch.linalg.matrix_rank's default tolerance).
   double rank_rtol = -1.0;
+  // basis_bits 8 or 4: each root A^-1/4 = Q diag(s) Q^T kept as Q's block-wise
+  // codes (blocks of basis_block elements of the n x n eigenvector matrix, row by
+  // row, one fp32 absmax each; map basis_map: lowbit_map's "linear_square" (the
+  // 4-bit Shampoo paper's), "linear", or "dynamic" at 8 bits) and s in fp32 (the
+  // rule's l^-1/4, 0 where it drops l). Every step that preconditions rebuilds
+  // the root from Q dequantised and rectified by bjorck_iterations Björck steps.
+  // 0: packed roots in factor_dtype.
+  int basis_bits = 0;
+  int64_t basis_block = 64;
+  std::string basis_map = "linear_square";
+  int bjorck_iterations = 1;
 };
 
 // One tile of a parameter on this rank: rows [row0, row0 + rows) and columns
@@ -143,10 +155,12 @@ struct RootRule {
 // failure retried alone in fp64), their eigenvalues treated by `rule`. ok[k] is
 // false where both failed (no convergence, a non-finite eigenvalue or root, or
 // under Strict a non-positive eigenvalue); out[k] is then undefined. Counts
-// the fp64 retries in *retries.
+// the fp64 retries in *retries. eigen given: (*eigen)[k] = (Q, s), fp32, with
+// out[k] = Q diag(s) Q^T (Q's columns by ascending eigenvalue of A).
 std::vector<at::Tensor> inverse_fourth_roots(const std::vector<at::Tensor>& a,
                                              std::vector<bool>* ok, int64_t* retries = nullptr,
-                                             const RootRule& rule = {});
+                                             const RootRule& rule = {},
+                                             std::vector<std::pair<at::Tensor, at::Tensor>>* eigen = nullptr);
 
 class Shampoo : public GroupedOptimizer<ShampooOptions> {
  public:
@@ -161,16 +175,22 @@ class Shampoo : public GroupedOptimizer<ShampooOptions> {
   // The tensors the step updates for parameter i, by name: exp_avg (M),
   // exp_avg_sq (V), and for a preconditioned one factor_left, factor_right,
   // root_left, root_right (its tiles' matrices, packed upper triangles in tile
-  // order) and root_failures (failures in a row, per tile).
+  // order), or with quantised bases root_left_basis_codes, root_left_basis_absmax,
+  // root_left_eigenvalues (s, n per tile) and their root_right_ twins; and
+  // root_failures (failures in a row, per tile).
   std::vector<std::pair<std::string, at::Tensor>> state(size_t i) const override;
 
   const std::vector<ShampooTile>& tiles() const { return tiles_; }
   // Rows of tiles that shard boundaries cut (over all ranks).
   const std::vector<SharedTileRow>& shared_rows() const { return shared_; }
   bool preconditioned(size_t i) const { return precondition_.at(i); }
+  // Tile j (of parameter i's tiles) of its inverse root on one side, full fp32,
+  // as a step uses it (rebuilt from its codes and s where quantised).
+  at::Tensor root(size_t i, size_t j, bool left) const;
   // Measurements for benches: seconds spent computing roots, root computations
-  // retried in fp64, bytes of factors and roots, root flops (about 9 b^3 per
-  // b x b eigendecomposition and root) per step that computes them.
+  // retried in fp64, bytes of factors and roots (codes, scales and s where
+  // quantised), root flops (about 9 b^3 per b x b eigendecomposition and root)
+  // per step that computes them.
   double root_seconds() const { return root_seconds_; }
   int64_t fp64_retries() const { return fp64_retries_; }
   int64_t factor_bytes() const;
@@ -186,8 +206,17 @@ class Shampoo : public GroupedOptimizer<ShampooOptions> {
   struct ParamState {
     at::Tensor m, v;                          // fp32, the shard's shape
     at::Tensor left, right, root_l, root_r;   // flat factor storage (factor_dtype)
+    quant::LowbitSquares q_l, q_r;            // or (basis_bits) the roots' Q codes, by tile,
+    at::Tensor s_l, s_r;                      // and their s (fp32, n per tile)
+    std::vector<int64_t> sl, sr;              // each tile's offsets in s_l, s_r
     at::Tensor failures;                      // int64, per tile
     std::vector<size_t> tiles;                // indices into tiles_
+  };
+  // A tile's new inverse root on one side, undefined where it failed: packed, or
+  // (quantised bases) its Q and s.
+  struct NewRoot {
+    at::Tensor packed, q, s;
+    bool defined() const { return packed.defined() || q.defined(); }
   };
   void check_options(const ShampooOptions& o) const override;
   void run_step(StepGate& gate, const std::vector<size_t>& stepping) override;
@@ -201,7 +230,9 @@ class Shampoo : public GroupedOptimizer<ShampooOptions> {
   // now failed three times in a row (the gate then stops every rank).
   void compute_roots(const std::vector<size_t>& due, const std::vector<at::Tensor>& new_left,
                      const std::vector<at::Tensor>& new_right,
-                     std::vector<std::pair<at::Tensor, at::Tensor>>* new_roots);
+                     std::vector<std::pair<NewRoot, NewRoot>>* new_roots);
+  // Stores r as tile j's (of parameter i's tiles) root on one side.
+  void store_root(size_t i, size_t j, bool left, const NewRoot& r);
   // A shared row's part on one side of an exchange: the row, the other rank, the
   // part's first element in this rank's shard (contributor) or in the row (owner).
   struct PartRef {

@@ -105,7 +105,7 @@ SOAP::SOAP(std::vector<ParamShard> params, SOAPOptions options, SOAPConfig confi
     if (config_.basis_block < 1 || config_.bjorck_iterations < 0) {
       throw std::invalid_argument("SOAP: basis_block must be >= 1 and bjorck_iterations >= 0");
     }
-    basis_map_ = quant::lowbit_map(config_.basis_map, config_.basis_bits);  // checks the bits
+    quant::lowbit_map(config_.basis_map, config_.basis_bits);  // checks the bits and the map
   }
   if (state_dtype_8bit_) {
     lut_m_ = quant::code_lut(quant::dynamic_map(true));
@@ -129,32 +129,31 @@ SOAP::SOAP(std::vector<ParamShard> params, SOAPOptions options, SOAPConfig confi
                                   "; 8-bit moments (state_dtype int8) run on the CPU only so far");
     }
     if (precondition_[i]) {
-      int64_t left = 0, right = 0, ql = 0, qr = 0, al = 0, ar = 0;
-      const int bits = config_.basis_bits;
-      auto basis_size = [&](int64_t n) { return bits ? quant::lowbit_code_bytes(n * n, bits) : n * n; };
+      int64_t left = 0, right = 0, ql = 0, qr = 0;
+      std::vector<int64_t> rows, cols;
       for (const ShampooTile& t : shampoo_tiles(p, i, config_.max_preconditioner_dim)) {
         s.tiles.push_back(tiles_.size());
         tiles_.push_back(t);
         s.ql.push_back(ql);
         s.qr.push_back(qr);
-        s.al.push_back(al);
-        s.ar.push_back(ar);
+        rows.push_back(t.rows);
+        cols.push_back(t.cols);
         left += shampoo_packed_size(t.rows);
         right += shampoo_packed_size(t.cols);
-        ql += basis_size(t.rows);
-        qr += basis_size(t.cols);
-        al += quant::lowbit_blocks(t.rows * t.rows, config_.basis_block);
-        ar += quant::lowbit_blocks(t.cols * t.cols, config_.basis_block);
+        ql += t.rows * t.rows;
+        qr += t.cols * t.cols;
       }
       const auto on = at::TensorOptions().device(p.param.device());  // states live with the shard
       s.left = at::zeros({left}, on.dtype(config_.factor_dtype));
       s.right = at::zeros({right}, on.dtype(config_.factor_dtype));
-      const auto qdt = bits ? at::kByte : config_.basis_dtype;
-      s.q_left = at::zeros({ql}, on.dtype(qdt));
-      s.q_right = at::zeros({qr}, on.dtype(qdt));
-      if (bits) {
-        s.a_left = at::zeros({al}, on.dtype(at::kFloat));
-        s.a_right = at::zeros({ar}, on.dtype(at::kFloat));
+      if (const int bits = config_.basis_bits) {
+        s.lq_left = quant::LowbitSquares(rows, bits, config_.basis_block, config_.basis_map,
+                                         config_.bjorck_iterations, on);
+        s.lq_right = quant::LowbitSquares(cols, bits, config_.basis_block, config_.basis_map,
+                                          config_.bjorck_iterations, on);
+      } else {
+        s.q_left = at::zeros({ql}, on.dtype(config_.basis_dtype));
+        s.q_right = at::zeros({qr}, on.dtype(config_.basis_dtype));
       }
       if (eight_bit(i)) {  // zero scales: every code decodes to 0
         int64_t rows = 0;
@@ -171,35 +170,21 @@ SOAP::SOAP(std::vector<ParamShard> params, SOAPOptions options, SOAPConfig confi
 
 at::Tensor SOAP::basis(size_t i, size_t j, bool left) const {
   const ParamState& s = state_[i];
+  if (config_.basis_bits) return (left ? s.lq_left : s.lq_right).orthogonal(j);
   const ShampooTile& tl = tiles_[s.tiles[j]];
   const int64_t n = left ? tl.rows : tl.cols;
-  const int bits = config_.basis_bits;
-  if (!bits) return basis_view(left ? s.q_left : s.q_right, left ? s.ql[j] : s.qr[j], n).to(at::kFloat);
-  const at::Tensor codes = (left ? s.q_left : s.q_right)
-                               .narrow(0, left ? s.ql[j] : s.qr[j], quant::lowbit_code_bytes(n * n, bits));
-  const at::Tensor absmax = (left ? s.a_left : s.a_right)
-                                .narrow(0, left ? s.al[j] : s.ar[j],
-                                        quant::lowbit_blocks(n * n, config_.basis_block));
-  const at::Tensor q = quant::lowbit_dequantize(codes, absmax, basis_map_.to(codes.device()), bits,
-                                                config_.basis_block, n * n);
-  return quant::bjorck(q.view({n, n}), config_.bjorck_iterations);
+  return basis_view(left ? s.q_left : s.q_right, left ? s.ql[j] : s.qr[j], n).to(at::kFloat);
 }
 
 void SOAP::store_basis(size_t i, size_t j, bool left, const at::Tensor& q) {
   ParamState& s = state_[i];
-  const ShampooTile& tl = tiles_[s.tiles[j]];
-  const int64_t n = left ? tl.rows : tl.cols;
-  const int bits = config_.basis_bits;
-  if (!bits) {
-    basis_view(left ? s.q_left : s.q_right, left ? s.ql[j] : s.qr[j], n).copy_(q);
+  if (config_.basis_bits) {
+    (left ? s.lq_left : s.lq_right).store(j, q);
     return;
   }
-  quant::lowbit_quantize(q, basis_map_.to(q.device()), bits, config_.basis_block,
-                         (left ? s.q_left : s.q_right)
-                             .narrow(0, left ? s.ql[j] : s.qr[j], quant::lowbit_code_bytes(n * n, bits)),
-                         (left ? s.a_left : s.a_right)
-                             .narrow(0, left ? s.al[j] : s.ar[j],
-                                     quant::lowbit_blocks(n * n, config_.basis_block)));
+  const ShampooTile& tl = tiles_[s.tiles[j]];
+  const int64_t n = left ? tl.rows : tl.cols;
+  basis_view(left ? s.q_left : s.q_right, left ? s.ql[j] : s.qr[j], n).copy_(q);
 }
 
 at::Tensor SOAP::decode(size_t i, bool second) const {
@@ -263,7 +248,7 @@ void SOAP::prepare(const std::vector<size_t>& stepping, std::vector<TileUpdate>*
     for (size_t j = 0; j < s.tiles.size(); ++j) {
       const size_t k = s.tiles[j];
       const ShampooTile& tl = tiles_[k];
-      const at::Tensor gt = shampoo_tile_view(g, tl);
+      const at::Tensor gt = shampoo_tile_view(g, tl).clone();  // aligned alike on any ranks (Shampoo's)
       TileUpdate& u = (*up)[k];
       u.l = Shampoo::unpack(s.left, tl.left_offset, tl.rows).mul_(bs).add_(at::mm(gt, gt.t()), 1 - bs);
       u.r = Shampoo::unpack(s.right, tl.right_offset, tl.cols).mul_(bs).add_(at::mm(gt.t(), gt), 1 - bs);
@@ -397,10 +382,10 @@ std::vector<std::pair<std::string, at::Tensor>> SOAP::state(size_t i) const {
   if (precondition_[i]) {
     out.insert(out.end(), {{"factor_left", s.left}, {"factor_right", s.right}});
     if (config_.basis_bits) {
-      out.insert(out.end(), {{"basis_left_codes", s.q_left},
-                             {"basis_left_absmax", s.a_left},
-                             {"basis_right_codes", s.q_right},
-                             {"basis_right_absmax", s.a_right}});
+      out.insert(out.end(), {{"basis_left_codes", s.lq_left.codes()},
+                             {"basis_left_absmax", s.lq_left.absmax()},
+                             {"basis_right_codes", s.lq_right.codes()},
+                             {"basis_right_absmax", s.lq_right.absmax()}});
     } else {
       out.insert(out.end(), {{"basis_left", s.q_left}, {"basis_right", s.q_right}});
     }

@@ -37,6 +37,7 @@
 #include "optimizers/common/sharded_optimizer.h"
 #include "optimizers/shampoo/shampoo.h"
 #include "quant/blockwise/code_lut.h"
+#include "quant/blockwise/lowbit.h"
 
 namespace rfsdp {
 
@@ -115,11 +116,10 @@ class SOAP : public GroupedOptimizer<SOAPOptions> {
     at::Tensor mq, vq, ma, va;       // 8-bit: codes (the shard's shape), absmax per tile row
     std::vector<int64_t> arow;       // 8-bit: each tile's first row in ma, va
     at::Tensor left, right;          // packed factors (factor_dtype)
-    at::Tensor q_left, q_right;      // bases, n x n each, flat (basis_dtype), or their codes
-    at::Tensor a_left, a_right;      // quantised bases: absmax per block
+    at::Tensor q_left, q_right;      // bases, n x n each, flat (basis_dtype)
+    quant::LowbitSquares lq_left, lq_right;  // or (basis_bits) their codes, by tile
     std::vector<size_t> tiles;       // indices into tiles_
     std::vector<int64_t> ql, qr;     // each tile's offsets in q_left, q_right
-    std::vector<int64_t> al, ar;     // quantised bases: each tile's offsets in a_left, a_right
   };
   // What a step computes for a tile before the gate: its new factors (full fp32)
   // and, at t = 1 or a refresh, its new bases (fp32) and (refresh) the orders of v.
@@ -145,7 +145,6 @@ class SOAP : public GroupedOptimizer<SOAPOptions> {
   int64_t fp64_retries_ = 0;
   bool state_dtype_8bit_ = false;
   std::shared_ptr<const quant::cpu::CodeLut> lut_m_, lut_v_;  // 8-bit: signed, unsigned maps
-  at::Tensor basis_map_;  // quantised bases: the map (2^basis_bits values)
 };
 
 }  // namespace rfsdp

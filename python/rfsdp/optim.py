@@ -534,13 +534,22 @@ class Shampoo(_OverCpp):
     three failures in a row on one tile are an error). Roots that do not converge
     or are not finite fail in every mode. Any failure, on any rank, stops the step
     on every rank before anything changes.
+
+    basis_dtype="int8" or "int4" keeps each root A^-1/4 = Q diag(s) Q^T as its
+    eigenvectors Q in block-wise codes (blocks of basis_block elements of the
+    n x n matrix, one fp32 absmax each; map basis_map: "linear_square" as 4-bit
+    Shampoo's, "linear", or "dynamic" at 8 bits; 4-bit codes two to a byte) and s
+    in fp32; a step that preconditions rebuilds the root from Q dequantised and
+    rectified by bjorck_iterations Björck steps. None: packed roots in
+    factor_dtype.
     """
 
     def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), epsilon=1e-12, grafting_beta2=0.999,
                  grafting_epsilon=1e-8, weight_decay=0.0, max_preconditioner_dim=1024,
                  precondition_frequency=20, start_preconditioning_step=20,
                  use_bias_correction=True, factor_dtype=torch.float32, rank_deficient="shift",
-                 rank_rtol=None, process_group=None, timeout_seconds=300.0):
+                 rank_rtol=None, basis_dtype=None, basis_block=64, basis_map="linear_square",
+                 bjorck_iterations=1, process_group=None, timeout_seconds=300.0):
         for name, v in (("max_preconditioner_dim", max_preconditioner_dim),
                         ("precondition_frequency", precondition_frequency),
                         ("start_preconditioning_step", start_preconditioning_step)):
@@ -551,13 +560,19 @@ class Shampoo(_OverCpp):
         if rank_rtol is not None and not (0 <= rank_rtol < 1):
             raise ValueError("Shampoo: rank_rtol must be in [0, 1) (None: n * eps(float32) for an "
                              "n x n factor), got %r" % (rank_rtol,))
+        if basis_dtype not in (None, "int8", "int4"):
+            raise ValueError("Shampoo: basis_dtype must be None (roots in factor_dtype), \"int8\" "
+                             "or \"int4\", got %r" % (basis_dtype,))
+        _check_quantised_bases("Shampoo", basis_dtype, basis_map, basis_block, bjorck_iterations)
         self.config = dict(max_preconditioner_dim=max_preconditioner_dim,
                            precondition_frequency=precondition_frequency,
                            start_preconditioning_step=start_preconditioning_step,
                            use_bias_correction=bool(use_bias_correction),
                            factor_dtype=str(factor_dtype).replace("torch.", ""),
                            rank_deficient=rank_deficient,
-                           rank_rtol=-1.0 if rank_rtol is None else float(rank_rtol))
+                           rank_rtol=-1.0 if rank_rtol is None else float(rank_rtol),
+                           basis_dtype=basis_dtype, basis_block=basis_block, basis_map=basis_map,
+                           bjorck_iterations=bjorck_iterations)
         super().__init__(params, dict(lr=lr, betas=betas, epsilon=epsilon,
                                       grafting_beta2=grafting_beta2,
                                       grafting_epsilon=grafting_epsilon, weight_decay=weight_decay,
@@ -583,7 +598,9 @@ class Shampoo(_OverCpp):
                                 self.config["start_preconditioning_step"],
                                 self.config["use_bias_correction"], self.config["factor_dtype"],
                                 self.comm, self.config["rank_deficient"],
-                                self.config["rank_rtol"])
+                                self.config["rank_rtol"], self.config["basis_dtype"] or "",
+                                self.config["basis_block"], self.config["basis_map"],
+                                self.config["bjorck_iterations"])
         return [(self._impl, list(range(len(params))), _shampoo_options)]
 
     @torch.no_grad()
@@ -591,6 +608,18 @@ class Shampoo(_OverCpp):
         loss = _run_closure(closure)
         self._step_all()
         return loss
+
+
+def _check_quantised_bases(who, basis_dtype, basis_map, basis_block, bjorck_iterations):
+    """The low-bit basis settings SOAP and Shampoo share (basis_dtype "int8" or "int4")."""
+    if basis_map not in ("linear_square", "linear", "dynamic") or \
+            (basis_map == "dynamic" and basis_dtype != "int8"):
+        raise ValueError("%s: basis_map must be \"linear_square\", \"linear\" or "
+                         "\"dynamic\" (int8 only), got %r" % (who, basis_map))
+    for name, v, least in (("basis_block", basis_block, 1),
+                           ("bjorck_iterations", bjorck_iterations, 0)):
+        if isinstance(v, bool) or not isinstance(v, int) or v < least:
+            raise ValueError("%s: %s must be an integer >= %d, got %r" % (who, name, least, v))
 
 
 def _soap_options(g):
@@ -645,14 +674,7 @@ class SOAP(_OverCpp):
         if basis_dtype not in (torch.float32, torch.bfloat16, "int8", "int4"):
             raise ValueError("SOAP: basis_dtype must be torch.float32, torch.bfloat16, \"int8\" "
                              "or \"int4\", got %r" % (basis_dtype,))
-        if basis_map not in ("linear_square", "linear", "dynamic") or \
-                (basis_map == "dynamic" and basis_dtype != "int8"):
-            raise ValueError("SOAP: basis_map must be \"linear_square\", \"linear\" or "
-                             "\"dynamic\" (int8 only), got %r" % (basis_map,))
-        for name, v, least in (("basis_block", basis_block, 1),
-                               ("bjorck_iterations", bjorck_iterations, 0)):
-            if isinstance(v, bool) or not isinstance(v, int) or v < least:
-                raise ValueError("SOAP: %s must be an integer >= %d, got %r" % (name, least, v))
+        _check_quantised_bases("SOAP", basis_dtype, basis_map, basis_block, bjorck_iterations)
         if state_dtype not in (torch.float32, "int8"):
             raise ValueError("SOAP: state_dtype must be torch.float32 or \"int8\", got %r"
                              % (state_dtype,))

@@ -59,4 +59,39 @@ at::Tensor bjorck(at::Tensor v, int iterations) {
   return v;
 }
 
+LowbitSquares::LowbitSquares(const std::vector<int64_t>& sizes, int bits, int64_t block,
+                             const std::string& map_name, int bjorck_iterations, at::TensorOptions on)
+    : n_(sizes), bits_(bits), iterations_(bjorck_iterations), block_(block) {
+  if (block < 1 || bjorck_iterations < 0) {
+    throw std::invalid_argument("low-bit bases: the block must be >= 1 and the Björck iterations >= 0");
+  }
+  map_ = lowbit_map(map_name, bits).to(on.device());  // checks the bits and the name
+  int64_t codes = 0, blocks = 0;
+  for (int64_t n : n_) {
+    code_at_.push_back(codes);
+    absmax_at_.push_back(blocks);
+    codes += lowbit_code_bytes(n * n, bits);
+    blocks += lowbit_blocks(n * n, block);
+  }
+  codes_ = at::zeros({codes}, on.dtype(at::kByte));
+  absmax_ = at::zeros({blocks}, on.dtype(at::kFloat));
+}
+
+void LowbitSquares::store(size_t k, const at::Tensor& q) {
+  const int64_t n = n_.at(k);
+  lowbit_quantize(q.to(at::kFloat), map_, bits_, block_,
+                  codes_.narrow(0, code_at_[k], lowbit_code_bytes(n * n, bits_)),
+                  absmax_.narrow(0, absmax_at_[k], lowbit_blocks(n * n, block_)));
+}
+
+at::Tensor LowbitSquares::dequantized(size_t k) const {
+  const int64_t n = n_.at(k);
+  return lowbit_dequantize(codes_.narrow(0, code_at_[k], lowbit_code_bytes(n * n, bits_)),
+                           absmax_.narrow(0, absmax_at_[k], lowbit_blocks(n * n, block_)), map_,
+                           bits_, block_, n * n)
+      .view({n, n});
+}
+
+at::Tensor LowbitSquares::orthogonal(size_t k) const { return bjorck(dequantized(k), iterations_); }
+
 }  // namespace rfsdp::quant

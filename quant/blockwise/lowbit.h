@@ -1,5 +1,5 @@
 // Low-bit (8- or 4-bit) block-wise codes of small fp32 tensors, in ATen ops
-// (any device): what SOAP's quantised eigenbases are stored as. Blocks are runs
+// (any device): what SOAP's and Shampoo's quantised eigenbases are stored as. Blocks are runs
 // of `block` consecutive elements of the flat tensor, one fp32 absmax each;
 // codes are the indices of the nearest map value (ties to the lower), one byte
 // each at 8 bits, two to a byte at 4 bits (the even element in the low nibble).
@@ -9,6 +9,7 @@
 #include <ATen/ATen.h>
 
 #include <string>
+#include <vector>
 
 namespace rfsdp::quant {
 
@@ -31,5 +32,34 @@ at::Tensor lowbit_dequantize(const at::Tensor& codes, const at::Tensor& absmax,
 
 // Björck orthonormalisation of a square v: v <- 1.5 v - 0.5 v v^T v, `iterations` times.
 at::Tensor bjorck(at::Tensor v, int iterations);
+
+// Square fp32 matrices, each n_k x n_k (eigenbases: orthogonal), kept as low-bit
+// codes: each matrix its own run of blocks of `block` elements, row by row (no
+// block spans two matrices, so one's scales never depend on another's values).
+// codes() and absmax() are the state a checkpoint saves and loads in place.
+class LowbitSquares {
+ public:
+  LowbitSquares() = default;
+  // map: lowbit_map(map_name, bits), kept on `on`'s device. Every code is 0 and
+  // every absmax 0 (every matrix decodes to zeros) until stored.
+  LowbitSquares(const std::vector<int64_t>& sizes, int bits, int64_t block,
+                const std::string& map_name, int bjorck_iterations, at::TensorOptions on);
+  bool defined() const { return codes_.defined(); }
+  size_t size() const { return n_.size(); }
+  // Matrix k from q (fp32, n_k x n_k).
+  void store(size_t k, const at::Tensor& q);
+  // Matrix k dequantised (fp32, n_k x n_k), and then rectified by Björck.
+  at::Tensor dequantized(size_t k) const;
+  at::Tensor orthogonal(size_t k) const;
+  const at::Tensor& codes() const { return codes_; }
+  const at::Tensor& absmax() const { return absmax_; }
+  int64_t nbytes() const { return defined() ? codes_.nbytes() + absmax_.nbytes() : 0; }
+
+ private:
+  std::vector<int64_t> n_, code_at_, absmax_at_;
+  int bits_ = 0, iterations_ = 0;
+  int64_t block_ = 0;
+  at::Tensor codes_, absmax_, map_;
+};
 
 }  // namespace rfsdp::quant

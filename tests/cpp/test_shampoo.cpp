@@ -13,11 +13,14 @@
 #include "tests/support/local_ranks.h"
 #include "core/ragged/planner.h"
 #include "optimizers/shampoo/shampoo.h"
+#include "quant/blockwise/lowbit.h"
 #include "tests/cpp/test_util.h"
 
 namespace rfsdp {
 namespace {
 
+using testing::CodeCheck;
+using testing::expect_block_codes;
 using testing::fresh_seed;
 using testing::seeded_randn;
 
@@ -576,6 +579,263 @@ TEST_P(ShampooRanks, RankDeficientGradientsUnderShiftAndPseudoInverseEqualTheirF
 }
 
 INSTANTIATE_TEST_SUITE_P(Worlds, ShampooRanks, ::testing::Values(1, 2, 3, 4));
+
+// --- quantised roots: every step from the state it starts from -------------------
+
+// Tile j's (of parameter i's tiles) root on one side as stored with quantised
+// bases: code indices (n^2), absmax, s (n), and the raw bytes of all three.
+struct StoredRoot {
+  at::Tensor idx, absmax, s, raw_codes;
+};
+
+StoredRoot stored_root(const Shampoo& opt, size_t i, size_t j, bool left) {
+  const ShampooConfig& c = opt.config();
+  const std::string side = left ? "root_left" : "root_right";
+  at::Tensor codes, absmax, s;
+  for (const auto& [name, t] : opt.state(i)) {
+    if (name == side + "_basis_codes") codes = t;
+    if (name == side + "_basis_absmax") absmax = t;
+    if (name == side + "_eigenvalues") s = t;
+  }
+  int64_t co = 0, ao = 0, so = 0, n = 0;
+  size_t k = 0;
+  for (const ShampooTile& tl : opt.tiles()) {
+    if (tl.param != i) continue;
+    n = left ? tl.rows : tl.cols;
+    if (k++ == j) break;
+    co += quant::lowbit_code_bytes(n * n, c.basis_bits);
+    ao += quant::lowbit_blocks(n * n, c.basis_block);
+    so += n;
+  }
+  StoredRoot r;
+  r.raw_codes = codes.narrow(0, co, quant::lowbit_code_bytes(n * n, c.basis_bits)).clone();
+  at::Tensor idx = r.raw_codes.to(at::kLong);
+  if (c.basis_bits == 4) idx = at::stack({idx.remainder(16), idx.div(16, "floor")}, 1).reshape(-1);
+  r.idx = idx.narrow(0, 0, n * n);
+  r.absmax = absmax.narrow(0, ao, quant::lowbit_blocks(n * n, c.basis_block)).clone();
+  r.s = s.narrow(0, so, n).clone();
+  return r;
+}
+
+// A rank's parameters and moments as float64 copies.
+struct ShampooSnapshot {
+  std::vector<at::Tensor> p, m, v;
+};
+
+ShampooSnapshot shampoo_snapshot(const Shampoo& opt) {
+  ShampooSnapshot s;
+  for (size_t i = 0; i < opt.params().size(); ++i) {
+    s.p.push_back(opt.params()[i].param.to(at::kDouble).reshape(-1).clone());
+    const auto st = opt.state(i);  // exp_avg, exp_avg_sq first
+    s.m.push_back(st[0].second.to(at::kDouble).reshape(-1).clone());
+    s.v.push_back(st[1].second.to(at::kDouble).reshape(-1).clone());
+  }
+  return s;
+}
+
+// Figures of a run: the largest |Q^T Q - I| of the decoded bases before and after
+// Björck, codes checked and skipped.
+struct QuantisedFigures {
+  double raw_ortho = 0, ortho = 0;
+  int64_t checked = 0, skipped = 0;
+};
+
+// Checks this rank's step t (b: before) of a Shampoo with quantised roots in
+// float64: at a due step each root's s against the shift rule of the float64
+// eigenvalues of A (from the factors the step stored) and its codes against
+// A's float64 eigenvectors (each column's sign taken from the codes; a code is
+// skipped within 1e-5 l_max / gap of a midpoint: how far fp32's eigenvectors
+// may lie from float64's); every step, the root it used against the float64
+// Björck of its decoded codes times s, and the parameter against a float64
+// Shampoo step from those roots and b.
+void expect_quantised_step(const Shampoo& opt, const ShampooSnapshot& b,
+                           const std::vector<at::Tensor>& grads, int64_t t, QuantisedFigures* fig) {
+  const ShampooOptions o = rank_test_options();
+  const ShampooConfig& c = opt.config();
+  const at::Tensor map = quant::lowbit_map(c.basis_map, c.basis_bits);
+  const std::vector<double> code(map.data_ptr<float>(), map.data_ptr<float>() + map.numel());
+  const bool due = t % c.precondition_frequency == 0;
+  const double bc = 1 - std::pow(o.beta2, static_cast<double>(t));
+  std::vector<at::Tensor> u(b.p.size()), mh(b.p.size());
+  for (size_t i = 0; i < b.p.size(); ++i) {
+    const at::Tensor g = grads[i].to(at::kDouble).reshape(-1);
+    const at::Tensor m = o.beta1 * b.m[i] + (1 - o.beta1) * g;
+    const at::Tensor v = o.grafting_beta2 * b.v[i] + (1 - o.grafting_beta2) * g * g;
+    mh[i] = m / (1 - std::pow(o.beta1, static_cast<double>(t)));
+    u[i] = mh[i] / ((v / (1 - std::pow(o.grafting_beta2, static_cast<double>(t)))).sqrt() +
+                    o.grafting_epsilon);
+  }
+  std::map<size_t, size_t> next;
+  for (const ShampooTile& tl : opt.tiles()) {
+    const size_t i = tl.param, j = next[i]++;
+    const std::string where = kCases[i].name + " tile rows " + std::to_string(tl.row0) + " cols " +
+                              std::to_string(tl.col0) + ", step " + std::to_string(t);
+    at::Tensor roots[2];
+    for (bool left : {true, false}) {
+      const int64_t n = left ? tl.rows : tl.cols;
+      const std::string side = where + (left ? ", left" : ", right");
+      const StoredRoot r = stored_root(opt, i, j, left);
+      const at::Tensor decoded =
+          (map.to(at::kDouble).index_select(0, r.idx) *
+           r.absmax.to(at::kDouble).repeat_interleave(c.basis_block).narrow(0, 0, n * n)).view({n, n});
+      if (due && t >= c.precondition_frequency) {
+        at::Tensor f;
+        for (const auto& [name, x] : opt.state(i)) {
+          if (name == (left ? "factor_left" : "factor_right")) f = x;
+        }
+        at::Tensor a = Shampoo::unpack(f, left ? tl.left_offset : tl.right_offset, n).to(at::kDouble) / bc;
+        a.diagonal().add_(o.epsilon);
+        auto [lam, q] = at::linalg_eigh(a);
+        const double lo = lam[0].item<double>(), hi = lam[n - 1].item<double>();
+        const at::Tensor shifted = lo < o.epsilon ? lam - lo + o.epsilon : lam;
+        const at::Tensor s_want = shifted.pow(-0.25);
+        // fp32's eigenvalues lie within about 1e-6 l_max of float64's.
+        const at::Tensor s_tol = 0.25 * s_want * (1e-5 * hi / shifted) + 1e-6 * s_want;
+        EXPECT_TRUE(((r.s.to(at::kDouble) - s_want).abs() <= s_tol).all().item<bool>())
+            << "s, " << side << ": " << r.s << " want " << s_want;
+        at::Tensor gap = at::full({n}, 1e300, at::kDouble);
+        for (int64_t k = 0; k < n; ++k) {
+          for (int64_t l = 0; l < n; ++l) {
+            if (l != k) gap[k] = std::min(gap[k].item<double>(), std::fabs((lam[k] - lam[l]).item<double>()));
+          }
+        }
+        const at::Tensor sign = at::where((decoded * q).sum(0) < 0, -1.0, 1.0);
+        const at::Tensor want = q * sign.unsqueeze(0);
+        const at::Tensor tol = (1e-5 * hi / gap).unsqueeze(0).expand({n, n});
+        const CodeCheck cc = expect_block_codes(r.idx, r.absmax, want, c.basis_block, code, 1e-6,
+                                                "Q, " + side, tol);
+        fig->checked += cc.checked;
+        fig->skipped += cc.skipped;
+      }
+      const at::Tensor eye = at::eye(n, at::kDouble);
+      fig->raw_ortho = std::max(fig->raw_ortho, (at::mm(decoded.t(), decoded) - eye).abs().max().item<double>());
+      const at::Tensor rect = quant::bjorck(decoded, c.bjorck_iterations);
+      fig->ortho = std::max(fig->ortho, (at::mm(rect.t(), rect) - eye).abs().max().item<double>());
+      roots[left ? 0 : 1] = at::mm(rect * r.s.to(at::kDouble).unsqueeze(0), rect.t());
+      const at::Tensor got = opt.root(i, j, left).to(at::kDouble);
+      EXPECT_LE((got - roots[left ? 0 : 1]).abs().max().item<double>(),
+                1e-5 * roots[left ? 0 : 1].abs().max().item<double>()) << "root, " << side;
+    }
+    if (t >= c.start_preconditioning_step) {
+      at::Tensor d = shampoo_tile_view(u[i], tl);
+      const at::Tensor p = at::mm(at::mm(roots[0], shampoo_tile_view(mh[i], tl)), roots[1]);
+      if (p.norm().item<double>() > 0) d.copy_(p * (d.norm() / p.norm()));
+    }
+  }
+  for (size_t i = 0; i < b.p.size(); ++i) {
+    const at::Tensor p = b.p[i] * (1 - o.lr * o.weight_decay) - o.lr * u[i];
+    const at::Tensor got = opt.params()[i].param.to(at::kDouble).reshape(-1);
+    if (p.numel() == 0) continue;
+    const double moved = (p - b.p[i]).abs().max().item<double>();
+    EXPECT_TRUE(((got - p).abs() <= 1e-4 * moved + 3e-7 * p.abs()).all().item<bool>())
+        << kCases[i].name << ", step " << t << ": largest error " << (got - p).abs().max().item<double>()
+        << " of a step of " << moved;
+  }
+}
+
+// kSteps of Shampoo with config c on `world` ranks (threads; granule plan or,
+// chunk_rows, torch.chunk's rows that cut tiles), every step checked on every
+// rank (granule plans) by expect_quantised_step; returns every tile side's
+// stored codes, absmax and s after every step, by (parameter, matrix, row0,
+// col0, side).
+using RootCodes = std::map<std::tuple<size_t, int64_t, int64_t, int64_t, bool>, std::vector<at::Tensor>>;
+RootCodes run_quantised(int world, uint64_t seed, const ShampooConfig& c, bool chunk_rows,
+                        QuantisedFigures* fig, int64_t* bytes, int64_t* fp32_bytes) {
+  const std::vector<at::Tensor> init = full_tensors(seed, 0);
+  const Plan plan = plan_unit(unit_specs(kB), world, 16);
+  auto shard = [&](size_t i, int rank, const at::Tensor& full) {
+    return chunk_rows ? chunk_shard_of(i, world, rank, full) : shard_of(plan, i, rank, full);
+  };
+  RootCodes out;
+  std::mutex mu;
+  run_local_ranks(world, [&](Comm& comm) {
+    std::vector<ParamShard> shards;
+    for (size_t i = 0; i < kCases.size(); ++i) shards.push_back(shard(i, comm.rank(), init[i]));
+    auto no_delete = std::shared_ptr<Comm>(&comm, [](Comm*) {});
+    Shampoo opt(shards, rank_test_options(), c, no_delete);
+    ShampooConfig plain = c;
+    plain.basis_bits = 0;
+    const int64_t fp32 = Shampoo(shards, rank_test_options(), plain, no_delete).factor_bytes();
+    QuantisedFigures mine;
+    for (int s = 0; s < kSteps; ++s) {
+      const auto full = full_tensors(seed, s + 1);
+      std::vector<at::Tensor> g;
+      for (size_t i = 0; i < kCases.size(); ++i) {
+        g.push_back(shard(i, comm.rank(), full[i]).param);
+        opt.set_grad(i, g.back());
+      }
+      const ShampooSnapshot before = shampoo_snapshot(opt);
+      opt.step();
+      if (!chunk_rows) expect_quantised_step(opt, before, g, s + 1, &mine);
+      std::map<size_t, size_t> next;
+      for (const ShampooTile& tl : opt.tiles()) {
+        const size_t j = next[tl.param]++;
+        for (bool left : {true, false}) {
+          const StoredRoot r = stored_root(opt, tl.param, j, left);
+          std::lock_guard<std::mutex> lock(mu);
+          auto& v = out[{tl.param, tl.matrix, tl.row0, tl.col0, left}];
+          v.insert(v.end(), {r.raw_codes, r.absmax, r.s});
+        }
+      }
+    }
+    std::lock_guard<std::mutex> lock(mu);
+    fig->raw_ortho = std::max(fig->raw_ortho, mine.raw_ortho);
+    fig->ortho = std::max(fig->ortho, mine.ortho);
+    fig->checked += mine.checked;
+    fig->skipped += mine.skipped;
+    *bytes += opt.factor_bytes();
+    *fp32_bytes += fp32;
+  });
+  return out;
+}
+
+class ShampooQuantisedRoots : public ::testing::TestWithParam<int> {};
+
+TEST_P(ShampooQuantisedRoots, EveryStepEqualsTheFloat64QuantisedAlgorithmAndCodesDoNotDependOnTheRanks) {
+  const uint64_t seed = fresh_seed();
+  SCOPED_TRACE("seed " + std::to_string(seed));
+  ShampooConfig c = rank_test_config();
+  c.basis_bits = GetParam();
+  c.basis_block = 16;
+  RootCodes one;
+  for (int world : {1, 2, 4}) {
+    QuantisedFigures fig;
+    int64_t bytes = 0, fp32_bytes = 0;
+    const RootCodes got = run_quantised(world, seed, c, false, &fig, &bytes, &fp32_bytes);
+    EXPECT_GT(fig.checked, 500) << world << " ranks";
+    EXPECT_LT(fig.ortho, c.basis_bits == 4 ? 0.1 : 1e-2) << world << " ranks";
+    EXPECT_LT(bytes, fp32_bytes);
+    std::cout << "[ figure ] " << world << " ranks, " << c.basis_bits << "-bit root bases: "
+              << fig.checked << " codes checked, " << fig.skipped << " on a midpoint; max |Q^T Q - I| "
+              << fig.raw_ortho << " decoded, " << fig.ortho << " after Björck; factors and roots "
+              << bytes << " B (fp32 roots: " << fp32_bytes << " B)\n";
+    if (world == 1) {
+      one = got;
+      continue;
+    }
+    EXPECT_EQ(got.size(), one.size());
+    for (const auto& [key, v] : got) {
+      const auto& w = one.at(key);
+      for (size_t k = 0; k < v.size(); ++k) {
+        EXPECT_TRUE(at::equal(v[k], w[k])) << world << " ranks, tile of parameter " << std::get<0>(key)
+                                           << " row " << std::get<2>(key) << ", entry " << k;
+      }
+    }
+  }
+  // Torch's chunk rows (tiles cut, shared by their ranks): the same codes.
+  QuantisedFigures fig;
+  int64_t bytes = 0, fp32_bytes = 0;
+  const RootCodes chunk = run_quantised(3, seed, c, true, &fig, &bytes, &fp32_bytes);
+  EXPECT_EQ(chunk.size(), one.size());
+  for (const auto& [key, v] : chunk) {
+    for (size_t k = 0; k < v.size(); ++k) {
+      EXPECT_TRUE(at::equal(v[k], one.at(key)[k])) << "chunk rows, tile of parameter " << std::get<0>(key)
+                                                  << " row " << std::get<2>(key) << ", entry " << k;
+    }
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(Bits, ShampooQuantisedRoots, ::testing::Values(8, 4));
 
 // --- a failed step: agreed by every rank, nothing changed ---------------------------
 

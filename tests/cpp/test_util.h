@@ -1,14 +1,17 @@
 // Helpers shared by the C++ tests: fresh seeds, seeded random tensors, the
-// nearest 8-bit code.
+// nearest code, and block-wise codes checked against float64 values.
 #pragma once
 
 #include <ATen/ATen.h>
 #include <ATen/CPUGeneratorImpl.h>
+#include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <cstdlib>
 #include <random>
+#include <string>
 #include <vector>
 
 namespace rfsdp::testing {
@@ -44,6 +47,57 @@ inline int nearest_code(double x, double tol, const std::vector<double>& code, b
     if (std::fabs(x - mid) <= tol) *ambiguous = true;
   }
   return best;
+}
+
+// How many codes expect_block_codes compared, and how many it skipped (on a midpoint).
+struct CodeCheck {
+  int64_t checked = 0, skipped = 0;
+};
+
+// Block-wise codes against float64 values: idx (code indices, one per element of
+// want, flat), absmax[b] the scale of elements [b block, (b + 1) block). Each
+// absmax must be its block's max |want|, each index the nearest of `code` to
+// want / absmax, both to a tolerance of rel times the block's max |want| plus
+// (per element, where given) tol: how far the computation that made the
+// optimizer's fp32 value may put it from want. A value that close to a midpoint
+// may take either neighbour and is skipped. Reports at most 5 wrong codes.
+inline CodeCheck expect_block_codes(const at::Tensor& idx, const at::Tensor& absmax,
+                                    const at::Tensor& want, int64_t block,
+                                    const std::vector<double>& code, double rel,
+                                    const std::string& where, const at::Tensor& tol = {}) {
+  CodeCheck out;
+  const at::Tensor w = want.to(at::kDouble).reshape(-1).contiguous();
+  const at::Tensor q = idx.to(at::kLong).reshape(-1).contiguous();
+  const at::Tensor a = absmax.to(at::kDouble).contiguous();
+  const at::Tensor et = tol.defined() ? tol.to(at::kDouble).reshape(-1).contiguous() : at::zeros_like(w);
+  EXPECT_EQ(q.numel(), w.numel()) << where;
+  EXPECT_EQ(a.numel(), (w.numel() + block - 1) / block) << where;
+  const double* wp = w.data_ptr<double>();
+  const double* tp = et.data_ptr<double>();
+  int wrong = 0;
+  for (int64_t b = 0; b < a.numel() && wrong < 5; ++b) {
+    const int64_t e0 = b * block, e1 = std::min(e0 + block, w.numel());
+    double wa = 0, ta = 0;
+    for (int64_t e = e0; e < e1; ++e) wa = std::max(wa, std::fabs(wp[e])), ta = std::max(ta, tp[e]);
+    const double got = a.data_ptr<double>()[b];
+    EXPECT_NEAR(got, wa, rel * wa + ta) << where << ", absmax of block " << b;
+    if (!(got > 0)) continue;
+    for (int64_t e = e0; e < e1; ++e) {
+      bool amb;
+      const int best = nearest_code(wp[e] / got, (rel * wa + tp[e]) / got, code, &amb);
+      if (amb) {
+        ++out.skipped;
+        continue;
+      }
+      ++out.checked;
+      if (q.data_ptr<int64_t>()[e] != best) {
+        ADD_FAILURE() << where << ", element " << e << ": code " << q.data_ptr<int64_t>()[e]
+                      << ", want " << best << " (" << wp[e] / got << " of the absmax)";
+        if (++wrong >= 5) break;
+      }
+    }
+  }
+  return out;
 }
 
 }  // namespace rfsdp::testing
