@@ -252,10 +252,11 @@ void SOAP::prepare(const std::vector<size_t>& stepping, std::vector<TileUpdate>*
       TileUpdate& u = (*up)[k];
       u.l = Shampoo::unpack(s.left, tl.left_offset, tl.rows).mul_(bs).add_(at::mm(gt, gt.t()), 1 - bs);
       u.r = Shampoo::unpack(s.right, tl.right_offset, tl.cols).mul_(bs).add_(at::mm(gt.t(), gt), 1 - bs);
+      if (refreshes) u.used_l = basis(i, j, true), u.used_r = basis(i, j, false);
       for (bool left : {true, false}) {
         const int64_t d = left ? tl.rows : tl.cols;
         if (t == 1) first[d].push_back({k, left, left ? u.l : u.r, {}});
-        if (refreshes) refresh[d].push_back({k, left, left ? u.l : u.r, basis(i, j, left)});
+        if (refreshes) refresh[d].push_back({k, left, left ? u.l : u.r, left ? u.used_l : u.used_r});
       }
     }
   }
@@ -330,8 +331,10 @@ void SOAP::run_step(StepGate& gate, const std::vector<size_t>& stepping) {
       if (precondition_[i]) {
         n = at::empty_like(g);
         for (size_t j = 0; j < s.tiles.size(); ++j) {
-          const ShampooTile& tl = tiles_[s.tiles[j]];
-          const at::Tensor ql = basis(i, j, true), qr = basis(i, j, false);
+          const size_t k = s.tiles[j];
+          const ShampooTile& tl = tiles_[k];
+          const at::Tensor ql = up[k].used_l.defined() ? up[k].used_l : basis(i, j, true);
+          const at::Tensor qr = up[k].used_r.defined() ? up[k].used_r : basis(i, j, false);
           const at::Tensor gp = at::mm(at::mm(ql.t(), shampoo_tile_view(g, tl)), qr);
           at::Tensor vt = shampoo_tile_view(v, tl);
           vt.mul_(o.beta2).addcmul_(gp, gp, 1 - o.beta2);

@@ -122,9 +122,10 @@ class SOAP : public GroupedOptimizer<SOAPOptions> {
     std::vector<int64_t> ql, qr;     // each tile's offsets in q_left, q_right
   };
   // What a step computes for a tile before the gate: its new factors (full fp32)
-  // and, at t = 1 or a refresh, its new bases (fp32) and (refresh) the orders of v.
+  // and, at t = 1 or a refresh, its new bases (fp32) and (refresh) the orders of v
+  // and the bases the step rotates with (basis(), decoded once for both uses).
   struct TileUpdate {
-    at::Tensor l, r, q_l, q_r, order_l, order_r;
+    at::Tensor l, r, q_l, q_r, order_l, order_r, used_l, used_r;
   };
   void check_options(const SOAPOptions& o) const override;
   void run_step(StepGate& gate, const std::vector<size_t>& stepping) override;
