@@ -19,8 +19,9 @@
 namespace rfsdp {
 namespace {
 
+using testing::CodeCheck;
+using testing::expect_block_codes;
 using testing::fresh_seed;
-using testing::nearest_code;
 using testing::seeded_randn;
 
 struct Shape {
@@ -534,25 +535,9 @@ TEST(MuonLowBit, EightBitMomentumEqualsTheFloat64QuantisedAlgorithmOnAnyWorld) {
       const at::Tensor g = seeded_randn(kBlockShapes[t].shape, seed, 1000 + 100 * k + t).to(at::kDouble).reshape(-1);
       const at::Tensor m0 = one.m_before[k][t].to(at::kDouble);
       const at::Tensor m = m0 + (1 - h.momentum) * (g - m0);
-      const at::Tensor a = one.absmax[k][t];
-      const auto* q = one.codes[k][t].data_ptr<uint8_t>();
-      for (int64_t b = 0; b < a.numel(); ++b) {
-        const int64_t e0 = b * kBlock, e1 = std::min<int64_t>(e0 + kBlock, m.numel());
-        const double want = m.narrow(0, e0, e1 - e0).abs().max().item<double>();
-        const double got = a[b].item<double>();
-        ASSERT_NEAR(got, want, 1e-6 * want) << where << ", block " << b;
-        for (int64_t e = e0; e < e1; ++e) {
-          bool amb;
-          const double x = m[e].item<double>() / got;
-          const int best = nearest_code(x, 1e-6 * std::max(1.0, std::fabs(x)), code, &amb);
-          if (amb) {
-            ++ambiguous_codes;
-            continue;
-          }
-          ASSERT_EQ(q[e], best) << where << ", element " << e << " (" << x << ")";
-          ++checked;
-        }
-      }
+      const CodeCheck cc = expect_block_codes(one.codes[k][t], one.absmax[k][t], m, kBlock, code, 1e-6, where);
+      checked += cc.checked;
+      ambiguous_codes += cc.skipped;
       // The parameters: a float64 Muon step from the decoded momentum.
       at::Tensor w = one.p_before[k][t].to(at::kDouble).view(kBlockShapes[t].shape).clone();
       at::Tensor mm = m0.view(kBlockShapes[t].shape).clone();
