@@ -631,6 +631,75 @@ void expect_stored_steps(int world, const SOAPConfig& c, const std::string& what
 
 INSTANTIATE_TEST_SUITE_P(Worlds, SOAPStoredRanks, ::testing::Values(1, 2, 4));
 
+// Every tile's stored codes and scales (bases, and 8-bit m and v) after every
+// step of kSteps with config c on `world` ranks, by (parameter, matrix, row0, col0).
+using TileCodes = std::map<std::tuple<size_t, int64_t, int64_t, int64_t>, std::vector<at::Tensor>>;
+TileCodes low_bit_codes(int world, uint64_t seed, const SOAPConfig& c) {
+  const Plan plan = plan_cases(world);
+  const std::vector<at::Tensor> init = full_tensors(seed, 0);
+  TileCodes out;
+  std::mutex mu;
+  run_local_ranks(world, [&](Comm& comm) {
+    const int rank = comm.rank();
+    SOAP opt(shards_of(plan, rank, init), options(), c, std::shared_ptr<Comm>(&comm, [](Comm*) {}),
+             preconditioned());
+    for (int s = 0; s < kSteps; ++s) {
+      const auto full = full_tensors(seed, s + 1);
+      for (size_t i = 0; i < kCases.size(); ++i) opt.set_grad(i, shard_of(plan, i, rank, full[i]).param);
+      opt.step();
+      std::map<size_t, std::pair<size_t, int64_t>> next;  // per parameter: tile index, moment row
+      for (const ShampooTile& tl : opt.tiles()) {
+        auto& [j, row] = next[tl.param];
+        const auto st = opt.state(tl.param);
+        std::vector<at::Tensor> got;
+        for (bool left : {true, false}) {
+          const auto [idx, absmax] = basis_codes(opt, tl.param, j, left);
+          got.insert(got.end(), {idx, absmax.clone()});
+        }
+        for (const std::string name : {"exp_avg", "exp_avg_sq"}) {
+          got.push_back(shampoo_tile_view(named(st, name + "_codes").reshape(-1), tl).contiguous());
+          got.push_back(named(st, name + "_absmax").narrow(0, row, tl.rows).clone());
+        }
+        ++j, row += tl.rows;
+        std::lock_guard<std::mutex> lock(mu);
+        auto& v = out[{tl.param, tl.matrix, tl.row0, tl.col0}];
+        v.insert(v.end(), got.begin(), got.end());
+      }
+    }
+  });
+  return out;
+}
+
+TEST(SOAPLowBit, CodesAndScalesDoNotDependOnTheRanks) {
+  // 8-bit m and v with 8- and 4-bit bases: every tile's codes and scales after
+  // every step bit for bit equal on 1, 2 and 4 ranks (the per-world float64
+  // checks above allow either code at a midpoint; this does not).
+  const uint64_t seed = fresh_seed();
+  SCOPED_TRACE("seed " + std::to_string(seed));
+  for (int bits : {8, 4}) {
+    SOAPConfig c = config();
+    c.state_dtype = at::kByte;
+    c.basis_bits = bits;
+    c.basis_block = 16;
+    const TileCodes one = low_bit_codes(1, seed, c);
+    for (int world : {2, 4}) {
+      const TileCodes got = low_bit_codes(world, seed, c);
+      ASSERT_EQ(got.size(), one.size());
+      int64_t compared = 0;
+      for (const auto& [key, v] : got) {
+        const auto& w = one.at(key);
+        ASSERT_EQ(v.size(), w.size());
+        for (size_t k = 0; k < v.size(); ++k, ++compared) {
+          EXPECT_TRUE(at::equal(v[k], w[k])) << bits << "-bit bases, " << world << " ranks, tile of "
+                                             << kCases[std::get<0>(key)].name << " rows from "
+                                             << std::get<2>(key) << ", entry " << k;
+        }
+      }
+      EXPECT_GT(compared, 100);
+    }
+  }
+}
+
 TEST(SOAP, FirstStepOnlyBuildsTheBasesAndBadSettingsAreClearErrors) {
   at::Tensor p = at::randn({8, 8}), b = at::randn({8});
   const at::Tensor p0 = p.clone(), b0 = b.clone();
