@@ -626,19 +626,23 @@ def _check_settings(path, saved, optimizer):
         raise CheckpointError(
             "checkpoint %s: the optimizer was %s, this one is %s: build it with the saved "
             "settings (8-bit blocks, Shampoo tiles and the like shape the states), or, for "
-            "AdamW8bit's block and min_8bit_size, load with requantize=True. Nothing was loaded"
+            "AdamW8bit's block and min_8bit_size or Muon's momentum_dtype, momentum_block and "
+            "momentum_map, load with requantize=True. Nothing was loaded"
             % (path, saved, now))
 
 
-REQUANTIZABLE = {"block", "min_8bit_size"}  # AdamW8bit settings requantize=True may change
+# The settings requantize=True may change, by optimizer type (its requantized_state
+# decodes the saved states and encodes them as this optimizer keeps them).
+REQUANTIZABLE = {"AdamW8bit": {"block", "min_8bit_size"},
+                 "Muon": {"momentum_dtype", "momentum_block", "momentum_map"}}
 
 
 def _requantized(path, sd, fqn, p, saved, optimizer):
-    """p's state in `optimizer` (an AdamW8bit) from the saved full state (saved
-    with the AdamW8bit settings `saved`): the optimizer requantises it."""
+    """p's state in `optimizer` from the saved full state (saved with the
+    settings `saved`): the optimizer requantises it."""
     key = "optim.%s." % fqn
-    full = {name: sd[key + name] for name in ("q1", "absmax1", "q2", "absmax2", "exp_avg",
-                                               "exp_avg_sq", "step") if key + name in sd}
+    full = {k[len(key):]: v for k, v in sd.items()
+            if k.startswith(key) and "." not in k[len(key):]}
     try:
         return optimizer.requantized_state(p, saved, full)
     except ValueError as e:
@@ -650,8 +654,9 @@ def load(path, model, optimizer=None, *, process_group=None, check_files=True, r
     or FSDP2 model: {"model": state_dict}) into model (and optimizer); returns
     the `extra` saved with it (None for others). Collective. Nothing changes
     unless everything was read. requantize=True: an AdamW8bit checkpoint loads
-    into an AdamW8bit with another block or min_8bit_size (moments dequantised,
-    then quantised with the new blocks: within one code of each)."""
+    into an AdamW8bit with another block or min_8bit_size, a Muon one into a Muon
+    with another momentum_dtype, momentum_block or momentum_map (states decoded,
+    then encoded as this optimizer keeps them: within one code of each)."""
     pg = _group(process_group)
     path = os.path.abspath(path)
 
@@ -664,8 +669,8 @@ def load(path, model, optimizer=None, *, process_group=None, check_files=True, r
             if optimizer is not None and saved is not None:
                 now = optimizer.settings()
                 differ = {k for k in set(saved) | set(now) if saved.get(k) != now.get(k)}
-                if not (requantize and saved.get("type") == "AdamW8bit" and differ
-                        and differ <= REQUANTIZABLE):
+                if not (requantize and differ and saved.get("type") == now.get("type")
+                        and differ <= REQUANTIZABLE.get(saved.get("type"), set())):
                     _check_settings(path, saved, optimizer)
         if not os.path.isfile(os.path.join(path, ".metadata")):
             raise CheckpointError("checkpoint %s: no .metadata (not a DCP checkpoint, or "

@@ -453,6 +453,44 @@ class Muon(_OverCpp):
     def settings(self):
         return dict(super().settings(), ns_dtype=self.ns_dtype, **self.momentum)
 
+    def requantized_state(self, p, saved_settings, full):
+        """p's state under this optimizer's momentum storage from a checkpoint's
+        full (unsharded) state of p, saved by a Muon with saved_settings (another
+        momentum_dtype, momentum_block or momentum_map): the whole momentum (codes
+        decoded with the saved blocks and map, or the fp32 / bf16 buffer), then
+        this rank's part of it encoded as this optimizer keeps it (within one code
+        of the saved values). An AdamW-part parameter's moments: this rank's rows.
+        For load_sharded_state."""
+        self._bind()
+        info = info_of("param", p)
+        rows, row_len = (info.full_rows, info.row_len) if info else _C.row_geometry(list(p.shape), 1)
+        begin, end = (info.row_begin, info.row_end) if info else (0, rows)
+        part, _ = self._where[id(p)]
+        live = self.sharded_state(p)
+        if part.impl is self._aux:
+            out = {k: full[k].reshape(rows, row_len)[begin:end].reshape(live[k].shape).clone()
+                   for k in ("exp_avg", "exp_avg_sq")}
+            out["step"] = full["step"]
+            return out
+        if "momentum_codes" in full:
+            whole = _C.dequantize_blockwise(
+                full["momentum_codes"].reshape(-1), full["momentum_absmax"],
+                _C.code_map(saved_settings["momentum_map"], True), saved_settings["momentum_block"])
+        elif "momentum_buffer" in full:
+            whole = full["momentum_buffer"].reshape(-1).float()
+        else:
+            raise ValueError("no saved momentum of a parameter of shape %s" % (tuple(p.shape),))
+        e0, e1 = begin * row_len, end * row_len
+        if "momentum_codes" not in live:
+            return {"momentum_buffer": whole[e0:e1].reshape(live["momentum_buffer"].shape)
+                    .to(live["momentum_buffer"].dtype)}
+        block = self.momentum["momentum_block"]
+        q, a = _C.quantize_blockwise(whole.contiguous(), _C.code_map(self.momentum["momentum_map"],
+                                                                     True), block)
+        return {"momentum_codes": q.reshape(-1)[e0:e1].reshape(live["momentum_codes"].shape).clone(),
+                "momentum_absmax": a.reshape(-1)[e0 // block:e0 // block
+                                                 + live["momentum_absmax"].numel()].clone()}
+
     def _parts(self, params):
         group_of = {id(p): g for g in self.param_groups for p in g["params"]}
         muon = [i for i, p in enumerate(params) if group_of[id(p)]["use_muon"]]

@@ -366,3 +366,104 @@ def test_quantised_shampoo_roots_stay_near_the_fp32_run():
         late, late32 = sum(losses[-10:]), sum(base[-10:])
         assert abs(late - late32) <= 0.01 * late32, (basis, late / late32, seed)
         assert nbytes <= state_ratio * bytes32, (basis, nbytes, bytes32)
+
+
+def decoded_momentum(st, settings):
+    """A Muon parameter's momentum in float64 from its state (codes decoded in
+    float64 with the blocks and map of settings)."""
+    if "momentum_buffer" in st:
+        return st["momentum_buffer"].double().reshape(-1)
+    code = rfsdp._C.code_map(settings["momentum_map"], True).double()
+    block = settings["momentum_block"]
+    q = st["momentum_codes"].reshape(-1).long()
+    return code[q] * st["momentum_absmax"].double().repeat_interleave(block)[:q.numel()]
+
+
+@pytest.mark.parametrize("src,dst", [
+    (dict(momentum_dtype=torch.float32), dict(momentum_dtype="int8", momentum_block=64)),
+    (dict(momentum_dtype="int8", momentum_block=64),
+     dict(momentum_dtype="int8", momentum_block=128, momentum_map="linear")),
+    (dict(momentum_dtype="int8", momentum_block=128), dict(momentum_dtype=torch.bfloat16))],
+    ids=["fp32-to-int8", "int8-to-int8-other-blocks-and-map", "int8-to-bf16"])
+def test_muon_checkpoint_requantizes_into_another_momentum_storage(src, dst, tmp_path):
+    seed = int(torch.randint(0, 2 ** 30, ()).item())
+    torch.manual_seed(seed)
+    model = Mats()
+    opt = rfsdp.optim.Muon(model.parameters(), lr=0.02, **src)
+    for g in grads(seed)[:3]:
+        set_grads(model, g)
+        opt.step()
+    rfsdp.checkpoint.save(str(tmp_path / "ckpt"), model, opt)
+    m2 = Mats()
+    o2 = rfsdp.optim.Muon(m2.parameters(), lr=0.02, **dst)
+    with pytest.raises(rfsdp.checkpoint.CheckpointError, match="requantize=True"):
+        rfsdp.checkpoint.load(str(tmp_path / "ckpt"), m2, o2)
+    rfsdp.checkpoint.load(str(tmp_path / "ckpt"), m2, o2, requantize=True)
+    s1, s2 = opt.settings(), o2.settings()
+    checked = 0
+    for (n, p), p2 in zip(model.named_parameters(), m2.parameters()):
+        assert torch.equal(p, p2), n
+        want = decoded_momentum(opt.state[p], s1)
+        st = o2.state[p2]
+        if dst["momentum_dtype"] == torch.bfloat16:
+            assert torch.equal(st["momentum_buffer"].reshape(-1), want.float().to(torch.bfloat16)), n
+            continue
+        # codes and scales as the float64 quantisation of the saved momentum
+        # (nearest code; values within 1e-6 of a midpoint may take either)
+        block = s2["momentum_block"]
+        code = rfsdp._C.code_map(s2["momentum_map"], True).double()
+        mids = (code[1:] + code[:-1]) / 2
+        pad = torch.zeros(-want.numel() % block, dtype=torch.float64)
+        blocks = torch.cat([want, pad]).view(-1, block)
+        absmax = blocks.abs().amax(1)
+        torch.testing.assert_close(st["momentum_absmax"].double(), absmax, rtol=1e-6, atol=0)
+        x = (blocks / absmax.unsqueeze(1)).reshape(-1)[:want.numel()]
+        nearest = (x.unsqueeze(1) - code.unsqueeze(0)).abs().argmin(1)
+        clear = (x.unsqueeze(1) - mids.unsqueeze(0)).abs().amin(1) > 1e-6
+        got = st["momentum_codes"].reshape(-1).long()
+        assert torch.equal(got[clear], nearest[clear]), n
+        checked += int(clear.sum())
+    assert dst["momentum_dtype"] == torch.bfloat16 or checked > 1000
+    for g in grads(seed)[3:]:  # and it steps on
+        set_grads(m2, g)
+        o2.step()
+    assert all(torch.isfinite(p).all() for p in m2.parameters())
+
+
+def requantize_worker(rank, world, seed, init_file, out_file, ckpt):
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method="file://" + init_file, rank=rank,
+                            world_size=world)
+    torch.manual_seed(seed)
+    model = Mats()
+    rfsdp.fully_shard(model, policy=rfsdp.policy.combine(rfsdp.policy.muon(),
+                                                        rfsdp.policy.blockwise_8bit(BLOCK)))
+    opt = muon(model)
+    rfsdp.checkpoint.load(ckpt, model, opt, requantize=True)
+    codes = full_codes(model, opt)
+    if rank == 0:
+        torch.save(codes, out_file)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def test_fp32_muon_checkpoint_requantized_on_two_ranks_gives_one_process_codes(tmp_path):
+    seed = int(torch.randint(0, 2 ** 30, ()).item())
+    torch.manual_seed(seed)
+    model = Mats()
+    opt = rfsdp.optim.Muon(model.parameters(), lr=0.02, momentum=0.9, weight_decay=0.01)
+    for g in grads(seed)[:3]:
+        set_grads(model, g)
+        opt.step()
+    ckpt = str(tmp_path / "ckpt")
+    rfsdp.checkpoint.save(ckpt, model, opt)
+    m1 = Mats()
+    o1 = muon(m1)
+    rfsdp.checkpoint.load(ckpt, m1, o1, requantize=True)
+    want = full_codes(m1, o1)
+    out = str(tmp_path / "out.pt")
+    torch.multiprocessing.spawn(requantize_worker,
+                                args=(2, seed, str(tmp_path / "init"), out, ckpt), nprocs=2)
+    got = torch.load(out)
+    for n in want:
+        assert torch.equal(got[n][0], want[n][0]) and torch.equal(got[n][1], want[n][1]), (n, seed)
