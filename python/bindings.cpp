@@ -20,6 +20,7 @@
 #include "quant/blockwise/blockwise.h"
 #include "quant/blockwise/code_maps.h"
 #include "quant/blockwise/cuda_ops.h"
+#include "quant/blockwise/lowbit.h"
 
 namespace py = pybind11;
 
@@ -386,6 +387,36 @@ PYBIND11_MODULE(_C, m) {
       .def("fp64_retries", &rfsdp::SOAP::fp64_retries);
   m.def("shampoo_granule_rows", &rfsdp::shampoo_granule_rows, py::arg("shape"),
         py::arg("row_dims"), py::arg("max_preconditioner_dim"));
+  m.def("shampoo_tile_list",
+        [](const std::vector<int64_t>& shape, int64_t max_dim) {
+          int64_t numel = 1;
+          for (int64_t d : shape) numel *= d;
+          const rfsdp::ParamShard whole(rfsdp::TensorShard::whole("tensor", shape), at::empty({numel}));
+          std::vector<std::tuple<int64_t, int64_t, int64_t>> out;
+          for (const auto& t : rfsdp::shampoo_tiles(whole, 0, max_dim)) out.emplace_back(t.local_offset, t.rows, t.cols);
+          return out;
+        },
+        py::arg("shape"), py::arg("max_preconditioner_dim"),
+        "A tensor's Shampoo / SOAP tiles in tile order: (first element, rows, columns)");
+  m.def("lowbit_quantize",
+        [](const at::Tensor& x, const std::string& map, int bits, int64_t block) {
+          const int64_t n = x.numel();
+          at::Tensor codes = at::empty({rfsdp::quant::lowbit_code_bytes(n, bits)}, at::kByte);
+          at::Tensor absmax = at::empty({rfsdp::quant::lowbit_blocks(n, block)}, at::kFloat);
+          rfsdp::quant::lowbit_quantize(x.reshape(-1).to(at::kFloat), rfsdp::quant::lowbit_map(map, bits),
+                                        bits, block, codes, absmax);
+          return py::make_tuple(codes, absmax);
+        },
+        py::arg("x"), py::arg("map"), py::arg("bits"), py::arg("block"));
+  m.def("lowbit_dequantize",
+        [](const at::Tensor& codes, const at::Tensor& absmax, const std::string& map, int bits,
+           int64_t block, int64_t n) {
+          return rfsdp::quant::lowbit_dequantize(codes, absmax, rfsdp::quant::lowbit_map(map, bits), bits,
+                                                 block, n);
+        },
+        py::arg("codes"), py::arg("absmax"), py::arg("map"), py::arg("bits"), py::arg("block"),
+        py::arg("n"));
+  m.def("bjorck", &rfsdp::quant::bjorck, py::arg("v"), py::arg("iterations"));
 
   // Every rank's lines equal, or a ValueError on every rank naming the first
   // difference (collective; fully_shard's agreement).

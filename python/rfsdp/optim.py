@@ -619,7 +619,58 @@ class Shampoo(_OverCpp):
         self._bind()
 
     def settings(self):
-        return dict(super().settings(), **self.config)
+        cfg = dict(self.config)
+        if cfg["basis_dtype"] is None:  # packed roots: the settings they had before basis_dtype
+            for k in ("basis_dtype", "basis_block", "basis_map", "bjorck_iterations"):
+                del cfg[k]
+        return dict(super().settings(), **cfg)
+
+    def requantized_state(self, p, saved_settings, full):
+        """p's state under this optimizer's root storage from a checkpoint's full
+        (unsharded) state of p, saved by a Shampoo with saved_settings (another
+        basis_dtype, basis_block, basis_map or bjorck_iterations): each root of this
+        rank's tiles as the saved optimizer used it (Q dequantised and rectified,
+        with its s; or the packed root, whose eigh gives Q and s), then stored as
+        this one keeps it; every other state this rank's piece as saved. For
+        load_sharded_state."""
+        self._bind()
+        live = self.sharded_state(p)
+        out = _like_rows(p, full, live, ("exp_avg", "exp_avg_sq"))
+        if "step" in full:
+            out["step"] = full["step"]
+        if "factor_left" not in live:  # grafting alone
+            return out
+        tiles, a, b = _tiles_here(p, self.config["max_preconditioner_dim"])
+        packed = {True: lambda t: t[1] * (t[1] + 1) // 2, False: lambda t: t[2] * (t[2] + 1) // 2}
+        out.update(_pieces(full, live, tiles, a, b, {"factor_left": packed[True],
+                                                     "factor_right": packed[False],
+                                                     "root_failures": lambda t: 1}))
+        old = _lowbit_format(saved_settings.get("basis_dtype"), saved_settings.get("basis_block"),
+                             saved_settings.get("basis_map"))
+        new = _lowbit_format(self.config["basis_dtype"], self.config["basis_block"],
+                             self.config["basis_map"])
+        fdt = getattr(torch, self.config["factor_dtype"])
+        for left, side in ((True, "root_left"), (False, "root_right")):
+            qs, ss = [], []
+            for k in range(a, b):
+                n = _side(tiles[k], left)
+                if old is None:  # a packed root R = Q diag(s) Q^T
+                    off = _offsets(tiles, packed[left])
+                    lam, q = torch.linalg.eigh(_packed_to_full(full[side].reshape(-1)[off[k]:off[k + 1]], n))
+                    qs.append(q.float())
+                    ss.append(lam.float())
+                else:
+                    qs.append(_decode_squares(full, side + "_basis", tiles, left, old,
+                                              saved_settings["bjorck_iterations"], k))
+                    so = _offsets(tiles, lambda t: _side(t, left))
+                    ss.append(full[side + "_eigenvalues"].reshape(-1)[so[k]:so[k + 1]].float())
+            if new is None:
+                roots = [_full_to_packed((q.double() * s.double()) @ q.double().T) for q, s in zip(qs, ss)]
+                out[side] = torch.cat(roots).to(fdt) if roots else torch.zeros(0, dtype=fdt)
+            else:
+                out.update(_encode_squares(qs, side + "_basis", new, torch.float32))
+                out[side + "_eigenvalues"] = torch.cat(ss) if ss else torch.zeros(0)
+        return out
 
     def shared_tile_rows(self):
         """Rows of tiles that shard boundaries cut (over all ranks): each is
@@ -646,6 +697,100 @@ class Shampoo(_OverCpp):
         loss = _run_closure(closure)
         self._step_all()
         return loss
+
+
+# ---- checkpoints into other basis storage (Shampoo's roots, SOAP's bases) ----------------
+# A saved state of a tiled optimizer is, per parameter, a global sequence of per-tile
+# entries in tile order (each rank's tiles: those whose first element it holds).
+
+def _tiles_here(p, max_dim):
+    """p's tiles for the whole tensor, [(first element, rows, cols)] in tile order,
+    and the range [a, b) of them this rank keeps."""
+    info = info_of("param", p)
+    shape = list(info.global_shape) if info is not None else list(p.shape)
+    tiles = _C.shampoo_tile_list(shape, max_dim)
+    if info is None:
+        return tiles, 0, len(tiles)
+    e0, e1 = info.row_begin * info.row_len, info.row_end * info.row_len
+    here = [k for k, t in enumerate(tiles) if e0 <= t[0] < e1]
+    return (tiles, here[0], here[-1] + 1) if here else (tiles, 0, 0)
+
+
+def _offsets(tiles, size):
+    """Where each tile's entry starts in a sequence of size(tile) elements per tile."""
+    out = [0]
+    for t in tiles:
+        out.append(out[-1] + size(t))
+    return out
+
+
+def _side(t, left):
+    return t[1] if left else t[2]
+
+
+def _like_rows(p, full, live, names):
+    """This rank's rows of p's saved states shaped like the parameter."""
+    info = info_of("param", p)
+    rows, row_len = (info.full_rows, info.row_len) if info else _C.row_geometry(list(p.shape), 1)
+    begin, end = (info.row_begin, info.row_end) if info else (0, rows)
+    return {k: full[k].reshape(rows, row_len)[begin:end].reshape(live[k].shape).clone()
+            for k in names if k in live}
+
+
+def _pieces(full, live, tiles, a, b, sizes):
+    """This rank's piece of each saved per-tile sequence named in sizes ({name: size(tile)})."""
+    out = {}
+    for name, size in sizes.items():
+        if name in live:
+            off = _offsets(tiles, size)
+            out[name] = full[name].reshape(-1)[off[a]:off[b]].clone()
+    return out
+
+
+def _lowbit_format(dtype, block, cmap):
+    """(bits, block, map) of basis_dtype "int8" / "int4", else None."""
+    return ({"int8": 8, "int4": 4}[dtype], block, cmap) if dtype in ("int8", "int4") else None
+
+
+def _decode_squares(full, name, tiles, left, fmt, iterations, k):
+    """Tile k's n x n matrix on one side of a saved sequence: fp32 / bf16 entries, or
+    (fmt) low-bit codes dequantised and Björck-rectified as the saved optimizer used them."""
+    n = _side(tiles[k], left)
+    if fmt is None:
+        off = _offsets(tiles, lambda t: _side(t, left) ** 2)
+        return full[name].reshape(-1)[off[k]:off[k] + n * n].float().view(n, n)
+    bits, block, cmap = fmt
+    co = _offsets(tiles, lambda t: (_side(t, left) ** 2 * bits + 7) // 8)
+    ao = _offsets(tiles, lambda t: -(-_side(t, left) ** 2 // block))
+    q = _C.lowbit_dequantize(full[name + "_codes"].reshape(-1)[co[k]:co[k + 1]],
+                             full[name + "_absmax"].reshape(-1)[ao[k]:ao[k + 1]], cmap, bits, block,
+                             n * n)
+    return _C.bjorck(q.view(n, n), iterations)
+
+
+def _encode_squares(qs, name, fmt, dtype):
+    """This rank's entries of a sequence of n x n matrices qs: dtype entries, or
+    (fmt) low-bit codes and scales."""
+    if fmt is None:
+        return {name: torch.cat([q.reshape(-1) for q in qs]).to(dtype) if qs
+                else torch.zeros(0, dtype=dtype)}
+    bits, block, cmap = fmt
+    pairs = [_C.lowbit_quantize(q.contiguous(), cmap, bits, block) for q in qs]
+    return {name + "_codes": torch.cat([c for c, _ in pairs]) if pairs else torch.zeros(0, dtype=torch.uint8),
+            name + "_absmax": torch.cat([a for _, a in pairs]) if pairs else torch.zeros(0)}
+
+
+def _packed_to_full(x, n):
+    i, j = torch.triu_indices(n, n)
+    m = torch.zeros(n, n, dtype=torch.float64)
+    m[i, j] = x.double()
+    m[j, i] = x.double()
+    return m
+
+
+def _full_to_packed(m):
+    i, j = torch.triu_indices(m.shape[0], m.shape[0])
+    return m[i, j]
 
 
 def _check_quantised_bases(who, basis_dtype, basis_map, basis_block, bjorck_iterations):
@@ -728,6 +873,36 @@ class SOAP(_OverCpp):
                                       eps=eps, weight_decay=weight_decay, use_soap=True))
         self.comm = _default_comm(process_group, timeout_seconds, self.param_groups)
         self._bind()
+
+    def requantized_state(self, p, saved_settings, full):
+        """p's state under this optimizer's basis storage from a checkpoint's full
+        (unsharded) state of p, saved by a SOAP with saved_settings (another
+        basis_dtype, basis_block, basis_map or bjorck_iterations): each basis of this
+        rank's tiles as the saved optimizer used it (dequantised and rectified where
+        quantised), stored as this one keeps it; every other state this rank's piece
+        as saved. For load_sharded_state."""
+        self._bind()
+        live = self.sharded_state(p)
+        out = _like_rows(p, full, live, ("exp_avg", "exp_avg_sq", "exp_avg_codes", "exp_avg_sq_codes"))
+        if "step" in full:
+            out["step"] = full["step"]
+        if "factor_left" not in live:  # Adam alone
+            return out
+        tiles, a, b = _tiles_here(p, self.config["max_preconditioner_dim"])
+        out.update(_pieces(full, live, tiles, a, b, {
+            "factor_left": lambda t: t[1] * (t[1] + 1) // 2,
+            "factor_right": lambda t: t[2] * (t[2] + 1) // 2,
+            "exp_avg_absmax": lambda t: t[1], "exp_avg_sq_absmax": lambda t: t[1]}))
+        old = _lowbit_format(saved_settings["basis_dtype"], saved_settings["basis_block"],
+                             saved_settings["basis_map"])
+        new = _lowbit_format(self.config["basis_dtype"], self.config["basis_block"],
+                             self.config["basis_map"])
+        dtype = None if new else getattr(torch, self.config["basis_dtype"])
+        for left, side in ((True, "basis_left"), (False, "basis_right")):
+            qs = [_decode_squares(full, side, tiles, left, old, saved_settings["bjorck_iterations"], k)
+                  for k in range(a, b)]
+            out.update(_encode_squares(qs, side, new, dtype))
+        return out
 
     def settings(self):
         return dict(super().settings(), **self.config)

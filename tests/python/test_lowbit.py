@@ -467,3 +467,235 @@ def test_fp32_muon_checkpoint_requantized_on_two_ranks_gives_one_process_codes(t
     got = torch.load(out)
     for n in want:
         assert torch.equal(got[n][0], want[n][0]) and torch.equal(got[n][1], want[n][1]), (n, seed)
+
+
+# --- checkpoints into other basis storage (Shampoo's roots, SOAP's bases) -------------
+
+def tiles_of(shape, b=8):
+    """(rows, cols) of a tensor's tiles in tile order, written out here: E matrices
+    H x I for [E, H, I], one matrix otherwise, cut into tiles of at most b x b."""
+    mats, h, w = (shape[0], shape[1], shape[2]) if len(shape) == 3 else (1, shape[0], shape[1])
+    return [(min(b, h - r), min(b, w - c)) for _ in range(mats) for r in range(0, h, b)
+            for c in range(0, w, b)]
+
+
+def unpacked(x, n):
+    m = torch.zeros(n, n, dtype=torch.float64)
+    k = 0
+    for i in range(n):
+        m[i, i:] = x[k:k + n - i].double()
+        m[i:, i] = x[k:k + n - i].double()
+        k += n - i
+    return m
+
+
+def lowbit_values(name, bits):
+    x = torch.linspace(-1, 1, 2 ** bits, dtype=torch.float64)
+    return x.sign() * x * x if name == "linear_square" else x
+
+
+def split_codes(codes, absmax, sizes, bits, block):
+    """Per matrix (n x n, sizes n): code indices and absmax, from the sequences."""
+    out, co, ao = [], 0, 0
+    for n in sizes:
+        nc, na = (n * n * bits + 7) // 8, -(-n * n // block)
+        q = codes[co:co + nc].long()
+        if bits == 4:
+            q = torch.stack([q % 16, q // 16], 1).reshape(-1)
+        out.append((q[:n * n], absmax[ao:ao + na].double()))
+        co, ao = co + nc, ao + na
+    return out
+
+
+def decoded_square(q, a, n, bits, block, cmap, iterations):
+    """A matrix's codes decoded and Björck-rectified in float64."""
+    v = (lowbit_values(cmap, bits)[q] * a.repeat_interleave(block)[:n * n]).view(n, n)
+    for _ in range(iterations):
+        v = 1.5 * v - 0.5 * v @ v.T @ v
+    return v
+
+
+def assert_nearest_codes(q, a, want, bits, block, cmap, tol, what):
+    """Codes and scales as the float64 quantisation of want (n x n): absmax each
+    block's max |.|, each code the nearest; values within tol of a midpoint skipped."""
+    w = want.reshape(-1)
+    code = lowbit_values(cmap, bits)
+    mids = (code[1:] + code[:-1]) / 2
+    blocks = torch.cat([w, torch.zeros(-w.numel() % block, dtype=w.dtype)]).view(-1, block)
+    amax = blocks.abs().amax(1)
+    torch.testing.assert_close(a, amax, rtol=0, atol=tol, msg=what)
+    x = (blocks / amax.unsqueeze(1)).reshape(-1)[:w.numel()]
+    clear = (x.unsqueeze(1) - mids.unsqueeze(0)).abs().amin(1) > tol / amax.min().item()
+    nearest = (x.unsqueeze(1) - code.unsqueeze(0)).abs().argmin(1)
+    assert torch.equal(q[clear], nearest[clear]), what
+    return int(clear.sum())
+
+
+def saved_roots(st, settings, shape):
+    """Per tile side: the root (float64, n x n) and, where quantised, its (Q, s) as a
+    Shampoo with these settings uses them."""
+    out = {}
+    tiles = tiles_of(shape)
+    for left, side in ((True, "root_left"), (False, "root_right")):
+        sizes = [t[0] if left else t[1] for t in tiles]
+        if settings.get("basis_dtype") is None:
+            k, rs = 0, []
+            for n in sizes:
+                rs.append((unpacked(st[side][k:k + n * (n + 1) // 2], n), None))
+                k += n * (n + 1) // 2
+            out[side] = rs
+            continue
+        bits = {"int8": 8, "int4": 4}[settings["basis_dtype"]]
+        parts = split_codes(st[side + "_basis_codes"], st[side + "_basis_absmax"], sizes, bits,
+                            settings["basis_block"])
+        s_all, k, rs = st[side + "_eigenvalues"].double(), 0, []
+        for n, (q, a) in zip(sizes, parts):
+            v = decoded_square(q, a, n, bits, settings["basis_block"], settings["basis_map"],
+                               settings["bjorck_iterations"])
+            s = s_all[k:k + n]
+            rs.append(((v * s) @ v.T, (v, s)))
+            k += n
+        out[side] = rs
+    return out
+
+
+@pytest.mark.parametrize("src,dst", [(None, "int8"), ("int8", "int4"), ("int4", None)],
+                         ids=["packed-to-int8", "int8-to-int4-other-blocks", "int4-to-packed"])
+def test_shampoo_checkpoint_requantizes_its_roots(src, dst, tmp_path):
+    seed = int(torch.randint(0, 2 ** 30, ()).item())
+    torch.manual_seed(seed)
+    model = Mats()
+    opt = shampoo(model.parameters(), src, basis_block=16)
+    for g in grads(seed)[:4]:  # roots at steps 2 and 4
+        set_grads(model, g)
+        opt.step()
+    ckpt = str(tmp_path / "ckpt")
+    rfsdp.checkpoint.save(ckpt, model, opt)
+    m2 = Mats()
+    o2 = shampoo(m2.parameters(), dst, basis_block=64)
+    with pytest.raises(rfsdp.checkpoint.CheckpointError, match="requantize=True"):
+        rfsdp.checkpoint.load(ckpt, m2, o2)
+    rfsdp.checkpoint.load(ckpt, m2, o2, requantize=True)
+    s1, s2 = opt.settings(), o2.settings()
+    checked = 0
+    for (n, p), p2 in zip(model.named_parameters(), m2.parameters()):
+        a, b = opt.state[p], o2.state[p2]
+        for k in ("exp_avg", "exp_avg_sq", "factor_left", "factor_right", "root_failures"):
+            assert torch.equal(a[k], b[k]), (n, k)
+        want, got = saved_roots(a, s1, tuple(p.shape)), saved_roots(b, s2, tuple(p.shape))
+        for side in want:
+            sizes = [t[0] if side == "root_left" else t[1] for t in tiles_of(tuple(p.shape))]
+            if dst is None:  # the packed root rebuilt from the saved Q and s (fp32)
+                for (r, _), (r2, _) in zip(want[side], got[side]):
+                    torch.testing.assert_close(r2, r, rtol=0, atol=1e-5 * r.abs().max().item())
+                continue
+            parts = split_codes(b[side + "_basis_codes"], b[side + "_basis_absmax"].double(), sizes,
+                                {"int8": 8, "int4": 4}[dst], 64)
+            for j, ((r, qs), (q, am)) in enumerate(zip(want[side], parts)):
+                if qs is None:  # from a packed root: its float64 eigh (as the loader's)
+                    lam, v = torch.linalg.eigh(r)
+                    qs = (v, lam)
+                tol = 1e-6 if src is None else 1e-5  # (a decode and Björck in fp32 here)
+                checked += assert_nearest_codes(q, am, qs[0], {"int8": 8, "int4": 4}[dst], 64,
+                                                "linear_square", tol, "%s %s tile %d" % (n, side, j))
+            so = torch.cat([w[1][1] if w[1] is not None else torch.linalg.eigh(w[0])[0]
+                            for w in want[side]])
+            torch.testing.assert_close(b[side + "_eigenvalues"].double(), so, rtol=1e-5, atol=0)
+    assert dst is None or checked > 1000
+    for g in grads(seed)[4:]:  # and it steps on
+        set_grads(m2, g)
+        o2.step()
+    assert all(torch.isfinite(q).all() for q in m2.parameters())
+
+
+def shampoo_requantize_worker(rank, world, seed, init_file, out_file, ckpt):
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method="file://" + init_file, rank=rank,
+                            world_size=world)
+    torch.manual_seed(seed)
+    model = Mats()
+    rfsdp.fully_shard(model, policy=rfsdp.policy.shampoo(8))
+    opt = shampoo(model.parameters(), "int4")
+    rfsdp.checkpoint.load(ckpt, model, opt, requantize=True)
+    codes = full_root_codes(model, opt)
+    if rank == 0:
+        torch.save(codes, out_file)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def test_packed_shampoo_checkpoint_requantized_on_two_ranks_gives_one_process_codes(tmp_path):
+    seed = int(torch.randint(0, 2 ** 30, ()).item())
+    torch.manual_seed(seed)
+    model = Mats()
+    opt = shampoo(model.parameters(), None)
+    for g in grads(seed)[:4]:
+        set_grads(model, g)
+        opt.step()
+    ckpt = str(tmp_path / "ckpt")
+    rfsdp.checkpoint.save(ckpt, model, opt)
+    m1 = Mats()
+    o1 = shampoo(m1.parameters(), "int4")
+    rfsdp.checkpoint.load(ckpt, m1, o1, requantize=True)
+    want = full_root_codes(m1, o1)
+    out = str(tmp_path / "out.pt")
+    torch.multiprocessing.spawn(shampoo_requantize_worker,
+                                args=(2, seed, str(tmp_path / "init"), out, ckpt), nprocs=2)
+    got = torch.load(out)
+    for n in want:
+        for k, name in enumerate(ROOT_STATES):
+            assert torch.equal(got[n][k], want[n][k]), (n, name, seed)
+
+
+@pytest.mark.parametrize("src,dst", [(torch.float32, "int4"), ("int8", "int4"), ("int4", torch.bfloat16)],
+                         ids=["fp32-to-int4", "int8-to-int4-other-blocks", "int4-to-bf16"])
+def test_soap_checkpoint_requantizes_its_bases(src, dst, tmp_path):
+    seed = int(torch.randint(0, 2 ** 30, ()).item())
+    torch.manual_seed(seed)
+
+    def soap(params, basis, block):
+        return rfsdp.optim.SOAP(params, lr=1e-2, betas=(0.9, 0.95), precondition_frequency=2,
+                                max_preconditioner_dim=8, basis_dtype=basis, basis_block=block,
+                                state_dtype="int8")
+    model = Mats()
+    opt = soap(model.parameters(), src, 16)
+    for g in grads(seed)[:4]:
+        set_grads(model, g)
+        opt.step()
+    ckpt = str(tmp_path / "ckpt")
+    rfsdp.checkpoint.save(ckpt, model, opt)
+    m2 = Mats()
+    o2 = soap(m2.parameters(), dst, 64)
+    rfsdp.checkpoint.load(ckpt, m2, o2, requantize=True)
+    checked = 0
+    for (n, p), p2 in zip(model.named_parameters(), m2.parameters()):
+        a, b = opt.state[p], o2.state[p2]
+        for k in ("exp_avg_codes", "exp_avg_absmax", "exp_avg_sq_codes", "exp_avg_sq_absmax",
+                  "factor_left", "factor_right"):
+            assert torch.equal(a[k], b[k]), (n, k)
+        for left, side in ((True, "basis_left"), (False, "basis_right")):
+            sizes = [t[0] if left else t[1] for t in tiles_of(tuple(p.shape))]
+            if isinstance(src, torch.dtype):  # the saved bases themselves
+                k, want = 0, []
+                for m in sizes:
+                    want.append(a[side][k:k + m * m].double().view(m, m))
+                    k += m * m
+            else:
+                bits = {"int8": 8, "int4": 4}[src]
+                want = [decoded_square(q, am, m, bits, 16, "linear_square", 1)
+                        for m, (q, am) in zip(sizes, split_codes(a[side + "_codes"],
+                                                                 a[side + "_absmax"], sizes, bits, 16))]
+            if dst == torch.bfloat16:
+                got = torch.cat([w.reshape(-1) for w in want]).float().to(torch.bfloat16)
+                torch.testing.assert_close(b[side].double(), got.double(), rtol=2 ** -8, atol=0)
+                continue
+            parts = split_codes(b[side + "_codes"], b[side + "_absmax"].double(), sizes, 4, 64)
+            for j, (w, (q, am)) in enumerate(zip(want, parts)):
+                checked += assert_nearest_codes(q, am, w, 4, 64, "linear_square",
+                                                1e-6 if isinstance(src, torch.dtype) else 1e-5,
+                                                "%s %s tile %d" % (n, side, j))
+    assert dst == torch.bfloat16 or checked > 500
+    for g in grads(seed)[4:]:
+        set_grads(m2, g)
+        o2.step()
+    assert all(torch.isfinite(q).all() for q in m2.parameters())
