@@ -8,6 +8,7 @@
 #include <functional>
 #include <map>
 #include <mutex>
+#include <numeric>
 #include <random>
 
 #include "tests/support/local_ranks.h"
@@ -22,6 +23,8 @@ namespace {
 using testing::CodeCheck;
 using testing::expect_block_codes;
 using testing::fresh_seed;
+using testing::LowbitSquare;
+using testing::lowbit_square;
 using testing::seeded_randn;
 
 constexpr int64_t kB = 8;  // max_preconditioner_dim of these tests
@@ -597,22 +600,17 @@ StoredRoot stored_root(const Shampoo& opt, size_t i, size_t j, bool left) {
     if (name == side + "_basis_absmax") absmax = t;
     if (name == side + "_eigenvalues") s = t;
   }
-  int64_t co = 0, ao = 0, so = 0, n = 0;
-  size_t k = 0;
+  std::vector<int64_t> sizes;
   for (const ShampooTile& tl : opt.tiles()) {
-    if (tl.param != i) continue;
-    n = left ? tl.rows : tl.cols;
-    if (k++ == j) break;
-    co += quant::lowbit_code_bytes(n * n, c.basis_bits);
-    ao += quant::lowbit_blocks(n * n, c.basis_block);
-    so += n;
+    if (tl.param == i) sizes.push_back(left ? tl.rows : tl.cols);
   }
+  const int64_t n = sizes.at(j);
+  const int64_t so = std::accumulate(sizes.begin(), sizes.begin() + j, int64_t{0});
+  const LowbitSquare q = lowbit_square(codes, absmax, sizes, j, c.basis_bits, c.basis_block);
   StoredRoot r;
-  r.raw_codes = codes.narrow(0, co, quant::lowbit_code_bytes(n * n, c.basis_bits)).clone();
-  at::Tensor idx = r.raw_codes.to(at::kLong);
-  if (c.basis_bits == 4) idx = at::stack({idx.remainder(16), idx.div(16, "floor")}, 1).reshape(-1);
-  r.idx = idx.narrow(0, 0, n * n);
-  r.absmax = absmax.narrow(0, ao, quant::lowbit_blocks(n * n, c.basis_block)).clone();
+  r.raw_codes = q.raw;
+  r.idx = q.idx;
+  r.absmax = q.absmax;
   r.s = s.narrow(0, so, n).clone();
   return r;
 }

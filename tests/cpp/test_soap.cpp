@@ -358,18 +358,13 @@ std::pair<at::Tensor, at::Tensor> basis_codes(const SOAP& opt, size_t i, size_t 
   const SOAPConfig& c = opt.config();
   const auto st = opt.state(i);
   const std::string side = left ? "basis_left" : "basis_right";
-  int64_t co = 0, ao = 0, n = 0;
-  size_t k = 0;
+  std::vector<int64_t> sizes;
   for (const ShampooTile& tl : opt.tiles()) {
-    if (tl.param != i) continue;
-    n = left ? tl.rows : tl.cols;
-    if (k++ == j) break;
-    co += quant::lowbit_code_bytes(n * n, c.basis_bits);
-    ao += quant::lowbit_blocks(n * n, c.basis_block);
+    if (tl.param == i) sizes.push_back(left ? tl.rows : tl.cols);
   }
-  at::Tensor idx = named(st, side + "_codes").narrow(0, co, quant::lowbit_code_bytes(n * n, c.basis_bits)).to(at::kLong);
-  if (c.basis_bits == 4) idx = at::stack({idx.remainder(16), idx.div(16, "floor")}, 1).reshape(-1);
-  return {idx.narrow(0, 0, n * n), named(st, side + "_absmax").narrow(0, ao, quant::lowbit_blocks(n * n, c.basis_block))};
+  const auto q = testing::lowbit_square(named(st, side + "_codes"), named(st, side + "_absmax"), sizes, j,
+                                        c.basis_bits, c.basis_block);
+  return {q.idx, q.absmax};
 }
 
 // Tile j's stored basis on one side against want (float64 n x n): each block's

@@ -14,6 +14,8 @@
 #include <string>
 #include <vector>
 
+#include "quant/blockwise/lowbit.h"
+
 namespace rfsdp::testing {
 
 // A new seed every run (tests use fresh random inputs); print it on failure.
@@ -47,6 +49,29 @@ inline int nearest_code(double x, double tol, const std::vector<double>& code, b
     if (std::fabs(x - mid) <= tol) *ambiguous = true;
   }
   return best;
+}
+
+// Matrix j of a quant::LowbitSquares sequence (codes, absmax) of matrices
+// sizes[k] x sizes[k] in order: its code bytes, code indices (n^2; 4-bit ones
+// unpacked, low nibble first) and absmax, copied.
+struct LowbitSquare {
+  at::Tensor raw, idx, absmax;
+};
+inline LowbitSquare lowbit_square(const at::Tensor& codes, const at::Tensor& absmax,
+                                  const std::vector<int64_t>& sizes, size_t j, int bits, int64_t block) {
+  int64_t co = 0, ao = 0;
+  for (size_t k = 0; k < j; ++k) {
+    co += quant::lowbit_code_bytes(sizes[k] * sizes[k], bits);
+    ao += quant::lowbit_blocks(sizes[k] * sizes[k], block);
+  }
+  const int64_t n = sizes.at(j);
+  LowbitSquare out;
+  out.raw = codes.narrow(0, co, quant::lowbit_code_bytes(n * n, bits)).clone();
+  at::Tensor idx = out.raw.to(at::kLong);
+  if (bits == 4) idx = at::stack({idx.remainder(16), idx.div(16, "floor")}, 1).reshape(-1);
+  out.idx = idx.narrow(0, 0, n * n);
+  out.absmax = absmax.narrow(0, ao, quant::lowbit_blocks(n * n, block)).clone();
+  return out;
 }
 
 // How many codes expect_block_codes compared, and how many it skipped (on a midpoint).

@@ -58,15 +58,25 @@ def full_codes(model, opt):
     return out
 
 
-def worker(rank, world, seed, init_file, out_file, ckpt):
+def sharded(kind):
+    """A fully_shard'ed Mats, its optimizer and the function gathering its codes:
+    kind "muon" (8-bit momentum) or "shampoo:<basis_dtype>"."""
+    model = Mats()
+    if kind == "muon":
+        rfsdp.fully_shard(model, policy=rfsdp.policy.combine(rfsdp.policy.muon(),
+                                                            rfsdp.policy.blockwise_8bit(BLOCK)))
+        return model, muon(model), full_codes
+    rfsdp.fully_shard(model, policy=rfsdp.policy.shampoo(8))
+    return model, shampoo(model.parameters(), kind.partition(":")[2]), full_root_codes
+
+
+def worker(rank, world, seed, init_file, out_file, ckpt, kind="muon"):
+    """STEPS steps of kind on `world` ranks: 2 save after 3, 1 loads and takes the rest."""
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method="file://" + init_file, rank=rank,
                             world_size=world)
     torch.manual_seed(seed)
-    model = Mats()
-    rfsdp.fully_shard(model, policy=rfsdp.policy.combine(rfsdp.policy.muon(),
-                                                        rfsdp.policy.blockwise_8bit(BLOCK)))
-    opt = muon(model)
+    model, opt, codes_of = sharded(kind)
     gs = grads(seed)
     first = 0
     if world == 1:
@@ -77,10 +87,25 @@ def worker(rank, world, seed, init_file, out_file, ckpt):
             rfsdp.checkpoint.save(ckpt, model, opt)
         set_grads(model, g)
         opt.step()
-    codes = full_codes(model, opt)
+    codes = codes_of(model, opt)
     full = rfsdp.full_parameters(model)
     if rank == 0:
         torch.save((full, codes), out_file)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def requantize_worker(rank, world, seed, init_file, out_file, ckpt, kind):
+    """kind on `world` ranks loads ckpt with requantize=True; rank 0 saves its codes."""
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method="file://" + init_file, rank=rank,
+                            world_size=world)
+    torch.manual_seed(seed)
+    model, opt, codes_of = sharded(kind)
+    rfsdp.checkpoint.load(ckpt, model, opt, requantize=True)
+    codes = codes_of(model, opt)
+    if rank == 0:
+        torch.save(codes, out_file)
     dist.barrier()
     dist.destroy_process_group()
 
@@ -240,36 +265,10 @@ def full_root_codes(model, opt):
     return out
 
 
-def shampoo_worker(rank, world, seed, init_file, out_file, ckpt, basis):
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method="file://" + init_file, rank=rank,
-                            world_size=world)
-    torch.manual_seed(seed)
-    model = Mats()
-    rfsdp.fully_shard(model, policy=rfsdp.policy.shampoo(8))
-    opt = shampoo(model.parameters(), basis)
-    gs = grads(seed)
-    first = 0
-    if world == 1:
-        rfsdp.checkpoint.load(ckpt, model, opt)
-        first = 3
-    for k, g in enumerate(gs[first:], start=first):
-        if world == 2 and k == 3:
-            rfsdp.checkpoint.save(ckpt, model, opt)
-        set_grads(model, g)
-        opt.step()
-    codes = full_root_codes(model, opt)
-    full = rfsdp.full_parameters(model)
-    if rank == 0:
-        torch.save((full, codes), out_file)
-    dist.barrier()
-    dist.destroy_process_group()
-
-
 @pytest.mark.parametrize("basis", ["int8", "int4"])
 def test_quantised_shampoo_roots_on_fully_shard_are_one_process_bit_for_bit_and_resume(basis):
     seed = int(torch.randint(0, 2 ** 30, ()).item())
-    got = save_on_two_resume_on_one(functools.partial(shampoo_worker, basis=basis), seed)
+    got = save_on_two_resume_on_one(functools.partial(worker, kind="shampoo:" + basis), seed)
     torch.manual_seed(seed)
     model = Mats()
     start = {n: p.detach().clone() for n, p in model.named_parameters()}
@@ -409,20 +408,10 @@ def test_muon_checkpoint_requantizes_into_another_momentum_storage(src, dst, tmp
             assert torch.equal(st["momentum_buffer"].reshape(-1), want.float().to(torch.bfloat16)), n
             continue
         # codes and scales as the float64 quantisation of the saved momentum
-        # (nearest code; values within 1e-6 of a midpoint may take either)
-        block = s2["momentum_block"]
-        code = rfsdp._C.code_map(s2["momentum_map"], True).double()
-        mids = (code[1:] + code[:-1]) / 2
-        pad = torch.zeros(-want.numel() % block, dtype=torch.float64)
-        blocks = torch.cat([want, pad]).view(-1, block)
-        absmax = blocks.abs().amax(1)
-        torch.testing.assert_close(st["momentum_absmax"].double(), absmax, rtol=1e-6, atol=0)
-        x = (blocks / absmax.unsqueeze(1)).reshape(-1)[:want.numel()]
-        nearest = (x.unsqueeze(1) - code.unsqueeze(0)).abs().argmin(1)
-        clear = (x.unsqueeze(1) - mids.unsqueeze(0)).abs().amin(1) > 1e-6
-        got = st["momentum_codes"].reshape(-1).long()
-        assert torch.equal(got[clear], nearest[clear]), n
-        checked += int(clear.sum())
+        checked += assert_nearest_codes(st["momentum_codes"].reshape(-1).long(),
+                                        st["momentum_absmax"].double(), want, s2["momentum_block"],
+                                        rfsdp._C.code_map(s2["momentum_map"], True).double(),
+                                        1e-6 * want.abs().max().item(), n)
     assert dst["momentum_dtype"] == torch.bfloat16 or checked > 1000
     for g in grads(seed)[3:]:  # and it steps on
         set_grads(m2, g)
@@ -430,43 +419,35 @@ def test_muon_checkpoint_requantizes_into_another_momentum_storage(src, dst, tmp
     assert all(torch.isfinite(p).all() for p in m2.parameters())
 
 
-def requantize_worker(rank, world, seed, init_file, out_file, ckpt):
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method="file://" + init_file, rank=rank,
-                            world_size=world)
-    torch.manual_seed(seed)
-    model = Mats()
-    rfsdp.fully_shard(model, policy=rfsdp.policy.combine(rfsdp.policy.muon(),
-                                                        rfsdp.policy.blockwise_8bit(BLOCK)))
-    opt = muon(model)
-    rfsdp.checkpoint.load(ckpt, model, opt, requantize=True)
-    codes = full_codes(model, opt)
-    if rank == 0:
-        torch.save(codes, out_file)
-    dist.barrier()
-    dist.destroy_process_group()
-
-
-def test_fp32_muon_checkpoint_requantized_on_two_ranks_gives_one_process_codes(tmp_path):
+@pytest.mark.parametrize("kind", ["muon", "shampoo:int4"])
+def test_checkpoint_requantized_on_two_ranks_gives_one_process_codes(kind, tmp_path):
+    # fp32 Muon momentum -> 8-bit; packed Shampoo roots -> 4-bit bases
     seed = int(torch.randint(0, 2 ** 30, ()).item())
     torch.manual_seed(seed)
     model = Mats()
-    opt = rfsdp.optim.Muon(model.parameters(), lr=0.02, momentum=0.9, weight_decay=0.01)
-    for g in grads(seed)[:3]:
+    if kind == "muon":
+        opt, steps = rfsdp.optim.Muon(model.parameters(), lr=0.02, momentum=0.9,
+                                      weight_decay=0.01), 3
+        m1 = Mats()
+        o1, codes_of = muon(m1), full_codes
+    else:
+        opt, steps = shampoo(model.parameters(), None), 4
+        m1 = Mats()
+        o1, codes_of = shampoo(m1.parameters(), "int4"), full_root_codes
+    for g in grads(seed)[:steps]:
         set_grads(model, g)
         opt.step()
     ckpt = str(tmp_path / "ckpt")
     rfsdp.checkpoint.save(ckpt, model, opt)
-    m1 = Mats()
-    o1 = muon(m1)
     rfsdp.checkpoint.load(ckpt, m1, o1, requantize=True)
-    want = full_codes(m1, o1)
+    want = codes_of(m1, o1)
     out = str(tmp_path / "out.pt")
     torch.multiprocessing.spawn(requantize_worker,
-                                args=(2, seed, str(tmp_path / "init"), out, ckpt), nprocs=2)
+                                args=(2, seed, str(tmp_path / "init"), out, ckpt, kind), nprocs=2)
     got = torch.load(out)
     for n in want:
-        assert torch.equal(got[n][0], want[n][0]) and torch.equal(got[n][1], want[n][1]), (n, seed)
+        for k in range(len(want[n])):
+            assert torch.equal(got[n][k], want[n][k]), (n, k, kind, seed)
 
 
 # --- checkpoints into other basis storage (Shampoo's roots, SOAP's bases) -------------
@@ -515,11 +496,11 @@ def decoded_square(q, a, n, bits, block, cmap, iterations):
     return v
 
 
-def assert_nearest_codes(q, a, want, bits, block, cmap, tol, what):
-    """Codes and scales as the float64 quantisation of want (n x n): absmax each
-    block's max |.|, each code the nearest; values within tol of a midpoint skipped."""
-    w = want.reshape(-1)
-    code = lowbit_values(cmap, bits)
+def assert_nearest_codes(q, a, want, block, code, tol, what):
+    """Codes q (indices) and scales a as the float64 quantisation of want over the
+    sorted values `code`: absmax each block's max |.|, each code the nearest;
+    values within tol of a midpoint skipped. Returns the codes compared."""
+    w = want.reshape(-1).double()
     mids = (code[1:] + code[:-1]) / 2
     blocks = torch.cat([w, torch.zeros(-w.numel() % block, dtype=w.dtype)]).view(-1, block)
     amax = blocks.abs().amax(1)
@@ -596,8 +577,9 @@ def test_shampoo_checkpoint_requantizes_its_roots(src, dst, tmp_path):
                     lam, v = torch.linalg.eigh(r)
                     qs = (v, lam)
                 tol = 1e-6 if src is None else 1e-5  # (a decode and Björck in fp32 here)
-                checked += assert_nearest_codes(q, am, qs[0], {"int8": 8, "int4": 4}[dst], 64,
-                                                "linear_square", tol, "%s %s tile %d" % (n, side, j))
+                checked += assert_nearest_codes(q, am, qs[0], 64,
+                                                lowbit_values("linear_square", {"int8": 8, "int4": 4}[dst]),
+                                                tol, "%s %s tile %d" % (n, side, j))
             so = torch.cat([w[1][1] if w[1] is not None else torch.linalg.eigh(w[0])[0]
                             for w in want[side]])
             torch.testing.assert_close(b[side + "_eigenvalues"].double(), so, rtol=1e-5, atol=0)
@@ -606,45 +588,6 @@ def test_shampoo_checkpoint_requantizes_its_roots(src, dst, tmp_path):
         set_grads(m2, g)
         o2.step()
     assert all(torch.isfinite(q).all() for q in m2.parameters())
-
-
-def shampoo_requantize_worker(rank, world, seed, init_file, out_file, ckpt):
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method="file://" + init_file, rank=rank,
-                            world_size=world)
-    torch.manual_seed(seed)
-    model = Mats()
-    rfsdp.fully_shard(model, policy=rfsdp.policy.shampoo(8))
-    opt = shampoo(model.parameters(), "int4")
-    rfsdp.checkpoint.load(ckpt, model, opt, requantize=True)
-    codes = full_root_codes(model, opt)
-    if rank == 0:
-        torch.save(codes, out_file)
-    dist.barrier()
-    dist.destroy_process_group()
-
-
-def test_packed_shampoo_checkpoint_requantized_on_two_ranks_gives_one_process_codes(tmp_path):
-    seed = int(torch.randint(0, 2 ** 30, ()).item())
-    torch.manual_seed(seed)
-    model = Mats()
-    opt = shampoo(model.parameters(), None)
-    for g in grads(seed)[:4]:
-        set_grads(model, g)
-        opt.step()
-    ckpt = str(tmp_path / "ckpt")
-    rfsdp.checkpoint.save(ckpt, model, opt)
-    m1 = Mats()
-    o1 = shampoo(m1.parameters(), "int4")
-    rfsdp.checkpoint.load(ckpt, m1, o1, requantize=True)
-    want = full_root_codes(m1, o1)
-    out = str(tmp_path / "out.pt")
-    torch.multiprocessing.spawn(shampoo_requantize_worker,
-                                args=(2, seed, str(tmp_path / "init"), out, ckpt), nprocs=2)
-    got = torch.load(out)
-    for n in want:
-        for k, name in enumerate(ROOT_STATES):
-            assert torch.equal(got[n][k], want[n][k]), (n, name, seed)
 
 
 @pytest.mark.parametrize("src,dst", [(torch.float32, "int4"), ("int8", "int4"), ("int4", torch.bfloat16)],
@@ -691,7 +634,7 @@ def test_soap_checkpoint_requantizes_its_bases(src, dst, tmp_path):
                 continue
             parts = split_codes(b[side + "_codes"], b[side + "_absmax"].double(), sizes, 4, 64)
             for j, (w, (q, am)) in enumerate(zip(want, parts)):
-                checked += assert_nearest_codes(q, am, w, 4, 64, "linear_square",
+                checked += assert_nearest_codes(q, am, w, 64, lowbit_values("linear_square", 4),
                                                 1e-6 if isinstance(src, torch.dtype) else 1e-5,
                                                 "%s %s tile %d" % (n, side, j))
     assert dst == torch.bfloat16 or checked > 500
