@@ -392,12 +392,14 @@ PYBIND11_MODULE(_C, m) {
           int64_t numel = 1;
           for (int64_t d : shape) numel *= d;
           const rfsdp::ParamShard whole(rfsdp::TensorShard::whole("tensor", shape), at::empty({numel}));
-          std::vector<std::tuple<int64_t, int64_t, int64_t>> out;
-          for (const auto& t : rfsdp::shampoo_tiles(whole, 0, max_dim)) out.emplace_back(t.local_offset, t.rows, t.cols);
+          std::vector<std::tuple<int64_t, int64_t, int64_t, int64_t>> out;
+          for (const auto& t : rfsdp::shampoo_tiles(whole, 0, max_dim)) {
+            out.emplace_back(t.local_offset, t.rows, t.cols, t.stride);
+          }
           return out;
         },
         py::arg("shape"), py::arg("max_preconditioner_dim"),
-        "A tensor's Shampoo / SOAP tiles in tile order: (first element, rows, columns)");
+        "A tensor's Shampoo / SOAP tiles in tile order: (first element, rows, columns, row stride)");
   m.def("lowbit_quantize",
         [](const at::Tensor& x, const std::string& map, int bits, int64_t block) {
           const int64_t n = x.numel();

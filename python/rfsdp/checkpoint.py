@@ -627,8 +627,8 @@ def _check_settings(path, saved, optimizer):
             "checkpoint %s: the optimizer was %s, this one is %s: build it with the saved "
             "settings (8-bit blocks, Shampoo tiles and the like shape the states), or, for "
             "AdamW8bit's block and min_8bit_size, Muon's momentum_dtype, momentum_block and "
-            "momentum_map, or Shampoo's and SOAP's basis_dtype, basis_block and basis_map, load "
-            "with requantize=True. Nothing was loaded"
+            "momentum_map, or Shampoo's and SOAP's basis_dtype, basis_block and basis_map (and "
+            "SOAP's state_dtype), load with requantize=True. Nothing was loaded"
             % (path, saved, now))
 
 
@@ -637,7 +637,7 @@ def _check_settings(path, saved, optimizer):
 BASES = {"basis_dtype", "basis_block", "basis_map", "bjorck_iterations"}
 REQUANTIZABLE = {"AdamW8bit": {"block", "min_8bit_size"},
                  "Muon": {"momentum_dtype", "momentum_block", "momentum_map"},
-                 "Shampoo": BASES, "SOAP": BASES}
+                 "Shampoo": BASES, "SOAP": BASES | {"state_dtype"}}
 
 
 def _requantized(path, sd, fqn, p, saved, optimizer):
@@ -659,7 +659,8 @@ def load(path, model, optimizer=None, *, process_group=None, check_files=True, r
     unless everything was read. requantize=True: an AdamW8bit checkpoint loads
     into an AdamW8bit with another block or min_8bit_size, a Muon one into a Muon
     with another momentum_dtype, momentum_block or momentum_map, a Shampoo or SOAP
-    one into one with another basis_dtype, basis_block or basis_map (states
+    one into one with another basis_dtype, basis_block or basis_map (SOAP: or
+    state_dtype) (states
     decoded, then encoded as this optimizer keeps them: within one code of each)."""
     pg = _group(process_group)
     path = os.path.abspath(path)

@@ -704,8 +704,8 @@ class Shampoo(_OverCpp):
 # entries in tile order (each rank's tiles: those whose first element it holds).
 
 def _tiles_here(p, max_dim):
-    """p's tiles for the whole tensor, [(first element, rows, cols)] in tile order,
-    and the range [a, b) of them this rank keeps."""
+    """p's tiles for the whole tensor, [(first element, rows, cols, row stride)] in
+    tile order, and the range [a, b) of them this rank keeps."""
     info = info_of("param", p)
     shape = list(info.global_shape) if info is not None else list(p.shape)
     tiles = _C.shampoo_tile_list(shape, max_dim)
@@ -744,6 +744,45 @@ def _pieces(full, live, tiles, a, b, sizes):
         if name in live:
             off = _offsets(tiles, size)
             out[name] = full[name].reshape(-1)[off[a]:off[b]].clone()
+    return out
+
+
+def _tile_view(flat, t, first=None):
+    """Tile t of a flat tensor laid out as the whole tensor (first: t's first
+    element there; default t's own)."""
+    return flat.as_strided((t[1], t[2]), (t[3], 1),
+                           flat.storage_offset() + (t[0] if first is None else first))
+
+
+def _recoded_moments(p, full, live, tiles, a, b):
+    """SOAP's m and v of p moved between fp32 and 8-bit codes (one block per tile
+    row; dynamic maps, signed for m, unsigned for v): saved codes decoded whole
+    and this rank's rows taken, or this rank's tiles of the saved fp32 moments
+    encoded."""
+    info = info_of("param", p)
+    numel = info.global_numel if info is not None else p.numel()
+    e0 = info.row_begin * info.row_len if info is not None else 0
+    out = {}
+    for name, signed in (("exp_avg", True), ("exp_avg_sq", False)):
+        code = _C.dynamic_map(signed)
+        if name + "_codes" in full:
+            whole = torch.empty(numel)
+            ao = _offsets(tiles, lambda t: t[1])
+            codes, absmax = full[name + "_codes"].reshape(-1), full[name + "_absmax"].reshape(-1)
+            for k, t in enumerate(tiles):
+                _tile_view(whole, t).copy_(code[_tile_view(codes, t).long()]
+                                           * absmax[ao[k]:ao[k + 1]].unsqueeze(1))
+            out.update(_like_rows(p, {name: whole}, live, (name,)))
+            continue
+        whole = full[name].reshape(-1).float()
+        codes = torch.zeros(live[name + "_codes"].numel(), dtype=torch.uint8)
+        scales = []
+        for t in tiles[a:b]:
+            q, am = _C.quantize_blockwise(_tile_view(whole, t).contiguous(), code, t[2])
+            _tile_view(codes, t, t[0] - e0).copy_(q.reshape(t[1], t[2]))
+            scales.append(am.reshape(-1))
+        out[name + "_codes"] = codes.reshape(live[name + "_codes"].shape)
+        out[name + "_absmax"] = torch.cat(scales) if scales else torch.zeros(0)
     return out
 
 
@@ -875,24 +914,30 @@ class SOAP(_OverCpp):
         self._bind()
 
     def requantized_state(self, p, saved_settings, full):
-        """p's state under this optimizer's basis storage from a checkpoint's full
+        """p's state under this optimizer's storage from a checkpoint's full
         (unsharded) state of p, saved by a SOAP with saved_settings (another
-        basis_dtype, basis_block, basis_map or bjorck_iterations): each basis of this
-        rank's tiles as the saved optimizer used it (dequantised and rectified where
-        quantised), stored as this one keeps it; every other state this rank's piece
-        as saved. For load_sharded_state."""
+        basis_dtype, basis_block, basis_map, bjorck_iterations or state_dtype):
+        each basis of this rank's tiles as the saved optimizer used it
+        (dequantised and rectified where quantised), and m and v decoded, then
+        stored as this one keeps them; every other state this rank's piece as
+        saved. For load_sharded_state."""
         self._bind()
         live = self.sharded_state(p)
-        out = _like_rows(p, full, live, ("exp_avg", "exp_avg_sq", "exp_avg_codes", "exp_avg_sq_codes"))
-        if "step" in full:
-            out["step"] = full["step"]
-        if "factor_left" not in live:  # Adam alone
+        out = {"step": full["step"]} if "step" in full else {}
+        if "factor_left" not in live:  # Adam alone (fp32 moments)
+            out.update(_like_rows(p, full, live, ("exp_avg", "exp_avg_sq")))
             return out
         tiles, a, b = _tiles_here(p, self.config["max_preconditioner_dim"])
         out.update(_pieces(full, live, tiles, a, b, {
             "factor_left": lambda t: t[1] * (t[1] + 1) // 2,
-            "factor_right": lambda t: t[2] * (t[2] + 1) // 2,
-            "exp_avg_absmax": lambda t: t[1], "exp_avg_sq_absmax": lambda t: t[1]}))
+            "factor_right": lambda t: t[2] * (t[2] + 1) // 2}))
+        if ("exp_avg_codes" in full) == ("exp_avg_codes" in live):  # m and v kept alike
+            out.update(_like_rows(p, full, live, ("exp_avg", "exp_avg_sq", "exp_avg_codes",
+                                                  "exp_avg_sq_codes")))
+            out.update(_pieces(full, live, tiles, a, b, {"exp_avg_absmax": lambda t: t[1],
+                                                         "exp_avg_sq_absmax": lambda t: t[1]}))
+        else:
+            out.update(_recoded_moments(p, full, live, tiles, a, b))
         old = _lowbit_format(saved_settings["basis_dtype"], saved_settings["basis_block"],
                              saved_settings["basis_map"])
         new = _lowbit_format(self.config["basis_dtype"], self.config["basis_block"],

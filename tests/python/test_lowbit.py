@@ -452,12 +452,18 @@ def test_checkpoint_requantized_on_two_ranks_gives_one_process_codes(kind, tmp_p
 
 # --- checkpoints into other basis storage (Shampoo's roots, SOAP's bases) -------------
 
-def tiles_of(shape, b=8):
-    """(rows, cols) of a tensor's tiles in tile order, written out here: E matrices
-    H x I for [E, H, I], one matrix otherwise, cut into tiles of at most b x b."""
+def tile_places(shape, b=8):
+    """A tensor's tiles in tile order, written out here, as (first element, rows,
+    cols, row stride): E matrices H x I for [E, H, I], one matrix otherwise, cut
+    into tiles of at most b x b."""
     mats, h, w = (shape[0], shape[1], shape[2]) if len(shape) == 3 else (1, shape[0], shape[1])
-    return [(min(b, h - r), min(b, w - c)) for _ in range(mats) for r in range(0, h, b)
-            for c in range(0, w, b)]
+    return [(e * h * w + r * w + c, min(b, h - r), min(b, w - c), w) for e in range(mats)
+            for r in range(0, h, b) for c in range(0, w, b)]
+
+
+def tiles_of(shape, b=8):
+    """(rows, cols) of a tensor's tiles in tile order."""
+    return [(r, c) for _, r, c, _ in tile_places(shape, b)]
 
 
 def unpacked(x, n):
@@ -638,6 +644,57 @@ def test_soap_checkpoint_requantizes_its_bases(src, dst, tmp_path):
                                                 1e-6 if isinstance(src, torch.dtype) else 1e-5,
                                                 "%s %s tile %d" % (n, side, j))
     assert dst == torch.bfloat16 or checked > 500
+    for g in grads(seed)[4:]:
+        set_grads(m2, g)
+        o2.step()
+    assert all(torch.isfinite(q).all() for q in m2.parameters())
+
+
+@pytest.mark.parametrize("src,dst", [(torch.float32, "int8"), ("int8", torch.float32)],
+                         ids=["fp32-to-int8", "int8-to-fp32"])
+def test_soap_checkpoint_moves_m_and_v_between_fp32_and_8bit(src, dst, tmp_path):
+    seed = int(torch.randint(0, 2 ** 30, ()).item())
+    torch.manual_seed(seed)
+
+    def soap(params, state):
+        return rfsdp.optim.SOAP(params, lr=1e-2, betas=(0.9, 0.95), precondition_frequency=2,
+                                max_preconditioner_dim=8, state_dtype=state)
+    model = Mats()
+    opt = soap(model.parameters(), src)
+    for g in grads(seed)[:4]:
+        set_grads(model, g)
+        opt.step()
+    ckpt = str(tmp_path / "ckpt")
+    rfsdp.checkpoint.save(ckpt, model, opt)
+    m2 = Mats()
+    o2 = soap(m2.parameters(), dst)
+    with pytest.raises(rfsdp.checkpoint.CheckpointError, match="requantize=True"):
+        rfsdp.checkpoint.load(ckpt, m2, o2)
+    rfsdp.checkpoint.load(ckpt, m2, o2, requantize=True)
+    checked = 0
+    for (n, p), p2 in zip(model.named_parameters(), m2.parameters()):
+        a, b = opt.state[p], o2.state[p2]
+        for k in ("factor_left", "factor_right", "basis_left", "basis_right"):
+            assert torch.equal(a[k], b[k]), (n, k)
+        for name, signed in (("exp_avg", True), ("exp_avg_sq", False)):
+            code = rfsdp._C.dynamic_map(signed).double()
+            coded = a if src == "int8" else b
+            flat = coded[name + "_codes"].reshape(-1)
+            row = 0
+            for first, rows, cols, stride in tile_places(tuple(p.shape)):
+                q = flat.as_strided((rows, cols), (stride, 1), first).long()
+                am = coded[name + "_absmax"][row:row + rows].double()
+                row += rows
+                if src == "int8":  # decoded: the fp32 product of code and scale
+                    want = (code[q] * am.unsqueeze(1)).float()
+                    got = b[name].reshape(-1).as_strided((rows, cols), (stride, 1), first)
+                    assert torch.equal(got, want), (n, name)
+                    continue
+                want = a[name].reshape(-1).as_strided((rows, cols), (stride, 1), first).double()
+                for r in range(rows):  # one block per tile row
+                    checked += assert_nearest_codes(q[r], am[r:r + 1], want[r], cols, code,
+                                                    1e-6 * want[r].abs().max().item(), n)
+    assert src == "int8" or checked > 1000
     for g in grads(seed)[4:]:
         set_grads(m2, g)
         o2.step()
