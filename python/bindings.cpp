@@ -32,6 +32,11 @@ rfsdp::quant::BlockShape block_shape(const py::object& block) {
   return rfsdp::quant::BlockShape::tiles(t.first, t.second);
 }
 
+// basis_dtype "int8" / "int4": its bits; anything else 0.
+int lowbit_bits(const std::string& basis_dtype) {
+  return basis_dtype == "int8" ? 8 : basis_dtype == "int4" ? 4 : 0;
+}
+
 // The planner's options from Python (plan_unit checks them).
 rfsdp::PlannerOptions planner_options(int max_buffers, int64_t collective_cost_bytes) {
   rfsdp::PlannerOptions o;
@@ -325,9 +330,8 @@ PYBIND11_MODULE(_C, m) {
              c.factor_dtype = dtype_of(factor_dtype);
              c.rank_deficient = rfsdp::parse_rank_deficient(rank_deficient);
              c.rank_rtol = rank_rtol;
-             if (basis_dtype == "int8" || basis_dtype == "int4") {
-               c.basis_bits = basis_dtype == "int8" ? 8 : 4;
-             } else if (!basis_dtype.empty()) {
+             c.basis_bits = lowbit_bits(basis_dtype);
+             if (!c.basis_bits && !basis_dtype.empty()) {
                throw std::invalid_argument("Shampoo: basis_dtype must be \"int8\", \"int4\" or none");
              }
              c.basis_block = basis_block;
@@ -363,11 +367,8 @@ PYBIND11_MODULE(_C, m) {
              c.correct_bias = correct_bias;
              c.factor_dtype = dtype_of(factor_dtype);
              c.state_dtype = state_dtype == "int8" ? at::kByte : dtype_of(state_dtype);
-             if (basis_dtype == "int8" || basis_dtype == "int4") {
-               c.basis_bits = basis_dtype == "int8" ? 8 : 4;
-             } else {
-               c.basis_dtype = dtype_of(basis_dtype);
-             }
+             c.basis_bits = lowbit_bits(basis_dtype);
+             if (!c.basis_bits) c.basis_dtype = dtype_of(basis_dtype);
              c.basis_block = basis_block;
              c.basis_map = basis_map;
              c.bjorck_iterations = bjorck_iterations;
@@ -419,6 +420,10 @@ PYBIND11_MODULE(_C, m) {
         py::arg("codes"), py::arg("absmax"), py::arg("map"), py::arg("bits"), py::arg("block"),
         py::arg("n"));
   m.def("bjorck", &rfsdp::quant::bjorck, py::arg("v"), py::arg("iterations"));
+  m.def("shampoo_unpack", &rfsdp::Shampoo::unpack, py::arg("flat"), py::arg("offset"), py::arg("n"),
+        "The n x n symmetric matrix packed (upper triangle, row by row) at offset of flat, fp32");
+  m.def("shampoo_pack", &rfsdp::Shampoo::pack, py::arg("full"),
+        "A symmetric matrix's upper triangle, row by row (float32)");
 
   // Every rank's lines equal, or a ValueError on every rank naming the first
   // difference (collective; fully_shard's agreement).

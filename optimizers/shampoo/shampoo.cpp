@@ -38,10 +38,7 @@ void check_config(const ShampooConfig& c) {
     throw std::invalid_argument("Shampoo: rank_rtol must be < 1 (negative: n * eps(float32))");
   }
   if (c.basis_bits != 0) {
-    if (c.basis_block < 1 || c.bjorck_iterations < 0) {
-      throw std::invalid_argument("Shampoo: basis_block must be >= 1 and bjorck_iterations >= 0");
-    }
-    quant::lowbit_map(c.basis_map, c.basis_bits);  // checks the bits and the map
+    quant::check_lowbit_format("Shampoo", c.basis_bits, c.basis_block, c.basis_map, c.bjorck_iterations);
   }
 }
 

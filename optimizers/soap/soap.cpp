@@ -102,10 +102,8 @@ SOAP::SOAP(std::vector<ParamShard> params, SOAPOptions options, SOAPConfig confi
   }
   state_dtype_8bit_ = config_.state_dtype == at::kByte;
   if (config_.basis_bits != 0) {
-    if (config_.basis_block < 1 || config_.bjorck_iterations < 0) {
-      throw std::invalid_argument("SOAP: basis_block must be >= 1 and bjorck_iterations >= 0");
-    }
-    quant::lowbit_map(config_.basis_map, config_.basis_bits);  // checks the bits and the map
+    quant::check_lowbit_format("SOAP", config_.basis_bits, config_.basis_block, config_.basis_map,
+                               config_.bjorck_iterations);
   }
   if (state_dtype_8bit_) {
     lut_m_ = quant::code_lut(quant::dynamic_map(true));

@@ -20,6 +20,14 @@ at::Tensor lowbit_map(const std::string& name, int bits) {
                               "': use \"linear_square\", \"linear\" or \"dynamic\" (8 bits)");
 }
 
+void check_lowbit_format(const std::string& who, int bits, int64_t block, const std::string& map,
+                         int bjorck_iterations) {
+  if (block < 1 || bjorck_iterations < 0) {
+    throw std::invalid_argument(who + ": basis_block must be >= 1 and bjorck_iterations >= 0");
+  }
+  lowbit_map(map, bits);  // checks the bits and the map
+}
+
 int64_t lowbit_blocks(int64_t n, int64_t block) { return (n + block - 1) / block; }
 
 int64_t lowbit_code_bytes(int64_t n, int bits) { return bits == 4 ? (n + 1) / 2 : n; }
@@ -62,10 +70,8 @@ at::Tensor bjorck(at::Tensor v, int iterations) {
 LowbitSquares::LowbitSquares(const std::vector<int64_t>& sizes, int bits, int64_t block,
                              const std::string& map_name, int bjorck_iterations, at::TensorOptions on)
     : n_(sizes), bits_(bits), iterations_(bjorck_iterations), block_(block) {
-  if (block < 1 || bjorck_iterations < 0) {
-    throw std::invalid_argument("low-bit bases: the block must be >= 1 and the Björck iterations >= 0");
-  }
-  map_ = lowbit_map(map_name, bits).to(on.device());  // checks the bits and the name
+  check_lowbit_format("low-bit bases", bits, block, map_name, bjorck_iterations);
+  map_ = lowbit_map(map_name, bits).to(on.device());
   int64_t codes = 0, blocks = 0;
   for (int64_t n : n_) {
     code_at_.push_back(codes);

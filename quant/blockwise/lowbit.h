@@ -18,6 +18,11 @@ namespace rfsdp::quant {
 // "dynamic" (8 bits: bitsandbytes' signed dynamic map).
 at::Tensor lowbit_map(const std::string& name, int bits);
 
+// Throws std::invalid_argument, naming `who`, unless bits, block, map and Björck
+// iterations make a low-bit format (4 or 8 bits, block >= 1, a known map, >= 0).
+void check_lowbit_format(const std::string& who, int bits, int64_t block, const std::string& map,
+                         int bjorck_iterations);
+
 int64_t lowbit_blocks(int64_t n, int64_t block);
 int64_t lowbit_code_bytes(int64_t n, int bits);
 
