@@ -660,8 +660,8 @@ def load(path, model, optimizer=None, *, process_group=None, check_files=True, r
     into an AdamW8bit with another block or min_8bit_size, a Muon one into a Muon
     with another momentum_dtype, momentum_block or momentum_map, a Shampoo or SOAP
     one into one with another basis_dtype, basis_block or basis_map (SOAP: or
-    state_dtype) (states
-    decoded, then encoded as this optimizer keeps them: within one code of each)."""
+    state_dtype): states decoded, then encoded as this optimizer keeps them,
+    within one code of each."""
     pg = _group(process_group)
     path = os.path.abspath(path)
 

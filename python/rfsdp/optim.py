@@ -343,9 +343,7 @@ class AdamW8bit(AdamW):
         the saved blocks, or fp32), this rank's rows, quantised with this
         optimizer's blocks (or kept fp32 where this one keeps them so): within
         one code of the saved values. For load_sharded_state."""
-        info = info_of("param", p)  # the rows the optimizer sees (row_dims included) decide the blocks
-        rows, row_len = (info.full_rows, info.row_len) if info else _C.row_geometry(list(p.shape), 1)
-        begin, end = (info.row_begin, info.row_end) if info else (0, rows)
+        rows, row_len, begin, end = _row_span(p)  # the rows the optimizer sees decide the blocks
         old_block = saved_settings["block"]
         old_block = tuple(old_block) if isinstance(old_block, list) else old_block
         live = self.sharded_state(p)
@@ -462,16 +460,11 @@ class Muon(_OverCpp):
         of the saved values). An AdamW-part parameter's moments: this rank's rows.
         For load_sharded_state."""
         self._bind()
-        info = info_of("param", p)
-        rows, row_len = (info.full_rows, info.row_len) if info else _C.row_geometry(list(p.shape), 1)
-        begin, end = (info.row_begin, info.row_end) if info else (0, rows)
+        _, row_len, begin, end = _row_span(p)
         part, _ = self._where[id(p)]
         live = self.sharded_state(p)
         if part.impl is self._aux:
-            out = {k: full[k].reshape(rows, row_len)[begin:end].reshape(live[k].shape).clone()
-                   for k in ("exp_avg", "exp_avg_sq")}
-            out["step"] = full["step"]
-            return out
+            return dict(_like_rows(p, full, live, ("exp_avg", "exp_avg_sq")), step=full["step"])
         if "momentum_codes" in full:
             whole = _C.dequantize_blockwise(
                 full["momentum_codes"].reshape(-1), full["momentum_absmax"],
@@ -651,21 +644,20 @@ class Shampoo(_OverCpp):
                              self.config["basis_map"])
         fdt = getattr(torch, self.config["factor_dtype"])
         for left, side in ((True, "root_left"), (False, "root_right")):
-            qs, ss = [], []
-            for k in range(a, b):
-                n = _side(tiles[k], left)
-                if old is None:  # a packed root R = Q diag(s) Q^T
-                    off = _offsets(tiles, packed[left])
-                    lam, q = torch.linalg.eigh(_packed_to_full(full[side].reshape(-1)[off[k]:off[k + 1]], n))
-                    qs.append(q.float())
-                    ss.append(lam.float())
-                else:
-                    qs.append(_decode_squares(full, side + "_basis", tiles, left, old,
-                                              saved_settings["bjorck_iterations"], k))
-                    so = _offsets(tiles, lambda t: _side(t, left))
-                    ss.append(full[side + "_eigenvalues"].reshape(-1)[so[k]:so[k + 1]].float())
+            if old is None:  # packed roots R = Q diag(s) Q^T: their eigh
+                off = _offsets(tiles, packed[left])
+                eig = [torch.linalg.eigh(_C.shampoo_unpack(full[side].reshape(-1), off[k],
+                                                           _side(tiles[k], left)).double())
+                       for k in range(a, b)]
+                qs, ss = [q.float() for _, q in eig], [lam.float() for lam, _ in eig]
+            else:
+                qs = _decode_squares(full, side + "_basis", tiles, left, old,
+                                     saved_settings["bjorck_iterations"], a, b)
+                so = _offsets(tiles, lambda t: _side(t, left))
+                ss = [full[side + "_eigenvalues"].reshape(-1)[so[k]:so[k + 1]].float()
+                      for k in range(a, b)]
             if new is None:
-                roots = [_full_to_packed((q.double() * s.double()) @ q.double().T) for q, s in zip(qs, ss)]
+                roots = [_C.shampoo_pack((q.double() * s.double()) @ q.double().T) for q, s in zip(qs, ss)]
                 out[side] = torch.cat(roots).to(fdt) if roots else torch.zeros(0, dtype=fdt)
             else:
                 out.update(_encode_squares(qs, side + "_basis", new, torch.float32))
@@ -707,11 +699,9 @@ def _tiles_here(p, max_dim):
     """p's tiles for the whole tensor, [(first element, rows, cols, row stride)] in
     tile order, and the range [a, b) of them this rank keeps."""
     info = info_of("param", p)
-    shape = list(info.global_shape) if info is not None else list(p.shape)
-    tiles = _C.shampoo_tile_list(shape, max_dim)
-    if info is None:
-        return tiles, 0, len(tiles)
-    e0, e1 = info.row_begin * info.row_len, info.row_end * info.row_len
+    tiles = _C.shampoo_tile_list(list(info.global_shape if info is not None else p.shape), max_dim)
+    _, row_len, begin, end = _row_span(p)
+    e0, e1 = begin * row_len, end * row_len
     here = [k for k, t in enumerate(tiles) if e0 <= t[0] < e1]
     return (tiles, here[0], here[-1] + 1) if here else (tiles, 0, 0)
 
@@ -728,11 +718,19 @@ def _side(t, left):
     return t[1] if left else t[2]
 
 
+def _row_span(p):
+    """(rows, row_len, begin, end): p's row geometry as the optimizers see it
+    (row_dims included) and this rank's rows [begin, end) (all of them unsharded)."""
+    info = info_of("param", p)
+    if info is None:
+        rows, row_len = _C.row_geometry(list(p.shape), 1)
+        return rows, row_len, 0, rows
+    return info.full_rows, info.row_len, info.row_begin, info.row_end
+
+
 def _like_rows(p, full, live, names):
     """This rank's rows of p's saved states shaped like the parameter."""
-    info = info_of("param", p)
-    rows, row_len = (info.full_rows, info.row_len) if info else _C.row_geometry(list(p.shape), 1)
-    begin, end = (info.row_begin, info.row_end) if info else (0, rows)
+    rows, row_len, begin, end = _row_span(p)
     return {k: full[k].reshape(rows, row_len)[begin:end].reshape(live[k].shape).clone()
             for k in names if k in live}
 
@@ -759,9 +757,8 @@ def _recoded_moments(p, full, live, tiles, a, b):
     row; dynamic maps, signed for m, unsigned for v): saved codes decoded whole
     and this rank's rows taken, or this rank's tiles of the saved fp32 moments
     encoded."""
-    info = info_of("param", p)
-    numel = info.global_numel if info is not None else p.numel()
-    e0 = info.row_begin * info.row_len if info is not None else 0
+    rows, row_len, begin, _ = _row_span(p)
+    numel, e0 = rows * row_len, begin * row_len
     out = {}
     for name, signed in (("exp_avg", True), ("exp_avg_sq", False)):
         code = _C.dynamic_map(signed)
@@ -791,20 +788,22 @@ def _lowbit_format(dtype, block, cmap):
     return ({"int8": 8, "int4": 4}[dtype], block, cmap) if dtype in ("int8", "int4") else None
 
 
-def _decode_squares(full, name, tiles, left, fmt, iterations, k):
-    """Tile k's n x n matrix on one side of a saved sequence: fp32 / bf16 entries, or
-    (fmt) low-bit codes dequantised and Björck-rectified as the saved optimizer used them."""
-    n = _side(tiles[k], left)
+def _decode_squares(full, name, tiles, left, fmt, iterations, a, b):
+    """Tiles a..b-1's n x n matrices on one side of a saved sequence: fp32 / bf16
+    entries, or (fmt) low-bit codes dequantised and Björck-rectified as the saved
+    optimizer used them."""
+    sizes = [_side(t, left) for t in tiles]
     if fmt is None:
         off = _offsets(tiles, lambda t: _side(t, left) ** 2)
-        return full[name].reshape(-1)[off[k]:off[k] + n * n].float().view(n, n)
+        return [full[name].reshape(-1)[off[k]:off[k + 1]].float().view(sizes[k], sizes[k])
+                for k in range(a, b)]
     bits, block, cmap = fmt
     co = _offsets(tiles, lambda t: (_side(t, left) ** 2 * bits + 7) // 8)
     ao = _offsets(tiles, lambda t: -(-_side(t, left) ** 2 // block))
-    q = _C.lowbit_dequantize(full[name + "_codes"].reshape(-1)[co[k]:co[k + 1]],
-                             full[name + "_absmax"].reshape(-1)[ao[k]:ao[k + 1]], cmap, bits, block,
-                             n * n)
-    return _C.bjorck(q.view(n, n), iterations)
+    codes, absmax = full[name + "_codes"].reshape(-1), full[name + "_absmax"].reshape(-1)
+    return [_C.bjorck(_C.lowbit_dequantize(codes[co[k]:co[k + 1]], absmax[ao[k]:ao[k + 1]], cmap,
+                                           bits, block, sizes[k] ** 2).view(sizes[k], sizes[k]),
+                      iterations) for k in range(a, b)]
 
 
 def _encode_squares(qs, name, fmt, dtype):
@@ -817,19 +816,6 @@ def _encode_squares(qs, name, fmt, dtype):
     pairs = [_C.lowbit_quantize(q.contiguous(), cmap, bits, block) for q in qs]
     return {name + "_codes": torch.cat([c for c, _ in pairs]) if pairs else torch.zeros(0, dtype=torch.uint8),
             name + "_absmax": torch.cat([a for _, a in pairs]) if pairs else torch.zeros(0)}
-
-
-def _packed_to_full(x, n):
-    i, j = torch.triu_indices(n, n)
-    m = torch.zeros(n, n, dtype=torch.float64)
-    m[i, j] = x.double()
-    m[j, i] = x.double()
-    return m
-
-
-def _full_to_packed(m):
-    i, j = torch.triu_indices(m.shape[0], m.shape[0])
-    return m[i, j]
 
 
 def _check_quantised_bases(who, basis_dtype, basis_map, basis_block, bjorck_iterations):
@@ -944,8 +930,7 @@ class SOAP(_OverCpp):
                              self.config["basis_map"])
         dtype = None if new else getattr(torch, self.config["basis_dtype"])
         for left, side in ((True, "basis_left"), (False, "basis_right")):
-            qs = [_decode_squares(full, side, tiles, left, old, saved_settings["bjorck_iterations"], k)
-                  for k in range(a, b)]
+            qs = _decode_squares(full, side, tiles, left, old, saved_settings["bjorck_iterations"], a, b)
             out.update(_encode_squares(qs, side, new, dtype))
         return out
 
