@@ -81,9 +81,9 @@ void expect(const at::Tensor& t, at::ScalarType dt, int64_t n, const char* what)
               " elements, got ", t.numel(), " ", c10::toString(t.scalar_type()));
 }
 
-const rfsdp::quant::cpu::CodeLut& lut_of(const at::Tensor& code) {
+const rfsdp::quant::cpu::CodeLut& lut_of(const at::Tensor& code, bool keep_nonzero = false) {
   // code_lut caches per distinct code; the shared_ptr it returns stays in the cache.
-  return *rfsdp::quant::code_lut(code);
+  return *rfsdp::quant::code_lut(code, keep_nonzero);
 }
 
 // A Comm over a torch.distributed group, with a timeout in seconds as Python
@@ -468,7 +468,8 @@ PYBIND11_MODULE(_C, m) {
         py::arg("collective_cost_bytes") = rfsdp::PlannerOptions{}.collective_cost_bytes);
 
   // The kernels alone, on the tensors' device (tests check them element by element;
-  // benches time them without the entry points' argument and NaN checks).
+  // benches time them without the entry points' argument and NaN checks). The
+  // AdamW8bit step rounds v as the optimizer does (keep_nonzero: see CodeLut).
   m.def("adamw8bit_step", [](at::Tensor p, at::Tensor g, at::Tensor q1, at::Tensor a1, at::Tensor q2,
                              at::Tensor a2, const py::object& block, int64_t row_len,
                              const at::Tensor& code1, const at::Tensor& code2, double lr, double b1,
@@ -480,7 +481,7 @@ PYBIND11_MODULE(_C, m) {
     const rfsdp::quant::AdamWHyper h{float(lr), float(b1), float(b2), float(eps), float(wd), step};
     if (p.is_cuda()) {
       rfsdp::quant::cuda_ops::adamw8bit_step(p, g, q1, a1, q2, a2, L, code1.to(p.device()),
-                                             lut_of(code1), code2.to(p.device()), lut_of(code2), h);
+                                             lut_of(code1), code2.to(p.device()), lut_of(code2, true), h);
       return;
     }
     expect(p, at::kFloat, n, "param");
@@ -492,7 +493,7 @@ PYBIND11_MODULE(_C, m) {
     rfsdp::quant::cpu::adamw8bit_step(p.data_ptr<float>(), g.data_ptr<float>(),
                                       q1.data_ptr<uint8_t>(), a1.data_ptr<float>(),
                                       q2.data_ptr<uint8_t>(), a2.data_ptr<float>(), L,
-                                      lut_of(code1), lut_of(code2), h);
+                                      lut_of(code1), lut_of(code2, true), h);
   });
   m.def("cuda_quantize_into", [](const at::Tensor& x, const at::Tensor& code, const py::object& block,
                                  int64_t row_len, const at::Tensor& q, const at::Tensor& absmax) {
@@ -575,11 +576,14 @@ PYBIND11_MODULE(_C, m) {
   m.def("cuda_kernels_built", &rfsdp::quant::cuda_ops::built,
         "Whether this build has the CUDA quantisation kernels (nvcc was found)");
   m.def("quantize_blockwise",
-        [](const at::Tensor& x, const at::Tensor& code, const py::object& block, int64_t row_len) {
-          const auto q = rfsdp::quant::quantize_blockwise(x, code, block_shape(block), row_len);
+        [](const at::Tensor& x, const at::Tensor& code, const py::object& block, int64_t row_len,
+           bool keep_nonzero) {
+          const auto q = rfsdp::quant::quantize_blockwise(x, code, block_shape(block), row_len,
+                                                          keep_nonzero);
           return py::make_tuple(q.codes, q.absmax);
         },
-        py::arg("x"), py::arg("code"), py::arg("block"), py::arg("row_len") = -1);
+        py::arg("x"), py::arg("code"), py::arg("block"), py::arg("row_len") = -1,
+        py::arg("keep_nonzero") = false);
   m.def("dequantize_blockwise",
         [](const at::Tensor& codes, const at::Tensor& absmax, const at::Tensor& code,
            const py::object& block, int64_t row_len, std::optional<at::Tensor> out) {

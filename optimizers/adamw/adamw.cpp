@@ -122,7 +122,7 @@ AdamW8bit::AdamW8bit(std::vector<ParamShard> params, AdamWOptions options,
   code1_ = quant::dynamic_map(true);
   code2_ = quant::dynamic_map(false);
   lut1_ = quant::code_lut(code1_);
-  lut2_ = quant::code_lut(code2_);
+  lut2_ = quant::code_lut(code2_, /*keep_nonzero=*/true);  // v: see CodeLut
   for (size_t i = 0; i < params_.size(); ++i) {
     const ParamShard& p = params_[i];
     const bool eight = p.full_numel() >= min_8bit_size;

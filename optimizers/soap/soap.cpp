@@ -107,7 +107,7 @@ SOAP::SOAP(std::vector<ParamShard> params, SOAPOptions options, SOAPConfig confi
   }
   if (state_dtype_8bit_) {
     lut_m_ = quant::code_lut(quant::dynamic_map(true));
-    lut_v_ = quant::code_lut(quant::dynamic_map(false));
+    lut_v_ = quant::code_lut(quant::dynamic_map(false), /*keep_nonzero=*/true);  // v: see CodeLut
   }
   check_options(options);
   const size_t n = params_.size();

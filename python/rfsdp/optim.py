@@ -360,7 +360,8 @@ class AdamW8bit(AdamW):
             else:
                 raise ValueError("no saved moments of a parameter of shape %s" % (tuple(p.shape),))
             if codes in live:  # the whole tensor's blocks, then this rank's codes and scales
-                q, a = _C.quantize_blockwise(whole.contiguous(), code, self.block, row_len)
+                q, a = _C.quantize_blockwise(whole.contiguous(), code, self.block, row_len,
+                                             keep_nonzero=not signed)
                 _, first, _ = spans[scale]
                 out[codes] = q.reshape(-1)[begin * row_len:end * row_len].clone()
                 out[scale] = a.reshape(-1)[first:first + live[scale].numel()].clone()
@@ -775,7 +776,8 @@ def _recoded_moments(p, full, live, tiles, a, b):
         codes = torch.zeros(live[name + "_codes"].numel(), dtype=torch.uint8)
         scales = []
         for t in tiles[a:b]:
-            q, am = _C.quantize_blockwise(_tile_view(whole, t).contiguous(), code, t[2])
+            q, am = _C.quantize_blockwise(_tile_view(whole, t).contiguous(), code, t[2],
+                                          keep_nonzero=not signed)
             _tile_view(codes, t, t[0] - e0).copy_(q.reshape(t[1], t[2]))
             scales.append(am.reshape(-1))
         out[name + "_codes"] = codes.reshape(live[name + "_codes"].shape)

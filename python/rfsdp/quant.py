@@ -12,11 +12,13 @@ def _code(code, signed):
     return _C.code_map(code, bool(signed)) if isinstance(code, str) else code
 
 
-def quantize_blockwise(x, block=256, code="dynamic", signed=True):
+def quantize_blockwise(x, block=256, code="dynamic", signed=True, keep_nonzero=False):
     """-> (codes uint8 of x's shape, absmax float32 per block). block: an int
     (1-D blocks of the flattened tensor) or a pair (tiles of x seen as rows x
-    its last dim)."""
-    return _C.quantize_blockwise(x, _code(code, signed), block)
+    its last dim). keep_nonzero (unsigned codes): a value above 0 never takes
+    the code 0, as the 8-bit optimizers store second moments (a v stored as 0
+    beside a non-zero first moment would turn m / (sqrt(v) + eps) into m / eps)."""
+    return _C.quantize_blockwise(x, _code(code, signed), block, keep_nonzero=keep_nonzero)
 
 
 def dequantize_blockwise(codes, absmax, block=256, code="dynamic", signed=True, shape=None,

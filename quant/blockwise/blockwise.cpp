@@ -55,11 +55,11 @@ void check_same_device(const at::Tensor& t, const at::Tensor& ref, const char* w
 }  // namespace
 
 Quantized quantize_blockwise(const at::Tensor& x_in, const at::Tensor& code, BlockShape shape,
-                             int64_t row_len) {
+                             int64_t row_len, bool keep_nonzero) {
   check_tensor(x_in, at::kFloat, "quantize_blockwise input");
   const at::Tensor x = x_in.contiguous();
   const BlockLayout L = layout_of(x, shape, row_len);
-  const auto lut = code_lut(code);
+  const auto lut = code_lut(code, keep_nonzero);
   Quantized q{at::empty(x.sizes(), x.options().dtype(at::kByte)),
               at::empty({L.num_blocks}, x.options())};
   if (x.is_cuda()) {

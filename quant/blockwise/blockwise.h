@@ -15,9 +15,10 @@ struct Quantized {
 
 // x: float32. row_len: elements per row for tiles (the tensor seen as
 // rows x row_len); ignored for 1-D blocks. Default: the last dim (1 for 1-D).
-// NaN or Inf in x is an error.
+// NaN or Inf in x is an error. keep_nonzero: values above 0 never take the code
+// 0 (CodeLut; the rounding of Adam's second moments).
 Quantized quantize_blockwise(const at::Tensor& x, const at::Tensor& code, BlockShape shape,
-                             int64_t row_len = -1);
+                             int64_t row_len = -1, bool keep_nonzero = false);
 
 // Into `out` when given (float32, CPU, contiguous, as many elements as the
 // codes; returned), else into a new tensor of the codes' shape.

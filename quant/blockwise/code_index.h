@@ -21,12 +21,23 @@
 // Codes it cannot prove keep the table.
 #pragma once
 
+#include <cmath>
 #include <cstdint>
 #include <optional>
 
 #include "quant/blockwise/block_layout.h"  // RFSDP_HOST_DEVICE
 
 namespace rfsdp::quant {
+
+// Midpoint i of a sorted 256-value code, the boundary between rounding to code i
+// and to code i + 1 (ties go to i): (code[i] + code[i+1]) / 2 in float32, +inf
+// for i = 255; with keep_nonzero (code[0] == 0: see CodeLut) mid 0 is 0, so a
+// value above 0 never rounds to the code 0. Host and device compute it alike.
+RFSDP_HOST_DEVICE inline float code_midpoint(const float* code, int i, bool keep_nonzero) {
+  if (i >= 255) return INFINITY;
+  if (i == 0 && keep_nonzero) return code[0];
+  return (code[i] + code[i + 1]) * 0.5f;
+}
 
 struct CodeIndex {
   static constexpr uint32_t kLowestBinade = 96;  // float exponent field of binade 0 (2^-31)

@@ -17,13 +17,16 @@ float bits_to_float(uint32_t b) {
 
 }  // namespace
 
-CodeLut::CodeLut(const float* code256) {
+CodeLut::CodeLut(const float* code256, bool keep_nonzero) : keep_nonzero_(keep_nonzero) {
   for (int i = 0; i < 256; ++i) code_[i] = code256[i];
   for (int i = 0; i < 255; ++i) {
     if (!(code_[i] <= code_[i + 1])) throw std::invalid_argument("a code must be sorted ascending");
-    mid_[i] = (code_[i] + code_[i + 1]) * 0.5f;
   }
-  mid_[255] = std::numeric_limits<float>::infinity();
+  if (keep_nonzero && (code_[0] != 0.0f || !(code_[1] > 0.0f))) {
+    throw std::invalid_argument("keep_nonzero rounding needs a code whose smallest value is 0 "
+                                "(an unsigned map)");
+  }
+  for (int i = 0; i < 256; ++i) mid_[i] = code_midpoint(code_, i, keep_nonzero);
   // Each slot covers a value range; its entry is the nearest index at the
   // range's lower end. Exact when no range crosses two midpoints.
   table_.resize(8192);

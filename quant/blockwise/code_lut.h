@@ -13,10 +13,18 @@ namespace rfsdp::quant::cpu {
 // A sorted 256-value code with a lookup table for nearest-code search: the
 // sign, the exponent (clamped to the 32 binades below 2) and the top 7 mantissa
 // bits of a float pick a candidate, one compare against the midpoint to the next
-// code decides. 8 KiB, so it stays in L1. Built once per code.
+// code decides. 8 KiB, so it stays in L1. Built once per code and rounding.
+//
+// keep_nonzero (codes whose smallest value is 0: the unsigned maps): a value
+// above 0 never takes the code 0 (it rounds to code 1 at least; 0 stays 0).
+// Adam's second moment needs it: a v stored as 0 beside a non-zero m turns
+// m / (sqrt(v) + eps) into a step of m / eps (the "zero-point problem" of
+// low-bit second moments). Every kernel reads the rule from the midpoints: mid[0]
+// is 0 instead of code[1] / 2.
 class CodeLut {
  public:
-  explicit CodeLut(const float* code256);
+  explicit CodeLut(const float* code256, bool keep_nonzero = false);
+  bool keep_nonzero() const { return keep_nonzero_; }
   const float* code() const { return code_; }
   const float* mid() const { return mid_; }
   // The arithmetic index (code_index.h), proven exact for this code; null if none.
@@ -45,10 +53,11 @@ class CodeLut {
 
  private:
   float code_[256];
-  float mid_[256];  // mid_[i] = (code[i] + code[i+1]) / 2; mid_[255] = +inf
+  float mid_[256];  // mid_[i] = (code[i] + code[i+1]) / 2 (keep_nonzero: mid_[0] = 0); mid_[255] = +inf
   std::vector<uint8_t> table_;
   std::vector<float> slot_mid_;
   bool exact_ = true;
+  bool keep_nonzero_ = false;
   std::optional<CodeIndex> index_;
   alignas(64) uint8_t code_planes_[4 * 256];
   alignas(64) uint8_t index_mid_planes_[4 * 256];

@@ -4,6 +4,7 @@
 #include <map>
 #include <mutex>
 #include <stdexcept>
+#include <utility>
 #include <vector>
 
 namespace rfsdp::quant {
@@ -39,7 +40,7 @@ at::Tensor code_map(const std::string& name, bool is_signed) {
   throw std::invalid_argument("unknown code map '" + name + "': use \"dynamic\" or \"linear\"");
 }
 
-std::shared_ptr<const cpu::CodeLut> code_lut(const at::Tensor& code) {
+std::shared_ptr<const cpu::CodeLut> code_lut(const at::Tensor& code, bool keep_nonzero) {
   if (code.numel() != 256 || code.scalar_type() != at::kFloat) {
     throw std::invalid_argument("a code map must be 256 float32 values, got " +
                                 std::to_string(code.numel()) + " " +
@@ -48,10 +49,10 @@ std::shared_ptr<const cpu::CodeLut> code_lut(const at::Tensor& code) {
   const at::Tensor c = code.to(at::kCPU).contiguous();
   std::vector<float> key(c.data_ptr<float>(), c.data_ptr<float>() + 256);
   static std::mutex mu;
-  static std::map<std::vector<float>, std::shared_ptr<const cpu::CodeLut>> cache;
+  static std::map<std::pair<std::vector<float>, bool>, std::shared_ptr<const cpu::CodeLut>> cache;
   std::lock_guard<std::mutex> lock(mu);
-  auto& slot = cache[key];
-  if (!slot) slot = std::make_shared<const cpu::CodeLut>(key.data());
+  auto& slot = cache[{key, keep_nonzero}];
+  if (!slot) slot = std::make_shared<const cpu::CodeLut>(key.data(), keep_nonzero);
   return slot;
 }
 

@@ -18,7 +18,8 @@ at::Tensor linear_map(bool is_signed);
 // "dynamic" or "linear"; throws for another name.
 at::Tensor code_map(const std::string& name, bool is_signed);
 
-// The nearest-code table of a code, built once per distinct code and shared.
-std::shared_ptr<const cpu::CodeLut> code_lut(const at::Tensor& code);
+// The nearest-code table of a code, built once per distinct code (and
+// keep_nonzero: see CodeLut) and shared.
+std::shared_ptr<const cpu::CodeLut> code_lut(const at::Tensor& code, bool keep_nonzero = false);
 
 }  // namespace rfsdp::quant

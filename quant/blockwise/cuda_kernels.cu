@@ -30,9 +30,9 @@ struct SharedCode {
   bool has_index;
 
   // All threads of the block; the caller synchronises before use.
-  __device__ void load(const float* code, const CodeIndex& ix, bool has) {
+  __device__ void load(const float* code, const CodeIndex& ix, bool has, bool keep_nonzero) {
     const int i = threadIdx.x;  // kThreads == 256
-    mid[i] = i < 255 ? (code[i] + code[i + 1]) * 0.5f : INFINITY;  // as CodeLut does
+    mid[i] = code_midpoint(code, i, keep_nonzero);  // as CodeLut does
     const unsigned char* src = reinterpret_cast<const unsigned char*>(&ix);
     for (int b = i; b < static_cast<int>(sizeof(CodeIndex)); b += blockDim.x) index[b] = src[b];
     if (i == 0) has_index = has;
@@ -52,11 +52,13 @@ struct SharedCode {
 struct IndexArg {
   CodeIndex ix;
   bool has;
+  bool keep_nonzero;
 };
-IndexArg index_arg(const CodeIndex* index) {
+IndexArg index_arg(CodeRounding r) {
   IndexArg a{};
-  if (index) a.ix = *index;
-  a.has = index != nullptr;
+  if (r.index) a.ix = *r.index;
+  a.has = r.index != nullptr;
+  a.keep_nonzero = r.keep_nonzero;
   return a;
 }
 
@@ -94,7 +96,7 @@ __global__ void quantize_kernel(const float* __restrict x, BlockLayout L,
                                 uint8_t* __restrict q, float* __restrict absmax) {
   __shared__ SharedCode code;
   __shared__ float scratch[32];
-  code.load(code_g, ia.ix, ia.has);
+  code.load(code_g, ia.ix, ia.has, ia.keep_nonzero);
   __syncthreads();
   for (int64_t blk = blockIdx.x; blk < L.num_blocks; blk += gridDim.x) {
     const BlockLayout::Block b = L.block(blk);
@@ -146,8 +148,8 @@ __global__ void adamw8bit_kernel(float* __restrict p, const float* __restrict g,
   __shared__ float scratch[32];
   code1[threadIdx.x] = code1_g[threadIdx.x];
   code2[threadIdx.x] = code2_g[threadIdx.x];
-  near1.load(code1_g, ia1.ix, ia1.has);
-  near2.load(code2_g, ia2.ix, ia2.has);
+  near1.load(code1_g, ia1.ix, ia1.has, ia1.keep_nonzero);
+  near2.load(code2_g, ia2.ix, ia2.has, ia2.keep_nonzero);
   __syncthreads();
   for (int64_t blk = blockIdx.x; blk < L.num_blocks; blk += gridDim.x) {
     const BlockLayout::Block b = L.block(blk);
@@ -213,12 +215,12 @@ cudaError_t check_layout(const BlockLayout& L) {
 }  // namespace
 
 cudaError_t quantize(const float* x, const BlockLayout& L, const float* code,
-                     const CodeIndex* index, uint8_t* q, float* absmax, cudaStream_t stream) {
+                     CodeRounding rounding, uint8_t* q, float* absmax, cudaStream_t stream) {
   if (cudaError_t e = check_layout(L); e != cudaSuccess) return e;
   if (L.num_blocks == 0) return cudaSuccess;
   with_items(L.max_block_elems(), [&](auto items) {
     quantize_kernel<decltype(items)::value><<<grid_for(L), kThreads, 0, stream>>>(
-        x, L, code, index_arg(index), q, absmax);
+        x, L, code, index_arg(rounding), q, absmax);
   });
   return cudaGetLastError();
 }
@@ -233,15 +235,15 @@ cudaError_t dequantize(const uint8_t* q, const float* absmax, const BlockLayout&
 
 cudaError_t adamw8bit_step(float* param, const float* grad, uint8_t* q1, float* absmax1,
                            uint8_t* q2, float* absmax2, const BlockLayout& L, const float* code1,
-                           const CodeIndex* index1, const float* code2, const CodeIndex* index2,
+                           CodeRounding rounding1, const float* code2, CodeRounding rounding2,
                            const AdamWHyper& h, cudaStream_t stream) {
   if (cudaError_t e = check_layout(L); e != cudaSuccess) return e;
   if (L.num_blocks == 0) return cudaSuccess;
   const AdamWCoeffs c = adamw_coeffs(h);
   with_items(L.max_block_elems(), [&](auto items) {
     adamw8bit_kernel<decltype(items)::value><<<grid_for(L), kThreads, 0, stream>>>(
-        param, grad, q1, absmax1, q2, absmax2, L, code1, index_arg(index1), code2,
-        index_arg(index2), c);
+        param, grad, q1, absmax1, q2, absmax2, L, code1, index_arg(rounding1), code2,
+        index_arg(rounding2), c);
   });
   return cudaGetLastError();
 }

@@ -5,7 +5,8 @@
 // stride; the 256-value code lives in shared memory, loaded once per thread block.
 // The nearest code: the code's arithmetic index (code_index.h; the same
 // arithmetic as the CPU kernels, so the same codes) where `index` is given
-// (CodeLut::index()), else a binary search over the midpoints.
+// (CodeLut::index()), else a binary search over the midpoints; the midpoints
+// follow CodeLut's (code_midpoint: keep_nonzero included).
 #pragma once
 
 #include <cuda_runtime.h>
@@ -20,8 +21,15 @@ namespace rfsdp::quant::cuda {
 
 constexpr int64_t kMaxBlockElems = 4096;
 
+// How values round to a code: its arithmetic index (null: search the
+// midpoints) and CodeLut::keep_nonzero.
+struct CodeRounding {
+  const CodeIndex* index = nullptr;
+  bool keep_nonzero = false;
+};
+
 cudaError_t quantize(const float* x, const BlockLayout& layout, const float* code,
-                     const CodeIndex* index, uint8_t* q, float* absmax, cudaStream_t stream);
+                     CodeRounding rounding, uint8_t* q, float* absmax, cudaStream_t stream);
 
 cudaError_t dequantize(const uint8_t* q, const float* absmax, const BlockLayout& layout,
                        const float* code, float* out, cudaStream_t stream);
@@ -30,7 +38,7 @@ cudaError_t dequantize(const uint8_t* q, const float* absmax, const BlockLayout&
 // moments updated in fp32 registers, codes and parameter written once.
 cudaError_t adamw8bit_step(float* param, const float* grad, uint8_t* q1, float* absmax1,
                            uint8_t* q2, float* absmax2, const BlockLayout& layout,
-                           const float* code1, const CodeIndex* index1, const float* code2,
-                           const CodeIndex* index2, const AdamWHyper& h, cudaStream_t stream);
+                           const float* code1, CodeRounding rounding1, const float* code2,
+                           CodeRounding rounding2, const AdamWHyper& h, cudaStream_t stream);
 
 }  // namespace rfsdp::quant::cuda

@@ -45,6 +45,10 @@ cudaStream_t current_stream(const at::Device& d) {
       c10::impl::VirtualGuardImpl(d.type()).getStream(d).native_handle());
 }
 
+cuda::CodeRounding rounding_of(const cpu::CodeLut& lut) {
+  return {lut.index(), lut.keep_nonzero()};
+}
+
 void launched(cudaError_t e, const char* what) {
   if (e != cudaSuccess) {
     throw std::runtime_error(std::string(what) + ": CUDA error: " + cudaGetErrorString(e));
@@ -65,7 +69,7 @@ void quantize(const at::Tensor& x, const BlockLayout& L, const at::Tensor& code,
   check(absmax, at::kFloat, L.num_blocks, d, "quantize absmax");
   if (x.numel() == 0) return;
   c10::DeviceGuard guard(d);
-  launched(cuda::quantize(x.data_ptr<float>(), L, code.data_ptr<float>(), lut.index(),
+  launched(cuda::quantize(x.data_ptr<float>(), L, code.data_ptr<float>(), rounding_of(lut),
                           q.data_ptr<uint8_t>(), absmax.data_ptr<float>(), current_stream(d)),
            "quantize");
 }
@@ -104,8 +108,8 @@ void adamw8bit_step(const at::Tensor& p, const at::Tensor& g, const at::Tensor& 
   c10::DeviceGuard guard(d);
   launched(cuda::adamw8bit_step(p.data_ptr<float>(), g.data_ptr<float>(), q1.data_ptr<uint8_t>(),
                                 a1.data_ptr<float>(), q2.data_ptr<uint8_t>(), a2.data_ptr<float>(),
-                                L, code1.data_ptr<float>(), lut1.index(), code2.data_ptr<float>(),
-                                lut2.index(), h, current_stream(d)),
+                                L, code1.data_ptr<float>(), rounding_of(lut1), code2.data_ptr<float>(),
+                                rounding_of(lut2), h, current_stream(d)),
            "adamw8bit_step");
 }
 

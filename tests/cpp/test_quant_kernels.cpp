@@ -8,7 +8,9 @@
 #include <cmath>
 #include <cstdlib>
 #include <cstring>
+#include <limits>
 #include <random>
+#include <stdexcept>
 
 #include "quant/blockwise/code_index.h"
 #include "quant/blockwise/code_maps.h"
@@ -31,6 +33,20 @@ std::vector<at::Tensor> shipped_maps() {
   return {dynamic_map(true), dynamic_map(false), linear_map(true), linear_map(false)};
 }
 
+// Every (code, rounding) the library quantises with: the shipped maps, and the
+// unsigned ones with keep_nonzero (the second moments').
+struct Rounding {
+  at::Tensor code;
+  bool keep_nonzero;
+};
+std::vector<Rounding> shipped_roundings() {
+  std::vector<Rounding> out;
+  for (const at::Tensor& code : shipped_maps()) out.push_back({code, false});
+  out.push_back({dynamic_map(false), true});
+  out.push_back({linear_map(false), true});
+  return out;
+}
+
 TEST(CodeIndex, EqualsTheBinarySearchOnASampleOfEveryFloat) {
   const uint64_t seed = fresh_seed();
   SCOPED_TRACE("seed " + std::to_string(seed));
@@ -38,8 +54,9 @@ TEST(CodeIndex, EqualsTheBinarySearchOnASampleOfEveryFloat) {
   // RFSDP_EXHAUSTIVE=1: every float in (-2, 2) (minutes), else a fresh 1/211 of them.
   const bool all = std::getenv("RFSDP_EXHAUSTIVE") != nullptr;
   const uint32_t stride = all ? 1 : 211;
-  for (const at::Tensor& code : shipped_maps()) {
-    const cpu::CodeLut lut(code.data_ptr<float>());
+  for (const auto& [code, keep_nonzero] : shipped_roundings()) {
+    SCOPED_TRACE(keep_nonzero ? "keep_nonzero" : "nearest");
+    const cpu::CodeLut lut(code.data_ptr<float>(), keep_nonzero);
     ASSERT_NE(lut.index(), nullptr) << "the shipped maps all have an arithmetic index";
     const CodeIndex& ix = *lut.index();
     const uint32_t offset = static_cast<uint32_t>(rng() % stride);
@@ -58,6 +75,27 @@ TEST(CodeIndex, EqualsTheBinarySearchOnASampleOfEveryFloat) {
       }
     }
   }
+}
+
+// keep_nonzero: the search itself, against its definition on the values that
+// matter (the smallest positive floats, up to the first code's neighbourhood):
+// 0 takes code 0, anything above 0 code 1 at least, and from code 1 on the
+// nearest code as before. Signed codes refuse the rule.
+TEST(CodeLut, KeepNonzeroNeverRoundsAPositiveValueToZero) {
+  for (const at::Tensor& code : {dynamic_map(false), linear_map(false)}) {
+    const cpu::CodeLut nearest(code.data_ptr<float>()), kept(code.data_ptr<float>(), true);
+    const float c1 = kept.code()[1];
+    EXPECT_EQ(kept.nearest(0.0f), 0);
+    EXPECT_EQ(kept.nearest_by_search(0.0f), 0);
+    for (float v = std::numeric_limits<float>::denorm_min(); v < 4 * c1; v = v < 1e-30f ? v * 2 : v * 1.01f) {
+      const int want = nearest.nearest_by_search(v) == 0 ? 1 : nearest.nearest_by_search(v);
+      ASSERT_EQ(kept.nearest_by_search(v), want) << "v = " << v;
+      ASSERT_EQ(kept.nearest(v), want) << "v = " << v;
+    }
+    for (int i = 1; i < 256; ++i) EXPECT_EQ(kept.mid()[i], nearest.mid()[i]) << "midpoint " << i;
+  }
+  EXPECT_THROW(cpu::CodeLut(dynamic_map(true).data_ptr<float>(), true), std::invalid_argument);
+  EXPECT_NE(code_lut(dynamic_map(false), true), code_lut(dynamic_map(false), false));
 }
 
 TEST(CodeIndex, RefusedWhereTheStructureDoesNotFit) {
@@ -98,8 +136,9 @@ TEST(Kernels, QuantiseGivesTheSearchsCodeForEveryValue) {
   SCOPED_TRACE("seed " + std::to_string(seed));
   std::mt19937_64 rng(seed);
   const int64_t n = int64_t{1} << 20;
-  for (const at::Tensor& code : shipped_maps()) {
-    const auto lut = code_lut(code);
+  for (const auto& [code, keep_nonzero] : shipped_roundings()) {
+    SCOPED_TRACE(keep_nonzero ? "keep_nonzero" : "nearest");
+    const auto lut = code_lut(code, keep_nonzero);
     at::Tensor x = at::empty({n});
     float* xv = x.data_ptr<float>();
     for (int64_t e = 0; e < n; ++e) {
@@ -140,13 +179,16 @@ TEST(Kernels, Avx512EqualsPortableBitForBit) {
   const cpu::Isa before = cpu::active_isa();
   int k = 0;
   for (const Case& c : cases) {
-    for (bool is_signed : {true, false}) {
+    for (int variant = 0; variant < 3; ++variant) {  // signed, unsigned, unsigned keep_nonzero
+      const bool is_signed = variant == 0, keep_nonzero = variant == 2;
       SCOPED_TRACE(c.shape.str() + " over " + std::to_string(c.rows) + "x" +
-                   std::to_string(c.row_len) + (is_signed ? " signed" : " unsigned"));
+                   std::to_string(c.row_len) + (is_signed ? " signed" : " unsigned") +
+                   (keep_nonzero ? " keep_nonzero" : ""));
       const at::Tensor code = dynamic_map(is_signed);
-      const auto lut = code_lut(code);
+      const auto lut = code_lut(code, keep_nonzero);
       at::Tensor x = testing::seeded_randn({c.rows, c.row_len}, seed, k++);
       if (!is_signed) x = x.abs();
+      if (keep_nonzero) x.view(-1).slice(0, 0, x.numel(), 3).mul_(1e-7);  // values below code 1
       x.view(-1).slice(0, 0, std::min<int64_t>(40, x.numel())).zero_();  // zero blocks
       const BlockLayout L(c.shape, c.rows, c.row_len);
       const int64_t n = c.rows * c.row_len;
@@ -192,7 +234,7 @@ TEST(Kernels, Avx512AdamW8bitStepTracksPortable) {
   const uint64_t seed = fresh_seed();
   SCOPED_TRACE("seed " + std::to_string(seed));
   std::mt19937_64 rng(seed);
-  const auto lut1 = code_lut(dynamic_map(true)), lut2 = code_lut(dynamic_map(false));
+  const auto lut1 = code_lut(dynamic_map(true)), lut2 = code_lut(dynamic_map(false), true);
   const cpu::Isa before = cpu::active_isa();
   int k = 0;
   for (BlockShape shape : {BlockShape::blocks(256), BlockShape::tiles(32, 32), BlockShape::blocks(100)}) {

@@ -53,7 +53,7 @@ int main() {
   const at::Tensor code_t = dynamic_map(true), code_u = dynamic_map(false);
   const std::vector<float> c1(code_t.data_ptr<float>(), code_t.data_ptr<float>() + 256);
   const std::vector<float> c2(code_u.data_ptr<float>(), code_u.data_ptr<float>() + 256);
-  const auto lut1 = code_lut(code_t), lut2 = code_lut(code_u);
+  const auto lut1 = code_lut(code_t), lut2 = code_lut(code_u, /*keep_nonzero=*/true);
   // Every register width the kernels are built for (1, 2, 4, 8, 16 elements a thread).
   for (BlockShape shape : {BlockShape::blocks(256), BlockShape::blocks(512), BlockShape::blocks(2048),
                            BlockShape::blocks(4096), BlockShape::tiles(32, 32),
@@ -73,10 +73,10 @@ int main() {
     float* da = to_device(std::vector<float>(L.num_blocks, -1.0f));
     float* dout = to_device(std::vector<float>(n, NAN));
     // the binary search (no index) first, then the arithmetic index
-    EXPECT_OK(cuda::quantize(dx, L, dc, nullptr, dq, da, nullptr) == cudaSuccess, "quantize launch");
+    EXPECT_OK(cuda::quantize(dx, L, dc, {}, dq, da, nullptr) == cudaSuccess, "quantize launch");
     EXPECT_OK(cudaDeviceSynchronize() == cudaSuccess, "sync");
     EXPECT_OK(to_host(dq, n) == q_cpu, "%s: searched codes differ from the CPU", shape.str().c_str());
-    EXPECT_OK(cuda::quantize(dx, L, dc, lut1->index(), dq, da, nullptr) == cudaSuccess,
+    EXPECT_OK(cuda::quantize(dx, L, dc, {lut1->index(), false}, dq, da, nullptr) == cudaSuccess,
               "quantize launch");
     EXPECT_OK(cuda::dequantize(dq, da, L, dc, dout, nullptr) == cudaSuccess, "dequantize launch");
     EXPECT_OK(cudaDeviceSynchronize() == cudaSuccess, "sync");
@@ -103,8 +103,8 @@ int main() {
       cudaMemcpy(dg, g.data(), n * 4, cudaMemcpyHostToDevice);
       cpu::adamw8bit_step(p.data(), g.data(), q1.data(), a1.data(), q2.data(), a2.data(), L,
                           *lut1, *lut2, {1e-3f, 0.9f, 0.999f, 1e-8f, 0.01f, step});
-      EXPECT_OK(cuda::adamw8bit_step(dp, dg, dq1, da1, dq2, da2, L, dc, lut1->index(), dc2,
-                                     lut2->index(),
+      EXPECT_OK(cuda::adamw8bit_step(dp, dg, dq1, da1, dq2, da2, L, dc, {lut1->index(), false}, dc2,
+                                     {lut2->index(), true},
                                  {1e-3f, 0.9f, 0.999f, 1e-8f, 0.01f, step}, nullptr) == cudaSuccess,
             "adamw8bit launch");
     }

@@ -426,7 +426,8 @@ def test_requantize_loads_8bit_states_under_other_blocks():
                     mine = full[info.row_begin:info.row_end]
                     if codes in st:  # 8-bit now (block 32): requantised
                         q, a = rfsdp.quant.quantize_blockwise(mine.contiguous(), block=32,
-                                                              signed=signed)
+                                                              signed=signed,
+                                                              keep_nonzero=not signed)
                         assert torch.equal(st[codes], q.reshape(-1)), (n, codes, rank)
                         assert torch.equal(st[scale], a.reshape(-1)), (n, scale, rank)
                     else:

@@ -103,21 +103,28 @@ def block_ids(rows, row_len, block):
     return (r * ((row_len + tc - 1) // tc) + c).reshape(-1)
 
 
-def nearest_code64(x, tol, code):
+def nearest_code64(x, tol, code, keep_nonzero=False):
     """Index of the nearest code to each x (ties to the lower code), and whether x
-    lies within tol (fp32's rounding of x) of the midpoint between two codes."""
+    lies within tol (fp32's rounding of x) of the midpoint between two codes.
+    keep_nonzero (an unsigned code, v's): x > 0 never takes the code 0."""
     code = code.double()
     idx = torch.searchsorted(code, x).clamp(1, len(code) - 1)
     lo, hi = code[idx - 1], code[idx]
     pick_hi = (hi - x) < (x - lo)
     mid = (lo + hi) / 2
     ambiguous = (x - mid).abs() <= tol
-    return torch.where(pick_hi, idx, idx - 1), ambiguous
+    out = torch.where(pick_hi, idx, idx - 1)
+    if keep_nonzero:
+        out = torch.where((x > 0) & (out == 0), torch.ones_like(out), out)
+        ambiguous = ambiguous & ~((x > 0) & (idx == 1))
+    return out, ambiguous
 
 
-def adamw8bit_reference(p, g, q1, a1, q2, a2, ids, code1, code2, lr, b1, b2, eps, wd, step):
+def adamw8bit_reference(p, g, q1, a1, q2, a2, ids, code1, code2, lr, b1, b2, eps, wd, step,
+                        keep_nonzero=True):
     """float64: dequantise with the maps, torch.optim.AdamW's update, requantise
-    each block by its absmax and the nearest code."""
+    each block by its absmax and the nearest code (v: never the code 0 when above
+    0, unless keep_nonzero is off)."""
     p, g = p.double(), g.double()
     m = code1.double()[q1.long()] * a1.double()[ids]
     v = code2.double()[q2.long()] * a2.double()[ids]
@@ -135,7 +142,7 @@ def adamw8bit_reference(p, g, q1, a1, q2, a2, ids, code1, code2, lr, b1, b2, eps
     tol1 = torch.where(am1[ids] > 0, 1e-6 * mscale / am1[ids], torch.zeros_like(m)) + 1e-6 * x1.abs()
     tol2 = torch.where(am2[ids] > 0, 1e-6 * vscale / am2[ids], torch.zeros_like(v)) + 1e-6 * x2.abs()
     c1, amb1 = nearest_code64(x1, tol1 + 1e-12, code1)
-    c2, amb2 = nearest_code64(x2, tol2 + 1e-12, code2)
+    c2, amb2 = nearest_code64(x2, tol2 + 1e-12, code2, keep_nonzero=keep_nonzero)
     # fp32's error in a block's absmax: a few roundings of the largest terms it
     # summed, not of the (possibly cancelled) result
     at1 = 1e-6 * torch.zeros(n_blocks, dtype=torch.float64).scatter_reduce(0, ids, mscale, "amax")
@@ -181,3 +188,105 @@ def test_adamw8bit_step_matches_float64_transcription(shape, block):
             assert not (differ & ~amb).any(), "%s: %d codes differ off the midpoints" % (
                 msg, int((differ & ~amb).sum()))
             assert ((q.long() - c).abs() <= 1).all(), msg
+
+
+# --- AdamW8bit on sparse rows: bounded steps ------------------------------------------------
+# An embedding whose rare rows get a small gradient once, inside blocks whose scale busy
+# rows set, then none for steps: exact AdamW moves each element about lr a step at most.
+# A v that rounds to the code 0 beside a non-zero m would move it m / eps instead.
+
+VOCAB, DIM, BLOCK = 64, 32, 256  # 8 rows per block
+SPARSE_HYPER = dict(lr=1e-3, b1=0.9, b2=0.999, eps=1e-8, wd=0.0)
+
+
+def sparse_row_grads(gen, steps):
+    """Per step a VOCAB x DIM gradient: busy rows 0-3 and 8-9 every step (scale 1), a
+    silent row (5, in a busy block) with a 1e-3 gradient at steps 1 and 7 only, and
+    rare tokens: 3 random rows of the rest a step at scales down to 1e-4."""
+    out = []
+    for s in range(1, steps + 1):
+        g = torch.zeros(VOCAB, DIM)
+        g[[0, 1, 2, 3, 8, 9]] = torch.randn(6, DIM, generator=gen)
+        if s in (1, 7):
+            g[5] = 1e-3 * torch.randn(DIM, generator=gen)
+        rare = torch.randint(10, VOCAB, (3,), generator=gen)
+        g[rare] = torch.randn(3, DIM, generator=gen) * \
+            10 ** -torch.randint(0, 5, (3, 1), generator=gen).float()
+        out.append(g)
+    return out
+
+
+def largest_move_over_lr(make, grads):
+    """The largest |change| of any element in any step, over lr, of make(params)."""
+    p = torch.nn.Parameter(torch.randn(VOCAB, DIM, generator=torch.Generator().manual_seed(3)))
+    opt = make([p])
+    worst = 0.0
+    for g in grads:
+        before = p.detach().clone()
+        p.grad = g.clone()
+        opt.step()
+        worst = max(worst, (p.detach() - before).abs().max().item())
+    return worst / SPARSE_HYPER["lr"]
+
+
+def test_adamw8bit_on_sparse_rows_steps_like_its_float64_transcription():
+    """Every step of the optimizer against the float64 transcription from the same
+    state (codes, scales, parameter): parameters to fp32 rounding, codes equal off
+    the midpoints. And the transcription run with v rounded to the plain nearest
+    code (0 allowed) does jump on these gradients: the case the rule is for."""
+    seed = int(torch.randint(0, 2 ** 30, ()).item())
+    gen = torch.Generator().manual_seed(seed)
+    grads = sparse_row_grads(gen, 10)
+    h = SPARSE_HYPER
+    p = torch.nn.Parameter(torch.randn(VOCAB, DIM, generator=gen))
+    opt = rfsdp.optim.AdamW8bit([p], lr=h["lr"], betas=(h["b1"], h["b2"]), eps=h["eps"],
+                                weight_decay=h["wd"], block=BLOCK, min_8bit_size=1)
+    code1, code2 = rfsdp.quant.dynamic_map(True), rfsdp.quant.dynamic_map(False)
+    ids = block_ids(VOCAB, DIM, BLOCK)
+    plain_jump = 0.0
+    plain = (p.detach().reshape(-1).double(), torch.full((VOCAB * DIM,), 127, dtype=torch.long),
+             torch.zeros(len(ids.unique())), torch.zeros(VOCAB * DIM, dtype=torch.long),
+             torch.zeros(len(ids.unique())))
+    for step, g in enumerate(grads, 1):
+        st = {k: t.clone() for k, t in opt.sharded_state(p).items()}
+        p0 = p.detach().reshape(-1).clone()
+        want = adamw8bit_reference(p0, g.reshape(-1), st["q1"], st["absmax1"], st["q2"],
+                                   st["absmax2"], ids, code1, code2, step=step, **h)
+        p.grad = g.clone()
+        opt.step()
+        wp, c1, amb1, _, c2, amb2, _ = want
+        msg = "seed %d step %d" % (seed, step)
+        # fp32 against float64: to 1e-5 of a step (more where b1 m and (1 - b1) g cancel)
+        torch.testing.assert_close(p.detach().reshape(-1).double(), wp, rtol=1e-6,
+                                   atol=1e-5 * h["lr"], msg=lambda m: msg + ": " + m)
+        now = opt.sharded_state(p)
+        for q, c, amb in ((now["q1"], c1, amb1), (now["q2"], c2, amb2)):
+            differ = q.long() != c
+            assert not (differ & ~amb).any(), "%s: %d codes differ off the midpoints" % (
+                msg, int((differ & ~amb).sum()))
+        # the transcription alone, v rounded to the plain nearest code (the old rounding)
+        pp, q1p, a1p, q2p, a2p = plain
+        wpp, c1p, _, (am1p, _), c2p, _, (am2p, _) = adamw8bit_reference(
+            pp, g.reshape(-1), q1p, a1p, q2p, a2p, ids, code1, code2, step=step,
+            keep_nonzero=False, **h)
+        plain_jump = max(plain_jump, (wpp - pp).abs().max().item() / h["lr"])
+        plain = (wpp, c1p, am1p, c2p, am2p)
+    assert plain_jump > 10, "seed %d: these gradients never exercise a v rounded to 0 (%g)" % (
+        seed, plain_jump)
+
+
+def test_adamw8bit_on_sparse_rows_moves_no_element_further_than_exact_adamw_allows():
+    """Exact AdamW (torch's) bounds each step at about lr; 8-bit codes may add their
+    rounding (the first moment's code up to twice a tiny m, the second's never
+    below v): no step of AdamW8bit more than twice exact AdamW's largest."""
+    seed = int(torch.randint(0, 2 ** 30, ()).item())
+    grads = sparse_row_grads(torch.Generator().manual_seed(seed), 12)
+    h = SPARSE_HYPER
+    exact = largest_move_over_lr(lambda ps: torch.optim.AdamW(
+        ps, lr=h["lr"], betas=(h["b1"], h["b2"]), eps=h["eps"], weight_decay=h["wd"]), grads)
+    eight = largest_move_over_lr(lambda ps: rfsdp.optim.AdamW8bit(
+        ps, lr=h["lr"], betas=(h["b1"], h["b2"]), eps=h["eps"], weight_decay=h["wd"],
+        block=BLOCK, min_8bit_size=1), grads)
+    assert exact < 1.5, "seed %d: exact AdamW moved %g lr" % (seed, exact)
+    assert eight <= 2 * exact, "seed %d: AdamW8bit moved an element %g lr in one step " \
+        "(exact AdamW: %g)" % (seed, eight, exact)
