@@ -231,6 +231,10 @@ PYBIND11_MODULE(_C, m) {
              o.set_grads(grads);
            })
       .def("set_groups", &rfsdp::ShardedOptimizer::set_groups)
+      .def("set_param", &rfsdp::ShardedOptimizer::set_param)
+      .def("set_rounding", [](rfsdp::ShardedOptimizer& o, const std::string& r, uint64_t seed) {
+             o.set_rounding(rfsdp::parse_rounding(r), seed);
+           })
       .def("step", &rfsdp::ShardedOptimizer::step, py::call_guard<py::gil_scoped_release>())  // collective
       .def("name", &rfsdp::ShardedOptimizer::name)
       .def("param_name", [](const rfsdp::ShardedOptimizer& o, size_t i) { return o.params().at(i).name; })

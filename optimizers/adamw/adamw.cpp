@@ -46,8 +46,8 @@ AdamW::AdamW(std::vector<ParamShard> params, AdamWOptions options, std::shared_p
   check_options(options);
   for (size_t i = 0; i < params_.size(); ++i) {
     const bool fp32 = fp32_state.empty() || fp32_state[i];
-    m_.push_back(fp32 ? at::zeros_like(params_[i].param) : at::Tensor());
-    v_.push_back(fp32 ? at::zeros_like(params_[i].param) : at::Tensor());
+    m_.push_back(fp32 ? at::zeros(params_[i].param.sizes(), state_options(i)) : at::Tensor());
+    v_.push_back(fp32 ? at::zeros(params_[i].param.sizes(), state_options(i)) : at::Tensor());
   }
 }
 
@@ -151,7 +151,7 @@ AdamW8bit::AdamW8bit(std::vector<ParamShard> params, AdamWOptions options,
               "rfsdp.policy.blockwise_8bit), or choose a block that the rows keep whole");
         }
       }
-      const auto dev = p.param.options();
+      const auto dev = state_options(i);
       q.q1 = at::full({p.param.numel()}, lut1_->nearest(0.0f), dev.dtype(at::kByte));
       q.q2 = at::full({p.param.numel()}, lut2_->nearest(0.0f), dev.dtype(at::kByte));
       q.absmax1 = at::zeros({blocks}, dev);

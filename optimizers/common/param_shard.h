@@ -12,7 +12,8 @@
 namespace rfsdp {
 
 // Throws, naming the optimizer and the parameter, unless grad is undefined (no
-// step) or a contiguous float32 tensor of the shard's size on the parameter's device.
+// step) or a contiguous float32 (or the parameter's dtype) tensor of the shard's
+// size on the parameter's device.
 void check_grad(const char* optimizer, const ParamShard& p, const at::Tensor& grad);
 
 // A whole (unsharded) tensor: rows from its first row_dims dims.

@@ -4,6 +4,42 @@
 
 namespace rfsdp {
 
+namespace {
+
+// Throws unless `param` can be parameter p's tensor: a float32, bfloat16 or
+// float16 contiguous tensor on the CPU or a GPU with the shard's elements.
+void check_param(const char* name, const ParamShard& p, const at::Tensor& param) {
+  const std::string who = std::string(name) + ": parameter '" + p.name + "' ";
+  if (param.defined() && !is_parameter_dtype(param.scalar_type())) {
+    throw std::invalid_argument(
+        who + "is a " + c10::toString(param.scalar_type()) + " tensor; the optimizers keep "
+        "float32 state and step float32, bfloat16 or float16 parameters (computing in float32). "
+        "Cast the model to one of those (model.float(), or model.to(torch.bfloat16)); for "
+        "float32 masters with bfloat16 compute, keep float32 parameters and use a "
+        "MixedPrecisionPolicy (rfsdp.fully_shard's or FSDP2's)");
+  }
+  if (!param.defined() || !param.is_contiguous() ||
+      !(param.device().is_cpu() || param.device().is_cuda())) {
+    throw std::invalid_argument(
+        who + "must be a contiguous float32, bfloat16 or float16 tensor on the CPU or a CUDA "
+        "device; got " +
+        (!param.defined() ? std::string("none")
+                          : std::string(param.is_contiguous() ? "" : "a non-contiguous ") +
+                                c10::toString(param.scalar_type()) + " tensor on " +
+                                param.device().str()));
+  }
+  if (p.row_len < 1 || p.row_begin < 0 || p.row_begin > p.row_end || p.row_end > p.full_rows ||
+      param.numel() != p.numel()) {
+    throw std::invalid_argument(who + "holds " + std::to_string(param.numel()) +
+                                " elements, but its shard is rows [" +
+                                std::to_string(p.row_begin) + ", " + std::to_string(p.row_end) +
+                                ") of " + std::to_string(p.row_len) + " elements of a tensor of " +
+                                std::to_string(p.full_rows) + " rows");
+  }
+}
+
+}  // namespace
+
 ShardedOptimizer::ShardedOptimizer(const char* name, std::vector<ParamShard> params,
                                    std::shared_ptr<Comm> comm, bool check_finite)
     : params_(std::move(params)),
@@ -12,26 +48,32 @@ ShardedOptimizer::ShardedOptimizer(const char* name, std::vector<ParamShard> par
       group_of_(params_.size(), 0),
       param_steps_(params_.size(), 0) {
   for (const ParamShard& p : params_) {
-    const std::string who = std::string(name) + ": parameter '" + p.name + "' ";
-    if (!p.param.defined() || p.param.scalar_type() != at::kFloat || !p.param.is_contiguous() ||
-        !(p.param.device().is_cpu() || p.param.device().is_cuda())) {
-      throw std::invalid_argument(
-          who + "must be a contiguous float32 tensor on the CPU or a CUDA device; got " +
-          (!p.param.defined() ? std::string("none")
-                              : std::string(p.param.is_contiguous() ? "" : "a non-contiguous ") +
-                                    c10::toString(p.param.scalar_type()) + " tensor on " +
-                                    p.param.device().str()));
-    }
-    if (p.row_len < 1 || p.row_begin < 0 || p.row_begin > p.row_end || p.row_end > p.full_rows ||
-        p.param.numel() != p.numel()) {
-      throw std::invalid_argument(who + "holds " + std::to_string(p.param.numel()) +
-                                  " elements, but its shard is rows [" +
-                                  std::to_string(p.row_begin) + ", " + std::to_string(p.row_end) +
-                                  ") of " + std::to_string(p.row_len) + " elements of a tensor of " +
-                                  std::to_string(p.full_rows) + " rows");
-    }
+    check_param(name, p, p.param);
     check_grad(name, p, p.grad);  // a gradient given with the parameter; undefined passes
   }
+}
+
+void ShardedOptimizer::set_param(size_t i, const at::Tensor& param) {
+  if (i >= params_.size()) {
+    throw std::out_of_range(std::string(name()) + ": parameter " + std::to_string(i) + " of " +
+                            std::to_string(params_.size()));
+  }
+  ParamShard& p = params_[i];
+  check_param(name(), p, param);
+  if (param.device() != p.param.device()) {
+    throw std::invalid_argument(std::string(name()) + ": " + who(i) + " moved from " +
+                                p.param.device().str() + " to " + param.device().str() +
+                                ", and its optimizer state lives on " + p.param.device().str() +
+                                "; build the optimizer where the parameters are (rfsdp.optim's "
+                                "optimizers move their state with the parameters)");
+  }
+  p.param = param;
+  p.grad = at::Tensor();  // a gradient set for the old tensor is not this one's
+}
+
+void ShardedOptimizer::set_rounding(Rounding r, uint64_t seed) {
+  rounding_ = r;
+  rounding_seed_ = seed;
 }
 
 std::string ShardedOptimizer::who(size_t i) const { return "parameter '" + params_.at(i).name + "'"; }
@@ -79,6 +121,41 @@ void ShardedOptimizer::set_step_count(size_t i, int64_t n) {
   param_steps_.at(i) = n;
 }
 
+void ShardedOptimizer::run_step_in_fp32(StepGate& gate, const std::vector<size_t>& stepping) {
+  struct Stored {
+    size_t i;
+    at::Tensor param, grad;  // the caller's tensors, back in place after the step
+  };
+  std::vector<Stored> stored;
+  for (size_t i : stepping) {
+    ParamShard& p = params_[i];
+    if (!is_low_precision(p.param.scalar_type())) continue;
+    stored.push_back({i, p.param, p.grad});
+    p.param = p.param.to(at::kFloat);
+    p.grad = p.grad.to(at::kFloat);
+  }
+  auto restore = [&] {
+    for (const Stored& s : stored) {
+      params_[s.i].param = s.param;
+      params_[s.i].grad = s.grad;
+    }
+  };
+  try {
+    run_step(gate, stepping);
+  } catch (...) {
+    restore();
+    throw;
+  }
+  for (const Stored& s : stored) {
+    const ParamShard& p = params_[s.i];
+    // salt: the parameter's place among the optimizer's; counter: its step; the
+    // element index: its place in the global tensor (replicas agree)
+    round_into(s.param, p.param, rounding_, rounding_seed_, s.i, param_steps_[s.i],
+               p.row_begin * p.row_len);
+  }
+  restore();
+}
+
 int64_t ShardedOptimizer::state_bytes() const {
   int64_t b = 0;
   for (size_t i = 0; i < params_.size(); ++i) {
@@ -100,7 +177,7 @@ void ShardedOptimizer::step() {
   // (nothing changed anywhere) leaves them as they were.
   for (size_t i : stepping) ++param_steps_[i];
   try {
-    run_step(gate, stepping);
+    run_step_in_fp32(gate, stepping);
   } catch (...) {
     if (!gate.agreed()) {
       for (size_t i : stepping) --param_steps_[i];

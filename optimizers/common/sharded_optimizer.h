@@ -13,6 +13,7 @@
 #include <vector>
 
 #include "core/comm/comm.h"
+#include "optimizers/common/low_precision.h"
 #include "optimizers/common/param_shard.h"
 #include "optimizers/common/step_gate.h"
 
@@ -23,7 +24,8 @@ class ShardedOptimizer {
   // name: what construction errors call it. comm: the ranks that step together
   // (null: this process alone). check_finite: a NaN/Inf gradient on any rank
   // stops the step on every rank (StepGate). Checks every parameter (float32,
-  // contiguous, on the CPU or a GPU, as many elements as its shard's rows).
+  // bfloat16 or float16, contiguous, on the CPU or a GPU, as many elements as its
+  // shard's rows). States are float32 whatever the parameter's dtype.
   ShardedOptimizer(const char* name, std::vector<ParamShard> params, std::shared_ptr<Comm> comm,
                    bool check_finite);
   virtual ~ShardedOptimizer() = default;
@@ -34,6 +36,17 @@ class ShardedOptimizer {
   virtual const char* name() const = 0;
   size_t num_params() const { return params_.size(); }
   const std::vector<ParamShard>& params() const { return params_; }
+
+  // Parameter i's tensor is now `param` (its storage was replaced: model.to(),
+  // load_state_dict(assign=True), p.data = ...; or its dtype changed between
+  // float32, bfloat16 and float16): the same number of elements, contiguous, on
+  // the device the optimizer's state lives on (moving it elsewhere needs a new
+  // optimizer, its state copied over: rfsdp.optim does that). Checked here.
+  void set_param(size_t i, const at::Tensor& param);
+  // How a step writes its fp32 result back to bfloat16 / float16 parameters
+  // (low_precision.h); seed: the stochastic rounding's noise.
+  void set_rounding(Rounding r, uint64_t seed = 0);
+  Rounding rounding() const { return rounding_; }
 
   // The gradient parameter i steps with; undefined: it takes no step (Muon:
   // refused, every rank takes part in every step). Checked here, once.
@@ -80,6 +93,10 @@ class ShardedOptimizer {
   virtual void resize_groups(size_t n) = 0;
   // The parameter's name and where its shard lies, for messages.
   std::string who(size_t i) const;
+  // Options of a float32 state tensor shaped like parameter i, on its device.
+  at::TensorOptions state_options(size_t i) const {
+    return params_.at(i).param.options().dtype(at::kFloat);
+  }
 
   std::vector<ParamShard> params_;
   std::shared_ptr<Comm> comm_;
@@ -89,6 +106,13 @@ class ShardedOptimizer {
   std::vector<int64_t> param_steps_;
   int64_t steps_ = 0;
   int64_t fused_launches_ = 0;
+  Rounding rounding_ = Rounding::kNearest;
+  uint64_t rounding_seed_ = 0;
+
+ private:
+  // run_step over float32 working copies of the bfloat16 / float16 parameters
+  // (and gradients) that step, written back rounded once it returned.
+  void run_step_in_fp32(StepGate& gate, const std::vector<size_t>& stepping);
 };
 
 // A ShardedOptimizer whose groups each hold one Options (the hyperparameters a

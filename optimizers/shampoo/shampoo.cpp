@@ -256,8 +256,8 @@ Shampoo::Shampoo(std::vector<ParamShard> params, ShampooOptions options, Shampoo
     const ParamShard& p = params_[i];
     precondition_.push_back((precondition.empty() || precondition[i]) && p.shape.size() >= 2);
     ParamState s;
-    s.m = at::zeros_like(p.param);
-    s.v = at::zeros_like(p.param);
+    s.m = at::zeros(p.param.sizes(), state_options(i));
+    s.v = at::zeros(p.param.sizes(), state_options(i));
     if (precondition_[i]) {
       const size_t shared_before = shared_.size();
       const int rank = comm_ ? comm_->rank() : 0;

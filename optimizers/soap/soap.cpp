@@ -120,8 +120,8 @@ SOAP::SOAP(std::vector<ParamShard> params, SOAPOptions options, SOAPConfig confi
     precondition_.push_back((precondition.empty() || precondition[i]) && p.shape.size() >= 2);
     ParamState s;
     if (!eight_bit(i)) {
-      s.m = at::zeros_like(p.param);
-      s.v = at::zeros_like(p.param);
+      s.m = at::zeros(p.param.sizes(), state_options(i));
+      s.v = at::zeros(p.param.sizes(), state_options(i));
     } else if (p.param.is_cuda()) {
       throw std::invalid_argument("SOAP: parameter '" + p.name + "' is on " + p.param.device().str() +
                                   "; 8-bit moments (state_dtype int8) run on the CPU only so far");

@@ -1,9 +1,11 @@
-"""rfsdp.optim: AdamW, AdamW8bit, Muon and Shampoo as torch.optim.Optimizer subclasses
-over the C++ optimizers (optimizers/). Parameters are the shards fully_shard
-made (or plain tensors). Python keeps what is Python's: param groups (each
-step hands every parameter its group's hyperparameters), LR schedulers, and
-state_dict / load_state_dict in torch's format, whose tensors are the C++
-optimizer's own."""
+"""rfsdp.optim: AdamW, AdamW8bit, Muon, Shampoo and SOAP as torch.optim.Optimizer
+subclasses over the C++ optimizers (optimizers/). Parameters are the shards
+fully_shard made, FSDP2's DTensors, or plain tensors (replicated on every rank
+under DDP); float32, bfloat16 or float16 (states and the update in float32,
+written back rounded: rounding="nearest" or "stochastic"). Python keeps what is
+Python's: param groups (each step hands every parameter its group's
+hyperparameters), LR schedulers, and state_dict / load_state_dict in torch's
+format, whose tensors are the C++ optimizer's own."""
 import torch
 import torch.distributed as dist
 
@@ -30,6 +32,18 @@ def _shard_spec(i, p):
     if info is None:
         return (_C.TensorShard.whole("param %d" % i, list(p.shape)), p.data)
     return (info.shard, local(p.data))
+
+
+def _tensor_keys(params):
+    """What identifies the tensor each parameter holds now: (address, dtype, device)."""
+    return [(t.data_ptr(), t.dtype, t.device) for t in map(local, params)]
+
+
+def _check_rounding(who, rounding):
+    if rounding not in ("nearest", "stochastic"):
+        raise ValueError("%s: rounding must be \"nearest\" or \"stochastic\" (how a step writes "
+                         "bfloat16 / float16 parameters back), got %r" % (who, rounding))
+    return rounding
 
 
 def _default_comm(process_group, timeout_seconds, param_groups):
@@ -103,8 +117,17 @@ class _OverCpp(torch.optim.Optimizer):
     the C++ tensors themselves: {"step": counted steps, name: tensor, ...},
     present once p stepped.
 
+    Like torch.optim, each step works on the tensors the parameters hold then:
+    a parameter whose storage was replaced since it was bound (model.to(),
+    load_state_dict(assign=True), p.data = ...; FSDP2 re-padding a short shard at
+    its first forward) is rebound, and its dtype may change between float32,
+    bfloat16 and float16 (states stay float32); one moved to another device
+    rebuilds the C++ optimizers there, the state copied over.
+
     The checkpoint protocol (what rfsdp.checkpoint uses): settings(),
     sharded_state(p) and load_sharded_state(p, state)."""
+
+    rounding = "nearest"  # how steps write bfloat16 / float16 parameters back
 
     def _parts(self, params):
         """[(C++ optimizer, [indices into params], options(group))] for these
@@ -114,21 +137,24 @@ class _OverCpp(torch.optim.Optimizer):
     def _all_params(self):
         return [p for g in self.param_groups for p in g["params"]]
 
-    def _bind(self):
+    def _bind(self, force=False):
         params = self._all_params()
         old = getattr(self, "_bound_params", None)
-        if old is not None and len(old) == len(params) and all(a is b for a, b in zip(old, params)):
+        if not force and old is not None and len(old) == len(params) and \
+                all(a is b for a, b in zip(old, params)):
             return
         _check_params(type(self).__name__, self.param_groups)
         stepped = getattr(self, "_stepped", set())
         kept = {id(p): self._state_of(p) for p in (old or []) if id(p) in stepped}
         group_index = {id(p): k for k, g in enumerate(self.param_groups) for p in g["params"]}
         self._bound_params = params
+        self._bound_keys = _tensor_keys(params)
         self._where = {}
         self._part_list = []
-        for impl, idx, options in self._parts(params):
+        for n, (impl, idx, options) in enumerate(self._parts(params)):
             groups = [group_index[id(params[i])] for i in idx]
             impl.set_groups(groups)
+            impl.set_rounding(self.rounding, n)  # n: each part's own noise
             part = _Part(impl, idx, options, groups)
             for k, i in enumerate(idx):
                 self._where[id(params[i])] = (part, k)
@@ -140,6 +166,23 @@ class _OverCpp(torch.optim.Optimizer):
             if id(p) in kept:
                 self._load_state_of(p, kept[id(p)])
         self._publish()
+
+    def _follow_params(self):
+        """Binds the parameters as they are now (before a step): the list (a group
+        added, param_groups switched), and each parameter's tensor."""
+        self._bind()
+        keys = _tensor_keys(self._bound_params)
+        if keys == self._bound_keys:
+            return
+        params = self._bound_params
+        changed = [i for i, (a, b) in enumerate(zip(keys, self._bound_keys)) if a != b]
+        if any(keys[i][2] != self._bound_keys[i][2] for i in changed):  # another device
+            self._bind(force=True)
+            return
+        for i in changed:
+            part, k = self._where[id(params[i])]
+            part.impl.set_param(k, local(params[i].data))
+        self._bound_keys = keys
 
     def _send_options(self):
         """Every group's options to the C++ optimizers holding its parameters, where
@@ -221,7 +264,7 @@ class _OverCpp(torch.optim.Optimizer):
         """One step of every part: options where they changed, each part's
         gradients in one call (C++ checks them), then the step (NaN/Inf, any
         error: every rank raises before anything changes)."""
-        self._bind()
+        self._follow_params()
 
         def prepare():
             self._send_options()
@@ -264,11 +307,16 @@ class _OverCpp(torch.optim.Optimizer):
         return super().state_dict()
 
     def load_state_dict(self, state_dict):
+        # torch's load casts floating state to the parameter's dtype (a bfloat16
+        # parameter's float32 moments would lose bits): the C++ states take the
+        # saved tensors as they are (each copy converts exactly where it must).
+        saved = state_dict["state"]
+        ids = [i for g in state_dict["param_groups"] for i in g["params"]]
         super().load_state_dict(state_dict)
-        for p in self._bound_params:
-            st = self.state.get(p)
-            if st:
-                self._load_state_of(p, st)
+        self._bind()
+        for pid, p in zip(ids, self._all_params()):
+            if saved.get(pid):
+                self._load_state_of(p, saved[pid])
         self._publish()
 
 
@@ -279,7 +327,8 @@ class AdamW(_OverCpp):
     so every rank builds it and steps together."""
 
     def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=1e-2,
-                 process_group=None, timeout_seconds=300.0):
+                 process_group=None, timeout_seconds=300.0, rounding="nearest"):
+        self.rounding = _check_rounding(type(self).__name__, rounding)
         super().__init__(params, dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay))
         self.comm = _default_comm(process_group, timeout_seconds, self.param_groups)
         self._bind()
@@ -310,10 +359,12 @@ class AdamW8bit(AdamW):
     all-reduce. On a GPU, shards must hold whole blocks."""
 
     def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=1e-2,
-                 block=256, min_8bit_size=4096, process_group=None, timeout_seconds=300.0):
+                 block=256, min_8bit_size=4096, process_group=None, timeout_seconds=300.0,
+                 rounding="nearest"):
         self.block = block if isinstance(block, int) else tuple(block)
         self.min_8bit_size = min_8bit_size
-        super().__init__(params, lr, betas, eps, weight_decay, process_group, timeout_seconds)
+        super().__init__(params, lr, betas, eps, weight_decay, process_group, timeout_seconds,
+                         rounding)
 
     def _make(self, specs):
         return _C.AdamW8bit(specs, self.block, self.min_8bit_size, self.comm)
@@ -409,7 +460,8 @@ class Muon(_OverCpp):
     def __init__(self, param_groups, lr=0.02, momentum=0.95, nesterov=True, ns_steps=5,
                  weight_decay=0.0, adjust_lr="original", process_group=None,
                  ns_dtype=None, timeout_seconds=300.0, momentum_dtype=torch.float32,
-                 momentum_block=256, momentum_map="dynamic"):
+                 momentum_block=256, momentum_map="dynamic", rounding="nearest"):
+        self.rounding = _check_rounding("Muon", rounding)
         groups = list(param_groups)
         if groups and not isinstance(groups[0], dict):
             groups = [dict(params=groups)]
@@ -502,7 +554,7 @@ class Muon(_OverCpp):
     @torch.no_grad()
     def step(self, closure=None):
         loss = _run_closure(closure)
-        self._bind()
+        self._follow_params()
         grads = []
 
         def prepare():
@@ -581,7 +633,9 @@ class Shampoo(_OverCpp):
                  precondition_frequency=20, start_preconditioning_step=20,
                  use_bias_correction=True, factor_dtype=torch.float32, rank_deficient="shift",
                  rank_rtol=None, basis_dtype=None, basis_block=64, basis_map="linear_square",
-                 bjorck_iterations=1, process_group=None, timeout_seconds=300.0):
+                 bjorck_iterations=1, process_group=None, timeout_seconds=300.0,
+                 rounding="nearest"):
+        self.rounding = _check_rounding("Shampoo", rounding)
         for name, v in (("max_preconditioner_dim", max_preconditioner_dim),
                         ("precondition_frequency", precondition_frequency),
                         ("start_preconditioning_step", start_preconditioning_step)):
@@ -873,7 +927,9 @@ class SOAP(_OverCpp):
                  weight_decay=0.01, precondition_frequency=10, max_preconditioner_dim=1024,
                  correct_bias=True, factor_dtype=torch.float32, basis_dtype=torch.float32,
                  state_dtype=torch.float32, basis_block=64, basis_map="linear_square",
-                 bjorck_iterations=1, process_group=None, timeout_seconds=300.0):
+                 bjorck_iterations=1, process_group=None, timeout_seconds=300.0,
+                 rounding="nearest"):
+        self.rounding = _check_rounding("SOAP", rounding)
         for name, v in (("max_preconditioner_dim", max_preconditioner_dim),
                         ("precondition_frequency", precondition_frequency)):
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:

@@ -51,3 +51,28 @@ def reference(seed):
         opt.step()
         losses.append(loss.item())
     return losses, {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+def optimizer(name, params, **kw):
+    """rfsdp.optim's optimizer `name` over params (a model's parameters, in order),
+    with settings that exercise it within a few steps: Muon on the matrices (AdamW
+    for the rest), Shampoo preconditioning from step 2, SOAP refreshing every 2."""
+    import rfsdp
+    params = list(params)
+    if name == "AdamW":
+        return rfsdp.optim.AdamW(params, lr=1e-2, weight_decay=0.05, **kw)
+    if name == "AdamW8bit":
+        return rfsdp.optim.AdamW8bit(params, lr=1e-2, weight_decay=0.05, min_8bit_size=64, **kw)
+    if name == "Muon":
+        return rfsdp.optim.Muon([dict(params=[p for p in params if p.dim() >= 2]),
+                                 dict(params=[p for p in params if p.dim() < 2], use_muon=False)],
+                                lr=0.02, weight_decay=0.01, **kw)
+    if name == "Shampoo":
+        return rfsdp.optim.Shampoo(params, lr=1e-2, precondition_frequency=2,
+                                   start_preconditioning_step=2, **kw)
+    if name == "SOAP":
+        return rfsdp.optim.SOAP(params, lr=3e-3, precondition_frequency=2, **kw)
+    raise ValueError(name)
+
+
+OPTIMIZERS = ("AdamW", "AdamW8bit", "Muon", "Shampoo", "SOAP")
