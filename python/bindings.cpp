@@ -398,7 +398,7 @@ PYBIND11_MODULE(_C, m) {
           for (int64_t d : shape) numel *= d;
           const rfsdp::ParamShard whole(rfsdp::TensorShard::whole("tensor", shape), at::empty({numel}));
           std::vector<std::tuple<int64_t, int64_t, int64_t, int64_t>> out;
-          for (const auto& t : rfsdp::shampoo_tiles(whole, 0, max_dim)) {
+          for (const auto& t : rfsdp::shampoo_tiles("Shampoo", whole, 0, max_dim)) {
             out.emplace_back(t.local_offset, t.rows, t.cols, t.stride);
           }
           return out;

@@ -168,29 +168,37 @@ MuonLayout::MuonLayout(Comm* comm, std::vector<MuonParamGeometry> params)
       for (int r = 0; r < world_; ++r) ranges_[i].emplace_back(t[r][2 + 2 * i], t[r][3 + 2 * i]);
     }
   }
+  replicated_.assign(P, false);
   for (int64_t i = 0; i < P; ++i) {
     const auto& rs = ranges_[i];
-    // The ranks' shards must tile the tensor: disjoint, together everything.
+    const int64_t n = numel_of(params_[i].shape);
+    // Every rank holding all of it: replicated (DDP). Else the ranks' shards must
+    // tile the tensor: disjoint, together everything.
+    replicated_[i] = world_ > 1 && std::all_of(rs.begin(), rs.end(), [n](const auto& x) {
+      return x.first == 0 && x.second == n;
+    });
     std::vector<std::pair<int64_t, int64_t>> sorted;
     for (const auto& x : rs) {
       if (x.first < x.second) sorted.push_back(x);
     }
     std::sort(sorted.begin(), sorted.end());
     int64_t covered = 0;
-    for (const auto& x : sorted) {
+    for (const auto& x : replicated_[i] ? std::vector<std::pair<int64_t, int64_t>>{} : sorted) {
       if (x.first != covered) {
         throw std::invalid_argument(
             "Muon: the ranks' shards of '" + params_[i].name + "' do not tile it (a gap or an "
             "overlap at element " + std::to_string(std::min(x.first, covered)) +
-            "); give each rank its own shard (fully_shard's parameters), not replicated tensors; "
-            "under HSDP, build Muon over the shard group (its default), not the whole world");
+            "); give each rank its own shard (fully_shard's or FSDP2's parameters) or every "
+            "rank the whole tensor (replicated: DDP), not a mix; under HSDP, build Muon over "
+            "the shard group (its default), not the whole world");
       }
       covered = x.second;
     }
-    if (covered != numel_of(params_[i].shape)) {
+    if (replicated_[i]) covered = n;
+    if (covered != n) {
       throw std::invalid_argument("Muon: the ranks' shards of '" + params_[i].name +
                                   "' cover " + std::to_string(covered) + " of its " +
-                                  std::to_string(numel_of(params_[i].shape)) + " elements");
+                                  std::to_string(n) + " elements");
     }
     for (const MatrixView& m : matrices_of(params_[i].shape)) {
       if (m.rows * m.cols == 0) continue;
@@ -200,6 +208,7 @@ MuonLayout::MuonLayout(Comm* comm, std::vector<MuonParamGeometry> params)
       mat.rows = m.rows;
       mat.cols = m.cols;
       mat.flops = newton_schulz_flops(m.rows, m.cols, params_[i].ns_steps);
+      mat.replicated = replicated_[i];
       matrices_.push_back(mat);
     }
   }
@@ -221,19 +230,32 @@ MuonLayout::MuonLayout(Comm* comm, std::vector<MuonParamGeometry> params)
   for (size_t k = 0; k < matrices_.size(); ++k) matrices_[k].root = roots[k];
   send_splits_.assign(world_, 0);
   recv_splits_.assign(world_, 0);
+  scatter_send_splits_.assign(world_, 0);
+  scatter_recv_splits_.assign(world_, 0);
+  auto size = [](std::pair<int64_t, int64_t> pc) { return pc.second - pc.first; };
   for (size_t k = 0; k < matrices_.size(); ++k) {
     const int root = matrices_[k].root;
     if (root != rank_) {
-      const auto pc = piece(k, rank_);
-      send_splits_[root] += pc.second - pc.first;
+      send_splits_[root] += size(gather_piece(k, rank_));
+      scatter_recv_splits_[root] += size(piece(k, rank_));
     } else {
       for (int s = 0; s < world_; ++s) {
         if (s == rank_) continue;
-        const auto pc = piece(k, s);
-        recv_splits_[s] += pc.second - pc.first;
+        recv_splits_[s] += size(gather_piece(k, s));
+        scatter_send_splits_[s] += size(piece(k, s));
       }
     }
   }
+}
+
+std::pair<int64_t, int64_t> MuonLayout::gather_piece(size_t k, int r) const {
+  const MuonMatrix& m = matrices_.at(k);
+  if (m.replicated && r != m.root) return {m.offset, m.offset};
+  return piece(k, r);
+}
+
+bool MuonLayout::any_replicated() const {
+  return std::find(replicated_.begin(), replicated_.end(), true) != replicated_.end();
 }
 
 std::pair<int64_t, int64_t> MuonLayout::piece(size_t k, int r) const {
@@ -364,7 +386,7 @@ void muon_step_from_updates(Comm* comm, const MuonLayout& layout,
     auto pos = offsets_of(send_splits);
     for (size_t k = 0; k < mats.size(); ++k) {
       if (mats[k].root == me) continue;
-      const auto pc = layout.piece(k, me);
+      const auto pc = layout.gather_piece(k, me);
       if (pc.first == pc.second) continue;
       send.narrow(0, pos[mats[k].root], pc.second - pc.first).copy_(local(u[mats[k].param], k, pc));
       pos[mats[k].root] += pc.second - pc.first;
@@ -372,8 +394,10 @@ void muon_step_from_updates(Comm* comm, const MuonLayout& layout,
   }
   if (comm && world > 1) comm->all_to_all(recv, send, recv_splits, send_splits).wait();
   // 3. Newton–Schulz on this rank's roots; 4. scatter the pieces back.
-  at::Tensor back_send = at::empty({layout.gather_recv_elems()}, opts);
-  at::Tensor back_recv = at::empty({layout.gather_send_elems()}, opts);
+  const auto& back_send_splits = layout.scatter_send_splits();
+  const auto& back_recv_splits = layout.scatter_recv_splits();
+  at::Tensor back_send = at::empty({layout.scatter_send_elems()}, opts);
+  at::Tensor back_recv = at::empty({layout.scatter_recv_elems()}, opts);
   std::vector<std::pair<size_t, at::Tensor>> own;  // (matrix, orthogonalised) rooted here
   {
     // Each matrix rooted here, whole: this rank's piece and the received ones.
@@ -383,7 +407,7 @@ void muon_step_from_updates(Comm* comm, const MuonLayout& layout,
       if (mat.root != me) continue;
       at::Tensor full = at::empty({mat.rows * mat.cols}, opts);
       for (int s = 0; s < world; ++s) {
-        const auto pc = layout.piece(k, s);
+        const auto pc = s == me ? layout.piece(k, s) : layout.gather_piece(k, s);
         const int64_t n = pc.second - pc.first;
         if (n == 0) continue;
         at::Tensor dst = full.narrow(0, pc.first - mat.offset, n);
@@ -402,7 +426,7 @@ void muon_step_from_updates(Comm* comm, const MuonLayout& layout,
     gate.guard([&] { orthogonalise(layout, &own, ns_dtype, batch_same_shape, &gate); });
     gate.agree();
     commit();
-    auto to = offsets_of(recv_splits);
+    auto to = offsets_of(back_send_splits);
     for (auto& [k, o_mat] : own) {
       const MuonMatrix& mat = mats[k];
       at::Tensor o = o_mat.reshape(-1);
@@ -417,7 +441,9 @@ void muon_step_from_updates(Comm* comm, const MuonLayout& layout,
       }
     }
   }
-  if (comm && world > 1) comm->all_to_all(back_recv, back_send, send_splits, recv_splits).wait();
+  if (comm && world > 1) {
+    comm->all_to_all(back_recv, back_send, back_recv_splits, back_send_splits).wait();
+  }
   // 5. p <- p (1 - lr wd) - lr o, piece by piece (the pieces tile the shard).
   auto apply = [&](size_t k, std::pair<int64_t, int64_t> pc, const at::Tensor& o_piece) {
     const MuonHyper& h = hyper[mats[k].param];
@@ -429,7 +455,7 @@ void muon_step_from_updates(Comm* comm, const MuonLayout& layout,
     const auto pc = layout.piece(k, me);
     if (pc.first < pc.second) apply(k, pc, o.narrow(0, pc.first - mats[k].offset, pc.second - pc.first));
   }
-  auto pos = offsets_of(send_splits);
+  auto pos = offsets_of(back_recv_splits);
   for (size_t k = 0; k < mats.size(); ++k) {
     if (mats[k].root == me) continue;
     const auto pc = layout.piece(k, me);
@@ -549,6 +575,41 @@ void Muon::check_grad_of(size_t i, const at::Tensor& grad) const {
   check_grad(name(), p, grad);
 }
 
+void Muon::check_replicated_grads(const std::vector<at::Tensor>& grads) const {
+  std::vector<size_t> rep;
+  for (size_t i = 0; i < params_.size(); ++i) {
+    if (layout_.replicated(i)) rep.push_back(i);
+  }
+  if (rep.empty() || !comm_ || comm_->size() == 1) return;
+  // Per parameter the sum and the sum of squares (float64), and their negations:
+  // one max all-reduce gives every rank the largest and the smallest of each.
+  std::vector<at::Tensor> parts;
+  for (size_t i : rep) {
+    const at::Tensor g = grads[i].to(at::kDouble);
+    parts.push_back(g.sum().view({1}));
+    parts.push_back(g.square().sum().view({1}));
+  }
+  at::Tensor sums = at::cat(parts);
+  at::Tensor both = at::cat({sums, -sums}).to(comm_->control_device());
+  comm_->all_reduce(both, ReduceOp::Max).wait();
+  both = both.cpu();
+  const int64_t n = sums.numel();
+  const double* b = both.data_ptr<double>();
+  for (int64_t k = 0; k < n; ++k) {
+    const double hi = b[k], lo = -b[n + k];
+    // (the ranks may sum in another order: a relative 1e-6 is rounding, not another gradient)
+    if (hi - lo > 1e-6 * std::max(std::fabs(hi), std::fabs(lo)) + 1e-30) {
+      throw std::invalid_argument(
+          "Muon step: parameter '" + params_[rep[k / 2]].name + "' is replicated (every rank "
+          "holds it whole) but its gradients differ between the ranks (their " +
+          (k % 2 ? "sums of squares" : "sums") + " range from " + std::to_string(lo) + " to " +
+          std::to_string(hi) + "); replicated parameters need equal gradients, as "
+          "DistributedDataParallel gives them (all-reduce them first), or shard the model "
+          "(fully_shard or FSDP2). Nothing was changed");
+    }
+  }
+}
+
 void Muon::run_step(StepGate& gate, const std::vector<size_t>& stepping) {
   for (size_t i = 0; i < params_.size(); ++i) {
     if (!params_[i].grad.defined()) {  // set_grad refuses none: not given yet
@@ -569,6 +630,7 @@ void Muon::run_step(StepGate& gate, const std::vector<size_t>& stepping) {
     gs.push_back(params_[i].grad);
     hyper.push_back(options_of(i));
   }
+  check_replicated_grads(gs);
   const bool on_gpu = !ps.empty() && ps[0].is_cuda();
   const bool batch = options_.batch_newton_schulz.value_or(on_gpu);
   if (options_.momentum_dtype == at::kFloat) {

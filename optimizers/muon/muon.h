@@ -3,6 +3,10 @@
 // the matrix's root rank (one all-to-all for all matrices); Newton–Schulz on the
 // root; the result scattered back (the reverse all-to-all); the update applied
 // locally. A matrix wholly held by one rank is rooted there and moves nothing.
+// A parameter every rank holds whole (replicated: DDP, any data-parallel loop,
+// equal gradients everywhere) has its matrices spread over the ranks as roots,
+// each root's result sent to every other rank (as dion does under DDP): nothing
+// is gathered, and every rank ends with the single-device update.
 //
 // Matrices of a parameter of full shape s: 2-D, one s0 x s1 matrix; 3-D, an
 // expert stack of s0 matrices s1 x s2; more dims, one s0 x (s1*s2*...) matrix.
@@ -57,6 +61,7 @@ struct MuonMatrix {
   int64_t rows = 0, cols = 0;
   int root = 0;         // the rank that runs Newton–Schulz on it
   double flops = 0;     // Newton–Schulz flops
+  bool replicated = false;  // every rank holds it whole: the root gathers nothing
 };
 
 // Where every matrix lives and which rank orthogonalises it. Built once per set
@@ -66,7 +71,9 @@ struct MuonMatrix {
 //
 // Root selection: a matrix held by one rank is rooted there; the rest go
 // longest-processing-time first (most flops first) to the least-loaded rank,
-// ties to the rank holding most of the matrix, then the lowest rank.
+// ties to the rank holding most of the matrix, then the lowest rank. A
+// parameter is replicated when every rank's range is all of it (world > 1);
+// otherwise the ranks' ranges must tile it.
 class MuonLayout {
  public:
   // comm may be null: one rank, every shard whole.
@@ -78,15 +85,25 @@ class MuonLayout {
   const std::vector<MuonMatrix>& matrices() const { return matrices_; }
   // Elements of matrix k on rank r: [begin, end) in the full parameter (empty when begin == end).
   std::pair<int64_t, int64_t> piece(size_t k, int r) const;
+  // What rank r sends matrix k's root in the gather: its piece, none where the
+  // matrix is replicated (the root holds it whole).
+  std::pair<int64_t, int64_t> gather_piece(size_t k, int r) const;
+  bool replicated(size_t param) const { return replicated_.at(param); }
+  bool any_replicated() const;
   // Newton–Schulz flops rooted on each rank, and max / mean of them (1 = balanced).
   std::vector<double> rank_flops() const;
   double flop_imbalance() const;
-  // Elements this rank sends per step in the gather (the scatter sends as many
-  // as it received): what the all-to-alls move.
+  // Elements this rank sends and receives per step in the gather, and in the
+  // scatter (which sends each rank back its pieces, and a replicated matrix
+  // whole to every rank but its root): what the all-to-alls move.
   int64_t gather_send_elems() const { return total(send_splits_); }
   int64_t gather_recv_elems() const { return total(recv_splits_); }
+  int64_t scatter_send_elems() const { return total(scatter_send_splits_); }
+  int64_t scatter_recv_elems() const { return total(scatter_recv_splits_); }
   const std::vector<int64_t>& send_splits() const { return send_splits_; }
   const std::vector<int64_t>& recv_splits() const { return recv_splits_; }
+  const std::vector<int64_t>& scatter_send_splits() const { return scatter_send_splits_; }
+  const std::vector<int64_t>& scatter_recv_splits() const { return scatter_recv_splits_; }
 
  private:
   static int64_t total(const std::vector<int64_t>& v);
@@ -94,7 +111,8 @@ class MuonLayout {
   std::vector<MuonParamGeometry> params_;
   std::vector<std::vector<std::pair<int64_t, int64_t>>> ranges_;  // [param][rank]
   std::vector<MuonMatrix> matrices_;
-  std::vector<int64_t> send_splits_, recv_splits_;
+  std::vector<bool> replicated_;  // [param]
+  std::vector<int64_t> send_splits_, recv_splits_, scatter_send_splits_, scatter_recv_splits_;
 };
 
 struct MuonHyper {
@@ -173,6 +191,10 @@ class Muon : public GroupedOptimizer<MuonHyper> {
  private:
   static std::vector<MuonParamGeometry> geometry(const std::vector<ParamShard>& params,
                                                  const std::vector<int>& ns_steps);
+  // Replicated parameters' gradients must agree across the ranks (each matrix's
+  // root computes the update every rank applies): one max all-reduce of their
+  // sums, and the same error on every rank where they differ.
+  void check_replicated_grads(const std::vector<at::Tensor>& grads) const;
   bool eight_bit() const { return options_.momentum_dtype == at::kByte; }
   quant::BlockLayout block_layout(size_t i) const;
 

@@ -3,6 +3,7 @@
 #include <ATen/core/grad_mode.h>
 
 #include <algorithm>
+#include <numeric>
 #include <chrono>
 #include <cmath>
 #include <limits>
@@ -80,8 +81,26 @@ int64_t shampoo_granule_rows(const std::vector<int64_t>& shape, int row_dims, in
                               "-D tensor are not supported (use row_dims 1, or 2 for [E, H, I])");
 }
 
-std::vector<ShampooTile> shampoo_tiles(const ParamShard& p, size_t param, int64_t max_dim,
-                                       int rank, std::vector<SharedTileRow>* shared) {
+namespace {
+
+// The largest power of two up to max_dim that divides every rank boundary of p
+// (in rows of dim 0 of a matrix parameter): a max_preconditioner_dim whose tiles
+// those boundaries never cut. 0 if the rows are not those of a 2-D matrix.
+int64_t whole_tile_dim(const ParamShard& p, int64_t max_dim) {
+  if (p.shape.size() != 2 || p.row_dims != 1) return 0;
+  int64_t g = std::gcd(p.row_begin, p.row_end);
+  for (const auto& [b, e] : p.rank_rows) g = std::gcd(g, std::gcd(b, e));
+  if (g == 0) return 0;
+  int64_t d = 1;
+  while (d * 2 <= max_dim && g % (d * 2) == 0) d *= 2;
+  return d;
+}
+
+}  // namespace
+
+std::vector<ShampooTile> shampoo_tiles(const char* who, const ParamShard& p, size_t param,
+                                       int64_t max_dim, int rank,
+                                       std::vector<SharedTileRow>* shared) {
   std::vector<ShampooTile> out;
   const int64_t e0 = p.row_begin * p.row_len, e1 = e0 + p.param.numel();
   int64_t left = 0, right = 0;
@@ -122,14 +141,25 @@ std::vector<ShampooTile> shampoo_tiles(const ParamShard& p, size_t param, int64_
       }
       if (hi <= e0 || lo >= e1) continue;  // another rank's
       if (lo < e0 || hi > e1) {
+        const int64_t d = whole_tile_dim(p, max_dim);
+        std::string fixes =
+            "keep every tile on one rank: with rfsdp.fully_shard, plan the unit with "
+            "rfsdp.policy.shampoo(max_preconditioner_dim=" + std::to_string(max_dim) + ")";
+        if (d > 1) {
+          fixes += "; with torch's fully_shard (FSDP2's chunk rows), or these rows, "
+                   "max_preconditioner_dim=" + std::to_string(d) + " divides every rank's "
+                   "first row";
+        }
+        fixes += shared ? "; or describe the shard with every rank's rows (as FSDP2's DTensors "
+                          "and rfsdp's plans do) so the ranks share the cut tiles"
+                        : std::string("; or use Shampoo, whose ranks share cut tiles (") + who +
+                              " does not yet)";
         throw std::invalid_argument(
-            "Shampoo: parameter '" + p.name + "': this shard holds elements [" +
+            std::string(who) + ": parameter '" + p.name + "': this shard holds elements [" +
             std::to_string(e0) + ", " + std::to_string(e1) + "), which cut the tile rows [" +
             std::to_string(r0) + ", " + std::to_string(r0 + rows) + ") of matrix " +
-            std::to_string(k) + "; plan the unit with the Shampoo granule "
-            "(rfsdp.policy.shampoo(max_preconditioner_dim=" + std::to_string(max_dim) +
-            ") in Python) so every tile lies on one rank, or describe the shard with every "
-            "rank's rows so the ranks can share the cut tiles");
+            std::to_string(k) + " (tiles of up to max_preconditioner_dim=" +
+            std::to_string(max_dim) + " rows); " + fixes);
       }
       add_tiles(static_cast<int64_t>(k), m, r0, rows, lo - e0, -1);
     }
@@ -261,7 +291,7 @@ Shampoo::Shampoo(std::vector<ParamShard> params, ShampooOptions options, Shampoo
     if (precondition_[i]) {
       const size_t shared_before = shared_.size();
       const int rank = comm_ ? comm_->rank() : 0;
-      for (const ShampooTile& t : shampoo_tiles(p, i, config_.max_preconditioner_dim, rank,
+      for (const ShampooTile& t : shampoo_tiles("Shampoo", p, i, config_.max_preconditioner_dim, rank,
                                                 &shared_)) {
         s.tiles.push_back(tiles_.size());
         tiles_.push_back(t);

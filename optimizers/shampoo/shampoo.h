@@ -134,10 +134,13 @@ inline at::Tensor shampoo_tile_view(const at::Tensor& flat, const ShampooTile& t
 // The preconditioner tiles that `shard` holds whole, and (shared given, every
 // rank's rows known) those of the rows of tiles it owns; every cut row of tiles
 // of the tensor is appended to *shared (rank: this rank's index among the
-// shard's ranks). Throws, naming the parameter and the tile, when the shard cuts
-// a tile and shared is null or the other ranks' rows are unknown.
-std::vector<ShampooTile> shampoo_tiles(const ParamShard& shard, size_t param, int64_t max_dim,
-                                       int rank = -1, std::vector<SharedTileRow>* shared = nullptr);
+// shard's ranks). Throws, naming the optimizer `who`, the parameter and the
+// tile, and what keeps tiles whole (an rfsdp plan, or for FSDP2's chunk rows a
+// max_preconditioner_dim that divides them), when the shard cuts a tile and
+// shared is null or the other ranks' rows are unknown.
+std::vector<ShampooTile> shampoo_tiles(const char* who, const ParamShard& shard, size_t param,
+                                       int64_t max_dim, int rank = -1,
+                                       std::vector<SharedTileRow>* shared = nullptr);
 
 // The granule (rows of `shape` seen with row_dims) that keeps every tile on one rank.
 int64_t shampoo_granule_rows(const std::vector<int64_t>& shape, int row_dims, int64_t max_dim);

@@ -129,7 +129,7 @@ SOAP::SOAP(std::vector<ParamShard> params, SOAPOptions options, SOAPConfig confi
     if (precondition_[i]) {
       int64_t left = 0, right = 0, ql = 0, qr = 0;
       std::vector<int64_t> rows, cols;
-      for (const ShampooTile& t : shampoo_tiles(p, i, config_.max_preconditioner_dim)) {
+      for (const ShampooTile& t : shampoo_tiles("SOAP", p, i, config_.max_preconditioner_dim)) {
         s.tiles.push_back(tiles_.size());
         tiles_.push_back(t);
         s.ql.push_back(ql);

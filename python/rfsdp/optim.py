@@ -119,10 +119,10 @@ class _OverCpp(torch.optim.Optimizer):
 
     Like torch.optim, each step works on the tensors the parameters hold then:
     a parameter whose storage was replaced since it was bound (model.to(),
-    load_state_dict(assign=True), p.data = ...; FSDP2 re-padding a short shard at
-    its first forward) is rebound, and its dtype may change between float32,
-    bfloat16 and float16 (states stay float32); one moved to another device
-    rebuilds the C++ optimizers there, the state copied over.
+    load_state_dict(assign=True) with swapped tensors, p.data = ...) is rebound,
+    and its dtype may change between float32, bfloat16 and float16 (states stay
+    float32); one moved to another device rebuilds the C++ optimizers there, the
+    state copied over.
 
     The checkpoint protocol (what rfsdp.checkpoint uses): settings(),
     sharded_state(p) and load_sharded_state(p, state)."""

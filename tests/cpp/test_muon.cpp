@@ -117,6 +117,9 @@ struct Config {
   bool whole;
   MuonHyper hyper;
   bool batch = false;  // batched Newton–Schulz for equal shapes on a root
+  // Every other tensor replicated (each rank holds it whole, equal gradients: DDP),
+  // the rest cut as `whole` says.
+  bool replicated = false;
 };
 
 void run_against_reference(const Config& cfg) {
@@ -140,11 +143,18 @@ void run_against_reference(const Config& cfg) {
   }
   std::mutex mu;
   std::map<int, std::string> failures;
+  auto replicated = [&](size_t t) { return cfg.replicated && t % 2 == 0; };
   run_local_ranks(cfg.world, [&](Comm& comm) {
     const int r = comm.rank();
     std::vector<ParamShard> shards;
     for (size_t t = 0; t < kShapes.size(); ++t) {
       const Shape& s = kShapes[t];
+      if (replicated(t)) {
+        shards.emplace_back(TensorShard::whole(s.name, s.shape, s.row_dims),
+                            rows_view(init[t], s).to(at::kFloat).contiguous());
+        shards.back().grad = at::zeros_like(shards.back().param);
+        continue;
+      }
       // Every rank's rows known (as fully_shard's are) on odd worlds; gathered by
       // the layout (one all-reduce) on even ones: both paths see every case.
       std::vector<std::pair<int64_t, int64_t>> every;
@@ -163,17 +173,32 @@ void run_against_reference(const Config& cfg) {
     opt.batch_newton_schulz = cfg.batch;
     Muon muon(std::shared_ptr<Comm>(&comm, [](Comm*) {}), shards, opt);
     if (cfg.whole) EXPECT_EQ(muon.layout().gather_send_elems(), 0);
+    if (cfg.replicated && cfg.world > 1) {
+      // a replicated matrix: nothing gathered; its root sends it whole to the others
+      int64_t rooted_elsewhere = 0;
+      for (size_t k = 0; k < muon.layout().matrices().size(); ++k) {
+        const MuonMatrix& m = muon.layout().matrices()[k];
+        EXPECT_EQ(m.replicated, replicated(m.param));
+        if (!m.replicated) continue;
+        if (m.root != r) rooted_elsewhere += m.rows * m.cols;
+        const auto gp = muon.layout().gather_piece(k, r);
+        EXPECT_EQ(gp.second - gp.first, m.root == r ? m.rows * m.cols : 0);
+      }
+      EXPECT_EQ(muon.layout().scatter_recv_elems() - rooted_elsewhere,
+                muon.layout().gather_send_elems()) << "receives the others' replicated matrices whole";
+    }
     for (int step = 0; step < kSteps; ++step) {
       for (size_t t = 0; t < kShapes.size(); ++t) {
-        const int64_t n = shards[t].param.size(0);
-        shards[t].grad.copy_(rows_view(grad_at(step, t), kShapes[t]).narrow(0, shards[t].row_begin, n));
+        const int64_t n = shards[t].rows();
+        shards[t].grad.copy_(rows_view(grad_at(step, t), kShapes[t]).narrow(0, shards[t].row_begin, n)
+                                 .reshape(shards[t].grad.sizes()));
       }
       muon.step();
     }
     for (size_t t = 0; t < kShapes.size(); ++t) {
-      const int64_t n = shards[t].param.size(0);
+      const int64_t n = shards[t].rows();
       const at::Tensor want = rows_view(w[t], kShapes[t]).narrow(0, shards[t].row_begin, n);
-      const at::Tensor got = shards[t].param.to(at::kDouble);
+      const at::Tensor got = shards[t].param.to(at::kDouble).reshape(want.sizes());
       const double err = n ? (got - want).abs().max().item<double>() : 0.0;
       const double tol = 2e-5 * (1 + (n ? want.abs().max().item<double>() : 0.0));
       if (!(err <= tol)) {
@@ -205,6 +230,13 @@ TEST_P(MuonRanks, BatchedNewtonSchulzMatchesReference) {
       {GetParam(), false, MuonHyper{0.02, 0.95, 0.01, true, MuonAdjustLr::Original}, true});
   run_against_reference(
       {GetParam(), true, MuonHyper{0.02, 0.95, 0.01, true, MuonAdjustLr::Original}, true});
+}
+
+TEST_P(MuonRanks, ReplicatedTensorsStepAsOneDeviceOnEveryRank) {
+  run_against_reference(
+      {GetParam(), false, MuonHyper{0.02, 0.95, 0.01, true, MuonAdjustLr::Original}, false, true});
+  run_against_reference(
+      {GetParam(), true, MuonHyper{0.02, 0.95, 0.0, true, MuonAdjustLr::Original}, true, true});
 }
 
 INSTANTIATE_TEST_SUITE_P(Worlds, MuonRanks, ::testing::Values(1, 2, 3, 4));
@@ -328,11 +360,29 @@ TEST(Muon, RangesFromTheShardsNeedOnlyAnAgreedHash) {
   expect_every_rank_refused(errors, "ns_steps 3");
 }
 
-TEST(Muon, ReplicatedTensorsAreRefused) {
-  auto errors = run_local_ranks_collect(2, [](Comm& comm) {
-    MuonLayout layout(&comm, {{"w", {4, 6}, 0, 24, 5}});  // both ranks claim everything
+TEST(Muon, AMixOfWholeAndShardedRangesIsRefused) {
+  auto errors = run_local_ranks_collect(3, [](Comm& comm) {
+    // ranks 0 and 1 claim everything, rank 2 half: neither replicated nor a tiling
+    const int64_t e = comm.rank() == 2 ? 12 : 24;
+    MuonLayout layout(&comm, {{"w", {4, 6}, 0, e, 5}});
   });
   expect_every_rank_refused(errors, "do not tile");
+}
+
+TEST(Muon, ReplicatedGradientsThatDifferAreRefusedOnEveryRankBeforeAnyChange) {
+  auto errors = run_local_ranks_collect(2, [](Comm& comm) {
+    ParamShard p(TensorShard::whole("w", {6, 4}), at::ones({6, 4}), at::ones({6, 4}));
+    if (comm.rank() == 1) p.grad[2][3] = 1.5f;  // a rank whose gradient was not all-reduced
+    Muon muon(std::shared_ptr<Comm>(&comm, [](Comm*) {}), {p});
+    try {
+      muon.step();
+    } catch (...) {
+      EXPECT_TRUE(at::equal(p.param, at::ones({6, 4})));
+      EXPECT_TRUE(at::equal(muon.momentum(0), at::zeros({6, 4})));
+      throw;
+    }
+  });
+  expect_every_rank_refused(errors, "gradients differ between the ranks");
 }
 
 TEST(Muon, NanGradientOnOneRankStopsEveryRankBeforeAnyChange) {

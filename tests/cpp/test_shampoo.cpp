@@ -179,7 +179,7 @@ TEST(ShampooTiles, TheGranuleKeepsEveryTileOnOneRank) {
       for (int r = 0; r < world; ++r) {
         const ParamShard p = shard_of(plan, i, r, full);
         if (p.shape.size() < 2) continue;
-        for (const ShampooTile& t : shampoo_tiles(p, i, kB)) {  // throws if a tile is cut
+        for (const ShampooTile& t : shampoo_tiles("Shampoo", p, i, kB)) {  // throws if a tile is cut
           covered += t.rows * t.cols;
           ASSERT_LE(t.rows, kB);
           ASSERT_LE(t.cols, kB);
@@ -194,11 +194,21 @@ TEST(ShampooTiles, TheGranuleKeepsEveryTileOnOneRank) {
   // A shard that cuts a tile is refused by name.
   ParamShard p(TensorShard::rows_of("w", {20, 19}, 1, 4, 20), at::zeros({16 * 19}));
   try {
-    shampoo_tiles(p, 0, kB);
+    shampoo_tiles("Shampoo", p, 0, kB);
     ADD_FAILURE() << "a cut tile was accepted";
   } catch (const std::invalid_argument& e) {
     EXPECT_NE(std::string(e.what()).find("parameter 'w'"), std::string::npos) << e.what();
     EXPECT_NE(std::string(e.what()).find("rfsdp.policy.shampoo"), std::string::npos) << e.what();
+    // rows [4, 20): tiles of 4 rows are whole (what FSDP2 users can choose)
+    EXPECT_NE(std::string(e.what()).find("max_preconditioner_dim=4 divides"), std::string::npos)
+        << e.what();
+  }
+  try {  // SOAP (no shared tiles yet): its own name, and Shampoo as the way out
+    shampoo_tiles("SOAP", p, 0, kB);
+    ADD_FAILURE() << "a cut tile was accepted";
+  } catch (const std::invalid_argument& e) {
+    EXPECT_EQ(std::string(e.what()).rfind("SOAP: parameter 'w'", 0), 0u) << e.what();
+    EXPECT_NE(std::string(e.what()).find("use Shampoo"), std::string::npos) << e.what();
   }
   EXPECT_EQ(shampoo_granule_rows({3, 10, 6}, 2, kB), 10);  // H not a multiple of B: whole experts
   EXPECT_EQ(shampoo_granule_rows({3, 16, 6}, 2, kB), kB);

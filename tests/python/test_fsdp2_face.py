@@ -139,6 +139,8 @@ def worker(rank, seed, init_file, out_file, d):
     out["numel_local"] = sum(p.numel() for p in model.parameters())
     out["numel_global"] = rfsdp.global_numel(model)
     out["model_clip"] = float(model.clip_grad_norm_(1e9))  # the last step's gradients
+    norm = rfsdp.clip_grad_norm_(model, 1e9)  # a tensor, as torch's: .item() works
+    out["rfsdp_clip"] = (type(norm), norm.dim(), norm.dtype, norm.item())
 
     # -- state dicts ---------------------------------------------------------------------
     full = out["params"]
@@ -296,6 +298,8 @@ def test_fsdp2_habits_match_the_unsharded_model():
     assert got["norms"] == pytest.approx(want["norms"], rel=1e-5), seed
     assert got["infs"] == pytest.approx(want["infs"], rel=1e-6), seed
     assert min(want["norms"]) > CLIP  # every step clipped: the norm decides the step
+    assert got["rfsdp_clip"][:3] == (torch.Tensor, 0, torch.float32), got["rfsdp_clip"]
+    assert got["rfsdp_clip"][3] == pytest.approx(got["model_clip"], rel=1e-6)
     close(got["params"], want["params"], seed, "clip")
     n_global = sum(p.numel() for p in plain_net(seed).parameters())
     assert got["numel_global"] == n_global and got["numel_local"] < n_global

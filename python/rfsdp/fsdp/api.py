@@ -396,12 +396,14 @@ def set_prefetch(model: nn.Module, enabled: bool) -> None:
 
 def clip_grad_norm_(model: nn.Module, max_norm: float, error_if_nonfinite: bool = True) -> torch.Tensor:
     """Clips the sharded gradients of all of model's units by their global L2
-    norm (one all-reduce, in C++); returns the norm. torch.nn.utils.clip_grad_norm_
-    over model.parameters() gives the same (see grad_norm)."""
+    norm (one all-reduce, in C++); returns the norm, a 0-D float32 tensor on the
+    parameters' device as torch.nn.utils.clip_grad_norm_ returns it (which, over
+    model.parameters(), gives the same: see grad_norm)."""
     us = units(model)
     if not us:
         raise ValueError("clip_grad_norm_: the model has no fully_shard units")
-    return _C.clip_grad_norm([u.unit for u in us], float(max_norm), bool(error_if_nonfinite))
+    norm = _C.clip_grad_norm([u.unit for u in us], float(max_norm), bool(error_if_nonfinite))
+    return torch.tensor(norm, dtype=torch.float32, device=us[0].sharded[0].device)
 
 
 def global_numel(model: nn.Module) -> int:
