@@ -10,8 +10,11 @@ void check_grad(const char* optimizer, const ParamShard& p, const at::Tensor& gr
        !grad.is_contiguous() || grad.device() != p.param.device() ||
        grad.numel() != p.param.numel())) {
     throw std::invalid_argument(std::string(optimizer) + ": the gradient of parameter '" +
-                                p.name + "' must be a contiguous float32 (or " +
-                                c10::toString(p.param.scalar_type()) + ", the parameter's dtype) "
+                                p.name + "' must be a contiguous float32 " +
+                                (p.param.scalar_type() == at::kFloat
+                                     ? std::string()
+                                     : std::string("(or ") + c10::toString(p.param.scalar_type()) +
+                                           ", the parameter's dtype) ") +
                                 "tensor of " +
                                 std::to_string(p.param.numel()) + " elements on " +
                                 p.param.device().str() + " (the parameter's device); got " +

@@ -53,18 +53,14 @@ import torch.distributed.checkpoint.metadata as dcp_metadata
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.metadata import StorageMeta
 
-from .fsdp.dtensor import info_of, local
-from .fsdp.state_dict import Pieces as _Pieces, rectangles
+from .fsdp.state_dict import Pieces as _Pieces
+from .state_layout import Entry, LayoutError, param_entry, place_sequences, placements, \
+    state_entries
 
 FORMAT = 2          # 2: `extra` in torch's weights-only format (1: a plain pickle)
 READS = (1, 2)
 MARKER = "rfsdp.json"
 STEP_DIR = re.compile(r"^step_(\d+)$")
-# Optimizer states shaped like their parameter (chunked as it is); every other
-# 1-D state is a piece of a global sequence. By name, so that a rank holding no
-# rows of a tensor (every shape 0) classifies its states as the others do.
-LIKE_PARAMETER = ("exp_avg", "exp_avg_sq", "momentum_buffer", "momentum_codes", "exp_avg_codes",
-                  "exp_avg_sq_codes")
 
 
 class CheckpointError(ValueError):
@@ -248,104 +244,6 @@ def _decode_extra(data, path, fmt):
 
 # ---- the pieces a rank holds ------------------------------------------------------------
 
-class _Entry:
-    """One tensor of the checkpoint: its key, global shape, dtype and this rank's
-    pieces [(offsets, sizes, local tensor)]; replicated (a plain tensor) when
-    pieces is None."""
-
-    def __init__(self, key, shape, dtype, pieces=None, tensor=None):
-        self.key, self.shape, self.dtype = key, None if shape is None else tuple(shape), dtype
-        self.pieces, self.tensor = pieces, tensor
-        self.sequence = None  # (first row, elements): a piece of a global 1-D sequence
-        self.replica = 0      # HSDP: this rank's index in its replica group (0 writes)
-        self.shared = 0       # leading elements an earlier rank writes (it reads them too)
-
-
-def _replica_index(info):
-    rg = info.replicate_group
-    return 0 if rg is None else rg.rank()
-
-
-def _rows_entry(key, t, info):
-    """t holds the rows info describes (a shard, or a state shaped like it)."""
-    if len(info.global_shape) == 0:
-        raise CheckpointError("checkpoint: 0-D sharded tensor '%s' is not supported" % key)
-    rows = t.detach().reshape(-1, info.row_len)
-    pieces = [(o, s, rows[first:first + n].reshape(s))
-              for o, s, first, n in rectangles(info.global_shape, info.row_dims,
-                                               info.row_begin, info.row_end)]
-    e = _Entry(key, info.global_shape, t.dtype, pieces)
-    e.replica = _replica_index(info)
-    return e
-
-
-def _param_entry(key, p):
-    """A parameter fully_shard or FSDP2 sharded (its rows), or a plain one."""
-    info = info_of(key, p)
-    if info is None:
-        return _Entry(key, p.shape, p.dtype, tensor=p.detach())
-    return _rows_entry(key, local(p), info)
-
-
-def _state_entries(prefix, p, state, spans):
-    """Entries of one parameter's optimizer state. LIKE_PARAMETER tensors
-    follow the shard's chunks; 1-D tensors whose place the optimizer gives (spans:
-    {name: (global size, offset, leading elements an earlier rank writes)}) are
-    pieces of that global sequence; other 1-D tensors are pieces of a global sequence whose
-    offsets are found across ranks (_place_sequences); 0-D ones are replicated."""
-    info = info_of(prefix, p)
-    out = []
-    for name, t in sorted(state.items()):
-        key = "%s.%s" % (prefix, name)
-        t = t.detach()
-        if t.dim() == 0 or info is None:
-            out.append(_Entry(key, t.shape, t.dtype, tensor=t))
-        elif name in LIKE_PARAMETER and tuple(t.shape) == tuple(local(p).shape):
-            out.append(_rows_entry(key, t, info))
-        elif t.dim() == 1 and name in spans:
-            total, offset, shared = spans[name]
-            e = _Entry(key, (total,), t.dtype, [((offset,), (t.numel(),), t)] if t.numel() else [])
-            e.shared = shared
-            e.replica = _replica_index(info)
-            out.append(e)
-        elif t.dim() == 1:
-            e = _Entry(key, None, t.dtype, pieces=[(None, (t.numel(),), t)])
-            e.sequence = (info.row_begin, t.numel())
-            e.replica = _replica_index(info)
-            out.append(e)
-        else:
-            raise CheckpointError("checkpoint: optimizer state '%s' of shape %s has no layout"
-                                  % (key, tuple(t.shape)))
-    return out
-
-
-def _place_sequences(entries, pg):
-    """Offsets of the 1-D sequence pieces: every rank's piece sizes (one
-    all_gather_object for all), in the order of their first rows. Under HSDP the
-    first replica's pieces make the sequence; another replica's equal piece (same
-    first row and size) takes the same offsets."""
-    mine = {e.key: e.sequence + (e.replica,) for e in entries if e.sequence}
-    if not mine:
-        return
-    ranks = [mine]
-    if pg is not None and pg.size() > 1:
-        ranks = [None] * pg.size()
-        dist.all_gather_object(ranks, mine, group=pg)
-    for e in entries:
-        if not e.sequence:
-            continue
-        seq = sorted((r[e.key][0], rank, r[e.key][1]) for rank, r in enumerate(ranks)
-                     if r[e.key][2] == 0)
-        off, total, at = 0, sum(s[2] for s in seq), {}
-        for row, rank, n in seq:
-            if n:
-                at[(row, n)] = off
-            off += n
-        row, n = e.sequence
-        e.pieces = [((at[(row, n)],), (n,), e.pieces[0][2])] if n else []
-        e.shape = (total,)
-
-
 def _nest(flat):
     """{"model.a.b": x} -> {"model": {"a.b": x}}: DCP stores the same keys and records
     the nesting, so torch's tools give back {"model": state_dict, ...} as a plain
@@ -370,17 +268,18 @@ def _flat(nested):
     return out
 
 
-def _state_dict(entries):
-    """The DCP state_dict of the entries: _Pieces, or the tensor where replicated."""
-    return {e.key: e.tensor if e.pieces is None else _Pieces(e.shape, e.dtype, e.pieces)
-            for e in entries}
+def _state_dict(entries, written=False):
+    """The DCP state_dict of the entries: _Pieces (what this rank reads, or with
+    written what it writes), or the tensor where replicated."""
+    return {e.key: e.tensor if e.pieces is None else
+            _Pieces(e.shape, e.dtype, e.written() if written else e.pieces) for e in entries}
 
 
 # ---- what a model and an optimizer hold ---------------------------------------------------
 
 def _model_entries(model):
-    out = [_param_entry("model." + n, p) for n, p in model.named_parameters()]
-    out += [_Entry("model." + n, b.shape, b.dtype, tensor=b.detach())
+    out = [param_entry("model." + n, p) for n, p in model.named_parameters()]
+    out += [Entry("model." + n, b.shape, b.dtype, tensor=b.detach())
             for n, b in model.named_buffers()]
     return out
 
@@ -413,22 +312,25 @@ def _groups(model, optimizer):
 def _optim_entries(model, optimizer):
     out = []
     for fqn, p in _fqns(model, optimizer):
-        out += _state_entries("optim." + fqn, p, optimizer.sharded_state(p),
-                              optimizer.sequence_spans(p))
+        out += state_entries("optim." + fqn, p, optimizer.sharded_state(p),
+                             optimizer.sequence_spans(p))
     return out
 
 
 def _entries(model, optimizer, pg):
     entries = _unplaced_entries(model, optimizer)
-    _place_sequences(entries, pg)
+    place_sequences(entries, placements(entries, pg))
     return entries
 
 
 def _unplaced_entries(model, optimizer):
     """This rank's entries, before their 1-D sequences are placed (a collective)."""
-    entries = _model_entries(model)
-    if optimizer is not None:
-        entries += _optim_entries(model, optimizer)
+    try:
+        entries = _model_entries(model)
+        if optimizer is not None:
+            entries += _optim_entries(model, optimizer)
+    except LayoutError as e:
+        raise CheckpointError("checkpoint: %s" % e) from None
     return entries
 
 
@@ -521,15 +423,9 @@ def save(path, model, optimizer=None, *, extra=None, process_group=None):
     def prepare():  # everything that could fail on one rank alone, before any file changes
         return _unplaced_entries(model, optimizer), _encode_extra(extra)
     entries, encoded = _every_rank(pg, prepare)
-    _place_sequences(entries, pg)
-    for e in entries:
-        if e.replica:  # HSDP: the first replica writes the shards; the others hold equal ones
-            e.pieces = []
-        elif e.shared and e.pieces:  # (an 8-bit block's scale that ranks share: written once)
-            (offset,), (n,), t = e.pieces[0]
-            e.pieces = [((offset + e.shared,), (n - e.shared,), t[e.shared:])] \
-                if n > e.shared else []
-    sd = _state_dict(entries)
+    place_sequences(entries, placements(entries, pg))
+    # HSDP's first replica writes the shards; an 8-bit block's scale that ranks share once
+    sd = _state_dict(entries, written=True)
     # Non-tensor values as one string or bytes each (DCP would flatten a dict).
     if optimizer is not None:
         sd["optim.groups"] = json.dumps(_groups(model, optimizer))

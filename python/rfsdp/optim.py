@@ -6,12 +6,16 @@ written back rounded: rounding="nearest" or "stochastic"). Python keeps what is
 Python's: param groups (each step hands every parameter its group's
 hyperparameters), LR schedulers, and state_dict / load_state_dict in torch's
 format, whose tensors are the C++ optimizer's own."""
+import json
+
 import torch
 import torch.distributed as dist
 
 from . import _C
 from ._comm import make_comm
-from .fsdp.dtensor import info_of, local
+from .fsdp.dtensor import info_of, is_dtensor, local
+from .fsdp.state_dict import Pieces, dcp_caller_options
+from .state_layout import dcp_value, full_tensors, place_sequences, placements, state_entries
 
 
 def _check_params(optimizer_name, params):
@@ -69,6 +73,14 @@ def _default_comm(process_group, timeout_seconds, param_groups):
     if process_group is None and dist.is_available() and dist.is_initialized():
         process_group = dist.group.WORLD
     return None if process_group is None else make_comm(process_group, timeout_seconds)
+
+
+def _checkpoint_group(process_group):
+    """The ranks a state dict of sharded states is placed and gathered over: the
+    optimizer's group, else torch.distributed's default group (rfsdp.checkpoint's)."""
+    if process_group is not None:
+        return process_group
+    return dist.group.WORLD if dist.is_available() and dist.is_initialized() else None
 
 
 def _run_closure(closure):
@@ -302,21 +314,110 @@ class _OverCpp(torch.optim.Optimizer):
         self._load_state_of(p, state)
         self._publish()
 
+    # ---- torch's state_dict: what DCP's get/set_optimizer_state_dict use ----
+
+    def _settings_json(self):
+        return json.dumps(self.settings(), sort_keys=True)
+
+    def _state_layout(self):
+        """{(parameter index, state name): state_layout.Entry} of every parameter's
+        state, its sequences placed (the placement is collective over the
+        checkpoint group the first time after a bind, then cached)."""
+        params = self._bound_params
+        entries = {}
+        for i, p in enumerate(params):
+            for e in state_entries(str(i), p, self._state_of(p), self.sequence_spans(p)):
+                entries[(i, e.key.split(".", 1)[1])] = e
+        if getattr(self, "_placed", None) is None or self._placed[0] is not params:
+            self._placed = (params, placements(list(entries.values()), self._group))
+        place_sequences(entries.values(), self._placed[1])
+        return entries
+
     def state_dict(self):
+        """torch's format: {"state": {index: {name: tensor}}, "param_groups": [...]},
+        each group also holding the settings that shape the states
+        ("rfsdp_settings": a load into other settings is refused). Sharded
+        parameters' states are their global tensors as DCP sees them: a DTensor
+        like an FSDP2 parameter's (as torch's optimizers give), else the pieces this
+        rank holds of a tensor of the global shape (rfsdp's parameters, block
+        scales, tiles); so dcp.save of it, or of get_optimizer_state_dict's, writes
+        every rank's part. Under get_optimizer_state_dict(full_state_dict=True):
+        the full tensors (gathered; collective). Collective the first time after
+        the parameters are bound where tiles or codes need placing."""
         self._publish()
-        return super().state_dict()
+        sd = super().state_dict()
+        sd["state"] = {k: dict(v) for k, v in sd["state"].items()}  # (torch's are the live dicts)
+        settings = self._settings_json()
+        for g in sd["param_groups"]:
+            g["rfsdp_settings"] = settings
+        if all(info_of("param", p) is None for p in self._bound_params):
+            return sd  # plain (replicated) parameters: plain tensors, as torch's
+        full = dcp_caller_options("_get_optim_state_dict")
+        layout = self._state_layout()
+        gathered = full_tensors(list(layout.values()), self._group) if full and full[0] else None
+        for i, st in sd["state"].items():
+            for name, t in st.items():
+                e = layout.get((i, name))
+                if e is not None:
+                    st[name] = gathered[e.key] if gathered is not None else dcp_value(e, t)
+        return sd
+
+    def _local_value(self, i, name, v, layout):
+        """This rank's tensor of parameter i's state `name` from a state dict's value:
+        a DTensor's or our pieces' local tensor, a tensor of this rank's shape as it
+        is, or (a full state dict) this rank's pieces of a tensor of the global shape,
+        written into the live state."""
+        if is_dtensor(v):
+            return v._local_tensor
+        if isinstance(v, Pieces):
+            if not hasattr(v, "local"):
+                raise ValueError("%s.load_state_dict: state '%s' is a %s without its local tensor"
+                                 % (type(self).__name__, name, type(v).__name__))
+            return v.local
+        e = layout.get((i, name))
+        if e is None or e.pieces is None or not torch.is_tensor(v) or tuple(v.shape) != e.shape:
+            return v
+        with torch.no_grad():
+            for o, s, t in e.pieces:
+                t.copy_(v[tuple(slice(a, a + n) for a, n in zip(o, s))].reshape(t.shape))
+        return dict(self._state_of(self._bound_params[i]))[name]
 
     def load_state_dict(self, state_dict):
-        # torch's load casts floating state to the parameter's dtype (a bfloat16
-        # parameter's float32 moments would lose bits): the C++ states take the
-        # saved tensors as they are (each copy converts exactly where it must).
+        """torch's format (state_dict()'s: a DCP-loaded one, a full one of
+        get_optimizer_state_dict(full_state_dict=True) through set_optimizer_state_dict,
+        or local tensors of this layout). States saved with other settings are
+        refused. Collective where full tensors need this rank's pieces placed."""
+        groups = state_dict["param_groups"]
+        saved_settings = {g["rfsdp_settings"] for g in groups if "rfsdp_settings" in g}
+        if saved_settings and saved_settings != {self._settings_json()}:
+            raise ValueError(
+                "%s.load_state_dict: the state was saved by an optimizer with the settings %s; "
+                "this one has %s: build it with the saved settings (8-bit blocks, tiles and low-bit "
+                "storage shape the states), or move between them with "
+                "rfsdp.checkpoint.load(..., requantize=True). Nothing was loaded"
+                % (type(self).__name__, sorted(saved_settings)[0], self._settings_json()))
         saved = state_dict["state"]
-        ids = [i for g in state_dict["param_groups"] for i in g["params"]]
-        super().load_state_dict(state_dict)
+        ids = [i for g in groups for i in g["params"]]
+        # torch's load casts floating states to the parameter's dtype (a bfloat16
+        # parameter's float32 moments would lose bits) and cannot take DCP's pieces:
+        # it loads the groups alone, the C++ states take the values (each copy
+        # converts exactly where it must).
+        # (DCP's flattening turns tuples, betas, into lists: they come back as tuples)
+        super().load_state_dict({"state": {}, "param_groups": [
+            {k: tuple(v) if isinstance(v, list) and isinstance(now.get(k), tuple) else v
+             for k, v in g.items() if k != "rfsdp_settings"}
+            for g, now in zip(groups, self.param_groups)]})
         self._bind()
-        for pid, p in zip(ids, self._all_params()):
-            if saved.get(pid):
-                self._load_state_of(p, saved[pid])
+        params = self._all_params()
+        full = any(info_of("param", p) is not None and torch.is_tensor(v) and v.dim() > 0
+                   and not is_dtensor(v) and not isinstance(v, Pieces)
+                   for pid, p in zip(ids, params) for v in (saved.get(pid) or {}).values())
+        layout = self._state_layout() if full else {}
+        for i, (pid, p) in enumerate(zip(ids, params)):
+            st = saved.get(pid)
+            if st:
+                self._load_state_of(p, {name: self._local_value(i, name, v, layout)
+                                        for name, v in st.items()})
         self._publish()
 
 
@@ -331,6 +432,7 @@ class AdamW(_OverCpp):
         self.rounding = _check_rounding(type(self).__name__, rounding)
         super().__init__(params, dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay))
         self.comm = _default_comm(process_group, timeout_seconds, self.param_groups)
+        self._group = _checkpoint_group(process_group)
         self._bind()
 
     def _make(self, specs):
@@ -499,6 +601,7 @@ class Muon(_OverCpp):
                              momentum_block=momentum_block, momentum_map=momentum_map)
         # The Comm, not the group object: rfsdp closes its Comms at exit (see _comm).
         self.comm = _default_comm(process_group, timeout_seconds, self.param_groups)
+        self._group = _checkpoint_group(process_group)
         self._bind()
 
     def settings(self):
@@ -664,6 +767,7 @@ class Shampoo(_OverCpp):
                                       grafting_epsilon=grafting_epsilon, weight_decay=weight_decay,
                                       use_shampoo=True))
         self.comm = _default_comm(process_group, timeout_seconds, self.param_groups)
+        self._group = _checkpoint_group(process_group)
         self._bind()
 
     def settings(self):
@@ -955,6 +1059,7 @@ class SOAP(_OverCpp):
         super().__init__(params, dict(lr=lr, betas=tuple(betas), shampoo_beta=shampoo_beta,
                                       eps=eps, weight_decay=weight_decay, use_soap=True))
         self.comm = _default_comm(process_group, timeout_seconds, self.param_groups)
+        self._group = _checkpoint_group(process_group)
         self._bind()
 
     def requantized_state(self, p, saved_settings, full):

@@ -89,11 +89,11 @@ CASES = [
      ValueError, "factor_dtype"),
     # optimizers: parameters and gradients
     ("float64 parameter", lambda: rfsdp.optim.AdamW([p(3, dtype=torch.float64)]), ValueError,
-     "AdamW: parameter 'param 0' must be a contiguous float32 tensor on the CPU or a CUDA "
-     "device; got Double tensor on cpu"),
+     "AdamW: parameter 'param 0' is a Double tensor; the optimizers keep float32 state and step "
+     "float32, bfloat16 or float16 parameters"),
     ("meta parameter", lambda: rfsdp.optim.Shampoo([p(3, device="meta")]), ValueError,
-     "Shampoo: parameter 'param 0' must be a contiguous float32 tensor on the CPU or a CUDA "
-     "device; got Float tensor on meta"),
+     "Shampoo: parameter 'param 0' must be a contiguous float32, bfloat16 or float16 tensor on "
+     "the CPU or a CUDA device; got Float tensor on meta"),
     ("replaced parameters", replaced, ValueError, "was replaced by fully_shard"),
     ("gradient of another shape",
      lambda: step_with_grad(rfsdp.optim.AdamW, torch.zeros(4, 4), reshape_to=(3, 4)),

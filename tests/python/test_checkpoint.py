@@ -88,8 +88,9 @@ def train(model, opt, sched, seed, steps, rank, world):
 def snapshot(model, opt):
     """This rank's parameters and optimizer states, and the full parameters."""
     return {"local": {n: p.detach().clone() for n, p in model.named_parameters()},
-            "state": {k: {n: t.clone() if torch.is_tensor(t) else t for n, t in v.items()}
-                      for k, v in opt.state_dict()["state"].items()},
+            "state": {k: {n: t.clone() if torch.is_tensor(t) else t for n, t in opt.state[p].items()}
+                      for k, p in enumerate(q for g in opt.param_groups for q in g["params"])
+                      if opt.state.get(p)},
             "lr": [g["lr"] for g in opt.param_groups],
             "full": rfsdp.full_parameters(model)}
 

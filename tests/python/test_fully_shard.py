@@ -166,10 +166,12 @@ def test_8bit_optimizer_needs_whole_blocks(one_rank):
     opt = rfsdp.optim.AdamW8bit(model.parameters(), block=256)
     model(torch.randn(4, 300)).sum().backward()
     opt.step()
-    sd = opt.state_dict()
+    sd = opt.state_dict()  # a sharded parameter's states: their pieces of the global tensors
+    assert isinstance(sd["state"][0]["absmax1"], torch.Tensor) and hasattr(sd["state"][0]["q1"], "local")
     opt2 = rfsdp.optim.AdamW8bit(model.parameters(), block=256)
     opt2.load_state_dict(sd)
-    assert torch.equal(opt2.state_dict()["state"][0]["q1"], sd["state"][0]["q1"])
+    p = next(model.parameters())
+    assert torch.equal(opt2.state[p]["q1"], opt.state[p]["q1"])
     # A shard that starts inside a block (rows 150.. of a 300 x 40 tensor: element
     # 6000, not a multiple of 256) is refused by name; one on a block edge is not.
     cut = nn.Parameter(torch.zeros(150, 40))

@@ -68,13 +68,13 @@ class Pieces(torch.Tensor):
     error (it holds no global data)."""
 
     @staticmethod
-    def __new__(cls, shape, dtype, pieces):
+    def __new__(cls, shape, dtype, pieces, device="cpu"):
         self = torch.Tensor._make_wrapper_subclass(cls, torch.Size(shape), dtype=dtype,
-                                                    device="cpu")
+                                                    device=device)
         self.pieces = {torch.Size(o): t.contiguous() for o, _, t in pieces if t.numel()}
         return self
 
-    def __init__(self, shape, dtype, pieces):
+    def __init__(self, shape, dtype, pieces, device="cpu"):
         super().__init__()
 
     @classmethod
@@ -109,7 +109,7 @@ class ShardedRows(Pieces):
         pieces = [(o, s, rows[first:first + n].view(s))
                   for o, s, first, n in rectangles(info.global_shape, info.row_dims,
                                                    info.row_begin, info.row_end)]
-        self = Pieces.__new__(cls, info.global_shape, local.dtype, pieces)
+        self = Pieces.__new__(cls, info.global_shape, local.dtype, pieces, local.device)
         self.local, self.info = local.detach(), info
         return self
 
@@ -207,16 +207,17 @@ def get_state_dict_type(model: torch.nn.Module) -> str:
     return getattr(model, "_rfsdp_state_dict", _DEFAULT).kind
 
 
-def _dcp_full_options():
-    """The options of torch.distributed.checkpoint.state_dict's get_model_state_dict
-    when it is what called model.state_dict() (it has no hook for modules that are
-    neither FSDP1 nor DTensors): (full_state_dict, cpu_offload), else None."""
+def dcp_caller_options(function="_get_model_state_dict"):
+    """(full_state_dict, cpu_offload) of the torch.distributed.checkpoint.state_dict
+    call (get_model_state_dict, get_optimizer_state_dict: their `function`) that
+    called the state_dict() asking, else None: torch has no hook for state dicts
+    that are neither FSDP1's nor DTensors."""
     import sys
     f = sys._getframe(2)
     for _ in range(8):
         if f is None:
             return None
-        if f.f_code.co_name == "_get_model_state_dict" and \
+        if f.f_code.co_name == function and \
                 f.f_globals.get("__name__") == "torch.distributed.checkpoint.state_dict":
             info = f.f_locals.get("info")
             return None if info is None else (bool(info.full_state_dict), bool(info.cpu_offload))
@@ -228,7 +229,7 @@ def _settings_of(module):
     explicit = getattr(module, "_rfsdp_state_dict", None)
     if explicit is not None:
         return explicit
-    dcp_options = _dcp_full_options()
+    dcp_options = dcp_caller_options()
     if dcp_options is not None and dcp_options[0]:
         return _Settings("full", dcp_options[1], dcp_options[1], _DEFAULT.timeout_s)
     return _DEFAULT

@@ -1,0 +1,225 @@
+"""Where each tensor of a sharded model's and optimizer's state lies in the global
+tensors a checkpoint holds (torch.distributed.checkpoint's view of them), and the
+objects that tell DCP so. rfsdp.checkpoint and the optimizers' state_dict (torch's
+get_optimizer_state_dict / set_optimizer_state_dict) both build on it.
+
+A state tensor of a parameter is one of:
+- shaped like the parameter's shard (moments, momentum, 8-bit codes by element):
+  this rank's rows of a tensor of the parameter's global shape;
+- 1-D, a piece of a global sequence (block scales, Shampoo's and SOAP's per-tile
+  factors, roots and bases): its offset comes from the optimizer where it knows
+  it (sequence_spans), else from every rank's piece sizes in the order of their
+  first rows (place_sequences, one collective for all);
+- 0-D (a step count): the same on every rank.
+A rank reads all of its pieces; it writes them less what another rank writes:
+an HSDP replica other than the first writes nothing, and the leading elements
+an earlier rank also holds (an 8-bit block's scale that ranks share) are that
+rank's to write."""
+import torch
+import torch.distributed as dist
+
+from .fsdp.dtensor import info_of, is_dtensor, local
+from .fsdp.state_dict import Pieces, rectangles
+
+# Optimizer states shaped like their parameter (chunked as it is); every other
+# 1-D state is a piece of a global sequence. By name, so that a rank holding no
+# rows of a tensor (every shape 0) classifies its states as the others do.
+LIKE_PARAMETER = ("exp_avg", "exp_avg_sq", "momentum_buffer", "momentum_codes", "exp_avg_codes",
+                  "exp_avg_sq_codes")
+
+
+class LayoutError(ValueError):
+    """A state tensor whose place in a global tensor cannot be described."""
+
+
+class Entry:
+    """One tensor of a checkpoint: its key, global shape, dtype and this rank's
+    pieces [(offsets, sizes, local tensor)]; replicated (a plain tensor) when
+    pieces is None."""
+
+    def __init__(self, key, shape, dtype, pieces=None, tensor=None):
+        self.key, self.shape, self.dtype = key, None if shape is None else tuple(shape), dtype
+        self.pieces, self.tensor = pieces, tensor
+        self.sequence = None  # (first row, elements): a piece of a global 1-D sequence
+        self.replica = 0      # HSDP: this rank's index in its replica group (0 writes)
+        self.shared = 0       # leading elements an earlier rank writes (it reads them too)
+        self.info = None      # the parameter's ShardInfo where shaped like it
+        self.dtensor_of = None  # an FSDP2 parameter this state is shaped like
+
+    def written(self):
+        """The pieces this rank writes: none on an HSDP replica but the first, and
+        a shared head left to the earlier rank that holds it."""
+        if self.pieces is None or self.replica:
+            return []
+        if self.shared and self.pieces:
+            (offset,), (n,), t = self.pieces[0]
+            return [((offset + self.shared,), (n - self.shared,), t[self.shared:])] \
+                if n > self.shared else []
+        return self.pieces
+
+
+def replica_index(info):
+    rg = info.replicate_group
+    return 0 if rg is None else rg.rank()
+
+
+def rows_entry(key, t, info):
+    """t holds the rows info describes (a shard, or a state shaped like it)."""
+    if len(info.global_shape) == 0:
+        raise LayoutError("0-D sharded tensor '%s' is not supported" % key)
+    rows = t.detach().reshape(-1, info.row_len)
+    pieces = [(o, s, rows[first:first + n].reshape(s))
+              for o, s, first, n in rectangles(info.global_shape, info.row_dims,
+                                               info.row_begin, info.row_end)]
+    e = Entry(key, info.global_shape, t.dtype, pieces)
+    e.replica = replica_index(info)
+    e.info = info
+    return e
+
+
+def param_entry(key, p):
+    """A parameter fully_shard or FSDP2 sharded (its rows), or a plain one."""
+    info = info_of(key, p)
+    if info is None:
+        return Entry(key, p.shape, p.dtype, tensor=p.detach())
+    return rows_entry(key, local(p), info)
+
+
+def state_entries(prefix, p, state, spans):
+    """Entries of one parameter's optimizer state (see the module's text)."""
+    info = info_of(prefix, p)
+    out = []
+    for name, t in sorted(state.items()):
+        key = "%s.%s" % (prefix, name)
+        t = t.detach()
+        if t.dim() == 0 or info is None:
+            out.append(Entry(key, t.shape, t.dtype, tensor=t))
+        elif name in LIKE_PARAMETER and tuple(t.shape) == tuple(local(p).shape):
+            e = rows_entry(key, t, info)
+            e.dtensor_of = p if is_dtensor(p) else None
+            out.append(e)
+        elif t.dim() == 1 and name in spans:
+            total, offset, shared = spans[name]
+            e = Entry(key, (total,), t.dtype, [((offset,), (t.numel(),), t)] if t.numel() else [])
+            e.shared = shared
+            e.replica = replica_index(info)
+            out.append(e)
+        elif t.dim() == 1:
+            e = Entry(key, None, t.dtype, pieces=[(None, (t.numel(),), t)])
+            e.sequence = (info.row_begin, t.numel())
+            e.replica = replica_index(info)
+            out.append(e)
+        else:
+            raise LayoutError("optimizer state '%s' of shape %s has no layout"
+                              % (key, tuple(t.shape)))
+    return out
+
+
+def placements(entries, pg):
+    """{key: (offsets of each (first row, size) piece, total)} of the entries'
+    1-D sequence pieces: every rank's piece sizes (one all_gather_object for all),
+    in the order of their first rows. Under HSDP the first replica's pieces make
+    the sequence; another replica's equal piece (same first row and size) takes
+    the same offsets. Collective over pg."""
+    mine = {e.key: e.sequence + (e.replica,) for e in entries if e.sequence}
+    if not mine:  # (every rank has the same keys: none of them gathers)
+        return {}
+    ranks = [mine]
+    if pg is not None and pg.size() > 1:
+        ranks = [None] * pg.size()
+        dist.all_gather_object(ranks, mine, group=pg)
+    out = {}
+    for key in mine:
+        seq = sorted((r[key][0], rank, r[key][1]) for rank, r in enumerate(ranks) if r[key][2] == 0)
+        off, at = 0, {}
+        for row, _, n in seq:
+            if n:
+                at[(row, n)] = off
+            off += n
+        out[key] = (at, off)
+    return out
+
+
+def place_sequences(entries, placed):
+    """Gives each sequence piece its offset and total from placements()."""
+    for e in entries:
+        if not e.sequence:
+            continue
+        at, total = placed[e.key]
+        row, n = e.sequence
+        e.pieces = [((at[(row, n)],), (n,), e.pieces[0][2])] if n else []
+        e.shape = (total,)
+
+
+class Placed(Pieces):
+    """A global tensor as DCP sees this rank's part of it: it reads `pieces` and
+    writes `writes` (Entry.written()); .local is this rank's tensor (the pieces
+    in order)."""
+
+    @staticmethod
+    def __new__(cls, shape, dtype, pieces, writes, local_tensor):
+        self = Pieces.__new__(cls, shape, dtype, pieces, local_tensor.device)
+        self.writes = {torch.Size(o): t.contiguous() for o, _, t in writes if t.numel()}
+        self.local = local_tensor
+        return self
+
+    def __init__(self, shape, dtype, pieces, writes, local_tensor):
+        torch.Tensor.__init__(self)
+
+    def __create_write_items__(self, fqn, obj):
+        every = self.pieces
+        try:
+            self.pieces = self.writes
+            return super().__create_write_items__(fqn, obj)
+        finally:
+            self.pieces = every
+
+    def __get_tensor_shard__(self, index):
+        o = torch.Size(index.offset)
+        return self.writes[o] if o in self.writes and o not in self.pieces else self.pieces[o]
+
+    def __repr__(self, **kwargs):
+        return "Placed(global shape %s, %d pieces)" % (tuple(self.shape), len(self.pieces))
+
+
+def dcp_value(e, local_tensor):
+    """What DCP saves and loads for entry e: the tensor where replicated, a DTensor
+    where e is shaped like an FSDP2 parameter (as torch's optimizers give their
+    states), else a Placed of e's pieces. local_tensor: the rank's state tensor."""
+    if e.pieces is None:
+        return e.tensor
+    p = e.dtensor_of
+    if p is not None:
+        from torch.distributed.tensor import DTensor
+        return DTensor.from_local(local_tensor, p.device_mesh, p.placements, run_check=False,
+                                  shape=p.shape, stride=p.stride())
+    return Placed(e.shape, e.dtype, e.pieces, e.written(), local_tensor)
+
+
+def full_tensors(entries, pg, device=None):
+    """Every entry's global tensor on every rank of pg: each rank's written pieces
+    (disjoint over the ranks) summed by one all-reduce per dtype. Collective."""
+    out, flats = {}, {}
+    for e in entries:
+        if e.pieces is None:
+            out[e.key] = e.tensor
+            continue
+        dev = device if device is not None else next(
+            (t.device for _, _, t in e.pieces), torch.device("cpu"))
+        full = torch.zeros(e.shape, dtype=e.dtype, device=dev)
+        for o, s, t in e.written():
+            full[tuple(slice(a, a + n) for a, n in zip(o, s))] = t.reshape(s)
+        out[e.key] = full
+        flats.setdefault((e.dtype, full.device), []).append(e.key)
+    if pg is not None and pg.size() > 1:
+        for (dtype, dev), keys in flats.items():
+            # (Gloo sums no uint8: codes travel as int32, exact for sums of disjoint pieces)
+            wire = torch.int32 if dtype in (torch.uint8, torch.int8, torch.bool) else dtype
+            flat = torch.cat([out[k].reshape(-1).to(wire) for k in keys])
+            dist.all_reduce(flat, group=pg)
+            at = 0
+            for k in keys:
+                n = out[k].numel()
+                out[k] = flat[at:at + n].to(dtype).view(out[k].shape)
+                at += n
+    return out
