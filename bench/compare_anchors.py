@@ -778,35 +778,42 @@ def anchors_on_path():
         sys.path.append(ANCHORS_DIR)
 
 
-def eight_bit_optimizers():
-    """name -> (factory or None, note). Block size 256 and 8-bit moments from 4096
-    elements everywhere (bitsandbytes' and torchao's defaults, rfsdp's settings)."""
+def eight_bit_optimizers(lr=LR, min_8bit_size=4096):
+    """name -> (factory or None, note). Block size 256 and 8-bit moments from
+    min_8bit_size elements everywhere (4096: bitsandbytes' and torchao's defaults,
+    rfsdp's settings)."""
     anchors_on_path()
     opts = {
-        "torch AdamW (fp32)": (lambda ps: torch.optim.AdamW(ps, lr=LR, betas=BETAS, eps=EPS,
+        "torch AdamW (fp32)": (lambda ps: torch.optim.AdamW(ps, lr=lr, betas=BETAS, eps=EPS,
                                                             weight_decay=WD), ""),
-        "rfsdp AdamW (fp32)": (lambda ps: rfsdp.optim.AdamW(ps, lr=LR, betas=BETAS, eps=EPS,
+        "rfsdp AdamW (fp32)": (lambda ps: rfsdp.optim.AdamW(ps, lr=lr, betas=BETAS, eps=EPS,
                                                             weight_decay=WD), ""),
-        "rfsdp AdamW8bit": (lambda ps: rfsdp.optim.AdamW8bit(ps, lr=LR, betas=BETAS, eps=EPS,
+        "rfsdp AdamW8bit": (lambda ps: rfsdp.optim.AdamW8bit(ps, lr=lr, betas=BETAS, eps=EPS,
                                                              weight_decay=WD, block=256,
-                                                             min_8bit_size=4096), ""),
+                                                             min_8bit_size=min_8bit_size), ""),
     }
     try:
         import bitsandbytes as bnb
         opts["bitsandbytes AdamW8bit"] = (
-            lambda ps: bnb.optim.AdamW8bit(ps, lr=LR, betas=BETAS, eps=EPS, weight_decay=WD,
-                                           min_8bit_size=4096), "bitsandbytes " + bnb.__version__)
+            lambda ps: bnb.optim.AdamW8bit(ps, lr=lr, betas=BETAS, eps=EPS, weight_decay=WD,
+                                           min_8bit_size=min_8bit_size),
+            "bitsandbytes " + bnb.__version__)
     except Exception as e:  # noqa: BLE001  (any import failure: say it in the table)
         opts["bitsandbytes AdamW8bit"] = (None, "not available: %s" % str(e).split("\n")[0][:60])
     try:
         import torchao
         from torchao.optim import AdamW8bit as AoAdamW8bit
         opts["torchao AdamW8bit"] = (
-            lambda ps: AoAdamW8bit(ps, lr=LR, betas=BETAS, eps=EPS, weight_decay=WD, block_size=256),
+            lambda ps: AoAdamW8bit(ps, lr=lr, betas=BETAS, eps=EPS, weight_decay=WD, block_size=256),
             "torchao " + torchao.__version__)
     except Exception as e:  # noqa: BLE001
         opts["torchao AdamW8bit"] = (None, "not available: %s" % str(e).split("\n")[0][:60])
     return opts
+
+
+def largest_move(model, before):
+    """The largest |change| of any parameter element since `before`."""
+    return max((p.detach() - b).abs().max().item() for p, b in zip(model.parameters(), before))
 
 
 def section_8bit(args):
@@ -815,36 +822,76 @@ def section_8bit(args):
     print("\n## 3. 8-bit AdamW, one process (1 thread), GPT width %d, %d layers, batch %d x %d, "
           "%d steps, same seed and data (block 256; 8-bit from 4096 elements)"
           % (args.dim8, args.layers, args.batch, args.ctx, args.steps8))
-    print("%-24s %12s %14s %12s %10s  %s" % ("optimizer", "state B/param", "step ms (opt)",
-                                             "/ rfsdp 8bit", "loss", "note"))
+    print("%-24s %12s %14s %12s %10s %12s  %s" % ("optimizer", "state B/param", "step ms (opt)",
+                                                  "/ rfsdp 8bit", "loss", "max move/lr", "note"))
     rows = []
     for name, (make, note) in eight_bit_optimizers().items():
         if make is None:
-            rows.append((name, None, None, None, note))
+            rows.append((name, None, None, None, None, note))
             continue
         torch.manual_seed(0)
         model = GPT(args.dim8, args.layers, args.heads, args.ctx)
         n = sum(p.numel() for p in model.parameters())
         opt = make(list(model.parameters()))
         data = batches(text, args.batch, args.ctx, torch.Generator().manual_seed(0))
-        times, loss = [], None
+        times, loss, move = [], None, 0.0
         for _ in range(args.steps8):
             x, y = next(data)
             loss = nn.functional.cross_entropy(model(x).view(-1, 256), y.view(-1))
             opt.zero_grad()
             loss.backward()
+            before = [p.detach().clone() for p in model.parameters()]
             t0 = time.perf_counter()
             opt.step()
             times.append(time.perf_counter() - t0)
-        rows.append((name, state_bytes(opt) / n, median_ms(times[3:]), loss.item(), note))
+            move = max(move, largest_move(model, before))
+        rows.append((name, state_bytes(opt) / n, median_ms(times[3:]), loss.item(), move / LR, note))
     base = next(r[2] for r in rows if r[0] == "rfsdp AdamW8bit")
-    for name, bpp, ms, loss, note in rows:
+    for name, bpp, ms, loss, move, note in rows:
         if bpp is None:
-            print("%-24s %12s %14s %12s %10s  %s" % (name, "-", "-", "-", "-", note))
+            print("%-24s %12s %14s %12s %10s %12s  %s" % (name, "-", "-", "-", "-", "-", note))
         else:
-            print("%-24s %12.2f %14.2f %11.2fx %10.5f  %s" % (name, bpp, ms, ms / base, loss, note))
+            print("%-24s %12.2f %14.2f %11.2fx %10.5f %12.3f  %s" % (name, bpp, ms, ms / base, loss,
+                                                                   move, note))
     print("step ms: the optimizer step alone, median after 3 warm-up steps (torchao compiles its "
-          "step on the first call).")
+          "step on the first call). max move/lr: the largest change of any element in any step, "
+          "over lr (exact AdamW's is about 1: its update is bounded by lr)")
+    section_8bit_sparse(args)
+
+
+def section_8bit_sparse(args):
+    """Rare tokens: a tiny random Llama (transformers) whose embedding rows get a
+    gradient now and then, inside blocks that busy rows scale."""
+    try:
+        from transformers import LlamaConfig, LlamaForCausalLM
+    except ImportError as e:
+        print("\n(3b: transformers not available: %s)" % e)
+        return
+    lr = 1e-3
+    print("\n### 3b. Sparse rows: a tiny random Llama (vocab 128, hidden 64, 2 layers), Zipf(1.2) "
+          "tokens, batch 4 x 32, lr %g, 8-bit from 1024 elements, %d steps" % (lr, args.steps8))
+    print("%-24s %12s %12s  %s" % ("optimizer", "max move/lr", "final loss", "note"))
+    for name, (make, note) in eight_bit_optimizers(lr=lr, min_8bit_size=1024).items():
+        if make is None:
+            print("%-24s %12s %12s  %s" % (name, "-", "-", note))
+            continue
+        torch.manual_seed(0)
+        model = LlamaForCausalLM(LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=128,
+                                             num_hidden_layers=2, num_attention_heads=4,
+                                             num_key_value_heads=2))
+        opt = make(list(model.parameters()))
+        g = torch.Generator().manual_seed(1)
+        zipf = 1.0 / torch.arange(1, 129).float() ** 1.2
+        move, loss = 0.0, None
+        for _ in range(args.steps8):
+            ids = torch.multinomial(zipf, 4 * 32, replacement=True, generator=g).view(4, 32)
+            loss = model(input_ids=ids, labels=ids).loss
+            opt.zero_grad()
+            loss.backward()
+            before = [p.detach().clone() for p in model.parameters()]
+            opt.step()
+            move = max(move, largest_move(model, before))
+        print("%-24s %12.3f %12.5f  %s" % (name, move / lr, loss.item(), note))
 
 
 # ---- 5. 8-bit kernels: rfsdp vs bitsandbytes vs torchao --------------------------------

@@ -129,6 +129,41 @@ def test_adamw_on_the_gpu_equals_a_float64_reference_in_one_launch_per_group():
                                    msg=lambda msg: "seed %d, param %d: %s" % (seed, i, msg))
 
 
+@pytest.mark.parametrize("name", ["AdamW", "AdamW8bit", "Muon", "Shampoo"])
+def test_an_optimizer_built_on_the_cpu_follows_its_model_to_the_gpu(name):
+    """accelerate's order: the optimizer before model.cuda(), two steps on the CPU
+    first (state present): the state moves with the parameters, and the run equals
+    the same run with the model moved by hand between the steps."""
+    from models import Net, optimizer
+    seed = fresh_seed()
+    kw = {"ns_dtype": torch.float32} if name == "Muon" else {}  # (its default follows the device)
+
+    def make_optimizer(name, params):
+        return optimizer(name, params, **kw)
+    out = []
+    for follow in (True, False):
+        torch.manual_seed(seed)
+        model = Net()
+        opt = make_optimizer(name, model.parameters())
+        g = torch.Generator().manual_seed(seed)
+        for step in range(4):
+            if step == 2:
+                if follow:
+                    model.cuda()
+                else:  # by hand: a new optimizer on the GPU loading the CPU one's state
+                    sd = opt.state_dict()
+                    model.cuda()
+                    opt = make_optimizer(name, model.parameters())
+                    opt.load_state_dict(sd)
+            for p in model.parameters():
+                p.grad = torch.randn(p.shape, generator=g).to(p.device)
+            opt.step()
+        out.append([p.detach().cpu() for p in model.parameters()])
+    assert all(p.is_cuda for p in model.parameters())
+    for a, b in zip(*out):
+        assert torch.equal(a, b), seed
+
+
 OPTIMIZERS = {
     "adamw": lambda ps: rfsdp.optim.AdamW(ps),
     "adamw8bit": lambda ps: rfsdp.optim.AdamW8bit(ps, min_8bit_size=1),
