@@ -344,6 +344,7 @@ class _OverCpp(torch.optim.Optimizer):
         every rank's part. Under get_optimizer_state_dict(full_state_dict=True):
         the full tensors (gathered; collective). Collective the first time after
         the parameters are bound where tiles or codes need placing."""
+        self._bind()
         self._publish()
         sd = super().state_dict()
         sd["state"] = {k: dict(v) for k, v in sd["state"].items()}  # (torch's are the live dicts)
