@@ -98,3 +98,43 @@ def test_a_parameter_of_another_shape_or_dtype_is_refused_when_stepped():
         p.grad = torch.zeros_like(p)
     with pytest.raises(ValueError, match="Double tensor.*MixedPrecisionPolicy"):
         opt.step()
+
+
+def train_sharded(seed, name, change=None):
+    import rfsdp
+    torch.manual_seed(seed)
+    model = Net()
+    for b in model.blocks:
+        rfsdp.fully_shard(b)
+    rfsdp.fully_shard(model)
+    opt = optimizer(name, model.parameters())
+    xs, ys = data(seed)
+    for step, (x, y) in enumerate(zip(xs, ys)):
+        if change is not None and step in (0, 2):
+            change(model, opt)
+        loss = nn.functional.mse_loss(model(x), y)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    return rfsdp.full_parameters(model)
+
+
+@pytest.mark.parametrize("name", ["AdamW", "Muon"])
+def test_fully_shard_keeps_its_shards_in_place_through_model_to(one_rank, name):
+    """model.to(cpu:0) on an rfsdp model: the shards stay views of the unit's flat
+    buffer (the collectives read it), so training goes on as without the call; a
+    conversion to another dtype is refused before anything changes."""
+    seed = int(torch.randint(0, 2 ** 30, ()).item())
+    want = train_sharded(seed, name)
+    got = train_sharded(seed, name, to_cpu0)
+    for k, t in want.items():
+        assert torch.equal(got[k], t), (seed, k)
+    import rfsdp
+    model = Net()
+    rfsdp.fully_shard(model)
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    with pytest.raises(ValueError, match="after fully_shard would move the shards.*"
+                                         "MixedPrecisionPolicy.*Nothing was changed"):
+        model.to(torch.bfloat16)
+    for n, p in model.named_parameters():
+        assert p.dtype == torch.float32 and torch.equal(p, before[n]), n

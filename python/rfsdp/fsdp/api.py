@@ -104,6 +104,21 @@ class FSDPModule:
         self._own_unit_or_error("set_modules_to_backward_prefetch").backward_prefetch = \
             _units_of(modules, "set_modules_to_backward_prefetch")
 
+    def _apply(self, fn, recurse=True):
+        """nn.Module's conversions (model.to(), .float(), to_empty(), ...) keep this
+        module's shards in its unit's flat buffer, where the collectives read them:
+        one that keeps device and dtype (model.to(torch.device("cpu", 0)), as
+        accelerate's prepare_model calls it) copies the values back there; one that
+        would change them is refused before anything changes."""
+        unit = self._own_unit()
+        if unit is not None:
+            unit.check_conversion(fn, "%s.to() / .cuda() / .half()" % type(self).__name__)
+            had = [sp.grad is g for sp, g in zip(unit.sharded, unit.grads)]
+        out = super()._apply(fn, recurse)
+        if unit is not None:
+            unit.keep_shards_home(had)
+        return out
+
     def set_is_last_backward(self, is_last_backward: bool) -> None:
         """Accepted for FSDP2 code; rfsdp finishes every reduce-scatter at the end
         of each backward, so there is nothing to defer to the last one."""

@@ -185,6 +185,43 @@ class Unit:
         self.schedule = None    # the Schedule of the outermost fully_shard call above
         self.recomputing = False  # this forward runs inside backward (checkpointing)
 
+    # -- nn.Module's conversions (model.to(), .float(), to_empty(), ...) -----
+    def check_conversion(self, fn, what):
+        """Refuses (before anything changes) a conversion that would take the
+        shards off the unit's flat buffers' device or dtype: the collectives read
+        and write those buffers, so a shard moved away would stop training."""
+        home = self.unit.local_param(0) if self.sharded else None
+        if home is None:
+            return
+        probe = fn(torch.empty(0, dtype=home.dtype, device=home.device))
+        if probe.device != home.device or probe.dtype != home.dtype:
+            raise ValueError(
+                "%s after fully_shard would move the shards of %s from %s %s to %s %s, away from "
+                "the unit's flat buffers its collectives use: move the model to its device "
+                "before fully_shard (the shards stay float32 masters); for bfloat16 or float16 "
+                "compute, pass mp_policy=rfsdp.MixedPrecisionPolicy(param_dtype=...). Nothing "
+                "was changed" % (what, self.entries[0][0][2], home.device, home.dtype,
+                                 probe.device, probe.dtype))
+
+    def keep_shards_home(self, had_grads):
+        """After a conversion that kept device and dtype (a copy to "cpu:0" is one):
+        each shard's values, and its gradient's, back into the unit's flat buffers,
+        and the shard and its gradient views of them again (nn.Module re-points a
+        gradient's .data too, or gives the shard a new one)."""
+        with torch.no_grad():
+            for i, sp in enumerate(self.sharded):
+                home = self.unit.local_param(i)
+                if sp.data_ptr() != home.data_ptr():
+                    home.copy_(sp.data)
+                    sp.data = home
+                grad, grad_home = (sp.grad if had_grads[i] else self.grads[i]), self.unit.local_grad(i)
+                if grad is not None and grad.data_ptr() != grad_home.data_ptr():
+                    grad_home.copy_(grad)
+                if self.grads[i].data_ptr() != grad_home.data_ptr():
+                    self.grads[i] = ShardGrad.of(grad_home, self.grads[i]._rfsdp_group)
+                if had_grads[i]:
+                    sp.grad = self.grads[i]
+
     def data_state(self):
         if self.reduce_handle is not None and not self.reduce_handle.waited():
             return DataState.REDUCING
