@@ -82,16 +82,19 @@ def neighbours(x, dtype):
 
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_stochastic_rounding_takes_a_neighbour_of_the_float64_result(dtype):
-    """AdamW's step in float64 from the same state: the float32 result lies within
-    float32 rounding of it, and each element becomes one of the float32 result's
-    two neighbours in dtype, both of them in about the proportion its place between
-    them says."""
+    """AdamW's step in float64 from the same state: the float32 step (a float32
+    twin set to the parameter's values) lies within float32 rounding of it, and each
+    element becomes one of the float32 result's two neighbours in dtype, the upper
+    one in about the proportion its place between them says."""
     seed = int(torch.randint(0, 2 ** 30, ()).item())
     gen = torch.Generator().manual_seed(seed)
     n, lr, b1, b2, eps, wd = 50_000, 1e-2, 0.9, 0.999, 1e-8, 0.1
     p = nn.Parameter(torch.randn(n, generator=gen).to(dtype))
-    opt = rfsdp.optim.AdamW([p], lr=lr, betas=(b1, b2), eps=eps, weight_decay=wd,
-                            rounding="stochastic")
+    twin = nn.Parameter(p.detach().float())
+    hyper = dict(lr=lr, betas=(b1, b2), eps=eps, weight_decay=wd)
+    opt = rfsdp.optim.AdamW([p], rounding="stochastic", **hyper)
+    ref = rfsdp.optim.AdamW([twin], **hyper)
+    b1, b2 = (torch.tensor(b, dtype=torch.float32).item() for b in (b1, b2))  # the kernels'
     m = torch.zeros(n, dtype=torch.float64)
     v = torch.zeros(n, dtype=torch.float64)
     ups = 0
@@ -100,18 +103,21 @@ def test_stochastic_rounding_takes_a_neighbour_of_the_float64_result(dtype):
         p64 = p.detach().double()
         m = b1 * m + (1 - b1) * g.double()
         v = b2 * v + (1 - b2) * g.double() ** 2
-        want = p64 * (1 - lr * wd) - lr / (1 - b1 ** step) * m / (
+        want64 = p64 * (1 - lr * wd) - lr / (1 - b1 ** step) * m / (
             v.sqrt() / (1 - b2 ** step) ** 0.5 + eps)
-        p.grad = g.clone()
+        with torch.no_grad():
+            twin.copy_(p.float())
+        p.grad, twin.grad = g.clone(), g.float()
         opt.step()
-        st = opt.state[p]
-        torch.testing.assert_close(st["exp_avg"].double(), m, rtol=1e-6, atol=1e-7)
-        lo, hi = neighbours(want.float(), dtype)
+        ref.step()
+        want = twin.detach()
+        torch.testing.assert_close(want.double(), want64, rtol=1e-6, atol=1e-6 * lr)
+        lo, hi = neighbours(want, dtype)
         got = p.detach()
         assert ((got == lo) | (got == hi)).all(), "seed %d step %d: not a neighbour" % (seed, step)
         # P(hi) = (x - lo) / (hi - lo): the count of his within 6 sigma of its mean
         between = hi != lo
-        frac = ((want - lo.double()) / (hi.double() - lo.double()))[between]
+        frac = ((want.double() - lo.double()) / (hi.double() - lo.double()))[between]
         took_hi = (got == hi)[between].double()
         mean, sd = frac.sum().item(), (frac * (1 - frac)).sum().sqrt().item()
         assert abs(took_hi.sum().item() - mean) < 6 * sd + 1, \

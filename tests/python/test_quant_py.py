@@ -125,6 +125,8 @@ def adamw8bit_reference(p, g, q1, a1, q2, a2, ids, code1, code2, lr, b1, b2, eps
     """float64: dequantise with the maps, torch.optim.AdamW's update, requantise
     each block by its absmax and the nearest code (v: never the code 0 when above
     0, unless keep_nonzero is off)."""
+    # the kernels' betas are float32 (1 - 0.999f is 1.3e-5 away from 0.001): theirs
+    b1, b2 = (torch.tensor(b, dtype=torch.float32).item() for b in (b1, b2))
     p, g = p.double(), g.double()
     m = code1.double()[q1.long()] * a1.double()[ids]
     v = code2.double()[q2.long()] * a2.double()[ids]

@@ -167,7 +167,8 @@ def test_transformers_trainer_with_an_rfsdp_optimizer_trains_like_one_process(wo
         # apart, which SOAP's eigenbases of these tiny, near-degenerate factors amplify
         # (measured: a 1e-7 relative change of its gradients moves its losses 1e-4, and
         # flips a few elements' updates: SOAP's then held to 2 lr a step of 4).
-        tol, atol = (1e-3, 8e-3) if name == "SOAP" else (1e-5, 1e-5)
+        # (Shampoo's roots amplify it too, less: 1e-4; measured within 1e-5 on Intel Xeon)
+        tol, atol = {"SOAP": (1e-3, 8e-3), "Shampoo": (1e-4, 1e-4)}.get(name, (1e-5, 1e-5))
         assert got[name]["losses"] == pytest.approx(want[name]["losses"], rel=tol), name
         moved = 0
         for n, t in want[name]["params"].items():
