@@ -4,6 +4,8 @@ rest); rank 0 saves the per-step losses and the full parameters."""
 import argparse
 import math
 
+import os
+
 import torch
 import torch.distributed as dist
 from torch import nn
@@ -87,7 +89,7 @@ def main():
         torch.save({"losses": losses, "params": params, "moved": moved.item(),
                     "imbalance": opt.layout.flop_imbalance()}, args.out)
     dist.barrier()
-    dist.destroy_process_group()
+    os._exit(0)  # (torch's Gloo threads may abort a normal exit: see rfsdp._comm)
 
 
 if __name__ == "__main__":

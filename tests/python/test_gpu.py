@@ -347,7 +347,7 @@ def sharded_gpt_worker(rank, world, backend, seed, param_dtype, init_file, out_f
     if rank == 0:
         torch.save({"losses": losses, "params": params}, out_file)
     dist.barrier()
-    dist.destroy_process_group()
+    os._exit(0)  # (torch's Gloo threads may abort a normal exit: see rfsdp._comm)
 
 
 def run_sharded_gpt(world, backend, seed, param_dtype, ckpt=False):

@@ -92,7 +92,7 @@ def worker(rank, world, seed, init_file, out_file, ckpt, kind="muon"):
     if rank == 0:
         torch.save((full, codes), out_file)
     dist.barrier()
-    dist.destroy_process_group()
+    os._exit(0)  # (torch's Gloo threads may abort a normal exit: see rfsdp._comm)
 
 
 def requantize_worker(rank, world, seed, init_file, out_file, ckpt, kind):
@@ -107,7 +107,7 @@ def requantize_worker(rank, world, seed, init_file, out_file, ckpt, kind):
     if rank == 0:
         torch.save(codes, out_file)
     dist.barrier()
-    dist.destroy_process_group()
+    os._exit(0)  # (torch's Gloo threads may abort a normal exit: see rfsdp._comm)
 
 
 def one_process(seed, dtype="int8"):
