@@ -40,10 +40,9 @@ constexpr int64_t kChunk = int64_t{1} << 20;  // elements a pass rounds at once 
 Rounding parse_rounding(const std::string& s) {
   if (s == "nearest") return Rounding::kNearest;
   if (s == "stochastic") return Rounding::kStochastic;
-  throw std::invalid_argument("rounding must be \"nearest\" or \"stochastic\", got \"" + s + "\"");
+  throw std::invalid_argument("rounding must be \"nearest\" or \"stochastic\" (how a step writes "
+                              "bfloat16 / float16 parameters back), got \"" + s + "\"");
 }
-
-const char* rounding_name(Rounding r) { return r == Rounding::kNearest ? "nearest" : "stochastic"; }
 
 bool is_parameter_dtype(at::ScalarType t) {
   return t == at::kFloat || t == at::kBFloat16 || t == at::kHalf;

@@ -20,7 +20,6 @@ namespace rfsdp {
 
 enum class Rounding { kNearest, kStochastic };
 Rounding parse_rounding(const std::string& s);  // "nearest" | "stochastic"
-const char* rounding_name(Rounding r);
 
 // The dtypes a parameter may have: float32, bfloat16, float16.
 bool is_parameter_dtype(at::ScalarType t);

@@ -177,28 +177,29 @@ MuonLayout::MuonLayout(Comm* comm, std::vector<MuonParamGeometry> params)
     replicated_[i] = world_ > 1 && std::all_of(rs.begin(), rs.end(), [n](const auto& x) {
       return x.first == 0 && x.second == n;
     });
-    std::vector<std::pair<int64_t, int64_t>> sorted;
-    for (const auto& x : rs) {
-      if (x.first < x.second) sorted.push_back(x);
-    }
-    std::sort(sorted.begin(), sorted.end());
-    int64_t covered = 0;
-    for (const auto& x : replicated_[i] ? std::vector<std::pair<int64_t, int64_t>>{} : sorted) {
-      if (x.first != covered) {
-        throw std::invalid_argument(
-            "Muon: the ranks' shards of '" + params_[i].name + "' do not tile it (a gap or an "
-            "overlap at element " + std::to_string(std::min(x.first, covered)) +
-            "); give each rank its own shard (fully_shard's or FSDP2's parameters) or every "
-            "rank the whole tensor (replicated: DDP), not a mix; under HSDP, build Muon over "
-            "the shard group (its default), not the whole world");
+    if (!replicated_[i]) {
+      std::vector<std::pair<int64_t, int64_t>> sorted;
+      for (const auto& x : rs) {
+        if (x.first < x.second) sorted.push_back(x);
       }
-      covered = x.second;
-    }
-    if (replicated_[i]) covered = n;
-    if (covered != n) {
-      throw std::invalid_argument("Muon: the ranks' shards of '" + params_[i].name +
-                                  "' cover " + std::to_string(covered) + " of its " +
-                                  std::to_string(n) + " elements");
+      std::sort(sorted.begin(), sorted.end());
+      int64_t covered = 0;
+      for (const auto& x : sorted) {
+        if (x.first != covered) {
+          throw std::invalid_argument(
+              "Muon: the ranks' shards of '" + params_[i].name + "' do not tile it (a gap or an "
+              "overlap at element " + std::to_string(std::min(x.first, covered)) +
+              "); give each rank its own shard (fully_shard's or FSDP2's parameters) or every "
+              "rank the whole tensor (replicated: DDP), not a mix; under HSDP, build Muon over "
+              "the shard group (its default), not the whole world");
+        }
+        covered = x.second;
+      }
+      if (covered != n) {
+        throw std::invalid_argument("Muon: the ranks' shards of '" + params_[i].name +
+                                    "' cover " + std::to_string(covered) + " of its " +
+                                    std::to_string(n) + " elements");
+      }
     }
     for (const MatrixView& m : matrices_of(params_[i].shape)) {
       if (m.rows * m.cols == 0) continue;
@@ -252,10 +253,6 @@ std::pair<int64_t, int64_t> MuonLayout::gather_piece(size_t k, int r) const {
   const MuonMatrix& m = matrices_.at(k);
   if (m.replicated && r != m.root) return {m.offset, m.offset};
   return piece(k, r);
-}
-
-bool MuonLayout::any_replicated() const {
-  return std::find(replicated_.begin(), replicated_.end(), true) != replicated_.end();
 }
 
 std::pair<int64_t, int64_t> MuonLayout::piece(size_t k, int r) const {
@@ -407,7 +404,7 @@ void muon_step_from_updates(Comm* comm, const MuonLayout& layout,
       if (mat.root != me) continue;
       at::Tensor full = at::empty({mat.rows * mat.cols}, opts);
       for (int s = 0; s < world; ++s) {
-        const auto pc = s == me ? layout.piece(k, s) : layout.gather_piece(k, s);
+        const auto pc = layout.gather_piece(k, s);  // (the root's own piece: all of it if replicated)
         const int64_t n = pc.second - pc.first;
         if (n == 0) continue;
         at::Tensor dst = full.narrow(0, pc.first - mat.offset, n);

@@ -89,7 +89,6 @@ class MuonLayout {
   // matrix is replicated (the root holds it whole).
   std::pair<int64_t, int64_t> gather_piece(size_t k, int r) const;
   bool replicated(size_t param) const { return replicated_.at(param); }
-  bool any_replicated() const;
   // Newton–Schulz flops rooted on each rank, and max / mean of them (1 = balanced).
   std::vector<double> rank_flops() const;
   double flop_imbalance() const;

@@ -54,8 +54,8 @@ from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.metadata import StorageMeta
 
 from .fsdp.state_dict import Pieces as _Pieces
-from .state_layout import Entry, LayoutError, param_entry, place_sequences, placements, \
-    state_entries
+from .state_layout import Entry, LayoutError, default_group, param_entry, place_sequences, \
+    placements, state_entries
 
 FORMAT = 2          # 2: `extra` in torch's weights-only format (1: a plain pickle)
 READS = (1, 2)
@@ -165,7 +165,7 @@ def dcp_load(state_dict, path, *, process_group=None, planner=None):
     any DCP checkpoint: a plain model's, an FSDP2 model's, rfsdp's."""
     path = os.path.abspath(str(path))
     read_metadata(path)
-    _read(state_dict, path, _group(process_group), planner)
+    _read(state_dict, path, default_group(process_group), planner)
 
 
 def _read(state_dict, path, pg, planner=None):
@@ -344,12 +344,6 @@ def _sha256(path):
     return h.hexdigest()
 
 
-def _group(process_group):
-    if process_group is not None:
-        return process_group
-    return dist.group.WORLD if dist.is_available() and dist.is_initialized() else None
-
-
 def _agree(pg, fn):
     """fn() on rank 0; its result (or its error, raised on every rank) everywhere."""
     box = [None]
@@ -416,7 +410,7 @@ def save(path, model, optimizer=None, *, extra=None, process_group=None):
     format, so that loading never runs code. Errors are the same on every rank; a
     save the file system refuses (full, read-only) is a CheckpointError and leaves
     the checkpoint there before as it was."""
-    pg = _group(process_group)
+    pg = default_group(process_group)
     path = os.path.abspath(path)
     tmp = path + ".partial"
 
@@ -558,7 +552,7 @@ def load(path, model, optimizer=None, *, process_group=None, check_files=True, r
     one into one with another basis_dtype, basis_block or basis_map (SOAP: or
     state_dtype): states decoded, then encoded as this optimizer keeps them,
     within one code of each."""
-    pg = _group(process_group)
+    pg = default_group(process_group)
     path = os.path.abspath(path)
 
     def inspect():
@@ -664,7 +658,7 @@ def save_step(root, step, model, optimizer=None, *, keep_last=None, extra=None, 
                                   or keep_last < 1):
         raise ValueError("save_step: keep_last must be >= 1 (or None: keep all), got %r"
                          % (keep_last,))
-    pg = _group(process_group)
+    pg = default_group(process_group)
     path = save(step_path(root, step), model, optimizer, extra=extra, process_group=pg)
     if keep_last is not None:
         def prune():

@@ -15,7 +15,8 @@ from . import _C
 from ._comm import make_comm
 from .fsdp.dtensor import info_of, is_dtensor, local
 from .fsdp.state_dict import Pieces, dcp_caller_options
-from .state_layout import dcp_value, full_tensors, place_sequences, placements, state_entries
+from .state_layout import default_group, dcp_value, full_tensors, place_sequences, placements, \
+    state_entries
 
 
 def _check_params(optimizer_name, params):
@@ -43,13 +44,6 @@ def _tensor_keys(params):
     return [(t.data_ptr(), t.dtype, t.device) for t in map(local, params)]
 
 
-def _check_rounding(who, rounding):
-    if rounding not in ("nearest", "stochastic"):
-        raise ValueError("%s: rounding must be \"nearest\" or \"stochastic\" (how a step writes "
-                         "bfloat16 / float16 parameters back), got %r" % (who, rounding))
-    return rounding
-
-
 def _default_comm(process_group, timeout_seconds, param_groups):
     """The Comm an optimizer's cross-rank checks (and Muon's gathers) run over:
     the given group, else the shard group of the parameters fully_shard (or FSDP2) made (one
@@ -73,14 +67,6 @@ def _default_comm(process_group, timeout_seconds, param_groups):
     if process_group is None and dist.is_available() and dist.is_initialized():
         process_group = dist.group.WORLD
     return None if process_group is None else make_comm(process_group, timeout_seconds)
-
-
-def _checkpoint_group(process_group):
-    """The ranks a state dict of sharded states is placed and gathered over: the
-    optimizer's group, else torch.distributed's default group (rfsdp.checkpoint's)."""
-    if process_group is not None:
-        return process_group
-    return dist.group.WORLD if dist.is_available() and dist.is_initialized() else None
 
 
 def _run_closure(closure):
@@ -140,6 +126,12 @@ class _OverCpp(torch.optim.Optimizer):
     sharded_state(p) and load_sharded_state(p, state)."""
 
     rounding = "nearest"  # how steps write bfloat16 / float16 parameters back
+
+    def _set_groups(self, process_group, timeout_seconds):
+        """self.comm, the ranks the C++ optimizers agree over (_default_comm), and
+        self._group, those a state dict is placed over (state_layout.default_group)."""
+        self.comm = _default_comm(process_group, timeout_seconds, self.param_groups)
+        self._group = default_group(process_group)
 
     def _parts(self, params):
         """[(C++ optimizer, [indices into params], options(group))] for these
@@ -430,10 +422,9 @@ class AdamW(_OverCpp):
 
     def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=1e-2,
                  process_group=None, timeout_seconds=300.0, rounding="nearest"):
-        self.rounding = _check_rounding(type(self).__name__, rounding)
+        self.rounding = rounding  # (checked in C++ when bound)
         super().__init__(params, dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay))
-        self.comm = _default_comm(process_group, timeout_seconds, self.param_groups)
-        self._group = _checkpoint_group(process_group)
+        self._set_groups(process_group, timeout_seconds)
         self._bind()
 
     def _make(self, specs):
@@ -564,7 +555,7 @@ class Muon(_OverCpp):
                  weight_decay=0.0, adjust_lr="original", process_group=None,
                  ns_dtype=None, timeout_seconds=300.0, momentum_dtype=torch.float32,
                  momentum_block=256, momentum_map="dynamic", rounding="nearest"):
-        self.rounding = _check_rounding("Muon", rounding)
+        self.rounding = rounding  # (checked in C++ when bound)
         groups = list(param_groups)
         if groups and not isinstance(groups[0], dict):
             groups = [dict(params=groups)]
@@ -600,9 +591,7 @@ class Muon(_OverCpp):
                              % (momentum_block,))
         self.momentum = dict(momentum_dtype=str(momentum_dtype).replace("torch.", ""),
                              momentum_block=momentum_block, momentum_map=momentum_map)
-        # The Comm, not the group object: rfsdp closes its Comms at exit (see _comm).
-        self.comm = _default_comm(process_group, timeout_seconds, self.param_groups)
-        self._group = _checkpoint_group(process_group)
+        self._set_groups(process_group, timeout_seconds)
         self._bind()
 
     def settings(self):
@@ -739,7 +728,7 @@ class Shampoo(_OverCpp):
                  rank_rtol=None, basis_dtype=None, basis_block=64, basis_map="linear_square",
                  bjorck_iterations=1, process_group=None, timeout_seconds=300.0,
                  rounding="nearest"):
-        self.rounding = _check_rounding("Shampoo", rounding)
+        self.rounding = rounding  # (checked in C++ when bound)
         for name, v in (("max_preconditioner_dim", max_preconditioner_dim),
                         ("precondition_frequency", precondition_frequency),
                         ("start_preconditioning_step", start_preconditioning_step)):
@@ -767,8 +756,7 @@ class Shampoo(_OverCpp):
                                       grafting_beta2=grafting_beta2,
                                       grafting_epsilon=grafting_epsilon, weight_decay=weight_decay,
                                       use_shampoo=True))
-        self.comm = _default_comm(process_group, timeout_seconds, self.param_groups)
-        self._group = _checkpoint_group(process_group)
+        self._set_groups(process_group, timeout_seconds)
         self._bind()
 
     def settings(self):
@@ -1034,7 +1022,7 @@ class SOAP(_OverCpp):
                  state_dtype=torch.float32, basis_block=64, basis_map="linear_square",
                  bjorck_iterations=1, process_group=None, timeout_seconds=300.0,
                  rounding="nearest"):
-        self.rounding = _check_rounding("SOAP", rounding)
+        self.rounding = rounding  # (checked in C++ when bound)
         for name, v in (("max_preconditioner_dim", max_preconditioner_dim),
                         ("precondition_frequency", precondition_frequency)):
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
@@ -1059,8 +1047,7 @@ class SOAP(_OverCpp):
                            bjorck_iterations=bjorck_iterations)
         super().__init__(params, dict(lr=lr, betas=tuple(betas), shampoo_beta=shampoo_beta,
                                       eps=eps, weight_decay=weight_decay, use_soap=True))
-        self.comm = _default_comm(process_group, timeout_seconds, self.param_groups)
-        self._group = _checkpoint_group(process_group)
+        self._set_groups(process_group, timeout_seconds)
         self._bind()
 
     def requantized_state(self, p, saved_settings, full):

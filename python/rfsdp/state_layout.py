@@ -58,6 +58,15 @@ class Entry:
         return self.pieces
 
 
+def default_group(process_group=None):
+    """The ranks a checkpoint (or a state dict of sharded states) is placed and
+    gathered over: the given group, else torch.distributed's default group, else
+    none (one process)."""
+    if process_group is not None:
+        return process_group
+    return dist.group.WORLD if dist.is_available() and dist.is_initialized() else None
+
+
 def replica_index(info):
     rg = info.replicate_group
     return 0 if rg is None else rg.rank()

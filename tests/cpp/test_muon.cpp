@@ -5,6 +5,7 @@
 #include <algorithm>
 #include <chrono>
 #include <cmath>
+#include <functional>
 #include <map>
 #include <mutex>
 #include <numeric>
@@ -369,37 +370,41 @@ TEST(Muon, AMixOfWholeAndShardedRangesIsRefused) {
   expect_every_rank_refused(errors, "do not tile");
 }
 
-TEST(Muon, ReplicatedGradientsThatDifferAreRefusedOnEveryRankBeforeAnyChange) {
-  auto errors = run_local_ranks_collect(2, [](Comm& comm) {
-    ParamShard p(TensorShard::whole("w", {6, 4}), at::ones({6, 4}), at::ones({6, 4}));
-    if (comm.rank() == 1) p.grad[2][3] = 1.5f;  // a rank whose gradient was not all-reduced
+// One Muon step on 2 ranks over shard_of(rank) (ones, gradients of ones), with
+// spoil(gradient) on rank 1 first: what each rank threw; a rank that threw kept
+// its parameter and momentum.
+std::vector<std::exception_ptr> step_with_rank1_spoiled(
+    const std::function<ParamShard(int)>& shard_of, const std::function<void(at::Tensor&)>& spoil) {
+  return run_local_ranks_collect(2, [&](Comm& comm) {
+    ParamShard p = shard_of(comm.rank());
+    const at::Tensor before = p.param.clone();
+    if (comm.rank() == 1) spoil(p.grad);
     Muon muon(std::shared_ptr<Comm>(&comm, [](Comm*) {}), {p});
     try {
       muon.step();
     } catch (...) {
-      EXPECT_TRUE(at::equal(p.param, at::ones({6, 4})));
-      EXPECT_TRUE(at::equal(muon.momentum(0), at::zeros({6, 4})));
+      EXPECT_TRUE(at::equal(p.param, before));
+      EXPECT_TRUE(at::equal(muon.momentum(0), at::zeros_like(before)));
       throw;
     }
   });
+}
+
+TEST(Muon, ReplicatedGradientsThatDifferAreRefusedOnEveryRankBeforeAnyChange) {
+  const auto errors = step_with_rank1_spoiled(
+      [](int) { return ParamShard(TensorShard::whole("w", {6, 4}), at::ones({6, 4}), at::ones({6, 4})); },
+      [](at::Tensor& g) { g[2][3] = 1.5f; });  // a rank whose gradient was not all-reduced
   expect_every_rank_refused(errors, "gradients differ between the ranks");
 }
 
 TEST(Muon, NanGradientOnOneRankStopsEveryRankBeforeAnyChange) {
-  auto errors = run_local_ranks_collect(2, [](Comm& comm) {
-    const int64_t b = comm.rank() * 3;
-    ParamShard p(TensorShard::rows_of("w", {6, 4}, 1, b, b + 3, {{0, 3}, {3, 6}}), at::ones({3, 4}),
-                 at::ones({3, 4}));
-    if (comm.rank() == 1) p.grad[1][2] = std::nan("");
-    Muon muon(std::shared_ptr<Comm>(&comm, [](Comm*) {}), {p});
-    try {
-      muon.step();
-    } catch (...) {
-      EXPECT_TRUE(at::equal(p.param, at::ones({3, 4})));
-      EXPECT_TRUE(at::equal(muon.momentum(0), at::zeros({3, 4})));
-      throw;
-    }
-  });
+  const auto errors = step_with_rank1_spoiled(
+      [](int rank) {
+        const int64_t b = rank * 3;
+        return ParamShard(TensorShard::rows_of("w", {6, 4}, 1, b, b + 3, {{0, 3}, {3, 6}}),
+                          at::ones({3, 4}), at::ones({3, 4}));
+      },
+      [](at::Tensor& g) { g[1][2] = std::nan(""); });
   for (const auto& e : errors) EXPECT_TRUE(e) << "a rank took the step";
 }
 

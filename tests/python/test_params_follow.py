@@ -55,9 +55,16 @@ CHANGES = {"to cpu:0": to_cpu0, "double then float": double_then_float,
            "rebuilt": rebuild}
 
 
-def train(name, seed, change=None):
+def train(name, seed, change=None, shard=False):
+    """Every step of `name` on Net, change() before steps 0 and 2; the parameters
+    after (whole ones where shard: rfsdp.fully_shard on each block and the model)."""
+    import rfsdp
     torch.manual_seed(seed)
     model = Net()
+    if shard:
+        for b in model.blocks:
+            rfsdp.fully_shard(b)
+        rfsdp.fully_shard(model)
     opt = optimizer(name, model.parameters())
     xs, ys = data(seed)
     for step, (x, y) in enumerate(zip(xs, ys)):
@@ -67,6 +74,8 @@ def train(name, seed, change=None):
         opt.zero_grad()
         loss.backward()
         opt.step()
+    if shard:
+        return list(rfsdp.full_parameters(model).values())
     return [p.detach().clone() for p in model.parameters()]
 
 
@@ -100,35 +109,16 @@ def test_a_parameter_of_another_shape_or_dtype_is_refused_when_stepped():
         opt.step()
 
 
-def train_sharded(seed, name, change=None):
-    import rfsdp
-    torch.manual_seed(seed)
-    model = Net()
-    for b in model.blocks:
-        rfsdp.fully_shard(b)
-    rfsdp.fully_shard(model)
-    opt = optimizer(name, model.parameters())
-    xs, ys = data(seed)
-    for step, (x, y) in enumerate(zip(xs, ys)):
-        if change is not None and step in (0, 2):
-            change(model, opt)
-        loss = nn.functional.mse_loss(model(x), y)
-        opt.zero_grad()
-        loss.backward()
-        opt.step()
-    return rfsdp.full_parameters(model)
-
-
 @pytest.mark.parametrize("name", ["AdamW", "Muon"])
 def test_fully_shard_keeps_its_shards_in_place_through_model_to(one_rank, name):
     """model.to(cpu:0) on an rfsdp model: the shards stay views of the unit's flat
     buffer (the collectives read it), so training goes on as without the call; a
     conversion to another dtype is refused before anything changes."""
     seed = int(torch.randint(0, 2 ** 30, ()).item())
-    want = train_sharded(seed, name)
-    got = train_sharded(seed, name, to_cpu0)
-    for k, t in want.items():
-        assert torch.equal(got[k], t), (seed, k)
+    want = train(name, seed, shard=True)
+    got = train(name, seed, to_cpu0, shard=True)
+    for k, (a, b) in enumerate(zip(got, want)):
+        assert torch.equal(a, b), (seed, k)
     import rfsdp
     model = Net()
     rfsdp.fully_shard(model)

@@ -190,9 +190,9 @@ class Unit:
         """Refuses (before anything changes) a conversion that would take the
         shards off the unit's flat buffers' device or dtype: the collectives read
         and write those buffers, so a shard moved away would stop training."""
-        home = self.unit.local_param(0) if self.sharded else None
-        if home is None:
+        if not self.sharded:
             return
+        home = self.unit.local_param(0)
         probe = fn(torch.empty(0, dtype=home.dtype, device=home.device))
         if probe.device != home.device or probe.dtype != home.dtype:
             raise ValueError(
@@ -214,13 +214,13 @@ class Unit:
                 if sp.data_ptr() != home.data_ptr():
                     home.copy_(sp.data)
                     sp.data = home
-                grad, grad_home = (sp.grad if had_grads[i] else self.grads[i]), self.unit.local_grad(i)
-                if grad is not None and grad.data_ptr() != grad_home.data_ptr():
-                    grad_home.copy_(grad)
-                if self.grads[i].data_ptr() != grad_home.data_ptr():
+                if not had_grads[i]:
+                    continue
+                grad_home = self.unit.local_grad(i)
+                if sp.grad.data_ptr() != grad_home.data_ptr():
+                    grad_home.copy_(sp.grad)
                     self.grads[i] = ShardGrad.of(grad_home, self.grads[i]._rfsdp_group)
-                if had_grads[i]:
-                    sp.grad = self.grads[i]
+                sp.grad = self.grads[i]
 
     def data_state(self):
         if self.reduce_handle is not None and not self.reduce_handle.waited():
