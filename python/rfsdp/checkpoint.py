@@ -268,11 +268,11 @@ def _flat(nested):
     return out
 
 
-def _state_dict(entries, written=False):
-    """The DCP state_dict of the entries: _Pieces (what this rank reads, or with
-    written what it writes), or the tensor where replicated."""
+def _state_dict(entries):
+    """The DCP state_dict of the entries: _Pieces (what this rank reads and what it
+    writes), or the tensor where replicated."""
     return {e.key: e.tensor if e.pieces is None else
-            _Pieces(e.shape, e.dtype, e.written() if written else e.pieces) for e in entries}
+            _Pieces(e.shape, e.dtype, e.pieces, writes=e.written()) for e in entries}
 
 
 # ---- what a model and an optimizer hold ---------------------------------------------------
@@ -418,8 +418,8 @@ def save(path, model, optimizer=None, *, extra=None, process_group=None):
         return _unplaced_entries(model, optimizer), _encode_extra(extra)
     entries, encoded = _every_rank(pg, prepare)
     place_sequences(entries, placements(entries, pg))
-    # HSDP's first replica writes the shards; an 8-bit block's scale that ranks share once
-    sd = _state_dict(entries, written=True)
+    # (HSDP's first replica writes the shards; an 8-bit block's scale that ranks share, once)
+    sd = _state_dict(entries)
     # Non-tensor values as one string or bytes each (DCP would flatten a dict).
     if optimizer is not None:
         sd["optim.groups"] = json.dumps(_groups(model, optimizer))

@@ -161,31 +161,17 @@ def place_sequences(entries, placed):
 
 
 class Placed(Pieces):
-    """A global tensor as DCP sees this rank's part of it: it reads `pieces` and
-    writes `writes` (Entry.written()); .local is this rank's tensor (the pieces
-    in order)."""
+    """A global tensor as DCP sees this rank's part of it (Pieces: the pieces it
+    reads, those it writes: Entry.written()), with .local, this rank's tensor."""
 
     @staticmethod
     def __new__(cls, shape, dtype, pieces, writes, local_tensor):
-        self = Pieces.__new__(cls, shape, dtype, pieces, local_tensor.device)
-        self.writes = {torch.Size(o): t.contiguous() for o, _, t in writes if t.numel()}
+        self = Pieces.__new__(cls, shape, dtype, pieces, local_tensor.device, writes)
         self.local = local_tensor
         return self
 
     def __init__(self, shape, dtype, pieces, writes, local_tensor):
         torch.Tensor.__init__(self)
-
-    def __create_write_items__(self, fqn, obj):
-        every = self.pieces
-        try:
-            self.pieces = self.writes
-            return super().__create_write_items__(fqn, obj)
-        finally:
-            self.pieces = every
-
-    def __get_tensor_shard__(self, index):
-        o = torch.Size(index.offset)
-        return self.writes[o] if o in self.writes and o not in self.pieces else self.pieces[o]
 
     def __repr__(self, **kwargs):
         return "Placed(global shape %s, %d pieces)" % (tuple(self.shape), len(self.pieces))

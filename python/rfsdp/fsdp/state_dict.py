@@ -62,19 +62,23 @@ def rectangles(global_shape, row_dims, row_begin, row_end):
 class Pieces(torch.Tensor):
     """This rank's pieces of one global tensor, as DCP sees them through its
     _Checkpointable protocol (as DTensor does): one write item and one chunk per
-    piece, found again by its offsets. Every rank describes only its own pieces.
-    A tensor subclass without storage, of the global size: DCP passes tensors
+    piece, found again by its offsets. Every rank describes only its own pieces:
+    those it reads (`pieces`) and those it writes (`writes`, default the same; fewer
+    where another rank writes some: an HSDP replica, a shared block scale). A
+    tensor subclass without storage, of the global size: DCP passes tensors
     through its planners and drops other objects. Any tensor operation on it is an
     error (it holds no global data)."""
 
     @staticmethod
-    def __new__(cls, shape, dtype, pieces, device="cpu"):
+    def __new__(cls, shape, dtype, pieces, device="cpu", writes=None):
         self = torch.Tensor._make_wrapper_subclass(cls, torch.Size(shape), dtype=dtype,
                                                     device=device)
         self.pieces = {torch.Size(o): t.contiguous() for o, _, t in pieces if t.numel()}
+        self.writes = self.pieces if writes is None else \
+            {torch.Size(o): t.contiguous() for o, _, t in writes if t.numel()}
         return self
 
-    def __init__(self, shape, dtype, pieces, device="cpu"):
+    def __init__(self, shape, dtype, pieces, device="cpu", writes=None):
         super().__init__()
 
     @classmethod
@@ -90,13 +94,14 @@ class Pieces(torch.Tensor):
                               chunk=ChunkStorageMetadata(offsets=o, sizes=t.size()),
                               properties=TensorProperties.create_from_tensor(t),
                               size=self.size()))
-                for o, t in self.pieces.items()]
+                for o, t in self.writes.items()]
 
     def __create_chunk_list__(self):
         return [ChunkStorageMetadata(offsets=o, sizes=t.size()) for o, t in self.pieces.items()]
 
     def __get_tensor_shard__(self, index):
-        return self.pieces[torch.Size(index.offset)]
+        o = torch.Size(index.offset)
+        return self.pieces[o] if o in self.pieces else self.writes[o]
 
 
 class ShardedRows(Pieces):
