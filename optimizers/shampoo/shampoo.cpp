@@ -3,12 +3,12 @@
 #include <ATen/core/grad_mode.h>
 
 #include <algorithm>
-#include <numeric>
 #include <chrono>
 #include <cmath>
 #include <limits>
 #include <map>
 #include <mutex>
+#include <numeric>
 #include <stdexcept>
 #include <tuple>
 

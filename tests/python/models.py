@@ -76,3 +76,25 @@ def optimizer(name, params, **kw):
 
 
 OPTIMIZERS = ("AdamW", "AdamW8bit", "Muon", "Shampoo", "SOAP")
+
+
+def fsdp2(model, world):
+    """Net sharded by torch's fully_shard over a 1-D CPU mesh of `world` ranks, block
+    by block, then the rest; returns (model, mesh)."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    mesh = init_device_mesh("cpu", (world,))
+    for b in model.blocks:
+        fully_shard(b, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    return model, mesh
+
+
+def full_params(model):
+    """Every parameter whole, by name (collective where sharded): rfsdp.fully_shard's
+    gathered rows, an FSDP2 DTensor's full_tensor(), or a copy of the tensor."""
+    import rfsdp
+    if any(rfsdp.shard_info(p) is not None for p in model.parameters()):
+        return rfsdp.full_parameters(model)
+    return {n: (p.full_tensor() if hasattr(p, "full_tensor") else p).detach().clone()
+            for n, p in model.named_parameters()}

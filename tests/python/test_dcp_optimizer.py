@@ -21,7 +21,7 @@ from torch import nn
 import rfsdp
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from models import Net, data, optimizer  # noqa: E402
+from models import Net, data, fsdp2, full_params, optimizer  # noqa: E402
 
 # SOAP does not yet share tiles that FSDP2's chunk rows cut: rfsdp's plans only.
 CASES = [(name, kind) for name in ("AdamW", "AdamW8bit", "Muon", "Shampoo")
@@ -33,12 +33,7 @@ def sharded(name, kind, world, seed):
     torch.manual_seed(seed)
     model = Net()
     if kind == "fsdp2":
-        from torch.distributed.device_mesh import init_device_mesh
-        from torch.distributed.fsdp import fully_shard
-        mesh = init_device_mesh("cpu", (world,))
-        for b in model.blocks:
-            fully_shard(b, mesh=mesh)
-        fully_shard(model, mesh=mesh)
+        fsdp2(model, world)
     else:
         pol = rfsdp.policy.shampoo(1024) if name in ("Shampoo", "SOAP") else None
         for b in model.blocks:
@@ -56,12 +51,6 @@ def train(model, opt, seed, rank, world, first):
         opt.zero_grad()
         loss.backward()
         opt.step()
-
-
-def full_params(model, kind):
-    if kind == "fsdp2":
-        return {n: p.full_tensor().detach().clone() for n, p in model.named_parameters()}
-    return rfsdp.full_parameters(model)
 
 
 def options(**kw):
@@ -92,7 +81,7 @@ def worker(rank, world, seed, d, phase):
             if rank == 0:
                 torch.save(full, case + "_full.pt")
             train(model, opt, seed, rank, world, STEPS)
-            out[(name, kind)] = full_params(model, kind)
+            out[(name, kind)] = full_params(model)
             continue
         for how in ("dcp", "full"):
             model, opt = sharded(name, kind, world, seed + 1)  # other values: all must load
@@ -110,7 +99,7 @@ def worker(rank, world, seed, d, phase):
             o = options(full_state_dict=True, cpu_offload=True)
             out[(name, kind, how, "state")] = get_optimizer_state_dict(model, opt, options=o)
             train(model, opt, seed, rank, world, STEPS)
-            out[(name, kind, how)] = full_params(model, kind)
+            out[(name, kind, how)] = full_params(model)
     if rank == 0:
         torch.save(out, "%s/%s_%d.pt" % (d, phase, world))
     dist.barrier()

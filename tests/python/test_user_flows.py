@@ -25,7 +25,7 @@ import torch.multiprocessing as mp
 from torch import nn
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from models import OPTIMIZERS, Net, data, optimizer  # noqa: E402
+from models import OPTIMIZERS, Net, data, fsdp2, full_params, optimizer  # noqa: E402
 
 WORLD = 2
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -61,21 +61,6 @@ def bf16_steps(model, seed, mesh=None):
         opt.step()
 
 
-def full_of(model):
-    return {n: (p.full_tensor() if hasattr(p, "full_tensor") else p).detach().clone()
-            for n, p in model.named_parameters()}
-
-
-def fsdp2(model, world):
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import fully_shard
-    mesh = init_device_mesh("cpu", (world,))
-    for b in model.blocks:
-        fully_shard(b, mesh=mesh)
-    fully_shard(model, mesh=mesh)
-    return model, mesh
-
-
 def worker(rank, world, seed, d):
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method="file://%s/init" % d, rank=rank, world_size=world)
@@ -85,7 +70,7 @@ def worker(rank, world, seed, d):
         model = nn.parallel.DistributedDataParallel(Net())
         opt = optimizer(name, model.parameters())
         train(model, opt, seed, rank, world)
-        out[("ddp", name)] = full_of(model.module)
+        out[("ddp", name)] = full_params(model.module)
     for name in OPTIMIZERS:
         torch.manual_seed(seed)
         model = Net()
@@ -99,11 +84,11 @@ def worker(rank, world, seed, d):
         for g in opt.param_groups:
             g["params"] = [mapping[id(p)] for p in g["params"]]
         train(model, opt, seed, rank, world)
-        out[("accelerate", name)] = full_of(model)
+        out[("accelerate", name)] = full_params(model)
     torch.manual_seed(seed)
     model, mesh = fsdp2(Net().to(torch.bfloat16), world)
     bf16_steps(model, seed, mesh)
-    out["bf16"] = full_of(model)
+    out["bf16"] = full_params(model)
     if rank == 0:
         torch.save(out, os.path.join(d, "out.pt"))
     dist.barrier()
@@ -119,7 +104,7 @@ def reference(name, seed, **kw):
         train(model, optimizer(name, model.parameters(), **kw), seed, 0, 1, emulate=WORLD)
     finally:
         torch.set_num_threads(threads)
-    return full_of(model)
+    return full_params(model)
 
 
 def test_ddp_and_accelerates_order_train_like_one_process():
@@ -137,9 +122,9 @@ def test_ddp_and_accelerates_order_train_like_one_process():
                     seed, flow, name, n, (g - t).abs().max().item())
     torch.manual_seed(seed)
     model = Net().to(torch.bfloat16)
-    start = full_of(model)
+    start = full_params(model)
     bf16_steps(model, seed)
-    for n, t in full_of(model).items():
+    for n, t in full_params(model).items():
         assert not torch.equal(t, start[n]) and torch.equal(got["bf16"][n], t), (seed, n)
 
 

@@ -18,6 +18,9 @@ import sys
 
 import torch
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from models import full_params  # noqa: E402
+
 OPTIMIZERS = ("AdamW", "AdamW8bit", "Muon", "Shampoo", "SOAP")
 
 
@@ -60,11 +63,6 @@ def build(name, model):
     return rfsdp.optim.AdamW(params, lr=1e-3)
 
 
-def full(model):
-    return {n: (p.full_tensor() if hasattr(p, "full_tensor") else p).detach().clone()
-            for n, p in model.named_parameters()}
-
-
 def train(model_dir, out):
     import torch.distributed as dist
     from torch.utils.data import SequentialSampler
@@ -85,7 +83,7 @@ def train(model_dir, out):
     for name in OPTIMIZERS:
         kw = dict(distributed_config=DistributedConfig(fsdp_size=world)) if world > 1 else {}
         model = LlamaForCausalLM.from_pretrained(model_dir, **kw)
-        start = full(model)
+        start = full_params(model)
         opt = build(name, model)
         args = TrainingArguments(output_dir=os.path.join(os.path.dirname(out), "trainer"),
                                  use_cpu=True, per_device_train_batch_size=4 // world, max_steps=4,
@@ -96,7 +94,7 @@ def train(model_dir, out):
                                     optimizers=(opt, None))
         trainer.train()
         losses = [h["loss"] for h in trainer.state.log_history if "loss" in h]
-        results[name] = dict(losses=losses, params=full(model), start=start)
+        results[name] = dict(losses=losses, params=full_params(model), start=start)
     if int(os.environ.get("RANK", "0")) == 0:
         torch.save(results, out)
     if world > 1:
