@@ -34,7 +34,7 @@ std::vector<rfsdp::TensorSpec> layer(int64_t d, int64_t max_dim) {
     rfsdp::TensorSpec x;
     x.name = std::move(n);
     x.shape = std::move(s);
-    x.granule_rows = rfsdp::shampoo_granule_rows(x.shape, 1, max_dim);
+    x.granule_rows = rfsdp::tile_granule_rows(x.shape, 1, max_dim);
     return x;
   };
   return {t("qkv", {3 * d, d}), t("proj", {d, d}), t("fc", {4 * d, d}), t("out", {d, 4 * d}),

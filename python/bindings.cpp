@@ -355,7 +355,7 @@ PYBIND11_MODULE(_C, m) {
              o.set_group_options(g, {lr, b1, b2, eps, gb2, geps, wd});
            })
       .def("num_tiles", [](const rfsdp::Shampoo& o) { return o.tiles().size(); })
-      .def("shared_tile_rows", [](const rfsdp::Shampoo& o) { return o.shared_rows().size(); })
+      .def("shared_tile_rows", [](const rfsdp::Shampoo& o) { return o.cut_rows().size(); })
       .def("factor_bytes", &rfsdp::Shampoo::factor_bytes)
       .def("root_seconds", &rfsdp::Shampoo::root_seconds)
       .def("fp64_retries", &rfsdp::Shampoo::fp64_retries);
@@ -389,16 +389,15 @@ PYBIND11_MODULE(_C, m) {
              o.set_group_options(g, {lr, b1, b2, shampoo_beta, eps, wd});
            })
       .def("num_tiles", [](const rfsdp::SOAP& o) { return o.tiles().size(); })
+      .def("shared_tile_rows", [](const rfsdp::SOAP& o) { return o.cut_rows().size(); })
       .def("fp64_retries", &rfsdp::SOAP::fp64_retries);
-  m.def("shampoo_granule_rows", &rfsdp::shampoo_granule_rows, py::arg("shape"),
+  m.def("shampoo_granule_rows", &rfsdp::tile_granule_rows, py::arg("shape"),
         py::arg("row_dims"), py::arg("max_preconditioner_dim"));
   m.def("shampoo_tile_list",
         [](const std::vector<int64_t>& shape, int64_t max_dim) {
-          int64_t numel = 1;
-          for (int64_t d : shape) numel *= d;
-          const rfsdp::ParamShard whole(rfsdp::TensorShard::whole("tensor", shape), at::empty({numel}));
           std::vector<std::tuple<int64_t, int64_t, int64_t, int64_t>> out;
-          for (const auto& t : rfsdp::shampoo_tiles("Shampoo", whole, 0, max_dim)) {
+          for (const auto& t : rfsdp::matrix_tiles("Shampoo", rfsdp::TensorShard::whole("tensor", shape),
+                                                   0, max_dim)) {
             out.emplace_back(t.local_offset, t.rows, t.cols, t.stride);
           }
           return out;
@@ -424,9 +423,9 @@ PYBIND11_MODULE(_C, m) {
         py::arg("codes"), py::arg("absmax"), py::arg("map"), py::arg("bits"), py::arg("block"),
         py::arg("n"));
   m.def("bjorck", &rfsdp::quant::bjorck, py::arg("v"), py::arg("iterations"));
-  m.def("shampoo_unpack", &rfsdp::Shampoo::unpack, py::arg("flat"), py::arg("offset"), py::arg("n"),
+  m.def("shampoo_unpack", &rfsdp::unpack_symmetric, py::arg("flat"), py::arg("offset"), py::arg("n"),
         "The n x n symmetric matrix packed (upper triangle, row by row) at offset of flat, fp32");
-  m.def("shampoo_pack", &rfsdp::Shampoo::pack, py::arg("full"),
+  m.def("shampoo_pack", &rfsdp::pack_symmetric, py::arg("full"),
         "A symmetric matrix's upper triangle, row by row (float32)");
 
   // Every rank's lines equal, or a ValueError on every rank naming the first

@@ -1,14 +1,15 @@
 // Block Shampoo with Adam grafting (DistributedShampoo's algorithm) over ragged
-// shards. Every matrix of a parameter (see optimizers/common/matrices.h) is cut
-// into tiles of at most B x B (B = max_preconditioner_dim); the planner's
+// shards. Every matrix of a parameter is cut into tiles of at most B x B (B =
+// max_preconditioner_dim; optimizers/common/tiles.h); the planner's
 // Shampoo granule keeps every tile whole on one rank, so each rank keeps and
 // inverts the factors of its own tiles: the sharded step is the single-device
 // step, and nothing but the NaN/Inf flag is communicated. Where shard
 // boundaries cut a row of tiles (torch FSDP2's chunk rows, a plan without the
-// granule), the rank holding the row's first element owns it (SharedTileRow):
-// the other holders send it their gradient rows before the gate and their
-// M^ and D rows after it, and get their rows of the update back (three
-// all-to-alls a step for all such rows).
+// granule), the rank holding the row's first element owns it (CutTileRow): the
+// owner exchange (optimizers/common/owner_exchange.h) brings it the other
+// holders' gradient rows before the gate and their M^ and D rows after it, and
+// sends them their rows of the update back (three all-to-alls a step for all
+// such rows).
 //
 // Per parameter with gradient g (t: its step count from 1):
 //   V <- b2g V + (1 - b2g) g^2;  M <- b1 M + (1 - b1) g;  M^ = M / (1 - b1^t)
@@ -33,14 +34,17 @@
 
 #include <ATen/ATen.h>
 
-#include <functional>
 #include <memory>
 #include <string>
 #include <utility>
 #include <vector>
 
 #include "core/comm/comm.h"
+#include "optimizers/common/cut_rows.h"
+#include "optimizers/common/eigen.h"
+#include "optimizers/common/owner_exchange.h"
 #include "optimizers/common/sharded_optimizer.h"
+#include "optimizers/common/tiles.h"
 #include "quant/blockwise/lowbit.h"
 
 namespace rfsdp {
@@ -50,24 +54,6 @@ struct ShampooOptions {
   double lr = 1e-3, beta1 = 0.9, beta2 = 0.999, epsilon = 1e-12;
   double grafting_beta2 = 0.999, grafting_epsilon = 1e-8, weight_decay = 0.0;
 };
-
-// What the inverse root does with the eigenvalues l of A = L / bc + eps I, which
-// are >= eps in exact arithmetic but, for a rank-deficient factor (a tile whose
-// gradients span fewer than its rows: rare tokens, zero rows, low-rank
-// updates), fall below eps, or below zero, by rounding (about -1e-8 l_max in
-// fp32, -2^-9 l_max in bf16).
-enum class RankDeficient {
-  // l <- l - l_min + eps where l_min < eps: the spectrum lifted so that its
-  // smallest eigenvalue is eps (DistributedShampoo's perturbation). Needs eps > 0.
-  Shift,
-  // l <= rank_rtol * l_max count as zero: their directions get no
-  // preconditioning (a zero root there; a tile whose root is all zero takes D).
-  PseudoInverse,
-  // Any l <= 0 is a failure (retried in fp64): the three-failures error.
-  Strict,
-};
-RankDeficient parse_rank_deficient(const std::string& s);  // "shift" | "pseudo_inverse" | "strict"
-const char* to_string(RankDeficient r);
 
 // Settings that shape the state: one per optimizer.
 struct ShampooConfig {
@@ -94,77 +80,6 @@ struct ShampooConfig {
   int bjorck_iterations = 1;
 };
 
-// One tile of a parameter on this rank: rows [row0, row0 + rows) and columns
-// [col0, col0 + cols) of matrix `matrix`; its first element is local_offset in
-// the shard, rows are `stride` elements apart; its factors start at
-// left_offset / right_offset in the parameter's flat factor storage, where each
-// symmetric n x n matrix (L, R, a root) is its upper triangle, row by row:
-// n (n + 1) / 2 elements (shampoo_packed_size).
-struct ShampooTile {
-  size_t param;
-  int64_t matrix, row0, rows, col0, cols;
-  int64_t local_offset, stride;
-  int64_t left_offset, right_offset;
-  // >= 0: a tile of shared row `shared` (this rank owns it); local_offset is then
-  // in that row's gathered buffers, not in the shard.
-  int64_t shared = -1;
-};
-
-// A row of tiles (rows [row0, row0 + rows) of matrix `matrix`, all `cols`
-// columns: elements [begin, end) of the flattened tensor) that shard boundaries
-// cut. parts[r]: the elements rank r holds ([begin, end) of them; empty: none);
-// the owner is the rank holding `begin`, so each rank's tiles stay in the
-// tensor's tile order (a checkpoint's sequence does not depend on the ranks).
-struct SharedTileRow {
-  size_t param;
-  int64_t matrix, row0, rows, cols;
-  int64_t begin, end;
-  int owner;
-  std::vector<std::pair<int64_t, int64_t>> parts;
-};
-
-inline int64_t shampoo_packed_size(int64_t n) { return n * (n + 1) / 2; }
-
-// Tile t of a flat tensor laid out as its shard (or a shared row's buffer):
-// rows x cols, rows `stride` apart (a view). Shampoo's and SOAP's.
-inline at::Tensor shampoo_tile_view(const at::Tensor& flat, const ShampooTile& t) {
-  return flat.as_strided({t.rows, t.cols}, {t.stride, 1}, flat.storage_offset() + t.local_offset);
-}
-
-// The preconditioner tiles that `shard` holds whole, and (shared given, every
-// rank's rows known) those of the rows of tiles it owns; every cut row of tiles
-// of the tensor is appended to *shared (rank: this rank's index among the
-// shard's ranks). Throws, naming the optimizer `who`, the parameter and the
-// tile, and what keeps tiles whole (an rfsdp plan, or for FSDP2's chunk rows a
-// max_preconditioner_dim that divides them), when the shard cuts a tile and
-// shared is null or the other ranks' rows are unknown.
-std::vector<ShampooTile> shampoo_tiles(const char* who, const ParamShard& shard, size_t param,
-                                       int64_t max_dim, int rank = -1,
-                                       std::vector<SharedTileRow>* shared = nullptr);
-
-// The granule (rows of `shape` seen with row_dims) that keeps every tile on one rank.
-int64_t shampoo_granule_rows(const std::vector<int64_t>& shape, int row_dims, int64_t max_dim);
-
-// How inverse_fourth_roots treats the eigenvalues (see RankDeficient):
-// floors[k] is matrix k's eps (Shift), rtol PseudoInverse's threshold (< 0: n *
-// eps(float32)).
-struct RootRule {
-  RankDeficient mode = RankDeficient::Strict;
-  std::vector<double> floors;  // one per matrix (Shift)
-  double rtol = -1.0;
-};
-
-// A^(-1/4) of symmetric matrices of one size (batched eigh in fp32, each
-// failure retried alone in fp64), their eigenvalues treated by `rule`. ok[k] is
-// false where both failed (no convergence, a non-finite eigenvalue or root, or
-// under Strict a non-positive eigenvalue); out[k] is then undefined. Counts
-// the fp64 retries in *retries. eigen given: (*eigen)[k] = (Q, s), fp32, with
-// out[k] = Q diag(s) Q^T (Q's columns by ascending eigenvalue of A).
-std::vector<at::Tensor> inverse_fourth_roots(const std::vector<at::Tensor>& a,
-                                             std::vector<bool>* ok, int64_t* retries = nullptr,
-                                             const RootRule& rule = {},
-                                             std::vector<std::pair<at::Tensor, at::Tensor>>* eigen = nullptr);
-
 class Shampoo : public GroupedOptimizer<ShampooOptions> {
  public:
   // precondition[i] false: parameter i takes Adam's direction alone (1-D
@@ -183,9 +98,9 @@ class Shampoo : public GroupedOptimizer<ShampooOptions> {
   // root_failures (failures in a row, per tile).
   std::vector<std::pair<std::string, at::Tensor>> state(size_t i) const override;
 
-  const std::vector<ShampooTile>& tiles() const { return tiles_; }
+  const std::vector<Tile>& tiles() const { return tiles_; }
   // Rows of tiles that shard boundaries cut (over all ranks).
-  const std::vector<SharedTileRow>& shared_rows() const { return shared_; }
+  const std::vector<CutTileRow>& cut_rows() const { return cut_; }
   bool preconditioned(size_t i) const { return precondition_.at(i); }
   // Tile j (of parameter i's tiles) of its inverse root on one side, full fp32,
   // as a step uses it (rebuilt from its codes and s where quantised).
@@ -198,12 +113,6 @@ class Shampoo : public GroupedOptimizer<ShampooOptions> {
   int64_t fp64_retries() const { return fp64_retries_; }
   int64_t factor_bytes() const;
   double root_flops() const;
-
-  // Symmetric matrices packed as upper triangles (Shampoo's and SOAP's factors):
-  // the n x n matrix at `offset` of `flat` as a full fp32 matrix, and a full
-  // matrix packed (float32).
-  static at::Tensor unpack(const at::Tensor& flat, int64_t offset, int64_t n);
-  static at::Tensor pack(const at::Tensor& full);
 
  private:
   struct ParamState {
@@ -236,31 +145,18 @@ class Shampoo : public GroupedOptimizer<ShampooOptions> {
                      std::vector<std::pair<NewRoot, NewRoot>>* new_roots);
   // Stores r as tile j's (of parameter i's tiles) root on one side.
   void store_root(size_t i, size_t j, bool left, const NewRoot& r);
-  // A shared row's part on one side of an exchange: the row, the other rank, the
-  // part's first element in this rank's shard (contributor) or in the row (owner).
-  struct PartRef {
-    size_t row;
-    int peer;
-    int64_t local, at, n;
-  };
-  // One all-to-all over the shared rows' parts: forward, each holder's parts to
-  // the owners (head + width floats per element each, written by fill, read by
-  // take); back, the owners' to the holders.
-  void exchange(bool forward, int64_t head, int64_t width,
-                const std::function<void(const PartRef&, float*)>& fill,
-                const std::function<void(const PartRef&, const float*)>& take);
   // The gradient of tile k of parameter i (a view: the shard's, or a shared row's).
-  at::Tensor grad_tile(size_t i, const ShampooTile& t) const;
+  at::Tensor grad_tile(size_t i, const Tile& t) const;
 
   ShampooConfig config_;
   std::vector<bool> precondition_;
   std::vector<ParamState> state_;
-  std::vector<ShampooTile> tiles_;
-  // Shared rows of tiles; at their owner, gathered gradient, M^ and D (rows x cols).
-  std::vector<SharedTileRow> shared_;
-  std::vector<at::Tensor> shared_g_, shared_m_, shared_d_;
-  std::vector<PartRef> held_parts_;   // parts this rank holds, by owner then row
-  std::vector<PartRef> owned_parts_;  // parts of the rows this rank owns, by holder then row
+  std::vector<Tile> tiles_;
+  // Cut rows of tiles, their exchange (one unit per row, in order) and, at
+  // their owner, the row's gathered gradient, M^ and D (flat, rows x cols).
+  std::vector<CutTileRow> cut_;
+  OwnerExchange exchange_;
+  std::vector<at::Tensor> cut_g_, cut_m_, cut_d_;
   double root_seconds_ = 0.0;
   int64_t fp64_retries_ = 0;
 };

@@ -22,53 +22,6 @@ at::Tensor basis_view(const at::Tensor& flat, int64_t offset, int64_t n) {
 
 }  // namespace
 
-std::vector<at::Tensor> descending_eigenvectors(const std::vector<at::Tensor>& a,
-                                                std::vector<bool>* ok, int64_t* retries) {
-  const size_t n = a.size();
-  std::vector<at::Tensor> out(n);
-  ok->assign(n, false);
-  if (n == 0) return out;
-  // Which matrices of a batch [b, d, d] are finite, on the host: one wait per batch.
-  auto finite = [](const at::Tensor& q) {
-    return at::isfinite(q).flatten(1).all(1).to(at::kCPU).contiguous();
-  };
-  auto accept = [&](size_t k, const at::Tensor& q) {
-    out[k] = q.flip({-1}).to(at::kFloat).contiguous();  // eigh: ascending
-    (*ok)[k] = true;
-  };
-  bool batched = false;
-  try {
-    auto [l, q] = at::linalg_eigh(at::stack(a).to(at::kFloat));
-    batched = true;
-    const at::Tensor fin = finite(q);
-    for (size_t k = 0; k < n; ++k) {
-      if (fin.data_ptr<bool>()[k]) accept(k, q[k]);
-    }
-  } catch (const c10::Error&) {
-    // Some matrix did not converge: each is tried alone below.
-  }
-  for (size_t k = 0; k < n; ++k) {
-    if ((*ok)[k]) continue;
-    if (!batched) {
-      try {
-        auto [l, q] = at::linalg_eigh(a[k].to(at::kFloat));
-        if (finite(q.unsqueeze(0)).data_ptr<bool>()[0]) {
-          accept(k, q);
-          continue;
-        }
-      } catch (const c10::Error&) {
-      }
-    }
-    if (retries) ++*retries;
-    try {
-      auto [l, q] = at::linalg_eigh(a[k].to(at::kDouble));
-      if (finite(q.unsqueeze(0)).data_ptr<bool>()[0]) accept(k, q);
-    } catch (const c10::Error&) {
-    }
-  }
-  return out;
-}
-
 void SOAP::check_options(const SOAPOptions& o) const {
   const double bs = o.shampoo_beta < 0 ? o.beta2 : o.shampoo_beta;
   if (!(o.lr >= 0) || !(o.beta1 >= 0 && o.beta1 < 1) || !(o.beta2 >= 0 && o.beta2 < 1) ||
@@ -115,6 +68,7 @@ SOAP::SOAP(std::vector<ParamShard> params, SOAPOptions options, SOAPConfig confi
     throw std::invalid_argument("SOAP: " + std::to_string(precondition.size()) +
                                 " precondition flags for " + std::to_string(n) + " parameters");
   }
+  const int rank = comm_ ? comm_->rank() : 0;
   for (size_t i = 0; i < n; ++i) {
     const ParamShard& p = params_[i];
     precondition_.push_back((precondition.empty() || precondition[i]) && p.shape.size() >= 2);
@@ -129,17 +83,36 @@ SOAP::SOAP(std::vector<ParamShard> params, SOAPOptions options, SOAPConfig confi
     if (precondition_[i]) {
       int64_t left = 0, right = 0, ql = 0, qr = 0;
       std::vector<int64_t> rows, cols;
-      for (const ShampooTile& t : shampoo_tiles("SOAP", p, i, config_.max_preconditioner_dim)) {
+      const size_t cut_before = cut_.size();
+      for (const Tile& t : matrix_tiles("SOAP", p, i, config_.max_preconditioner_dim, rank, &cut_)) {
         s.tiles.push_back(tiles_.size());
         tiles_.push_back(t);
         s.ql.push_back(ql);
         s.qr.push_back(qr);
         rows.push_back(t.rows);
         cols.push_back(t.cols);
-        left += shampoo_packed_size(t.rows);
-        right += shampoo_packed_size(t.cols);
+        left += packed_size(t.rows);
+        right += packed_size(t.cols);
         ql += t.rows * t.rows;
         qr += t.cols * t.cols;
+      }
+      if (cut_.size() > cut_before) {
+        if (!comm_ || comm_->size() != static_cast<int>(p.rank_rows.size())) {
+          throw std::invalid_argument(
+              "SOAP: parameter '" + p.name + "' has rows of tiles that its ranks' shards cut; "
+              "the ranks holding one send it to its owner, so the optimizer needs their process "
+              "group (" + std::to_string(p.rank_rows.size()) + " ranks; it has " +
+              (comm_ ? std::to_string(comm_->size()) : std::string("none")) + ")");
+        }
+        if (eight_bit(i)) {
+          throw std::invalid_argument(
+              "SOAP: parameter '" + p.name + "': its shard (rows [" + std::to_string(p.row_begin) +
+              ", " + std::to_string(p.row_end) + ")) cuts tiles of " +
+              std::to_string(config_.max_preconditioner_dim) + " rows, and 8-bit moments "
+              "(state_dtype int8) need whole tiles so far; plan the unit with "
+              "rfsdp.policy.shampoo(max_preconditioner_dim), choose a max_preconditioner_dim "
+              "that the rows keep whole, or keep float32 moments");
+        }
       }
       const auto on = at::TensorOptions().device(p.param.device());  // states live with the shard
       s.left = at::zeros({left}, on.dtype(config_.factor_dtype));
@@ -164,12 +137,18 @@ SOAP::SOAP(std::vector<ParamShard> params, SOAPOptions options, SOAPConfig confi
     }
     state_.push_back(std::move(s));
   }
+  exchange_ = cut_exchange(cut_, params_, comm_.get());
+  for (size_t j = 0; j < cut_.size(); ++j) {  // the owner's buffers of its cut rows
+    const bool owner = exchange_.owns(j);
+    const int64_t len = cut_[j].end - cut_[j].begin;
+    cut_g_.push_back(owner ? at::zeros({len}, state_options(cut_[j].param)) : at::Tensor());
+  }
 }
 
 at::Tensor SOAP::basis(size_t i, size_t j, bool left) const {
   const ParamState& s = state_[i];
   if (config_.basis_bits) return (left ? s.lq_left : s.lq_right).orthogonal(j);
-  const ShampooTile& tl = tiles_[s.tiles[j]];
+  const Tile& tl = tiles_[s.tiles[j]];
   const int64_t n = left ? tl.rows : tl.cols;
   return basis_view(left ? s.q_left : s.q_right, left ? s.ql[j] : s.qr[j], n).to(at::kFloat);
 }
@@ -180,7 +159,7 @@ void SOAP::store_basis(size_t i, size_t j, bool left, const at::Tensor& q) {
     (left ? s.lq_left : s.lq_right).store(j, q);
     return;
   }
-  const ShampooTile& tl = tiles_[s.tiles[j]];
+  const Tile& tl = tiles_[s.tiles[j]];
   const int64_t n = left ? tl.rows : tl.cols;
   basis_view(left ? s.q_left : s.q_right, left ? s.ql[j] : s.qr[j], n).copy_(q);
 }
@@ -192,13 +171,13 @@ at::Tensor SOAP::decode(size_t i, bool second) const {
   const auto& lut = second ? *lut_v_ : *lut_m_;
   at::Tensor out = at::empty({codes.numel()}, at::kFloat);
   for (size_t j = 0; j < s.tiles.size(); ++j) {  // the tiles cover the shard
-    const ShampooTile& tl = tiles_[s.tiles[j]];
-    const at::Tensor q = shampoo_tile_view(codes, tl).contiguous();
+    const Tile& tl = tiles_[s.tiles[j]];
+    const at::Tensor q = tile_view(codes, tl).contiguous();
     at::Tensor x = at::empty({tl.rows, tl.cols}, at::kFloat);
     quant::cpu::dequantize(q.data_ptr<uint8_t>(), absmax.data_ptr<float>() + s.arow[j],
                            quant::BlockLayout(quant::BlockShape::blocks(tl.cols), tl.rows, tl.cols),
                            lut, x.data_ptr<float>());
-    shampoo_tile_view(out, tl).copy_(x);
+    tile_view(out, tl).copy_(x);
   }
   return out;
 }
@@ -209,13 +188,13 @@ void SOAP::encode(size_t i, bool second, const at::Tensor& flat) {
   at::Tensor& absmax = second ? s.va : s.ma;
   const auto& lut = second ? *lut_v_ : *lut_m_;
   for (size_t j = 0; j < s.tiles.size(); ++j) {
-    const ShampooTile& tl = tiles_[s.tiles[j]];
-    const at::Tensor x = shampoo_tile_view(flat, tl).contiguous();
+    const Tile& tl = tiles_[s.tiles[j]];
+    const at::Tensor x = tile_view(flat, tl).contiguous();
     at::Tensor q = at::empty({tl.rows, tl.cols}, at::kByte);
     quant::cpu::quantize(x.data_ptr<float>(),
                          quant::BlockLayout(quant::BlockShape::blocks(tl.cols), tl.rows, tl.cols),
                          lut, q.data_ptr<uint8_t>(), absmax.data_ptr<float>() + s.arow[j]);
-    shampoo_tile_view(codes, tl).copy_(q);
+    tile_view(codes, tl).copy_(q);
   }
 }
 
@@ -245,11 +224,12 @@ void SOAP::prepare(const std::vector<size_t>& stepping, std::vector<TileUpdate>*
     const at::Tensor g = params_[i].grad.view({-1});
     for (size_t j = 0; j < s.tiles.size(); ++j) {
       const size_t k = s.tiles[j];
-      const ShampooTile& tl = tiles_[k];
-      const at::Tensor gt = shampoo_tile_view(g, tl).clone();  // aligned alike on any ranks (Shampoo's)
+      const Tile& tl = tiles_[k];
+      // (a copy: aligned alike on any ranks, so BLAS rounds alike; Shampoo's)
+      const at::Tensor gt = tile_view(tl.cut >= 0 ? cut_g_[tl.cut] : g, tl).clone();
       TileUpdate& u = (*up)[k];
-      u.l = Shampoo::unpack(s.left, tl.left_offset, tl.rows).mul_(bs).add_(at::mm(gt, gt.t()), 1 - bs);
-      u.r = Shampoo::unpack(s.right, tl.right_offset, tl.cols).mul_(bs).add_(at::mm(gt.t(), gt), 1 - bs);
+      u.l = unpack_symmetric(s.left, tl.left_offset, tl.rows).mul_(bs).add_(at::mm(gt, gt.t()), 1 - bs);
+      u.r = unpack_symmetric(s.right, tl.right_offset, tl.cols).mul_(bs).add_(at::mm(gt.t(), gt), 1 - bs);
       if (refreshes) u.used_l = basis(i, j, true), u.used_r = basis(i, j, false);
       for (bool left : {true, false}) {
         const int64_t d = left ? tl.rows : tl.cols;
@@ -259,7 +239,7 @@ void SOAP::prepare(const std::vector<size_t>& stepping, std::vector<TileUpdate>*
     }
   }
   auto where = [&](size_t tile) {
-    const ShampooTile& tl = tiles_[tile];
+    const Tile& tl = tiles_[tile];
     return "parameter '" + params_[tl.param].name + "' (tile rows [" + std::to_string(tl.row0) +
            ", " + std::to_string(tl.row0 + tl.rows) + ") of matrix " + std::to_string(tl.matrix) + ")";
   };
@@ -282,27 +262,27 @@ void SOAP::prepare(const std::vector<size_t>& stepping, std::vector<TileUpdate>*
       xs.push_back(j.x);
       qs.push_back(j.q);
     }
-    const at::Tensor x = at::stack(xs), q = at::stack(qs);  // [b, d, d]
-    // diag(Q^T X Q), column c: sum over r of Q[r, c] (X Q)[r, c].
-    const at::Tensor est = (q * at::bmm(x, q)).sum(1);
-    const at::Tensor order = at::argsort(est, /*stable=*/true, /*dim=*/1, /*descending=*/true);
-    const at::Tensor sorted = at::gather(q, 2, order.unsqueeze(1).expand({-1, d, -1}));
-    const at::Tensor qn = std::get<0>(at::linalg_qr(at::bmm(x, sorted)));
-    const at::Tensor fin = at::isfinite(qn).flatten(1).all(1).to(at::kCPU).contiguous();
+    const BasisRefresh r = refresh_bases(at::stack(xs), at::stack(qs));  // [b, d, d]
     for (size_t j = 0; j < js.size(); ++j) {
-      if (!fin.data_ptr<bool>()[j]) {
+      if (!r.finite[j]) {
         throw std::runtime_error("SOAP: the basis refresh of " + where(js[j].tile) +
                                  " is not finite (check the gradients)");
       }
       TileUpdate& u = (*up)[js[j].tile];
-      (js[j].left ? u.q_l : u.q_r) = qn[j];
-      (js[j].left ? u.order_l : u.order_r) = order[j];
+      (js[j].left ? u.q_l : u.q_r) = r.q[j];
+      (js[j].left ? u.order_l : u.order_r) = r.order[j];
     }
   }
 }
 
 void SOAP::run_step(StepGate& gate, const std::vector<size_t>& stepping) {
   at::NoGradGuard no_grad;
+  std::vector<bool> steps(params_.size(), false);
+  for (size_t i : stepping) steps[i] = true;
+  if (!cut_.empty()) {  // the cut rows' gradients to their owners
+    const std::string mismatch = gather_cut_grads(exchange_, cut_, params_, steps, comm_.get(), &cut_g_);
+    if (!mismatch.empty()) gate.fail(mismatch, true);
+  }
   std::vector<TileUpdate> up(tiles_.size());
   for (size_t i : stepping) {  // no eigh or QR of NaN gradients
     const int64_t t = param_steps_[i];
@@ -313,60 +293,100 @@ void SOAP::run_step(StepGate& gate, const std::vector<size_t>& stepping) {
   }
   if (!gate.failed()) gate.guard([&] { prepare(stepping, &up); });
   gate.agree();  // every rank can take the step: from here on it changes state
+  // Tile j of parameter i: v updated in its eigenbasis, n = Q_L ((Q_L^T m Q_R) /
+  // (sqrt(v) + eps)) Q_R^T; and (a refresh) v permuted to its basis' new order,
+  // once the step has used it. g, m, v, n: flat, laid out as the tile's shard or cut row.
+  auto tile_step = [&](size_t i, size_t j, const at::Tensor& g, const at::Tensor& m,
+                       const at::Tensor& v, const at::Tensor& n) {
+    const SOAPOptions& o = options_of(i);
+    const size_t k = state_[i].tiles[j];
+    const Tile& tl = tiles_[k];
+    const at::Tensor ql = up[k].used_l.defined() ? up[k].used_l : basis(i, j, true);
+    const at::Tensor qr = up[k].used_r.defined() ? up[k].used_r : basis(i, j, false);
+    const at::Tensor gp = at::mm(at::mm(ql.t(), tile_view(g, tl)), qr);
+    at::Tensor vt = tile_view(v, tl);
+    vt.mul_(o.beta2).addcmul_(gp, gp, 1 - o.beta2);
+    const at::Tensor mp = at::mm(at::mm(ql.t(), tile_view(m, tl)), qr);
+    tile_view(n, tl).copy_(at::mm(at::mm(ql, mp / (vt.sqrt() + o.eps)), qr.t()));
+  };
+  auto permute_v = [&](size_t k, const at::Tensor& v) {
+    const TileUpdate& u = up[k];
+    if (!u.order_l.defined()) return;  // a refresh: v follows its basis' new column order
+    at::Tensor vt = tile_view(v, tiles_[k]);
+    vt.copy_(vt.index_select(0, u.order_l).index_select(1, u.order_r));
+  };
+  // 1. The moments and the direction n of every stepping parameter (t >= 2),
+  // tile by tile where the tile is whole here. 8-bit: decoded, encoded at the end.
+  const size_t P = params_.size();
+  std::vector<at::Tensor> ms(P), vs(P), ns(P);
   for (size_t i : stepping) {
     const SOAPOptions& o = options_of(i);
     ParamState& s = state_[i];
     const int64_t t = param_steps_[i];
+    if (t < 2) continue;
     const at::Tensor g = params_[i].grad.view({-1});
-    // 8-bit: the moments decoded, updated below in fp32, encoded at the end.
-    const bool coded = eight_bit(i) && t >= 2;
-    const at::Tensor m = coded ? decode(i, false) : eight_bit(i) ? at::Tensor() : s.m.view({-1});
-    const at::Tensor v = coded ? decode(i, true) : eight_bit(i) ? at::Tensor() : s.v.view({-1});
+    ms[i] = eight_bit(i) ? decode(i, false) : s.m.view({-1});
+    vs[i] = eight_bit(i) ? decode(i, true) : s.v.view({-1});
+    ms[i].mul_(o.beta1).add_(g, 1 - o.beta1);
+    if (precondition_[i]) {
+      ns[i] = at::empty_like(g);
+      for (size_t j = 0; j < s.tiles.size(); ++j) {
+        if (tiles_[s.tiles[j]].cut < 0) tile_step(i, j, g, ms[i], vs[i], ns[i]);
+      }
+    } else {
+      vs[i].mul_(o.beta2).addcmul_(g, g, 1 - o.beta2);
+      ns[i] = ms[i] / (vs[i].sqrt() + o.eps);
+    }
+  }
+  // 2. Cut rows: their m and v to the owner, which steps its tiles of them and
+  // sends every holder its rows of v and n back.
+  if (!cut_.empty()) {
+    const std::vector<at::Tensor> mv = exchange_.gather(comm_.get(), {ms, vs});
+    std::vector<at::Tensor> vn(cut_.size());
+    for (size_t j = 0; j < cut_.size(); ++j) {
+      if (exchange_.owns(j)) vn[j] = at::stack({mv[j][1], at::zeros_like(mv[j][1])});
+    }
+    for (size_t i : stepping) {
+      if (!precondition_[i] || param_steps_[i] < 2) continue;
+      const ParamState& s = state_[i];
+      for (size_t j = 0; j < s.tiles.size(); ++j) {
+        const size_t k = s.tiles[j];
+        const int64_t c = tiles_[k].cut;
+        if (c < 0) continue;
+        tile_step(i, j, cut_g_[c], mv[c][0], vn[c][0], vn[c][1]);
+        permute_v(k, vn[c][0]);
+      }
+    }
+    exchange_.scatter(comm_.get(), vn, {vs, ns});
+  }
+  // 3. The parameters, the factors, the bases, and v's refresh permutation.
+  for (size_t i : stepping) {
+    const SOAPOptions& o = options_of(i);
+    ParamState& s = state_[i];
+    const int64_t t = param_steps_[i];
     if (t >= 2) {
       const int64_t steps = t - 1;
-      m.mul_(o.beta1).add_(g, 1 - o.beta1);
-      at::Tensor n;
-      if (precondition_[i]) {
-        n = at::empty_like(g);
-        for (size_t j = 0; j < s.tiles.size(); ++j) {
-          const size_t k = s.tiles[j];
-          const ShampooTile& tl = tiles_[k];
-          const at::Tensor ql = up[k].used_l.defined() ? up[k].used_l : basis(i, j, true);
-          const at::Tensor qr = up[k].used_r.defined() ? up[k].used_r : basis(i, j, false);
-          const at::Tensor gp = at::mm(at::mm(ql.t(), shampoo_tile_view(g, tl)), qr);
-          at::Tensor vt = shampoo_tile_view(v, tl);
-          vt.mul_(o.beta2).addcmul_(gp, gp, 1 - o.beta2);
-          const at::Tensor mp = at::mm(at::mm(ql.t(), shampoo_tile_view(m, tl)), qr);
-          shampoo_tile_view(n, tl).copy_(at::mm(at::mm(ql, mp / (vt.sqrt() + o.eps)), qr.t()));
-        }
-      } else {
-        v.mul_(o.beta2).addcmul_(g, g, 1 - o.beta2);
-        n = m / (v.sqrt() + o.eps);
-      }
       const double step =
           config_.correct_bias
               ? o.lr * std::sqrt(1 - std::pow(o.beta2, static_cast<double>(steps))) /
                     (1 - std::pow(o.beta1, static_cast<double>(steps)))
               : o.lr;
-      params_[i].param.view({-1}).add_(n, -step).mul_(1 - o.lr * o.weight_decay);
+      params_[i].param.view({-1}).add_(ns[i], -step).mul_(1 - o.lr * o.weight_decay);
     }
     if (!precondition_[i]) continue;
     for (size_t j = 0; j < s.tiles.size(); ++j) {
       const size_t k = s.tiles[j];
-      const ShampooTile& tl = tiles_[k];
+      const Tile& tl = tiles_[k];
       const TileUpdate& u = up[k];
-      s.left.narrow(0, tl.left_offset, shampoo_packed_size(tl.rows)).copy_(Shampoo::pack(u.l));
-      s.right.narrow(0, tl.right_offset, shampoo_packed_size(tl.cols)).copy_(Shampoo::pack(u.r));
+      s.left.narrow(0, tl.left_offset, packed_size(tl.rows)).copy_(pack_symmetric(u.l));
+      s.right.narrow(0, tl.right_offset, packed_size(tl.cols)).copy_(pack_symmetric(u.r));
       if (u.q_l.defined()) store_basis(i, j, true, u.q_l);
       if (u.q_r.defined()) store_basis(i, j, false, u.q_r);
-      if (u.order_l.defined()) {  // a refresh: v follows its basis' new column order
-        at::Tensor vt = shampoo_tile_view(v, tl);
-        vt.copy_(vt.index_select(0, u.order_l).index_select(1, u.order_r));
-      }
+      if (tl.cut < 0 && vs[i].defined()) permute_v(k, vs[i]);
     }
-    if (coded) {  // (v permuted in fp32 first: the same codes as permuting codes and scales)
-      encode(i, false, m);
-      encode(i, true, v);
+    if (eight_bit(i) && t >= 2) {  // (v permuted in fp32 first: the same codes as permuting codes and scales)
+      encode(i, false, ms[i]);
+      encode(i, true, vs[i]);
     }
   }
 }

@@ -1,10 +1,14 @@
 // SOAP (Vyas et al. 2024, "SOAP: Improving and Stabilizing Shampoo using Adam"):
 // Adam in the eigenbasis of Shampoo's factors, over ragged shards. The tiles are
-// Shampoo's (optimizers/shampoo/shampoo.h: every matrix cut into tiles of at most
+// Shampoo's (optimizers/common/tiles.h: every matrix cut into tiles of at most
 // B x B, B = max_preconditioner_dim; rfsdp.policy.shampoo(B) keeps each whole on
 // one rank), so each tile's factors, bases and moments live on the rank that
 // holds it: the sharded step is the single-device step, and nothing but the step
-// gate's flag is communicated.
+// gate's flag is communicated. Where shard boundaries cut a row of tiles (torch
+// FSDP2's chunk rows), its owner (the rank holding its first element) gets the
+// other holders' gradient rows before the gate and their m and v rows after it,
+// steps its tiles, and sends them their rows of v and of the direction back
+// (optimizers/common/owner_exchange.h: three all-to-alls a step for all such rows).
 //
 // Per parameter with gradient g, t its count of steps with a gradient, per tile G:
 //   t = 1: L = (1 - b_s) G G^T, R = (1 - b_s) G^T G; Q_L, Q_R their eigenvectors by
@@ -22,8 +26,7 @@
 // agreed that it can be taken (StepGate): first bases and refreshed ones are
 // computed from the factors the step would store, before anything changes.
 // eigh and QR run batched, one call per tile size. States live with the shard
-// (CPU or GPU); a tile that shard boundaries cut is refused (plan with
-// rfsdp.policy.shampoo(B)).
+// (CPU or GPU).
 #pragma once
 
 #include <ATen/ATen.h>
@@ -34,8 +37,11 @@
 #include <vector>
 
 #include "core/comm/comm.h"
+#include "optimizers/common/cut_rows.h"
+#include "optimizers/common/eigen.h"
+#include "optimizers/common/owner_exchange.h"
 #include "optimizers/common/sharded_optimizer.h"
-#include "optimizers/shampoo/shampoo.h"
+#include "optimizers/common/tiles.h"
 #include "quant/blockwise/code_lut.h"
 #include "quant/blockwise/lowbit.h"
 
@@ -78,13 +84,6 @@ struct SOAPConfig {
   int bjorck_iterations = 1;
 };
 
-// The eigenvectors of symmetric matrices of one size, columns by descending
-// eigenvalue (batched eigh in fp32, each failure retried alone in fp64); ok[k]
-// false where both failed (no convergence, a non-finite result). Counts the
-// fp64 retries in *retries. One host wait per call (the finiteness of the batch).
-std::vector<at::Tensor> descending_eigenvectors(const std::vector<at::Tensor>& a,
-                                                std::vector<bool>* ok, int64_t* retries);
-
 class SOAP : public GroupedOptimizer<SOAPOptions> {
  public:
   // precondition[i] false: parameter i takes Adam (with SOAP's first-step skip
@@ -101,13 +100,15 @@ class SOAP : public GroupedOptimizer<SOAPOptions> {
   // triangles in tile order) and basis_left, basis_right (Q_L, Q_R: n x n row by
   // row, in tile order).
   std::vector<std::pair<std::string, at::Tensor>> state(size_t i) const override;
-  const std::vector<ShampooTile>& tiles() const { return tiles_; }
+  const std::vector<Tile>& tiles() const { return tiles_; }
   // Tile j (of parameter i's tiles) of its basis on one side, as a step uses it:
   // fp32 (a copy when stored in bf16; dequantised and rectified when quantised).
   at::Tensor basis(size_t i, size_t j, bool left) const;
   // Parameter i's m and v in fp32 (decoded where they are stored in 8 bits).
   std::pair<at::Tensor, at::Tensor> moments(size_t i) const;
   bool preconditioned(size_t i) const { return precondition_.at(i); }
+  // Rows of tiles that shard boundaries cut (over all ranks).
+  const std::vector<CutTileRow>& cut_rows() const { return cut_; }
   int64_t fp64_retries() const { return fp64_retries_; }
 
  private:
@@ -142,7 +143,11 @@ class SOAP : public GroupedOptimizer<SOAPOptions> {
   SOAPConfig config_;
   std::vector<bool> precondition_;
   std::vector<ParamState> state_;
-  std::vector<ShampooTile> tiles_;
+  std::vector<Tile> tiles_;
+  // Cut rows of tiles, their exchange, and at their owner the row's gradient (flat).
+  std::vector<CutTileRow> cut_;
+  OwnerExchange exchange_;
+  std::vector<at::Tensor> cut_g_;
   int64_t fp64_retries_ = 0;
   bool state_dtype_8bit_ = false;
   std::shared_ptr<const quant::cpu::CodeLut> lut_m_, lut_v_;  // 8-bit: signed, unsigned maps

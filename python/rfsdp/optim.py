@@ -679,7 +679,17 @@ def _shampoo_options(g):
             g["weight_decay"])
 
 
-class Shampoo(_OverCpp):
+class _Tiled(_OverCpp):
+    """Shampoo's and SOAP's shared face: their tiles."""
+
+    def shared_tile_rows(self):
+        """Rows of tiles that shard boundaries cut (over all ranks): each goes to
+        its owner and back every step; 0 means none."""
+        self._bind()
+        return self._impl.shared_tile_rows()
+
+
+class Shampoo(_Tiled):
     """Block Shampoo with Adam grafting (DistributedShampoo's algorithm) over
     ragged shards: every matrix is cut into tiles of at most
     max_preconditioner_dim rows and columns (a 3-D [E, H, I] stack: E matrices
@@ -689,8 +699,8 @@ class Shampoo(_OverCpp):
     the NaN/Inf flag. Where shard boundaries cut a row of tiles (torch FSDP2's
     chunk rows), the rank holding its first row owns it: the others send it their
     rows (gradient; M^ and D) and get their update rows back, three all-to-alls a
-    step for all such rows (on the CPU; on a GPU a cut tile is refused). 1-D parameters and groups with use_shampoo=False take the
-    grafted direction alone (AdamW with grafting_beta2 and grafting_epsilon).
+    step for all such rows (ATen copies: the same path on a CPU and a GPU). 1-D
+    parameters and groups with use_shampoo=False take the grafted direction alone (AdamW with grafting_beta2 and grafting_epsilon).
 
     Per step t of a parameter: V <- b2g V + (1 - b2g) g^2; M <- b1 M + (1 - b1) g;
     D = M^ / (sqrt(V^) + grafting_epsilon) (Adam's, bias-corrected); per tile
@@ -811,12 +821,6 @@ class Shampoo(_OverCpp):
                 out.update(_encode_squares(qs, side + "_basis", new, torch.float32))
                 out[side + "_eigenvalues"] = torch.cat(ss) if ss else torch.zeros(0)
         return out
-
-    def shared_tile_rows(self):
-        """Rows of tiles that shard boundaries cut (over all ranks): each is
-        gathered to its owner every step; 0 means none."""
-        self._bind()
-        return self._impl.shared_tile_rows()
 
     def _parts(self, params):
         group_of = {id(p): g for g in self.param_groups for p in g["params"]}
@@ -983,7 +987,7 @@ def _soap_options(g):
     return (g["lr"], *g["betas"], g["shampoo_beta"], g["eps"], g["weight_decay"])
 
 
-class SOAP(_OverCpp):
+class SOAP(_Tiled):
     """SOAP (Vyas et al. 2024): Adam in the eigenbasis of Shampoo's factors, over
     ragged shards. Tiles are Shampoo's (at most max_preconditioner_dim rows and
     columns; a 3-D [E, H, I] stack: E matrices H x I), each whole on the rank
@@ -1003,13 +1007,14 @@ class SOAP(_OverCpp):
     eigenvalues, v permuted with them), batched by tile size. m and v are fp32;
     factor_dtype and basis_dtype (torch.float32 or torch.bfloat16) store L, R and
     Q_L, Q_R (every step computes in fp32; bf16 bases are orthogonal to about
-    1e-2, not rectified). States live with the parameters, on the CPU or a GPU
-    (where a tile cut by a shard boundary is refused, as for Shampoo).
-    state_dtype="int8" keeps m and v of preconditioned parameters as 8-bit codes
+    1e-2, not rectified). States live with the parameters, on the CPU or a GPU.
+    A row of tiles that shard boundaries cut (torch FSDP2's chunk rows) goes to
+    the rank holding its first row and back, as Shampoo's (shared_tile_rows()
+    counts them). state_dtype="int8" keeps m and v of preconditioned parameters as 8-bit codes
     (dynamic maps, signed for m and unsigned for v), one block per tile row, so
     v's refresh permutation moves whole blocks with their scales; each step
-    decodes, updates in fp32 and encodes (CPU only; 1-D parameters and
-    use_soap=False groups keep fp32 moments). basis_dtype="int8" or "int4" stores
+    decodes, updates in fp32 and encodes (CPU only, whole tiles only; 1-D
+    parameters and use_soap=False groups keep fp32 moments). basis_dtype="int8" or "int4" stores
     Q_L, Q_R as block-wise codes (blocks of basis_block elements of a tile's
     basis, one fp32 absmax each, the map basis_map: "linear_square" as 4-bit
     Shampoo's, "linear", or "dynamic" at 8 bits; 4-bit codes two to a byte),

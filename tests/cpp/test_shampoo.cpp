@@ -16,6 +16,7 @@
 #include "optimizers/shampoo/shampoo.h"
 #include "quant/blockwise/lowbit.h"
 #include "tests/cpp/test_util.h"
+#include "tests/cpp/tiled_test_util.h"
 
 namespace rfsdp {
 namespace {
@@ -26,14 +27,14 @@ using testing::fresh_seed;
 using testing::LowbitSquare;
 using testing::lowbit_square;
 using testing::seeded_randn;
+using testing::Case;
+using testing::RefTile;
+using testing::ref_tiles;
+using testing::ref_view;
+using testing::shard_of;
 
 constexpr int64_t kB = 8;  // max_preconditioner_dim of these tests
 
-struct Case {
-  std::string name;
-  std::vector<int64_t> shape;
-  int row_dims;
-};
 // Larger than B both ways, not a multiple of B, an expert stack whose H is not a
 // multiple of B, a 1-D bias.
 const std::vector<Case> kCases = {{"big", {20, 19}, 1},
@@ -42,15 +43,6 @@ const std::vector<Case> kCases = {{"big", {20, 19}, 1},
                                   {"bias", {12}, 1}};
 
 // --- the float64 reference: whole tensors, one device ------------------------
-
-struct RefTile {
-  int64_t off, rows, cols, stride;
-  at::Tensor l, r, rl, rr;
-};
-
-at::Tensor ref_view(const at::Tensor& flat, const RefTile& t) {
-  return flat.as_strided({t.rows, t.cols}, {t.stride, 1}, t.off);
-}
 
 at::Tensor ref_root(const at::Tensor& a) {
   auto [lam, q] = at::linalg_eigh(a);
@@ -91,29 +83,7 @@ struct RefShampoo {
       x.push_back(init[i].to(at::kDouble).reshape(-1).clone());
       m.push_back(at::zeros_like(x.back()));
       v.push_back(at::zeros_like(x.back()));
-      std::vector<RefTile> ts;
-      const auto& s = kCases[i].shape;
-      if (s.size() >= 2) {
-        const int64_t mats = s.size() == 3 ? s[0] : 1;
-        const int64_t h = s.size() == 3 ? s[1] : s[0];
-        const int64_t w = x.back().numel() / (mats * h);
-        for (int64_t e = 0; e < mats; ++e) {
-          for (int64_t r0 = 0; r0 < h; r0 += c.max_preconditioner_dim) {
-            for (int64_t c0 = 0; c0 < w; c0 += c.max_preconditioner_dim) {
-              RefTile tl;
-              tl.off = e * h * w + r0 * w + c0;
-              tl.rows = std::min(c.max_preconditioner_dim, h - r0);
-              tl.cols = std::min(c.max_preconditioner_dim, w - c0);
-              tl.stride = w;
-              tl.l = at::zeros({tl.rows, tl.rows}, at::kDouble);
-              tl.r = at::zeros({tl.cols, tl.cols}, at::kDouble);
-              tl.rl = at::eye(tl.rows, at::kDouble);
-              tl.rr = at::eye(tl.cols, at::kDouble);
-              ts.push_back(tl);
-            }
-          }
-        }
-      }
+      std::vector<RefTile> ts = ref_tiles(kCases[i].shape, c.max_preconditioner_dim);
       tiles.push_back(ts);
     }
   }
@@ -132,14 +102,14 @@ struct RefShampoo {
         tl.r = o.beta2 * tl.r + (1 - o.beta2) * at::matmul(gt.t(), gt);
         if (t % c.precondition_frequency == 0) {
           const double bc = 1 - std::pow(o.beta2, t);
-          tl.rl = ref_root_rule(tl.l / bc + o.epsilon * at::eye(tl.rows, at::kDouble),
+          tl.left = ref_root_rule(tl.l / bc + o.epsilon * at::eye(tl.rows, at::kDouble),
                                 c.rank_deficient, o.epsilon, c.rank_rtol);
-          tl.rr = ref_root_rule(tl.r / bc + o.epsilon * at::eye(tl.cols, at::kDouble),
+          tl.right = ref_root_rule(tl.r / bc + o.epsilon * at::eye(tl.cols, at::kDouble),
                                 c.rank_deficient, o.epsilon, c.rank_rtol);
         }
         if (t >= c.start_preconditioning_step) {
           at::Tensor d = ref_view(u, tl);
-          const at::Tensor p = at::matmul(at::matmul(tl.rl, ref_view(mh, tl)), tl.rr);
+          const at::Tensor p = at::matmul(at::matmul(tl.left, ref_view(mh, tl)), tl.right);
           if (p.norm().item<double>() > 0) d.copy_(p * (d.norm() / p.norm()));  // else D
         }
       }
@@ -157,20 +127,13 @@ std::vector<TensorSpec> unit_specs(int64_t max_dim) {
     t.name = c.name;
     t.shape = c.shape;
     t.row_dims = c.row_dims;
-    t.granule_rows = shampoo_granule_rows(c.shape, c.row_dims, max_dim);
+    t.granule_rows = tile_granule_rows(c.shape, c.row_dims, max_dim);
     specs.push_back(t);
   }
   return specs;
 }
 
-ParamShard shard_of(const Plan& plan, size_t i, int rank, const at::Tensor& full) {
-  const TensorSpec& t = plan.tensors[i];
-  const ShardRange r = plan.shard(i, rank);
-  return ParamShard(TensorShard::of_plan(plan, i, rank),
-                    full.reshape(-1).narrow(0, r.row_begin * t.row_elems(), r.numel).clone());
-}
-
-TEST(ShampooTiles, TheGranuleKeepsEveryTileOnOneRank) {
+TEST(Tiles, TheGranuleKeepsEveryTileOnOneRank) {
   for (int64_t world : {1, 2, 3, 4, 7}) {
     const Plan plan = plan_unit(unit_specs(kB), world, 16);
     for (size_t i = 0; i < plan.tensors.size(); ++i) {
@@ -179,7 +142,7 @@ TEST(ShampooTiles, TheGranuleKeepsEveryTileOnOneRank) {
       for (int r = 0; r < world; ++r) {
         const ParamShard p = shard_of(plan, i, r, full);
         if (p.shape.size() < 2) continue;
-        for (const ShampooTile& t : shampoo_tiles("Shampoo", p, i, kB)) {  // throws if a tile is cut
+        for (const Tile& t : matrix_tiles("Shampoo", p, i, kB)) {  // throws if a tile is cut
           covered += t.rows * t.cols;
           ASSERT_LE(t.rows, kB);
           ASSERT_LE(t.cols, kB);
@@ -194,7 +157,7 @@ TEST(ShampooTiles, TheGranuleKeepsEveryTileOnOneRank) {
   // A shard that cuts a tile is refused by name.
   ParamShard p(TensorShard::rows_of("w", {20, 19}, 1, 4, 20), at::zeros({16 * 19}));
   try {
-    shampoo_tiles("Shampoo", p, 0, kB);
+    matrix_tiles("Shampoo", p, 0, kB);
     ADD_FAILURE() << "a cut tile was accepted";
   } catch (const std::invalid_argument& e) {
     EXPECT_NE(std::string(e.what()).find("parameter 'w'"), std::string::npos) << e.what();
@@ -203,17 +166,17 @@ TEST(ShampooTiles, TheGranuleKeepsEveryTileOnOneRank) {
     EXPECT_NE(std::string(e.what()).find("max_preconditioner_dim=4 divides"), std::string::npos)
         << e.what();
   }
-  try {  // SOAP (no shared tiles yet): its own name, and Shampoo as the way out
-    shampoo_tiles("SOAP", p, 0, kB);
+  try {  // SOAP: its own name, and every rank's rows as the way to share cut tiles
+    matrix_tiles("SOAP", p, 0, kB);
     ADD_FAILURE() << "a cut tile was accepted";
   } catch (const std::invalid_argument& e) {
     EXPECT_EQ(std::string(e.what()).rfind("SOAP: parameter 'w'", 0), 0u) << e.what();
-    EXPECT_NE(std::string(e.what()).find("use Shampoo"), std::string::npos) << e.what();
+    EXPECT_NE(std::string(e.what()).find("every rank's rows"), std::string::npos) << e.what();
   }
-  EXPECT_EQ(shampoo_granule_rows({3, 10, 6}, 2, kB), 10);  // H not a multiple of B: whole experts
-  EXPECT_EQ(shampoo_granule_rows({3, 16, 6}, 2, kB), kB);
-  EXPECT_EQ(shampoo_granule_rows({20, 19}, 1, kB), kB);
-  EXPECT_EQ(shampoo_granule_rows({12}, 1, kB), 1);
+  EXPECT_EQ(tile_granule_rows({3, 10, 6}, 2, kB), 10);  // H not a multiple of B: whole experts
+  EXPECT_EQ(tile_granule_rows({3, 16, 6}, 2, kB), kB);
+  EXPECT_EQ(tile_granule_rows({20, 19}, 1, kB), kB);
+  EXPECT_EQ(tile_granule_rows({12}, 1, kB), 1);
 }
 
 // --- roots -----------------------------------------------------------------------
@@ -431,18 +394,9 @@ constexpr int kSteps = 30;
 
 using Gradients = std::function<std::vector<at::Tensor>(int step)>;  // full tensors, step >= 1
 
-// Case i's rows as torch.chunk splits them over `world` ranks (FSDP2's split,
-// which cuts tiles), rank `rank`'s, with every rank's rows.
+// Case i's rows as torch.chunk splits them over `world` ranks (FSDP2's split, which cuts tiles).
 ParamShard chunk_shard_of(size_t i, int world, int rank, const at::Tensor& full) {
-  const Case& k = kCases[i];
-  const TensorShard whole = TensorShard::whole(k.name, k.shape, k.row_dims);
-  const int64_t rows = whole.full_rows, row_len = whole.row_len;
-  const int64_t c = (rows + world - 1) / world;
-  std::vector<std::pair<int64_t, int64_t>> every;
-  for (int r = 0; r < world; ++r) every.push_back({std::min(r * c, rows), std::min((r + 1) * c, rows)});
-  const auto [b, e] = every[rank];
-  return ParamShard(TensorShard::rows_of(k.name, k.shape, k.row_dims, b, e, every),
-                    full.reshape(-1).narrow(0, b * row_len, (e - b) * row_len).clone());
+  return testing::chunk_shard_of(kCases[i], world, rank, full);
 }
 
 // kSteps of Shampoo on `world` ranks (threads), planned with the Shampoo granule
@@ -464,7 +418,7 @@ std::vector<at::Tensor> run_sharded(int world, uint64_t seed, const ShampooOptio
     std::vector<ParamShard> shards;
     for (size_t i = 0; i < kCases.size(); ++i) shards.push_back(shard(i, comm.rank(), init[i]));
     Shampoo opt(shards, o, c, std::shared_ptr<Comm>(&comm, [](Comm*) {}));
-    if (shared_rows && comm.rank() == 0) *shared_rows = static_cast<int64_t>(opt.shared_rows().size());
+    if (shared_rows && comm.rank() == 0) *shared_rows = static_cast<int64_t>(opt.cut_rows().size());
     for (int s = 0; s < kSteps; ++s) {
       const auto g = grads(s + 1);
       for (size_t i = 0; i < kCases.size(); ++i) {
@@ -529,7 +483,7 @@ TEST(Shampoo, SharedTileRowWithAGradientOnOnlySomeRanksIsAnErrorEverywhere) {
                  full.narrow(0, b, e - b).clone());
     Shampoo opt({p}, rank_test_options(), rank_test_config(),
                 std::shared_ptr<Comm>(&comm, [](Comm*) {}));
-    ASSERT_EQ(opt.shared_rows().size(), 1u);
+    ASSERT_EQ(opt.cut_rows().size(), 1u);
     const at::Tensor g = at::randn({e - b, 19});
     if (comm.rank() == 0) opt.set_grad(0, g);
     const at::Tensor before = opt.params()[0].param.clone();
@@ -611,7 +565,7 @@ StoredRoot stored_root(const Shampoo& opt, size_t i, size_t j, bool left) {
     if (name == side + "_eigenvalues") s = t;
   }
   std::vector<int64_t> sizes;
-  for (const ShampooTile& tl : opt.tiles()) {
+  for (const Tile& tl : opt.tiles()) {
     if (tl.param == i) sizes.push_back(left ? tl.rows : tl.cols);
   }
   const int64_t n = sizes.at(j);
@@ -674,7 +628,7 @@ void expect_quantised_step(const Shampoo& opt, const ShampooSnapshot& b,
                     o.grafting_epsilon);
   }
   std::map<size_t, size_t> next;
-  for (const ShampooTile& tl : opt.tiles()) {
+  for (const Tile& tl : opt.tiles()) {
     const size_t i = tl.param, j = next[i]++;
     const std::string where = kCases[i].name + " tile rows " + std::to_string(tl.row0) + " cols " +
                               std::to_string(tl.col0) + ", step " + std::to_string(t);
@@ -691,7 +645,7 @@ void expect_quantised_step(const Shampoo& opt, const ShampooSnapshot& b,
         for (const auto& [name, x] : opt.state(i)) {
           if (name == (left ? "factor_left" : "factor_right")) f = x;
         }
-        at::Tensor a = Shampoo::unpack(f, left ? tl.left_offset : tl.right_offset, n).to(at::kDouble) / bc;
+        at::Tensor a = unpack_symmetric(f, left ? tl.left_offset : tl.right_offset, n).to(at::kDouble) / bc;
         a.diagonal().add_(o.epsilon);
         auto [lam, q] = at::linalg_eigh(a);
         const double lo = lam[0].item<double>(), hi = lam[n - 1].item<double>();
@@ -725,8 +679,8 @@ void expect_quantised_step(const Shampoo& opt, const ShampooSnapshot& b,
                 1e-5 * roots[left ? 0 : 1].abs().max().item<double>()) << "root, " << side;
     }
     if (t >= c.start_preconditioning_step) {
-      at::Tensor d = shampoo_tile_view(u[i], tl);
-      const at::Tensor p = at::mm(at::mm(roots[0], shampoo_tile_view(mh[i], tl)), roots[1]);
+      at::Tensor d = tile_view(u[i], tl);
+      const at::Tensor p = at::mm(at::mm(roots[0], tile_view(mh[i], tl)), roots[1]);
       if (p.norm().item<double>() > 0) d.copy_(p * (d.norm() / p.norm()));
     }
   }
@@ -776,7 +730,7 @@ RootCodes run_quantised(int world, uint64_t seed, const ShampooConfig& c, bool c
       opt.step();
       if (!chunk_rows) expect_quantised_step(opt, before, g, s + 1, &mine);
       std::map<size_t, size_t> next;
-      for (const ShampooTile& tl : opt.tiles()) {
+      for (const Tile& tl : opt.tiles()) {
         const size_t j = next[tl.param]++;
         for (bool left : {true, false}) {
           const StoredRoot r = stored_root(opt, tl.param, j, left);

@@ -18,6 +18,7 @@
 #include "quant/blockwise/code_maps.h"
 #include "quant/blockwise/lowbit.h"
 #include "tests/cpp/test_util.h"
+#include "tests/cpp/tiled_test_util.h"
 #include "tests/support/local_ranks.h"
 
 namespace rfsdp {
@@ -26,15 +27,13 @@ namespace {
 using testing::expect_block_codes;
 using testing::fresh_seed;
 using testing::seeded_randn;
+using testing::Case;
+using testing::RefTile;
+using testing::ref_tiles;
+using testing::shard_of;
 
 constexpr int64_t kB = 8;  // max_preconditioner_dim of these tests
 
-struct Case {
-  std::string name;
-  std::vector<int64_t> shape;
-  int row_dims;
-  bool precondition;
-};
 // Square tiles, an expert stack, a matrix larger than B both ways and not a
 // multiple of B (rectangular tiles), one with use_soap=False, a 1-D bias.
 const std::vector<Case> kCases = {{"square", {16, 16}, 1, true},
@@ -73,14 +72,7 @@ std::vector<at::Tensor> full_tensors(uint64_t seed, uint64_t stream) {
 
 // --- the float64 reference ---------------------------------------------------------
 
-struct RefTile {
-  int64_t off, rows, cols, stride;
-  at::Tensor l, r, ql, qr;
-};
-
-at::Tensor view(const at::Tensor& flat, const RefTile& t) {
-  return flat.as_strided({t.rows, t.cols}, {t.stride, 1}, t.off);
-}
+at::Tensor view(const at::Tensor& flat, const RefTile& t) { return testing::ref_view(flat, t); }
 
 struct RefSOAP {
   SOAPOptions o;
@@ -95,25 +87,7 @@ struct RefSOAP {
       m.push_back(at::zeros_like(x.back()));
       v.push_back(at::zeros_like(x.back()));
       std::vector<RefTile> ts;
-      const auto& s = kCases[i].shape;
-      if (kCases[i].precondition && s.size() >= 2) {
-        const int64_t mats = s.size() == 3 ? s[0] : 1, h = s.size() == 3 ? s[1] : s[0];
-        const int64_t w = x.back().numel() / (mats * h);
-        for (int64_t e = 0; e < mats; ++e) {
-          for (int64_t r0 = 0; r0 < h; r0 += kB) {
-            for (int64_t c0 = 0; c0 < w; c0 += kB) {
-              RefTile tl;
-              tl.off = e * h * w + r0 * w + c0;
-              tl.rows = std::min(kB, h - r0);
-              tl.cols = std::min(kB, w - c0);
-              tl.stride = w;
-              tl.l = at::zeros({tl.rows, tl.rows}, at::kDouble);
-              tl.r = at::zeros({tl.cols, tl.cols}, at::kDouble);
-              ts.push_back(tl);
-            }
-          }
-        }
-      }
+      if (kCases[i].precondition) ts = ref_tiles(kCases[i].shape, kB);
       tiles.push_back(ts);
     }
   }
@@ -139,8 +113,8 @@ struct RefSOAP {
           const at::Tensor gt = view(g, ts[k]);
           ts[k].l = (1 - bs) * at::mm(gt, gt.t());
           ts[k].r = (1 - bs) * at::mm(gt.t(), gt);
-          ts[k].ql = bases[i][k].first.to(at::kDouble);
-          ts[k].qr = bases[i][k].second.to(at::kDouble);
+          ts[k].left = bases[i][k].first.to(at::kDouble);
+          ts[k].right = bases[i][k].second.to(at::kDouble);
         }
         continue;
       }
@@ -152,11 +126,11 @@ struct RefSOAP {
         n = m[i] / (v[i].sqrt() + o.eps);
       }
       for (auto& tl : ts) {
-        const at::Tensor gp = at::mm(at::mm(tl.ql.t(), view(g, tl)), tl.qr);
+        const at::Tensor gp = at::mm(at::mm(tl.left.t(), view(g, tl)), tl.right);
         at::Tensor vt = view(v[i], tl);
         vt.copy_(o.beta2 * vt + (1 - o.beta2) * gp * gp);
-        const at::Tensor mp = at::mm(at::mm(tl.ql.t(), view(m[i], tl)), tl.qr);
-        view(n, tl).copy_(at::mm(at::mm(tl.ql, mp / (vt.sqrt() + o.eps)), tl.qr.t()));
+        const at::Tensor mp = at::mm(at::mm(tl.left.t(), view(m[i], tl)), tl.right);
+        view(n, tl).copy_(at::mm(at::mm(tl.left, mp / (vt.sqrt() + o.eps)), tl.right.t()));
       }
       const double step = o.lr * std::sqrt(1 - std::pow(o.beta2, s)) / (1 - std::pow(o.beta1, s));
       x[i] = (x[i] - step * n) * (1 - o.lr * o.weight_decay);
@@ -165,8 +139,8 @@ struct RefSOAP {
         tl.l = bs * tl.l + (1 - bs) * at::mm(gt, gt.t());
         tl.r = bs * tl.r + (1 - bs) * at::mm(gt.t(), gt);
         if (s % c.precondition_frequency == 0) {
-          tl.ql = refresh(tl.l, tl.ql, view(v[i], tl), 0);
-          tl.qr = refresh(tl.r, tl.qr, view(v[i], tl), 1);
+          tl.left = refresh(tl.l, tl.left, view(v[i], tl), 0);
+          tl.right = refresh(tl.r, tl.right, view(v[i], tl), 1);
         }
       }
     }
@@ -174,13 +148,6 @@ struct RefSOAP {
 };
 
 // --- the sharded runs -----------------------------------------------------------------
-
-ParamShard shard_of(const Plan& plan, size_t i, int rank, const at::Tensor& full) {
-  const TensorSpec& t = plan.tensors[i];
-  const ShardRange r = plan.shard(i, rank);
-  return ParamShard(TensorShard::of_plan(plan, i, rank),
-                    full.reshape(-1).narrow(0, r.row_begin * t.row_elems(), r.numel).clone());
-}
 
 // This rank's shards of the cases, and their use_soap flags.
 std::vector<ParamShard> shards_of(const Plan& plan, int rank, const std::vector<at::Tensor>& full) {
@@ -209,14 +176,20 @@ Plan plan_cases(int world) {
     t.name = c.name;
     t.shape = c.shape;
     t.row_dims = c.row_dims;
-    t.granule_rows = shampoo_granule_rows(c.shape, c.row_dims, kB);
+    t.granule_rows = tile_granule_rows(c.shape, c.row_dims, kB);
     specs.push_back(t);
   }
   return plan_unit(specs, world, 16);
 }
 
-SoapRun run_sharded(int world, uint64_t seed) {
+// kSteps of SOAP on `world` thread ranks, planned with the tile granule or
+// (chunk_rows) split as torch.chunk splits rows, cutting tiles; *cut_rows: the
+// rows of tiles that the shards cut.
+SoapRun run_sharded(int world, uint64_t seed, bool chunk_rows = false, int64_t* cut_rows = nullptr) {
   const Plan plan = plan_cases(world);
+  auto shard = [&](size_t i, int rank, const at::Tensor& full) {
+    return chunk_rows ? testing::chunk_shard_of(kCases[i], world, rank, full) : shard_of(plan, i, rank, full);
+  };
   const std::vector<at::Tensor> init = full_tensors(seed, 0);
   SoapRun run;
   run.params.resize(kCases.size());
@@ -225,17 +198,19 @@ SoapRun run_sharded(int world, uint64_t seed) {
   std::mutex mu;
   run_local_ranks(world, [&](Comm& comm) {
     const int rank = comm.rank();
-    const std::vector<ParamShard> shards = shards_of(plan, rank, init);
+    std::vector<ParamShard> shards;
+    for (size_t i = 0; i < kCases.size(); ++i) shards.push_back(shard(i, rank, init[i]));
     SOAP opt(shards, options(), config(), std::shared_ptr<Comm>(&comm, [](Comm*) {}), preconditioned());
+    if (cut_rows && rank == 0) *cut_rows = static_cast<int64_t>(opt.cut_rows().size());
     for (int s = 0; s < kSteps; ++s) {
       const auto g = full_tensors(seed, s + 1);
-      for (size_t i = 0; i < kCases.size(); ++i) opt.set_grad(i, shard_of(plan, i, rank, g[i]).param);
+      for (size_t i = 0; i < kCases.size(); ++i) opt.set_grad(i, shard(i, rank, g[i]).param);
       opt.step();
       if (s == 0) {  // this rank's first bases, tile by tile
         std::vector<std::vector<std::pair<at::Tensor, at::Tensor>>> mine(kCases.size());
         int64_t ql = 0, qr = 0;
         size_t last = SIZE_MAX;
-        for (const ShampooTile& t : opt.tiles()) {
+        for (const Tile& t : opt.tiles()) {
           if (t.param != last) ql = qr = 0, last = t.param;
           const auto st = opt.state(t.param);
           const at::Tensor bl = st[4].second, br = st[5].second;
@@ -255,7 +230,7 @@ SoapRun run_sharded(int world, uint64_t seed) {
     }
   });
   run.bases.resize(kCases.size());
-  for (int r = 0; r < world; ++r) {  // tiles are whole on one rank, in tile order by rank
+  for (int r = 0; r < world; ++r) {  // each tile on one rank (its owner's), in tile order by rank
     for (size_t i = 0; i < kCases.size(); ++i) {
       for (const auto& b : by_rank[r][i]) run.bases[i].push_back(b);
     }
@@ -265,11 +240,13 @@ SoapRun run_sharded(int world, uint64_t seed) {
 
 class SOAPRanks : public ::testing::TestWithParam<int> {};
 
-TEST_P(SOAPRanks, ShardsEqualTheFloat64SingleDeviceSOAP) {
-  const int world = GetParam();
+// A sharded run against the float64 single-device SOAP (from the run's first bases).
+void expect_reference_soap(int world, bool chunk_rows) {
   const uint64_t seed = fresh_seed();
   SCOPED_TRACE("seed " + std::to_string(seed));
-  const SoapRun run = run_sharded(world, seed);
+  int64_t cut = -1;
+  const SoapRun run = run_sharded(world, seed, chunk_rows, &cut);
+  if (chunk_rows && world > 1) EXPECT_GT(cut, 0) << "no tile was cut: the test tests nothing new";
   RefSOAP ref(full_tensors(seed, 0));
   // The first bases: orthonormal, diagonalising the first factor, descending.
   for (size_t i = 0; i < kCases.size(); ++i) {
@@ -304,9 +281,19 @@ TEST_P(SOAPRanks, ShardsEqualTheFloat64SingleDeviceSOAP) {
     EXPECT_LT(err, 1e-4 * moved.item<double>()) << kCases[i].name << ": max error " << err
                                                 << " of a displacement " << moved.item<double>();
     EXPECT_GT(moved.item<double>(), 0) << kCases[i].name;
-    std::cout << "[ figure ] " << world << " ranks, " << kCases[i].name << ": max error "
-              << err / moved.item<double>() << " of the largest displacement\n";
+    std::cout << "[ figure ] " << world << " ranks" << (chunk_rows ? " (chunk rows)" : "") << ", "
+              << kCases[i].name << ": max error " << err / moved.item<double>()
+              << " of the largest displacement\n";
   }
+}
+
+TEST_P(SOAPRanks, ShardsEqualTheFloat64SingleDeviceSOAP) { expect_reference_soap(GetParam(), false); }
+
+TEST_P(SOAPRanks, TorchChunkRowsThatCutTilesEqualTheFloat64SingleDeviceSOAP) {
+  // FSDP2's rows: a row of tiles that shard boundaries cut is owned by the rank
+  // holding its first row, which gathers the others' gradient, m and v rows,
+  // steps its tiles and sends their v and update rows back.
+  expect_reference_soap(GetParam(), true);
 }
 
 INSTANTIATE_TEST_SUITE_P(Worlds, SOAPRanks, ::testing::Values(1, 2, 3, 4));
@@ -342,7 +329,7 @@ Snapshot snapshot(const SOAP& opt) {
     s.r.push_back(f64(named(st, "factor_right")));
     std::vector<at::Tensor> ql, qr;  // the bases as steps use them, tile by tile
     size_t j = 0;
-    for (const ShampooTile& tl : opt.tiles()) {
+    for (const Tile& tl : opt.tiles()) {
       if (tl.param != i) continue;
       ql.push_back(opt.basis(i, j, true).reshape(-1));
       qr.push_back(opt.basis(i, j++, false).reshape(-1));
@@ -359,7 +346,7 @@ std::pair<at::Tensor, at::Tensor> basis_codes(const SOAP& opt, size_t i, size_t 
   const auto st = opt.state(i);
   const std::string side = left ? "basis_left" : "basis_right";
   std::vector<int64_t> sizes;
-  for (const ShampooTile& tl : opt.tiles()) {
+  for (const Tile& tl : opt.tiles()) {
     if (tl.param == i) sizes.push_back(left ? tl.rows : tl.cols);
   }
   const auto q = testing::lowbit_square(named(st, side + "_codes"), named(st, side + "_absmax"), sizes, j,
@@ -391,10 +378,10 @@ void expect_codes(const SOAP& opt, size_t i, bool second, const at::Tensor& want
   const at::Tensor c = quant::dynamic_map(!second);
   const std::vector<double> code(c.data_ptr<float>(), c.data_ptr<float>() + 256);
   int64_t row = 0;
-  for (const ShampooTile& tl : opt.tiles()) {
+  for (const Tile& tl : opt.tiles()) {
     if (tl.param != i) continue;
-    expect_block_codes(shampoo_tile_view(codes, tl), absmax.narrow(0, row, tl.rows),
-                       shampoo_tile_view(want, tl), tl.cols, code, rel,
+    expect_block_codes(tile_view(codes, tl), absmax.narrow(0, row, tl.rows),
+                       tile_view(want, tl), tl.cols, code, rel,
                        name + ", tile rows from " + std::to_string(tl.row0) + " cols from " +
                            std::to_string(tl.col0));
     row += tl.rows;
@@ -434,23 +421,23 @@ double expect_step(const SOAP& opt, const Snapshot& b, const Snapshot& a,
       n[i] = m[i] / (v[i].sqrt() + o.eps);
     }
   }
-  for (const ShampooTile& tl : opt.tiles()) {
+  for (const Tile& tl : opt.tiles()) {
     const size_t i = tl.param;
     auto& [ol, orr] = qoff[i];
     const std::string where = kCases[i].name + " tile rows " + std::to_string(tl.row0) + " cols " +
                               std::to_string(tl.col0) + ", step " + std::to_string(t);
-    const at::Tensor g = grads[i].to(at::kDouble).reshape(-1), gt = shampoo_tile_view(g, tl);
+    const at::Tensor g = grads[i].to(at::kDouble).reshape(-1), gt = tile_view(g, tl);
     auto side = [&](const std::vector<at::Tensor>& q, int64_t off, int64_t d) {
       return q[i].narrow(0, off, d * d).view({d, d});
     };
     const at::Tensor ql = side(b.ql, ol, tl.rows), qr = side(b.qr, orr, tl.cols);
-    const at::Tensor l0 = Shampoo::unpack(b.l[i], tl.left_offset, tl.rows).to(at::kDouble);
-    const at::Tensor r0 = Shampoo::unpack(b.r[i], tl.right_offset, tl.cols).to(at::kDouble);
+    const at::Tensor l0 = unpack_symmetric(b.l[i], tl.left_offset, tl.rows).to(at::kDouble);
+    const at::Tensor r0 = unpack_symmetric(b.r[i], tl.right_offset, tl.cols).to(at::kDouble);
     const at::Tensor l1 = bs * l0 + (1 - bs) * at::mm(gt, gt.t());
     const at::Tensor r1 = bs * r0 + (1 - bs) * at::mm(gt.t(), gt);
-    EXPECT_LE(excess(Shampoo::unpack(a.l[i], tl.left_offset, tl.rows).to(at::kDouble), l1,
+    EXPECT_LE(excess(unpack_symmetric(a.l[i], tl.left_offset, tl.rows).to(at::kDouble), l1,
                      2 * half_ulp, 1e-6), 1.0) << "L, " << where;
-    EXPECT_LE(excess(Shampoo::unpack(a.r[i], tl.right_offset, tl.cols).to(at::kDouble), r1,
+    EXPECT_LE(excess(unpack_symmetric(a.r[i], tl.right_offset, tl.cols).to(at::kDouble), r1,
                      2 * half_ulp, 1e-6), 1.0) << "R, " << where;
     const at::Tensor ql1 = side(a.ql, ol, tl.rows), qr1 = side(a.qr, orr, tl.cols);
     for (const at::Tensor& q : {ql1, qr1}) {
@@ -466,18 +453,18 @@ double expect_step(const SOAP& opt, const Snapshot& b, const Snapshot& a,
       }
     } else {
       const at::Tensor gp = at::mm(at::mm(ql.t(), gt), qr);
-      at::Tensor vt = shampoo_tile_view(v[i], tl);
+      at::Tensor vt = tile_view(v[i], tl);
       vt.copy_(o.beta2 * vt + (1 - o.beta2) * gp * gp);
-      const at::Tensor mp = at::mm(at::mm(ql.t(), shampoo_tile_view(m[i], tl)), qr);
+      const at::Tensor mp = at::mm(at::mm(ql.t(), tile_view(m[i], tl)), qr);
       const at::Tensor ratio = mp / (vt.sqrt() + o.eps);
-      shampoo_tile_view(n[i], tl).copy_(at::mm(at::mm(ql, ratio), qr.t()));
+      tile_view(n[i], tl).copy_(at::mm(at::mm(ql, ratio), qr.t()));
       // What fp32 rounding explains: a rotated element's relative error grows as it
       // is small against its tile's largest (1e-5 of that), and the ratio carries
       // m's and sqrt(v)'s (at step 2 it is near sign(G'): steep wherever |G'| is
       // small); rotated back through |Q_L|, |Q_R|.
       auto small = [](const at::Tensor& x) { return x.abs().max() / (x.abs() + 1e-300); };
       const at::Tensor rel = (1e-5 * (small(mp) + small(gp))).clamp_max(2.0);
-      shampoo_tile_view(n_err[i], tl).copy_(at::mm(at::mm(ql.abs(), ratio.abs() * rel), qr.abs().t()));
+      tile_view(n_err[i], tl).copy_(at::mm(at::mm(ql.abs(), ratio.abs() * rel), qr.abs().t()));
       if (refresh) {
         at::Tensor q2[2];
         int k = 0;
@@ -598,7 +585,7 @@ void expect_stored_steps(int world, const SOAPConfig& c, const std::string& what
     if (c.basis_bits) {
       const at::Tensor map = quant::lowbit_map(c.basis_map, c.basis_bits);
       std::map<size_t, size_t> next;
-      for (const ShampooTile& tl : opt.tiles()) {
+      for (const Tile& tl : opt.tiles()) {
         const size_t j = next[tl.param]++;
         for (bool left : {true, false}) {
           const int64_t n = left ? tl.rows : tl.cols;
@@ -643,7 +630,7 @@ TileCodes low_bit_codes(int world, uint64_t seed, const SOAPConfig& c) {
       for (size_t i = 0; i < kCases.size(); ++i) opt.set_grad(i, shard_of(plan, i, rank, full[i]).param);
       opt.step();
       std::map<size_t, std::pair<size_t, int64_t>> next;  // per parameter: tile index, moment row
-      for (const ShampooTile& tl : opt.tiles()) {
+      for (const Tile& tl : opt.tiles()) {
         auto& [j, row] = next[tl.param];
         const auto st = opt.state(tl.param);
         std::vector<at::Tensor> got;
@@ -652,7 +639,7 @@ TileCodes low_bit_codes(int world, uint64_t seed, const SOAPConfig& c) {
           got.insert(got.end(), {idx, absmax.clone()});
         }
         for (const std::string name : {"exp_avg", "exp_avg_sq"}) {
-          got.push_back(shampoo_tile_view(named(st, name + "_codes").reshape(-1), tl).contiguous());
+          got.push_back(tile_view(named(st, name + "_codes").reshape(-1), tl).contiguous());
           got.push_back(named(st, name + "_absmax").narrow(0, row, tl.rows).clone());
         }
         ++j, row += tl.rows;
@@ -724,6 +711,28 @@ TEST(SOAP, FirstStepOnlyBuildsTheBasesAndBadSettingsAreClearErrors) {
   } catch (const std::invalid_argument& e) {
     EXPECT_NE(std::string(e.what()).find("'w'"), std::string::npos) << e.what();
   }
+}
+
+TEST(SOAP, CutTilesNeedTheirRanksAndFloat32Moments) {
+  // 20 x 8 over 2 ranks as torch.chunk splits it: rows [0, 10) and [10, 20) cut
+  // the tile rows [8, 16). Without the ranks' group, or with 8-bit moments (whose
+  // blocks are tile rows, kept whole so far), a clear error on every rank.
+  const Case w{"w", {20, 8}};
+  run_local_ranks(2, [&](Comm& comm) {
+    const ParamShard p = testing::chunk_shard_of(w, 2, comm.rank(), at::randn({20, 8}));
+    SOAPConfig c = config();
+    c.state_dtype = at::kByte;
+    for (bool with_comm : {false, true}) {
+      try {
+        SOAP s({p}, options(), c, with_comm ? std::shared_ptr<Comm>(&comm, [](Comm*) {}) : nullptr);
+        ADD_FAILURE() << "accepted";
+      } catch (const std::invalid_argument& e) {
+        EXPECT_NE(std::string(e.what()).find("'w'"), std::string::npos) << e.what();
+        EXPECT_NE(std::string(e.what()).find(with_comm ? "8-bit moments" : "process group"),
+                  std::string::npos) << e.what();
+      }
+    }
+  });
 }
 
 }  // namespace

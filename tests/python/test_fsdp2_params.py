@@ -3,7 +3,7 @@ torch.chunk rows), 3 ranks (processes, Gloo), rows that 3 does not divide (the
 last rank short; a 3-row matrix gives each rank one row): Muon against the
 float64 single-device Muon (muon_reference.py) on the whole batch, AdamW
 against torch's AdamW unsharded; AdamW8bit and Shampoo where the chunks hold
-whole blocks and tiles against the same optimizer in one process; Shampoo where the chunks cut rows of tiles (owned by the rank
+whole blocks and tiles against the same optimizer in one process; Shampoo and SOAP where the chunks cut rows of tiles (owned by the rank
 holding the first row) against one process; AdamW8bit where the chunks cut blocks (the ranks agree the shared
 blocks' scales), bit for bit against one process, codes and scales included,
 under FSDP and HSDP; its state saved by rfsdp.checkpoint on 3 ranks, loaded on
@@ -100,31 +100,44 @@ def shampoo_of(params):
                                start_preconditioning_step=2, weight_decay=0.01)
 
 
-def cut_shampoo(mesh, seed):
-    """Shampoo over FSDP2 parameters whose chunks cut its tiles, given gradients:
-    the full parameters after STEPS steps."""
+def soap_of(params):
+    return rfsdp.optim.SOAP(params, lr=1e-2, betas=(0.9, 0.95), max_preconditioner_dim=8,
+                            precondition_frequency=2, weight_decay=0.01)
+
+
+CUT_TILED = {"Shampoo": shampoo_of, "SOAP": soap_of}
+
+
+def cut_tiled(mesh, seed):
+    """Shampoo and SOAP over FSDP2 parameters whose chunks cut their tiles, given
+    gradients: the full parameters after STEPS steps, by optimizer."""
     from torch.distributed.tensor import Shard, distribute_tensor
-    ps = [nn.Parameter(distribute_tensor(torch.zeros(s), mesh, [Shard(0)])) for s in CUT_SHAMPOO]
-    opt = shampoo_of(ps)
-    assert opt.shared_tile_rows() > 0
-    for gs in cut_grads(seed, CUT_SHAMPOO):
-        for p, g in zip(ps, gs):
-            p.grad = distribute_tensor(g, mesh, [Shard(0)])
-        opt.step()
-    return [p.full_tensor() for p in ps]
+    out = {}
+    for name, make in CUT_TILED.items():
+        ps = [nn.Parameter(distribute_tensor(torch.zeros(s), mesh, [Shard(0)]))
+              for s in CUT_SHAMPOO]
+        opt = make(ps)
+        assert opt.shared_tile_rows() > 0
+        for gs in cut_grads(seed, CUT_SHAMPOO):
+            for p, g in zip(ps, gs):
+                p.grad = distribute_tensor(g, mesh, [Shard(0)])
+            opt.step()
+        out[name] = [p.full_tensor() for p in ps]
+    return out
 
 
-def check_cut_shampoo(got, seed):
-    ps = [nn.Parameter(torch.zeros(s)) for s in CUT_SHAMPOO]
-    opt = shampoo_of(ps)
-    for gs in cut_grads(seed, CUT_SHAMPOO):
-        for p, g in zip(ps, gs):
-            p.grad = g
-        opt.step()
-    for got_t, p in zip(got, ps):
-        torch.testing.assert_close(got_t, p.detach(), rtol=1e-5, atol=1e-6,
-                                   msg=lambda m: "Shampoo %s (seed %d): %s"
-                                   % (tuple(p.shape), seed, m))
+def check_cut_tiled(got, seed):
+    for name, make in CUT_TILED.items():
+        ps = [nn.Parameter(torch.zeros(s)) for s in CUT_SHAMPOO]
+        opt = make(ps)
+        for gs in cut_grads(seed, CUT_SHAMPOO):
+            for p, g in zip(ps, gs):
+                p.grad = g
+            opt.step()
+        for got_t, p in zip(got[name], ps):
+            torch.testing.assert_close(got_t, p.detach(), rtol=1e-5, atol=1e-6,
+                                       msg=lambda m: "%s %s (seed %d): %s"
+                                       % (name, tuple(p.shape), seed, m))
 
 
 def cut_8bit(mesh, seed):
@@ -224,7 +237,7 @@ def worker(rank, seed, init_file, out_file, mesh_shape=(WORLD,)):
             b.grad = distribute_tensor(g_b, mesh, [Shard(0)])
             opt.step()
         out[name] = (w.full_tensor(), b.full_tensor())
-    out["cut_shampoo"] = cut_shampoo(mesh, seed)
+    out["cut_tiled"] = cut_tiled(mesh, seed)
 
     # Placements rfsdp's optimizers do not take: refused, naming both.
     w = nn.Parameter(distribute_tensor(torch.randn(6, 6), mesh, [Shard(1)]))
@@ -271,7 +284,7 @@ def test_rfsdp_optimizers_on_fsdp2_parameters_match_one_device():
     got = run(seed, (WORLD,))
     check_muon(got, seed)
     check_cut_8bit(got["cut_8bit"], seed)
-    check_cut_shampoo(got["cut_shampoo"], seed)
+    check_cut_tiled(got["cut_tiled"], seed)
     xs, ys = data(seed)
     for name in ("8bit", "shampoo"):
         w, b = nn.Parameter(torch.zeros(96, 64)), nn.Parameter(torch.zeros(96))
