@@ -1,6 +1,9 @@
 #include "optimizers/common/param_shard.h"
 
+#include <algorithm>
 #include <stdexcept>
+
+#include "core/comm/comm.h"
 
 namespace rfsdp {
 
@@ -28,6 +31,45 @@ void check_grad(const char* optimizer, const ParamShard& p, const at::Tensor& gr
 ParamShard whole_param(const std::string& name, const at::Tensor& param, const at::Tensor& grad,
                        int row_dims) {
   return ParamShard(TensorShard::whole(name, param.sizes().vec(), row_dims), param, grad);
+}
+
+void gather_rank_rows(Comm* comm, std::vector<ParamShard>* params, const char* who) {
+  const int world = comm ? comm->size() : 1;
+  const int rank = comm ? comm->rank() : 0;
+  const bool known = std::all_of(params->begin(), params->end(), [&](const ParamShard& p) {
+    return static_cast<int>(p.rank_rows.size()) == world;
+  });
+  if (known) return;
+  if (world == 1) {
+    for (ParamShard& p : *params) p.rank_rows = {{p.row_begin, p.row_end}};
+    return;
+  }
+  // A table where each rank fills its row (its count, then its rows of each
+  // parameter), summed: every rank's rows everywhere.
+  const int64_t P = static_cast<int64_t>(params->size());
+  at::Tensor table = at::zeros({world, 1 + 2 * P}, at::kLong);
+  auto t = table.accessor<int64_t, 2>();
+  t[rank][0] = P;
+  for (int64_t i = 0; i < P; ++i) {
+    t[rank][1 + 2 * i] = (*params)[i].row_begin;
+    t[rank][2 + 2 * i] = (*params)[i].row_end;
+  }
+  at::Tensor shared = table.to(comm->control_device());  // NCCL takes no CPU tensors
+  comm->all_reduce(shared, ReduceOp::Sum).wait();
+  table.copy_(shared.cpu());
+  for (int r = 0; r < world; ++r) {
+    if (t[r][0] != P) {
+      throw std::invalid_argument(std::string(who) + ": rank " + std::to_string(r) + " has " +
+                                  std::to_string(t[r][0]) + " parameters and rank " +
+                                  std::to_string(rank) + " " + std::to_string(P) +
+                                  "; build the optimizer from the same model on every rank");
+    }
+  }
+  for (int64_t i = 0; i < P; ++i) {
+    ParamShard& p = (*params)[i];
+    if (!p.rank_rows.empty()) continue;  // (what it knows is agreed by its consumer)
+    for (int r = 0; r < world; ++r) p.rank_rows.emplace_back(t[r][1 + 2 * i], t[r][2 + 2 * i]);
+  }
 }
 
 }  // namespace rfsdp

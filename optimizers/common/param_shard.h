@@ -6,10 +6,13 @@
 #include <ATen/ATen.h>
 
 #include <string>
+#include <vector>
 
 #include "core/ragged/param_shard.h"
 
 namespace rfsdp {
+
+class Comm;
 
 // Throws, naming the optimizer and the parameter, unless grad is undefined (no
 // step) or a contiguous float32 (or the parameter's dtype) tensor of the shard's
@@ -19,5 +22,13 @@ void check_grad(const char* optimizer, const ParamShard& p, const at::Tensor& gr
 // A whole (unsharded) tensor: rows from its first row_dims dims.
 ParamShard whole_param(const std::string& name, const at::Tensor& param, const at::Tensor& grad,
                        int row_dims = 1);
+
+// Every rank's rows, filled in where a shard does not know them (one described
+// by hand, a whole tensor on every rank: DDP): one all-reduce of every rank's
+// rows of every parameter, only where some shard lacks them and comm has more
+// than one rank (build the optimizer from the same model on every rank). Throws
+// std::invalid_argument on every rank where the ranks hold different numbers of
+// parameters. Rows a shard knows are kept (its consumer agrees them).
+void gather_rank_rows(Comm* comm, std::vector<ParamShard>* params, const char* who);
 
 }  // namespace rfsdp

@@ -26,20 +26,6 @@ int64_t numel_of(const std::vector<int64_t>& s) {
   return std::accumulate(s.begin(), s.end(), int64_t{1}, std::multiplies<int64_t>());
 }
 
-// The matrices of one parameter: (offset, rows, cols).
-// Order-sensitive fingerprint of the parameter list (shapes, Newton–Schulz
-// steps), so ranks passing different lists fail with a clear error.
-int64_t fingerprint(const std::vector<MuonParamGeometry>& params) {
-  uint64_t h = 1469598103934665603ULL;
-  auto mix = [&h](uint64_t v) { h = (h ^ v) * 1099511628211ULL; };
-  for (const auto& p : params) {
-    mix(p.shape.size());
-    for (int64_t d : p.shape) mix(static_cast<uint64_t>(d));
-    mix(static_cast<uint64_t>(p.ns_steps));
-  }
-  return static_cast<int64_t>(h >> 2);  // non-negative; sums of one non-zero row stay exact
-}
-
 }  // namespace
 
 MuonAdjustLr parse_muon_adjust_lr(const std::string& s) {
@@ -89,92 +75,58 @@ double newton_schulz_flops(int64_t rows, int64_t cols, int steps) {
   return steps * (4.0 * n * n * N + 2.0 * n * n * n);
 }
 
-int64_t MuonLayout::total(const std::vector<int64_t>& v) {
-  return std::accumulate(v.begin(), v.end(), int64_t{0});
-}
-
-MuonLayout::MuonLayout(Comm* comm, std::vector<MuonParamGeometry> params)
-    : params_(std::move(params)) {
-  world_ = comm ? comm->size() : 1;
-  rank_ = comm ? comm->rank() : 0;
-  const int64_t P = static_cast<int64_t>(params_.size());
-  for (const auto& p : params_) {
+MuonLayout::MuonLayout(Comm* comm, std::vector<TensorShard> shards, std::vector<int> ns_steps)
+    : shards_(std::move(shards)), ns_steps_(std::move(ns_steps)) {
+  const int world = comm ? comm->size() : 1, rank = comm ? comm->rank() : 0;
+  const int64_t P = static_cast<int64_t>(shards_.size());
+  if (static_cast<int64_t>(ns_steps_.size()) != P) {
+    throw std::invalid_argument("Muon: " + std::to_string(ns_steps_.size()) +
+                                " ns_steps values for " + std::to_string(P) + " parameters");
+  }
+  std::vector<std::vector<OwnerExchange::Range>> ranges(P);
+  std::vector<std::string> lines;
+  for (int64_t i = 0; i < P; ++i) {
+    const TensorShard& p = shards_[i];
     if (p.shape.size() < 2) {
       throw std::invalid_argument(
           "Muon: parameter '" + p.name + "' has shape " + shape_to_string(p.shape) +
           ": Muon orthogonalises matrices (2-D weights, 3-D expert stacks); give 0-D and 1-D "
           "parameters (biases, norm weights) to AdamW (a use_muon=False group)");
     }
-    if (p.ns_steps < 1) {
+    if (ns_steps_[i] < 1) {
       throw std::invalid_argument("Muon: parameter '" + p.name + "': ns_steps must be >= 1");
     }
-    if (p.elem_begin < 0 || p.elem_begin > p.elem_end || p.elem_end > numel_of(p.shape)) {
-      throw std::invalid_argument("Muon: parameter '" + p.name + "': shard range [" +
-                                  std::to_string(p.elem_begin) + ", " + std::to_string(p.elem_end) +
-                                  ") is not inside its " + std::to_string(numel_of(p.shape)) +
-                                  " elements");
+    if (world > 1 && static_cast<int>(p.rank_rows.size()) != world) {
+      throw std::invalid_argument("Muon: parameter '" + p.name + "': the layout needs every "
+                                  "rank's rows (gather_rank_rows)");
     }
+    // Every rank's rows: the ranks only agree that they hold the same parameters
+    // and rows (one all-reduce of a hash; the first difference named on every rank).
+    std::string line = p.name + " " + shape_to_string(p.shape) + " ns_steps " +
+                       std::to_string(ns_steps_[i]) + " rows";
+    for (const auto& [b, e] : p.rank_rows) {
+      line += " [" + std::to_string(b) + ", " + std::to_string(e) + ")";
+      ranges[i].emplace_back(b * p.row_len, e * p.row_len);
+    }
+    if (world == 1) ranges[i] = {{p.row_begin * p.row_len, p.row_end * p.row_len}};
+    if (world > 1 && p.rank_rows[rank] != std::make_pair(p.row_begin, p.row_end)) {
+      // (a line of its own: every rank then fails in agree_lines, naming it)
+      line += "; but rank " + std::to_string(rank) + " holds [" + std::to_string(p.row_begin) +
+              ", " + std::to_string(p.row_end) + ")";
+    }
+    lines.push_back(std::move(line));
   }
-  ranges_.assign(P, {});
-  const bool known = std::all_of(params_.begin(), params_.end(), [&](const MuonParamGeometry& p) {
-    return static_cast<int>(p.rank_elems.size()) == world_;
-  });
-  if (known) {
-    // Every rank's ranges came with the shards (the plan): the ranks only agree
-    // that they hold the same parameters and ranges (one all-reduce of a hash;
-    // the first difference named on every rank).
-    std::vector<std::string> lines;
-    for (int64_t i = 0; i < P; ++i) {
-      const auto& p = params_[i];
-      std::string line = p.name + " " + shape_to_string(p.shape) + " ns_steps " +
-                         std::to_string(p.ns_steps) + " elements";
-      for (const auto& [b, e] : p.rank_elems) line += " [" + std::to_string(b) + ", " + std::to_string(e) + ")";
-      if (p.rank_elems[rank_] != std::make_pair(p.elem_begin, p.elem_end)) {
-        // (a line of its own: every rank then fails in agree_lines, naming it)
-        line += "; but rank " + std::to_string(rank_) + " holds [" + std::to_string(p.elem_begin) +
-                ", " + std::to_string(p.elem_end) + ")";
-      }
-      lines.push_back(std::move(line));
-      ranges_[i] = p.rank_elems;
-    }
-    if (comm && world_ > 1) {
-      agree_lines(*comm, lines, "Muon's parameters (build the optimizer from the same model on "
-                                "every rank)");
-    }
-  } else {
-    // Every rank's ranges: one all-reduce of a table where each rank fills its row.
-    at::Tensor table = at::zeros({world_, 2 + 2 * P}, at::kLong);
-    auto t = table.accessor<int64_t, 2>();
-    t[rank_][0] = P;
-    t[rank_][1] = fingerprint(params_);
-    for (int64_t i = 0; i < P; ++i) {
-      t[rank_][2 + 2 * i] = params_[i].elem_begin;
-      t[rank_][3 + 2 * i] = params_[i].elem_end;
-    }
-    if (comm && world_ > 1) {
-      at::Tensor shared = table.to(comm->control_device());  // NCCL takes no CPU tensors
-      comm->all_reduce(shared, ReduceOp::Sum).wait();
-      table.copy_(shared.cpu());
-    }
-    for (int r = 0; r < world_; ++r) {
-      if (t[r][0] != P || t[r][1] != t[rank_][1]) {
-        throw std::invalid_argument(
-            "Muon: rank " + std::to_string(r) + " passed a different parameter list (count " +
-            std::to_string(t[r][0]) + " vs " + std::to_string(P) + " here, or other shapes) than " +
-            "rank " + std::to_string(rank_) + "; build the optimizer from the same model on every rank");
-      }
-    }
-    for (int64_t i = 0; i < P; ++i) {
-      for (int r = 0; r < world_; ++r) ranges_[i].emplace_back(t[r][2 + 2 * i], t[r][3 + 2 * i]);
-    }
+  if (comm && world > 1) {
+    agree_lines(*comm, lines, "Muon's parameters (build the optimizer from the same model on "
+                              "every rank)");
   }
   replicated_.assign(P, false);
   for (int64_t i = 0; i < P; ++i) {
-    const auto& rs = ranges_[i];
-    const int64_t n = numel_of(params_[i].shape);
+    const auto& rs = ranges[i];
+    const int64_t n = numel_of(shards_[i].shape);
     // Every rank holding all of it: replicated (DDP). Else the ranks' shards must
     // tile the tensor: disjoint, together everything.
-    replicated_[i] = world_ > 1 && std::all_of(rs.begin(), rs.end(), [n](const auto& x) {
+    replicated_[i] = world > 1 && std::all_of(rs.begin(), rs.end(), [n](const auto& x) {
       return x.first == 0 && x.second == n;
     });
     if (!replicated_[i]) {
@@ -187,7 +139,7 @@ MuonLayout::MuonLayout(Comm* comm, std::vector<MuonParamGeometry> params)
       for (const auto& x : sorted) {
         if (x.first != covered) {
           throw std::invalid_argument(
-              "Muon: the ranks' shards of '" + params_[i].name + "' do not tile it (a gap or an "
+              "Muon: the ranks' shards of '" + shards_[i].name + "' do not tile it (a gap or an "
               "overlap at element " + std::to_string(std::min(x.first, covered)) +
               "); give each rank its own shard (fully_shard's or FSDP2's parameters) or every "
               "rank the whole tensor (replicated: DDP), not a mix; under HSDP, build Muon over "
@@ -196,19 +148,19 @@ MuonLayout::MuonLayout(Comm* comm, std::vector<MuonParamGeometry> params)
         covered = x.second;
       }
       if (covered != n) {
-        throw std::invalid_argument("Muon: the ranks' shards of '" + params_[i].name +
+        throw std::invalid_argument("Muon: the ranks' shards of '" + shards_[i].name +
                                     "' cover " + std::to_string(covered) + " of its " +
                                     std::to_string(n) + " elements");
       }
     }
-    for (const MatrixView& m : matrices_of(params_[i].shape)) {
+    for (const MatrixView& m : matrices_of(shards_[i].shape)) {
       if (m.rows * m.cols == 0) continue;
       MuonMatrix mat;
       mat.param = static_cast<size_t>(i);
       mat.offset = m.offset;
       mat.rows = m.rows;
       mat.cols = m.cols;
-      mat.flops = newton_schulz_flops(m.rows, m.cols, params_[i].ns_steps);
+      mat.flops = newton_schulz_flops(m.rows, m.cols, ns_steps_[i]);
       mat.replicated = replicated_[i];
       matrices_.push_back(mat);
     }
@@ -217,54 +169,31 @@ MuonLayout::MuonLayout(Comm* comm, std::vector<MuonParamGeometry> params)
   // first to the least-loaded rank, ties to the rank holding most of the matrix.
   std::vector<WorkItem> items(matrices_.size());
   for (size_t k = 0; k < matrices_.size(); ++k) {
-    items[k].cost = matrices_[k].flops;
-    items[k].affinity.assign(world_, 0);
+    const MuonMatrix& m = matrices_[k];
+    items[k].cost = m.flops;
+    items[k].affinity.assign(world, 0);
     int holders = 0, holder = 0;
-    for (int r = 0; r < world_; ++r) {
-      const auto pc = piece(k, r);
-      items[k].affinity[r] = pc.second - pc.first;
-      if (pc.first < pc.second) ++holders, holder = r;
+    for (int r = 0; r < world; ++r) {
+      const auto& range = ranges[m.param][r];
+      const int64_t held = std::max<int64_t>(
+          0, std::min(m.offset + m.rows * m.cols, range.second) - std::max(m.offset, range.first));
+      items[k].affinity[r] = held;
+      if (held > 0) ++holders, holder = r;
     }
     if (holders == 1) items[k].fixed_rank = holder;
   }
-  const std::vector<int> roots = assign_lpt(items, world_);
-  for (size_t k = 0; k < matrices_.size(); ++k) matrices_[k].root = roots[k];
-  send_splits_.assign(world_, 0);
-  recv_splits_.assign(world_, 0);
-  scatter_send_splits_.assign(world_, 0);
-  scatter_recv_splits_.assign(world_, 0);
-  auto size = [](std::pair<int64_t, int64_t> pc) { return pc.second - pc.first; };
+  const std::vector<int> roots = assign_lpt(items, world);
+  std::vector<ExchangeUnit> units;
   for (size_t k = 0; k < matrices_.size(); ++k) {
-    const int root = matrices_[k].root;
-    if (root != rank_) {
-      send_splits_[root] += size(gather_piece(k, rank_));
-      scatter_recv_splits_[root] += size(piece(k, rank_));
-    } else {
-      for (int s = 0; s < world_; ++s) {
-        if (s == rank_) continue;
-        recv_splits_[s] += size(gather_piece(k, s));
-        scatter_send_splits_[s] += size(piece(k, s));
-      }
-    }
+    MuonMatrix& m = matrices_[k];
+    m.root = roots[k];
+    units.push_back({m.param, m.offset, m.offset + m.rows * m.cols, m.root});
   }
-}
-
-std::pair<int64_t, int64_t> MuonLayout::gather_piece(size_t k, int r) const {
-  const MuonMatrix& m = matrices_.at(k);
-  if (m.replicated && r != m.root) return {m.offset, m.offset};
-  return piece(k, r);
-}
-
-std::pair<int64_t, int64_t> MuonLayout::piece(size_t k, int r) const {
-  const MuonMatrix& m = matrices_.at(k);
-  const auto& range = ranges_[m.param][r];
-  const int64_t b = std::max(m.offset, range.first);
-  const int64_t e = std::min(m.offset + m.rows * m.cols, range.second);
-  return b < e ? std::make_pair(b, e) : std::make_pair(b, b);
+  exchange_ = OwnerExchange(rank, world, std::move(units), std::move(ranges), replicated_);
 }
 
 std::vector<double> MuonLayout::rank_flops() const {
-  std::vector<double> f(world_, 0.0);
+  std::vector<double> f(world(), 0.0);
   for (const auto& m : matrices_) f[m.root] += m.flops;
   return f;
 }
@@ -272,7 +201,7 @@ std::vector<double> MuonLayout::rank_flops() const {
 double MuonLayout::flop_imbalance() const {
   const auto f = rank_flops();
   const double total = std::accumulate(f.begin(), f.end(), 0.0);
-  return total > 0 ? *std::max_element(f.begin(), f.end()) * world_ / total : 1.0;
+  return total > 0 ? *std::max_element(f.begin(), f.end()) * world() / total : 1.0;
 }
 
 namespace {
@@ -284,11 +213,10 @@ namespace {
 void orthogonalise(const MuonLayout& layout, std::vector<std::pair<size_t, at::Tensor>>* own,
                    at::ScalarType ns_dtype, bool batch_same_shape, StepGate* gate) {
   const auto& mats = layout.matrices();
-  const auto& geo = layout.params();
   std::map<std::tuple<int64_t, int64_t, int>, std::vector<size_t>> batches;  // -> indices in own
   for (size_t j = 0; j < own->size(); ++j) {
     const MuonMatrix& mat = mats[(*own)[j].first];
-    const int steps = geo[mat.param].ns_steps;
+    const int steps = layout.ns_steps(mat.param);
     if (batch_same_shape) {
       batches[{mat.rows, mat.cols, steps}].push_back(j);
     } else {
@@ -311,7 +239,7 @@ void orthogonalise(const MuonLayout& layout, std::vector<std::pair<size_t, at::T
   for (const auto& [k, o] : *own) {
     const MuonMatrix& mat = mats[k];
     gate->expect_finite(o, "the Newton-Schulz result of matrix " + std::to_string(index[k]) +
-                               " of '" + geo[mat.param].name + "' (" + std::to_string(mat.rows) +
+                               " of '" + layout.shards()[mat.param].name + "' (" + std::to_string(mat.rows) +
                                " x " + std::to_string(mat.cols) +
                                ") is not finite: its update holds NaN or Inf, or overflowed "
                                "(check the gradients and the momentum)");
@@ -324,18 +252,18 @@ void muon_step(Comm* comm, const MuonLayout& layout, const std::vector<at::Tenso
                const std::vector<at::Tensor>& grads, const std::vector<at::Tensor>& momenta,
                const std::vector<MuonHyper>& hyper, at::ScalarType ns_dtype,
                bool batch_same_shape) {
-  const auto& geo = layout.params();
-  const size_t P = geo.size();
+  const auto& shards = layout.shards();
+  const size_t P = shards.size();
   if (params.size() != P || grads.size() != P || momenta.size() != P || hyper.size() != P) {
     throw std::invalid_argument("muon_step: need one param, grad, momentum and hyper per layout "
                                 "parameter (" + std::to_string(P) + ")");
   }
   for (size_t i = 0; i < P; ++i) {
-    const int64_t n = geo[i].elem_end - geo[i].elem_begin;
+    const int64_t n = shards[i].numel();
     for (const at::Tensor* t : {&params[i], &grads[i], &momenta[i]}) {
       if (t->scalar_type() != at::kFloat || !t->is_contiguous() || t->numel() != n ||
           t->device() != params[0].device()) {
-        throw std::invalid_argument("muon_step: parameter '" + geo[i].name + "': param, grad and "
+        throw std::invalid_argument("muon_step: parameter '" + shards[i].name + "': param, grad and "
                                     "momentum must be contiguous float32 of its shard's " +
                                     std::to_string(n) + " elements, all on one device");
       }
@@ -360,147 +288,60 @@ void muon_step_from_updates(Comm* comm, const MuonLayout& layout,
                             const std::vector<MuonHyper>& hyper, at::ScalarType ns_dtype,
                             bool batch_same_shape, const std::function<void()>& commit) {
   at::NoGradGuard no_grad;
-  const auto& geo = layout.params();
-  const size_t P = geo.size();
-  const int me = layout.rank(), world = layout.world();
+  const size_t P = layout.shards().size();
   const auto& mats = layout.matrices();
-  auto local = [&](const at::Tensor& flat, size_t k, std::pair<int64_t, int64_t> pc) {
-    return flat.narrow(0, pc.first - geo[mats[k].param].elem_begin, pc.second - pc.first);
-  };
-  auto offsets_of = [world](const std::vector<int64_t>& splits) {
-    std::vector<int64_t> off(world, 0);
-    for (int r = 1; r < world; ++r) off[r] = off[r - 1] + splits[r - 1];
-    return off;
-  };
-  const auto& send_splits = layout.send_splits();
-  const auto& recv_splits = layout.recv_splits();
-  // 2. Gather: to each root, this rank's pieces of its matrices (by root, then matrix).
-  // Buffers live where the shards do (NCCL needs them on the GPU).
-  const at::TensorOptions opts = P ? params[0].options() : at::TensorOptions(at::kFloat);
-  at::Tensor send = at::empty({layout.gather_send_elems()}, opts);
-  at::Tensor recv = at::empty({layout.gather_recv_elems()}, opts);
-  {
-    auto pos = offsets_of(send_splits);
-    for (size_t k = 0; k < mats.size(); ++k) {
-      if (mats[k].root == me) continue;
-      const auto pc = layout.gather_piece(k, me);
-      if (pc.first == pc.second) continue;
-      send.narrow(0, pos[mats[k].root], pc.second - pc.first).copy_(local(u[mats[k].param], k, pc));
-      pos[mats[k].root] += pc.second - pc.first;
-    }
-  }
-  if (comm && world > 1) comm->all_to_all(recv, send, recv_splits, send_splits).wait();
-  // 3. Newton–Schulz on this rank's roots; 4. scatter the pieces back.
-  const auto& back_send_splits = layout.scatter_send_splits();
-  const auto& back_recv_splits = layout.scatter_recv_splits();
-  at::Tensor back_send = at::empty({layout.scatter_send_elems()}, opts);
-  at::Tensor back_recv = at::empty({layout.scatter_recv_elems()}, opts);
+  const OwnerExchange& ex = layout.exchange();
+  Comm* group = comm && layout.world() > 1 ? comm : nullptr;
+  // 2. Gather: every matrix rooted here, whole (one all-to-all).
+  std::vector<at::Tensor> flat(P);
+  for (size_t i = 0; i < P; ++i) flat[i] = u[i].view(-1);
+  const std::vector<at::Tensor> whole = ex.gather(group, {flat});
   std::vector<std::pair<size_t, at::Tensor>> own;  // (matrix, orthogonalised) rooted here
-  {
-    // Each matrix rooted here, whole: this rank's piece and the received ones.
-    auto from = offsets_of(recv_splits);
-    for (size_t k = 0; k < mats.size(); ++k) {
-      const MuonMatrix& mat = mats[k];
-      if (mat.root != me) continue;
-      at::Tensor full = at::empty({mat.rows * mat.cols}, opts);
-      for (int s = 0; s < world; ++s) {
-        const auto pc = layout.gather_piece(k, s);  // (the root's own piece: all of it if replicated)
-        const int64_t n = pc.second - pc.first;
-        if (n == 0) continue;
-        at::Tensor dst = full.narrow(0, pc.first - mat.offset, n);
-        if (s == me) {
-          dst.copy_(local(u[mat.param], k, pc));
-        } else {
-          dst.copy_(recv.narrow(0, from[s], n));
-          from[s] += n;
-        }
-      }
-      own.emplace_back(k, full.view({mat.rows, mat.cols}));
-    }
-    // Newton–Schulz (its failures, and a result that is not finite, agreed by
-    // every rank before anything changes).
-    StepGate gate(comm, "Muon step");
-    gate.guard([&] { orthogonalise(layout, &own, ns_dtype, batch_same_shape, &gate); });
-    gate.agree();
-    commit();
-    auto to = offsets_of(back_send_splits);
-    for (auto& [k, o_mat] : own) {
-      const MuonMatrix& mat = mats[k];
-      at::Tensor o = o_mat.reshape(-1);
-      o.mul_(muon_update_scale(mat.rows, mat.cols, hyper[mat.param].adjust_lr));
-      o_mat = o;
-      for (int s = 0; s < world; ++s) {
-        const auto pc = layout.piece(k, s);
-        const int64_t n = pc.second - pc.first;
-        if (n == 0 || s == me) continue;
-        back_send.narrow(0, to[s], n).copy_(o.narrow(0, pc.first - mat.offset, n));
-        to[s] += n;
-      }
-    }
-  }
-  if (comm && world > 1) {
-    comm->all_to_all(back_recv, back_send, back_recv_splits, back_send_splits).wait();
-  }
-  // 5. p <- p (1 - lr wd) - lr o, piece by piece (the pieces tile the shard).
-  auto apply = [&](size_t k, std::pair<int64_t, int64_t> pc, const at::Tensor& o_piece) {
-    const MuonHyper& h = hyper[mats[k].param];
-    at::Tensor p = local(params[mats[k].param].view(-1), k, pc);
-    if (h.weight_decay != 0.0) p.mul_(1.0 - h.lr * h.weight_decay);
-    p.add_(o_piece, -h.lr);
-  };
-  for (const auto& [k, o] : own) {
-    const auto pc = layout.piece(k, me);
-    if (pc.first < pc.second) apply(k, pc, o.narrow(0, pc.first - mats[k].offset, pc.second - pc.first));
-  }
-  auto pos = offsets_of(back_recv_splits);
   for (size_t k = 0; k < mats.size(); ++k) {
-    if (mats[k].root == me) continue;
-    const auto pc = layout.piece(k, me);
-    const int64_t n = pc.second - pc.first;
-    if (n == 0) continue;
-    apply(k, pc, back_recv.narrow(0, pos[mats[k].root], n));
-    pos[mats[k].root] += n;
+    if (ex.owns(k)) own.emplace_back(k, whole[k][0].view({mats[k].rows, mats[k].cols}));
+  }
+  // 3. Newton–Schulz (its failures, and a result that is not finite, agreed by
+  // every rank before anything changes).
+  StepGate gate(comm, "Muon step");
+  gate.guard([&] { orthogonalise(layout, &own, ns_dtype, batch_same_shape, &gate); });
+  gate.agree();
+  commit();
+  // 4. Scatter: every rank's pieces of the scaled results back (one all-to-all).
+  std::vector<at::Tensor> results(mats.size()), o(P);
+  for (auto& [k, o_mat] : own) {
+    const MuonMatrix& mat = mats[k];
+    results[k] = o_mat.reshape(-1).mul_(muon_update_scale(mat.rows, mat.cols, hyper[mat.param].adjust_lr));
+  }
+  for (size_t i = 0; i < P; ++i) o[i] = at::empty_like(flat[i]);
+  ex.scatter(group, results, {o});
+  // 5. p <- p (1 - lr wd) - lr o (the matrices tile every shard).
+  for (size_t i = 0; i < P; ++i) {
+    const MuonHyper& h = hyper[i];
+    at::Tensor p = params[i].view(-1);
+    if (h.weight_decay != 0.0) p.mul_(1.0 - h.lr * h.weight_decay);
+    p.add_(o[i], -h.lr);
   }
 }
 
-std::vector<MuonParamGeometry> Muon::geometry(const std::vector<ParamShard>& params,
-                                              const std::vector<int>& ns_steps) {
-  std::vector<MuonParamGeometry> out;
-  for (size_t i = 0; i < params.size(); ++i) {
-    const ParamShard& p = params[i];
+MuonLayout Muon::layout_of(Comm* comm, std::vector<ParamShard>* params, const MuonOptions& o,
+                           std::vector<int> ns_steps) {
+  for (const ParamShard& p : *params) {
     if (p.shape.empty() && p.full_numel() > 1) {
       throw std::invalid_argument("Muon: parameter '" + p.name + "' has no full shape "
                                   "(ParamShard.shape); use whole_param or param_shards");
     }
-    MuonParamGeometry g;
-    g.name = p.name;
-    g.shape = p.shape;
-    g.elem_begin = p.row_begin * p.row_len;
-    g.elem_end = p.row_end * p.row_len;
-    for (const auto& [b, e] : p.rank_rows) g.rank_elems.emplace_back(b * p.row_len, e * p.row_len);
-    g.ns_steps = ns_steps[i];
-    out.push_back(std::move(g));
   }
-  return out;
+  if (ns_steps.empty()) ns_steps.assign(params->size(), o.ns_steps);
+  gather_rank_rows(comm, params, "Muon");
+  return MuonLayout(comm, std::vector<TensorShard>(params->begin(), params->end()), std::move(ns_steps));
 }
-
-namespace {
-std::vector<int> steps_per_param(size_t n, const MuonOptions& o, std::vector<int> given) {
-  if (given.empty()) return std::vector<int>(n, o.ns_steps);
-  if (given.size() != n) {
-    throw std::invalid_argument("Muon: " + std::to_string(given.size()) +
-                                " ns_steps values for " + std::to_string(n) + " parameters");
-  }
-  return given;
-}
-}  // namespace
 
 Muon::Muon(std::shared_ptr<Comm> comm, std::vector<ParamShard> params, MuonOptions options,
            std::vector<int> ns_steps)
     : GroupedOptimizer("Muon", std::move(params), std::move(comm), options.check_finite,
                        options.hyper),
       options_(options),
-      layout_(comm_.get(), geometry(params_, steps_per_param(params_.size(), options, ns_steps))) {
+      layout_(layout_of(comm_.get(), &params_, options, std::move(ns_steps))) {
   check_options(options.hyper);
   const at::ScalarType md = options_.momentum_dtype;
   if (md != at::kFloat && md != at::kBFloat16 && md != at::kByte) {

@@ -22,6 +22,7 @@
 #include <vector>
 
 #include "core/comm/comm.h"
+#include "optimizers/common/owner_exchange.h"
 #include "optimizers/common/sharded_optimizer.h"
 #include "quant/blockwise/block_layout.h"
 #include "quant/blockwise/code_lut.h"
@@ -43,18 +44,6 @@ at::Tensor newton_schulz(const at::Tensor& g, int steps, at::ScalarType dtype = 
 // Flops of that (2 per multiply-add): steps * (4 n^2 N + 2 n^3), n = min, N = max.
 double newton_schulz_flops(int64_t rows, int64_t cols, int steps);
 
-// One Muon parameter on this rank: its full shape and the flat element range
-// [elem_begin, elem_end) of the full tensor that this rank's shard holds.
-struct MuonParamGeometry {
-  std::string name;
-  std::vector<int64_t> shape;
-  int64_t elem_begin = 0, elem_end = 0;
-  int ns_steps = 5;
-  // Every rank's [begin, end), where the shard descriptor knows them (the
-  // plan's); empty: the layout gathers them (one all-reduce).
-  std::vector<std::pair<int64_t, int64_t>> rank_elems;
-};
-
 struct MuonMatrix {
   size_t param = 0;     // index into the layout's parameters
   int64_t offset = 0;   // first element in the full (flattened) parameter
@@ -64,30 +53,35 @@ struct MuonMatrix {
   bool replicated = false;  // every rank holds it whole: the root gathers nothing
 };
 
-// Where every matrix lives and which rank orthogonalises it. Built once per set
-// of shards; collective: every rank passes the same parameters in the same
-// order, its own ranges and (from a plan) every rank's; one all-reduce agrees
-// on them (a hash), or gathers the ranges where they are not known.
+// Where every matrix lives and which rank orthogonalises it (its owner in the
+// owner exchange, optimizers/common/owner_exchange.h). Built once per set of
+// shards, each knowing every rank's rows (gather_rank_rows) where comm has more
+// than one rank; collective: the ranks agree that they hold the same
+// parameters, rows and Newton-Schulz steps (one all-reduce of a hash; the
+// first difference named on every rank).
 //
 // Root selection: a matrix held by one rank is rooted there; the rest go
 // longest-processing-time first (most flops first) to the least-loaded rank,
 // ties to the rank holding most of the matrix, then the lowest rank. A
-// parameter is replicated when every rank's range is all of it (world > 1);
-// otherwise the ranks' ranges must tile it.
+// parameter is replicated when every rank holds all of it (world > 1);
+// otherwise the ranks' rows must tile it.
 class MuonLayout {
  public:
-  // comm may be null: one rank, every shard whole.
-  MuonLayout(Comm* comm, std::vector<MuonParamGeometry> params);
+  // comm may be null: one rank, every shard whole. ns_steps: one per shard.
+  MuonLayout(Comm* comm, std::vector<TensorShard> shards, std::vector<int> ns_steps);
 
-  int world() const { return world_; }
-  int rank() const { return rank_; }
-  const std::vector<MuonParamGeometry>& params() const { return params_; }
+  int world() const { return exchange_.world(); }
+  int rank() const { return exchange_.rank(); }
+  const std::vector<TensorShard>& shards() const { return shards_; }
+  int ns_steps(size_t i) const { return ns_steps_.at(i); }
   const std::vector<MuonMatrix>& matrices() const { return matrices_; }
+  // The exchange of the matrices (unit k: matrix k, owned by its root).
+  const OwnerExchange& exchange() const { return exchange_; }
   // Elements of matrix k on rank r: [begin, end) in the full parameter (empty when begin == end).
-  std::pair<int64_t, int64_t> piece(size_t k, int r) const;
+  std::pair<int64_t, int64_t> piece(size_t k, int r) const { return exchange_.piece(k, r); }
   // What rank r sends matrix k's root in the gather: its piece, none where the
   // matrix is replicated (the root holds it whole).
-  std::pair<int64_t, int64_t> gather_piece(size_t k, int r) const;
+  std::pair<int64_t, int64_t> gather_piece(size_t k, int r) const { return exchange_.gather_piece(k, r); }
   bool replicated(size_t param) const { return replicated_.at(param); }
   // Newton–Schulz flops rooted on each rank, and max / mean of them (1 = balanced).
   std::vector<double> rank_flops() const;
@@ -95,23 +89,17 @@ class MuonLayout {
   // Elements this rank sends and receives per step in the gather, and in the
   // scatter (which sends each rank back its pieces, and a replicated matrix
   // whole to every rank but its root): what the all-to-alls move.
-  int64_t gather_send_elems() const { return total(send_splits_); }
-  int64_t gather_recv_elems() const { return total(recv_splits_); }
-  int64_t scatter_send_elems() const { return total(scatter_send_splits_); }
-  int64_t scatter_recv_elems() const { return total(scatter_recv_splits_); }
-  const std::vector<int64_t>& send_splits() const { return send_splits_; }
-  const std::vector<int64_t>& recv_splits() const { return recv_splits_; }
-  const std::vector<int64_t>& scatter_send_splits() const { return scatter_send_splits_; }
-  const std::vector<int64_t>& scatter_recv_splits() const { return scatter_recv_splits_; }
+  int64_t gather_send_elems() const { return exchange_.gather_send_elems(); }
+  int64_t gather_recv_elems() const { return exchange_.gather_recv_elems(); }
+  int64_t scatter_send_elems() const { return exchange_.scatter_send_elems(); }
+  int64_t scatter_recv_elems() const { return exchange_.scatter_recv_elems(); }
 
  private:
-  static int64_t total(const std::vector<int64_t>& v);
-  int world_ = 1, rank_ = 0;
-  std::vector<MuonParamGeometry> params_;
-  std::vector<std::vector<std::pair<int64_t, int64_t>>> ranges_;  // [param][rank]
+  std::vector<TensorShard> shards_;
+  std::vector<int> ns_steps_;
   std::vector<MuonMatrix> matrices_;
   std::vector<bool> replicated_;  // [param]
-  std::vector<int64_t> send_splits_, recv_splits_, scatter_send_splits_, scatter_recv_splits_;
+  OwnerExchange exchange_;
 };
 
 struct MuonHyper {
@@ -188,8 +176,9 @@ class Muon : public GroupedOptimizer<MuonHyper> {
   void run_step(StepGate& gate, const std::vector<size_t>& stepping) override;
 
  private:
-  static std::vector<MuonParamGeometry> geometry(const std::vector<ParamShard>& params,
-                                                 const std::vector<int>& ns_steps);
+  // The layout of params (every rank's rows gathered into them first where unknown).
+  static MuonLayout layout_of(Comm* comm, std::vector<ParamShard>* params, const MuonOptions& o,
+                              std::vector<int> ns_steps);
   // Replicated parameters' gradients must agree across the ranks (each matrix's
   // root computes the update every rank applies): one max all-reduce of their
   // sums, and the same error on every rank where they differ.

@@ -248,13 +248,14 @@ TEST(MuonLayout, EveryMatrixHasExactlyOneRootAgreedByAllRanks) {
   for (int world : {2, 3, 4}) {
     const auto cuts = make_cuts(world, seed + world, false);
     run_local_ranks(world, [&](Comm& comm) {
-      std::vector<MuonParamGeometry> geo;
+      std::vector<TensorShard> shards;
       for (size_t t = 0; t < kShapes.size(); ++t) {
-        const int64_t row_len = numel_of(kShapes[t]) / rows_of(kShapes[t]);
-        geo.push_back({kShapes[t].name, kShapes[t].shape, cuts[t][comm.rank()] * row_len,
-                       cuts[t][comm.rank() + 1] * row_len, 5});
+        std::vector<std::pair<int64_t, int64_t>> every;
+        for (int q = 0; q < world; ++q) every.emplace_back(cuts[t][q], cuts[t][q + 1]);
+        shards.push_back(TensorShard::rows_of(kShapes[t].name, kShapes[t].shape, kShapes[t].row_dims,
+                                              cuts[t][comm.rank()], cuts[t][comm.rank() + 1], every));
       }
-      MuonLayout layout(&comm, geo);
+      MuonLayout layout(&comm, shards, std::vector<int>(shards.size(), 5));
       const auto& mats = layout.matrices();
       ASSERT_EQ(mats.size(), 5u + 3u);  // tall, wide, few_rows, 3 experts, split3, tall_twin
       // Each rank marks the matrices it roots; the sum over ranks must be 1 each.
@@ -290,13 +291,13 @@ TEST(MuonLayout, EveryMatrixHasExactlyOneRootAgreedByAllRanks) {
 TEST(MuonLayout, BalancesEqualSharedMatricesAcrossRanks) {
   // Eight equal matrices each cut in half between ranks 0 and 1 of 4: LPT puts two on every rank.
   run_local_ranks(4, [](Comm& comm) {
-    std::vector<MuonParamGeometry> geo;
+    const std::vector<std::pair<int64_t, int64_t>> every = {{0, 4}, {4, 8}, {8, 8}, {8, 8}};
+    std::vector<TensorShard> shards;
     for (int i = 0; i < 8; ++i) {
-      const int64_t b = comm.rank() == 0 ? 0 : comm.rank() == 1 ? 32 : 64;
-      const int64_t e = comm.rank() == 0 ? 32 : 64;
-      geo.push_back({"w" + std::to_string(i), {8, 8}, b, e, 5});
+      const auto [b, e] = every[comm.rank()];
+      shards.push_back(TensorShard::rows_of("w" + std::to_string(i), {8, 8}, 1, b, e, every));
     }
-    MuonLayout layout(&comm, geo);
+    MuonLayout layout(&comm, shards, std::vector<int>(8, 5));
     EXPECT_DOUBLE_EQ(layout.flop_imbalance(), 1.0);
   });
 }
@@ -326,10 +327,12 @@ void expect_every_rank_refused(const std::vector<std::exception_ptr>& errors, co
 
 TEST(Muon, RanksWithDifferentParametersFailClearly) {
   auto errors = run_local_ranks_collect(2, [](Comm& comm) {
-    std::vector<MuonParamGeometry> geo{{"w", {4, comm.rank() == 0 ? 6 : 5}, 0, 0, 5}};
-    MuonLayout layout(&comm, geo);
+    const int64_t cols = comm.rank() == 0 ? 6 : 5;
+    MuonLayout layout(&comm, {TensorShard::rows_of("w", {4, cols}, 1, 2 * comm.rank(), 2 * comm.rank() + 2,
+                                                   {{0, 2}, {2, 4}})}, {5});
   });
-  expect_every_rank_refused(errors, "different parameter list");
+  expect_every_rank_refused(errors, "Muon's parameters");
+  expect_every_rank_refused(errors, "[4, 6]");
 }
 
 // Shards that know every rank's rows (fully_shard's, from the plan) give the
@@ -364,8 +367,8 @@ TEST(Muon, RangesFromTheShardsNeedOnlyAnAgreedHash) {
 TEST(Muon, AMixOfWholeAndShardedRangesIsRefused) {
   auto errors = run_local_ranks_collect(3, [](Comm& comm) {
     // ranks 0 and 1 claim everything, rank 2 half: neither replicated nor a tiling
-    const int64_t e = comm.rank() == 2 ? 12 : 24;
-    MuonLayout layout(&comm, {{"w", {4, 6}, 0, e, 5}});
+    const int64_t e = comm.rank() == 2 ? 2 : 4;
+    MuonLayout layout(&comm, {TensorShard::rows_of("w", {4, 6}, 1, 0, e, {{0, 4}, {0, 4}, {0, 2}})}, {5});
   });
   expect_every_rank_refused(errors, "do not tile");
 }

@@ -639,7 +639,10 @@ def test_soap_checkpoint_requantizes_its_bases(src, dst, tmp_path):
                                                                  a[side + "_absmax"], sizes, bits, 16))]
             if dst == torch.bfloat16:
                 got = torch.cat([w.reshape(-1) for w in want]).float().to(torch.bfloat16)
-                torch.testing.assert_close(b[side].double(), got.double(), rtol=2 ** -8, atol=0)
+                # one bf16 step: the optimizer decodes in float32, which may put a value
+                # on the other side of a bf16 midpoint than float64 does (1 run in ~6)
+                torch.testing.assert_close(b[side].double(), got.double(), rtol=2 ** -7, atol=0,
+                                           msg=lambda m: "seed %d: %s" % (seed, m))
                 continue
             parts = split_codes(b[side + "_codes"], b[side + "_absmax"].double(), sizes, 4, 64)
             for j, (w, (q, am)) in enumerate(zip(want, parts)):
