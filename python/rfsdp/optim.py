@@ -250,11 +250,23 @@ class _OverCpp(torch.optim.Optimizer):
                     continue
                 st = self._published.get(id(p))
                 if st is None or self.state.get(p) is not st:  # new, or replaced by a load
-                    st = self._state_of(p)
-                    self._published[id(p)] = st
-                    self.state[p] = st
+                    self._publish_one(p)
                 elif counts is not None:
                     st["step"].fill_(float(counts[k]))
+
+    def _publish_one(self, p):
+        st = self._state_of(p)
+        self._published[id(p)] = st
+        self.state[p] = st
+
+    def _bind_for(self, p):
+        """_bind() for a call about parameter p alone: nothing to do where p is bound
+        now (its state is current whatever else changed), so the checkpoint
+        protocol's per-parameter calls stay O(1) each."""
+        where = getattr(self, "_where", None)
+        hit = where.get(id(p)) if where is not None else None
+        if hit is None or self._bound_params[hit[0].idx[hit[1]]] is not p:
+            self._bind()
 
     def _grads_of(self, idx, zeros_for_none=False):
         params = self._bound_params
@@ -296,15 +308,15 @@ class _OverCpp(torch.optim.Optimizer):
     def sharded_state(self, p):
         """Parameter p's state on this rank, by name: the live tensors (a load writes
         into them), and "step" (a 0-D count) where the optimizer keeps one."""
-        self._bind()
+        self._bind_for(p)
         return self._state_of(p)
 
     def load_sharded_state(self, p, state):
         """Sets p's state from `state` (sharded_state's names and shapes; tensors
         are copied): p then counts as stepped."""
-        self._bind()
+        self._bind_for(p)
         self._load_state_of(p, state)
-        self._publish()
+        self._publish_one(p)
 
     # ---- torch's state_dict: what DCP's get/set_optimizer_state_dict use ----
 
@@ -464,7 +476,7 @@ class AdamW8bit(AdamW):
         return _C.AdamW8bit(specs, self.block, self.min_8bit_size, self.comm)
 
     def sequence_spans(self, p):
-        self._bind()
+        self._bind_for(p)
         part, k = self._where[id(p)]
         if "absmax1" not in part.impl.state(k):  # fp32 moments: shaped like the parameter
             return {}
@@ -605,7 +617,7 @@ class Muon(_OverCpp):
         this rank's part of it encoded as this optimizer keeps it (within one code
         of the saved values). An AdamW-part parameter's moments: this rank's rows.
         For load_sharded_state."""
-        self._bind()
+        self._bind_for(p)
         _, row_len, begin, end = _row_span(p)
         part, _ = self._where[id(p)]
         live = self.sharded_state(p)
@@ -784,7 +796,7 @@ class Shampoo(_Tiled):
         with its s; or the packed root, whose eigh gives Q and s), then stored as
         this one keeps it; every other state this rank's piece as saved. For
         load_sharded_state."""
-        self._bind()
+        self._bind_for(p)
         live = self.sharded_state(p)
         out = _like_rows(p, full, live, ("exp_avg", "exp_avg_sq"))
         if "step" in full:
@@ -1063,7 +1075,7 @@ class SOAP(_Tiled):
         (dequantised and rectified where quantised), and m and v decoded, then
         stored as this one keeps them; every other state this rank's piece as
         saved. For load_sharded_state."""
-        self._bind()
+        self._bind_for(p)
         live = self.sharded_state(p)
         out = {"step": full["step"]} if "step" in full else {}
         if "factor_left" not in live:  # Adam alone (fp32 moments)
