@@ -236,6 +236,8 @@ PYBIND11_MODULE(_C, m) {
              o.set_rounding(rfsdp::parse_rounding(r), seed);
            })
       .def("step", &rfsdp::ShardedOptimizer::step, py::call_guard<py::gil_scoped_release>())  // collective
+      .def("step_refused", &rfsdp::ShardedOptimizer::step_refused, py::arg("message"),
+           py::arg("invalid_argument"), py::call_guard<py::gil_scoped_release>())  // collective
       .def("name", &rfsdp::ShardedOptimizer::name)
       .def("param_name", [](const rfsdp::ShardedOptimizer& o, size_t i) { return o.params().at(i).name; })
       .def("step_count", &rfsdp::ShardedOptimizer::step_count)
@@ -286,7 +288,8 @@ PYBIND11_MODULE(_C, m) {
       .def(py::init([](const std::vector<ShardOf>& params, const std::vector<int>& ns_steps,
                        const std::string& ns_dtype, std::shared_ptr<rfsdp::Comm> comm,
                        bool check_finite, const std::string& momentum_dtype,
-                       int64_t momentum_block, const std::string& momentum_map) {
+                       int64_t momentum_block, const std::string& momentum_map,
+                       const std::vector<bool>& use_muon) {
              rfsdp::MuonOptions o;
              o.ns_dtype = dtype_of(ns_dtype);
              o.check_finite = check_finite;
@@ -295,20 +298,26 @@ PYBIND11_MODULE(_C, m) {
              o.momentum_map = momentum_map;
              auto shards = shards_of(params);
              py::gil_scoped_release release;  // collective
-             return std::make_shared<rfsdp::Muon>(std::move(comm), std::move(shards), o, ns_steps);
+             return std::make_shared<rfsdp::Muon>(std::move(comm), std::move(shards), o, ns_steps,
+                                                  use_muon);
            }),
            py::arg("params"), py::arg("ns_steps"), py::arg("ns_dtype"), py::arg("comm"),
            py::arg("check_finite") = true, py::arg("momentum_dtype") = "float32",
-           py::arg("momentum_block") = 256, py::arg("momentum_map") = "dynamic")
+           py::arg("momentum_block") = 256, py::arg("momentum_map") = "dynamic",
+           py::arg("use_muon") = std::vector<bool>{})
       .def("set_group_options", [](rfsdp::Muon& o, size_t g, double lr, double momentum, double wd,
-                                   bool nesterov, const std::string& adjust_lr) {
+                                   bool nesterov, const std::string& adjust_lr, double b1, double b2,
+                                   double eps) {
              o.set_group_options(g, {lr, momentum, wd, nesterov,
-                                     rfsdp::parse_muon_adjust_lr(adjust_lr)});
-           })
+                                     rfsdp::parse_muon_adjust_lr(adjust_lr), b1, b2, eps});
+           },
+           py::arg("group"), py::arg("lr"), py::arg("momentum"), py::arg("weight_decay"),
+           py::arg("nesterov"), py::arg("adjust_lr"), py::arg("beta1") = 0.9, py::arg("beta2") = 0.95,
+           py::arg("eps") = 1e-10)
       .def("matrices", [](const rfsdp::Muon& o) {
              py::list out;
              for (const auto& x : o.layout().matrices()) {
-               out.append(py::dict(py::arg("param") = x.param, py::arg("offset") = x.offset,
+               out.append(py::dict(py::arg("param") = o.muon_params().at(x.param), py::arg("offset") = x.offset,
                                    py::arg("rows") = x.rows, py::arg("cols") = x.cols,
                                    py::arg("root") = x.root, py::arg("flops") = x.flops));
              }

@@ -118,21 +118,32 @@ int run(const Args& a) {
   }
   const std::vector<rfsdp::ParamShard> shards = rfsdp::param_shards(unit);
 
-  rfsdp::AdamWOptions adamw;
-  adamw.lr = a.lr;
-  adamw.weight_decay = 0.0;
-  std::unique_ptr<rfsdp::AdamW> adam;  // AdamW8bit, or AdamW for Muon's biases
-  std::unique_ptr<rfsdp::Muon> muon;
+  // AdamW8bit; or Muon for the matrices with AdamW for the rest (biases), one
+  // optimizer, one step and one agreement all-reduce for both.
+  std::unique_ptr<rfsdp::ShardedOptimizer> opt;
   if (a.optimizer == "adamw8bit") {
-    adam = std::make_unique<rfsdp::AdamW8bit>(shards, adamw, block, 4096, shard_comm);
+    rfsdp::AdamWOptions adamw;
+    adamw.lr = a.lr;
+    adamw.weight_decay = 0.0;
+    opt = std::make_unique<rfsdp::AdamW8bit>(shards, adamw, block, 4096, shard_comm);
   } else {
-    std::vector<rfsdp::ParamShard> matrices, rest;
-    for (const auto& s : shards) (s.shape.size() == 2 ? matrices : rest).push_back(s);
+    std::vector<bool> use_muon;
+    std::vector<size_t> group_of;
+    for (const auto& s : shards) {
+      use_muon.push_back(s.shape.size() == 2);
+      group_of.push_back(s.shape.size() == 2 ? 0 : 1);
+    }
     rfsdp::MuonOptions mo;
     mo.hyper.lr = a.lr;
-    muon = std::make_unique<rfsdp::Muon>(shard_comm, matrices, mo);
-    adamw.lr = 3e-3;
-    adam = std::make_unique<rfsdp::AdamW>(rest, adamw, shard_comm);
+    auto muon = std::make_unique<rfsdp::Muon>(shard_comm, shards, mo, std::vector<int>{}, use_muon);
+    muon->set_groups(group_of);
+    rfsdp::MuonHyper rest = mo.hyper;  // the AdamW part's group
+    rest.lr = 3e-3;
+    rest.adam_beta1 = 0.9;
+    rest.adam_beta2 = 0.999;
+    rest.adam_eps = 1e-8;
+    muon->set_group_options(1, rest);
+    opt = std::move(muon);
   }
 
   const int local = a.batch / world;
@@ -151,8 +162,7 @@ int run(const Args& a) {
     loss.backward();
     unit.reduce_grads(rfsdp::ReduceOp::Avg).wait();  // this rank's rows of the mean gradient
     unit.reshard();
-    if (muon) muon->step();
-    adam->step();
+    opt->step();
     unit.zero_grad();  // the local gradient slice accumulates until zeroed
     at::Tensor total = loss.detach().clone();
     comm->all_reduce(total, rfsdp::ReduceOp::Avg).wait();

@@ -8,6 +8,7 @@
 #include <string>
 #include <utility>
 
+#include "optimizers/common/adamw_step.h"
 #include "quant/blockwise/code_maps.h"
 #include "quant/blockwise/cpu_kernels.h"
 #include "quant/blockwise/cuda_ops.h"
@@ -67,47 +68,21 @@ void AdamW::run_step(StepGate& gate, const std::vector<size_t>& stepping) {
 }
 
 void AdamW::update_params(const std::vector<size_t>& stepping) {
-  std::vector<size_t> fused;  // fp32 moments on a GPU (or fused_on_cpu): torch's fused kernel
+  std::vector<AdamWStep> fp32;  // fp32 moments: the shared update (CPU kernel or torch's fused one)
   for (size_t i : stepping) {
-    if (m_[i].defined() && (params_[i].param.is_cuda() || fused_on_cpu_)) {
-      fused.push_back(i);
-    } else {
+    if (!m_[i].defined()) {
       update(i, param_steps_[i]);
+      continue;
     }
+    const AdamWOptions& o = options_of(i);
+    fp32.push_back({params_[i].param, params_[i].grad, m_[i], v_[i], o.lr, o.beta1, o.beta2, o.eps,
+                    o.weight_decay, param_steps_[i], group_of_[i]});
   }
-  fused_update(fused);
+  fused_launches_ += adamw_fp32_steps(fp32, fused_on_cpu_);
 }
 
-void AdamW::fused_update(const std::vector<size_t>& idx) {
-  // One launch per parameter group, device and dtype, over every tensor of it:
-  // torch's _fused_adamw_, what torch.optim.AdamW(fused=True) runs.
-  std::map<std::tuple<size_t, std::string, at::ScalarType>, std::vector<size_t>> sets;
-  for (size_t i : idx) {
-    const at::Tensor& p = params_[i].param;
-    if (p.numel() > 0) sets[{group_of_[i], p.device().str(), p.scalar_type()}].push_back(i);
-  }
-  for (const auto& [key, members] : sets) {
-    const AdamWOptions& o = groups_[std::get<0>(key)];
-    std::vector<at::Tensor> ps, gs, ms, vs, steps;
-    for (size_t i : members) {
-      ps.push_back(params_[i].param);
-      gs.push_back(params_[i].grad);
-      ms.push_back(m_[i]);
-      vs.push_back(v_[i]);
-      steps.push_back(at::full({}, static_cast<double>(param_steps_[i]),
-                               params_[i].param.options()));
-    }
-    at::_fused_adamw_(ps, gs, ms, vs, {}, steps, o.lr, o.beta1, o.beta2, o.weight_decay, o.eps,
-                      /*amsgrad=*/false, /*maximize=*/false);
-    ++fused_launches_;
-  }
-}
-
-void AdamW::update(size_t i, int64_t step) {
-  ParamShard& p = params_[i];
-  quant::cpu::adamw32_step(p.param.data_ptr<float>(), p.grad.data_ptr<float>(),
-                           m_[i].data_ptr<float>(), v_[i].data_ptr<float>(), p.param.numel(),
-                           hyper(options_of(i), step));
+void AdamW::update(size_t i, int64_t) {
+  throw std::logic_error("AdamW: parameter '" + params_.at(i).name + "' has no fp32 moments");
 }
 
 std::vector<std::pair<std::string, at::Tensor>> AdamW::state(size_t i) const {
@@ -252,7 +227,6 @@ int64_t AdamW8bit::lay_out(size_t i, int64_t cut_offset) {
 }
 
 void AdamW8bit::update(size_t i, int64_t step) {
-  if (!eight_bit_[i]) return AdamW::update(i, step);
   ParamShard& p = params_[i];
   Quantized8& q = q_[i];
   const quant::AdamWHyper h = hyper(options_of(i), step);

@@ -53,13 +53,11 @@ class AdamW : public GroupedOptimizer<AdamWOptions> {
         const std::vector<bool>& fp32_state);
   void run_step(StepGate& gate, const std::vector<size_t>& stepping) override;
   void check_options(const AdamWOptions& o) const override;
-  // One parameter's step (CPU kernels; AdamW8bit: also its CUDA kernel).
+  // One step of a parameter without fp32 moments (AdamW8bit's codes: its CPU
+  // and CUDA kernels); those with fp32 moments take adamw_fp32_steps.
   virtual void update(size_t i, int64_t step);
   // The updates of the parameters in `stepping` (after the gate agreed).
   void update_params(const std::vector<size_t>& stepping);
-  // Parameters with fp32 moments on a GPU (or on the CPU with fused_on_cpu), all
-  // at once: torch's fused AdamW kernel, one launch per group, device and dtype.
-  void fused_update(const std::vector<size_t>& params);
   bool fused_on_cpu_ = false;
   std::vector<at::Tensor> m_, v_;  // fp32 moments (for AdamW8bit: the small tensors only)
 };

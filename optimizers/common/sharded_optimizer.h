@@ -64,6 +64,11 @@ class ShardedOptimizer {
   // check and the optimizer's own failures are agreed by every rank before
   // anything changes (collective with a Comm).
   void step();
+  // A step this rank cannot take (what went wrong before it: message): the
+  // step's collectives run as the other ranks' step() runs them, stepping
+  // nothing, and the agreed error is thrown on every rank (invalid_argument: a
+  // std::invalid_argument). Collective.
+  void step_refused(const std::string& message, bool invalid_argument);
   int64_t steps() const { return steps_; }  // calls of step() that stepped
   int64_t step_count(size_t i) const { return param_steps_.at(i); }
   const std::vector<int64_t>& step_counts() const { return param_steps_; }
@@ -74,9 +79,9 @@ class ShardedOptimizer {
   virtual std::vector<std::pair<std::string, at::Tensor>> state(size_t i) const = 0;
   // Bytes of this rank's optimizer state: every tensor state() names.
   int64_t state_bytes() const;
-  // Whether a checkpoint keeps the step count beside the state (false for
-  // Muon, whose update does not depend on it, as torch.optim.Muon's).
-  virtual bool state_has_step() const { return true; }
+  // Whether a checkpoint keeps parameter i's step count beside its state (false
+  // for Muon's matrices, whose update does not depend on it, as torch.optim.Muon's).
+  virtual bool state_has_step(size_t) const { return true; }
   // Launches of a fused multi-tensor kernel (the GPU path) so far: tests count
   // them per step.
   int64_t fused_launches() const { return fused_launches_; }

@@ -12,6 +12,7 @@
 
 #include "core/comm/agree.h"
 #include "core/ragged/tensor_spec.h"
+#include "optimizers/common/adamw_step.h"
 #include "optimizers/common/step_gate.h"
 #include "optimizers/common/lpt.h"
 #include "optimizers/common/matrices.h"
@@ -248,45 +249,11 @@ void orthogonalise(const MuonLayout& layout, std::vector<std::pair<size_t, at::T
 
 }  // namespace
 
-void muon_step(Comm* comm, const MuonLayout& layout, const std::vector<at::Tensor>& params,
-               const std::vector<at::Tensor>& grads, const std::vector<at::Tensor>& momenta,
-               const std::vector<MuonHyper>& hyper, at::ScalarType ns_dtype,
-               bool batch_same_shape) {
-  const auto& shards = layout.shards();
-  const size_t P = shards.size();
-  if (params.size() != P || grads.size() != P || momenta.size() != P || hyper.size() != P) {
-    throw std::invalid_argument("muon_step: need one param, grad, momentum and hyper per layout "
-                                "parameter (" + std::to_string(P) + ")");
-  }
-  for (size_t i = 0; i < P; ++i) {
-    const int64_t n = shards[i].numel();
-    for (const at::Tensor* t : {&params[i], &grads[i], &momenta[i]}) {
-      if (t->scalar_type() != at::kFloat || !t->is_contiguous() || t->numel() != n ||
-          t->device() != params[0].device()) {
-        throw std::invalid_argument("muon_step: parameter '" + shards[i].name + "': param, grad and "
-                                    "momentum must be contiguous float32 of its shard's " +
-                                    std::to_string(n) + " elements, all on one device");
-      }
-    }
-  }
-  at::NoGradGuard no_grad;
-  // 1. Momentum and the update to orthogonalise, on the local shard. The new
-  // momentum is kept aside: it is stored only once every rank's roots succeeded.
-  std::vector<at::Tensor> new_momenta(P), u(P);
-  for (size_t i = 0; i < P; ++i) {
-    const at::Tensor g = grads[i].view(-1);
-    new_momenta[i] = momenta[i].view(-1).lerp(g, 1.0 - hyper[i].momentum);
-    u[i] = hyper[i].nesterov ? g.lerp(new_momenta[i], hyper[i].momentum) : new_momenta[i];
-  }
-  muon_step_from_updates(comm, layout, params, u, hyper, ns_dtype, batch_same_shape, [&] {
-    for (size_t i = 0; i < P; ++i) momenta[i].view(-1).copy_(new_momenta[i]);
-  });
-}
-
 void muon_step_from_updates(Comm* comm, const MuonLayout& layout,
                             const std::vector<at::Tensor>& params, const std::vector<at::Tensor>& u,
                             const std::vector<MuonHyper>& hyper, at::ScalarType ns_dtype,
-                            bool batch_same_shape, const std::function<void()>& commit) {
+                            bool batch_same_shape, StepGate& gate,
+                            const std::function<void()>& commit) {
   at::NoGradGuard no_grad;
   const size_t P = layout.shards().size();
   const auto& mats = layout.matrices();
@@ -301,9 +268,10 @@ void muon_step_from_updates(Comm* comm, const MuonLayout& layout,
     if (ex.owns(k)) own.emplace_back(k, whole[k][0].view({mats[k].rows, mats[k].cols}));
   }
   // 3. Newton–Schulz (its failures, and a result that is not finite, agreed by
-  // every rank before anything changes).
-  StepGate gate(comm, "Muon step");
-  gate.guard([&] { orthogonalise(layout, &own, ns_dtype, batch_same_shape, &gate); });
+  // every rank with the caller's checks before anything changes).
+  if (!gate.failed()) {
+    gate.guard([&] { orthogonalise(layout, &own, ns_dtype, batch_same_shape, &gate); });
+  }
   gate.agree();
   commit();
   // 4. Scatter: every rank's pieces of the scaled results back (one all-to-all).
@@ -324,24 +292,51 @@ void muon_step_from_updates(Comm* comm, const MuonLayout& layout,
 }
 
 MuonLayout Muon::layout_of(Comm* comm, std::vector<ParamShard>* params, const MuonOptions& o,
-                           std::vector<int> ns_steps) {
-  for (const ParamShard& p : *params) {
+                           std::vector<int> ns_steps, const std::vector<bool>& use_muon) {
+  const size_t n = params->size();
+  if (!ns_steps.empty() && ns_steps.size() != n) {
+    throw std::invalid_argument("Muon: " + std::to_string(ns_steps.size()) +
+                                " ns_steps values for " + std::to_string(n) + " parameters");
+  }
+  std::vector<ParamShard> mine;
+  std::vector<int> steps;
+  for (size_t i = 0; i < n; ++i) {
+    if (!use_muon.empty() && !use_muon[i]) continue;
+    const ParamShard& p = (*params)[i];
     if (p.shape.empty() && p.full_numel() > 1) {
       throw std::invalid_argument("Muon: parameter '" + p.name + "' has no full shape "
                                   "(ParamShard.shape); use whole_param or param_shards");
     }
+    mine.push_back(p);
+    steps.push_back(ns_steps.empty() ? o.ns_steps : ns_steps[i]);
   }
-  if (ns_steps.empty()) ns_steps.assign(params->size(), o.ns_steps);
-  gather_rank_rows(comm, params, "Muon");
-  return MuonLayout(comm, std::vector<TensorShard>(params->begin(), params->end()), std::move(ns_steps));
+  gather_rank_rows(comm, &mine, "Muon");
+  return MuonLayout(comm, std::vector<TensorShard>(mine.begin(), mine.end()), std::move(steps));
 }
 
+namespace {
+
+std::vector<size_t> muon_indices(size_t n, const std::vector<bool>& use_muon) {
+  if (!use_muon.empty() && use_muon.size() != n) {
+    throw std::invalid_argument("Muon: " + std::to_string(use_muon.size()) + " use_muon flags for " +
+                                std::to_string(n) + " parameters");
+  }
+  std::vector<size_t> out;
+  for (size_t i = 0; i < n; ++i) {
+    if (use_muon.empty() || use_muon[i]) out.push_back(i);
+  }
+  return out;
+}
+
+}  // namespace
+
 Muon::Muon(std::shared_ptr<Comm> comm, std::vector<ParamShard> params, MuonOptions options,
-           std::vector<int> ns_steps)
+           std::vector<int> ns_steps, std::vector<bool> use_muon)
     : GroupedOptimizer("Muon", std::move(params), std::move(comm), options.check_finite,
                        options.hyper),
       options_(options),
-      layout_(layout_of(comm_.get(), &params_, options, std::move(ns_steps))) {
+      muon_(muon_indices(params_.size(), use_muon)),
+      layout_(layout_of(comm_.get(), &params_, options, std::move(ns_steps), use_muon)) {
   check_options(options.hyper);
   const at::ScalarType md = options_.momentum_dtype;
   if (md != at::kFloat && md != at::kBFloat16 && md != at::kByte) {
@@ -355,9 +350,22 @@ Muon::Muon(std::shared_ptr<Comm> comm, std::vector<ParamShard> params, MuonOptio
     }
     lut_ = quant::code_lut(quant::code_map(options_.momentum_map, /*is_signed=*/true));
   }
-  for (const auto& p : params_) {
+  const size_t P = params_.size();
+  in_muon_.assign(P, -1);
+  for (size_t k = 0; k < muon_.size(); ++k) in_muon_[muon_[k]] = static_cast<int64_t>(k);
+  momenta_.resize(P);
+  absmax_.resize(P);
+  exp_avg_.resize(P);
+  exp_avg_sq_.resize(P);
+  for (size_t i = 0; i < P; ++i) {
+    const ParamShard& p = params_[i];
+    if (!uses_muon(i)) {  // AdamW's moments
+      exp_avg_[i] = at::zeros(p.param.sizes(), state_options(i));
+      exp_avg_sq_[i] = at::zeros(p.param.sizes(), state_options(i));
+      continue;
+    }
     if (!eight_bit()) {
-      momenta_.push_back(at::zeros(p.param.sizes(), p.param.options().dtype(md)));
+      momenta_[i] = at::zeros(p.param.sizes(), p.param.options().dtype(md));
       continue;
     }
     if (p.param.is_cuda()) {
@@ -367,12 +375,9 @@ Muon::Muon(std::shared_ptr<Comm> comm, std::vector<ParamShard> params, MuonOptio
     }
     quant::check_whole_blocks(quant::BlockShape::blocks(options_.momentum_block), p.name,
                               p.full_rows, p.row_len, p.row_begin, p.rows());
-    momenta_.push_back(at::zeros(p.param.sizes(), p.param.options().dtype(at::kByte)));
-    absmax_.push_back(at::zeros({block_layout(absmax_.size()).num_blocks}, at::kFloat));
-  }
-  if (eight_bit()) {  // zero codes decode to the map's value nearest 0: store its code
-    const uint8_t zero = lut_->nearest(0.0f);
-    for (auto& q : momenta_) q.fill_(zero);
+    // zero codes decode to the map's value nearest 0: store its code
+    momenta_[i] = at::full(p.param.sizes(), lut_->nearest(0.0f), p.param.options().dtype(at::kByte));
+    absmax_[i] = at::zeros({block_layout(i).num_blocks}, at::kFloat);
   }
 }
 
@@ -383,6 +388,10 @@ quant::BlockLayout Muon::block_layout(size_t i) const {
 }
 
 at::Tensor Muon::momentum(size_t i) const {
+  if (!uses_muon(i)) {
+    throw std::invalid_argument("Muon: parameter '" + params_.at(i).name + "' takes AdamW "
+                                "(use_muon false): it has no momentum buffer");
+  }
   if (!eight_bit()) return momenta_.at(i).to(at::kFloat);
   at::Tensor out = at::empty(momenta_.at(i).sizes(), at::kFloat);
   quant::cpu::dequantize(momenta_[i].data_ptr<uint8_t>(), absmax_.at(i).data_ptr<float>(),
@@ -391,6 +400,7 @@ at::Tensor Muon::momentum(size_t i) const {
 }
 
 std::vector<std::pair<std::string, at::Tensor>> Muon::state(size_t i) const {
+  if (!uses_muon(i)) return {{"exp_avg", exp_avg_[i]}, {"exp_avg_sq", exp_avg_sq_[i]}};
   if (!eight_bit()) return {{"momentum_buffer", momenta_.at(i)}};
   return {{"momentum_codes", momenta_.at(i)}, {"momentum_absmax", absmax_.at(i)}};
 }
@@ -401,11 +411,17 @@ void Muon::check_options(const MuonHyper& h) const {
                                 std::to_string(h.lr) + ", momentum=" + std::to_string(h.momentum) +
                                 ", weight_decay=" + std::to_string(h.weight_decay));
   }
+  if (!(h.adam_beta1 >= 0 && h.adam_beta1 < 1) || !(h.adam_beta2 >= 0 && h.adam_beta2 < 1) ||
+      !(h.adam_eps > 0)) {
+    throw std::invalid_argument("Muon: the AdamW part (use_muon=False groups) needs 0 <= betas < 1 "
+                                "and eps > 0; got betas=(" + std::to_string(h.adam_beta1) + ", " +
+                                std::to_string(h.adam_beta2) + "), eps=" + std::to_string(h.adam_eps));
+  }
 }
 
 void Muon::check_grad_of(size_t i, const at::Tensor& grad) const {
   const ParamShard& p = params_.at(i);
-  if (!grad.defined()) {
+  if (!grad.defined() && uses_muon(i)) {
     throw std::invalid_argument("Muon: parameter '" + p.name + "' needs a gradient on every rank "
                                 "(every matrix is gathered and scattered each step); give zeros "
                                 "where a rank has none");
@@ -414,9 +430,9 @@ void Muon::check_grad_of(size_t i, const at::Tensor& grad) const {
 }
 
 void Muon::check_replicated_grads(const std::vector<at::Tensor>& grads) const {
-  std::vector<size_t> rep;
-  for (size_t i = 0; i < params_.size(); ++i) {
-    if (layout_.replicated(i)) rep.push_back(i);
+  std::vector<size_t> rep;  // layout indices
+  for (size_t k = 0; k < muon_.size(); ++k) {
+    if (layout_.replicated(k)) rep.push_back(k);
   }
   if (rep.empty() || !comm_ || comm_->size() == 1) return;
   // Per parameter the sum and the sum of squares (float64), and their negations:
@@ -438,7 +454,7 @@ void Muon::check_replicated_grads(const std::vector<at::Tensor>& grads) const {
     // (the ranks may sum in another order: a relative 1e-6 is rounding, not another gradient)
     if (hi - lo > 1e-6 * std::max(std::fabs(hi), std::fabs(lo)) + 1e-30) {
       throw std::invalid_argument(
-          "Muon step: parameter '" + params_[rep[k / 2]].name + "' is replicated (every rank "
+          "parameter '" + params_[muon_[rep[k / 2]]].name + "' is replicated (every rank "
           "holds it whole) but its gradients differ between the ranks (their " +
           (k % 2 ? "sums of squares" : "sums") + " range from " + std::to_string(lo) + " to " +
           std::to_string(hi) + "); replicated parameters need equal gradients, as "
@@ -449,60 +465,64 @@ void Muon::check_replicated_grads(const std::vector<at::Tensor>& grads) const {
 }
 
 void Muon::run_step(StepGate& gate, const std::vector<size_t>& stepping) {
-  for (size_t i = 0; i < params_.size(); ++i) {
-    if (!params_[i].grad.defined()) {  // set_grad refuses none: not given yet
-      const std::string what = "parameter '" + params_[i].name + "' was given no gradient; every "
-                               "parameter needs one on every rank (zeros where a rank has none)";
-      if (!check_finite_) throw std::invalid_argument("Muon step: " + what);
-      gate.fail(what, true);
-      break;
+  at::NoGradGuard no_grad;
+  const size_t M = muon_.size();
+  std::vector<at::Tensor> ps(M), gs(M);
+  std::vector<MuonHyper> hyper(M);
+  for (size_t k = 0; k < M; ++k) {
+    const size_t i = muon_[k];
+    ps[k] = params_[i].param;
+    gs[k] = params_[i].grad;
+    hyper[k] = options_of(i);
+    if (!gs[k].defined()) {  // set_grad refuses none: not given yet
+      gate.fail("parameter '" + params_[i].name + "' was given no gradient; every Muon parameter "
+                "needs one on every rank (zeros where a rank has none)", true);
+      gs[k] = at::zeros(ps[k].sizes(), state_options(i));  // (this rank still takes part in the exchanges)
     }
   }
-  // Without the gradients' check (a caller that gates the step itself, as
-  // Python's Muon does) no collective here; Newton–Schulz failures are agreed in muon_step.
-  if (check_finite_) gate.agree();
-  std::vector<at::Tensor> ps, gs;
-  std::vector<MuonHyper> hyper;
-  for (size_t i = 0; i < params_.size(); ++i) {
-    ps.push_back(params_[i].param);
-    gs.push_back(params_[i].grad);
-    hyper.push_back(options_of(i));
-  }
-  check_replicated_grads(gs);
+  // (collective: every rank checks, a failed one too, and all fail alike)
+  gate.guard([&] { check_replicated_grads(gs); });
   const bool on_gpu = !ps.empty() && ps[0].is_cuda();
   const bool batch = options_.batch_newton_schulz.value_or(on_gpu);
-  if (options_.momentum_dtype == at::kFloat) {
-    muon_step(comm_.get(), layout_, ps, gs, momenta_, hyper, options_.ns_dtype, batch);
-    return;
-  }
-  // bf16 / 8-bit: the new momentum (and the update) in fp32 now, stored on commit.
-  const size_t P = params_.size();
-  std::vector<at::Tensor> u(P), pending(P), pending_absmax(P);
-  for (size_t i = 0; i < P; ++i) {
-    const at::Tensor g = gs[i].contiguous().view(-1);
-    const double beta = hyper[i].momentum;
-    if (!eight_bit()) {  // bf16: torch's lerp in fp32, as muon_step's
-      pending[i] = momenta_[i].view(-1).to(at::kFloat).lerp(g, 1.0 - beta);
-      u[i] = hyper[i].nesterov ? g.lerp(pending[i], beta) : pending[i];
+  // The new momentum and the update in fp32 now; the momentum stored on commit.
+  std::vector<at::Tensor> u(M), pending(M), pending_absmax(M);
+  for (size_t k = 0; k < M; ++k) {
+    const size_t i = muon_[k];
+    const at::Tensor g = gs[k].contiguous().view(-1);
+    const double beta = hyper[k].momentum;
+    if (!eight_bit()) {  // fp32 / bf16: torch's lerp in fp32
+      pending[k] = momenta_[i].view(-1).to(at::kFloat).lerp(g, 1.0 - beta);
+      u[k] = hyper[k].nesterov ? g.lerp(pending[k], beta) : pending[k];
       continue;
     }
-    pending[i] = at::empty_like(momenta_[i]);
-    pending_absmax[i] = at::empty_like(absmax_[i]);
-    u[i] = at::empty({g.numel()}, g.options());
+    pending[k] = at::empty_like(momenta_[i]);
+    pending_absmax[k] = at::empty_like(absmax_[i]);
+    u[k] = at::empty({g.numel()}, g.options());
     quant::cpu::momentum8bit_step(g.data_ptr<float>(), momenta_[i].data_ptr<uint8_t>(),
                                   absmax_[i].data_ptr<float>(), block_layout(i), *lut_,
-                                  static_cast<float>(beta), hyper[i].nesterov,
-                                  pending[i].data_ptr<uint8_t>(),
-                                  pending_absmax[i].data_ptr<float>(), u[i].data_ptr<float>());
+                                  static_cast<float>(beta), hyper[k].nesterov,
+                                  pending[k].data_ptr<uint8_t>(),
+                                  pending_absmax[k].data_ptr<float>(), u[k].data_ptr<float>());
   }
   // (A momentum that overflowed makes u, and so Newton–Schulz's result, non-finite:
-  // that failure is agreed in the step below.)
-  muon_step_from_updates(comm_.get(), layout_, ps, u, hyper, options_.ns_dtype, batch, [&] {
-    for (size_t i = 0; i < P; ++i) {
-      momenta_[i].view(-1).copy_(pending[i].view(-1));
-      if (eight_bit()) absmax_[i].copy_(pending_absmax[i]);
+  // that failure is agreed with the gradients' in the step below, in one all-reduce.)
+  muon_step_from_updates(comm_.get(), layout_, ps, u, hyper, options_.ns_dtype, batch, gate, [&] {
+    for (size_t k = 0; k < M; ++k) {
+      const size_t i = muon_[k];
+      momenta_[i].view(-1).copy_(pending[k].view(-1));
+      if (eight_bit()) absmax_[i].copy_(pending_absmax[k]);
     }
   });
+  // The AdamW part: the parameters outside Muon that have a gradient.
+  std::vector<AdamWStep> adam;
+  for (size_t i : stepping) {
+    if (uses_muon(i)) continue;
+    const MuonHyper& h = options_of(i);
+    adam.push_back({params_[i].param, params_[i].grad, exp_avg_[i], exp_avg_sq_[i], h.lr,
+                    h.adam_beta1, h.adam_beta2, h.adam_eps, h.weight_decay, param_steps_[i],
+                    group_of_[i]});
+  }
+  fused_launches_ += adamw_fp32_steps(adam, /*fused_on_cpu=*/false);
 }
 
 }  // namespace rfsdp

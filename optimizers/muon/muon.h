@@ -102,32 +102,30 @@ class MuonLayout {
   OwnerExchange exchange_;
 };
 
+// A group's hyperparameters. Its parameters outside Muon (use_muon false: 0-D
+// and 1-D ones, embeddings, heads) take AdamW with lr, weight_decay and the
+// adam_ fields, as the reference Muon's MuonWithAuxAdam does.
 struct MuonHyper {
   double lr = 0.02, momentum = 0.95, weight_decay = 0.0;
   bool nesterov = true;
   MuonAdjustLr adjust_lr = MuonAdjustLr::Original;
+  double adam_beta1 = 0.9, adam_beta2 = 0.95, adam_eps = 1e-10;
 };
 
-// One step over the layout's parameters. params, grads, momenta: this rank's
-// shards (contiguous fp32, elem_end - elem_begin elements each); hyper: one per
-// parameter. ns_dtype: the Newton–Schulz compute dtype. batch_same_shape: the
-// matrices rooted here with equal shape and steps are orthogonalised as one
-// batch (one bmm per product: fewer, larger GPU kernels). Collective when comm
-// is set. Gradients are not checked here (see Muon::step); a Newton–Schulz
-// failure on a root (an error, or a result that is not finite) is agreed by
-// every rank before anything changes (StepGate), and raised on every rank.
-void muon_step(Comm* comm, const MuonLayout& layout, const std::vector<at::Tensor>& params,
-               const std::vector<at::Tensor>& grads, const std::vector<at::Tensor>& momenta,
-               const std::vector<MuonHyper>& hyper, at::ScalarType ns_dtype = at::kFloat,
-               bool batch_same_shape = false);
-
-// muon_step from the updates to orthogonalise (u: this rank's shards, fp32):
-// gather, Newton–Schulz, agreement, scatter, apply. commit runs once every rank
-// agreed (before the parameters change): it stores the new momenta.
+// One Muon step over the layout's parameters from the updates to orthogonalise
+// (u: this rank's shards, contiguous fp32; hyper: one per layout parameter):
+// every matrix gathered to its root (one all-to-all), Newton–Schulz there
+// (ns_dtype; batch_same_shape: the matrices rooted here with equal shape and
+// steps as one batch, one bmm per product), its failures (an error, a result
+// that is not finite) recorded in `gate`, then gate.agree() (the caller's other
+// checks agreed in the same all-reduce), commit() (the caller's state), the
+// results scattered back (one all-to-all) and applied: p <- p (1 - lr wd) - lr o.
+// Collective when comm is set; a rank whose gate failed before takes part alike.
 void muon_step_from_updates(Comm* comm, const MuonLayout& layout,
                             const std::vector<at::Tensor>& params, const std::vector<at::Tensor>& u,
                             const std::vector<MuonHyper>& hyper, at::ScalarType ns_dtype,
-                            bool batch_same_shape, const std::function<void()>& commit);
+                            bool batch_same_shape, StepGate& gate,
+                            const std::function<void()>& commit);
 
 struct MuonOptions {
   MuonHyper hyper;
@@ -149,47 +147,59 @@ struct MuonOptions {
   std::string momentum_map = "dynamic";
 };
 
-// The C++ optimizer: Muon over parameter shards (ParamShard.shape must be the
-// full shape). Pair it with AdamW for 0-D/1-D parameters, embeddings and heads.
+// The C++ optimizer: Muon over the parameter shards in use_muon (ParamShard.shape
+// must be the full shape), AdamW (fp32 moments) over the others, one step and
+// one agreement all-reduce for both (NaN/Inf gradients, Newton–Schulz failures).
 // Groups hold MuonHyper (options.hyper: every group's until set_group_options).
 class Muon : public GroupedOptimizer<MuonHyper> {
  public:
-  // ns_steps: Newton–Schulz steps per parameter (empty: options.ns_steps for all).
-  // Collective: the layout agrees on every rank's ranges.
+  // ns_steps: Newton–Schulz steps per parameter (empty: options.ns_steps for
+  // all; ignored outside Muon). use_muon (empty: all): which parameters Muon
+  // takes. Collective: the layout agrees on every rank's ranges.
   Muon(std::shared_ptr<Comm> comm, std::vector<ParamShard> params, MuonOptions options = {},
-       std::vector<int> ns_steps = {});
+       std::vector<int> ns_steps = {}, std::vector<bool> use_muon = {});
   const char* name() const override { return "Muon"; }
+  // The layout of the Muon parameters (its parameter k: muon_params()[k]).
   const MuonLayout& layout() const { return layout_; }
+  const std::vector<size_t>& muon_params() const { return muon_; }
+  bool uses_muon(size_t i) const { return in_muon_.at(i) >= 0; }
   const MuonOptions& options() const { return options_; }
   // Parameter i's momentum in fp32 (decoded where it is stored in 8 bits).
   at::Tensor momentum(size_t i) const;
   // The tensors the step updates for parameter i, by name: momentum_buffer
   // (float32 / bfloat16), or momentum_codes (uint8, the shard's shape) and
-  // momentum_absmax (one per block of this shard, in order).
+  // momentum_absmax (one per block of this shard, in order); outside Muon,
+  // AdamW's exp_avg and exp_avg_sq.
   std::vector<std::pair<std::string, at::Tensor>> state(size_t i) const override;
-  bool state_has_step() const override { return false; }
+  // Muon's update does not depend on the step count (torch.optim.Muon keeps
+  // none); AdamW's does.
+  bool state_has_step(size_t i) const override { return !uses_muon(i); }
 
  protected:
-  // Every parameter steps on every rank (collectives): a gradient is required.
+  // Every Muon parameter steps on every rank (collectives): a gradient is required.
   void check_grad_of(size_t i, const at::Tensor& grad) const override;
   void check_options(const MuonHyper& h) const override;
   void run_step(StepGate& gate, const std::vector<size_t>& stepping) override;
 
  private:
-  // The layout of params (every rank's rows gathered into them first where unknown).
+  // The layout of the Muon parameters (every rank's rows gathered into them
+  // first where unknown).
   static MuonLayout layout_of(Comm* comm, std::vector<ParamShard>* params, const MuonOptions& o,
-                              std::vector<int> ns_steps);
+                              std::vector<int> ns_steps, const std::vector<bool>& use_muon);
   // Replicated parameters' gradients must agree across the ranks (each matrix's
   // root computes the update every rank applies): one max all-reduce of their
-  // sums, and the same error on every rank where they differ.
+  // sums, and the same error on every rank where they differ (layout order).
   void check_replicated_grads(const std::vector<at::Tensor>& grads) const;
   bool eight_bit() const { return options_.momentum_dtype == at::kByte; }
   quant::BlockLayout block_layout(size_t i) const;
 
   MuonOptions options_;
+  std::vector<size_t> muon_;    // the Muon parameters, in layout order
+  std::vector<int64_t> in_muon_;  // [param]: its index in muon_, or -1 (AdamW)
   MuonLayout layout_;
-  std::vector<at::Tensor> momenta_;        // float32 / bfloat16: the momentum; 8-bit: its codes
-  std::vector<at::Tensor> absmax_;         // 8-bit: per block
+  std::vector<at::Tensor> momenta_;        // [param] float32 / bfloat16: the momentum; 8-bit: its codes
+  std::vector<at::Tensor> absmax_;         // [param] 8-bit: per block
+  std::vector<at::Tensor> exp_avg_, exp_avg_sq_;  // [param] outside Muon: AdamW's moments
   std::shared_ptr<const quant::cpu::CodeLut> lut_;  // 8-bit: the code map
 };
 

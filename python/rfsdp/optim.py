@@ -77,17 +77,18 @@ def _run_closure(closure):
         return closure()
 
 
-def _agreed(comm, name, prepare):
+def _agreed(impl, prepare):
     """Runs prepare() (this rank's part of a step before its first collective). If
-    it raises, the error goes to the step gate the other ranks' step() opens with,
-    so every rank raises the same error at once (naming this rank) instead of
-    waiting for this one in a collective."""
+    it raises, this rank runs the step's collectives with the error (impl's
+    step_refused), as the other ranks' impl.step() runs them, so every rank
+    raises the same error at once (naming this rank) instead of waiting for this
+    one in a collective."""
     try:
         prepare()
     except (ValueError, TypeError, RuntimeError, IndexError) as e:
-        _C.step_gate(comm, name + " step", [], "%s: %s" % (type(e).__name__, e),
-                     isinstance(e, (ValueError, TypeError, IndexError)))
-        raise  # not reached: the gate raised
+        impl.step_refused("%s: %s" % (type(e).__name__, e),
+                          isinstance(e, (ValueError, TypeError, IndexError)))
+        raise  # not reached: the step raised
 
 
 def _adamw_options(g):
@@ -103,7 +104,7 @@ class _Part:
         self.impl, self.idx, self.options = impl, idx, options
         self.groups = sorted(set(groups))
         self.sent = {}
-        self.has_step = impl.state_has_step()
+        self.has_step = [impl.state_has_step(k) for k in range(len(idx))]
 
 
 class _OverCpp(torch.optim.Optimizer):
@@ -213,7 +214,7 @@ class _OverCpp(torch.optim.Optimizer):
     def _state_of(self, p):
         part, k = self._where[id(p)]
         st = dict(part.impl.state(k))
-        if part.has_step:
+        if part.has_step[k]:
             st["step"] = torch.tensor(float(part.impl.step_count(k)))
         return st
 
@@ -232,7 +233,7 @@ class _OverCpp(torch.optim.Optimizer):
             # torch's load_state_dict casts every state tensor to the parameter's dtype
             # (8-bit codes arrive as float32 holding 0..255): the copy casts them back exactly.
             t.copy_(src)
-        if part.has_step:
+        if part.has_step[k]:
             part.impl.set_step_count(k, int(st["step"]))
         self._stepped.add(id(p))
         self._published.pop(id(p), None)
@@ -243,7 +244,7 @@ class _OverCpp(torch.optim.Optimizer):
         call per C++ optimizer for all of them)."""
         params = self._bound_params
         for part in self._part_list:
-            counts = part.impl.step_counts() if part.has_step else None
+            counts = part.impl.step_counts() if any(part.has_step) else None
             for k, i in enumerate(part.idx):
                 p = params[i]
                 if id(p) not in self._stepped:
@@ -251,7 +252,7 @@ class _OverCpp(torch.optim.Optimizer):
                 st = self._published.get(id(p))
                 if st is None or self.state.get(p) is not st:  # new, or replaced by a load
                     self._publish_one(p)
-                elif counts is not None:
+                elif part.has_step[k]:
                     st["step"].fill_(float(counts[k]))
 
     def _publish_one(self, p):
@@ -268,13 +269,15 @@ class _OverCpp(torch.optim.Optimizer):
         if hit is None or self._bound_params[hit[0].idx[hit[1]]] is not p:
             self._bind()
 
-    def _grads_of(self, idx, zeros_for_none=False):
+    def _grads_of(self, idx, zeros_for=()):
+        """The gradients of params[idx] (None: no step), zeros set where a parameter
+        in zeros_for (indices into params) has none: a rank without a gradient
+        still takes part in the collectives."""
         params = self._bound_params
-        if zeros_for_none:  # a rank without a gradient still takes part in the collectives
-            for i in idx:
-                if params[i].grad is None:
-                    params[i].grad = torch.zeros_like(params[i])
-        return [local(params[i].grad) for i in idx]
+        for i in zeros_for:
+            if params[i].grad is None:
+                params[i].grad = torch.zeros_like(params[i])
+        return [None if params[i].grad is None else local(params[i].grad) for i in idx]
 
     def _step_all(self):
         """One step of every part: options where they changed, each part's
@@ -285,12 +288,17 @@ class _OverCpp(torch.optim.Optimizer):
         def prepare():
             self._send_options()
             for part in self._part_list:
-                part.impl.set_grads(self._grads_of(part.idx))
-        _agreed(self.comm, type(self).__name__, prepare)
+                part.impl.set_grads(self._grads_of(part.idx, self._needs_grads(part)))
+        _agreed(self._part_list[0].impl, prepare)
         for part in self._part_list:
             part.impl.step()
         self._stepped.update(id(p) for p in self._bound_params if p.grad is not None)
         self._publish()
+
+    def _needs_grads(self, part):
+        """Indices (into the bound parameters) of part's parameters that need a
+        gradient every step (zeros are given where one has none): Muon's matrices."""
+        return ()
 
     # ---- the checkpoint protocol ----
 
@@ -619,9 +627,8 @@ class Muon(_OverCpp):
         For load_sharded_state."""
         self._bind_for(p)
         _, row_len, begin, end = _row_span(p)
-        part, _ = self._where[id(p)]
         live = self.sharded_state(p)
-        if part.impl is self._aux:
+        if "exp_avg" in live:  # the AdamW part
             return dict(_like_rows(p, full, live, ("exp_avg", "exp_avg_sq")), step=full["step"])
         if "momentum_codes" in full:
             whole = _C.dequantize_blockwise(
@@ -644,46 +651,29 @@ class Muon(_OverCpp):
 
     def _parts(self, params):
         group_of = {id(p): g for g in self.param_groups for p in g["params"]}
-        muon = [i for i, p in enumerate(params) if group_of[id(p)]["use_muon"]]
-        aux = [i for i, p in enumerate(params) if not group_of[id(p)]["use_muon"]]
-        # One NaN/Inf check over both parts (step), so neither changes anything alone.
-        self.layout = _C.Muon([_shard_spec(i, params[i]) for i in muon],
-                              [group_of[id(params[i])]["ns_steps"] for i in muon], self.ns_dtype,
-                              self.comm, False, **self.momentum)
-        self._aux = _C.AdamW([_shard_spec(i, params[i]) for i in aux], self.comm, False)
-        self._muon_idx, self._aux_idx = muon, aux
-        self._gate_names = [self.layout.param_name(k) for k in range(len(muon))] + \
-            [self._aux.param_name(k) for k in range(len(aux))]
-        return [(self.layout, muon, _muon_options), (self._aux, aux, _adamw_options)]
+        use = [bool(group_of[id(p)]["use_muon"]) for p in params]
+        # One C++ optimizer over both parts: one step, one agreement all-reduce
+        # (NaN/Inf gradients and Newton-Schulz failures), so neither changes alone.
+        self.layout = _C.Muon([_shard_spec(i, p) for i, p in enumerate(params)],
+                              [group_of[id(p)]["ns_steps"] for p in params], self.ns_dtype,
+                              self.comm, True, use_muon=use, **self.momentum)
+        self._muon_idx = [i for i, u in enumerate(use) if u]
+        return [(self.layout, list(range(len(params))), _muon_options)]
+
+    def _needs_grads(self, part):
+        return self._muon_idx
 
     @torch.no_grad()
     def step(self, closure=None):
         loss = _run_closure(closure)
-        self._follow_params()
-        grads = []
-
-        def prepare():
-            self._send_options()
-            muon = self._grads_of(self._muon_idx, zeros_for_none=True)
-            aux = self._grads_of(self._aux_idx)
-            self.layout.set_grads(muon)
-            self._aux.set_grads(aux)
-            grads.extend((n, g) for n, g in zip(self._gate_names, muon + aux) if g is not None)
-        _agreed(self.comm, "Muon", prepare)
-        # One gate over both parts (NaN/Inf), so neither changes anything alone; the
-        # Muon part agrees its roots again before it changes anything.
-        _C.step_gate(self.comm, "Muon step", grads)
-        self.layout.step()
-        self._aux.step()
-        params = self._bound_params
-        self._stepped.update(id(params[i]) for i in self._muon_idx)
-        self._stepped.update(id(params[i]) for i in self._aux_idx if params[i].grad is not None)
-        self._publish()
+        self._step_all()
         return loss
 
 
 def _muon_options(g):
-    return (g["lr"], g["momentum"], g["weight_decay"], bool(g["nesterov"]), g["adjust_lr"])
+    betas = g.get("betas", Muon.AUX_DEFAULTS["betas"])
+    return (g["lr"], g["momentum"], g["weight_decay"], bool(g["nesterov"]), g["adjust_lr"],
+            betas[0], betas[1], g.get("eps", Muon.AUX_DEFAULTS["eps"]))
 
 
 def _shampoo_options(g):

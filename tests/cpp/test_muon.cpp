@@ -698,5 +698,31 @@ TEST(NewtonSchulz, BatchEqualsOneMatrixAtATime) {
   EXPECT_THROW(newton_schulz(at::zeros({2, 2, 2, 2}), 5), std::invalid_argument);
 }
 
+TEST(Muon, WithItsAdamWPartOneStepIsTwoAllToAllsAndOneAgreement) {
+  // Matrices cut between 2 ranks and a bias (the AdamW part): the gather and the
+  // scatter of the matrices, and one all-reduce that agrees the gradients'
+  // NaN/Inf check and Newton-Schulz's failures for both parts.
+  run_local_ranks(2, [](Comm& comm) {
+    const std::vector<std::pair<int64_t, int64_t>> every = {{0, 3}, {3, 8}};
+    const auto [b, e] = every[comm.rank()];
+    std::vector<ParamShard> shards;
+    for (const char* name : {"w1", "w2"}) {
+      shards.emplace_back(TensorShard::rows_of(name, {8, 6}, 1, b, e, every), at::randn({e - b, 6}),
+                          at::randn({e - b, 6}));
+    }
+    shards.emplace_back(TensorShard::rows_of("bias", {8}, 1, b, e, every), at::randn({e - b}),
+                        at::randn({e - b}));
+    Muon muon(std::shared_ptr<Comm>(&comm, [](Comm*) {}), shards, {}, {}, {true, true, false});
+    const at::Tensor bias = shards[2].param.clone();
+    comm.reset_stats();
+    muon.step();
+    EXPECT_EQ(comm.stats().collectives, 3);
+    EXPECT_FALSE(at::equal(shards[2].param, bias));  // the AdamW part stepped
+    EXPECT_EQ(muon.state(2)[0].first, "exp_avg");
+    EXPECT_TRUE(muon.state_has_step(2));
+    EXPECT_FALSE(muon.state_has_step(0));
+  });
+}
+
 }  // namespace
 }  // namespace rfsdp
