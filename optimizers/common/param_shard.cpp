@@ -67,7 +67,10 @@ void gather_rank_rows(Comm* comm, std::vector<ParamShard>* params, const char* w
   }
   for (int64_t i = 0; i < P; ++i) {
     ParamShard& p = (*params)[i];
-    if (!p.rank_rows.empty()) continue;  // (what it knows is agreed by its consumer)
+    // (rows known for this group are kept: their consumer agrees them; rows known
+    // for another group, an HSDP shard group's, are this group's no more)
+    if (static_cast<int>(p.rank_rows.size()) == world) continue;
+    p.rank_rows.clear();
     for (int r = 0; r < world; ++r) p.rank_rows.emplace_back(t[r][1 + 2 * i], t[r][2 + 2 * i]);
   }
 }

@@ -23,8 +23,9 @@ void check_grad(const char* optimizer, const ParamShard& p, const at::Tensor& gr
 ParamShard whole_param(const std::string& name, const at::Tensor& param, const at::Tensor& grad,
                        int row_dims = 1);
 
-// Every rank's rows, filled in where a shard does not know them (one described
-// by hand, a whole tensor on every rank: DDP): one all-reduce of every rank's
+// Every rank's rows, filled in where a shard does not know them for comm's
+// ranks (one described by hand, a whole tensor on every rank: DDP; an HSDP
+// shard group's rows seen from the whole world): one all-reduce of every rank's
 // rows of every parameter, only where some shard lacks them and comm has more
 // than one rank (build the optimizer from the same model on every rank). Throws
 // std::invalid_argument on every rank where the ranks hold different numbers of

@@ -120,6 +120,23 @@ def shard_info(param: torch.Tensor) -> Optional[ShardInfo]:
     return getattr(param, "_rfsdp_shard", None)
 
 
+class UnitParam:
+    """One parameter of a unit (FSDP2's FSDPParam): its shard (the parameter the
+    model holds between passes), its full parameter (a view of the gathered
+    buffer, held during forward and backward), and the views of its gradient in
+    the full gradient buffer and in the local slice. The views are stable objects
+    (the buffers' memory comes and goes under them), made once here, so a
+    backward asks the C++ unit nothing per parameter."""
+
+    def __init__(self, unit, i, requires_grad, pg, rg):
+        self.sharded = nn.Parameter(unit.local_param(i), requires_grad=requires_grad)
+        self.sharded._rfsdp_shard = ShardInfo.of(unit.tensor_shard(i), pg, rg)
+        self.full = nn.Parameter(unit.full_param(i).data, requires_grad=requires_grad)
+        self.full_grad = unit.full_grad(i).data
+        self.local_grad = unit.local_grad(i)
+        self.grad = ShardGrad.of(self.local_grad, pg)  # the shard's .grad once reduced
+
+
 class Unit:
     def __init__(self, entries, comm, replicate_comm, pg, rg, pol, mp, reshard_after_forward,
                  planner, device):
@@ -160,18 +177,18 @@ class Unit:
             dist.broadcast(flat, src=dist.get_global_rank(rg, 0), group=rg)
         full = [t.view(p.shape) for t, p in zip(flat.split([p.numel() for p in params]), params)]
         self.unit.shard(full)
-        self.sharded, self.full, self.grads = [], [], []
+        self.params = []
         for i, (uses, p) in enumerate(zip(entries, params)):
-            sp = nn.Parameter(self.unit.local_param(i), requires_grad=p.requires_grad)
-            sp._rfsdp_shard = ShardInfo.of(self.unit.tensor_shard(i), pg,
-                                           rg if self.replicate_comm is not None else None)
+            up = UnitParam(self.unit, i, p.requires_grad, pg,
+                           rg if self.replicate_comm is not None else None)
             p._rfsdp_replaced = uses[0][2]  # an optimizer built on the old parameter is an error
-            self.sharded.append(sp)
-            self.grads.append(ShardGrad.of(self.unit.local_grad(i), pg))
-            fp = nn.Parameter(self.unit.full_param(i).data, requires_grad=p.requires_grad)
-            if fp.requires_grad:
-                fp.register_post_accumulate_grad_hook(self._grad_landed)
-            self.full.append(fp)
+            if up.full.requires_grad:
+                up.full.register_post_accumulate_grad_hook(self._grad_landed)
+            self.params.append(up)
+        # (the same objects, as lists: what the hooks and the API walk)
+        self.sharded = [up.sharded for up in self.params]
+        self.full = [up.full for up in self.params]
+        self.grads = [up.grad for up in self.params]
         self._use(self.sharded)
         self.state = TrainingState.IDLE
         self.cast_to = mp.param_dtype if mp.cast_forward_inputs and mp.param_dtype != torch.float32 else None
@@ -216,10 +233,11 @@ class Unit:
                     sp.data = home
                 if not had_grads[i]:
                     continue
-                grad_home = self.unit.local_grad(i)
+                grad_home = self.params[i].local_grad
                 if sp.grad.data_ptr() != grad_home.data_ptr():
                     grad_home.copy_(sp.grad)
-                    self.grads[i] = ShardGrad.of(grad_home, self.grads[i]._rfsdp_group)
+                    self.grads[i] = self.params[i].grad = ShardGrad.of(
+                        grad_home, self.grads[i]._rfsdp_group)
                 sp.grad = self.grads[i]
 
     def data_state(self):
@@ -321,11 +339,10 @@ class Unit:
             if self.schedule is not None and self.schedule.reducing is not None:
                 self.schedule.reducing._finish_reduce()  # its gradient buffer goes first
             self.unit.prepare_grads(keep=self.grads_kept)
-            for i, fp in enumerate(self.full):
-                g = self.unit.full_grad(i)
+            for up in self.params:
                 # Backward adds into the gradient view in place; with another reduce
                 # dtype it lands in a fresh .grad that _grads_to_buffer adds over.
-                fp.grad = g.data if fp.dtype == g.dtype else None
+                up.full.grad = up.full_grad if up.full.dtype == up.full_grad.dtype else None
             self.grads_waiting = self.grads_expected
             self.grads_done = False
             torch.autograd.Variable._execution_engine.queue_callback(self._post_backward)
@@ -339,10 +356,10 @@ class Unit:
 
     def _grads_to_buffer(self):
         """Every full gradient into the full gradient buffer (in the reduce dtype)."""
-        for i, fp in enumerate(self.full):
-            g_full = self.unit.full_grad(i)
-            if fp.grad is not None and fp.grad.data_ptr() != g_full.data_ptr():
-                g_full.add_(fp.grad)  # mixed precision: gradient dtype != reduce dtype
+        for up in self.params:
+            fp = up.full
+            if fp.grad is not None and fp.grad.data_ptr() != up.full_grad.data_ptr():
+                up.full_grad.add_(fp.grad)  # mixed precision: gradient dtype != reduce dtype
             fp.grad = None
 
     def _grads_done(self):
@@ -365,9 +382,9 @@ class Unit:
         if trained and all(sp.grad is None for sp in trained):
             self.unit.zero_grad()
         else:
-            for i, sp in enumerate(self.sharded):
-                if sp.requires_grad and sp.grad is None:
-                    self.unit.local_grad(i).zero_()
+            for up in self.params:
+                if up.sharded.requires_grad and up.sharded.grad is None:
+                    up.local_grad.zero_()
         self.reduce_handle = self.unit.reduce_grads(True)
         # Always resharded after a synced backward: the optimizer step that follows
         # changes the shards, and gathered parameters kept would be stale.
