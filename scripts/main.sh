@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # The main job: a small GPT (3.3M parameters) trained on Debian's fortunes text
 # with torchrun on 2 processes, fully sharded with rfsdp, comparing AdamW,
-# AdamW8bit, Muon and Shampoo on the same data and seed (about 4.5 minutes on 2
-# cores); then the planner report for the model zoo. Set-up as scripts/setup.sh, plus fortunes.
+# AdamW8bit, Muon, Shampoo and SOAP on the same data and seed (about 6 minutes
+# on 2 cores); then the planner report for the model zoo. Set-up as scripts/setup.sh, plus fortunes.
 # Extra arguments go to examples/train_gpt.py (e.g. --steps 20).
 set -euo pipefail
 cd "$(dirname "$0")/.."

@@ -22,5 +22,6 @@ if [ "$suite" != py ]; then
   ctest --test-dir "$BUILD_DIR" --output-on-failure -j 2 "$@"
 fi
 if [ "$suite" != cpp ]; then
-  RFSDP_BUILD_DIR="$BUILD_DIR" "$PY" -m pytest -q tests/python "$@"
+  # (--durations: the 20 slowest tests, to keep the suite inside its time)
+  RFSDP_BUILD_DIR="$BUILD_DIR" "$PY" -m pytest -q --durations=20 tests/python "$@"
 fi

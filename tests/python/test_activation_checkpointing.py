@@ -6,12 +6,9 @@ is on from the second step. Also: eval under no_grad, frozen parameters,
 torch.compile of a sharded block."""
 import os
 import sys
-import tempfile
 
 import pytest
 import torch
-import torch.distributed as dist
-import torch.multiprocessing as mp
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
@@ -20,6 +17,7 @@ import rfsdp
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from slice_training import train_on_slices  # noqa: E402
 from models import CLIP, Net, data, reference  # noqa: E402
+from ranks import run_ranks  # noqa: E402
 
 WORLD = 2
 
@@ -36,9 +34,7 @@ class CheckpointedNet(Net):
         return self.head(h)
 
 
-def worker(rank, seed, use_reentrant, reshard, init_file, out_file):
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method="file://" + init_file, rank=rank, world_size=WORLD)
+def worker(rank, world, seed, use_reentrant, reshard):
     torch.manual_seed(seed)
     model = CheckpointedNet(use_reentrant)
     for b in model.blocks:
@@ -48,11 +44,7 @@ def worker(rank, seed, use_reentrant, reshard, init_file, out_file):
     xs, ys = data(seed)
     losses = train_on_slices(model, opt, xs, ys, rank, WORLD,
                              before_step=lambda: rfsdp.clip_grad_norm_(model, CLIP))
-    params = rfsdp.full_parameters(model)
-    if rank == 0:
-        torch.save({"losses": losses, "params": params}, out_file)
-    dist.barrier()
-    os._exit(0)  # (torch's Gloo threads may abort a normal exit: see rfsdp._comm)
+    return {"losses": losses, "params": rfsdp.full_parameters(model)}
 
 
 @pytest.mark.parametrize("use_reentrant,reshard", [(False, True), (False, False), (True, True),
@@ -60,11 +52,7 @@ def worker(rank, seed, use_reentrant, reshard, init_file, out_file):
 def test_checkpointed_blocks_train_like_unsharded(use_reentrant, reshard):
     seed = int(torch.randint(0, 2 ** 30, ()).item())
     ref_losses, ref_params = reference(seed)
-    with tempfile.TemporaryDirectory() as d:
-        out = os.path.join(d, "out.pt")
-        mp.spawn(worker, args=(seed, use_reentrant, reshard, os.path.join(d, "init"), out),
-                 nprocs=WORLD)
-        got = torch.load(out)
+    got = run_ranks(worker, WORLD, seed, use_reentrant, reshard)[0]
     assert got["losses"] == pytest.approx(ref_losses, rel=1e-5, abs=1e-6), "seed %d" % seed
     for name, ref in ref_params.items():
         torch.testing.assert_close(got["params"][name], ref, rtol=1e-5, atol=1e-5,

@@ -4,18 +4,16 @@ seed and data on 2 ranks (processes, Gloo), 10 steps of torch.optim.AdamW over
 parameters at the end must agree."""
 import os
 import sys
-import tempfile
 
 import pytest
 import torch
-import torch.distributed as dist
-import torch.multiprocessing as mp
 
 import rfsdp
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from slice_training import train_on_slices  # noqa: E402
 from models import Net  # noqa: E402  (embedding, 3 residual blocks, head)
+from ranks import run_ranks  # noqa: E402
 
 STEPS = 10
 WORLD = 2
@@ -28,9 +26,7 @@ def train(model, rank, seed):
     return train_on_slices(model, opt, xs, ys, rank, WORLD)
 
 
-def worker(rank, seed, init_file, out_file):
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method="file://" + init_file, rank=rank, world_size=WORLD)
+def worker(rank, world, seed):
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard as fsdp2_fully_shard
 
@@ -50,19 +46,12 @@ def worker(rank, seed, init_file, out_file):
     fsdp2_fully_shard(theirs, mesh=mesh)
     theirs_losses = train(theirs, rank, seed)
     theirs_params = {n: p.full_tensor().detach() for n, p in theirs.named_parameters()}
-    if rank == 0:
-        torch.save({"ours": (ours_losses, ours_params), "fsdp2": (theirs_losses, theirs_params)},
-                   out_file)
-    dist.barrier()
-    os._exit(0)  # (torch's Gloo threads may abort a normal exit: see rfsdp._comm)
+    return {"ours": (ours_losses, ours_params), "fsdp2": (theirs_losses, theirs_params)}
 
 
 def test_rfsdp_shards_train_like_fsdp2():
     seed = int(torch.randint(0, 2 ** 30, ()).item())
-    with tempfile.TemporaryDirectory() as d:
-        out = os.path.join(d, "out.pt")
-        mp.spawn(worker, args=(seed, os.path.join(d, "init"), out), nprocs=WORLD)
-        got = torch.load(out)
+    got = run_ranks(worker, WORLD, seed)[0]
     ours_losses, ours_params = got["ours"]
     fsdp2_losses, fsdp2_params = got["fsdp2"]
     assert ours_losses == pytest.approx(fsdp2_losses, rel=1e-5, abs=0), "seed %d" % seed

@@ -1,16 +1,12 @@
 """fully_shard on 1 and 2 ranks (processes, Gloo) against the same model trained
 unsharded with torch.optim.AdamW on the whole batch; misuse errors."""
 import copy
-import faulthandler
 import os
 import sys
-import tempfile
-import threading
 
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 from torch import nn
 
 import rfsdp
@@ -18,18 +14,12 @@ import rfsdp
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from models import CLIP, STEPS, Block, Net, data, reference  # noqa: E402,F401
 from slice_training import train_on_slices  # noqa: E402
+from ranks import run_ranks  # noqa: E402
 
 HANG_SECONDS = 60
 
 
-def worker(rank, world, seed, init_file, out_file, reshard):
-    # A hang becomes a failure with every thread's stack, on stderr and in a file.
-    stacks = open(out_file + ".stacks%d" % rank, "w")
-    faulthandler.dump_traceback_later(HANG_SECONDS, exit=False, file=stacks)
-    killer = threading.Timer(HANG_SECONDS + 5, os._exit, args=(3,))  # after every rank dumped
-    killer.daemon = True
-    killer.start()
-    dist.init_process_group("gloo", init_method="file://" + init_file, rank=rank, world_size=world)
+def worker(rank, world, seed, reshard):
     torch.manual_seed(seed)
     model = Net()
     for b in model.blocks:
@@ -70,29 +60,15 @@ def worker(rank, world, seed, init_file, out_file, reshard):
                              after_step=idle_and_sharded)
     # Gather the full parameters by name: shards -> rows of the global tensors.
     params = rfsdp.full_parameters(model)
-    if rank == 0:
-        torch.save({"losses": losses, "params": params, "fwd": fwd_seen, "bwd": bwd_seen,
-                    "bwd_freed": bwd_freed}, out_file)
-    dist.barrier()
-    os._exit(0)  # (torch's Gloo threads may abort a normal exit: see rfsdp._comm)
-    faulthandler.cancel_dump_traceback_later()
-    killer.cancel()
+    return {"losses": losses, "params": params, "fwd": fwd_seen, "bwd": bwd_seen,
+            "bwd_freed": bwd_freed}
 
 
 @pytest.mark.parametrize("world,reshard", [(1, True), (2, True), (2, False)])
 def test_matches_unsharded_torch_adamw(world, reshard):
     seed = int(torch.randint(0, 2 ** 30, ()).item())
     ref_losses, ref_params = reference(seed)
-    with tempfile.TemporaryDirectory() as d:
-        out = os.path.join(d, "out.pt")
-        try:
-            mp.spawn(worker, args=(world, seed, os.path.join(d, "init"), out, reshard), nprocs=world)
-        except Exception:
-            for r in range(world):
-                with open(out + ".stacks%d" % r) as f:
-                    print("rank %d stacks:\n%s" % (r, f.read()))
-            raise
-        got = torch.load(out)
+    got = run_ranks(worker, world, seed, reshard, timeout=HANG_SECONDS)[0]
     assert got["losses"] == pytest.approx(ref_losses, rel=1e-5, abs=1e-6), "seed %d" % seed
     for name, ref in ref_params.items():
         torch.testing.assert_close(got["params"][name], ref, rtol=1e-5, atol=1e-5,
@@ -183,9 +159,7 @@ def test_8bit_optimizer_needs_whole_blocks(one_rank):
     rfsdp.optim.AdamW8bit([edge], block=256)
 
 
-def mp_worker(rank, world, seed, init_file, out_file, param_dtype):
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method="file://" + init_file, rank=rank, world_size=world)
+def mp_worker(rank, world, seed, param_dtype):
     torch.manual_seed(seed)
     model = Net()
     mp_policy = rfsdp.MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32)
@@ -211,10 +185,7 @@ def mp_worker(rank, world, seed, init_file, out_file, param_dtype):
     outs = torch.stack(outs)
     all_outs = [torch.zeros_like(outs) for _ in range(world)]
     dist.all_gather(all_outs, outs)
-    if rank == 0:
-        torch.save({"outs": torch.cat(all_outs, dim=1), "grads": grads}, out_file)
-    dist.barrier()
-    os._exit(0)  # (torch's Gloo threads may abort a normal exit: see rfsdp._comm)
+    return {"outs": torch.cat(all_outs, dim=1), "grads": grads}
 
 
 @pytest.mark.parametrize("world,param_dtype", [(1, torch.bfloat16), (2, torch.bfloat16),
@@ -224,10 +195,7 @@ def test_mixed_precision_matches_low_precision_reference(world, param_dtype):
     over ranks in float32: the reference is the unsharded model cast to
     param_dtype, each rank's micro-batch backward on its own, the float32 mean."""
     seed = int(torch.randint(0, 2 ** 30, ()).item())
-    with tempfile.TemporaryDirectory() as d:
-        out = os.path.join(d, "out.pt")
-        mp.spawn(mp_worker, args=(world, seed, os.path.join(d, "init"), out, param_dtype), nprocs=world)
-        got = torch.load(out)
+    got = run_ranks(mp_worker, world, seed, param_dtype)[0]
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # the workers' matmul order, so low-precision results agree
     try:

@@ -15,7 +15,7 @@ rows (sum, max, numel: local), returning plain tensors.
 Chosen over DTensor: a DTensor's Shard(0) means torch.chunk's equal split, which
 ragged rows are not (torch 2.11 has no custom placements), and a DTensor
 parameter would put every optimizer and module operation through DTensor's
-dispatch. This type costs only its norms: measured in bench/grad_clipping.py."""
+dispatch. This type costs only its norms: measured in bench/fsdp2_habits.py (clipping)."""
 import math
 from typing import Any, Optional
 
