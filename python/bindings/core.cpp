@@ -1,0 +1,124 @@
+// rfsdp._C: core/ (the layout model, the planner, Comm and agreement).
+#include "python/bindings/bindings.h"
+
+namespace rfsdp_bind {
+
+void bind_core(py::module_& m) {
+  py::class_<rfsdp::CommHandle>(m, "CommHandle")
+      .def("wait", &rfsdp::CommHandle::wait, py::call_guard<py::gil_scoped_release>())
+      .def("waited", &rfsdp::CommHandle::waited);
+
+  py::class_<rfsdp::Comm, std::shared_ptr<rfsdp::Comm>>(m, "Comm")
+      .def(py::init(&make_comm), py::arg("process_group"), py::arg("timeout_seconds") = 300.0)
+      .def("rank", &rfsdp::Comm::rank)
+      .def("size", &rfsdp::Comm::size)
+      .def("close", &rfsdp::Comm::close, py::call_guard<py::gil_scoped_release>())
+      .def("closed", &rfsdp::Comm::closed)
+      .def("stats", [](const rfsdp::Comm& c) { return stats_dict(c.stats()); })
+      .def("reset_stats", &rfsdp::Comm::reset_stats);
+
+  // One rank's piece of a tensor (core/ragged/tensor_shard.h): what fully_shard
+  // makes per parameter and every optimizer, clipping and checkpoint reads;
+  // rfsdp.ShardInfo is a view of it.
+  py::class_<rfsdp::TensorShard>(m, "TensorShard")
+      .def(py::init(&rfsdp::TensorShard::rows_of), py::arg("name"), py::arg("shape"),
+           py::arg("row_dims"), py::arg("row_begin"), py::arg("row_end"),
+           py::arg("rank_rows") = std::vector<std::pair<int64_t, int64_t>>())
+      .def_static("whole", &rfsdp::TensorShard::whole, py::arg("name"), py::arg("shape"),
+                  py::arg("row_dims") = 1)
+      .def_readonly("name", &rfsdp::TensorShard::name)
+      .def_property_readonly("shape", [](const rfsdp::TensorShard& t) {
+             return py::tuple(py::cast(t.shape));
+           })
+      .def_readonly("row_dims", &rfsdp::TensorShard::row_dims)
+      .def_readonly("full_rows", &rfsdp::TensorShard::full_rows)
+      .def_readonly("row_len", &rfsdp::TensorShard::row_len)
+      .def_readonly("row_begin", &rfsdp::TensorShard::row_begin)
+      .def_readonly("row_end", &rfsdp::TensorShard::row_end)
+      .def_readonly("rank_rows", &rfsdp::TensorShard::rank_rows)
+      .def(py::pickle(
+          [](const rfsdp::TensorShard& t) {
+            return py::make_tuple(t.name, t.shape, t.row_dims, t.row_begin, t.row_end, t.rank_rows);
+          },
+          [](const py::tuple& s) {
+            return rfsdp::TensorShard::rows_of(
+                s[0].cast<std::string>(), s[1].cast<std::vector<int64_t>>(), s[2].cast<int>(),
+                s[3].cast<int64_t>(), s[4].cast<int64_t>(),
+                s[5].cast<std::vector<std::pair<int64_t, int64_t>>>());
+          }));
+
+  // Every rank's lines equal, or a ValueError on every rank naming the first
+  // difference (collective; fully_shard's agreement).
+  m.def("agree_lines", [](std::shared_ptr<rfsdp::Comm> comm, const std::vector<std::string>& lines,
+                          const std::string& what) {
+          py::gil_scoped_release release;  // collective
+          rfsdp::agree_lines(*comm, lines, what);
+        }, py::arg("comm"), py::arg("lines"), py::arg("what"));
+
+  // (rows, row length) of a tensor seen as rows of its first row_dims dims: the
+  // one definition (TensorSpec) that fully_shard, the policies and the optimizers use.
+  m.def("row_geometry", [](const std::vector<int64_t>& shape, int row_dims) {
+          const int max_row_dims = shape.empty() ? 1 : static_cast<int>(shape.size());
+          if (row_dims < 1 || row_dims > max_row_dims) {
+            throw std::invalid_argument("row_dims " + std::to_string(row_dims) +
+                                        " is out of range [1, " + std::to_string(max_row_dims) +
+                                        "] for shape " + rfsdp::shape_to_string(shape));
+          }
+          rfsdp::TensorSpec t;
+          t.shape = shape;
+          t.row_dims = row_dims;
+          return py::make_tuple(t.rows(), t.row_elems());
+        }, py::arg("shape"), py::arg("row_dims") = 1);
+
+  m.def("plan_specs", &plan_specs, py::arg("specs"), py::arg("world_size"),
+        py::arg("align_bytes") = 16, py::arg("max_buffers") = rfsdp::PlannerOptions{}.max_buffers,
+        py::arg("collective_cost_bytes") = rfsdp::PlannerOptions{}.collective_cost_bytes);
+
+  // Errors from the library are std::invalid_argument -> ValueError (pybind11's default).
+  py::class_<rfsdp::Plan>(m, "Plan")
+      .def_readonly("world_size", &rfsdp::Plan::world_size)
+      .def_readonly("S", &rfsdp::Plan::shard_elems)
+      .def_readonly("align_bytes", &rfsdp::Plan::align_bytes)
+      .def_readonly("offsets", &rfsdp::Plan::offsets)  // in each tensor's buffer
+      .def_property_readonly("buffers",  // S_b of each buffer (one collective each)
+                             [](const rfsdp::Plan& p) {
+                               std::vector<int64_t> s;
+                               for (size_t b = 0; b < p.num_buffers(); ++b) s.push_back(p.buffer_shard(b));
+                               return s;
+                             })
+      .def_property_readonly("buffer_of",
+                             [](const rfsdp::Plan& p) {
+                               std::vector<size_t> b;
+                               for (size_t i = 0; i < p.tensors.size(); ++i) b.push_back(p.buffer_index(i));
+                               return b;
+                             })
+      .def_readonly("plan_seconds", &rfsdp::Plan::plan_seconds)
+      .def_property_readonly("padding_fraction", &rfsdp::Plan::padding_fraction)
+      .def_property_readonly("lower_bound_S", &rfsdp::Plan::lower_bound_shard_elems)
+      .def_property_readonly("names",
+                             [](const rfsdp::Plan& p) {
+                               std::vector<std::string> n;
+                               for (const auto& t : p.tensors) n.push_back(t.name);
+                               return n;
+                             })
+      .def("shard",
+           [](const rfsdp::Plan& p, size_t i, int64_t rank) {
+             const auto r = p.shard(i, rank);
+             return py::make_tuple(r.row_begin, r.row_end, r.local_offset, r.numel);
+           },
+           "(row_begin, row_end, local_offset, numel) of tensor i on a rank")
+      .def("to_json", [](const rfsdp::Plan& p) { return rfsdp::plan_to_json(p); });
+
+  m.def("plan_json",
+        [](const std::string& unit_json, int64_t world_size, int64_t align_bytes, int max_buffers,
+           int64_t collective_cost_bytes) {
+          return rfsdp::plan_unit(rfsdp::unit_from_json(unit_json), world_size, align_bytes,
+                                  planner_options(max_buffers, collective_cost_bytes));
+        },
+        py::arg("unit_json"), py::arg("world_size"), py::arg("align_bytes") = 16,
+        py::arg("max_buffers") = rfsdp::PlannerOptions{}.max_buffers,
+        py::arg("collective_cost_bytes") = rfsdp::PlannerOptions{}.collective_cost_bytes);
+
+}
+
+}  // namespace rfsdp_bind

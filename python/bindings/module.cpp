@@ -1,0 +1,12 @@
+// The rfsdp._C extension: the C++ library's pieces, bound for Python (torch
+// tensors in and out), one binding file per folder of the library.
+#include "python/bindings/bindings.h"
+
+PYBIND11_MODULE(_C, m) {
+  m.doc() = "RaggedFSDP C++ core";
+  m.attr("__version__") = RFSDP_VERSION;
+  rfsdp_bind::bind_core(m);
+  rfsdp_bind::bind_fsdp(m);
+  rfsdp_bind::bind_quant(m);
+  rfsdp_bind::bind_optimizers(m);
+}

@@ -1,0 +1,102 @@
+// rfsdp._C: quant/ (block quantisation: maps, codes, kernels).
+#include "python/bindings/bindings.h"
+
+namespace rfsdp_bind {
+
+void bind_quant(py::module_& m) {
+  m.def("lowbit_quantize",
+        [](const at::Tensor& x, const std::string& map, int bits, int64_t block) {
+          const int64_t n = x.numel();
+          at::Tensor codes = at::empty({rfsdp::quant::lowbit_code_bytes(n, bits)}, at::kByte);
+          at::Tensor absmax = at::empty({rfsdp::quant::lowbit_blocks(n, block)}, at::kFloat);
+          rfsdp::quant::lowbit_quantize(x.reshape(-1).to(at::kFloat), rfsdp::quant::lowbit_map(map, bits),
+                                        bits, block, codes, absmax);
+          return py::make_tuple(codes, absmax);
+        },
+        py::arg("x"), py::arg("map"), py::arg("bits"), py::arg("block"));
+  m.def("lowbit_dequantize",
+        [](const at::Tensor& codes, const at::Tensor& absmax, const std::string& map, int bits,
+           int64_t block, int64_t n) {
+          return rfsdp::quant::lowbit_dequantize(codes, absmax, rfsdp::quant::lowbit_map(map, bits), bits,
+                                                 block, n);
+        },
+        py::arg("codes"), py::arg("absmax"), py::arg("map"), py::arg("bits"), py::arg("block"),
+        py::arg("n"));
+  m.def("bjorck", &rfsdp::quant::bjorck, py::arg("v"), py::arg("iterations"));
+
+  // The kernels alone, on the tensors' device (tests check them element by element;
+  // benches time them without the entry points' argument and NaN checks). The
+  // AdamW8bit step rounds v as the optimizer does (keep_nonzero: see CodeLut).
+  m.def("adamw8bit_step", [](at::Tensor p, at::Tensor g, at::Tensor q1, at::Tensor a1, at::Tensor q2,
+                             at::Tensor a2, const py::object& block, int64_t row_len,
+                             const at::Tensor& code1, const at::Tensor& code2, double lr, double b1,
+                             double b2, double eps, double wd, int64_t step) {
+    const auto shape = block_shape(block);
+    const int64_t n = p.numel();
+    TORCH_CHECK(row_len > 0 && n % row_len == 0, "row_len ", row_len, " does not divide ", n);
+    const rfsdp::quant::BlockLayout L(shape, n / row_len, row_len);
+    const rfsdp::quant::AdamWHyper h{float(lr), float(b1), float(b2), float(eps), float(wd), step};
+    if (p.is_cuda()) {
+      rfsdp::quant::cuda_ops::adamw8bit_step(p, g, q1, a1, q2, a2, L, code1.to(p.device()),
+                                             lut_of(code1), code2.to(p.device()), lut_of(code2, true), h);
+      return;
+    }
+    expect(p, at::kFloat, n, "param");
+    expect(g, at::kFloat, n, "grad");
+    expect(q1, at::kByte, n, "q1");
+    expect(q2, at::kByte, n, "q2");
+    expect(a1, at::kFloat, L.num_blocks, "absmax1");
+    expect(a2, at::kFloat, L.num_blocks, "absmax2");
+    rfsdp::quant::cpu::adamw8bit_step(p.data_ptr<float>(), g.data_ptr<float>(),
+                                      q1.data_ptr<uint8_t>(), a1.data_ptr<float>(),
+                                      q2.data_ptr<uint8_t>(), a2.data_ptr<float>(), L,
+                                      lut_of(code1), lut_of(code2, true), h);
+  });
+  m.def("cuda_quantize_into", [](const at::Tensor& x, const at::Tensor& code, const py::object& block,
+                                 int64_t row_len, const at::Tensor& q, const at::Tensor& absmax) {
+    rfsdp::quant::cuda_ops::quantize(x, rfsdp::quant::layout_of(x, block_shape(block), row_len),
+                                     code, lut_of(code), q, absmax);
+  });
+  m.def("cuda_dequantize_into", [](const at::Tensor& q, const at::Tensor& absmax,
+                                   const at::Tensor& code, const py::object& block, int64_t row_len,
+                                   const at::Tensor& out) {
+    rfsdp::quant::cuda_ops::dequantize(q, absmax,
+                                       rfsdp::quant::layout_of(q, block_shape(block), row_len),
+                                       code, out);
+  });
+  m.def("num_blocks", [](const py::object& block, int64_t rows, int64_t row_len) {
+    return rfsdp::quant::BlockLayout(block_shape(block), rows, row_len).num_blocks;
+  });
+  m.def("check_whole_blocks", [](const py::object& block, const std::string& name,
+                                 int64_t full_rows, int64_t row_len, int64_t row_begin,
+                                 int64_t rows) {
+    rfsdp::quant::check_whole_blocks(block_shape(block), name, full_rows, row_len, row_begin, rows);
+  });
+  m.def("granule_rows", [](const py::object& block, int64_t row_len) {
+    return block_shape(block).granule_rows(row_len);
+  });
+
+  m.def("dynamic_map", &rfsdp::quant::dynamic_map, py::arg("signed") = true);
+  m.def("code_map", &rfsdp::quant::code_map, py::arg("name"), py::arg("signed"));
+  m.def("cuda_kernels_built", &rfsdp::quant::cuda_ops::built,
+        "Whether this build has the CUDA quantisation kernels (nvcc was found)");
+  m.def("quantize_blockwise",
+        [](const at::Tensor& x, const at::Tensor& code, const py::object& block, int64_t row_len,
+           bool keep_nonzero) {
+          const auto q = rfsdp::quant::quantize_blockwise(x, code, block_shape(block), row_len,
+                                                          keep_nonzero);
+          return py::make_tuple(q.codes, q.absmax);
+        },
+        py::arg("x"), py::arg("code"), py::arg("block"), py::arg("row_len") = -1,
+        py::arg("keep_nonzero") = false);
+  m.def("dequantize_blockwise",
+        [](const at::Tensor& codes, const at::Tensor& absmax, const at::Tensor& code,
+           const py::object& block, int64_t row_len, std::optional<at::Tensor> out) {
+          return rfsdp::quant::dequantize_blockwise({codes, absmax}, code, block_shape(block),
+                                                    row_len, out ? *out : at::Tensor());
+        },
+        py::arg("codes"), py::arg("absmax"), py::arg("code"), py::arg("block"),
+        py::arg("row_len") = -1, py::arg("out") = py::none());
+}
+
+}  // namespace rfsdp_bind

@@ -1,0 +1,425 @@
+"""The base of rfsdp.optim's optimizers: _OverCpp, the torch.optim.Optimizer over
+C++ optimizers (binding, groups, steps, state and the checkpoint protocol), and
+the helpers every optimizer module shares."""
+import json
+
+import torch
+import torch.distributed as dist
+
+from .. import _C
+from .._comm import make_comm
+from ..fsdp.dtensor import info_of, is_dtensor, local
+from ..fsdp.state_dict import Pieces, dcp_caller_options
+from ..state_layout import default_group, dcp_value, full_tensors, place_sequences, placements, \
+    state_entries
+
+
+def _check_params(optimizer_name, params):
+    for group in params:
+        for p in group["params"]:
+            replaced = getattr(p, "_rfsdp_replaced", None)
+            if replaced is not None:
+                raise ValueError(
+                    "%s: parameter '%s' was replaced by fully_shard; build the optimizer after "
+                    "fully_shard, from model.parameters()" % (optimizer_name, replaced))
+
+
+def _shard_spec(i, p):
+    """What the C++ optimizers take for a parameter: (its shard descriptor, this
+    rank's tensor): fully_shard's shard, an FSDP2 DTensor's local rows (see
+    fsdp/dtensor.py), or a plain tensor as its own whole shard."""
+    info = info_of("param %d" % i, p)
+    if info is None:
+        return (_C.TensorShard.whole("param %d" % i, list(p.shape)), p.data)
+    return (info.shard, local(p.data))
+
+
+def _tensor_keys(params):
+    """What identifies the tensor each parameter holds now: (address, dtype, device)."""
+    return [(t.data_ptr(), t.dtype, t.device) for t in map(local, params)]
+
+
+def _default_comm(process_group, timeout_seconds, param_groups):
+    """The Comm an optimizer's cross-rank checks (and Muon's gathers) run over:
+    the given group, else the shard group of the parameters fully_shard (or FSDP2) made (one
+    for all: under HSDP every replica steps alike, with nothing across replicas),
+    else torch.distributed's default group, else none (one process)."""
+    if process_group is None:
+        shard_groups = {}
+        params = [p for g in param_groups for p in g["params"]]
+        for i, p in enumerate(params):
+            info = info_of("param %d" % i, p)
+            if info is not None and info.process_group is not None:
+                key = tuple(dist.get_process_group_ranks(info.process_group))
+                shard_groups.setdefault(key, (info.process_group, info.name))
+        if len(shard_groups) > 1:
+            (_, a), (_, b) = list(shard_groups.values())[:2]
+            raise ValueError("optimizer: parameters '%s' and '%s' are sharded over different "
+                             "process groups; build one optimizer per group, or pass "
+                             "process_group" % (a, b))
+        if shard_groups:
+            process_group = next(iter(shard_groups.values()))[0]
+    if process_group is None and dist.is_available() and dist.is_initialized():
+        process_group = dist.group.WORLD
+    return None if process_group is None else make_comm(process_group, timeout_seconds)
+
+
+def _run_closure(closure):
+    """torch.optim's contract: step(closure) re-evaluates the loss with grad enabled."""
+    if closure is None:
+        return None
+    with torch.enable_grad():
+        return closure()
+
+
+def _agreed(impl, prepare):
+    """Runs prepare() (this rank's part of a step before its first collective). If
+    it raises, this rank runs the step's collectives with the error (impl's
+    step_refused), as the other ranks' impl.step() runs them, so every rank
+    raises the same error at once (naming this rank) instead of waiting for this
+    one in a collective."""
+    try:
+        prepare()
+    except (ValueError, TypeError, RuntimeError, IndexError) as e:
+        impl.step_refused("%s: %s" % (type(e).__name__, e),
+                          isinstance(e, (ValueError, TypeError, IndexError)))
+        raise  # not reached: the step raised
+
+
+class _Part:
+    """One C++ optimizer over some of the parameters: their indices, options(group)
+    (a group's hyperparameters as its set_group_options takes them), the groups
+    it holds and the options it was last sent."""
+
+    def __init__(self, impl, idx, options, groups):
+        self.impl, self.idx, self.options = impl, idx, options
+        self.groups = sorted(set(groups))
+        self.sent = {}
+        self.has_step = [impl.state_has_step(k) for k in range(len(idx))]
+
+
+class _OverCpp(torch.optim.Optimizer):
+    """The C++ optimizer(s) over param_groups' parameters: built at construction
+    (shards and options are checked then, in C++), rebuilt with the state carried
+    over when a group is added. Each C++ optimizer knows every parameter's group;
+    a group's options cross to it only when they change (an LR scheduler), and a
+    step's gradients cross in one call. self.state[p] is torch's format and holds
+    the C++ tensors themselves: {"step": counted steps, name: tensor, ...},
+    present once p stepped.
+
+    Like torch.optim, each step works on the tensors the parameters hold then:
+    a parameter whose storage was replaced since it was bound (model.to(),
+    load_state_dict(assign=True) with swapped tensors, p.data = ...) is rebound,
+    and its dtype may change between float32, bfloat16 and float16 (states stay
+    float32); one moved to another device rebuilds the C++ optimizers there, the
+    state copied over.
+
+    The checkpoint protocol (what rfsdp.checkpoint uses): settings(),
+    sharded_state(p) and load_sharded_state(p, state)."""
+
+    rounding = "nearest"  # how steps write bfloat16 / float16 parameters back
+
+    def _set_groups(self, process_group, timeout_seconds):
+        """self.comm, the ranks the C++ optimizers agree over (_default_comm), and
+        self._group, those a state dict is placed over (state_layout.default_group)."""
+        self.comm = _default_comm(process_group, timeout_seconds, self.param_groups)
+        self._group = default_group(process_group)
+
+    def _parts(self, params):
+        """[(C++ optimizer, [indices into params], options(group))] for these
+        parameters."""
+        raise NotImplementedError
+
+    def _all_params(self):
+        return [p for g in self.param_groups for p in g["params"]]
+
+    def _bind(self, force=False):
+        params = self._all_params()
+        old = getattr(self, "_bound_params", None)
+        if not force and old is not None and len(old) == len(params) and \
+                all(a is b for a, b in zip(old, params)):
+            return
+        _check_params(type(self).__name__, self.param_groups)
+        stepped = getattr(self, "_stepped", set())
+        kept = {id(p): self._state_of(p) for p in (old or []) if id(p) in stepped}
+        group_index = {id(p): k for k, g in enumerate(self.param_groups) for p in g["params"]}
+        self._bound_params = params
+        self._bound_keys = _tensor_keys(params)
+        self._where = {}
+        self._part_list = []
+        for n, (impl, idx, options) in enumerate(self._parts(params)):
+            groups = [group_index[id(params[i])] for i in idx]
+            impl.set_groups(groups)
+            impl.set_rounding(self.rounding, n)  # n: each part's own noise
+            part = _Part(impl, idx, options, groups)
+            for k, i in enumerate(idx):
+                self._where[id(params[i])] = (part, k)
+            self._part_list.append(part)
+        self._send_options()
+        self._stepped = set()
+        self._published = {}  # id(p) -> the dict self.state[p] holds (its tensors are live)
+        for p in params:
+            if id(p) in kept:
+                self._load_state_of(p, kept[id(p)])
+        self._publish()
+
+    def _follow_params(self):
+        """Binds the parameters as they are now (before a step): the list (a group
+        added, param_groups switched), and each parameter's tensor."""
+        self._bind()
+        keys = _tensor_keys(self._bound_params)
+        if keys == self._bound_keys:
+            return
+        params = self._bound_params
+        changed = [i for i, (a, b) in enumerate(zip(keys, self._bound_keys)) if a != b]
+        if any(keys[i][2] != self._bound_keys[i][2] for i in changed):  # another device
+            self._bind(force=True)
+            return
+        for i in changed:
+            part, k = self._where[id(params[i])]
+            part.impl.set_param(k, local(params[i].data))
+        self._bound_keys = keys
+
+    def _send_options(self):
+        """Every group's options to the C++ optimizers holding its parameters, where
+        they changed since they were last sent (C++ checks them: a bad value is a
+        ValueError naming it, and the group keeps its previous options)."""
+        for part in self._part_list:
+            for k in part.groups:
+                opts = part.options(self.param_groups[k])
+                if part.sent.get(k) != opts:
+                    part.impl.set_group_options(k, *opts)
+                    part.sent[k] = opts
+
+    def state_bytes(self):
+        """Bytes of this rank's optimizer state: every tensor its C++ optimizers
+        keep (codes and scales where quantised)."""
+        self._bind()
+        return sum(part.impl.state_bytes() for part in self._part_list)
+
+    def add_param_group(self, param_group):
+        super().add_param_group(param_group)
+        if getattr(self, "_bound_params", None) is not None:  # a group added later
+            self._bind()
+
+    def _state_of(self, p):
+        part, k = self._where[id(p)]
+        st = dict(part.impl.state(k))
+        if part.has_step[k]:
+            st["step"] = torch.tensor(float(part.impl.step_count(k)))
+        return st
+
+    def _load_state_of(self, p, st):
+        part, k = self._where[id(p)]
+        for name, t in part.impl.state(k).items():
+            if name not in st:
+                raise ValueError("%s.load_state_dict: the state of a parameter of shape %s lacks "
+                                 "'%s' (saved by another optimizer or with other settings?)"
+                                 % (type(self).__name__, tuple(p.shape), name))
+            src = st[name]
+            if tuple(src.shape) != tuple(t.shape):
+                raise ValueError("%s.load_state_dict: '%s' of a parameter has shape %s, this "
+                                 "optimizer keeps %s (another world size or block setting?)"
+                                 % (type(self).__name__, name, tuple(src.shape), tuple(t.shape)))
+            # torch's load_state_dict casts every state tensor to the parameter's dtype
+            # (8-bit codes arrive as float32 holding 0..255): the copy casts them back exactly.
+            t.copy_(src)
+        if part.has_step[k]:
+            part.impl.set_step_count(k, int(st["step"]))
+        self._stepped.add(id(p))
+        self._published.pop(id(p), None)
+
+    def _publish(self):
+        """self.state[p] for every parameter that stepped: made once (its tensors are
+        the C++ optimizer's own), then only its "step" follows the C++ count (one
+        call per C++ optimizer for all of them)."""
+        params = self._bound_params
+        for part in self._part_list:
+            counts = part.impl.step_counts() if any(part.has_step) else None
+            for k, i in enumerate(part.idx):
+                p = params[i]
+                if id(p) not in self._stepped:
+                    continue
+                st = self._published.get(id(p))
+                if st is None or self.state.get(p) is not st:  # new, or replaced by a load
+                    self._publish_one(p)
+                elif part.has_step[k]:
+                    st["step"].fill_(float(counts[k]))
+
+    def _publish_one(self, p):
+        st = self._state_of(p)
+        self._published[id(p)] = st
+        self.state[p] = st
+
+    def _bind_for(self, p):
+        """_bind() for a call about parameter p alone: nothing to do where p is bound
+        now (its state is current whatever else changed), so the checkpoint
+        protocol's per-parameter calls stay O(1) each."""
+        where = getattr(self, "_where", None)
+        hit = where.get(id(p)) if where is not None else None
+        if hit is None or self._bound_params[hit[0].idx[hit[1]]] is not p:
+            self._bind()
+
+    def _grads_of(self, idx, zeros_for=()):
+        """The gradients of params[idx] (None: no step), zeros set where a parameter
+        in zeros_for (indices into params) has none: a rank without a gradient
+        still takes part in the collectives."""
+        params = self._bound_params
+        for i in zeros_for:
+            if params[i].grad is None:
+                params[i].grad = torch.zeros_like(params[i])
+        return [None if params[i].grad is None else local(params[i].grad) for i in idx]
+
+    def _step_all(self):
+        """One step of every part: options where they changed, each part's
+        gradients in one call (C++ checks them), then the step (NaN/Inf, any
+        error: every rank raises before anything changes)."""
+        self._follow_params()
+
+        def prepare():
+            self._send_options()
+            for part in self._part_list:
+                part.impl.set_grads(self._grads_of(part.idx, self._needs_grads(part)))
+        _agreed(self._part_list[0].impl, prepare)
+        for part in self._part_list:
+            part.impl.step()
+        self._stepped.update(id(p) for p in self._bound_params if p.grad is not None)
+        self._publish()
+
+    def _needs_grads(self, part):
+        """Indices (into the bound parameters) of part's parameters that need a
+        gradient every step (zeros are given where one has none): Muon's matrices."""
+        return ()
+
+    # ---- the checkpoint protocol ----
+
+    def settings(self):
+        """What shapes this optimizer's states beyond its parameters, as JSON values:
+        a checkpoint keeps it and refuses to load into an optimizer whose settings differ."""
+        return {"type": type(self).__name__}
+
+    def sequence_spans(self, p):
+        """{name: (global size, offset, shared)} for p's 1-D states that are pieces of
+        a global sequence whose place this optimizer knows: the first `shared`
+        elements are also held (and written) by an earlier rank. Others: none."""
+        return {}
+
+    def sharded_state(self, p):
+        """Parameter p's state on this rank, by name: the live tensors (a load writes
+        into them), and "step" (a 0-D count) where the optimizer keeps one."""
+        self._bind_for(p)
+        return self._state_of(p)
+
+    def load_sharded_state(self, p, state):
+        """Sets p's state from `state` (sharded_state's names and shapes; tensors
+        are copied): p then counts as stepped."""
+        self._bind_for(p)
+        self._load_state_of(p, state)
+        self._publish_one(p)
+
+    # ---- torch's state_dict: what DCP's get/set_optimizer_state_dict use ----
+
+    def _settings_json(self):
+        return json.dumps(self.settings(), sort_keys=True)
+
+    def _state_layout(self):
+        """{(parameter index, state name): state_layout.Entry} of every parameter's
+        state, its sequences placed (the placement is collective over the
+        checkpoint group the first time after a bind, then cached)."""
+        params = self._bound_params
+        entries = {}
+        for i, p in enumerate(params):
+            for e in state_entries(str(i), p, self._state_of(p), self.sequence_spans(p)):
+                entries[(i, e.key.split(".", 1)[1])] = e
+        if getattr(self, "_placed", None) is None or self._placed[0] is not params:
+            self._placed = (params, placements(list(entries.values()), self._group))
+        place_sequences(entries.values(), self._placed[1])
+        return entries
+
+    def state_dict(self):
+        """torch's format: {"state": {index: {name: tensor}}, "param_groups": [...]},
+        each group also holding the settings that shape the states
+        ("rfsdp_settings": a load into other settings is refused). Sharded
+        parameters' states are their global tensors as DCP sees them: a DTensor
+        like an FSDP2 parameter's (as torch's optimizers give), else the pieces this
+        rank holds of a tensor of the global shape (rfsdp's parameters, block
+        scales, tiles); so dcp.save of it, or of get_optimizer_state_dict's, writes
+        every rank's part. Under get_optimizer_state_dict(full_state_dict=True):
+        the full tensors (gathered; collective). Collective the first time after
+        the parameters are bound where tiles or codes need placing."""
+        self._bind()
+        self._publish()
+        sd = super().state_dict()
+        sd["state"] = {k: dict(v) for k, v in sd["state"].items()}  # (torch's are the live dicts)
+        settings = self._settings_json()
+        for g in sd["param_groups"]:
+            g["rfsdp_settings"] = settings
+        if all(info_of("param", p) is None for p in self._bound_params):
+            return sd  # plain (replicated) parameters: plain tensors, as torch's
+        full = dcp_caller_options("_get_optim_state_dict")
+        layout = self._state_layout()
+        gathered = full_tensors(list(layout.values()), self._group) if full and full[0] else None
+        for i, st in sd["state"].items():
+            for name, t in st.items():
+                e = layout.get((i, name))
+                if e is not None:
+                    st[name] = gathered[e.key] if gathered is not None else dcp_value(e, t)
+        return sd
+
+    def _local_value(self, i, name, v, layout):
+        """This rank's tensor of parameter i's state `name` from a state dict's value:
+        a DTensor's or our pieces' local tensor, a tensor of this rank's shape as it
+        is, or (a full state dict) this rank's pieces of a tensor of the global shape,
+        written into the live state."""
+        if is_dtensor(v):
+            return v._local_tensor
+        if isinstance(v, Pieces):
+            if not hasattr(v, "local"):
+                raise ValueError("%s.load_state_dict: state '%s' is a %s without its local tensor"
+                                 % (type(self).__name__, name, type(v).__name__))
+            return v.local
+        e = layout.get((i, name))
+        if e is None or e.pieces is None or not torch.is_tensor(v) or tuple(v.shape) != e.shape:
+            return v
+        with torch.no_grad():
+            for o, s, t in e.pieces:
+                t.copy_(v[tuple(slice(a, a + n) for a, n in zip(o, s))].reshape(t.shape))
+        return dict(self._state_of(self._bound_params[i]))[name]
+
+    def load_state_dict(self, state_dict):
+        """torch's format (state_dict()'s: a DCP-loaded one, a full one of
+        get_optimizer_state_dict(full_state_dict=True) through set_optimizer_state_dict,
+        or local tensors of this layout). States saved with other settings are
+        refused. Collective where full tensors need this rank's pieces placed."""
+        groups = state_dict["param_groups"]
+        saved_settings = {g["rfsdp_settings"] for g in groups if "rfsdp_settings" in g}
+        if saved_settings and saved_settings != {self._settings_json()}:
+            raise ValueError(
+                "%s.load_state_dict: the state was saved by an optimizer with the settings %s; "
+                "this one has %s: build it with the saved settings (8-bit blocks, tiles and low-bit "
+                "storage shape the states), or move between them with "
+                "rfsdp.checkpoint.load(..., requantize=True). Nothing was loaded"
+                % (type(self).__name__, sorted(saved_settings)[0], self._settings_json()))
+        saved = state_dict["state"]
+        ids = [i for g in groups for i in g["params"]]
+        # torch's load casts floating states to the parameter's dtype (a bfloat16
+        # parameter's float32 moments would lose bits) and cannot take DCP's pieces:
+        # it loads the groups alone, the C++ states take the values (each copy
+        # converts exactly where it must).
+        # (DCP's flattening turns tuples, betas, into lists: they come back as tuples)
+        super().load_state_dict({"state": {}, "param_groups": [
+            {k: tuple(v) if isinstance(v, list) and isinstance(now.get(k), tuple) else v
+             for k, v in g.items() if k != "rfsdp_settings"}
+            for g, now in zip(groups, self.param_groups)]})
+        self._bind()
+        params = self._all_params()
+        full = any(info_of("param", p) is not None and torch.is_tensor(v) and v.dim() > 0
+                   and not is_dtensor(v) and not isinstance(v, Pieces)
+                   for pid, p in zip(ids, params) for v in (saved.get(pid) or {}).values())
+        layout = self._state_layout() if full else {}
+        for i, (pid, p) in enumerate(zip(ids, params)):
+            st = saved.get(pid)
+            if st:
+                self._load_state_of(p, {name: self._local_value(i, name, v, layout)
+                                        for name, v in st.items()})
+        self._publish()

@@ -1,0 +1,137 @@
+"""SOAP over the C++ SOAP (optimizers/soap)."""
+import torch
+
+from .. import _C
+from .base import _run_closure, _shard_spec
+from .requantize import _check_quantised_bases, _decode_squares, _encode_squares, _like_rows, \
+    _lowbit_format, _pieces, _recoded_moments, _tiles_here
+from .shampoo import _Tiled
+
+
+def _soap_options(g):
+    return (g["lr"], *g["betas"], g["shampoo_beta"], g["eps"], g["weight_decay"])
+
+
+class SOAP(_Tiled):
+    """SOAP (Vyas et al. 2024): Adam in the eigenbasis of Shampoo's factors, over
+    ragged shards. Tiles are Shampoo's (at most max_preconditioner_dim rows and
+    columns; a 3-D [E, H, I] stack: E matrices H x I), each whole on the rank
+    that holds it (plan with rfsdp.policy.shampoo(max_preconditioner_dim)), so the
+    sharded step is the single-device step. 1-D parameters and groups with
+    use_soap=False take Adam with the same betas, eps, bias correction, weight
+    decay and first-step skip.
+
+    Per step t of a parameter (s = t - 1 updates so far): at t = 1 only the
+    factors L, R and their eigenbases Q_L, Q_R (eigh, descending); from t = 2:
+    G' = Q_L^T G Q_R, m <- b1 m + (1 - b1) G, v <- b2 v + (1 - b2) G'^2,
+    N = Q_L ((Q_L^T m Q_R) / (sqrt(v) + eps)) Q_R^T,
+    p <- (p - lr sqrt(1 - b2^s) / (1 - b1^s) N) (1 - lr weight_decay) (lr alone
+    without correct_bias); then L, R <- shampoo_beta (default: betas[1]) decay
+    plus G G^T, G^T G; every precondition_frequency updates the bases are
+    refreshed by one power step and QR (columns reordered by their estimated
+    eigenvalues, v permuted with them), batched by tile size. m and v are fp32;
+    factor_dtype and basis_dtype (torch.float32 or torch.bfloat16) store L, R and
+    Q_L, Q_R (every step computes in fp32; bf16 bases are orthogonal to about
+    1e-2, not rectified). States live with the parameters, on the CPU or a GPU.
+    A row of tiles that shard boundaries cut (torch FSDP2's chunk rows) goes to
+    the rank holding its first row and back, as Shampoo's (shared_tile_rows()
+    counts them). state_dtype="int8" keeps m and v of preconditioned parameters as 8-bit codes
+    (dynamic maps, signed for m and unsigned for v), one block per tile row, so
+    v's refresh permutation moves whole blocks with their scales; each step
+    decodes, updates in fp32 and encodes (CPU only, whole tiles only; 1-D
+    parameters and use_soap=False groups keep fp32 moments). basis_dtype="int8" or "int4" stores
+    Q_L, Q_R as block-wise codes (blocks of basis_block elements of a tile's
+    basis, one fp32 absmax each, the map basis_map: "linear_square" as 4-bit
+    Shampoo's, "linear", or "dynamic" at 8 bits; 4-bit codes two to a byte),
+    dequantised and rectified by bjorck_iterations Björck steps wherever used.
+    """
+
+    def __init__(self, params, lr=3e-3, betas=(0.95, 0.95), shampoo_beta=-1.0, eps=1e-8,
+                 weight_decay=0.01, precondition_frequency=10, max_preconditioner_dim=1024,
+                 correct_bias=True, factor_dtype=torch.float32, basis_dtype=torch.float32,
+                 state_dtype=torch.float32, basis_block=64, basis_map="linear_square",
+                 bjorck_iterations=1, process_group=None, timeout_seconds=300.0,
+                 rounding="nearest"):
+        self.rounding = rounding  # (checked in C++ when bound)
+        for name, v in (("max_preconditioner_dim", max_preconditioner_dim),
+                        ("precondition_frequency", precondition_frequency)):
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                raise ValueError("SOAP: %s must be a positive integer, got %r" % (name, v))
+        if factor_dtype not in (torch.float32, torch.bfloat16):
+            raise ValueError("SOAP: factor_dtype must be torch.float32 or torch.bfloat16, got %r"
+                             % (factor_dtype,))
+        if basis_dtype not in (torch.float32, torch.bfloat16, "int8", "int4"):
+            raise ValueError("SOAP: basis_dtype must be torch.float32, torch.bfloat16, \"int8\" "
+                             "or \"int4\", got %r" % (basis_dtype,))
+        _check_quantised_bases("SOAP", basis_dtype, basis_map, basis_block, bjorck_iterations)
+        if state_dtype not in (torch.float32, "int8"):
+            raise ValueError("SOAP: state_dtype must be torch.float32 or \"int8\", got %r"
+                             % (state_dtype,))
+        self.config = dict(max_preconditioner_dim=max_preconditioner_dim,
+                           precondition_frequency=precondition_frequency,
+                           correct_bias=bool(correct_bias),
+                           factor_dtype=str(factor_dtype).replace("torch.", ""),
+                           basis_dtype=str(basis_dtype).replace("torch.", ""),
+                           state_dtype=str(state_dtype).replace("torch.", ""),
+                           basis_block=basis_block, basis_map=basis_map,
+                           bjorck_iterations=bjorck_iterations)
+        super().__init__(params, dict(lr=lr, betas=tuple(betas), shampoo_beta=shampoo_beta,
+                                      eps=eps, weight_decay=weight_decay, use_soap=True))
+        self._set_groups(process_group, timeout_seconds)
+        self._bind()
+
+    def requantized_state(self, p, saved_settings, full):
+        """p's state under this optimizer's storage from a checkpoint's full
+        (unsharded) state of p, saved by a SOAP with saved_settings (another
+        basis_dtype, basis_block, basis_map, bjorck_iterations or state_dtype):
+        each basis of this rank's tiles as the saved optimizer used it
+        (dequantised and rectified where quantised), and m and v decoded, then
+        stored as this one keeps them; every other state this rank's piece as
+        saved. For load_sharded_state."""
+        self._bind_for(p)
+        live = self.sharded_state(p)
+        out = {"step": full["step"]} if "step" in full else {}
+        if "factor_left" not in live:  # Adam alone (fp32 moments)
+            out.update(_like_rows(p, full, live, ("exp_avg", "exp_avg_sq")))
+            return out
+        tiles, a, b = _tiles_here(p, self.config["max_preconditioner_dim"])
+        out.update(_pieces(full, live, tiles, a, b, {
+            "factor_left": lambda t: t[1] * (t[1] + 1) // 2,
+            "factor_right": lambda t: t[2] * (t[2] + 1) // 2}))
+        if ("exp_avg_codes" in full) == ("exp_avg_codes" in live):  # m and v kept alike
+            out.update(_like_rows(p, full, live, ("exp_avg", "exp_avg_sq", "exp_avg_codes",
+                                                  "exp_avg_sq_codes")))
+            out.update(_pieces(full, live, tiles, a, b, {"exp_avg_absmax": lambda t: t[1],
+                                                         "exp_avg_sq_absmax": lambda t: t[1]}))
+        else:
+            out.update(_recoded_moments(p, full, live, tiles, a, b))
+        old = _lowbit_format(saved_settings["basis_dtype"], saved_settings["basis_block"],
+                             saved_settings["basis_map"])
+        new = _lowbit_format(self.config["basis_dtype"], self.config["basis_block"],
+                             self.config["basis_map"])
+        dtype = None if new else getattr(torch, self.config["basis_dtype"])
+        for left, side in ((True, "basis_left"), (False, "basis_right")):
+            qs = _decode_squares(full, side, tiles, left, old, saved_settings["bjorck_iterations"], a, b)
+            out.update(_encode_squares(qs, side, new, dtype))
+        return out
+
+    def settings(self):
+        return dict(super().settings(), **self.config)
+
+    def _parts(self, params):
+        group_of = {id(p): g for g in self.param_groups for p in g["params"]}
+        self._impl = _C.SOAP([_shard_spec(i, p) for i, p in enumerate(params)],
+                             [bool(group_of[id(p)]["use_soap"]) for p in params],
+                             self.config["max_preconditioner_dim"],
+                             self.config["precondition_frequency"],
+                             self.config["correct_bias"], self.config["factor_dtype"],
+                             self.config["basis_dtype"], self.comm, self.config["state_dtype"],
+                             self.config["basis_block"], self.config["basis_map"],
+                             self.config["bjorck_iterations"])
+        return [(self._impl, list(range(len(params))), _soap_options)]
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        loss = _run_closure(closure)
+        self._step_all()
+        return loss
