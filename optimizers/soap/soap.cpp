@@ -315,15 +315,17 @@ void SOAP::run_step(StepGate& gate, const std::vector<size_t>& stepping) {
     at::Tensor vt = tile_view(v, tiles_[k]);
     vt.copy_(vt.index_select(0, u.order_l).index_select(1, u.order_r));
   };
-  // 1. The moments and the direction n of every stepping parameter (t >= 2),
-  // tile by tile where the tile is whole here. 8-bit: decoded, encoded at the end.
+  // Per parameter: (begin) the moments and the direction n (t >= 2), tile by
+  // tile where the tile is whole here (8-bit: decoded first); (finish) the
+  // parameter, the factors, the bases, v's refresh permutation (8-bit: encoded).
+  // A parameter without cut rows finishes at once (its temporaries freed before
+  // the next); one with cut rows after the cut rows' exchange.
   const size_t P = params_.size();
   std::vector<at::Tensor> ms(P), vs(P), ns(P);
-  for (size_t i : stepping) {
+  auto begin = [&](size_t i) {
     const SOAPOptions& o = options_of(i);
     ParamState& s = state_[i];
-    const int64_t t = param_steps_[i];
-    if (t < 2) continue;
+    if (param_steps_[i] < 2) return;
     const at::Tensor g = params_[i].grad.view({-1});
     ms[i] = eight_bit(i) ? decode(i, false) : s.m.view({-1});
     vs[i] = eight_bit(i) ? decode(i, true) : s.v.view({-1});
@@ -337,30 +339,8 @@ void SOAP::run_step(StepGate& gate, const std::vector<size_t>& stepping) {
       vs[i].mul_(o.beta2).addcmul_(g, g, 1 - o.beta2);
       ns[i] = ms[i] / (vs[i].sqrt() + o.eps);
     }
-  }
-  // 2. Cut rows: their m and v to the owner, which steps its tiles of them and
-  // sends every holder its rows of v and n back.
-  if (!cut_.empty()) {
-    const std::vector<at::Tensor> mv = exchange_.gather(comm_.get(), {ms, vs});
-    std::vector<at::Tensor> vn(cut_.size());
-    for (size_t j = 0; j < cut_.size(); ++j) {
-      if (exchange_.owns(j)) vn[j] = at::stack({mv[j][1], at::zeros_like(mv[j][1])});
-    }
-    for (size_t i : stepping) {
-      if (!precondition_[i] || param_steps_[i] < 2) continue;
-      const ParamState& s = state_[i];
-      for (size_t j = 0; j < s.tiles.size(); ++j) {
-        const size_t k = s.tiles[j];
-        const int64_t c = tiles_[k].cut;
-        if (c < 0) continue;
-        tile_step(i, j, cut_g_[c], mv[c][0], vn[c][0], vn[c][1]);
-        permute_v(k, vn[c][0]);
-      }
-    }
-    exchange_.scatter(comm_.get(), vn, {vs, ns});
-  }
-  // 3. The parameters, the factors, the bases, and v's refresh permutation.
-  for (size_t i : stepping) {
+  };
+  auto finish = [&](size_t i) {
     const SOAPOptions& o = options_of(i);
     ParamState& s = state_[i];
     const int64_t t = param_steps_[i];
@@ -373,21 +353,52 @@ void SOAP::run_step(StepGate& gate, const std::vector<size_t>& stepping) {
               : o.lr;
       params_[i].param.view({-1}).add_(ns[i], -step).mul_(1 - o.lr * o.weight_decay);
     }
-    if (!precondition_[i]) continue;
+    if (precondition_[i]) {
+      for (size_t j = 0; j < s.tiles.size(); ++j) {
+        const size_t k = s.tiles[j];
+        const Tile& tl = tiles_[k];
+        const TileUpdate& u = up[k];
+        s.left.narrow(0, tl.left_offset, packed_size(tl.rows)).copy_(pack_symmetric(u.l));
+        s.right.narrow(0, tl.right_offset, packed_size(tl.cols)).copy_(pack_symmetric(u.r));
+        if (u.q_l.defined()) store_basis(i, j, true, u.q_l);
+        if (u.q_r.defined()) store_basis(i, j, false, u.q_r);
+        if (tl.cut < 0 && vs[i].defined()) permute_v(k, vs[i]);
+      }
+      if (eight_bit(i) && t >= 2) {  // (v permuted in fp32 first: the same codes as permuting codes and scales)
+        encode(i, false, ms[i]);
+        encode(i, true, vs[i]);
+      }
+    }
+    ms[i] = vs[i] = ns[i] = at::Tensor();
+  };
+  std::vector<bool> has_cut(P, false);
+  for (const CutTileRow& row : cut_) has_cut[row.param] = true;
+  for (size_t i : stepping) {
+    begin(i);
+    if (!has_cut[i]) finish(i);
+  }
+  if (cut_.empty()) return;
+  // Cut rows: their m and v to the owner, which steps its tiles of them and sends
+  // every holder its rows of v and n back.
+  const std::vector<at::Tensor> mv = exchange_.gather(comm_.get(), {ms, vs});
+  std::vector<at::Tensor> vn(cut_.size());
+  for (size_t j = 0; j < cut_.size(); ++j) {
+    if (exchange_.owns(j)) vn[j] = at::stack({mv[j][1], at::zeros_like(mv[j][1])});
+  }
+  for (size_t i : stepping) {
+    if (!precondition_[i] || param_steps_[i] < 2) continue;
+    const ParamState& s = state_[i];
     for (size_t j = 0; j < s.tiles.size(); ++j) {
       const size_t k = s.tiles[j];
-      const Tile& tl = tiles_[k];
-      const TileUpdate& u = up[k];
-      s.left.narrow(0, tl.left_offset, packed_size(tl.rows)).copy_(pack_symmetric(u.l));
-      s.right.narrow(0, tl.right_offset, packed_size(tl.cols)).copy_(pack_symmetric(u.r));
-      if (u.q_l.defined()) store_basis(i, j, true, u.q_l);
-      if (u.q_r.defined()) store_basis(i, j, false, u.q_r);
-      if (tl.cut < 0 && vs[i].defined()) permute_v(k, vs[i]);
+      const int64_t c = tiles_[k].cut;
+      if (c < 0) continue;
+      tile_step(i, j, cut_g_[c], mv[c][0], vn[c][0], vn[c][1]);
+      permute_v(k, vn[c][0]);
     }
-    if (eight_bit(i) && t >= 2) {  // (v permuted in fp32 first: the same codes as permuting codes and scales)
-      encode(i, false, ms[i]);
-      encode(i, true, vs[i]);
-    }
+  }
+  exchange_.scatter(comm_.get(), vn, {vs, ns});
+  for (size_t i : stepping) {
+    if (has_cut[i]) finish(i);
   }
 }
 

@@ -14,18 +14,16 @@ import tempfile
 
 import pytest
 import torch
-import torch.distributed as dist
-import torch.multiprocessing as mp
 from torch import nn
 
 import rfsdp
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from models import Net, data, fsdp2, full_params, optimizer  # noqa: E402
+from ranks import run_ranks  # noqa: E402
 
-# SOAP does not yet share tiles that FSDP2's chunk rows cut: rfsdp's plans only.
-CASES = [(name, kind) for name in ("AdamW", "AdamW8bit", "Muon", "Shampoo")
-         for kind in ("fsdp2", "rfsdp")] + [("SOAP", "rfsdp")]
+CASES = [(name, kind) for name in ("AdamW", "AdamW8bit", "Muon", "Shampoo", "SOAP")
+         for kind in ("fsdp2", "rfsdp")]
 STEPS = 3
 
 
@@ -59,9 +57,6 @@ def options(**kw):
 
 
 def worker(rank, world, seed, d, phase):
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method="file://%s/init_%s_%d" % (d, phase, world),
-                            rank=rank, world_size=world)
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import (get_model_state_dict,
                                                          get_optimizer_state_dict,
@@ -100,10 +95,7 @@ def worker(rank, world, seed, d, phase):
             out[(name, kind, how, "state")] = get_optimizer_state_dict(model, opt, options=o)
             train(model, opt, seed, rank, world, STEPS)
             out[(name, kind, how)] = full_params(model)
-    if rank == 0:
-        torch.save(out, "%s/%s_%d.pt" % (d, phase, world))
-    dist.barrier()
-    os._exit(0)  # (torch's Gloo threads may abort a normal exit: see rfsdp._comm)
+    return out if rank == 0 else None
 
 
 def assert_equal_states(got, want, what):
@@ -122,14 +114,12 @@ def assert_equal_states(got, want, what):
 def test_torch_dcp_optimizer_state_resumes_exactly_at_any_world_size():
     seed = int(torch.randint(0, 2 ** 30, ()).item())
     with tempfile.TemporaryDirectory() as d:
-        mp.spawn(worker, args=(2, seed, d, "save"), nprocs=2)
-        mp.spawn(worker, args=(2, seed, d, "load"), nprocs=2)
-        mp.spawn(worker, args=(4, seed, d, "load"), nprocs=4)
-        saved = torch.load(os.path.join(d, "save_2.pt"), weights_only=False)
+        saved = run_ranks(worker, 2, seed, d, "save")[0]
+        loaded = {world: run_ranks(worker, world, seed, d, "load")[0] for world in (2, 4)}
         fulls = {c: torch.load("%s/%s_%s_full.pt" % (d, *c), weights_only=False)["optim"]
                  for c in CASES}
         for world in (2, 4):
-            got = torch.load(os.path.join(d, "load_%d.pt" % world), weights_only=False)
+            got = loaded[world]
             for name, kind in CASES:
                 want = fulls[(name, kind)]
                 assert want["state"], (name, kind)

@@ -14,7 +14,6 @@ from typing import NamedTuple
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 from torch import nn
 
 import rfsdp
@@ -22,6 +21,7 @@ import rfsdp
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from models import CLIP, Net, data  # noqa: E402
 from slice_training import train_on_slices  # noqa: E402
+from ranks import run_ranks  # noqa: E402
 
 WORLD = 2
 MICRO = 4
@@ -120,10 +120,7 @@ class PairBlock(nn.Module):
         return self.fc(pair.x) * pair.scale
 
 
-def worker(rank, seed, init_file, out_file, d):
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method="file://" + init_file, rank=rank,
-                            world_size=WORLD)
+def worker(rank, world, seed, d):
     from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict,
                                                          set_model_state_dict)
     import torch.distributed.checkpoint as dcp
@@ -249,10 +246,9 @@ def worker(rank, seed, init_file, out_file, d):
         except RuntimeError as e:
             out["alone"] = str(e)
     dist.barrier()
-    if rank == 0:
-        torch.save(out, out_file)
-    dist.barrier()
-    os._exit(0)  # the lonely group's abandoned collective must not hold the exit
+    # (run_ranks ends each process with os._exit: the lonely group's abandoned
+    # collective does not hold the exit)
+    return out if rank == 0 else None
 
 
 def reference(seed):
@@ -291,9 +287,7 @@ def close(got, want, seed, what, rtol=1e-5, atol=1e-6):
 def test_fsdp2_habits_match_the_unsharded_model():
     seed = int(torch.randint(0, 2 ** 30, ()).item())
     with tempfile.TemporaryDirectory() as d:
-        out_file = os.path.join(d, "out.pt")
-        mp.spawn(worker, args=(seed, os.path.join(d, "init"), out_file, d), nprocs=WORLD)
-        got = torch.load(out_file)
+        got = run_ranks(worker, WORLD, seed, d)[0]
     want = reference(seed)
     assert got["norms"] == pytest.approx(want["norms"], rel=1e-5), seed
     assert got["infs"] == pytest.approx(want["infs"], rel=1e-6), seed

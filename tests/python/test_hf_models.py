@@ -6,14 +6,17 @@ saved with save_pretrained from a full state dict, loaded with from_pretrained
 into an unsharded model and into rfsdp at another world size (1 rank);
 generate() on the sharded model gives the unsharded model's tokens."""
 import os
+import sys
 import tempfile
 
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 import rfsdp
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from ranks import run_ranks  # noqa: E402
 
 transformers = pytest.importorskip("transformers")
 
@@ -69,10 +72,7 @@ def params_of(model):
     return {k: v.detach().clone() for k, v in model.named_parameters()}
 
 
-def worker(rank, seed, init_file, out_file, d):
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method="file://" + init_file, rank=rank,
-                            world_size=WORLD)
+def worker(rank, world, seed, d):
     one_rank = dist.new_group([0])  # "another world size": rank 0 alone
     out = {}
     ids = torch.randint(0, 64, (STEPS, 4, 10), generator=torch.Generator().manual_seed(seed))
@@ -105,9 +105,7 @@ def worker(rank, seed, init_file, out_file, d):
         again.eval()
         with torch.no_grad():
             out["one_rank_logits"] = again(input_ids=ids[0]).logits
-        torch.save(out, out_file)
-    dist.barrier()
-    os._exit(0)  # (torch's Gloo threads may abort a normal exit: see rfsdp._comm)
+    return out if rank == 0 else None
 
 
 def reference(seed):
@@ -126,9 +124,7 @@ def reference(seed):
 def test_transformers_models_train_save_and_load_like_one_process():
     seed = int(torch.randint(0, 2 ** 30, ()).item())
     with tempfile.TemporaryDirectory() as d:
-        out_file = os.path.join(d, "out.pt")
-        mp.spawn(worker, args=(seed, os.path.join(d, "init"), out_file, d), nprocs=WORLD)
-        got = torch.load(out_file)
+        got = run_ranks(worker, WORLD, seed, d)[0]
     want = reference(seed)
     for reentrant in (True, False):
         (got_losses, got_params), (want_losses, want_params) = got["moe", reentrant], want["moe", reentrant]

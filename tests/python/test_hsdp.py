@@ -12,7 +12,6 @@ import tempfile
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 
@@ -23,6 +22,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import muon_torchrun_worker as model_zoo  # noqa: E402  (its Net: LayerNorm, Linear, [E, H, I])
 import muon_reference  # noqa: E402
 from slice_training import train_on_slices  # noqa: E402
+from ranks import run_ranks  # noqa: E402
 
 WORLD, CLIP, BLOCK = 4, 0.5, 16
 NAMES = ("adamw", "adamw8bit", "muon")
@@ -57,10 +57,7 @@ def sharded(name, seed, **groups):
     return model
 
 
-def worker(rank, shard_size, seed, d):
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method="file://" + os.path.join(d, "init"), rank=rank,
-                            world_size=WORLD)
+def worker(rank, world, shard_size, seed, d):
     mesh = init_device_mesh("cpu", (WORLD // shard_size, shard_size),
                             mesh_dim_names=("replicate", "shard"))
     xs, ys = model_zoo.data(seed)
@@ -90,10 +87,7 @@ def worker(rank, shard_size, seed, d):
         with pytest.raises(ValueError, match="shard group"):
             rfsdp.optim.Muon([p for p in model.parameters() if p.dim() >= 2],
                              process_group=dist.group.WORLD)
-    if rank == 0:
-        torch.save(out, os.path.join(d, "out.pt"))
-    dist.barrier()
-    os._exit(0)  # (torch's Gloo threads may abort a normal exit: see rfsdp._comm)
+    return out if rank == 0 else None
 
 
 def reference(name, seed):
@@ -139,8 +133,7 @@ def close_but_for_code_flips(got, want, what):
 def test_hsdp_trains_like_one_device(shard_size):
     seed = int(torch.randint(0, 2 ** 30, ()).item())
     with tempfile.TemporaryDirectory() as d:
-        mp.spawn(worker, args=(shard_size, seed, d), nprocs=WORLD)
-        got = torch.load(os.path.join(d, "out.pt"))
+        got = run_ranks(worker, WORLD, shard_size, seed, d)[0]
     for name in NAMES:
         ref_losses, ref_params = reference(name, seed)
         if name == "adamw8bit":
@@ -166,9 +159,7 @@ def test_hsdp_trains_like_one_device(shard_size):
     close_but_for_code_flips(plain, hsdp, "seed %d, after loading" % seed)
 
 
-def bad_groups_worker(rank, d):
-    dist.init_process_group("gloo", init_method="file://" + os.path.join(d, "init"), rank=rank,
-                            world_size=2)
+def bad_groups_worker(rank, world):
     pair = dist.new_group([0, 1])
     with pytest.raises(ValueError, match="do not make the world"):
         rfsdp.fully_shard(nn.Linear(3, 3), process_group=pair, replicate_group=pair)
@@ -177,9 +168,7 @@ def bad_groups_worker(rank, d):
         rfsdp.fully_shard(nn.Linear(3, 3), mesh=mesh, process_group=pair)
     with pytest.raises(ValueError, match="PlannerOptions"):
         rfsdp.fully_shard(nn.Linear(3, 3), planner=dict(max_buffers=2))
-    dist.destroy_process_group()
 
 
 def test_bad_groups_are_refused():
-    with tempfile.TemporaryDirectory() as d:
-        mp.spawn(bad_groups_worker, args=(d,), nprocs=2)
+    run_ranks(bad_groups_worker, 2)

@@ -6,12 +6,9 @@ Sharing that a shard cannot keep (a parameter across two units; two parameters
 over one memory) is refused with an error naming both."""
 import os
 import sys
-import tempfile
 
 import pytest
 import torch
-import torch.distributed as dist
-import torch.multiprocessing as mp
 from torch import nn
 
 import rfsdp
@@ -19,6 +16,7 @@ import rfsdp
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from slice_training import train_on_slices  # noqa: E402
 from models import Block  # noqa: E402
+from ranks import run_ranks  # noqa: E402
 
 VOCAB, DIM, CTX, BATCH, STEPS, WORLD, LR = 40, 16, 6, 8, 5, 2, 1e-2
 
@@ -80,9 +78,7 @@ def reference(name, seed):
     return losses, {n: p.detach().clone() for n, p in model.named_parameters()}
 
 
-def worker(rank, name, seed, init_file, out_file):
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method="file://" + init_file, rank=rank, world_size=WORLD)
+def worker(rank, world, name, seed):
     torch.manual_seed(seed)
     model = TiedLM()
     for b in model.blocks:
@@ -93,21 +89,14 @@ def worker(rank, name, seed, init_file, out_file):
     tokens = data(seed)
     losses = train_on_slices(model, opt, tokens, tokens, rank, WORLD,
                              loss_of=lambda m, t, _: loss_of(m, t))
-    params = rfsdp.full_parameters(model)
-    if rank == 0:
-        torch.save({"losses": losses, "params": params}, out_file)
-    dist.barrier()
-    os._exit(0)  # (torch's Gloo threads may abort a normal exit: see rfsdp._comm)
+    return {"losses": losses, "params": rfsdp.full_parameters(model)}
 
 
 @pytest.mark.parametrize("name", ["adamw", "adamw8bit", "muon"])
 def test_tied_embedding_and_head_train_like_unsharded(name):
     seed = int(torch.randint(0, 2 ** 30, ()).item())
     ref_losses, ref_params = reference(name, seed)
-    with tempfile.TemporaryDirectory() as d:
-        out = os.path.join(d, "out.pt")
-        mp.spawn(worker, args=(name, seed, os.path.join(d, "init"), out), nprocs=WORLD)
-        got = torch.load(out)
+    got = run_ranks(worker, WORLD, name, seed)[0]
     loss_rel = 1e-4 if name == "adamw8bit" else 1e-5  # a code flip (below) moves the loss a little
     assert got["losses"] == pytest.approx(ref_losses, rel=loss_rel, abs=1e-6), "seed %d" % seed
     assert set(got["params"]) == set(ref_params)  # the tie is one parameter on both sides
