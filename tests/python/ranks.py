@@ -41,6 +41,6 @@ def run_ranks(fn, world, *args, timeout=600):
                         p.kill()
                 raise TimeoutError("run_ranks: %s on %d ranks still running after %d s (a rank "
                                    "waiting in a collective the others left?)"
-                                   % (fn.__name__, world, timeout))
+                                   % (getattr(fn, "__name__", fn), world, timeout))
         return [torch.load(os.path.join(folder, "result%d.pt" % r), weights_only=False)
                 for r in range(world)]

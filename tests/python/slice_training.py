@@ -2,29 +2,24 @@
 batch, so the ranks together see the whole batch the unsharded reference sees;
 and, for tests that give gradients, each rank's rows of a full gradient."""
 import os
+import sys
 import tempfile
 
-import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 from torch import nn
 
 import rfsdp
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from ranks import run_ranks  # noqa: E402
+
 
 def save_on_two_resume_on_one(worker, seed):
-    """worker(rank, world, seed, init_file, out_file, ckpt), spawned on 2 ranks
-    (it saves ckpt part way) and then on 1 (it loads ckpt and finishes); what
-    each run's rank 0 torch.save'd to out_file: [2 ranks' result, 1 rank's]."""
+    """worker(rank, world, seed, ckpt) run on 2 ranks (it saves ckpt part way) and
+    then on 1 (it loads ckpt and finishes): rank 0's results, [2 ranks', 1 rank's]."""
     with tempfile.TemporaryDirectory() as d:
-        got = []
         ckpt = os.path.join(d, "ckpt")
-        for world in (2, 1):
-            out = os.path.join(d, "out%d.pt" % world)
-            mp.spawn(worker, args=(world, seed, os.path.join(d, "init%d" % world), out, ckpt),
-                     nprocs=world)
-            got.append(torch.load(out))
-    return got
+        return [run_ranks(worker, world, seed, ckpt)[0] for world in (2, 1)]
 
 
 def set_grads(model, full):

@@ -11,9 +11,7 @@ import tempfile
 
 import pytest
 import torch
-import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-import torch.multiprocessing as mp
 from torch import nn
 
 import rfsdp
@@ -21,6 +19,7 @@ import rfsdp.checkpoint as ckpt
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from test_hsdp import close_but_for_code_flips  # noqa: E402
+from ranks import run_ranks  # noqa: E402
 
 STEPS_BEFORE, STEPS_AFTER, BATCH = 4, 4, 12
 
@@ -96,9 +95,6 @@ def snapshot(model, opt):
 
 
 def worker(rank, world, name, seed, d, phase):
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method="file://%s/init_%s_%d" % (d, phase, world),
-                            rank=rank, world_size=world)
     # at another world size, AdamW8bit also takes another plan (the Shampoo granule too)
     other = world != SAVE_WORLD[name] and name == "adamw8bit"
     model, opt, sched = build(name, seed, rfsdp.policy.combine(policy(name), rfsdp.policy.shampoo(8))
@@ -112,9 +108,7 @@ def worker(rank, world, name, seed, d, phase):
         extra = ckpt.load(os.path.join(d, "ck"), model, opt)
         sched.load_state_dict(extra["sched"])
         train(model, opt, sched, seed, range(extra["step"], STEPS_BEFORE + STEPS_AFTER), rank, world)
-    torch.save(snapshot(model, opt), os.path.join(d, "%s_%d_%d.pt" % (phase, world, rank)))
-    dist.barrier()
-    os._exit(0)  # (torch's Gloo threads may abort a normal exit: see rfsdp._comm)
+    return snapshot(model, opt)
 
 
 # saved at one world size, resumed exactly there and at another: 2 -> 1, 4 -> 2 (AdamW8bit,
@@ -128,11 +122,9 @@ def test_resume_is_exact_and_reshards(name):
     seed = int(torch.randint(0, 2 ** 20, ()).item())
     with tempfile.TemporaryDirectory() as d:
         ws = SAVE_WORLD[name]
-        mp.spawn(worker, args=(ws, name, seed, d, "train"), nprocs=ws)
-        mp.spawn(worker, args=(ws, name, seed, d, "resume"), nprocs=ws)
-        for rank in range(ws):
-            a = torch.load(os.path.join(d, "train_%d_%d.pt" % (ws, rank)))
-            b = torch.load(os.path.join(d, "resume_%d_%d.pt" % (ws, rank)))
+        trained = run_ranks(worker, ws, name, seed, d, "train")
+        resumed = run_ranks(worker, ws, name, seed, d, "resume")
+        for rank, (a, b) in enumerate(zip(trained, resumed)):
             assert a["lr"] == b["lr"]
             for n in a["local"]:
                 assert torch.equal(a["local"][n], b["local"][n]), "%s rank %d (seed %d)" % (n, rank, seed)
@@ -142,9 +134,8 @@ def test_resume_is_exact_and_reshards(name):
                 for s, t in a["state"][k].items():
                     assert torch.equal(t, b["state"][k][s]), "state %s/%s (seed %d)" % (k, s, seed)
         w = OTHER_WORLD[name]
-        mp.spawn(worker, args=(w, name, seed, d, "resume"), nprocs=w)
-        want = torch.load(os.path.join(d, "train_%d_0.pt" % ws))["full"]
-        got = torch.load(os.path.join(d, "resume_%d_0.pt" % w))["full"]
+        want = trained[0]["full"]
+        got = run_ranks(worker, w, name, seed, d, "resume")[0]["full"]
         if name == "adamw8bit":  # another world size sums gradients in another order
             close_but_for_code_flips(got, want, "at %d ranks, seed %d" % (w, seed))
             return
@@ -156,9 +147,6 @@ def test_resume_is_exact_and_reshards(name):
 # ---- with torch's own tools ---------------------------------------------------------------
 
 def interop_worker(rank, world, d, kind):
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method="file://%s/init_%s" % (d, kind), rank=rank,
-                            world_size=world)
     torch.manual_seed(7)
     if kind == "fsdp2_save":
         from torch.distributed.checkpoint.state_dict import get_model_state_dict
@@ -179,18 +167,14 @@ def interop_worker(rank, world, d, kind):
         model = Net()
         rfsdp.fully_shard(model, policy=rfsdp.policy.muon())
         ckpt.load(os.path.join(d, kind), model)
-        full = rfsdp.full_parameters(model)
-        if rank == 0:
-            torch.save(full, os.path.join(d, "loaded_%s.pt" % kind))
-    dist.barrier()
-    os._exit(0)  # (torch's Gloo threads may abort a normal exit: see rfsdp._comm)
+        return rfsdp.full_parameters(model)
 
 
 def test_torch_tools_read_ours_and_we_read_plain_and_fsdp2_checkpoints():
     from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
     with tempfile.TemporaryDirectory() as d:
         # ours (2 ranks, an expert stack in several chunks) -> torch.save -> a plain module
-        mp.spawn(interop_worker, args=(2, d, "rfsdp_save"), nprocs=2)
+        run_ranks(interop_worker, 2, d, "rfsdp_save")
         dcp_to_torch_save(os.path.join(d, "ours"), os.path.join(d, "ours.pt"))
         torch.manual_seed(7)
         plain = Net()
@@ -209,14 +193,12 @@ def test_torch_tools_read_ours_and_we_read_plain_and_fsdp2_checkpoints():
         torch.manual_seed(7)
         plain = Net()
         dcp.save({"model": plain.state_dict()}, checkpoint_id=os.path.join(d, "plain"))
-        mp.spawn(interop_worker, args=(3, d, "plain"), nprocs=3)
-        got = torch.load(os.path.join(d, "loaded_plain.pt"))
+        got = run_ranks(interop_worker, 3, d, "plain")[0]
         for n, p in plain.named_parameters():
             assert torch.equal(got[n], p.detach()), n
         # a torch FSDP2 model's DCP checkpoint (2 ranks) -> rfsdp at 3 ranks
-        mp.spawn(interop_worker, args=(2, d, "fsdp2_save"), nprocs=2)
-        mp.spawn(interop_worker, args=(3, d, "fsdp2"), nprocs=3)
-        got = torch.load(os.path.join(d, "loaded_fsdp2.pt"))
+        run_ranks(interop_worker, 2, d, "fsdp2_save")
+        got = run_ranks(interop_worker, 3, d, "fsdp2")[0]
         for n, p in plain.named_parameters():  # FSDP2 kept the same initial values (seed 7)
             assert torch.equal(got[n], p.detach()), n
 
@@ -378,9 +360,6 @@ def test_damaged_marker_is_a_clear_error_never_another_exception(tmp_path):
 
 
 def requant_worker(rank, world, d):
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method="file://%s/init_rq_%d" % (d, world), rank=rank,
-                            world_size=world)
     torch.manual_seed(5)
     model = Net()
     if world == 2:  # block 16, 8-bit from 32 elements
@@ -398,22 +377,19 @@ def requant_worker(rank, world, d):
         except ckpt.CheckpointError as e:
             assert "load with requantize=True" in str(e), str(e)
         ckpt.load(os.path.join(d, "ck"), model, opt, requantize=True)
-        out = {n: (rfsdp.shard_info(p), {k: t.clone() for k, t in opt.state[p].items()})
-               for n, p in model.named_parameters()}
-        torch.save(out, os.path.join(d, "requant_%d.pt" % rank))
-    dist.barrier()
-    os._exit(0)  # (torch's Gloo threads may abort a normal exit: see rfsdp._comm)
+        return {n: (rfsdp.shard_info(p), {k: t.clone() for k, t in opt.state[p].items()})
+                for n, p in model.named_parameters()}
 
 
 def test_requantize_loads_8bit_states_under_other_blocks():
     from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
     with tempfile.TemporaryDirectory() as d:
-        mp.spawn(requant_worker, args=(2, d), nprocs=2)
-        mp.spawn(requant_worker, args=(3, d), nprocs=3)
+        run_ranks(requant_worker, 2, d)
+        requantized = run_ranks(requant_worker, 3, d)
         dcp_to_torch_save(os.path.join(d, "ck"), os.path.join(d, "ck.pt"))
         saved = torch.load(os.path.join(d, "ck.pt"), weights_only=False)["optim"]
         for rank in range(3):
-            got = torch.load(os.path.join(d, "requant_%d.pt" % rank), weights_only=False)
+            got = requantized[rank]
             for n, (info, st) in got.items():
                 rows, row_len = info.full_rows, info.row_len
                 for k, (codes, scale, moment, signed) in enumerate(

@@ -22,17 +22,20 @@ import os
 import pickle
 import shutil
 import subprocess
+import sys
 import tempfile
 
 import pytest
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-import torch.multiprocessing as mp
 from torch import nn
 
 import rfsdp
 import rfsdp.checkpoint as ckpt
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from ranks import run_ranks  # noqa: E402
 
 
 class Payload:
@@ -202,9 +205,7 @@ def refusing_writes(err):
         os.makedirs = real_makedirs
 
 
-def full_worker(rank, world, root, mounted, how, init_file, out_file):
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method="file://" + init_file, rank=rank, world_size=world)
+def full_worker(rank, world, root, mounted, how):
     torch.manual_seed(0)
     model = Net()
     rfsdp.fully_shard(model, policy=rfsdp.policy.blockwise_8bit(256))
@@ -240,9 +241,7 @@ def full_worker(rank, world, root, mounted, how, init_file, out_file):
     extra = ckpt.load(os.path.join(root, "ck_old"), fresh, fresh_opt)
     exact = extra == {"step": 1} and all(
         torch.equal(saved[n], p.detach()) for n, p in fresh.named_parameters())
-    torch.save({"error": error, "exact": exact}, out_file + str(rank))
-    dist.barrier()
-    os._exit(0)  # (torch's Gloo threads may abort a normal exit: see rfsdp._comm)
+    return {"error": error, "exact": exact}
 
 
 @pytest.mark.parametrize("how,errno_text", [("full", "No space left on device"),
@@ -251,10 +250,7 @@ def test_a_save_into_a_full_or_read_only_file_system_fails_alike_and_loses_nothi
     with small_file_system(512) as mounted, tempfile.TemporaryDirectory() as d:
         root = mounted or os.path.join(d, "root")
         os.makedirs(root, exist_ok=True)
-        out = os.path.join(d, "out")
-        mp.spawn(full_worker, args=(2, root, mounted is not None, how, os.path.join(d, "init"), out),
-                 nprocs=2)
-        got = [torch.load(out + str(r)) for r in range(2)]
+        got = run_ranks(full_worker, 2, root, mounted is not None, how)
         if mounted:
             subprocess.run(["mount", "-o", "remount,rw", root], capture_output=True)
     for r, g in enumerate(got):

@@ -16,7 +16,6 @@ import tempfile
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 from torch import nn
 
 import rfsdp
@@ -25,6 +24,7 @@ from torch.distributed.tensor import Replicate
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import muon_reference  # noqa: E402
 from slice_training import train_on_slices  # noqa: E402
+from ranks import run_ranks  # noqa: E402
 
 WORLD = 3
 STEPS = 5
@@ -190,13 +190,7 @@ def check_cut_8bit(got, seed):
                     assert torch.equal(st[name], want), (block, shapes[i], rank, name, seed)
 
 
-def worker(rank, seed, init_file, out_file, mesh_shape=(WORLD,)):
-    torch.set_num_threads(1)
-    world = 1
-    for n in mesh_shape:
-        world *= n
-    dist.init_process_group("gloo", init_method="file://" + init_file, rank=rank,
-                            world_size=world)
+def worker(rank, world, seed, mesh_shape=(WORLD,)):
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import DTensor, Shard, distribute_tensor
     mesh = init_device_mesh("cpu", mesh_shape, mesh_dim_names=("replicate", "shard")[-len(mesh_shape):])
@@ -214,10 +208,7 @@ def worker(rank, seed, init_file, out_file, mesh_shape=(WORLD,)):
     out["muon"] = full_of(model)
     out["cut_8bit"] = cut_8bit(mesh, seed)
     if len(mesh_shape) == 2:  # HSDP: Muon and cut-block AdamW8bit
-        if rank == 0:
-            torch.save(out, out_file)
-        dist.barrier()
-        os._exit(0)  # (torch's Gloo threads may abort a normal exit: see rfsdp._comm)
+        return out if rank == 0 else None
 
     torch.manual_seed(seed)
     model = fsdp2(Odd(), mesh)
@@ -246,18 +237,12 @@ def worker(rank, seed, init_file, out_file, mesh_shape=(WORLD,)):
     r = nn.Parameter(distribute_tensor(torch.randn(6, 6), mesh, [Replicate()]))
     with pytest.raises(ValueError, match="replicated"):
         rfsdp.optim.AdamW([r])
-    if rank == 0:
-        torch.save(out, out_file)
-    dist.barrier()
-    os._exit(0)  # (torch's Gloo threads may abort a normal exit: see rfsdp._comm)
+    return out if rank == 0 else None
 
 
 def run(seed, mesh_shape):
-    with tempfile.TemporaryDirectory() as d:
-        out_file = os.path.join(d, "out.pt")
-        n = mesh_shape[0] * (mesh_shape[1] if len(mesh_shape) == 2 else 1)
-        mp.spawn(worker, args=(seed, os.path.join(d, "init"), out_file, mesh_shape), nprocs=n)
-        return torch.load(out_file)
+    n = mesh_shape[0] * (mesh_shape[1] if len(mesh_shape) == 2 else 1)
+    return run_ranks(worker, n, seed, mesh_shape)[0]
 
 
 def check_muon(got, seed):
@@ -326,13 +311,10 @@ def ckpt_optimizer(name, params):
                                start_preconditioning_step=2)
 
 
-def ckpt_worker(rank, world, name, seed, path, init_file, out_file, save):
+def ckpt_worker(rank, world, name, seed, path, save):
     """save: 2 steps on 3 ranks, save, 2 more; load: on 2 ranks, the last 2 steps.
     Given gradients, so each step is the one-device step (AdamW8bit's blocks and
     Shampoo's rows of tiles cut by FSDP2's chunks, differently at 3 and 2 ranks)."""
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method="file://" + init_file, rank=rank,
-                            world_size=world)
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import Shard, distribute_tensor
     mesh = init_device_mesh("cpu", (world,))
@@ -353,11 +335,7 @@ def ckpt_worker(rank, world, name, seed, path, init_file, out_file, save):
         rfsdp.checkpoint.load(path, model, opt)
     step(2)
     step(3)
-    full = full_of(model)
-    if rank == 0:
-        torch.save(full, out_file)
-    dist.barrier()
-    os._exit(0)  # (torch's Gloo threads may abort a normal exit: see rfsdp._comm)
+    return full_of(model)
 
 
 @pytest.mark.parametrize("name", ["8bit", "shampoo"])
@@ -368,11 +346,7 @@ def test_fsdp2_optimizer_state_checkpoint_reshards_and_resumes_as_one_process(na
         path = os.path.join(d, "ckpt")
         outs = []
         for world, save in ((3, True), (2, False)):
-            out_file = os.path.join(d, "out%d.pt" % world)
-            mp.spawn(ckpt_worker, args=(world, name, seed, path,
-                                        os.path.join(d, "init%d" % world), out_file, save),
-                     nprocs=world)
-            outs.append(torch.load(out_file))
+            outs.append(run_ranks(ckpt_worker, world, name, seed, path, save)[0])
     torch.manual_seed(0)
     model = Odd()
     opt = ckpt_optimizer(name, model.parameters())

@@ -20,6 +20,7 @@ import rfsdp
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from models import Net, data  # noqa: E402
 from slice_training import save_on_two_resume_on_one, set_grads  # noqa: E402
+from ranks import run_ranks  # noqa: E402
 
 STEPS = 6
 BLOCK = 64
@@ -70,11 +71,8 @@ def sharded(kind):
     return model, shampoo(model.parameters(), kind.partition(":")[2]), full_root_codes
 
 
-def worker(rank, world, seed, init_file, out_file, ckpt, kind="muon"):
+def worker(rank, world, seed, ckpt, kind="muon"):
     """STEPS steps of kind on `world` ranks: 2 save after 3, 1 loads and takes the rest."""
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method="file://" + init_file, rank=rank,
-                            world_size=world)
     torch.manual_seed(seed)
     model, opt, codes_of = sharded(kind)
     gs = grads(seed)
@@ -87,27 +85,15 @@ def worker(rank, world, seed, init_file, out_file, ckpt, kind="muon"):
             rfsdp.checkpoint.save(ckpt, model, opt)
         set_grads(model, g)
         opt.step()
-    codes = codes_of(model, opt)
-    full = rfsdp.full_parameters(model)
-    if rank == 0:
-        torch.save((full, codes), out_file)
-    dist.barrier()
-    os._exit(0)  # (torch's Gloo threads may abort a normal exit: see rfsdp._comm)
+    return rfsdp.full_parameters(model), codes_of(model, opt)
 
 
-def requantize_worker(rank, world, seed, init_file, out_file, ckpt, kind):
-    """kind on `world` ranks loads ckpt with requantize=True; rank 0 saves its codes."""
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method="file://" + init_file, rank=rank,
-                            world_size=world)
+def requantize_worker(rank, world, seed, ckpt, kind):
+    """kind on `world` ranks loads ckpt with requantize=True: its codes."""
     torch.manual_seed(seed)
     model, opt, codes_of = sharded(kind)
     rfsdp.checkpoint.load(ckpt, model, opt, requantize=True)
-    codes = codes_of(model, opt)
-    if rank == 0:
-        torch.save(codes, out_file)
-    dist.barrier()
-    os._exit(0)  # (torch's Gloo threads may abort a normal exit: see rfsdp._comm)
+    return codes_of(model, opt)
 
 
 def one_process(seed, dtype="int8"):
@@ -441,10 +427,7 @@ def test_checkpoint_requantized_on_two_ranks_gives_one_process_codes(kind, tmp_p
     rfsdp.checkpoint.save(ckpt, model, opt)
     rfsdp.checkpoint.load(ckpt, m1, o1, requantize=True)
     want = codes_of(m1, o1)
-    out = str(tmp_path / "out.pt")
-    torch.multiprocessing.spawn(requantize_worker,
-                                args=(2, seed, str(tmp_path / "init"), out, ckpt, kind), nprocs=2)
-    got = torch.load(out)
+    got = run_ranks(requantize_worker, 2, seed, ckpt, kind)[0]
     for n in want:
         for k in range(len(want[n])):
             assert torch.equal(got[n][k], want[n][k]), (n, k, kind, seed)

@@ -4,19 +4,17 @@ timeout), changes no parameter and no state on either, and the ranks step on
 together afterwards."""
 import os
 import sys
-import tempfile
 import time
 
 import pytest
 import torch
-import torch.distributed as dist
-import torch.multiprocessing as mp
 from torch import nn
 
 import rfsdp
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from models import Net, data  # noqa: E402
+from ranks import run_ranks  # noqa: E402
 
 WORLD = 2
 
@@ -59,9 +57,7 @@ def slice_backward(opt, model, xs, ys, rank, world):
     return backward
 
 
-def worker(rank, name, seed, init_file, out_file):
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method="file://" + init_file, rank=rank, world_size=WORLD)
+def worker(rank, world, name, seed):
     torch.manual_seed(seed)
     model = Net()
     pol = {"adamw8bit": rfsdp.policy.blockwise_8bit(256),
@@ -92,19 +88,13 @@ def worker(rank, name, seed, init_file, out_file):
         all(torch.equal(before[1][i][k], after[1][i][k]) for i in before[1] for k in before[1][i])
     backward(2)  # the ranks go on together
     opt.step()
-    torch.save({"error": error, "seconds": seconds, "unchanged": unchanged},
-               out_file + str(rank))
-    dist.barrier()
-    os._exit(0)  # (torch's Gloo threads may abort a normal exit: see rfsdp._comm)
+    return {"error": error, "seconds": seconds, "unchanged": unchanged}
 
 
 @pytest.mark.parametrize("name", ["adamw", "adamw8bit", "muon", "shampoo", "soap"])
 def test_nan_on_one_rank_stops_every_rank(name):
     seed = int(torch.randint(0, 2 ** 30, ()).item())
-    with tempfile.TemporaryDirectory() as d:
-        out = os.path.join(d, "out")
-        mp.spawn(worker, args=(name, seed, os.path.join(d, "init"), out), nprocs=WORLD)
-        got = [torch.load(out + str(r)) for r in range(WORLD)]
+    got = run_ranks(worker, WORLD, name, seed)
     for r, g in enumerate(got):
         assert g["error"] is not None, "rank %d took the step" % r
         assert "NaN or Inf" in g["error"] and "not taken on any rank" in g["error"], g["error"]

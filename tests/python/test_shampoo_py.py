@@ -6,18 +6,16 @@ with use_shampoo=False are AdamW; the state_dict round trip; bad settings."""
 import math
 import os
 import sys
-import tempfile
 
 import pytest
 import torch
-import torch.distributed as dist
-import torch.multiprocessing as mp
 from torch import nn
 
 import rfsdp
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from slice_training import train_on_slices  # noqa: E402
+from ranks import run_ranks  # noqa: E402
 
 B, STEPS, WORLD = 8, 12, 2
 
@@ -63,19 +61,13 @@ def train(model, opt, seed, rank=0, world=1):
     return train_on_slices(model, opt, xs, ys, rank, world)
 
 
-def worker(rank, seed, init_file, out_file):
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method="file://" + init_file, rank=rank, world_size=WORLD)
+def worker(rank, world, seed):
     torch.manual_seed(seed)
     model = Net()
     rfsdp.fully_shard(model, policy=rfsdp.policy.shampoo(B))
     opt = make(model)
     losses = train(model, opt, seed, rank, WORLD)
-    params = rfsdp.full_parameters(model)
-    if rank == 0:
-        torch.save({"losses": losses, "params": params}, out_file)
-    dist.barrier()
-    os._exit(0)  # (torch's Gloo threads may abort a normal exit: see rfsdp._comm)
+    return {"losses": losses, "params": rfsdp.full_parameters(model)}
 
 
 def test_two_ranks_equal_the_unsharded_model():
@@ -83,10 +75,7 @@ def test_two_ranks_equal_the_unsharded_model():
     torch.manual_seed(seed)
     ref = Net()
     ref_losses = train(ref, make(ref), seed)
-    with tempfile.TemporaryDirectory() as d:
-        out = os.path.join(d, "out.pt")
-        mp.spawn(worker, args=(seed, os.path.join(d, "init"), out), nprocs=WORLD)
-        got = torch.load(out)
+    got = run_ranks(worker, WORLD, seed)[0]
     assert got["losses"] == pytest.approx(ref_losses, rel=1e-4, abs=1e-6), "seed %d" % seed
     for n, p in ref.named_parameters():
         torch.testing.assert_close(got["params"][n], p.detach(), rtol=1e-4, atol=1e-5,

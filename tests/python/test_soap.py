@@ -10,7 +10,6 @@ import tempfile
 
 import pytest
 import torch
-import torch.distributed as dist
 from torch import nn
 
 import rfsdp
@@ -48,12 +47,9 @@ def soap(model, dtype=torch.float32, state=torch.float32):
                             basis_dtype=dtype, state_dtype=state)
 
 
-def worker(rank, world, seed, init_file, out_file, ckpt=None, state=torch.float32):
+def worker(rank, world, seed, ckpt=None, state=torch.float32):
     """STEPS steps on `world` ranks; ckpt: save after 3 (2 ranks), or load and take
     the last STEPS - 3 (1 rank). state: SOAP's state_dtype."""
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method="file://" + init_file, rank=rank,
-                            world_size=world)
     torch.manual_seed(seed)
     model = Net()
     rfsdp.fully_shard(model, policy=rfsdp.policy.shampoo(B))
@@ -68,11 +64,7 @@ def worker(rank, world, seed, init_file, out_file, ckpt=None, state=torch.float3
             rfsdp.checkpoint.save(ckpt, model, opt)
         set_grads(model, g)
         opt.step()
-    full = rfsdp.full_parameters(model)
-    if rank == 0:
-        torch.save(full, out_file)
-    dist.barrier()
-    dist.destroy_process_group()
+    return rfsdp.full_parameters(model)
 
 
 def one_process(seed, state=torch.float32):

@@ -8,13 +8,10 @@ the first step: ranks whose models differ, or that shard their blocks in another
 order, refuse in fully_shard on every rank instead of aborting inside Gloo."""
 import os
 import sys
-import tempfile
 import time
 
 import pytest
 import torch
-import torch.distributed as dist
-import torch.multiprocessing as mp
 from torch import nn
 
 import rfsdp
@@ -22,6 +19,7 @@ import rfsdp
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from models import Net, data  # noqa: E402
 from test_nonfinite import slice_backward, snapshot  # noqa: E402
+from ranks import run_ranks  # noqa: E402
 
 TIMEOUT = 30  # seconds: a rank waiting for a peer that raised alone would wait this long
 
@@ -57,9 +55,7 @@ def failing_optimizer(case, model):
                             timeout_seconds=TIMEOUT), 2, "momentum_buffer"
 
 
-def worker(rank, world, case, seed, init_file, out_file):
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method="file://" + init_file, rank=rank, world_size=world)
+def worker(rank, world, case, seed):
     torch.manual_seed(seed)
     model = Net()
     shard(model, rfsdp.policy.shampoo(8) if case == "shampoo" else None)
@@ -95,15 +91,11 @@ def worker(rank, world, case, seed, init_file, out_file):
         target.zero_()
     backward(steps + 1)
     opt.step()
-    torch.save({"error": error, "seconds": seconds, "unchanged": unchanged}, out_file + str(rank))
-    dist.barrier()
-    dist.destroy_process_group()
+    return {"error": error, "seconds": seconds, "unchanged": unchanged}
 
 
-def bad_gradient_worker(rank, world, seed, init_file, out_file):
+def bad_gradient_worker(rank, world, seed):
     """One rank hands its optimizer a non-contiguous gradient: a ValueError on every rank."""
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method="file://" + init_file, rank=rank, world_size=world)
     torch.manual_seed(seed)
     model = Net()
     shard(model)
@@ -128,16 +120,8 @@ def bad_gradient_worker(rank, world, seed, init_file, out_file):
         if p.grad is not None:
             p.grad = p.grad.contiguous()
     opt.step()  # the ranks step on together
-    torch.save({"error": error, "seconds": seconds, "unchanged": unchanged}, out_file + str(rank))
-    dist.barrier()
-    dist.destroy_process_group()
+    return {"error": error, "seconds": seconds, "unchanged": unchanged}
 
-
-def run(fn, world, *args):
-    with tempfile.TemporaryDirectory() as d:
-        out = os.path.join(d, "out")
-        mp.spawn(fn, args=(world,) + args + (os.path.join(d, "init"), out), nprocs=world)
-        return [torch.load(out + str(r)) for r in range(world)]
 
 
 def check_agreed(got, world, *fragments):
@@ -153,20 +137,20 @@ def check_agreed(got, world, *fragments):
 
 @pytest.mark.parametrize("world", [2, 3])
 def test_a_shampoo_root_failure_on_one_rank_stops_every_rank(world):
-    got = run(worker, world, "shampoo", int(torch.randint(0, 2 ** 30, ()).item()))
+    got = run_ranks(worker, world, "shampoo", int(torch.randint(0, 2 ** 30, ()).item()))
     check_agreed(got, world, "Shampoo step: the inverse roots of parameter", "3 times in a row",
                  "(on rank %d" % (world - 1))
 
 
 @pytest.mark.parametrize("world", [2, 3])
 def test_a_muon_root_failure_on_one_rank_stops_every_rank(world):
-    got = run(worker, world, "muon", int(torch.randint(0, 2 ** 30, ()).item()))
+    got = run_ranks(worker, world, "muon", int(torch.randint(0, 2 ** 30, ()).item()))
     check_agreed(got, world, "Muon step: the Newton-Schulz result of matrix 0 of", "is not finite",
                  "(on rank ")
 
 
 def test_a_bad_gradient_on_one_rank_is_a_value_error_on_every_rank():
-    got = run(bad_gradient_worker, 2, int(torch.randint(0, 2 ** 30, ()).item()))
+    got = run_ranks(bad_gradient_worker, 2, int(torch.randint(0, 2 ** 30, ()).item()))
     check_agreed(got, 2, "AdamW step: ValueError: AdamW: the gradient of parameter 'embed.weight' "
                  "must be a contiguous float32 tensor of 28 elements on cpu (the parameter's "
                  "device); got a non-contiguous tensor of 28 Float elements on cpu",
@@ -182,9 +166,7 @@ class Wide(nn.Module):
         self.b = nn.Linear(24, out)
 
 
-def mismatch_worker(rank, world, how, init_file, out_file):
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method="file://" + init_file, rank=rank, world_size=world)
+def mismatch_worker(rank, world, how):
     t0 = time.time()
     try:
         if how == "shapes":  # rank 1 builds Linear(24, 25) where rank 0 builds Linear(24, 24)
@@ -200,9 +182,7 @@ def mismatch_worker(rank, world, how, init_file, out_file):
         error = None
     except ValueError as e:
         error = str(e)
-    torch.save({"error": error, "seconds": time.time() - t0}, out_file + str(rank))
-    dist.barrier()
-    dist.destroy_process_group()
+    return {"error": error, "seconds": time.time() - t0}
 
 
 @pytest.mark.parametrize("how,fragments", [
@@ -214,7 +194,7 @@ def mismatch_worker(rank, world, how, init_file, out_file):
                "rank 1 has 'inner fully_shard of 'blocks.0': call 2'"]),
 ])
 def test_ranks_that_shard_different_models_refuse_together(how, fragments):
-    got = run(mismatch_worker, 2, how)
+    got = run_ranks(mismatch_worker, 2, how)
     for r, g in enumerate(got):
         assert g["error"] is not None, "rank %d sharded" % r
         assert g["error"] == got[0]["error"]

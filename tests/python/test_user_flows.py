@@ -16,16 +16,14 @@ loading, against the same Trainer in one process."""
 import os
 import subprocess
 import sys
-import tempfile
 
 import pytest
 import torch
-import torch.distributed as dist
-import torch.multiprocessing as mp
 from torch import nn
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from models import OPTIMIZERS, Net, data, fsdp2, full_params, optimizer  # noqa: E402
+from ranks import run_ranks  # noqa: E402
 
 WORLD = 2
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -61,9 +59,7 @@ def bf16_steps(model, seed, mesh=None):
         opt.step()
 
 
-def worker(rank, world, seed, d):
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method="file://%s/init" % d, rank=rank, world_size=world)
+def worker(rank, world, seed):
     out = {}
     for name in OPTIMIZERS:
         torch.manual_seed(seed)
@@ -89,10 +85,7 @@ def worker(rank, world, seed, d):
     model, mesh = fsdp2(Net().to(torch.bfloat16), world)
     bf16_steps(model, seed, mesh)
     out["bf16"] = full_params(model)
-    if rank == 0:
-        torch.save(out, os.path.join(d, "out.pt"))
-    dist.barrier()
-    os._exit(0)  # (torch's Gloo threads may abort a normal exit: see rfsdp._comm)
+    return out if rank == 0 else None
 
 
 def reference(name, seed, **kw):
@@ -109,9 +102,7 @@ def reference(name, seed, **kw):
 
 def test_ddp_and_accelerates_order_train_like_one_process():
     seed = int(torch.randint(0, 2 ** 30, ()).item())
-    with tempfile.TemporaryDirectory() as d:
-        mp.spawn(worker, args=(WORLD, seed, d), nprocs=WORLD)
-        got = torch.load(os.path.join(d, "out.pt"))
+    got = run_ranks(worker, WORLD, seed)[0]
     for name in OPTIMIZERS:
         want = reference(name, seed)
         soap1 = reference(name, seed, max_preconditioner_dim=1) if name == "SOAP" else want

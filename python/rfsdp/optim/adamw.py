@@ -1,8 +1,6 @@
 """AdamW and AdamW8bit over the C++ optimizers (optimizers/adamw)."""
-import torch
-
 from .. import _C
-from .base import _OverCpp, _run_closure, _shard_spec
+from .base import _OverCpp, _shard_spec
 from .requantize import _row_span
 
 
@@ -28,12 +26,6 @@ class AdamW(_OverCpp):
     def _parts(self, params):
         self._impl = self._make([_shard_spec(i, p) for i, p in enumerate(params)])
         return [(self._impl, list(range(len(params))), _adamw_options)]
-
-    @torch.no_grad()
-    def step(self, closure=None):
-        loss = _run_closure(closure)
-        self._step_all()
-        return loss
 
 
 class AdamW8bit(AdamW):

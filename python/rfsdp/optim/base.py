@@ -270,6 +270,14 @@ class _OverCpp(torch.optim.Optimizer):
                 params[i].grad = torch.zeros_like(params[i])
         return [None if params[i].grad is None else local(params[i].grad) for i in idx]
 
+    @torch.no_grad()
+    def step(self, closure=None):
+        """One step of every parameter with a gradient (closure, as torch.optim's:
+        re-evaluates the loss first, with gradients enabled)."""
+        loss = _run_closure(closure)
+        self._step_all()
+        return loss
+
     def _step_all(self):
         """One step of every part: options where they changed, each part's
         gradients in one call (C++ checks them), then the step (NaN/Inf, any

@@ -2,7 +2,7 @@
 import torch
 
 from .. import _C
-from .base import _OverCpp, _run_closure, _shard_spec
+from .base import _OverCpp, _shard_spec
 from .requantize import _like_rows, _row_span
 
 
@@ -132,12 +132,6 @@ class Muon(_OverCpp):
 
     def _needs_grads(self, part):
         return self._muon_idx
-
-    @torch.no_grad()
-    def step(self, closure=None):
-        loss = _run_closure(closure)
-        self._step_all()
-        return loss
 
 
 def _muon_options(g):

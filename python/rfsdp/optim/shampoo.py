@@ -2,7 +2,7 @@
 import torch
 
 from .. import _C
-from .base import _OverCpp, _run_closure, _shard_spec
+from .base import _OverCpp, _shard_spec
 from .requantize import _check_quantised_bases, _decode_squares, _encode_squares, _like_rows, \
     _lowbit_format, _offsets, _pieces, _side, _tiles_here
 
@@ -168,12 +168,6 @@ class Shampoo(_Tiled):
                                 self.config["basis_block"], self.config["basis_map"],
                                 self.config["bjorck_iterations"])
         return [(self._impl, list(range(len(params))), _shampoo_options)]
-
-    @torch.no_grad()
-    def step(self, closure=None):
-        loss = _run_closure(closure)
-        self._step_all()
-        return loss
 
 
 # ---- checkpoints into other basis storage (Shampoo's roots, SOAP's bases) ----------------

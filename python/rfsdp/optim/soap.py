@@ -2,7 +2,7 @@
 import torch
 
 from .. import _C
-from .base import _run_closure, _shard_spec
+from .base import _shard_spec
 from .requantize import _check_quantised_bases, _decode_squares, _encode_squares, _like_rows, \
     _lowbit_format, _pieces, _recoded_moments, _tiles_here
 from .shampoo import _Tiled
@@ -130,8 +130,3 @@ class SOAP(_Tiled):
                              self.config["bjorck_iterations"])
         return [(self._impl, list(range(len(params))), _soap_options)]
 
-    @torch.no_grad()
-    def step(self, closure=None):
-        loss = _run_closure(closure)
-        self._step_all()
-        return loss
