@@ -189,7 +189,7 @@ void ShardedOptimizer::step() {
 
 void ShardedOptimizer::step_refused(const std::string& message, bool invalid_argument) {
   StepGate gate(comm_.get(), std::string(name()) + " step");
-  gate.fail(message, invalid_argument);
+  gate.refuse(message, invalid_argument);
   run_step_in_fp32(gate, {});
   gate.agree();  // (where run_step did not reach it) throws the agreed error
   throw std::logic_error("step_refused: the gate let a refused step through");

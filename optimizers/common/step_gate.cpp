@@ -21,8 +21,8 @@ StepGate::StepGate(Comm* comm, std::string who)
     : comm_(comm && comm->size() > 1 ? comm : nullptr), who_(std::move(who)) {}
 
 void StepGate::record(Code code, std::string message) {
-  // An error outranks a NaN; of each kind the first is kept.
-  if (code_ >= kError || (code_ == kNonFinite && code == kNonFinite)) return;
+  // A refusal outranks an error, an error a NaN; of each kind the first is kept.
+  if (severity(code_) >= severity(code)) return;
   code_ = code;
   message_ = std::move(message);
 }
@@ -42,6 +42,10 @@ void StepGate::check_finite(const std::string& name, const at::Tensor& grad) {
 
 void StepGate::fail(const std::string& message, bool invalid_argument) {
   record(invalid_argument ? kInvalid : kError, message);
+}
+
+void StepGate::refuse(const std::string& message, bool invalid_argument) {
+  record(invalid_argument ? kRefusedInvalid : kRefusedError, message);
 }
 
 std::string StepGate::local_message(bool device_nonfinite) const {
@@ -122,7 +126,7 @@ void StepGate::agree() {
     text += "; the step was not taken";
   }
   if (worst == kNonFinite) text += " (check the loss, lower the learning rate, or clip gradients)";
-  if (worst == kInvalid) throw std::invalid_argument(text);
+  if (worst == kInvalid || worst == kRefusedInvalid) throw std::invalid_argument(text);
   throw std::runtime_error(text);
 }
 

@@ -35,6 +35,11 @@ class StepGate {
   // This rank's failure (the first one recorded is kept). invalid_argument: the
   // agreed error is a std::invalid_argument (Python's ValueError).
   void fail(const std::string& message, bool invalid_argument = false);
+  // This rank could not prepare its step at all (its part of the step failed
+  // before it started; ShardedOptimizer::step_refused): outranks every other
+  // failure, so the agreed error names its cause, not what other ranks saw of it
+  // (an owner missing this rank's rows).
+  void refuse(const std::string& message, bool invalid_argument = false);
   // Runs fn; what it throws becomes this rank's failure. Returns whether it ran through.
   template <class F>
   bool guard(F&& fn) {
@@ -57,7 +62,11 @@ class StepGate {
   bool agreed() const { return agreed_; }
 
  private:
-  enum Code : int64_t { kOk = 0, kNonFinite = 1, kError = 2, kInvalid = 3 };
+  enum Code : int64_t {
+    kOk = 0, kNonFinite = 1, kError = 2, kInvalid = 3, kRefusedError = 4, kRefusedInvalid = 5
+  };
+  // A refusal outranks an error, an error a NaN/Inf.
+  static int severity(Code c) { return c >= kRefusedError ? 3 : c >= kError ? 2 : c; }
   void record(Code code, std::string message);
   // This rank's message once agree() knows it failed (names a non-finite device gradient).
   std::string local_message(bool device_nonfinite) const;

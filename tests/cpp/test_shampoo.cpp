@@ -500,6 +500,36 @@ TEST(Shampoo, SharedTileRowWithAGradientOnOnlySomeRanksIsAnErrorEverywhere) {
   });
 }
 
+TEST(Shampoo, ARefusedStepOnTheHolderOfACutRowNamesItsCauseOnEveryRank) {
+  // 20 x 19 over 2 ranks: rank 0 owns the cut tile rows [8, 16). Rank 1 cannot
+  // prepare its step (step_refused, as Python's does on a bad gradient): rank 0
+  // then also misses rank 1's rows, but the agreed error names rank 1's cause.
+  run_local_ranks(2, [&](Comm& comm) {
+    const at::Tensor full = at::randn({20, 19});
+    std::vector<std::pair<int64_t, int64_t>> every = {{0, 10}, {10, 20}};
+    const auto [b, e] = every[comm.rank()];
+    ParamShard p(TensorShard::rows_of("w", {20, 19}, 1, b, e, every),
+                 full.narrow(0, b, e - b).clone());
+    Shampoo opt({p}, rank_test_options(), rank_test_config(),
+                std::shared_ptr<Comm>(&comm, [](Comm*) {}));
+    ASSERT_EQ(opt.cut_rows().size(), 1u);
+    const at::Tensor before = opt.params()[0].param.clone();
+    try {
+      if (comm.rank() == 1) {
+        opt.step_refused("the gradient of 'w' is not contiguous", true);
+      } else {
+        opt.set_grad(0, at::randn({e - b, 19}));
+        opt.step();
+      }
+      ADD_FAILURE() << "no error on rank " << comm.rank();
+    } catch (const std::invalid_argument& err) {
+      const std::string what = err.what();
+      EXPECT_EQ(what.find("Shampoo step: the gradient of 'w' is not contiguous (on rank 1"), 0u) << what;
+    }
+    EXPECT_TRUE(at::equal(opt.params()[0].param, before));
+  });
+}
+
 TEST(Shampoo, Bf16FactorsShardLikeOneRankAndStayNearFloat64) {
   // bf16 storage rounds L, R and the roots (relative 2^-9), so the run drifts
   // from the float64 reference by more than fp32's; sharding must change nothing.
