@@ -6,7 +6,6 @@
 
 #include <ATen/ATen.h>
 
-#include <string>
 #include <vector>
 
 #include "core/ragged/param_shard.h"
@@ -16,19 +15,24 @@
 namespace rfsdp {
 
 class Comm;
+class StepGate;
 
-// One unit per cut row (in order) over the parameters' ranks (every rank's rows
-// known for a parameter with cut rows; comm null: one rank).
-OwnerExchange cut_exchange(const std::vector<CutTileRow>& cut, const std::vector<ParamShard>& params,
-                           Comm* comm);
+// One unit per cut row (in order) over the parameters' ranks. Throws
+// std::invalid_argument, naming the optimizer `who` and the parameter, where a
+// parameter has cut rows and comm is not the group of its ranks (the holders
+// send the rows to their owner).
+OwnerExchange cut_exchange(const char* who, const std::vector<CutTileRow>& cut,
+                           const std::vector<ParamShard>& params, Comm* comm);
 
-// The cut rows' gradients into (*grads)[row] at their owners (flat, the row's
-// elements) from every holder's params[i].grad where steps[i]. Returns what is
-// wrong where a row has a gradient on some of its ranks and none on others
-// (empty: nothing; found at the row's owner). One all-to-all; one host read at
-// owners of cut rows.
-std::string gather_cut_grads(const OwnerExchange& exchange, const std::vector<CutTileRow>& cut,
-                             const std::vector<ParamShard>& params, const std::vector<bool>& steps,
-                             Comm* comm, std::vector<at::Tensor>* grads);
+// The cut rows' gradients at their owners (per row, flat, the row's elements;
+// undefined elsewhere) from every holder's gradient of the parameters that step.
+// A row with a gradient on some of its ranks and none on others is recorded in
+// `gate` (at the row's owner). One all-to-all and, at owners of cut rows, one
+// host read; nothing where there are no cut rows.
+std::vector<at::Tensor> gather_cut_grads(const OwnerExchange& exchange,
+                                         const std::vector<CutTileRow>& cut,
+                                         const std::vector<ParamShard>& params,
+                                         const std::vector<size_t>& stepping, Comm* comm,
+                                         StepGate& gate);
 
 }  // namespace rfsdp

@@ -21,13 +21,6 @@
 
 namespace rfsdp {
 
-namespace {
-
-int64_t numel_of(const std::vector<int64_t>& s) {
-  return std::accumulate(s.begin(), s.end(), int64_t{1}, std::multiplies<int64_t>());
-}
-
-}  // namespace
 
 MuonAdjustLr parse_muon_adjust_lr(const std::string& s) {
   if (s == "original") return MuonAdjustLr::Original;
@@ -124,7 +117,7 @@ MuonLayout::MuonLayout(Comm* comm, std::vector<TensorShard> shards, std::vector<
   replicated_.assign(P, false);
   for (int64_t i = 0; i < P; ++i) {
     const auto& rs = ranges[i];
-    const int64_t n = numel_of(shards_[i].shape);
+    const int64_t n = shards_[i].full_numel();
     // Every rank holding all of it: replicated (DDP). Else the ranks' shards must
     // tile the tensor: disjoint, together everything.
     replicated_[i] = world > 1 && std::all_of(rs.begin(), rs.end(), [n](const auto& x) {

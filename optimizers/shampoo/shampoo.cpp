@@ -75,18 +75,10 @@ Shampoo::Shampoo(std::vector<ParamShard> params, ShampooOptions options, Shampoo
     s.m = at::zeros(p.param.sizes(), state_options(i));
     s.v = at::zeros(p.param.sizes(), state_options(i));
     if (precondition_[i]) {
-      const size_t cut_before = cut_.size();
       const int rank = comm_ ? comm_->rank() : 0;
       for (const Tile& t : matrix_tiles("Shampoo", p, i, config_.max_preconditioner_dim, rank, &cut_)) {
         s.tiles.push_back(tiles_.size());
         tiles_.push_back(t);
-      }
-      if (cut_.size() > cut_before && (!comm_ || comm_->size() != static_cast<int>(p.rank_rows.size()))) {
-        throw std::invalid_argument(
-            "Shampoo: parameter '" + p.name + "' has rows of tiles that its ranks' shards cut; "
-            "the ranks holding one send it to its owner, so the optimizer needs their process "
-            "group (" + std::to_string(p.rank_rows.size()) + " ranks; it has " +
-            (comm_ ? std::to_string(comm_->size()) : std::string("none")) + ")");
       }
       int64_t left = 0, right = 0;
       for (size_t k : s.tiles) {
@@ -131,15 +123,7 @@ Shampoo::Shampoo(std::vector<ParamShard> params, ShampooOptions options, Shampoo
     }
     state_.push_back(std::move(s));
   }
-  exchange_ = cut_exchange(cut_, params_, comm_.get());
-  for (size_t j = 0; j < cut_.size(); ++j) {  // the owner's buffers of its cut rows
-    const bool owner = exchange_.owns(j);
-    const auto opts = state_options(cut_[j].param);
-    const int64_t n = cut_[j].end - cut_[j].begin;
-    cut_g_.push_back(owner ? at::zeros({n}, opts) : at::Tensor());
-    cut_m_.push_back(owner ? at::zeros({n}, opts) : at::Tensor());
-    cut_d_.push_back(owner ? at::zeros({n}, opts) : at::Tensor());
-  }
+  exchange_ = cut_exchange("Shampoo", cut_, params_, comm_.get());
 }
 
 at::Tensor Shampoo::grad_tile(size_t i, const Tile& t) const {
@@ -232,14 +216,7 @@ void Shampoo::run_step(StepGate& gate, const std::vector<size_t>& stepping) {
       due.push_back(i);
     }
   }
-  std::vector<bool> steps(params_.size(), false);
-  for (size_t i : stepping) steps[i] = true;
-  if (!cut_.empty()) {
-    // The cut rows' gradients to their owners (with "has a gradient" flags: a
-    // row stepped on some of its ranks and not on others is refused).
-    const std::string mismatch = gather_cut_grads(exchange_, cut_, params_, steps, comm_.get(), &cut_g_);
-    if (!mismatch.empty()) gate.fail(mismatch, true);
-  }
+  cut_g_ = gather_cut_grads(exchange_, cut_, params_, stepping, comm_.get(), gate);
   std::vector<at::Tensor> new_left(tiles_.size()), new_right(tiles_.size());
   std::vector<std::pair<NewRoot, NewRoot>> new_roots(tiles_.size());
   if (!due.empty()) {
@@ -327,8 +304,9 @@ void Shampoo::run_step(StepGate& gate, const std::vector<size_t>& stepping) {
     std::vector<at::Tensor> m_in(params_.size()), d_in(params_.size());
     for (size_t i : stepping) m_in[i] = m_hats[i], d_in[i] = update[i];
     const std::vector<at::Tensor> md = exchange_.gather(comm_.get(), {m_in, d_in});
+    std::vector<at::Tensor> cut_d(cut_.size());  // at the owner: the row's D, preconditioned in place
     for (size_t j = 0; j < cut_.size(); ++j) {
-      if (exchange_.owns(j)) cut_m_[j].copy_(md[j][0]), cut_d_[j].copy_(md[j][1]);
+      if (exchange_.owns(j)) cut_d[j] = md[j][1];
     }
     for (size_t i : stepping) {
       if (!preconditions(i)) continue;
@@ -336,11 +314,11 @@ void Shampoo::run_step(StepGate& gate, const std::vector<size_t>& stepping) {
       for (size_t j = 0; j < s.tiles.size(); ++j) {
         const Tile& tl = tiles_[s.tiles[j]];
         if (tl.cut >= 0) {
-          precondition_tile(i, j, tile_view(cut_d_[tl.cut], tl), tile_view(cut_m_[tl.cut], tl));
+          precondition_tile(i, j, tile_view(cut_d[tl.cut], tl), tile_view(md[tl.cut][0], tl));
         }
       }
     }
-    exchange_.scatter(comm_.get(), cut_d_, {d_in});
+    exchange_.scatter(comm_.get(), cut_d, {d_in});
   }
   for (size_t i : stepping) {
     const ShampooOptions& o = options_of(i);

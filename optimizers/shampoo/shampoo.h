@@ -153,10 +153,10 @@ class Shampoo : public GroupedOptimizer<ShampooOptions> {
   std::vector<ParamState> state_;
   std::vector<Tile> tiles_;
   // Cut rows of tiles, their exchange (one unit per row, in order) and, at
-  // their owner, the row's gathered gradient, M^ and D (flat, rows x cols).
+  // their owner, this step's gradient of the row (flat, rows x cols).
   std::vector<CutTileRow> cut_;
   OwnerExchange exchange_;
-  std::vector<at::Tensor> cut_g_, cut_m_, cut_d_;
+  std::vector<at::Tensor> cut_g_;
   double root_seconds_ = 0.0;
   int64_t fp64_retries_ = 0;
 };

@@ -83,7 +83,6 @@ SOAP::SOAP(std::vector<ParamShard> params, SOAPOptions options, SOAPConfig confi
     if (precondition_[i]) {
       int64_t left = 0, right = 0, ql = 0, qr = 0;
       std::vector<int64_t> rows, cols;
-      const size_t cut_before = cut_.size();
       for (const Tile& t : matrix_tiles("SOAP", p, i, config_.max_preconditioner_dim, rank, &cut_)) {
         s.tiles.push_back(tiles_.size());
         tiles_.push_back(t);
@@ -95,24 +94,6 @@ SOAP::SOAP(std::vector<ParamShard> params, SOAPOptions options, SOAPConfig confi
         right += packed_size(t.cols);
         ql += t.rows * t.rows;
         qr += t.cols * t.cols;
-      }
-      if (cut_.size() > cut_before) {
-        if (!comm_ || comm_->size() != static_cast<int>(p.rank_rows.size())) {
-          throw std::invalid_argument(
-              "SOAP: parameter '" + p.name + "' has rows of tiles that its ranks' shards cut; "
-              "the ranks holding one send it to its owner, so the optimizer needs their process "
-              "group (" + std::to_string(p.rank_rows.size()) + " ranks; it has " +
-              (comm_ ? std::to_string(comm_->size()) : std::string("none")) + ")");
-        }
-        if (eight_bit(i)) {
-          throw std::invalid_argument(
-              "SOAP: parameter '" + p.name + "': its shard (rows [" + std::to_string(p.row_begin) +
-              ", " + std::to_string(p.row_end) + ")) cuts tiles of " +
-              std::to_string(config_.max_preconditioner_dim) + " rows, and 8-bit moments "
-              "(state_dtype int8) need whole tiles so far; plan the unit with "
-              "rfsdp.policy.shampoo(max_preconditioner_dim), choose a max_preconditioner_dim "
-              "that the rows keep whole, or keep float32 moments");
-        }
       }
       const auto on = at::TensorOptions().device(p.param.device());  // states live with the shard
       s.left = at::zeros({left}, on.dtype(config_.factor_dtype));
@@ -137,11 +118,18 @@ SOAP::SOAP(std::vector<ParamShard> params, SOAPOptions options, SOAPConfig confi
     }
     state_.push_back(std::move(s));
   }
-  exchange_ = cut_exchange(cut_, params_, comm_.get());
-  for (size_t j = 0; j < cut_.size(); ++j) {  // the owner's buffers of its cut rows
-    const bool owner = exchange_.owns(j);
-    const int64_t len = cut_[j].end - cut_[j].begin;
-    cut_g_.push_back(owner ? at::zeros({len}, state_options(cut_[j].param)) : at::Tensor());
+  exchange_ = cut_exchange("SOAP", cut_, params_, comm_.get());
+  for (const CutTileRow& row : cut_) {
+    const ParamShard& p = params_[row.param];
+    if (eight_bit(row.param)) {
+      throw std::invalid_argument(
+          "SOAP: parameter '" + p.name + "': its shard (rows [" + std::to_string(p.row_begin) +
+          ", " + std::to_string(p.row_end) + ")) cuts tiles of " +
+          std::to_string(config_.max_preconditioner_dim) + " rows, and 8-bit moments "
+          "(state_dtype int8) need whole tiles so far; plan the unit with "
+          "rfsdp.policy.shampoo(max_preconditioner_dim), choose a max_preconditioner_dim "
+          "that the rows keep whole, or keep float32 moments");
+    }
   }
 }
 
@@ -277,12 +265,7 @@ void SOAP::prepare(const std::vector<size_t>& stepping, std::vector<TileUpdate>*
 
 void SOAP::run_step(StepGate& gate, const std::vector<size_t>& stepping) {
   at::NoGradGuard no_grad;
-  std::vector<bool> steps(params_.size(), false);
-  for (size_t i : stepping) steps[i] = true;
-  if (!cut_.empty()) {  // the cut rows' gradients to their owners
-    const std::string mismatch = gather_cut_grads(exchange_, cut_, params_, steps, comm_.get(), &cut_g_);
-    if (!mismatch.empty()) gate.fail(mismatch, true);
-  }
+  cut_g_ = gather_cut_grads(exchange_, cut_, params_, stepping, comm_.get(), gate);
   std::vector<TileUpdate> up(tiles_.size());
   for (size_t i : stepping) {  // no eigh or QR of NaN gradients
     const int64_t t = param_steps_[i];

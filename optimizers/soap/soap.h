@@ -144,7 +144,7 @@ class SOAP : public GroupedOptimizer<SOAPOptions> {
   std::vector<bool> precondition_;
   std::vector<ParamState> state_;
   std::vector<Tile> tiles_;
-  // Cut rows of tiles, their exchange, and at their owner the row's gradient (flat).
+  // Cut rows of tiles, their exchange, and at their owner this step's gradient of the row (flat).
   std::vector<CutTileRow> cut_;
   OwnerExchange exchange_;
   std::vector<at::Tensor> cut_g_;

@@ -476,15 +476,11 @@ TEST_P(ShampooRanks, TorchChunkRowsThatCutTilesEqualTheFloat64SingleDeviceShampo
 TEST(Shampoo, SharedTileRowWithAGradientOnOnlySomeRanksIsAnErrorEverywhere) {
   // 20 x 19 over 2 ranks: rows [0, 10) and [10, 20) cut the tile rows [8, 16).
   run_local_ranks(2, [&](Comm& comm) {
-    const at::Tensor full = at::randn({20, 19});
-    std::vector<std::pair<int64_t, int64_t>> every = {{0, 10}, {10, 20}};
-    const auto [b, e] = every[comm.rank()];
-    ParamShard p(TensorShard::rows_of("w", {20, 19}, 1, b, e, every),
-                 full.narrow(0, b, e - b).clone());
+    const ParamShard p = testing::chunk_shard_of(Case{"w", {20, 19}}, 2, comm.rank(), at::randn({20, 19}));
     Shampoo opt({p}, rank_test_options(), rank_test_config(),
                 std::shared_ptr<Comm>(&comm, [](Comm*) {}));
     ASSERT_EQ(opt.cut_rows().size(), 1u);
-    const at::Tensor g = at::randn({e - b, 19});
+    const at::Tensor g = at::randn({10, 19});
     if (comm.rank() == 0) opt.set_grad(0, g);
     const at::Tensor before = opt.params()[0].param.clone();
     try {
@@ -505,11 +501,7 @@ TEST(Shampoo, ARefusedStepOnTheHolderOfACutRowNamesItsCauseOnEveryRank) {
   // prepare its step (step_refused, as Python's does on a bad gradient): rank 0
   // then also misses rank 1's rows, but the agreed error names rank 1's cause.
   run_local_ranks(2, [&](Comm& comm) {
-    const at::Tensor full = at::randn({20, 19});
-    std::vector<std::pair<int64_t, int64_t>> every = {{0, 10}, {10, 20}};
-    const auto [b, e] = every[comm.rank()];
-    ParamShard p(TensorShard::rows_of("w", {20, 19}, 1, b, e, every),
-                 full.narrow(0, b, e - b).clone());
+    const ParamShard p = testing::chunk_shard_of(Case{"w", {20, 19}}, 2, comm.rank(), at::randn({20, 19}));
     Shampoo opt({p}, rank_test_options(), rank_test_config(),
                 std::shared_ptr<Comm>(&comm, [](Comm*) {}));
     ASSERT_EQ(opt.cut_rows().size(), 1u);
@@ -518,7 +510,7 @@ TEST(Shampoo, ARefusedStepOnTheHolderOfACutRowNamesItsCauseOnEveryRank) {
       if (comm.rank() == 1) {
         opt.step_refused("the gradient of 'w' is not contiguous", true);
       } else {
-        opt.set_grad(0, at::randn({e - b, 19}));
+        opt.set_grad(0, at::randn({10, 19}));
         opt.step();
       }
       ADD_FAILURE() << "no error on rank " << comm.rank();
