@@ -1,7 +1,62 @@
 // rfsdp._C: core/ (the layout model, the planner, Comm and agreement).
 #include "python/bindings/bindings.h"
 
+#include "core/comm/agree.h"
+#include "core/ragged/plan_json.h"
+#include "core/ragged/planner.h"
+#include "core/ragged/tensor_shard.h"
+#include "core/ragged/tensor_spec.h"
+
 namespace rfsdp_bind {
+
+namespace {
+
+// The planner's options from Python (plan_unit checks them).
+rfsdp::PlannerOptions planner_options(int max_buffers, int64_t collective_cost_bytes) {
+  rfsdp::PlannerOptions o;
+  o.max_buffers = max_buffers;
+  o.collective_cost_bytes = collective_cost_bytes;
+  return o;
+}
+
+// Plans from Python's spec list: [(name, shape, granule_rows (0 = whole), row_dims, dtype_bytes)].
+rfsdp::Plan plan_specs(const std::vector<std::tuple<std::string, std::vector<int64_t>, int64_t, int,
+                                                    int64_t>>& specs,
+                       int64_t world_size, int64_t align_bytes, int max_buffers,
+                       int64_t collective_cost_bytes) {
+  std::vector<rfsdp::TensorSpec> ts;
+  for (const auto& [name, shape, g, row_dims, bytes] : specs) {
+    rfsdp::TensorSpec t;
+    t.name = name;
+    t.shape = shape;
+    t.granule_rows = g == 0 ? rfsdp::kWholeTensor : g;
+    t.row_dims = row_dims;
+    t.elem_bytes = bytes;
+    ts.push_back(t);
+  }
+  return rfsdp::plan_unit(ts, world_size, align_bytes,
+                          planner_options(max_buffers, collective_cost_bytes));
+}
+
+// A Comm over a torch.distributed group, with a timeout in seconds as Python
+// gives it. Destroying it may destroy the group, whose Gloo worker threads can
+// need the GIL to free Python-owned tensors while it joins them: the GIL is
+// released for that.
+std::shared_ptr<rfsdp::Comm> make_comm(const c10::intrusive_ptr<c10d::ProcessGroup>& pg,
+                                       double timeout_seconds) {
+  return std::shared_ptr<rfsdp::Comm>(
+      new rfsdp::Comm(pg, std::chrono::milliseconds(static_cast<int64_t>(timeout_seconds * 1000))),
+      [](rfsdp::Comm* c) {
+        if (PyGILState_Check()) {
+          py::gil_scoped_release release;
+          delete c;
+        } else {
+          delete c;
+        }
+      });
+}
+
+}  // namespace
 
 void bind_core(py::module_& m) {
   py::class_<rfsdp::CommHandle>(m, "CommHandle")

@@ -1,6 +1,9 @@
 // rfsdp._C: fsdp/ (FSDP units, clipping).
 #include "python/bindings/bindings.h"
 
+#include "fsdp/fsdp_unit.h"
+#include "fsdp/grad_clip.h"
+
 namespace rfsdp_bind {
 
 void bind_fsdp(py::module_& m) {

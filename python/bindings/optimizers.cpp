@@ -1,7 +1,37 @@
 // rfsdp._C: optimizers/ (the C++ optimizers over this rank's shards, and the tiles).
 #include "python/bindings/bindings.h"
 
+#include "optimizers/adamw/adamw.h"
+#include "optimizers/common/tiles.h"
+#include "optimizers/muon/muon.h"
+#include "optimizers/shampoo/shampoo.h"
+#include "optimizers/soap/soap.h"
+
 namespace rfsdp_bind {
+
+namespace {
+
+// basis_dtype "int8" / "int4": its bits; anything else 0.
+int lowbit_bits(const std::string& basis_dtype) {
+  return basis_dtype == "int8" ? 8 : basis_dtype == "int4" ? 4 : 0;
+}
+
+// An optimizer's parameter from Python: its shard descriptor and this rank's tensor.
+using ShardOf = std::pair<rfsdp::TensorShard, at::Tensor>;
+
+std::vector<rfsdp::ParamShard> shards_of(const std::vector<ShardOf>& given) {
+  std::vector<rfsdp::ParamShard> out;
+  for (const auto& [shard, param] : given) out.emplace_back(shard, param);
+  return out;
+}
+
+py::dict named(const std::vector<std::pair<std::string, at::Tensor>>& tensors) {
+  py::dict d;
+  for (const auto& [name, t] : tensors) d[py::str(name)] = t;
+  return d;
+}
+
+}  // namespace
 
 void bind_optimizers(py::module_& m) {
   // The optimizers: the C++ classes over this rank's shards. Python's
@@ -108,7 +138,6 @@ void bind_optimizers(py::module_& m) {
            })
       .def("flop_imbalance", [](const rfsdp::Muon& o) { return o.layout().flop_imbalance(); })
       .def("gather_send_elems", [](const rfsdp::Muon& o) { return o.layout().gather_send_elems(); });
-
 
   // Shampoo: each rank's tiles are its own (no communication but the NaN flag).
   py::class_<rfsdp::Shampoo, rfsdp::ShardedOptimizer, std::shared_ptr<rfsdp::Shampoo>>(m, "Shampoo")

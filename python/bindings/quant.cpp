@@ -1,7 +1,30 @@
 // rfsdp._C: quant/ (block quantisation: maps, codes, kernels).
 #include "python/bindings/bindings.h"
 
+#include "quant/blockwise/blockwise.h"
+#include "quant/blockwise/code_lut.h"
+#include "quant/blockwise/code_maps.h"
+#include "quant/blockwise/cpu_kernels.h"
+#include "quant/blockwise/cuda_ops.h"
+#include "quant/blockwise/lowbit.h"
+
 namespace rfsdp_bind {
+
+namespace {
+
+// The raw kernels below trust their pointers: check sizes and dtypes here.
+void expect(const at::Tensor& t, at::ScalarType dt, int64_t n, const char* what) {
+  TORCH_CHECK(t.scalar_type() == dt && t.is_contiguous() && t.device().is_cpu() && t.numel() == n,
+              what, ": expected a contiguous CPU tensor of ", n, " ", c10::toString(dt),
+              " elements, got ", t.numel(), " ", c10::toString(t.scalar_type()));
+}
+
+const rfsdp::quant::cpu::CodeLut& lut_of(const at::Tensor& code, bool keep_nonzero = false) {
+  // code_lut caches per distinct code; the shared_ptr it returns stays in the cache.
+  return *rfsdp::quant::code_lut(code, keep_nonzero);
+}
+
+}  // namespace
 
 void bind_quant(py::module_& m) {
   m.def("lowbit_quantize",
