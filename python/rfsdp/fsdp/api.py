@@ -113,7 +113,7 @@ class FSDPModule:
         unit = self._own_unit()
         if unit is not None:
             unit.check_conversion(fn, "%s.to() / .cuda() / .half()" % type(self).__name__)
-            had = [sp.grad is g for sp, g in zip(unit.sharded, unit.grads)]
+            had = [up.sharded.grad is up.grad for up in unit.params]
         out = super()._apply(fn, recurse)
         if unit is not None:
             unit.keep_shards_home(had)

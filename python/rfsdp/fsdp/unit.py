@@ -185,10 +185,9 @@ class Unit:
             if up.full.requires_grad:
                 up.full.register_post_accumulate_grad_hook(self._grad_landed)
             self.params.append(up)
-        # (the same objects, as lists: what the hooks and the API walk)
+        # (the same objects, as lists: what the hooks swap into the modules)
         self.sharded = [up.sharded for up in self.params]
         self.full = [up.full for up in self.params]
-        self.grads = [up.grad for up in self.params]
         self._use(self.sharded)
         self.state = TrainingState.IDLE
         self.cast_to = mp.param_dtype if mp.cast_forward_inputs and mp.param_dtype != torch.float32 else None
@@ -226,19 +225,18 @@ class Unit:
         and the shard and its gradient views of them again (nn.Module re-points a
         gradient's .data too, or gives the shard a new one)."""
         with torch.no_grad():
-            for i, sp in enumerate(self.sharded):
+            for i, up in enumerate(self.params):
+                sp = up.sharded
                 home = self.unit.local_param(i)
                 if sp.data_ptr() != home.data_ptr():
                     home.copy_(sp.data)
                     sp.data = home
                 if not had_grads[i]:
                     continue
-                grad_home = self.params[i].local_grad
-                if sp.grad.data_ptr() != grad_home.data_ptr():
-                    grad_home.copy_(sp.grad)
-                    self.grads[i] = self.params[i].grad = ShardGrad.of(
-                        grad_home, self.grads[i]._rfsdp_group)
-                sp.grad = self.grads[i]
+                if sp.grad.data_ptr() != up.local_grad.data_ptr():
+                    up.local_grad.copy_(sp.grad)
+                    up.grad = ShardGrad.of(up.local_grad, up.grad._rfsdp_group)
+                sp.grad = up.grad
 
     def data_state(self):
         if self.reduce_handle is not None and not self.reduce_handle.waited():
@@ -397,9 +395,9 @@ class Unit:
     def _finish_reduce(self):
         if self.reduce_handle is not None and not self.reduce_handle.waited():
             self.reduce_handle.wait()  # frees the gathered gradient buffer
-            for i, sp in enumerate(self.sharded):
-                if sp.requires_grad:
-                    sp.grad = self.grads[i]
+            for up in self.params:
+                if up.sharded.requires_grad:
+                    up.sharded.grad = up.grad
         if self.schedule is not None and self.schedule.reducing is self:
             self.schedule.reducing = None
 
