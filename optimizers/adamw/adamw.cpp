@@ -89,6 +89,10 @@ std::vector<std::pair<std::string, at::Tensor>> AdamW::state(size_t i) const {
   return {{"exp_avg", m_.at(i)}, {"exp_avg_sq", v_.at(i)}};
 }
 
+std::vector<StateLayout> AdamW::state_layout(size_t) const {
+  return {StateLayout::rows("exp_avg"), StateLayout::rows("exp_avg_sq")};
+}
+
 AdamW8bit::AdamW8bit(std::vector<ParamShard> params, AdamWOptions options,
                      quant::BlockShape block, int64_t min_8bit_size, std::shared_ptr<Comm> comm)
     : AdamW(params, options, std::move(comm), small_tensors(params, min_8bit_size)),
@@ -365,6 +369,21 @@ at::Tensor AdamW8bit::exp_avg_sq(size_t i) const {
 std::vector<std::pair<std::string, at::Tensor>> AdamW8bit::state(size_t i) const {
   if (!eight_bit_.at(i)) return AdamW::state(i);
   return {{"q1", q_[i].q1}, {"absmax1", q_[i].absmax1}, {"q2", q_[i].q2}, {"absmax2", q_[i].absmax2}};
+}
+
+std::vector<StateLayout> AdamW8bit::state_layout(size_t i) const {
+  if (!eight_bit_.at(i)) return AdamW::state_layout(i);
+  // Codes flat, in the order of the tensor's elements; scales in its blocks' order.
+  const ParamShard& p = params_[i];
+  const BlockSpan& s = q_[i].span;
+  std::vector<StateLayout> out;
+  for (const char* codes : {"q1", "q2"}) {
+    out.push_back(StateLayout::sequence(codes, p.full_numel(), p.row_begin * p.row_len));
+  }
+  for (const char* scales : {"absmax1", "absmax2"}) {
+    out.push_back(StateLayout::sequence(scales, s.global_blocks, s.first, s.shared_head));
+  }
+  return out;
 }
 
 }  // namespace rfsdp

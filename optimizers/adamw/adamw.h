@@ -43,6 +43,7 @@ class AdamW : public GroupedOptimizer<AdamWOptions> {
   // The tensors the step updates for parameter i, by name (exp_avg and
   // exp_avg_sq; 8-bit: q1, absmax1, q2, absmax2): a checkpoint saves these.
   std::vector<std::pair<std::string, at::Tensor>> state(size_t i) const override;
+  std::vector<StateLayout> state_layout(size_t i) const override;
   // The moments of parameter i, fp32 (dequantised for 8-bit state).
   virtual at::Tensor exp_avg(size_t i) const { return m_.at(i); }
   virtual at::Tensor exp_avg_sq(size_t i) const { return v_.at(i); }
@@ -74,6 +75,7 @@ class AdamW8bit : public AdamW {
   at::Tensor exp_avg(size_t i) const override;
   at::Tensor exp_avg_sq(size_t i) const override;
   std::vector<std::pair<std::string, at::Tensor>> state(size_t i) const override;
+  std::vector<StateLayout> state_layout(size_t i) const override;
   const quant::BlockShape& block() const { return block_; }
   // Where parameter i's absmax entries lie among the global tensor's blocks: the
   // number of blocks of the global tensor, the global index of its first entry,

@@ -15,6 +15,7 @@
 #include "core/comm/comm.h"
 #include "optimizers/common/low_precision.h"
 #include "optimizers/common/param_shard.h"
+#include "optimizers/common/state_layout.h"
 #include "optimizers/common/step_gate.h"
 
 namespace rfsdp {
@@ -77,6 +78,9 @@ class ShardedOptimizer {
   // The tensors the step updates for parameter i, by name: what a checkpoint
   // saves and loads (in place).
   virtual std::vector<std::pair<std::string, at::Tensor>> state(size_t i) const = 0;
+  // Where each of them lies in the global tensor a checkpoint keeps (one per
+  // name state(i) gives, the same names on every rank, whatever rows it holds).
+  virtual std::vector<StateLayout> state_layout(size_t i) const = 0;
   // Bytes of this rank's optimizer state: every tensor state() names.
   int64_t state_bytes() const;
   // Whether a checkpoint keeps parameter i's step count beside its state (false

@@ -398,6 +398,17 @@ std::vector<std::pair<std::string, at::Tensor>> Muon::state(size_t i) const {
   return {{"momentum_codes", momenta_.at(i)}, {"momentum_absmax", absmax_.at(i)}};
 }
 
+std::vector<StateLayout> Muon::state_layout(size_t i) const {
+  if (!uses_muon(i)) return {StateLayout::rows("exp_avg"), StateLayout::rows("exp_avg_sq")};
+  if (!eight_bit()) return {StateLayout::rows("momentum_buffer")};
+  // Blocks of the flattened global tensor; the shard starts on a block edge (checked).
+  const ParamShard& p = params_.at(i);
+  const int64_t block = options_.momentum_block;
+  return {StateLayout::rows("momentum_codes"),
+          StateLayout::sequence("momentum_absmax", (p.full_numel() + block - 1) / block,
+                                p.row_begin * p.row_len / block)};
+}
+
 void Muon::check_options(const MuonHyper& h) const {
   if (!(h.lr >= 0) || !(h.momentum >= 0 && h.momentum < 1) || !(h.weight_decay >= 0)) {
     throw std::invalid_argument("Muon: need lr >= 0, 0 <= momentum < 1, weight_decay >= 0; got lr=" +

@@ -171,6 +171,7 @@ class Muon : public GroupedOptimizer<MuonHyper> {
   // momentum_absmax (one per block of this shard, in order); outside Muon,
   // AdamW's exp_avg and exp_avg_sq.
   std::vector<std::pair<std::string, at::Tensor>> state(size_t i) const override;
+  std::vector<StateLayout> state_layout(size_t i) const override;
   // Muon's update does not depend on the step count (torch.optim.Muon keeps
   // none); AdamW's does.
   bool state_has_step(size_t i) const override { return !uses_muon(i); }

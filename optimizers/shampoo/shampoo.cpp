@@ -371,6 +371,32 @@ std::vector<std::pair<std::string, at::Tensor>> Shampoo::state(size_t i) const {
   return out;
 }
 
+std::vector<StateLayout> Shampoo::state_layout(size_t i) const {
+  std::vector<StateLayout> out{StateLayout::rows("exp_avg"), StateLayout::rows("exp_avg_sq")};
+  if (!precondition_.at(i)) return out;
+  const TileRange r = tile_range(params_.at(i), config_.max_preconditioner_dim);
+  for (bool left : {true, false}) {
+    const auto n = [left](const Tile& t) { return left ? t.rows : t.cols; };
+    const std::string side = left ? "left" : "right";
+    out.push_back(tile_sequence("factor_" + side, r, [&](const Tile& t) { return packed_size(n(t)); }));
+    if (config_.basis_bits) {
+      const int bits = config_.basis_bits;
+      const int64_t block = config_.basis_block;
+      out.push_back(tile_sequence("root_" + side + "_basis_codes", r, [&](const Tile& t) {
+        return quant::lowbit_code_bytes(n(t) * n(t), bits);
+      }));
+      out.push_back(tile_sequence("root_" + side + "_basis_absmax", r, [&](const Tile& t) {
+        return quant::lowbit_blocks(n(t) * n(t), block);
+      }));
+      out.push_back(tile_sequence("root_" + side + "_eigenvalues", r, n));
+    } else {
+      out.push_back(tile_sequence("root_" + side, r, [&](const Tile& t) { return packed_size(n(t)); }));
+    }
+  }
+  out.push_back(tile_sequence("root_failures", r, [](const Tile&) { return int64_t{1}; }));
+  return out;
+}
+
 at::Tensor Shampoo::root(size_t i, size_t j, bool left) const {
   const ParamState& s = state_.at(i);
   const Tile& tl = tiles_[s.tiles.at(j)];

@@ -97,6 +97,7 @@ class Shampoo : public GroupedOptimizer<ShampooOptions> {
   // root_left_eigenvalues (s, n per tile) and their root_right_ twins; and
   // root_failures (failures in a row, per tile).
   std::vector<std::pair<std::string, at::Tensor>> state(size_t i) const override;
+  std::vector<StateLayout> state_layout(size_t i) const override;
 
   const std::vector<Tile>& tiles() const { return tiles_; }
   // Rows of tiles that shard boundaries cut (over all ranks).

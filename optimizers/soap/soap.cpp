@@ -408,4 +408,39 @@ std::vector<std::pair<std::string, at::Tensor>> SOAP::state(size_t i) const {
   return out;
 }
 
+std::vector<StateLayout> SOAP::state_layout(size_t i) const {
+  const bool eight = eight_bit(i);
+  std::vector<StateLayout> out;
+  TileRange r;
+  if (precondition_.at(i)) r = tile_range(params_.at(i), config_.max_preconditioner_dim);
+  for (const char* moment : {"exp_avg", "exp_avg_sq"}) {
+    const std::string name(moment);
+    if (!eight) {
+      out.push_back(StateLayout::rows(name));
+      continue;
+    }
+    out.push_back(StateLayout::rows(name + "_codes"));  // one scale per tile row
+    out.push_back(tile_sequence(name + "_absmax", r, [](const Tile& t) { return t.rows; }));
+  }
+  if (!precondition_.at(i)) return out;
+  for (bool left : {true, false}) {
+    const auto n = [left](const Tile& t) { return left ? t.rows : t.cols; };
+    const std::string side = left ? "left" : "right";
+    out.push_back(tile_sequence("factor_" + side, r, [&](const Tile& t) { return packed_size(n(t)); }));
+    if (config_.basis_bits) {
+      const int bits = config_.basis_bits;
+      const int64_t block = config_.basis_block;
+      out.push_back(tile_sequence("basis_" + side + "_codes", r, [&](const Tile& t) {
+        return quant::lowbit_code_bytes(n(t) * n(t), bits);
+      }));
+      out.push_back(tile_sequence("basis_" + side + "_absmax", r, [&](const Tile& t) {
+        return quant::lowbit_blocks(n(t) * n(t), block);
+      }));
+    } else {
+      out.push_back(tile_sequence("basis_" + side, r, [&](const Tile& t) { return n(t) * n(t); }));
+    }
+  }
+  return out;
+}
+
 }  // namespace rfsdp

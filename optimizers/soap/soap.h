@@ -100,6 +100,7 @@ class SOAP : public GroupedOptimizer<SOAPOptions> {
   // triangles in tile order) and basis_left, basis_right (Q_L, Q_R: n x n row by
   // row, in tile order).
   std::vector<std::pair<std::string, at::Tensor>> state(size_t i) const override;
+  std::vector<StateLayout> state_layout(size_t i) const override;
   const std::vector<Tile>& tiles() const { return tiles_; }
   // Tile j (of parameter i's tiles) of its basis on one side, as a step uses it:
   // fp32 (a copy when stored in bf16; dequantised and rectified when quantised).

@@ -58,6 +58,16 @@ void bind_optimizers(py::module_& m) {
       .def("set_step_count", &rfsdp::ShardedOptimizer::set_step_count)
       .def("state_has_step", &rfsdp::ShardedOptimizer::state_has_step)
       .def("state", [](const rfsdp::ShardedOptimizer& o, size_t i) { return named(o.state(i)); })
+      // {name: ("rows", 0, 0, 0) or ("sequence", total, offset, shared)}
+      .def("state_layout", [](const rfsdp::ShardedOptimizer& o, size_t i) {
+             py::dict d;
+             for (const auto& l : o.state_layout(i)) {
+               const bool rows = l.kind == rfsdp::StateLayout::Kind::kRows;
+               d[py::str(l.name)] = py::make_tuple(rows ? "rows" : "sequence", l.total, l.offset,
+                                                   l.shared);
+             }
+             return d;
+           })
       .def("state_bytes", &rfsdp::ShardedOptimizer::state_bytes)
       .def("fused_launches", &rfsdp::ShardedOptimizer::fused_launches);
 

@@ -54,8 +54,7 @@ from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.metadata import StorageMeta
 
 from .fsdp.state_dict import Pieces as _Pieces
-from .state_layout import Entry, LayoutError, default_group, param_entry, place_sequences, \
-    placements, state_entries
+from .state_layout import Entry, LayoutError, default_group, param_entry, state_entries
 
 FORMAT = 2          # 2: `extra` in torch's weights-only format (1: a plain pickle)
 READS = (1, 2)
@@ -313,18 +312,12 @@ def _optim_entries(model, optimizer):
     out = []
     for fqn, p in _fqns(model, optimizer):
         out += state_entries("optim." + fqn, p, optimizer.sharded_state(p),
-                             optimizer.sequence_spans(p))
+                             optimizer.state_layout(p))
     return out
 
 
-def _entries(model, optimizer, pg):
-    entries = _unplaced_entries(model, optimizer)
-    place_sequences(entries, placements(entries, pg))
-    return entries
-
-
-def _unplaced_entries(model, optimizer):
-    """This rank's entries, before their 1-D sequences are placed (a collective)."""
+def _entries(model, optimizer):
+    """This rank's entries of the model's and the optimizer's state."""
     try:
         entries = _model_entries(model)
         if optimizer is not None:
@@ -415,9 +408,8 @@ def save(path, model, optimizer=None, *, extra=None, process_group=None):
     tmp = path + ".partial"
 
     def prepare():  # everything that could fail on one rank alone, before any file changes
-        return _unplaced_entries(model, optimizer), _encode_extra(extra)
+        return _entries(model, optimizer), _encode_extra(extra)
     entries, encoded = _every_rank(pg, prepare)
-    place_sequences(entries, placements(entries, pg))
     # (HSDP's first replica writes the shards; an 8-bit block's scale that ranks share, once)
     sd = _state_dict(entries)
     # Non-tensor values as one string or bytes each (DCP would flatten a dict).
@@ -573,7 +565,7 @@ def load(path, model, optimizer=None, *, process_group=None, check_files=True, r
         return read_metadata(path), saved, fmt
     meta, saved, fmt = _agree(pg, inspect)
     requant = optimizer is not None and saved is not None and saved != optimizer.settings()
-    entries = _entries(model, None if requant else optimizer, pg)
+    entries = _entries(model, None if requant else optimizer)
     for e in entries:  # read into copies: the live tensors change only at the end
         if e.pieces is None:
             e.live, e.tensor = e.tensor, e.tensor.clone()

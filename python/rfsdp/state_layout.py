@@ -3,30 +3,22 @@ tensors a checkpoint holds (torch.distributed.checkpoint's view of them), and th
 objects that tell DCP so. rfsdp.checkpoint and the optimizers' state_dict (torch's
 get_optimizer_state_dict / set_optimizer_state_dict) both build on it.
 
-A state tensor of a parameter is one of:
-- shaped like the parameter's shard (moments, momentum, 8-bit codes by element):
-  this rank's rows of a tensor of the parameter's global shape;
-- 1-D, a piece of a global sequence (block scales, Shampoo's and SOAP's per-tile
-  factors, roots and bases): its offset comes from the optimizer where it knows
-  it (sequence_spans), else from every rank's piece sizes in the order of their
-  first rows (place_sequences, one collective for all);
+The optimizers describe their own state (C++: ShardedOptimizer::state_layout):
+a state tensor of a parameter is one of
+- "rows": this rank's rows of a tensor of the parameter's global shape (moments,
+  momentum, 8-bit codes by element);
+- "sequence": elements [offset, offset + numel) of a 1-D global sequence (block
+  scales, Shampoo's and SOAP's per-tile factors, roots and bases);
 - 0-D (a step count): the same on every rank.
 A rank reads all of its pieces; it writes them less what another rank writes:
 an HSDP replica other than the first writes nothing, and the leading elements
 an earlier rank also holds (an 8-bit block's scale that ranks share) are that
-rank's to write."""
+rank's to write. Nothing here is collective but full_tensors."""
 import torch
 import torch.distributed as dist
 
 from .fsdp.dtensor import info_of, is_dtensor, local
 from .fsdp.state_dict import Pieces, rectangles
-
-# Optimizer states shaped like their parameter (chunked as it is); every other
-# 1-D state is a piece of a global sequence. By name, so that a rank holding no
-# rows of a tensor (every shape 0) classifies its states as the others do.
-LIKE_PARAMETER = ("exp_avg", "exp_avg_sq", "momentum_buffer", "momentum_codes", "exp_avg_codes",
-                  "exp_avg_sq_codes")
-
 
 class LayoutError(ValueError):
     """A state tensor whose place in a global tensor cannot be described."""
@@ -40,7 +32,6 @@ class Entry:
     def __init__(self, key, shape, dtype, pieces=None, tensor=None):
         self.key, self.shape, self.dtype = key, None if shape is None else tuple(shape), dtype
         self.pieces, self.tensor = pieces, tensor
-        self.sequence = None  # (first row, elements): a piece of a global 1-D sequence
         self.replica = 0      # HSDP: this rank's index in its replica group (0 writes)
         self.shared = 0       # leading elements an earlier rank writes (it reads them too)
         self.info = None      # the parameter's ShardInfo where shaped like it
@@ -94,70 +85,32 @@ def param_entry(key, p):
     return rows_entry(key, local(p), info)
 
 
-def state_entries(prefix, p, state, spans):
-    """Entries of one parameter's optimizer state (see the module's text)."""
+def state_entries(prefix, p, state, layout):
+    """Entries of one parameter's optimizer state: layout, {name: (kind, total,
+    offset, shared)}, is the optimizer's (see the module's text)."""
     info = info_of(prefix, p)
     out = []
     for name, t in sorted(state.items()):
         key = "%s.%s" % (prefix, name)
         t = t.detach()
+        where = layout.get(name)
         if t.dim() == 0 or info is None:
             out.append(Entry(key, t.shape, t.dtype, tensor=t))
-        elif name in LIKE_PARAMETER and tuple(t.shape) == tuple(local(p).shape):
+        elif where is None:
+            raise LayoutError("optimizer state '%s' of shape %s has no layout"
+                              % (key, tuple(t.shape)))
+        elif where[0] == "rows":
             e = rows_entry(key, t, info)
             e.dtensor_of = p if is_dtensor(p) else None
             out.append(e)
-        elif t.dim() == 1 and name in spans:
-            total, offset, shared = spans[name]
-            e = Entry(key, (total,), t.dtype, [((offset,), (t.numel(),), t)] if t.numel() else [])
+        else:
+            _, total, offset, shared = where
+            e = Entry(key, (total,), t.dtype,
+                      [((offset,), (t.numel(),), t.reshape(-1))] if t.numel() else [])
             e.shared = shared
             e.replica = replica_index(info)
             out.append(e)
-        elif t.dim() == 1:
-            e = Entry(key, None, t.dtype, pieces=[(None, (t.numel(),), t)])
-            e.sequence = (info.row_begin, t.numel())
-            e.replica = replica_index(info)
-            out.append(e)
-        else:
-            raise LayoutError("optimizer state '%s' of shape %s has no layout"
-                              % (key, tuple(t.shape)))
     return out
-
-
-def placements(entries, pg):
-    """{key: (offsets of each (first row, size) piece, total)} of the entries'
-    1-D sequence pieces: every rank's piece sizes (one all_gather_object for all),
-    in the order of their first rows. Under HSDP the first replica's pieces make
-    the sequence; another replica's equal piece (same first row and size) takes
-    the same offsets. Collective over pg."""
-    mine = {e.key: e.sequence + (e.replica,) for e in entries if e.sequence}
-    if not mine:  # (every rank has the same keys: none of them gathers)
-        return {}
-    ranks = [mine]
-    if pg is not None and pg.size() > 1:
-        ranks = [None] * pg.size()
-        dist.all_gather_object(ranks, mine, group=pg)
-    out = {}
-    for key in mine:
-        seq = sorted((r[key][0], rank, r[key][1]) for rank, r in enumerate(ranks) if r[key][2] == 0)
-        off, at = 0, {}
-        for row, _, n in seq:
-            if n:
-                at[(row, n)] = off
-            off += n
-        out[key] = (at, off)
-    return out
-
-
-def place_sequences(entries, placed):
-    """Gives each sequence piece its offset and total from placements()."""
-    for e in entries:
-        if not e.sequence:
-            continue
-        at, total = placed[e.key]
-        row, n = e.sequence
-        e.pieces = [((at[(row, n)],), (n,), e.pieces[0][2])] if n else []
-        e.shape = (total,)
 
 
 class Placed(Pieces):

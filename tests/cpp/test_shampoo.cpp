@@ -179,6 +179,47 @@ TEST(Tiles, TheGranuleKeepsEveryTileOnOneRank) {
   EXPECT_EQ(tile_granule_rows({12}, 1, kB), 1);
 }
 
+// A checkpoint's per-tile sequence: each rank's piece (tile_range, tile_sequence)
+// starts where the ranks before it end and holds exactly the tiles the rank keeps
+// (matrix_tiles: whole ones and the cut rows it owns), so the pieces of every
+// rank, in rank order, tile the sequence of the whole tensor; on a plan's shards
+// and on FSDP2's chunk rows that cut tiles, at 1..7 ranks.
+TEST(Tiles, EachRanksPieceOfAPerTileSequenceFollowsTheRanksBeforeIt) {
+  const auto packed_rows = [](const Tile& t) { return packed_size(t.rows); };
+  for (int world : {1, 2, 3, 4, 7}) {
+    const Plan plan = plan_unit(unit_specs(kB), world, 16);
+    for (size_t i = 0; i < kCases.size(); ++i) {
+      if (kCases[i].shape.size() < 2) continue;
+      const at::Tensor full = at::zeros(kCases[i].shape);
+      for (bool chunks : {false, true}) {
+        int64_t next = 0, total = -1;
+        for (int r = 0; r < world; ++r) {
+          const ParamShard p = chunks ? chunk_shard_of(kCases[i], world, r, full)
+                                      : shard_of(plan, i, r, full);
+          std::vector<CutTileRow> cut;
+          const auto kept = matrix_tiles("Shampoo", p, i, kB, r, &cut);
+          const TileRange range = tile_range(p, kB);
+          const StateLayout l = tile_sequence("factor_left", range, packed_rows);
+          int64_t mine = 0;
+          for (const Tile& t : kept) mine += packed_size(t.rows);
+          int64_t in_range = 0;
+          for (size_t k = range.first; k < range.end; ++k) in_range += packed_size(range.all[k].rows);
+          ASSERT_EQ(in_range, mine) << kCases[i].name << " rank " << r << " of " << world;
+          ASSERT_EQ(range.end - range.first, kept.size());
+          ASSERT_EQ(l.offset, next) << kCases[i].name << " rank " << r << " of " << world;
+          ASSERT_TRUE(total < 0 || l.total == total);
+          total = l.total;
+          next += mine;
+        }
+        int64_t whole = 0;
+        for (const RefTile& t : ref_tiles(kCases[i].shape, kB)) whole += packed_size(t.rows);
+        EXPECT_EQ(next, whole) << kCases[i].name;
+        EXPECT_EQ(total, whole) << kCases[i].name;
+      }
+    }
+  }
+}
+
 // --- roots -----------------------------------------------------------------------
 
 TEST(ShampooRoots, EqualFloat64EighBatchedAndAlone) {

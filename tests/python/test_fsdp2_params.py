@@ -154,7 +154,7 @@ def cut_8bit(mesh, seed):
             for p, g in zip(ps, gs):
                 p.grad = distribute_tensor(g, mesh, placements)
             opt.step()
-        mine = [({k: t.clone() for k, t in opt.sharded_state(p).items()}, opt.sequence_spans(p),
+        mine = [({k: t.clone() for k, t in opt.sharded_state(p).items()}, opt.state_layout(p),
                  rfsdp.fsdp.dtensor.info_of("p", p).row_begin) for p in ps]
         every = [None] * dist.get_world_size()
         dist.all_gather_object(every, mine)
@@ -181,10 +181,11 @@ def check_cut_8bit(got, seed):
                 row_len = shapes[i][1]
                 for name in ("q1", "q2"):
                     n = st[name].numel()
+                    assert spans[name] == ("sequence", whole[name].numel(), row_begin * row_len, 0)
                     want = whole[name][row_begin * row_len:row_begin * row_len + n]
                     assert torch.equal(st[name], want), (block, shapes[i], rank, name, seed)
                 for name in ("absmax1", "absmax2"):
-                    total, first, shared = spans[name]
+                    _, total, first, shared = spans[name]
                     assert total == whole[name].numel()
                     want = whole[name][first:first + st[name].numel()]
                     assert torch.equal(st[name], want), (block, shapes[i], rank, name, seed)

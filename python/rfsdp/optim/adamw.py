@@ -50,14 +50,6 @@ class AdamW8bit(AdamW):
     def _make(self, specs):
         return _C.AdamW8bit(specs, self.block, self.min_8bit_size, self.comm)
 
-    def sequence_spans(self, p):
-        self._bind_for(p)
-        part, k = self._where[id(p)]
-        if "absmax1" not in part.impl.state(k):  # fp32 moments: shaped like the parameter
-            return {}
-        total, first, shared = part.impl.block_span(k)
-        return {"absmax1": (total, first, shared), "absmax2": (total, first, shared)}
-
     def shared_blocks(self):
         """Blocks this rank shares with other ranks (a shard boundary cuts them):
         their scales are agreed in one all-reduce a step; 0 means none."""
@@ -79,7 +71,7 @@ class AdamW8bit(AdamW):
         old_block = saved_settings["block"]
         old_block = tuple(old_block) if isinstance(old_block, list) else old_block
         live = self.sharded_state(p)
-        spans = self.sequence_spans(p)
+        spans = self.state_layout(p)
         out = {}
         for codes, scale, moment, signed in (("q1", "absmax1", "exp_avg", True),
                                              ("q2", "absmax2", "exp_avg_sq", False)):
@@ -94,7 +86,7 @@ class AdamW8bit(AdamW):
             if codes in live:  # the whole tensor's blocks, then this rank's codes and scales
                 q, a = _C.quantize_blockwise(whole.contiguous(), code, self.block, row_len,
                                              keep_nonzero=not signed)
-                _, first, _ = spans[scale]
+                _, _, first, _ = spans[scale]
                 out[codes] = q.reshape(-1)[begin * row_len:end * row_len].clone()
                 out[scale] = a.reshape(-1)[first:first + live[scale].numel()].clone()
             else:

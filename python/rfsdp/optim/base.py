@@ -10,8 +10,7 @@ from .. import _C
 from .._comm import make_comm
 from ..fsdp.dtensor import info_of, is_dtensor, local
 from ..fsdp.state_dict import Pieces, dcp_caller_options
-from ..state_layout import default_group, dcp_value, full_tensors, place_sequences, placements, \
-    state_entries
+from ..state_layout import default_group, dcp_value, full_tensors, state_entries
 
 
 def _check_params(optimizer_name, params):
@@ -306,11 +305,13 @@ class _OverCpp(torch.optim.Optimizer):
         a checkpoint keeps it and refuses to load into an optimizer whose settings differ."""
         return {"type": type(self).__name__}
 
-    def sequence_spans(self, p):
-        """{name: (global size, offset, shared)} for p's 1-D states that are pieces of
-        a global sequence whose place this optimizer knows: the first `shared`
-        elements are also held (and written) by an earlier rank. Others: none."""
-        return {}
+    def state_layout(self, p):
+        """Where each of p's state tensors lies in the global tensor a checkpoint
+        keeps, as its C++ optimizer describes it: {name: ("rows", 0, 0, 0) or
+        ("sequence", global size, offset, shared)} (state_layout.py)."""
+        self._bind_for(p)
+        part, k = self._where[id(p)]
+        return part.impl.state_layout(k)
 
     def sharded_state(self, p):
         """Parameter p's state on this rank, by name: the live tensors (a load writes
@@ -331,17 +332,12 @@ class _OverCpp(torch.optim.Optimizer):
         return json.dumps(self.settings(), sort_keys=True)
 
     def _state_layout(self):
-        """{(parameter index, state name): state_layout.Entry} of every parameter's
-        state, its sequences placed (the placement is collective over the
-        checkpoint group the first time after a bind, then cached)."""
-        params = self._bound_params
+        """{(parameter index, state name): state_layout.Entry} of every parameter's state."""
         entries = {}
-        for i, p in enumerate(params):
-            for e in state_entries(str(i), p, self._state_of(p), self.sequence_spans(p)):
+        for i, p in enumerate(self._bound_params):
+            part, k = self._where[id(p)]
+            for e in state_entries(str(i), p, self._state_of(p), part.impl.state_layout(k)):
                 entries[(i, e.key.split(".", 1)[1])] = e
-        if getattr(self, "_placed", None) is None or self._placed[0] is not params:
-            self._placed = (params, placements(list(entries.values()), self._group))
-        place_sequences(entries.values(), self._placed[1])
         return entries
 
     def state_dict(self):

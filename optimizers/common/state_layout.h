@@ -1,0 +1,58 @@
+// Where each state tensor of a parameter lies in the global tensor a checkpoint
+// keeps (the same on every rank and at every world size), so that a checkpoint
+// places and reshards optimizer state without knowing any optimizer: every
+// optimizer describes its own (ShardedOptimizer::state_layout).
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "core/ragged/tensor_shard.h"
+#include "optimizers/common/tiles.h"
+
+namespace rfsdp {
+
+struct StateLayout {
+  enum class Kind {
+    kRows,      // this rank's rows of a tensor of the parameter's global shape (its
+                // shard's shape: moments, momentum, codes by element)
+    kSequence,  // elements [offset, offset + numel) of a 1-D global sequence of
+                // `total` (block scales, per-tile factors, roots, bases)
+  };
+  std::string name;  // as state() names it
+  Kind kind = Kind::kRows;
+  int64_t total = 0, offset = 0;
+  // kSequence: leading elements an earlier rank also holds (an 8-bit block that a
+  // shard boundary cuts: its scale is that rank's to write).
+  int64_t shared = 0;
+
+  static StateLayout rows(std::string name) { return {std::move(name), Kind::kRows, 0, 0, 0}; }
+  static StateLayout sequence(std::string name, int64_t total, int64_t offset, int64_t shared = 0) {
+    return {std::move(name), Kind::kSequence, total, offset, shared};
+  }
+};
+
+// The tiles of the whole tensor `shard` describes, in tile order, and those this
+// rank keeps state for, [first, end): the tiles whose first element lies in its
+// rows (whole tiles, and the tiles of the cut rows it owns).
+struct TileRange {
+  std::vector<Tile> all;  // local_offset: the tile's first element in the whole tensor
+  size_t first = 0, end = 0;
+};
+TileRange tile_range(const TensorShard& shard, int64_t max_dim);
+
+// A per-tile state of elements(tile) each, in tile order, as this rank's piece of
+// the tensor's global sequence.
+template <class Elements>
+StateLayout tile_sequence(std::string name, const TileRange& r, Elements elements) {
+  int64_t total = 0, offset = 0;
+  for (size_t k = 0; k < r.all.size(); ++k) {
+    if (k == r.first) offset = total;
+    total += elements(r.all[k]);
+  }
+  if (r.first == r.all.size()) offset = total;
+  return StateLayout::sequence(std::move(name), total, offset);
+}
+
+}  // namespace rfsdp
