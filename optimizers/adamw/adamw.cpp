@@ -9,6 +9,7 @@
 #include <utility>
 
 #include "optimizers/common/adamw_step.h"
+#include "quant/blockwise/blockwise.h"
 #include "quant/blockwise/code_maps.h"
 #include "quant/blockwise/cpu_kernels.h"
 #include "quant/blockwise/cuda_ops.h"
@@ -369,6 +370,41 @@ at::Tensor AdamW8bit::exp_avg_sq(size_t i) const {
 std::vector<std::pair<std::string, at::Tensor>> AdamW8bit::state(size_t i) const {
   if (!eight_bit_.at(i)) return AdamW::state(i);
   return {{"q1", q_[i].q1}, {"absmax1", q_[i].absmax1}, {"q2", q_[i].q2}, {"absmax2", q_[i].absmax2}};
+}
+
+NamedState AdamW8bit::requantized_state(size_t i, const AdamW8bitConfig& saved_config,
+                                        const NamedState& full) const {
+  const ParamShard& p = params_.at(i);
+  const auto live = state(i);
+  const auto numel_of = [&](const std::string& name) {
+    for (const auto& [n, t] : live) if (n == name) return t.numel();
+    return int64_t{0};
+  };
+  NamedState out;
+  const struct { const char *codes, *scales, *moment; bool is_signed; } moments[] = {
+      {"q1", "absmax1", "exp_avg", true}, {"q2", "absmax2", "exp_avg_sq", false}};
+  for (const auto& m : moments) {
+    const at::Tensor code = quant::dynamic_map(m.is_signed);
+    // The whole tensor, rows as the optimizer sees them (they decide the blocks).
+    at::Tensor whole;
+    if (full.count(m.codes)) {
+      whole = quant::dequantize_blockwise({saved(full, m.codes, name(), p).reshape(-1),
+                                           saved(full, m.scales, name(), p).reshape(-1)},
+                                          code, saved_config.block, p.row_len);
+    } else {
+      whole = saved(full, m.moment, name(), p).to(at::kFloat);
+    }
+    whole = whole.reshape({p.full_rows, p.row_len}).contiguous();
+    if (!eight_bit_.at(i)) {
+      out[m.moment] = rows_here(p, whole).view(p.param.sizes());
+      continue;
+    }
+    const quant::Quantized q = quant::quantize_blockwise(whole, code, block_, p.row_len,
+                                                         /*keep_nonzero=*/!m.is_signed);
+    out[m.codes] = rows_here(p, q.codes);
+    out[m.scales] = q.absmax.reshape(-1).narrow(0, q_[i].span.first, numel_of(m.scales)).clone();
+  }
+  return out;
 }
 
 std::vector<StateLayout> AdamW8bit::state_layout(size_t i) const {

@@ -63,6 +63,15 @@ class AdamW : public GroupedOptimizer<AdamWOptions> {
   std::vector<at::Tensor> m_, v_;  // fp32 moments (for AdamW8bit: the small tensors only)
 };
 
+// AdamW8bit's settings that shape its state.
+struct AdamW8bitConfig {
+  quant::BlockShape block = quant::BlockShape::blocks(256);
+  // Tensors with fewer elements (the full tensor's) keep fp32 moments.
+  int64_t min_8bit_size = 4096;
+  // The settings (as Python names them) requantized_state moves between.
+  static std::vector<std::string> requantizable() { return {"block", "min_8bit_size"}; }
+};
+
 class AdamW8bit : public AdamW {
  public:
   // Tensors with fewer than min_8bit_size elements (full tensor, never the
@@ -77,6 +86,11 @@ class AdamW8bit : public AdamW {
   std::vector<std::pair<std::string, at::Tensor>> state(size_t i) const override;
   std::vector<StateLayout> state_layout(size_t i) const override;
   const quant::BlockShape& block() const { return block_; }
+  // Parameter i's state as this optimizer keeps it, from a checkpoint's whole
+  // state of it saved with the blocks of `saved` (q1, absmax1, q2, absmax2;
+  // or fp32 exp_avg, exp_avg_sq where it kept those): the moments decoded, this
+  // rank's part encoded with this optimizer's blocks (or kept fp32).
+  NamedState requantized_state(size_t i, const AdamW8bitConfig& saved, const NamedState& full) const;
   // Where parameter i's absmax entries lie among the global tensor's blocks: the
   // number of blocks of the global tensor, the global index of its first entry,
   // and how many leading entries are blocks that start on an earlier rank (a

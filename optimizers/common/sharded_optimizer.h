@@ -15,6 +15,7 @@
 #include "core/comm/comm.h"
 #include "optimizers/common/low_precision.h"
 #include "optimizers/common/param_shard.h"
+#include "optimizers/common/requantize.h"
 #include "optimizers/common/state_layout.h"
 #include "optimizers/common/step_gate.h"
 

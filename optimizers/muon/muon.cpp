@@ -16,6 +16,7 @@
 #include "optimizers/common/step_gate.h"
 #include "optimizers/common/lpt.h"
 #include "optimizers/common/matrices.h"
+#include "quant/blockwise/blockwise.h"
 #include "quant/blockwise/code_maps.h"
 #include "quant/blockwise/cpu_kernels.h"
 
@@ -88,7 +89,7 @@ MuonLayout::MuonLayout(Comm* comm, std::vector<TensorShard> shards, std::vector<
           "parameters (biases, norm weights) to AdamW (a use_muon=False group)");
     }
     if (ns_steps_[i] < 1) {
-      throw std::invalid_argument("Muon: parameter '" + p.name + "': ns_steps must be >= 1");
+      throw std::invalid_argument("Muon: parameter '" + p.name + "': ns_steps must be a positive integer, got " + std::to_string(ns_steps_[i]));
     }
     if (world > 1 && static_cast<int>(p.rank_rows.size()) != world) {
       throw std::invalid_argument("Muon: parameter '" + p.name + "': the layout needs every "
@@ -323,6 +324,29 @@ std::vector<size_t> muon_indices(size_t n, const std::vector<bool>& use_muon) {
 
 }  // namespace
 
+void check_config(const MuonOptions& o) {
+  if (o.ns_dtype != at::kFloat && o.ns_dtype != at::kBFloat16) {
+    throw std::invalid_argument("Muon: ns_dtype must be torch.float32 or torch.bfloat16");
+  }
+  const at::ScalarType md = o.momentum_dtype;
+  if (md != at::kFloat && md != at::kBFloat16 && md != at::kByte) {
+    throw std::invalid_argument("Muon: momentum_dtype must be torch.float32, torch.bfloat16 or "
+                                "\"int8\" (8-bit block-wise codes)");
+  }
+  if (o.momentum_map != "dynamic" && o.momentum_map != "linear") {
+    throw std::invalid_argument("Muon: momentum_map must be \"dynamic\" or \"linear\", got \"" +
+                                o.momentum_map + "\"");
+  }
+  if (o.momentum_block < 1) {
+    throw std::invalid_argument("Muon: momentum_block must be a positive integer, got " +
+                                std::to_string(o.momentum_block));
+  }
+  if (o.ns_steps < 1) {
+    throw std::invalid_argument("Muon: ns_steps must be a positive integer, got " +
+                                std::to_string(o.ns_steps));
+  }
+}
+
 Muon::Muon(std::shared_ptr<Comm> comm, std::vector<ParamShard> params, MuonOptions options,
            std::vector<int> ns_steps, std::vector<bool> use_muon)
     : GroupedOptimizer("Muon", std::move(params), std::move(comm), options.check_finite,
@@ -331,18 +355,8 @@ Muon::Muon(std::shared_ptr<Comm> comm, std::vector<ParamShard> params, MuonOptio
       muon_(muon_indices(params_.size(), use_muon)),
       layout_(layout_of(comm_.get(), &params_, options, std::move(ns_steps), use_muon)) {
   check_options(options.hyper);
-  const at::ScalarType md = options_.momentum_dtype;
-  if (md != at::kFloat && md != at::kBFloat16 && md != at::kByte) {
-    throw std::invalid_argument("Muon: momentum_dtype must be float32, bfloat16 or int8 (8-bit "
-                                "block-wise codes)");
-  }
-  if (eight_bit()) {
-    if (options_.momentum_block < 1) {
-      throw std::invalid_argument("Muon: momentum_block must be >= 1, got " +
-                                  std::to_string(options_.momentum_block));
-    }
-    lut_ = quant::code_lut(quant::code_map(options_.momentum_map, /*is_signed=*/true));
-  }
+  check_config(options_);
+  if (eight_bit()) lut_ = quant::code_lut(quant::code_map(options_.momentum_map, /*is_signed=*/true));
   const size_t P = params_.size();
   in_muon_.assign(P, -1);
   for (size_t k = 0; k < muon_.size(); ++k) in_muon_[muon_[k]] = static_cast<int64_t>(k);
@@ -358,7 +372,7 @@ Muon::Muon(std::shared_ptr<Comm> comm, std::vector<ParamShard> params, MuonOptio
       continue;
     }
     if (!eight_bit()) {
-      momenta_[i] = at::zeros(p.param.sizes(), p.param.options().dtype(md));
+      momenta_[i] = at::zeros(p.param.sizes(), p.param.options().dtype(options_.momentum_dtype));
       continue;
     }
     if (p.param.is_cuda()) {
@@ -396,6 +410,40 @@ std::vector<std::pair<std::string, at::Tensor>> Muon::state(size_t i) const {
   if (!uses_muon(i)) return {{"exp_avg", exp_avg_[i]}, {"exp_avg_sq", exp_avg_sq_[i]}};
   if (!eight_bit()) return {{"momentum_buffer", momenta_.at(i)}};
   return {{"momentum_codes", momenta_.at(i)}, {"momentum_absmax", absmax_.at(i)}};
+}
+
+NamedState Muon::requantized_state(size_t i, const MuonOptions& saved_options,
+                                   const NamedState& full) const {
+  const ParamShard& p = params_.at(i);
+  NamedState out;
+  if (!uses_muon(i)) {
+    for (const char* m : {"exp_avg", "exp_avg_sq"}) {
+      out[m] = rows_here(p, saved(full, m, name(), p)).view(p.param.sizes());
+    }
+    return out;
+  }
+  at::Tensor whole;  // the flattened global tensor's momentum, fp32
+  if (full.count("momentum_codes")) {
+    whole = quant::dequantize_blockwise(
+        {saved(full, "momentum_codes", name(), p).reshape(-1),
+         saved(full, "momentum_absmax", name(), p).reshape(-1)},
+        quant::code_map(saved_options.momentum_map, true),
+        quant::BlockShape::blocks(saved_options.momentum_block));
+  } else {
+    whole = saved(full, "momentum_buffer", name(), p).reshape(-1).to(at::kFloat);
+  }
+  if (!eight_bit()) {
+    out["momentum_buffer"] = rows_here(p, whole).view(p.param.sizes()).to(momenta_.at(i).dtype());
+    return out;
+  }
+  const int64_t block = options_.momentum_block;
+  const quant::Quantized q = quant::quantize_blockwise(
+      whole.contiguous(), quant::code_map(options_.momentum_map, true), quant::BlockShape::blocks(block));
+  out["momentum_codes"] = rows_here(p, q.codes).view(p.param.sizes());
+  out["momentum_absmax"] = q.absmax.reshape(-1)
+                               .narrow(0, p.row_begin * p.row_len / block, absmax_.at(i).numel())
+                               .clone();
+  return out;
 }
 
 std::vector<StateLayout> Muon::state_layout(size_t i) const {

@@ -145,7 +145,16 @@ struct MuonOptions {
   at::ScalarType momentum_dtype = at::kFloat;
   int64_t momentum_block = 256;
   std::string momentum_map = "dynamic";
+  // The settings (as Python names them) requantized_state moves between.
+  static std::vector<std::string> requantizable() {
+    return {"momentum_dtype", "momentum_block", "momentum_map"};
+  }
 };
+
+// Throws std::invalid_argument, naming the setting as Python names it, unless
+// o's storage settings are usable (ns_dtype, momentum_dtype, momentum_block,
+// momentum_map; the hyperparameters are the groups': check_options).
+void check_config(const MuonOptions& o);
 
 // The C++ optimizer: Muon over the parameter shards in use_muon (ParamShard.shape
 // must be the full shape), AdamW (fp32 moments) over the others, one step and
@@ -172,6 +181,11 @@ class Muon : public GroupedOptimizer<MuonHyper> {
   // AdamW's exp_avg and exp_avg_sq.
   std::vector<std::pair<std::string, at::Tensor>> state(size_t i) const override;
   std::vector<StateLayout> state_layout(size_t i) const override;
+  // Parameter i's state as this optimizer keeps it, from a checkpoint's whole
+  // state of it saved with the momentum storage of `saved` (momentum_codes and
+  // momentum_absmax, or momentum_buffer; outside Muon, exp_avg and exp_avg_sq):
+  // the momentum decoded whole, this rank's part stored as this optimizer keeps it.
+  NamedState requantized_state(size_t i, const MuonOptions& saved, const NamedState& full) const;
   // Muon's update does not depend on the step count (torch.optim.Muon keeps
   // none); AdamW's does.
   bool state_has_step(size_t i) const override { return !uses_muon(i); }

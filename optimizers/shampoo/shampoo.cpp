@@ -12,14 +12,14 @@
 
 namespace rfsdp {
 
-namespace {
-
 void check_config(const ShampooConfig& c) {
-  if (c.max_preconditioner_dim < 1) {
-    throw std::invalid_argument("Shampoo: max_preconditioner_dim must be >= 1");
-  }
-  if (c.precondition_frequency < 1) {
-    throw std::invalid_argument("Shampoo: precondition_frequency must be >= 1");
+  for (const auto& [name, v] : {std::pair<const char*, int64_t>{"max_preconditioner_dim", c.max_preconditioner_dim},
+                                {"precondition_frequency", c.precondition_frequency},
+                                {"start_preconditioning_step", c.start_preconditioning_step}}) {
+    if (v < 1) {
+      throw std::invalid_argument(std::string("Shampoo: ") + name +
+                                  " must be a positive integer, got " + std::to_string(v));
+    }
   }
   if (c.start_preconditioning_step < c.precondition_frequency) {
     throw std::invalid_argument(
@@ -28,17 +28,14 @@ void check_config(const ShampooConfig& c) {
         "), so that the roots exist when preconditioning starts");
   }
   if (c.factor_dtype != at::kFloat && c.factor_dtype != at::kBFloat16) {
-    throw std::invalid_argument("Shampoo: factor_dtype must be float32 or bfloat16");
+    throw std::invalid_argument("Shampoo: factor_dtype must be torch.float32 or torch.bfloat16");
   }
   if (!(c.rank_rtol < 1)) {  // NaN, or every eigenvalue dropped
-    throw std::invalid_argument("Shampoo: rank_rtol must be < 1 (negative: n * eps(float32))");
+    throw std::invalid_argument("Shampoo: rank_rtol must be in [0, 1) (None: n * eps(float32) for "
+                                "an n x n factor), got " + std::to_string(c.rank_rtol));
   }
-  if (c.basis_bits != 0) {
-    quant::check_lowbit_format("Shampoo", c.basis_bits, c.basis_block, c.basis_map, c.bjorck_iterations);
-  }
+  c.basis.check("Shampoo");
 }
-
-}  // namespace
 
 void Shampoo::check_options(const ShampooOptions& o) const {
   if (!(o.lr >= 0) || !(o.beta1 >= 0 && o.beta1 < 1) || !(o.beta2 >= 0 && o.beta2 <= 1) ||
@@ -88,7 +85,7 @@ Shampoo::Shampoo(std::vector<ParamShard> params, ShampooOptions options, Shampoo
       const auto on = fdt.device(p.param.device());  // factors live with the shard
       s.left = at::zeros({left}, on);
       s.right = at::zeros({right}, on);
-      if (const int bits = config_.basis_bits) {  // roots start as the identity: Q = I, s = 1
+      if (config_.basis.coded()) {  // roots start as the identity: Q = I, s = 1
         std::vector<int64_t> rows, cols;
         int64_t sl = 0, sr = 0;
         for (size_t k : s.tiles) {
@@ -100,10 +97,8 @@ Shampoo::Shampoo(std::vector<ParamShard> params, ShampooOptions options, Shampoo
           sr += tiles_[k].cols;
         }
         const auto f32 = on.dtype(at::kFloat);
-        s.q_l = quant::LowbitSquares(rows, bits, config_.basis_block, config_.basis_map,
-                                     config_.bjorck_iterations, f32);
-        s.q_r = quant::LowbitSquares(cols, bits, config_.basis_block, config_.basis_map,
-                                     config_.bjorck_iterations, f32);
+        s.q_l = quant::LowbitSquares(rows, config_.basis, f32);
+        s.q_r = quant::LowbitSquares(cols, config_.basis, f32);
         for (size_t j = 0; j < s.tiles.size(); ++j) {
           s.q_l.store(j, at::eye(rows[j], f32));
           s.q_r.store(j, at::eye(cols[j], f32));
@@ -163,7 +158,7 @@ void Shampoo::compute_roots(const std::vector<size_t>& due, const std::vector<at
     }
   }
   std::vector<bool> failed(tiles_.size(), false);
-  const bool quantised = config_.basis_bits != 0;
+  const bool quantised = config_.basis.bits != 0;
   for (auto& [d, jobs] : by_size) {
     std::vector<bool> ok;
     std::vector<std::pair<at::Tensor, at::Tensor>> eigen;
@@ -356,7 +351,7 @@ std::vector<std::pair<std::string, at::Tensor>> Shampoo::state(size_t i) const {
   std::vector<std::pair<std::string, at::Tensor>> out{{"exp_avg", s.m}, {"exp_avg_sq", s.v}};
   if (precondition_[i]) {
     out.insert(out.end(), {{"factor_left", s.left}, {"factor_right", s.right}});
-    if (config_.basis_bits) {
+    if (config_.basis.bits) {
       out.insert(out.end(), {{"root_left_basis_codes", s.q_l.codes()},
                              {"root_left_basis_absmax", s.q_l.absmax()},
                              {"root_left_eigenvalues", s.s_l},
@@ -371,6 +366,62 @@ std::vector<std::pair<std::string, at::Tensor>> Shampoo::state(size_t i) const {
   return out;
 }
 
+NamedState Shampoo::requantized_state(size_t i, const ShampooConfig& saved_config,
+                                      const NamedState& full) const {
+  const ParamShard& p = params_.at(i);
+  NamedState out;
+  for (const char* m : {"exp_avg", "exp_avg_sq"}) {
+    out[m] = rows_here(p, saved(full, m, name(), p)).view(p.param.sizes());
+  }
+  if (!precondition_.at(i)) return out;
+  const ParamState& st = state_[i];
+  const TileRange r = tile_range(p, config_.max_preconditioner_dim);
+  for (const StateLayout& l : state_layout(i)) {  // factors and failure counts: as saved
+    const at::Tensor live = l.name == "factor_left" ? st.left : l.name == "factor_right" ? st.right
+                          : l.name == "root_failures" ? st.failures : at::Tensor();
+    if (live.defined()) out[l.name] = piece_here(saved(full, l.name, name(), p), l, live.numel());
+  }
+  for (bool left : {true, false}) {
+    const std::string side = left ? "root_left" : "root_right";
+    const auto n_of = [left](const Tile& t) { return left ? t.rows : t.cols; };
+    std::vector<at::Tensor> qs, ss;  // each root of this rank's tiles as Q diag(s) Q^T, fp32
+    if (!saved_config.basis.coded()) {  // packed roots: their eigh
+      const at::Tensor flat = saved(full, side, name(), p).reshape(-1);
+      int64_t at = 0;
+      for (size_t k = 0; k < r.all.size(); ++k) {
+        const int64_t n = n_of(r.all[k]);
+        if (k >= r.first && k < r.end) {
+          const auto [lam, q] = at::linalg_eigh(unpack_symmetric(flat, at, n).to(at::kDouble));
+          qs.push_back(q.to(at::kFloat));
+          ss.push_back(lam.to(at::kFloat));
+        }
+        at += packed_size(n);
+      }
+    } else {
+      qs = decode_squares(full, side + "_basis", r, left, saved_config.basis, name(), p);
+      const at::Tensor s_all = saved(full, side + "_eigenvalues", name(), p).reshape(-1);
+      int64_t at = 0;
+      for (size_t k = 0; k < r.all.size(); ++k) {
+        const int64_t n = n_of(r.all[k]);
+        if (k >= r.first && k < r.end) ss.push_back(s_all.narrow(0, at, n).to(at::kFloat));
+        at += n;
+      }
+    }
+    if (config_.basis.coded()) {
+      encode_squares(qs, side + "_basis", config_.basis, at::kFloat, &out);
+      out[side + "_eigenvalues"] = ss.empty() ? at::zeros({0}, at::kFloat) : at::cat(ss);
+      continue;
+    }
+    std::vector<at::Tensor> roots;
+    for (size_t j = 0; j < qs.size(); ++j) {
+      const at::Tensor q = qs[j].to(at::kDouble);
+      roots.push_back(pack_symmetric(at::matmul(q * ss[j].to(at::kDouble).unsqueeze(0), q.t())));
+    }
+    out[side] = (roots.empty() ? at::zeros({0}) : at::cat(roots)).to(config_.factor_dtype);
+  }
+  return out;
+}
+
 std::vector<StateLayout> Shampoo::state_layout(size_t i) const {
   std::vector<StateLayout> out{StateLayout::rows("exp_avg"), StateLayout::rows("exp_avg_sq")};
   if (!precondition_.at(i)) return out;
@@ -379,9 +430,9 @@ std::vector<StateLayout> Shampoo::state_layout(size_t i) const {
     const auto n = [left](const Tile& t) { return left ? t.rows : t.cols; };
     const std::string side = left ? "left" : "right";
     out.push_back(tile_sequence("factor_" + side, r, [&](const Tile& t) { return packed_size(n(t)); }));
-    if (config_.basis_bits) {
-      const int bits = config_.basis_bits;
-      const int64_t block = config_.basis_block;
+    if (config_.basis.bits) {
+      const int bits = config_.basis.bits;
+      const int64_t block = config_.basis.block;
       out.push_back(tile_sequence("root_" + side + "_basis_codes", r, [&](const Tile& t) {
         return quant::lowbit_code_bytes(n(t) * n(t), bits);
       }));
@@ -401,7 +452,7 @@ at::Tensor Shampoo::root(size_t i, size_t j, bool left) const {
   const ParamState& s = state_.at(i);
   const Tile& tl = tiles_[s.tiles.at(j)];
   const int64_t n = left ? tl.rows : tl.cols;
-  if (!config_.basis_bits) {
+  if (!config_.basis.bits) {
     return unpack_symmetric(left ? s.root_l : s.root_r, left ? tl.left_offset : tl.right_offset, n);
   }
   const at::Tensor q = (left ? s.q_l : s.q_r).orthogonal(j);
@@ -413,7 +464,7 @@ void Shampoo::store_root(size_t i, size_t j, bool left, const NewRoot& r) {
   ParamState& s = state_[i];
   const Tile& tl = tiles_[s.tiles[j]];
   const int64_t n = left ? tl.rows : tl.cols;
-  if (!config_.basis_bits) {
+  if (!config_.basis.bits) {
     (left ? s.root_l : s.root_r).narrow(0, left ? tl.left_offset : tl.right_offset,
                                         packed_size(n)).copy_(r.packed);
     return;

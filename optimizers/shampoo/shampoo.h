@@ -67,18 +67,22 @@ struct ShampooConfig {
   // PseudoInverse's threshold relative to l_max; < 0: n * eps(float32) for an n x n
   // factor (torch.linalg.matrix_rank's default tolerance).
   double rank_rtol = -1.0;
-  // basis_bits 8 or 4: each root A^-1/4 = Q diag(s) Q^T kept as Q's block-wise
-  // codes (blocks of basis_block elements of the n x n eigenvector matrix, row by
-  // row, one fp32 absmax each; map basis_map: lowbit_map's "linear_square" (the
-  // 4-bit Shampoo paper's), "linear", or "dynamic" at 8 bits) and s in fp32 (the
-  // rule's l^-1/4, 0 where it drops l). Every step that preconditions rebuilds
-  // the root from Q dequantised and rectified by bjorck_iterations Björck steps.
-  // 0: packed roots in factor_dtype.
-  int basis_bits = 0;
-  int64_t basis_block = 64;
-  std::string basis_map = "linear_square";
-  int bjorck_iterations = 1;
+  // basis coded (8 or 4 bits): each root A^-1/4 = Q diag(s) Q^T kept as Q's
+  // block-wise codes (LowbitSquares: blocks of the n x n eigenvector matrix, row
+  // by row, one fp32 absmax each; "linear_square" is the 4-bit Shampoo paper's
+  // map) and s in fp32 (the rule's l^-1/4, 0 where it drops l). Every step that
+  // preconditions rebuilds the root from Q dequantised and rectified by Björck
+  // steps. Not coded: packed roots in factor_dtype.
+  quant::LowBitFormat basis;
+  // The settings (as Python names them) requantized_state moves between.
+  static std::vector<std::string> requantizable() {
+    return {"basis_dtype", "basis_block", "basis_map", "bjorck_iterations"};
+  }
 };
+
+// Throws std::invalid_argument, naming the setting as Python names it, unless c
+// is usable.
+void check_config(const ShampooConfig& c);
 
 class Shampoo : public GroupedOptimizer<ShampooOptions> {
  public:
@@ -99,6 +103,12 @@ class Shampoo : public GroupedOptimizer<ShampooOptions> {
   std::vector<std::pair<std::string, at::Tensor>> state(size_t i) const override;
   std::vector<StateLayout> state_layout(size_t i) const override;
 
+  // Parameter i's state as this optimizer keeps it, from a checkpoint's whole
+  // state of it saved by a Shampoo with the root storage of `saved` (its basis
+  // format): each root of this rank's tiles as the saved optimizer used it (Q
+  // decoded and rectified, with its s; or the packed root, whose eigh gives Q and
+  // s), then stored as this one keeps it; every other state this rank's part.
+  NamedState requantized_state(size_t i, const ShampooConfig& saved, const NamedState& full) const;
   const std::vector<Tile>& tiles() const { return tiles_; }
   // Rows of tiles that shard boundaries cut (over all ranks).
   const std::vector<CutTileRow>& cut_rows() const { return cut_; }
@@ -119,7 +129,7 @@ class Shampoo : public GroupedOptimizer<ShampooOptions> {
   struct ParamState {
     at::Tensor m, v;                          // fp32, the shard's shape
     at::Tensor left, right, root_l, root_r;   // flat factor storage (factor_dtype)
-    quant::LowbitSquares q_l, q_r;            // or (basis_bits) the roots' Q codes, by tile,
+    quant::LowbitSquares q_l, q_r;            // or (basis coded) the roots' Q codes, by tile,
     at::Tensor s_l, s_r;                      // and their s (fp32, n per tile)
     std::vector<int64_t> sl, sr;              // each tile's offsets in s_l, s_r
     at::Tensor failures;                      // int64, per tile

@@ -7,6 +7,7 @@
 #include <stdexcept>
 
 #include "optimizers/common/step_gate.h"
+#include "quant/blockwise/blockwise.h"
 #include "quant/blockwise/code_maps.h"
 #include "quant/blockwise/cpu_kernels.h"
 #include "quant/blockwise/lowbit.h"
@@ -35,29 +36,33 @@ void SOAP::check_options(const SOAPOptions& o) const {
   }
 }
 
+void check_config(const SOAPConfig& c) {
+  for (const auto& [name, v] : {std::pair<const char*, int64_t>{"max_preconditioner_dim", c.max_preconditioner_dim},
+                                {"precondition_frequency", c.precondition_frequency}}) {
+    if (v < 1) {
+      throw std::invalid_argument(std::string("SOAP: ") + name + " must be a positive integer, got " +
+                                  std::to_string(v));
+    }
+  }
+  if (c.factor_dtype != at::kFloat && c.factor_dtype != at::kBFloat16) {
+    throw std::invalid_argument("SOAP: factor_dtype must be torch.float32 or torch.bfloat16");
+  }
+  if (!c.basis.coded() && c.basis_dtype != at::kFloat && c.basis_dtype != at::kBFloat16) {
+    throw std::invalid_argument("SOAP: basis_dtype must be torch.float32, torch.bfloat16, \"int8\" "
+                                "or \"int4\"");
+  }
+  if (c.state_dtype != at::kFloat && c.state_dtype != at::kByte) {
+    throw std::invalid_argument("SOAP: state_dtype must be torch.float32 or \"int8\" (8-bit codes)");
+  }
+  c.basis.check("SOAP");
+}
+
 SOAP::SOAP(std::vector<ParamShard> params, SOAPOptions options, SOAPConfig config,
            std::shared_ptr<Comm> comm, std::vector<bool> precondition)
     : GroupedOptimizer("SOAP", std::move(params), std::move(comm), config.check_finite, options),
       config_(config) {
-  if (config_.max_preconditioner_dim < 1) {
-    throw std::invalid_argument("SOAP: max_preconditioner_dim must be >= 1");
-  }
-  if (config_.precondition_frequency < 1) {
-    throw std::invalid_argument("SOAP: precondition_frequency must be >= 1");
-  }
-  for (at::ScalarType d : {config_.factor_dtype, config_.basis_dtype}) {
-    if (d != at::kFloat && d != at::kBFloat16) {
-      throw std::invalid_argument("SOAP: factor_dtype and basis_dtype must be float32 or bfloat16");
-    }
-  }
-  if (config_.state_dtype != at::kFloat && config_.state_dtype != at::kByte) {
-    throw std::invalid_argument("SOAP: state_dtype must be float32 or int8 (8-bit codes)");
-  }
+  check_config(config_);
   state_dtype_8bit_ = config_.state_dtype == at::kByte;
-  if (config_.basis_bits != 0) {
-    quant::check_lowbit_format("SOAP", config_.basis_bits, config_.basis_block, config_.basis_map,
-                               config_.bjorck_iterations);
-  }
   if (state_dtype_8bit_) {
     lut_m_ = quant::code_lut(quant::dynamic_map(true));
     lut_v_ = quant::code_lut(quant::dynamic_map(false), /*keep_nonzero=*/true);  // v: see CodeLut
@@ -98,11 +103,9 @@ SOAP::SOAP(std::vector<ParamShard> params, SOAPOptions options, SOAPConfig confi
       const auto on = at::TensorOptions().device(p.param.device());  // states live with the shard
       s.left = at::zeros({left}, on.dtype(config_.factor_dtype));
       s.right = at::zeros({right}, on.dtype(config_.factor_dtype));
-      if (const int bits = config_.basis_bits) {
-        s.lq_left = quant::LowbitSquares(rows, bits, config_.basis_block, config_.basis_map,
-                                         config_.bjorck_iterations, on);
-        s.lq_right = quant::LowbitSquares(cols, bits, config_.basis_block, config_.basis_map,
-                                          config_.bjorck_iterations, on);
+      if (config_.basis.coded()) {
+        s.lq_left = quant::LowbitSquares(rows, config_.basis, on);
+        s.lq_right = quant::LowbitSquares(cols, config_.basis, on);
       } else {
         s.q_left = at::zeros({ql}, on.dtype(config_.basis_dtype));
         s.q_right = at::zeros({qr}, on.dtype(config_.basis_dtype));
@@ -135,7 +138,7 @@ SOAP::SOAP(std::vector<ParamShard> params, SOAPOptions options, SOAPConfig confi
 
 at::Tensor SOAP::basis(size_t i, size_t j, bool left) const {
   const ParamState& s = state_[i];
-  if (config_.basis_bits) return (left ? s.lq_left : s.lq_right).orthogonal(j);
+  if (config_.basis.bits) return (left ? s.lq_left : s.lq_right).orthogonal(j);
   const Tile& tl = tiles_[s.tiles[j]];
   const int64_t n = left ? tl.rows : tl.cols;
   return basis_view(left ? s.q_left : s.q_right, left ? s.ql[j] : s.qr[j], n).to(at::kFloat);
@@ -143,7 +146,7 @@ at::Tensor SOAP::basis(size_t i, size_t j, bool left) const {
 
 void SOAP::store_basis(size_t i, size_t j, bool left, const at::Tensor& q) {
   ParamState& s = state_[i];
-  if (config_.basis_bits) {
+  if (config_.basis.bits) {
     (left ? s.lq_left : s.lq_right).store(j, q);
     return;
   }
@@ -396,7 +399,7 @@ std::vector<std::pair<std::string, at::Tensor>> SOAP::state(size_t i) const {
   }
   if (precondition_[i]) {
     out.insert(out.end(), {{"factor_left", s.left}, {"factor_right", s.right}});
-    if (config_.basis_bits) {
+    if (config_.basis.bits) {
       out.insert(out.end(), {{"basis_left_codes", s.lq_left.codes()},
                              {"basis_left_absmax", s.lq_left.absmax()},
                              {"basis_right_codes", s.lq_right.codes()},
@@ -404,6 +407,70 @@ std::vector<std::pair<std::string, at::Tensor>> SOAP::state(size_t i) const {
     } else {
       out.insert(out.end(), {{"basis_left", s.q_left}, {"basis_right", s.q_right}});
     }
+  }
+  return out;
+}
+
+NamedState SOAP::requantized_state(size_t i, const SOAPConfig& saved_config,
+                                   const NamedState& full) const {
+  const ParamShard& p = params_.at(i);
+  NamedState out;
+  if (!precondition_.at(i)) {  // Adam alone (fp32 moments)
+    for (const char* m : {"exp_avg", "exp_avg_sq"}) {
+      out[m] = rows_here(p, saved(full, m, name(), p)).view(p.param.sizes());
+    }
+    return out;
+  }
+  const ParamState& st = state_[i];
+  const TileRange r = tile_range(p, config_.max_preconditioner_dim);
+  std::map<std::string, StateLayout> layout;
+  for (const StateLayout& l : state_layout(i)) layout[l.name] = l;
+  for (const char* f : {"factor_left", "factor_right"}) {
+    out[f] = piece_here(saved(full, f, name(), p), layout[f], (f[7] == 'l' ? st.left : st.right).numel());
+  }
+  const bool saved_8bit = full.count("exp_avg_codes") > 0, live_8bit = eight_bit(i);
+  const int64_t e0 = p.row_begin * p.row_len;
+  for (const bool second : {false, true}) {
+    const std::string m = second ? "exp_avg_sq" : "exp_avg";
+    const at::Tensor code = quant::dynamic_map(/*is_signed=*/!second);
+    if (saved_8bit == live_8bit && !live_8bit) {
+      out[m] = rows_here(p, saved(full, m, name(), p)).view(p.param.sizes());
+    } else if (saved_8bit == live_8bit) {
+      out[m + "_codes"] = rows_here(p, saved(full, m + "_codes", name(), p)).view(p.param.sizes());
+      out[m + "_absmax"] = piece_here(saved(full, m + "_absmax", name(), p), layout[m + "_absmax"],
+                                      (second ? st.va : st.ma).numel());
+    } else if (saved_8bit) {  // decoded whole (one scale per tile row), this rank's rows
+      const at::Tensor codes = saved(full, m + "_codes", name(), p).reshape(-1).contiguous();
+      const at::Tensor absmax = saved(full, m + "_absmax", name(), p).reshape(-1);
+      at::Tensor whole = at::zeros({p.full_numel()}, at::kFloat);
+      int64_t row = 0;
+      for (const Tile& t : r.all) {
+        tile_view(whole, t).copy_(code.index({tile_view(codes, t).to(at::kLong)}) *
+                                  absmax.narrow(0, row, t.rows).unsqueeze(1));
+        row += t.rows;
+      }
+      out[m] = rows_here(p, whole).view(p.param.sizes());
+    } else {  // this rank's tiles encoded, one block per tile row
+      const at::Tensor whole = saved(full, m, name(), p).reshape(-1).to(at::kFloat).contiguous();
+      at::Tensor codes = at::zeros({p.numel()}, at::kByte);
+      std::vector<at::Tensor> scales;
+      for (size_t k = r.first; k < r.end; ++k) {
+        Tile t = r.all[k];
+        const quant::Quantized q = quant::quantize_blockwise(
+            tile_view(whole, t).contiguous(), code, quant::BlockShape::blocks(t.cols), -1,
+            /*keep_nonzero=*/second);
+        t.local_offset -= e0;  // (SOAP's 8-bit moments need whole tiles: checked at construction)
+        tile_view(codes, t).copy_(q.codes.view({t.rows, t.cols}));
+        scales.push_back(q.absmax.reshape(-1));
+      }
+      out[m + "_codes"] = codes.view(p.param.sizes());
+      out[m + "_absmax"] = scales.empty() ? at::zeros({0}, at::kFloat) : at::cat(scales);
+    }
+  }
+  for (bool left : {true, false}) {
+    const std::string side = left ? "basis_left" : "basis_right";
+    encode_squares(decode_squares(full, side, r, left, saved_config.basis, name(), p), side,
+                   config_.basis, config_.basis_dtype, &out);
   }
   return out;
 }
@@ -427,9 +494,9 @@ std::vector<StateLayout> SOAP::state_layout(size_t i) const {
     const auto n = [left](const Tile& t) { return left ? t.rows : t.cols; };
     const std::string side = left ? "left" : "right";
     out.push_back(tile_sequence("factor_" + side, r, [&](const Tile& t) { return packed_size(n(t)); }));
-    if (config_.basis_bits) {
-      const int bits = config_.basis_bits;
-      const int64_t block = config_.basis_block;
+    if (config_.basis.bits) {
+      const int bits = config_.basis.bits;
+      const int64_t block = config_.basis.block;
       out.push_back(tile_sequence("basis_" + side + "_codes", r, [&](const Tile& t) {
         return quant::lowbit_code_bytes(n(t) * n(t), bits);
       }));

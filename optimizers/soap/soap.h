@@ -73,16 +73,20 @@ struct SOAPConfig {
   // moments, updates them in fp32 and encodes them once it is done. CPU only;
   // 1-D parameters and use_soap=False groups keep fp32 moments.
   at::ScalarType state_dtype = at::kFloat;
-  // basis_bits 8 or 4: Q_L, Q_R as block-wise codes instead (blocks of
-  // basis_block elements of a tile's n x n basis, row by row, one fp32 absmax
-  // each; map basis_map: lowbit_map's "linear_square", "linear", or "dynamic" at 8
-  // bits), dequantised and rectified by bjorck_iterations Björck steps wherever
-  // a step uses them (the refresh's power step included). 0: basis_dtype.
-  int basis_bits = 0;
-  int64_t basis_block = 64;
-  std::string basis_map = "linear_square";
-  int bjorck_iterations = 1;
+  // basis coded (8 or 4 bits): Q_L, Q_R as block-wise codes instead
+  // (LowbitSquares: blocks of a tile's n x n basis, row by row, one fp32 absmax
+  // each), dequantised and rectified by Björck steps wherever a step uses them
+  // (the refresh's power step included). Not coded: basis_dtype.
+  quant::LowBitFormat basis;
+  // The settings (as Python names them) requantized_state moves between.
+  static std::vector<std::string> requantizable() {
+    return {"basis_dtype", "basis_block", "basis_map", "bjorck_iterations", "state_dtype"};
+  }
 };
+
+// Throws std::invalid_argument, naming the setting as Python names it, unless c
+// is usable.
+void check_config(const SOAPConfig& c);
 
 class SOAP : public GroupedOptimizer<SOAPOptions> {
  public:
@@ -101,6 +105,12 @@ class SOAP : public GroupedOptimizer<SOAPOptions> {
   // row, in tile order).
   std::vector<std::pair<std::string, at::Tensor>> state(size_t i) const override;
   std::vector<StateLayout> state_layout(size_t i) const override;
+  // Parameter i's state as this optimizer keeps it, from a checkpoint's whole
+  // state of it saved by a SOAP with the storage of `saved` (basis format or
+  // dtype, state_dtype): each basis of this rank's tiles as the saved optimizer
+  // used it (decoded and rectified where coded) and m and v decoded, then stored
+  // as this one keeps them; the factors this rank's part as saved.
+  NamedState requantized_state(size_t i, const SOAPConfig& saved, const NamedState& full) const;
   const std::vector<Tile>& tiles() const { return tiles_; }
   // Tile j (of parameter i's tiles) of its basis on one side, as a step uses it:
   // fp32 (a copy when stored in bf16; dequantised and rectified when quantised).
@@ -119,7 +129,7 @@ class SOAP : public GroupedOptimizer<SOAPOptions> {
     std::vector<int64_t> arow;       // 8-bit: each tile's first row in ma, va
     at::Tensor left, right;          // packed factors (factor_dtype)
     at::Tensor q_left, q_right;      // bases, n x n each, flat (basis_dtype)
-    quant::LowbitSquares lq_left, lq_right;  // or (basis_bits) their codes, by tile
+    quant::LowbitSquares lq_left, lq_right;  // or (basis coded) their codes, by tile
     std::vector<size_t> tiles;       // indices into tiles_
     std::vector<int64_t> ql, qr;     // each tile's offsets in q_left, q_right
   };

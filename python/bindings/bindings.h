@@ -30,6 +30,18 @@ inline at::ScalarType dtype_of(const std::string& name) {
                               "': use float32, bfloat16, float16 or float64");
 }
 
+// A dtype as a checkpoint's settings name it: float32, bfloat16, float16, or int8 (8-bit codes).
+inline std::string dtype_name(at::ScalarType t) {
+  switch (t) {
+    case at::kFloat: return "float32";
+    case at::kBFloat16: return "bfloat16";
+    case at::kHalf: return "float16";
+    case at::kDouble: return "float64";
+    case at::kByte: return "int8";
+    default: return c10::toString(t);
+  }
+}
+
 inline py::dict stats_dict(const rfsdp::CommStats& s) {
   return py::dict(py::arg("collectives") = s.collectives, py::arg("fallbacks") = s.fallbacks,
                   py::arg("gathers_native") = s.gathers_native,

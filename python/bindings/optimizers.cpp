@@ -11,9 +11,60 @@ namespace rfsdp_bind {
 
 namespace {
 
-// basis_dtype "int8" / "int4": its bits; anything else 0.
-int lowbit_bits(const std::string& basis_dtype) {
-  return basis_dtype == "int8" ? 8 : basis_dtype == "int4" ? 4 : 0;
+// The typed configs' glue: Python's values as the C++ settings take them, each
+// error naming the argument (`who`: the optimizer). The values' checks are the
+// library's (check_config).
+
+// An integer setting (a bool is not one).
+int64_t int_arg(const py::object& v, const char* who, const char* arg) {
+  if (py::isinstance<py::bool_>(v) || !py::isinstance<py::int_>(v)) {
+    throw std::invalid_argument(std::string(who) + ": " + arg + " must be a positive integer, got " +
+                                py::repr(v).cast<std::string>());
+  }
+  return v.cast<int64_t>();
+}
+
+// A storage dtype: a torch.dtype, its name as a checkpoint keeps it ("float32"),
+// or one of the code names: "int8" (at::kByte) and, where `bits` is given,
+// "int4" (bits 4; bits 8 for "int8"). None: `none`.
+at::ScalarType dtype_arg(const py::object& v, const char* who, const char* arg,
+                         const char* allowed, at::ScalarType none = at::kFloat, int* bits = nullptr) {
+  if (bits) *bits = 0;
+  if (v.is_none()) return none;
+  if (py::isinstance<py::str>(v)) {
+    const std::string name = v.cast<std::string>();
+    if (name == "int8" || (bits && name == "int4")) {
+      if (bits) *bits = name == "int8" ? 8 : 4;
+      return at::kByte;
+    }
+    if (name == "float32" || name == "bfloat16" || name == "float16") return dtype_of(name);
+  } else if (THPDtype_Check(v.ptr())) {
+    return v.cast<at::ScalarType>();
+  }
+  throw std::invalid_argument(std::string(who) + ": " + arg + " must be " + allowed + ", got " +
+                              py::repr(v).cast<std::string>());
+}
+
+// The low-bit basis settings Shampoo and SOAP share, from Python's arguments
+// (bits: from basis_dtype).
+rfsdp::quant::LowBitFormat basis_format(const char* who, int bits, const py::object& block,
+                                        const std::string& map, const py::object& iterations) {
+  rfsdp::quant::LowBitFormat f;
+  f.bits = bits;
+  f.block = int_arg(block, who, "basis_block");
+  f.map = map;
+  if (py::isinstance<py::bool_>(iterations) || !py::isinstance<py::int_>(iterations)) {
+    throw std::invalid_argument(std::string(who) + ": bjorck_iterations must be an integer >= 0, got " +
+                                py::repr(iterations).cast<std::string>());
+  }
+  f.bjorck_iterations = iterations.cast<int>();
+  return f;
+}
+
+void put_basis(py::dict& d, const rfsdp::quant::LowBitFormat& f) {
+  d["basis_block"] = f.block;
+  d["basis_map"] = f.map;
+  d["bjorck_iterations"] = f.bjorck_iterations;
 }
 
 // An optimizer's parameter from Python: its shard descriptor and this rank's tensor.
@@ -87,17 +138,43 @@ void bind_optimizers(py::module_& m) {
              x.lr = lr, x.beta1 = b1, x.beta2 = b2, x.eps = eps, x.weight_decay = wd;
              o.set_group_options(g, x);
            });
+  // The typed configs: the settings that shape an optimizer's state, built from
+  // Python's arguments (checked here, by the library), settings() as a
+  // checkpoint keeps them (a saved one builds the config again), requantizable:
+  // the settings requantized_state moves between.
+  py::class_<rfsdp::AdamW8bitConfig>(m, "AdamW8bitConfig")
+      .def(py::init([](const py::object& block, const py::object& min_8bit_size) {
+             rfsdp::AdamW8bitConfig c;
+             c.block = block_shape(py::isinstance<py::list>(block) ? py::tuple(block) : block);
+             c.block.check();
+             c.min_8bit_size = int_arg(min_8bit_size, "AdamW8bit", "min_8bit_size");
+             return c;
+           }),
+           py::kw_only(), py::arg("block") = 256, py::arg("min_8bit_size") = 4096)
+      .def("settings", [](const rfsdp::AdamW8bitConfig& c) {
+             py::dict d;
+             if (c.block.is_tile()) {
+               d["block"] = py::list(py::make_tuple(c.block.tile_rows, c.block.tile_cols));
+             } else {
+               d["block"] = c.block.block;
+             }
+             d["min_8bit_size"] = c.min_8bit_size;
+             return d;
+           })
+      .def_property_readonly_static("requantizable", [](const py::object&) {
+             return rfsdp::AdamW8bitConfig::requantizable();
+           });
   py::class_<rfsdp::AdamW8bit, rfsdp::AdamW, std::shared_ptr<rfsdp::AdamW8bit>>(m, "AdamW8bit")
-      .def(py::init([](const std::vector<ShardOf>& params, const py::object& block,
-                       int64_t min_8bit_size, std::shared_ptr<rfsdp::Comm> comm,
-                       bool check_finite) {
+      .def(py::init([](const std::vector<ShardOf>& params, const rfsdp::AdamW8bitConfig& config,
+                       std::shared_ptr<rfsdp::Comm> comm, bool check_finite) {
              rfsdp::AdamWOptions o;
              o.check_finite = check_finite;
-             return std::make_shared<rfsdp::AdamW8bit>(shards_of(params), o, block_shape(block),
-                                                       min_8bit_size, std::move(comm));
+             return std::make_shared<rfsdp::AdamW8bit>(shards_of(params), o, config.block,
+                                                       config.min_8bit_size, std::move(comm));
            }),
-           py::arg("params"), py::arg("block"), py::arg("min_8bit_size"), py::arg("comm"),
-           py::arg("check_finite") = true)
+           py::arg("params"), py::arg("config"), py::arg("comm"), py::arg("check_finite") = true)
+      .def("requantized_state", &rfsdp::AdamW8bit::requantized_state, py::arg("i"),
+           py::arg("saved"), py::arg("full"))
       // (global blocks, global index of the first absmax entry, leading entries of blocks
       // that start on an earlier rank)
       .def("block_span", [](const rfsdp::AdamW8bit& o, size_t i) {
@@ -106,28 +183,46 @@ void bind_optimizers(py::module_& m) {
            })
       .def("shared_blocks", &rfsdp::AdamW8bit::shared_blocks);
 
+  py::class_<rfsdp::MuonOptions>(m, "MuonConfig")
+      .def(py::init([](const py::object& ns_dtype, const py::object& momentum_dtype,
+                       const py::object& momentum_block, const std::string& momentum_map) {
+             rfsdp::MuonOptions o;
+             o.ns_dtype = dtype_arg(ns_dtype, "Muon", "ns_dtype", "torch.float32 or torch.bfloat16");
+             o.momentum_dtype = dtype_arg(momentum_dtype, "Muon", "momentum_dtype",
+                                          "torch.float32, torch.bfloat16 or \"int8\" (8-bit "
+                                          "block-wise codes)");
+             o.momentum_block = int_arg(momentum_block, "Muon", "momentum_block");
+             o.momentum_map = momentum_map;
+             rfsdp::check_config(o);
+             return o;
+           }),
+           py::kw_only(), py::arg("ns_dtype") = py::none(), py::arg("momentum_dtype") = py::none(),
+           py::arg("momentum_block") = 256, py::arg("momentum_map") = "dynamic")
+      .def("settings", [](const rfsdp::MuonOptions& o) {
+             return py::dict(py::arg("ns_dtype") = dtype_name(o.ns_dtype),
+                             py::arg("momentum_dtype") = dtype_name(o.momentum_dtype),
+                             py::arg("momentum_block") = o.momentum_block,
+                             py::arg("momentum_map") = o.momentum_map);
+           })
+      .def_property_readonly_static("requantizable", [](const py::object&) {
+             return rfsdp::MuonOptions::requantizable();
+           });
   // Muon over one process group: roots chosen at construction (collective), then steps.
   py::class_<rfsdp::Muon, rfsdp::ShardedOptimizer, std::shared_ptr<rfsdp::Muon>>(m, "Muon")
       .def(py::init([](const std::vector<ShardOf>& params, const std::vector<int>& ns_steps,
-                       const std::string& ns_dtype, std::shared_ptr<rfsdp::Comm> comm,
-                       bool check_finite, const std::string& momentum_dtype,
-                       int64_t momentum_block, const std::string& momentum_map,
-                       const std::vector<bool>& use_muon) {
-             rfsdp::MuonOptions o;
-             o.ns_dtype = dtype_of(ns_dtype);
+                       const rfsdp::MuonOptions& config, std::shared_ptr<rfsdp::Comm> comm,
+                       const std::vector<bool>& use_muon, bool check_finite) {
+             rfsdp::MuonOptions o = config;
              o.check_finite = check_finite;
-             o.momentum_dtype = momentum_dtype == "int8" ? at::kByte : dtype_of(momentum_dtype);
-             o.momentum_block = momentum_block;
-             o.momentum_map = momentum_map;
              auto shards = shards_of(params);
              py::gil_scoped_release release;  // collective
              return std::make_shared<rfsdp::Muon>(std::move(comm), std::move(shards), o, ns_steps,
                                                   use_muon);
            }),
-           py::arg("params"), py::arg("ns_steps"), py::arg("ns_dtype"), py::arg("comm"),
-           py::arg("check_finite") = true, py::arg("momentum_dtype") = "float32",
-           py::arg("momentum_block") = 256, py::arg("momentum_map") = "dynamic",
-           py::arg("use_muon") = std::vector<bool>{})
+           py::arg("params"), py::arg("ns_steps"), py::arg("config"), py::arg("comm"),
+           py::arg("use_muon") = std::vector<bool>{}, py::arg("check_finite") = true)
+      .def("requantized_state", &rfsdp::Muon::requantized_state, py::arg("i"), py::arg("saved"),
+           py::arg("full"))
       .def("set_group_options", [](rfsdp::Muon& o, size_t g, double lr, double momentum, double wd,
                                    bool nesterov, const std::string& adjust_lr, double b1, double b2,
                                    double eps) {
@@ -149,38 +244,72 @@ void bind_optimizers(py::module_& m) {
       .def("flop_imbalance", [](const rfsdp::Muon& o) { return o.layout().flop_imbalance(); })
       .def("gather_send_elems", [](const rfsdp::Muon& o) { return o.layout().gather_send_elems(); });
 
+  py::class_<rfsdp::ShampooConfig>(m, "ShampooConfig")
+      .def(py::init([](const py::object& max_dim, const py::object& frequency, const py::object& start,
+                       bool bias_correction, const py::object& factor_dtype,
+                       const std::string& rank_deficient, const py::object& rank_rtol,
+                       const py::object& basis_dtype, const py::object& basis_block,
+                       const std::string& basis_map, const py::object& bjorck_iterations) {
+             const char* who = "Shampoo";
+             rfsdp::ShampooConfig c;
+             c.max_preconditioner_dim = int_arg(max_dim, who, "max_preconditioner_dim");
+             c.precondition_frequency = int_arg(frequency, who, "precondition_frequency");
+             c.start_preconditioning_step = int_arg(start, who, "start_preconditioning_step");
+             c.use_bias_correction = bias_correction;
+             c.factor_dtype = dtype_arg(factor_dtype, who, "factor_dtype",
+                                        "torch.float32 or torch.bfloat16");
+             c.rank_deficient = rfsdp::parse_rank_deficient(rank_deficient);
+             // (-1: None, as settings() keeps it)
+             c.rank_rtol = rank_rtol.is_none() ? -1.0 : rank_rtol.cast<double>();
+             if (!rank_rtol.is_none() && !(c.rank_rtol >= 0) && c.rank_rtol != -1.0) {
+               throw std::invalid_argument("Shampoo: rank_rtol must be in [0, 1) (None: n * "
+                                           "eps(float32) for an n x n factor), got " +
+                                           py::repr(rank_rtol).cast<std::string>());
+             }
+             int bits = 0;
+             const char* basis_allowed = "None (roots in factor_dtype), \"int8\" or \"int4\"";
+             if (dtype_arg(basis_dtype, who, "basis_dtype", basis_allowed, at::kByte, &bits) != at::kByte ||
+                 (!basis_dtype.is_none() && bits == 0)) {
+               throw std::invalid_argument(std::string(who) + ": basis_dtype must be " + basis_allowed +
+                                           ", got " + py::repr(basis_dtype).cast<std::string>());
+             }
+             c.basis = basis_format(who, bits, basis_block, basis_map, bjorck_iterations);
+             rfsdp::check_config(c);
+             return c;
+           }),
+           py::kw_only(), py::arg("max_preconditioner_dim") = 1024,
+           py::arg("precondition_frequency") = 20, py::arg("start_preconditioning_step") = 20,
+           py::arg("use_bias_correction") = true, py::arg("factor_dtype") = py::none(),
+           py::arg("rank_deficient") = "shift", py::arg("rank_rtol") = py::none(),
+           py::arg("basis_dtype") = py::none(), py::arg("basis_block") = 64,
+           py::arg("basis_map") = "linear_square", py::arg("bjorck_iterations") = 1)
+      .def("settings", [](const rfsdp::ShampooConfig& c) {
+             py::dict d(py::arg("max_preconditioner_dim") = c.max_preconditioner_dim,
+                        py::arg("precondition_frequency") = c.precondition_frequency,
+                        py::arg("start_preconditioning_step") = c.start_preconditioning_step,
+                        py::arg("use_bias_correction") = c.use_bias_correction,
+                        py::arg("factor_dtype") = dtype_name(c.factor_dtype),
+                        py::arg("rank_deficient") = rfsdp::to_string(c.rank_deficient),
+                        py::arg("rank_rtol") = c.rank_rtol);
+             if (c.basis.coded()) {  // (packed roots: the settings they had before basis_dtype)
+               d["basis_dtype"] = c.basis.bits == 8 ? "int8" : "int4";
+               put_basis(d, c.basis);
+             }
+             return d;
+           })
+      .def_property_readonly_static("requantizable", [](const py::object&) {
+             return rfsdp::ShampooConfig::requantizable();
+           });
   // Shampoo: each rank's tiles are its own (no communication but the NaN flag).
   py::class_<rfsdp::Shampoo, rfsdp::ShardedOptimizer, std::shared_ptr<rfsdp::Shampoo>>(m, "Shampoo")
       .def(py::init([](const std::vector<ShardOf>& params, const std::vector<bool>& precondition,
-                       int64_t max_dim, int frequency, int start, bool bias_correction,
-                       const std::string& factor_dtype, std::shared_ptr<rfsdp::Comm> comm,
-                       const std::string& rank_deficient, double rank_rtol,
-                       const std::string& basis_dtype, int64_t basis_block,
-                       const std::string& basis_map, int bjorck_iterations) {
-             rfsdp::ShampooConfig c;
-             c.max_preconditioner_dim = max_dim;
-             c.precondition_frequency = frequency;
-             c.start_preconditioning_step = start;
-             c.use_bias_correction = bias_correction;
-             c.factor_dtype = dtype_of(factor_dtype);
-             c.rank_deficient = rfsdp::parse_rank_deficient(rank_deficient);
-             c.rank_rtol = rank_rtol;
-             c.basis_bits = lowbit_bits(basis_dtype);
-             if (!c.basis_bits && !basis_dtype.empty()) {
-               throw std::invalid_argument("Shampoo: basis_dtype must be \"int8\", \"int4\" or none");
-             }
-             c.basis_block = basis_block;
-             c.basis_map = basis_map;
-             c.bjorck_iterations = bjorck_iterations;
-             return std::make_shared<rfsdp::Shampoo>(shards_of(params), rfsdp::ShampooOptions{}, c,
-                                                     std::move(comm), precondition);
+                       const rfsdp::ShampooConfig& config, std::shared_ptr<rfsdp::Comm> comm) {
+             return std::make_shared<rfsdp::Shampoo>(shards_of(params), rfsdp::ShampooOptions{},
+                                                     config, std::move(comm), precondition);
            }),
-           py::arg("params"), py::arg("precondition"), py::arg("max_preconditioner_dim"),
-           py::arg("precondition_frequency"), py::arg("start_preconditioning_step"),
-           py::arg("use_bias_correction"), py::arg("factor_dtype"), py::arg("comm"),
-           py::arg("rank_deficient") = "shift", py::arg("rank_rtol") = -1.0,
-           py::arg("basis_dtype") = "", py::arg("basis_block") = 64,
-           py::arg("basis_map") = "linear_square", py::arg("bjorck_iterations") = 1)
+           py::arg("params"), py::arg("precondition"), py::arg("config"), py::arg("comm"))
+      .def("requantized_state", &rfsdp::Shampoo::requantized_state, py::arg("i"), py::arg("saved"),
+           py::arg("full"))
       .def("set_group_options", [](rfsdp::Shampoo& o, size_t g, double lr, double b1, double b2,
                                    double eps, double gb2, double geps, double wd) {
              o.set_group_options(g, {lr, b1, b2, eps, gb2, geps, wd});
@@ -190,31 +319,57 @@ void bind_optimizers(py::module_& m) {
       .def("factor_bytes", &rfsdp::Shampoo::factor_bytes)
       .def("root_seconds", &rfsdp::Shampoo::root_seconds)
       .def("fp64_retries", &rfsdp::Shampoo::fp64_retries);
+  py::class_<rfsdp::SOAPConfig>(m, "SOAPConfig")
+      .def(py::init([](const py::object& max_dim, const py::object& frequency, bool correct_bias,
+                       const py::object& factor_dtype, const py::object& basis_dtype,
+                       const py::object& state_dtype, const py::object& basis_block,
+                       const std::string& basis_map, const py::object& bjorck_iterations) {
+             const char* who = "SOAP";
+             rfsdp::SOAPConfig c;
+             c.max_preconditioner_dim = int_arg(max_dim, who, "max_preconditioner_dim");
+             c.precondition_frequency = int_arg(frequency, who, "precondition_frequency");
+             c.correct_bias = correct_bias;
+             c.factor_dtype = dtype_arg(factor_dtype, who, "factor_dtype",
+                                        "torch.float32 or torch.bfloat16");
+             int bits = 0;
+             c.basis_dtype = dtype_arg(basis_dtype, who, "basis_dtype",
+                                       "torch.float32, torch.bfloat16, \"int8\" or \"int4\"",
+                                       at::kFloat, &bits);
+             if (bits) c.basis_dtype = at::kFloat;  // (unused when coded)
+             c.state_dtype = dtype_arg(state_dtype, who, "state_dtype",
+                                       "torch.float32 or \"int8\" (8-bit codes)");
+             c.basis = basis_format(who, bits, basis_block, basis_map, bjorck_iterations);
+             rfsdp::check_config(c);
+             return c;
+           }),
+           py::kw_only(), py::arg("max_preconditioner_dim") = 1024,
+           py::arg("precondition_frequency") = 10, py::arg("correct_bias") = true,
+           py::arg("factor_dtype") = py::none(), py::arg("basis_dtype") = py::none(),
+           py::arg("state_dtype") = py::none(), py::arg("basis_block") = 64,
+           py::arg("basis_map") = "linear_square", py::arg("bjorck_iterations") = 1)
+      .def("settings", [](const rfsdp::SOAPConfig& c) {
+             py::dict d(py::arg("max_preconditioner_dim") = c.max_preconditioner_dim,
+                        py::arg("precondition_frequency") = c.precondition_frequency,
+                        py::arg("correct_bias") = c.correct_bias,
+                        py::arg("factor_dtype") = dtype_name(c.factor_dtype),
+                        py::arg("basis_dtype") = c.basis.coded() ? (c.basis.bits == 8 ? "int8" : "int4")
+                                                                 : dtype_name(c.basis_dtype),
+                        py::arg("state_dtype") = dtype_name(c.state_dtype));
+             put_basis(d, c.basis);
+             return d;
+           })
+      .def_property_readonly_static("requantizable", [](const py::object&) {
+             return rfsdp::SOAPConfig::requantizable();
+           });
   py::class_<rfsdp::SOAP, rfsdp::ShardedOptimizer, std::shared_ptr<rfsdp::SOAP>>(m, "SOAP")
       .def(py::init([](const std::vector<ShardOf>& params, const std::vector<bool>& precondition,
-                       int64_t max_dim, int frequency, bool correct_bias,
-                       const std::string& factor_dtype, const std::string& basis_dtype,
-                       std::shared_ptr<rfsdp::Comm> comm, const std::string& state_dtype,
-                       int64_t basis_block, const std::string& basis_map, int bjorck_iterations) {
-             rfsdp::SOAPConfig c;
-             c.max_preconditioner_dim = max_dim;
-             c.precondition_frequency = frequency;
-             c.correct_bias = correct_bias;
-             c.factor_dtype = dtype_of(factor_dtype);
-             c.state_dtype = state_dtype == "int8" ? at::kByte : dtype_of(state_dtype);
-             c.basis_bits = lowbit_bits(basis_dtype);
-             if (!c.basis_bits) c.basis_dtype = dtype_of(basis_dtype);
-             c.basis_block = basis_block;
-             c.basis_map = basis_map;
-             c.bjorck_iterations = bjorck_iterations;
-             return std::make_shared<rfsdp::SOAP>(shards_of(params), rfsdp::SOAPOptions{}, c,
+                       const rfsdp::SOAPConfig& config, std::shared_ptr<rfsdp::Comm> comm) {
+             return std::make_shared<rfsdp::SOAP>(shards_of(params), rfsdp::SOAPOptions{}, config,
                                                   std::move(comm), precondition);
            }),
-           py::arg("params"), py::arg("precondition"), py::arg("max_preconditioner_dim"),
-           py::arg("precondition_frequency"), py::arg("correct_bias"), py::arg("factor_dtype"),
-           py::arg("basis_dtype"), py::arg("comm"), py::arg("state_dtype") = "float32",
-           py::arg("basis_block") = 64, py::arg("basis_map") = "linear_square",
-           py::arg("bjorck_iterations") = 1)
+           py::arg("params"), py::arg("precondition"), py::arg("config"), py::arg("comm"))
+      .def("requantized_state", &rfsdp::SOAP::requantized_state, py::arg("i"), py::arg("saved"),
+           py::arg("full"))
       .def("set_group_options", [](rfsdp::SOAP& o, size_t g, double lr, double b1, double b2,
                                    double shampoo_beta, double eps, double wd) {
              o.set_group_options(g, {lr, b1, b2, shampoo_beta, eps, wd});
@@ -224,21 +379,6 @@ void bind_optimizers(py::module_& m) {
       .def("fp64_retries", &rfsdp::SOAP::fp64_retries);
   m.def("shampoo_granule_rows", &rfsdp::tile_granule_rows, py::arg("shape"),
         py::arg("row_dims"), py::arg("max_preconditioner_dim"));
-  m.def("shampoo_tile_list",
-        [](const std::vector<int64_t>& shape, int64_t max_dim) {
-          std::vector<std::tuple<int64_t, int64_t, int64_t, int64_t>> out;
-          for (const auto& t : rfsdp::matrix_tiles("Shampoo", rfsdp::TensorShard::whole("tensor", shape),
-                                                   0, max_dim)) {
-            out.emplace_back(t.local_offset, t.rows, t.cols, t.stride);
-          }
-          return out;
-        },
-        py::arg("shape"), py::arg("max_preconditioner_dim"),
-        "A tensor's Shampoo / SOAP tiles in tile order: (first element, rows, columns, row stride)");
-  m.def("shampoo_unpack", &rfsdp::unpack_symmetric, py::arg("flat"), py::arg("offset"), py::arg("n"),
-        "The n x n symmetric matrix packed (upper triangle, row by row) at offset of flat, fp32");
-  m.def("shampoo_pack", &rfsdp::pack_symmetric, py::arg("full"),
-        "A symmetric matrix's upper triangle, row by row (float32)");
 
   m.def("newton_schulz",
         [](const at::Tensor& g, int steps, const std::string& dtype) {

@@ -27,26 +27,6 @@ const rfsdp::quant::cpu::CodeLut& lut_of(const at::Tensor& code, bool keep_nonze
 }  // namespace
 
 void bind_quant(py::module_& m) {
-  m.def("lowbit_quantize",
-        [](const at::Tensor& x, const std::string& map, int bits, int64_t block) {
-          const int64_t n = x.numel();
-          at::Tensor codes = at::empty({rfsdp::quant::lowbit_code_bytes(n, bits)}, at::kByte);
-          at::Tensor absmax = at::empty({rfsdp::quant::lowbit_blocks(n, block)}, at::kFloat);
-          rfsdp::quant::lowbit_quantize(x.reshape(-1).to(at::kFloat), rfsdp::quant::lowbit_map(map, bits),
-                                        bits, block, codes, absmax);
-          return py::make_tuple(codes, absmax);
-        },
-        py::arg("x"), py::arg("map"), py::arg("bits"), py::arg("block"));
-  m.def("lowbit_dequantize",
-        [](const at::Tensor& codes, const at::Tensor& absmax, const std::string& map, int bits,
-           int64_t block, int64_t n) {
-          return rfsdp::quant::lowbit_dequantize(codes, absmax, rfsdp::quant::lowbit_map(map, bits), bits,
-                                                 block, n);
-        },
-        py::arg("codes"), py::arg("absmax"), py::arg("map"), py::arg("bits"), py::arg("block"),
-        py::arg("n"));
-  m.def("bjorck", &rfsdp::quant::bjorck, py::arg("v"), py::arg("iterations"));
-
   // The kernels alone, on the tensors' device (tests check them element by element;
   // benches time them without the entry points' argument and NaN checks). The
   // AdamW8bit step rounds v as the optimizer does (keep_nonzero: see CodeLut).

@@ -514,14 +514,6 @@ def _check_settings(path, saved, optimizer):
             % (path, saved, now))
 
 
-# The settings requantize=True may change, by optimizer type (its requantized_state
-# decodes the saved states and encodes them as this optimizer keeps them).
-BASES = {"basis_dtype", "basis_block", "basis_map", "bjorck_iterations"}
-REQUANTIZABLE = {"AdamW8bit": {"block", "min_8bit_size"},
-                 "Muon": {"momentum_dtype", "momentum_block", "momentum_map"},
-                 "Shampoo": BASES, "SOAP": BASES | {"state_dtype"}}
-
-
 def _requantized(path, sd, fqn, p, saved, optimizer):
     """p's state in `optimizer` from the saved full state (saved with the
     settings `saved`): the optimizer requantises it."""
@@ -557,7 +549,7 @@ def load(path, model, optimizer=None, *, process_group=None, check_files=True, r
                 now = optimizer.settings()
                 differ = {k for k in set(saved) | set(now) if saved.get(k) != now.get(k)}
                 if not (requantize and differ and saved.get("type") == now.get("type")
-                        and differ <= REQUANTIZABLE.get(saved.get("type"), set())):
+                        and differ <= optimizer.requantizable()):
                     _check_settings(path, saved, optimizer)
         if not os.path.isfile(os.path.join(path, ".metadata")):
             raise CheckpointError("checkpoint %s: no .metadata (not a DCP checkpoint, or "

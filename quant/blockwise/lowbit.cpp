@@ -20,12 +20,25 @@ at::Tensor lowbit_map(const std::string& name, int bits) {
                               "': use \"linear_square\", \"linear\" or \"dynamic\" (8 bits)");
 }
 
-void check_lowbit_format(const std::string& who, int bits, int64_t block, const std::string& map,
-                         int bjorck_iterations) {
-  if (block < 1 || bjorck_iterations < 0) {
-    throw std::invalid_argument(who + ": basis_block must be >= 1 and bjorck_iterations >= 0");
+void LowBitFormat::check(const std::string& who) const {
+  if (!coded()) return;
+  if (bits != 4 && bits != 8) {
+    throw std::invalid_argument(who + ": basis_dtype must be \"int8\" or \"int4\" (" +
+                                std::to_string(bits) + " bits)");
   }
-  lowbit_map(map, bits);  // checks the bits and the map
+  if (map != "linear_square" && map != "linear" && !(map == "dynamic" && bits == 8)) {
+    throw std::invalid_argument(who + ": basis_map must be \"linear_square\", \"linear\" or "
+                                "\"dynamic\" (int8 only), got \"" + map + "\" at " +
+                                std::to_string(bits) + " bits");
+  }
+  if (block < 1) {
+    throw std::invalid_argument(who + ": basis_block must be an integer >= 1, got " +
+                                std::to_string(block));
+  }
+  if (bjorck_iterations < 0) {
+    throw std::invalid_argument(who + ": bjorck_iterations must be an integer >= 0, got " +
+                                std::to_string(bjorck_iterations));
+  }
 }
 
 int64_t lowbit_blocks(int64_t n, int64_t block) { return (n + block - 1) / block; }
@@ -67,17 +80,18 @@ at::Tensor bjorck(at::Tensor v, int iterations) {
   return v;
 }
 
-LowbitSquares::LowbitSquares(const std::vector<int64_t>& sizes, int bits, int64_t block,
-                             const std::string& map_name, int bjorck_iterations, at::TensorOptions on)
-    : n_(sizes), bits_(bits), iterations_(bjorck_iterations), block_(block) {
-  check_lowbit_format("low-bit bases", bits, block, map_name, bjorck_iterations);
-  map_ = lowbit_map(map_name, bits).to(on.device());
+LowbitSquares::LowbitSquares(const std::vector<int64_t>& sizes, const LowBitFormat& format,
+                             at::TensorOptions on)
+    : n_(sizes), bits_(format.bits), iterations_(format.bjorck_iterations), block_(format.block) {
+  format.check("low-bit bases");
+  if (!format.coded()) throw std::invalid_argument("low-bit bases: no bits given");
+  map_ = lowbit_map(format.map, bits_).to(on.device());
   int64_t codes = 0, blocks = 0;
   for (int64_t n : n_) {
     code_at_.push_back(codes);
     absmax_at_.push_back(blocks);
-    codes += lowbit_code_bytes(n * n, bits);
-    blocks += lowbit_blocks(n * n, block);
+    codes += lowbit_code_bytes(n * n, bits_);
+    blocks += lowbit_blocks(n * n, block_);
   }
   codes_ = at::zeros({codes}, on.dtype(at::kByte));
   absmax_ = at::zeros({blocks}, on.dtype(at::kFloat));

@@ -18,10 +18,24 @@ namespace rfsdp::quant {
 // "dynamic" (8 bits: bitsandbytes' signed dynamic map).
 at::Tensor lowbit_map(const std::string& name, int bits);
 
-// Throws std::invalid_argument, naming `who`, unless bits, block, map and Björck
-// iterations make a low-bit format (4 or 8 bits, block >= 1, a known map, >= 0).
-void check_lowbit_format(const std::string& who, int bits, int64_t block, const std::string& map,
-                         int bjorck_iterations);
+// How the tiled optimizers store square matrices (eigenbases) in low-bit codes:
+// 8 or 4 bits (0: not coded), blocks of `block` elements, the map (lowbit_map's
+// names), and the Björck steps that rectify a decoded orthogonal matrix.
+struct LowBitFormat {
+  int bits = 0;
+  int64_t block = 64;
+  std::string map = "linear_square";
+  int bjorck_iterations = 1;
+  bool coded() const { return bits != 0; }
+  // Throws std::invalid_argument, naming `who` and the settings as Python names
+  // them (basis_dtype, basis_block, basis_map, bjorck_iterations), unless this is
+  // a format: not coded, or 4 / 8 bits, block >= 1, a map of those bits, >= 0 steps.
+  void check(const std::string& who) const;
+  bool operator==(const LowBitFormat& o) const {
+    return bits == o.bits && block == o.block && map == o.map &&
+           bjorck_iterations == o.bjorck_iterations;
+  }
+};
 
 int64_t lowbit_blocks(int64_t n, int64_t block);
 int64_t lowbit_code_bytes(int64_t n, int bits);
@@ -45,10 +59,9 @@ at::Tensor bjorck(at::Tensor v, int iterations);
 class LowbitSquares {
  public:
   LowbitSquares() = default;
-  // map: lowbit_map(map_name, bits), kept on `on`'s device. Every code is 0 and
+  // The format's map kept on `on`'s device. Every code is 0 and
   // every absmax 0 (every matrix decodes to zeros) until stored.
-  LowbitSquares(const std::vector<int64_t>& sizes, int bits, int64_t block,
-                const std::string& map_name, int bjorck_iterations, at::TensorOptions on);
+  LowbitSquares(const std::vector<int64_t>& sizes, const LowBitFormat& format, at::TensorOptions on);
   bool defined() const { return codes_.defined(); }
   size_t size() const { return n_.size(); }
   // Matrix k from q (fp32, n_k x n_k).

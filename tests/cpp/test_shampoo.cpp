@@ -633,7 +633,7 @@ StoredRoot stored_root(const Shampoo& opt, size_t i, size_t j, bool left) {
   }
   const int64_t n = sizes.at(j);
   const int64_t so = std::accumulate(sizes.begin(), sizes.begin() + j, int64_t{0});
-  const LowbitSquare q = lowbit_square(codes, absmax, sizes, j, c.basis_bits, c.basis_block);
+  const LowbitSquare q = lowbit_square(codes, absmax, sizes, j, c.basis.bits, c.basis.block);
   StoredRoot r;
   r.raw_codes = q.raw;
   r.idx = q.idx;
@@ -677,7 +677,7 @@ void expect_quantised_step(const Shampoo& opt, const ShampooSnapshot& b,
                            const std::vector<at::Tensor>& grads, int64_t t, QuantisedFigures* fig) {
   const ShampooOptions o = rank_test_options();
   const ShampooConfig& c = opt.config();
-  const at::Tensor map = quant::lowbit_map(c.basis_map, c.basis_bits);
+  const at::Tensor map = quant::lowbit_map(c.basis.map, c.basis.bits);
   const std::vector<double> code(map.data_ptr<float>(), map.data_ptr<float>() + map.numel());
   const bool due = t % c.precondition_frequency == 0;
   const double bc = 1 - std::pow(o.beta2, static_cast<double>(t));
@@ -702,7 +702,7 @@ void expect_quantised_step(const Shampoo& opt, const ShampooSnapshot& b,
       const StoredRoot r = stored_root(opt, i, j, left);
       const at::Tensor decoded =
           (map.to(at::kDouble).index_select(0, r.idx) *
-           r.absmax.to(at::kDouble).repeat_interleave(c.basis_block).narrow(0, 0, n * n)).view({n, n});
+           r.absmax.to(at::kDouble).repeat_interleave(c.basis.block).narrow(0, 0, n * n)).view({n, n});
       if (due && t >= c.precondition_frequency) {
         at::Tensor f;
         for (const auto& [name, x] : opt.state(i)) {
@@ -727,14 +727,14 @@ void expect_quantised_step(const Shampoo& opt, const ShampooSnapshot& b,
         const at::Tensor sign = at::where((decoded * q).sum(0) < 0, -1.0, 1.0);
         const at::Tensor want = q * sign.unsqueeze(0);
         const at::Tensor tol = (1e-5 * hi / gap).unsqueeze(0).expand({n, n});
-        const CodeCheck cc = expect_block_codes(r.idx, r.absmax, want, c.basis_block, code, 1e-6,
+        const CodeCheck cc = expect_block_codes(r.idx, r.absmax, want, c.basis.block, code, 1e-6,
                                                 "Q, " + side, tol);
         fig->checked += cc.checked;
         fig->skipped += cc.skipped;
       }
       const at::Tensor eye = at::eye(n, at::kDouble);
       fig->raw_ortho = std::max(fig->raw_ortho, (at::mm(decoded.t(), decoded) - eye).abs().max().item<double>());
-      const at::Tensor rect = quant::bjorck(decoded, c.bjorck_iterations);
+      const at::Tensor rect = quant::bjorck(decoded, c.basis.bjorck_iterations);
       fig->ortho = std::max(fig->ortho, (at::mm(rect.t(), rect) - eye).abs().max().item<double>());
       roots[left ? 0 : 1] = at::mm(rect * r.s.to(at::kDouble).unsqueeze(0), rect.t());
       const at::Tensor got = opt.root(i, j, left).to(at::kDouble);
@@ -779,7 +779,7 @@ RootCodes run_quantised(int world, uint64_t seed, const ShampooConfig& c, bool c
     auto no_delete = std::shared_ptr<Comm>(&comm, [](Comm*) {});
     Shampoo opt(shards, rank_test_options(), c, no_delete);
     ShampooConfig plain = c;
-    plain.basis_bits = 0;
+    plain.basis.bits = 0;
     const int64_t fp32 = Shampoo(shards, rank_test_options(), plain, no_delete).factor_bytes();
     QuantisedFigures mine;
     for (int s = 0; s < kSteps; ++s) {
@@ -820,17 +820,17 @@ TEST_P(ShampooQuantisedRoots, EveryStepEqualsTheFloat64QuantisedAlgorithmAndCode
   const uint64_t seed = fresh_seed();
   SCOPED_TRACE("seed " + std::to_string(seed));
   ShampooConfig c = rank_test_config();
-  c.basis_bits = GetParam();
-  c.basis_block = 16;
+  c.basis.bits = GetParam();
+  c.basis.block = 16;
   RootCodes one;
   for (int world : {1, 2, 4}) {
     QuantisedFigures fig;
     int64_t bytes = 0, fp32_bytes = 0;
     const RootCodes got = run_quantised(world, seed, c, false, &fig, &bytes, &fp32_bytes);
     EXPECT_GT(fig.checked, 500) << world << " ranks";
-    EXPECT_LT(fig.ortho, c.basis_bits == 4 ? 0.1 : 1e-2) << world << " ranks";
+    EXPECT_LT(fig.ortho, c.basis.bits == 4 ? 0.1 : 1e-2) << world << " ranks";
     EXPECT_LT(bytes, fp32_bytes);
-    std::cout << "[ figure ] " << world << " ranks, " << c.basis_bits << "-bit root bases: "
+    std::cout << "[ figure ] " << world << " ranks, " << c.basis.bits << "-bit root bases: "
               << fig.checked << " codes checked, " << fig.skipped << " on a midpoint; max |Q^T Q - I| "
               << fig.raw_ortho << " decoded, " << fig.ortho << " after Björck; factors and roots "
               << bytes << " B (fp32 roots: " << fp32_bytes << " B)\n";

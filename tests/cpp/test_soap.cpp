@@ -350,7 +350,7 @@ std::pair<at::Tensor, at::Tensor> basis_codes(const SOAP& opt, size_t i, size_t 
     if (tl.param == i) sizes.push_back(left ? tl.rows : tl.cols);
   }
   const auto q = testing::lowbit_square(named(st, side + "_codes"), named(st, side + "_absmax"), sizes, j,
-                                        c.basis_bits, c.basis_block);
+                                        c.basis.bits, c.basis.block);
   return {q.idx, q.absmax};
 }
 
@@ -361,8 +361,8 @@ void expect_basis_codes(const SOAP& opt, size_t i, size_t j, bool left, const at
                         const std::string& where) {
   const SOAPConfig& c = opt.config();
   const auto [idx, absmax] = basis_codes(opt, i, j, left);
-  const at::Tensor map = quant::lowbit_map(c.basis_map, c.basis_bits);
-  expect_block_codes(idx, absmax, want, c.basis_block,
+  const at::Tensor map = quant::lowbit_map(c.basis.map, c.basis.bits);
+  expect_block_codes(idx, absmax, want, c.basis.block,
                      std::vector<double>(map.data_ptr<float>(), map.data_ptr<float>() + map.numel()),
                      1e-4, where);
 }
@@ -445,7 +445,7 @@ double expect_step(const SOAP& opt, const Snapshot& b, const Snapshot& a,
     }
     const size_t j = tile_of[i]++;
     if (t == 1) {  // a basis of the factor's eigenvectors, stored: diagonalises it to diag_tol
-      const double diag_tol = cfg.basis_bits == 4 ? 0.3 : cfg.basis_bits == 8 ? 0.06 : 2e-2;
+      const double diag_tol = cfg.basis.bits == 4 ? 0.3 : cfg.basis.bits == 8 ? 0.06 : 2e-2;
       for (auto [q, f] : {std::make_pair(ql1, l1), std::make_pair(qr1, r1)}) {
         const at::Tensor d = at::mm(q.t(), at::mm(f, q));
         EXPECT_LT((d - at::diag(d.diagonal())).abs().max().item<double>(),
@@ -474,7 +474,7 @@ double expect_step(const SOAP& opt, const Snapshot& b, const Snapshot& a,
           vt.copy_(vt.index_select(dim, order));
           q2[k++] = std::get<0>(at::linalg_qr(at::mm(f, q.index_select(1, order))));
         }
-        if (cfg.basis_bits) {
+        if (cfg.basis.bits) {
           expect_basis_codes(opt, i, j, true, q2[0], "Q_L, " + where);
           expect_basis_codes(opt, i, j, false, q2[1], "Q_R, " + where);
         } else {
@@ -537,8 +537,8 @@ TEST_P(SOAPStoredRanks, EightBitMomentsEqualTheFloat64QuantisedAlgorithm) {
 TEST_P(SOAPStoredRanks, QuantisedBasesStepFromTheirRectifiedCodes) {
   for (int bits : {8, 4}) {
     SOAPConfig c = config();
-    c.basis_bits = bits;
-    c.basis_block = 16;
+    c.basis.bits = bits;
+    c.basis.block = 16;
     expect_stored_steps(GetParam(), c, std::to_string(bits) + "-bit bases");
   }
 }
@@ -582,8 +582,8 @@ void expect_stored_steps(int world, const SOAPConfig& c, const std::string& what
       }
     }
     double raw = 0;  // quantised bases: |Q^T Q - I| of the codes as stored, without Björck
-    if (c.basis_bits) {
-      const at::Tensor map = quant::lowbit_map(c.basis_map, c.basis_bits);
+    if (c.basis.bits) {
+      const at::Tensor map = quant::lowbit_map(c.basis.map, c.basis.bits);
       std::map<size_t, size_t> next;
       for (const Tile& tl : opt.tiles()) {
         const size_t j = next[tl.param]++;
@@ -591,7 +591,7 @@ void expect_stored_steps(int world, const SOAPConfig& c, const std::string& what
           const int64_t n = left ? tl.rows : tl.cols;
           const auto [idx, absmax] = basis_codes(opt, tl.param, j, left);
           const at::Tensor q = (map.index_select(0, idx) *
-                                absmax.repeat_interleave(c.basis_block).narrow(0, 0, n * n)).view({n, n});
+                                absmax.repeat_interleave(c.basis.block).narrow(0, 0, n * n)).view({n, n});
           raw = std::max(raw, (at::mm(q.t(), q) - at::eye(n)).abs().max().item<double>());
         }
       }
@@ -605,9 +605,9 @@ void expect_stored_steps(int world, const SOAPConfig& c, const std::string& what
   EXPECT_LT(bytes, fp32_bytes);
   std::cout << "[ figure ] " << world << " ranks, " << what << ": state " << bytes << " B (fp32: "
             << fp32_bytes << " B), max |Q^T Q - I| of the bases used " << ortho;
-  if (c.basis_bits) std::cout << " (dequantised, before Björck: " << raw_ortho << ")";
+  if (c.basis.bits) std::cout << " (dequantised, before Björck: " << raw_ortho << ")";
   std::cout << "\n";
-  EXPECT_LT(ortho, c.basis_bits == 4 ? 0.1 : c.basis_bits == 8 ? 1e-2
+  EXPECT_LT(ortho, c.basis.bits == 4 ? 0.1 : c.basis.bits == 8 ? 1e-2
                    : c.basis_dtype == at::kFloat ? 1e-5 : 2e-2);
 }
 
@@ -661,8 +661,8 @@ TEST(SOAPLowBit, CodesAndScalesDoNotDependOnTheRanks) {
   for (int bits : {8, 4}) {
     SOAPConfig c = config();
     c.state_dtype = at::kByte;
-    c.basis_bits = bits;
-    c.basis_block = 16;
+    c.basis.bits = bits;
+    c.basis.block = 16;
     const TileCodes one = low_bit_codes(1, seed, c);
     for (int world : {2, 4}) {
       const TileCodes got = low_bit_codes(world, seed, c);

@@ -5,6 +5,7 @@ AdamW, AdamW8bit, Muon and Shampoo, each in fresh processes (Gloo); the model
 part read by torch's own tools into a plain module, and a plain model's and a
 torch FSDP2 model's DCP checkpoints read into an rfsdp model; atomic saves and
 keep_last; bad checkpoints refused with the model and optimizer untouched."""
+import json
 import os
 import sys
 import tempfile
@@ -411,3 +412,46 @@ def test_requantize_loads_8bit_states_under_other_blocks():
                         assert torch.equal(st[moment].reshape(mine.shape), mine), (n, moment, rank)
                 assert st["step"].item() == 3
             assert "q1" not in got["inp.weight"][1] and "q1" in got["experts"][1]
+
+
+def test_settings_keep_the_spelling_saved_checkpoints_have():
+    """A checkpoint's optimizer settings are compared as JSON values: those written
+    so far must stay what the optimizers give (else their checkpoints stop
+    loading), and each builds its C++ config again (what requantize=True decodes with)."""
+    w = nn.Parameter(torch.randn(8, 8))
+    o = rfsdp.optim
+    shampoo = dict(type="Shampoo", max_preconditioner_dim=1024, precondition_frequency=20,
+                   start_preconditioning_step=20, use_bias_correction=True,
+                   factor_dtype="float32", rank_deficient="shift", rank_rtol=-1.0)
+    soap = dict(type="SOAP", max_preconditioner_dim=1024, precondition_frequency=10,
+                correct_bias=True, factor_dtype="float32", basis_dtype="float32",
+                state_dtype="float32", basis_block=64, basis_map="linear_square",
+                bjorck_iterations=1)
+    cases = [
+        (o.AdamW([w]), dict(type="AdamW")),
+        (o.AdamW8bit([w]), dict(type="AdamW8bit", block=256, min_8bit_size=4096)),
+        (o.AdamW8bit([w], block=(32, 32), min_8bit_size=1),
+         dict(type="AdamW8bit", block=[32, 32], min_8bit_size=1)),
+        (o.Muon([w]), dict(type="Muon", ns_dtype="float32", momentum_dtype="float32",
+                           momentum_block=256, momentum_map="dynamic")),
+        (o.Muon([w], momentum_dtype="int8", momentum_block=64, momentum_map="linear",
+                ns_dtype=torch.bfloat16),
+         dict(type="Muon", ns_dtype="bfloat16", momentum_dtype="int8", momentum_block=64,
+              momentum_map="linear")),
+        (o.Shampoo([w]), shampoo),
+        (o.Shampoo([w], factor_dtype=torch.bfloat16, rank_deficient="pseudo_inverse",
+                   rank_rtol=0.25, basis_dtype="int4", basis_block=32, bjorck_iterations=2),
+         dict(shampoo, factor_dtype="bfloat16", rank_deficient="pseudo_inverse", rank_rtol=0.25,
+              basis_dtype="int4", basis_block=32, basis_map="linear_square",
+              bjorck_iterations=2)),
+        (o.SOAP([w]), soap),
+        (o.SOAP([w], basis_dtype="int8", basis_map="dynamic", state_dtype="int8",
+                factor_dtype=torch.bfloat16),
+         dict(soap, basis_dtype="int8", basis_map="dynamic", state_dtype="int8",
+              factor_dtype="bfloat16")),
+    ]
+    for opt, want in cases:
+        assert json.loads(json.dumps(opt.settings())) == want, type(opt).__name__
+        if opt._config_class is not None:
+            again = opt._config_class(**{k: v for k, v in want.items() if k != "type"})
+            assert dict(again.settings(), type=want["type"]) == want, want

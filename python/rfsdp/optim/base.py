@@ -305,6 +305,29 @@ class _OverCpp(torch.optim.Optimizer):
         a checkpoint keeps it and refuses to load into an optimizer whose settings differ."""
         return {"type": type(self).__name__}
 
+    # The C++ config class of the settings that shape the state (None: no settings
+    # to move between): builds from settings(), less "type".
+    _config_class = None
+
+    def requantizable(self):
+        """The settings a checkpoint may hold other values of and still load here,
+        requantised (rfsdp.checkpoint.load(..., requantize=True))."""
+        return set(self._config_class.requantizable) if self._config_class else set()
+
+    def requantized_state(self, p, saved_settings, full):
+        """p's state as this optimizer keeps it from a checkpoint's full (unsharded)
+        state of p, saved by this type of optimizer with saved_settings (which
+        may differ in requantizable() ones): decoded as those settings kept it and
+        this rank's part encoded as this optimizer keeps it (within one code of
+        the saved values), by the C++ optimizer. For load_sharded_state."""
+        self._bind_for(p)
+        part, k = self._where[id(p)]
+        saved = self._config_class(**{n: v for n, v in saved_settings.items() if n != "type"})
+        out = part.impl.requantized_state(k, saved, {n: t for n, t in full.items() if n != "step"})
+        if part.has_step[k] and "step" in full:
+            out["step"] = full["step"]
+        return out
+
     def state_layout(self, p):
         """Where each of p's state tensors lies in the global tensor a checkpoint
         keeps, as its C++ optimizer describes it: {name: ("rows", 0, 0, 0) or

@@ -3,7 +3,6 @@ import torch
 
 from .. import _C
 from .base import _OverCpp, _shard_spec
-from .requantize import _like_rows, _row_span
 
 
 class Muon(_OverCpp):
@@ -40,6 +39,7 @@ class Muon(_OverCpp):
     """
 
     AUX_DEFAULTS = dict(lr=3e-4, betas=(0.9, 0.95), eps=1e-10, weight_decay=0.0)
+    _config_class = _C.MuonConfig
 
     def __init__(self, param_groups, lr=0.02, momentum=0.95, nesterov=True, ns_steps=5,
                  weight_decay=0.0, adjust_lr="original", process_group=None,
@@ -58,66 +58,16 @@ class Muon(_OverCpp):
         super().__init__(groups, dict(lr=lr, momentum=momentum, nesterov=nesterov,
                                       ns_steps=ns_steps, weight_decay=weight_decay,
                                       adjust_lr=adjust_lr, use_muon=True))
-        for g in self.param_groups:  # the values are checked in C++ (set_group_options)
-            if g["use_muon"] and (isinstance(g["ns_steps"], bool)
-                                  or not isinstance(g["ns_steps"], int) or g["ns_steps"] < 1):
-                raise ValueError("Muon: ns_steps must be a positive integer, got %r"
-                                 % (g["ns_steps"],))
         if ns_dtype is None:
             on_gpu = any(p.device.type == "cuda" for g in self.param_groups for p in g["params"])
             ns_dtype = torch.bfloat16 if on_gpu else torch.float32
-        if ns_dtype not in (torch.float32, torch.bfloat16):
-            raise ValueError("Muon: ns_dtype must be torch.float32 or torch.bfloat16")
-        self.ns_dtype = str(ns_dtype).replace("torch.", "")
-        if momentum_dtype not in (torch.float32, torch.bfloat16, "int8"):
-            raise ValueError("Muon: momentum_dtype must be torch.float32, torch.bfloat16 or "
-                             "\"int8\" (8-bit block-wise codes), got %r" % (momentum_dtype,))
-        if momentum_map not in ("dynamic", "linear"):
-            raise ValueError("Muon: momentum_map must be \"dynamic\" or \"linear\", got %r"
-                             % (momentum_map,))
-        if isinstance(momentum_block, bool) or not isinstance(momentum_block, int) \
-                or momentum_block < 1:
-            raise ValueError("Muon: momentum_block must be a positive integer, got %r"
-                             % (momentum_block,))
-        self.momentum = dict(momentum_dtype=str(momentum_dtype).replace("torch.", ""),
-                             momentum_block=momentum_block, momentum_map=momentum_map)
+        self.config = _C.MuonConfig(ns_dtype=ns_dtype, momentum_dtype=momentum_dtype,
+                                    momentum_block=momentum_block, momentum_map=momentum_map)
         self._set_groups(process_group, timeout_seconds)
         self._bind()
 
     def settings(self):
-        return dict(super().settings(), ns_dtype=self.ns_dtype, **self.momentum)
-
-    def requantized_state(self, p, saved_settings, full):
-        """p's state under this optimizer's momentum storage from a checkpoint's
-        full (unsharded) state of p, saved by a Muon with saved_settings (another
-        momentum_dtype, momentum_block or momentum_map): the whole momentum (codes
-        decoded with the saved blocks and map, or the fp32 / bf16 buffer), then
-        this rank's part of it encoded as this optimizer keeps it (within one code
-        of the saved values). An AdamW-part parameter's moments: this rank's rows.
-        For load_sharded_state."""
-        self._bind_for(p)
-        _, row_len, begin, end = _row_span(p)
-        live = self.sharded_state(p)
-        if "exp_avg" in live:  # the AdamW part
-            return dict(_like_rows(p, full, live, ("exp_avg", "exp_avg_sq")), step=full["step"])
-        if "momentum_codes" in full:
-            whole = _C.dequantize_blockwise(
-                full["momentum_codes"].reshape(-1), full["momentum_absmax"],
-                _C.code_map(saved_settings["momentum_map"], True), saved_settings["momentum_block"])
-        elif "momentum_buffer" in full:
-            whole = full["momentum_buffer"].reshape(-1).float()
-        else:
-            raise ValueError("no saved momentum of a parameter of shape %s" % (tuple(p.shape),))
-        e0, e1 = begin * row_len, end * row_len
-        if "momentum_codes" not in live:
-            return {"momentum_buffer": whole[e0:e1].reshape(live["momentum_buffer"].shape)
-                    .to(live["momentum_buffer"].dtype)}
-        block = self.momentum["momentum_block"]
-        q, a = _C.quantize_blockwise(whole.contiguous(), _C.code_map(self.momentum["momentum_map"],
-                                                                     True), block)
-        return {"momentum_codes": q.reshape(-1)[e0:e1].reshape(live["momentum_codes"].shape).clone(),
-                "momentum_absmax": a.reshape(-1)[e0 // block:e0 // block
-                                                 + live["momentum_absmax"].numel()].clone()}
+        return dict(super().settings(), **self.config.settings())
 
     def _parts(self, params):
         group_of = {id(p): g for g in self.param_groups for p in g["params"]}
@@ -125,8 +75,8 @@ class Muon(_OverCpp):
         # One C++ optimizer over both parts: one step, one agreement all-reduce
         # (NaN/Inf gradients and Newton-Schulz failures), so neither changes alone.
         self.layout = _C.Muon([_shard_spec(i, p) for i, p in enumerate(params)],
-                              [group_of[id(p)]["ns_steps"] for p in params], self.ns_dtype,
-                              self.comm, True, use_muon=use, **self.momentum)
+                              [group_of[id(p)]["ns_steps"] for p in params], self.config,
+                              self.comm, use_muon=use)
         self._muon_idx = [i for i, u in enumerate(use) if u]
         return [(self.layout, list(range(len(params))), _muon_options)]
 

@@ -3,8 +3,6 @@ import torch
 
 from .. import _C
 from .base import _OverCpp, _shard_spec
-from .requantize import _check_quantised_bases, _decode_squares, _encode_squares, _like_rows, \
-    _lowbit_format, _offsets, _pieces, _side, _tiles_here
 
 
 def _shampoo_options(g):
@@ -64,6 +62,8 @@ class Shampoo(_Tiled):
     factor_dtype.
     """
 
+    _config_class = _C.ShampooConfig
+
     def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), epsilon=1e-12, grafting_beta2=0.999,
                  grafting_epsilon=1e-8, weight_decay=0.0, max_preconditioner_dim=1024,
                  precondition_frequency=20, start_preconditioning_step=20,
@@ -72,29 +72,13 @@ class Shampoo(_Tiled):
                  bjorck_iterations=1, process_group=None, timeout_seconds=300.0,
                  rounding="nearest"):
         self.rounding = rounding  # (checked in C++ when bound)
-        for name, v in (("max_preconditioner_dim", max_preconditioner_dim),
-                        ("precondition_frequency", precondition_frequency),
-                        ("start_preconditioning_step", start_preconditioning_step)):
-            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
-                raise ValueError("Shampoo: %s must be a positive integer, got %r" % (name, v))
-        if factor_dtype not in (torch.float32, torch.bfloat16):
-            raise ValueError("Shampoo: factor_dtype must be torch.float32 or torch.bfloat16")
-        if rank_rtol is not None and not (0 <= rank_rtol < 1):
-            raise ValueError("Shampoo: rank_rtol must be in [0, 1) (None: n * eps(float32) for an "
-                             "n x n factor), got %r" % (rank_rtol,))
-        if basis_dtype not in (None, "int8", "int4"):
-            raise ValueError("Shampoo: basis_dtype must be None (roots in factor_dtype), \"int8\" "
-                             "or \"int4\", got %r" % (basis_dtype,))
-        _check_quantised_bases("Shampoo", basis_dtype, basis_map, basis_block, bjorck_iterations)
-        self.config = dict(max_preconditioner_dim=max_preconditioner_dim,
-                           precondition_frequency=precondition_frequency,
-                           start_preconditioning_step=start_preconditioning_step,
-                           use_bias_correction=bool(use_bias_correction),
-                           factor_dtype=str(factor_dtype).replace("torch.", ""),
-                           rank_deficient=rank_deficient,
-                           rank_rtol=-1.0 if rank_rtol is None else float(rank_rtol),
-                           basis_dtype=basis_dtype, basis_block=basis_block, basis_map=basis_map,
-                           bjorck_iterations=bjorck_iterations)
+        self.config = _C.ShampooConfig(
+            max_preconditioner_dim=max_preconditioner_dim,
+            precondition_frequency=precondition_frequency,
+            start_preconditioning_step=start_preconditioning_step,
+            use_bias_correction=bool(use_bias_correction), factor_dtype=factor_dtype,
+            rank_deficient=rank_deficient, rank_rtol=rank_rtol, basis_dtype=basis_dtype,
+            basis_block=basis_block, basis_map=basis_map, bjorck_iterations=bjorck_iterations)
         super().__init__(params, dict(lr=lr, betas=betas, epsilon=epsilon,
                                       grafting_beta2=grafting_beta2,
                                       grafting_epsilon=grafting_epsilon, weight_decay=weight_decay,
@@ -103,73 +87,11 @@ class Shampoo(_Tiled):
         self._bind()
 
     def settings(self):
-        cfg = dict(self.config)
-        if cfg["basis_dtype"] is None:  # packed roots: the settings they had before basis_dtype
-            for k in ("basis_dtype", "basis_block", "basis_map", "bjorck_iterations"):
-                del cfg[k]
-        return dict(super().settings(), **cfg)
-
-    def requantized_state(self, p, saved_settings, full):
-        """p's state under this optimizer's root storage from a checkpoint's full
-        (unsharded) state of p, saved by a Shampoo with saved_settings (another
-        basis_dtype, basis_block, basis_map or bjorck_iterations): each root of this
-        rank's tiles as the saved optimizer used it (Q dequantised and rectified,
-        with its s; or the packed root, whose eigh gives Q and s), then stored as
-        this one keeps it; every other state this rank's piece as saved. For
-        load_sharded_state."""
-        self._bind_for(p)
-        live = self.sharded_state(p)
-        out = _like_rows(p, full, live, ("exp_avg", "exp_avg_sq"))
-        if "step" in full:
-            out["step"] = full["step"]
-        if "factor_left" not in live:  # grafting alone
-            return out
-        tiles, a, b = _tiles_here(p, self.config["max_preconditioner_dim"])
-        packed = {True: lambda t: t[1] * (t[1] + 1) // 2, False: lambda t: t[2] * (t[2] + 1) // 2}
-        out.update(_pieces(full, live, tiles, a, b, {"factor_left": packed[True],
-                                                     "factor_right": packed[False],
-                                                     "root_failures": lambda t: 1}))
-        old = _lowbit_format(saved_settings.get("basis_dtype"), saved_settings.get("basis_block"),
-                             saved_settings.get("basis_map"))
-        new = _lowbit_format(self.config["basis_dtype"], self.config["basis_block"],
-                             self.config["basis_map"])
-        fdt = getattr(torch, self.config["factor_dtype"])
-        for left, side in ((True, "root_left"), (False, "root_right")):
-            if old is None:  # packed roots R = Q diag(s) Q^T: their eigh
-                off = _offsets(tiles, packed[left])
-                eig = [torch.linalg.eigh(_C.shampoo_unpack(full[side].reshape(-1), off[k],
-                                                           _side(tiles[k], left)).double())
-                       for k in range(a, b)]
-                qs, ss = [q.float() for _, q in eig], [lam.float() for lam, _ in eig]
-            else:
-                qs = _decode_squares(full, side + "_basis", tiles, left, old,
-                                     saved_settings["bjorck_iterations"], a, b)
-                so = _offsets(tiles, lambda t: _side(t, left))
-                ss = [full[side + "_eigenvalues"].reshape(-1)[so[k]:so[k + 1]].float()
-                      for k in range(a, b)]
-            if new is None:
-                roots = [_C.shampoo_pack((q.double() * s.double()) @ q.double().T) for q, s in zip(qs, ss)]
-                out[side] = torch.cat(roots).to(fdt) if roots else torch.zeros(0, dtype=fdt)
-            else:
-                out.update(_encode_squares(qs, side + "_basis", new, torch.float32))
-                out[side + "_eigenvalues"] = torch.cat(ss) if ss else torch.zeros(0)
-        return out
+        return dict(super().settings(), **self.config.settings())
 
     def _parts(self, params):
         group_of = {id(p): g for g in self.param_groups for p in g["params"]}
         self._impl = _C.Shampoo([_shard_spec(i, p) for i, p in enumerate(params)],
                                 [bool(group_of[id(p)]["use_shampoo"]) for p in params],
-                                self.config["max_preconditioner_dim"],
-                                self.config["precondition_frequency"],
-                                self.config["start_preconditioning_step"],
-                                self.config["use_bias_correction"], self.config["factor_dtype"],
-                                self.comm, self.config["rank_deficient"],
-                                self.config["rank_rtol"], self.config["basis_dtype"] or "",
-                                self.config["basis_block"], self.config["basis_map"],
-                                self.config["bjorck_iterations"])
+                                self.config, self.comm)
         return [(self._impl, list(range(len(params))), _shampoo_options)]
-
-
-# ---- checkpoints into other basis storage (Shampoo's roots, SOAP's bases) ----------------
-# A saved state of a tiled optimizer is, per parameter, a global sequence of per-tile
-# entries in tile order (each rank's tiles: those whose first element it holds).

@@ -3,8 +3,6 @@ import torch
 
 from .. import _C
 from .base import _shard_spec
-from .requantize import _check_quantised_bases, _decode_squares, _encode_squares, _like_rows, \
-    _lowbit_format, _pieces, _recoded_moments, _tiles_here
 from .shampoo import _Tiled
 
 
@@ -46,6 +44,8 @@ class SOAP(_Tiled):
     dequantised and rectified by bjorck_iterations Björck steps wherever used.
     """
 
+    _config_class = _C.SOAPConfig
+
     def __init__(self, params, lr=3e-3, betas=(0.95, 0.95), shampoo_beta=-1.0, eps=1e-8,
                  weight_decay=0.01, precondition_frequency=10, max_preconditioner_dim=1024,
                  correct_bias=True, factor_dtype=torch.float32, basis_dtype=torch.float32,
@@ -53,80 +53,23 @@ class SOAP(_Tiled):
                  bjorck_iterations=1, process_group=None, timeout_seconds=300.0,
                  rounding="nearest"):
         self.rounding = rounding  # (checked in C++ when bound)
-        for name, v in (("max_preconditioner_dim", max_preconditioner_dim),
-                        ("precondition_frequency", precondition_frequency)):
-            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
-                raise ValueError("SOAP: %s must be a positive integer, got %r" % (name, v))
-        if factor_dtype not in (torch.float32, torch.bfloat16):
-            raise ValueError("SOAP: factor_dtype must be torch.float32 or torch.bfloat16, got %r"
-                             % (factor_dtype,))
-        if basis_dtype not in (torch.float32, torch.bfloat16, "int8", "int4"):
-            raise ValueError("SOAP: basis_dtype must be torch.float32, torch.bfloat16, \"int8\" "
-                             "or \"int4\", got %r" % (basis_dtype,))
-        _check_quantised_bases("SOAP", basis_dtype, basis_map, basis_block, bjorck_iterations)
-        if state_dtype not in (torch.float32, "int8"):
-            raise ValueError("SOAP: state_dtype must be torch.float32 or \"int8\", got %r"
-                             % (state_dtype,))
-        self.config = dict(max_preconditioner_dim=max_preconditioner_dim,
-                           precondition_frequency=precondition_frequency,
-                           correct_bias=bool(correct_bias),
-                           factor_dtype=str(factor_dtype).replace("torch.", ""),
-                           basis_dtype=str(basis_dtype).replace("torch.", ""),
-                           state_dtype=str(state_dtype).replace("torch.", ""),
-                           basis_block=basis_block, basis_map=basis_map,
-                           bjorck_iterations=bjorck_iterations)
+        self.config = _C.SOAPConfig(
+            max_preconditioner_dim=max_preconditioner_dim,
+            precondition_frequency=precondition_frequency, correct_bias=bool(correct_bias),
+            factor_dtype=factor_dtype, basis_dtype=basis_dtype, state_dtype=state_dtype,
+            basis_block=basis_block, basis_map=basis_map, bjorck_iterations=bjorck_iterations)
         super().__init__(params, dict(lr=lr, betas=tuple(betas), shampoo_beta=shampoo_beta,
                                       eps=eps, weight_decay=weight_decay, use_soap=True))
         self._set_groups(process_group, timeout_seconds)
         self._bind()
 
-    def requantized_state(self, p, saved_settings, full):
-        """p's state under this optimizer's storage from a checkpoint's full
-        (unsharded) state of p, saved by a SOAP with saved_settings (another
-        basis_dtype, basis_block, basis_map, bjorck_iterations or state_dtype):
-        each basis of this rank's tiles as the saved optimizer used it
-        (dequantised and rectified where quantised), and m and v decoded, then
-        stored as this one keeps them; every other state this rank's piece as
-        saved. For load_sharded_state."""
-        self._bind_for(p)
-        live = self.sharded_state(p)
-        out = {"step": full["step"]} if "step" in full else {}
-        if "factor_left" not in live:  # Adam alone (fp32 moments)
-            out.update(_like_rows(p, full, live, ("exp_avg", "exp_avg_sq")))
-            return out
-        tiles, a, b = _tiles_here(p, self.config["max_preconditioner_dim"])
-        out.update(_pieces(full, live, tiles, a, b, {
-            "factor_left": lambda t: t[1] * (t[1] + 1) // 2,
-            "factor_right": lambda t: t[2] * (t[2] + 1) // 2}))
-        if ("exp_avg_codes" in full) == ("exp_avg_codes" in live):  # m and v kept alike
-            out.update(_like_rows(p, full, live, ("exp_avg", "exp_avg_sq", "exp_avg_codes",
-                                                  "exp_avg_sq_codes")))
-            out.update(_pieces(full, live, tiles, a, b, {"exp_avg_absmax": lambda t: t[1],
-                                                         "exp_avg_sq_absmax": lambda t: t[1]}))
-        else:
-            out.update(_recoded_moments(p, full, live, tiles, a, b))
-        old = _lowbit_format(saved_settings["basis_dtype"], saved_settings["basis_block"],
-                             saved_settings["basis_map"])
-        new = _lowbit_format(self.config["basis_dtype"], self.config["basis_block"],
-                             self.config["basis_map"])
-        dtype = None if new else getattr(torch, self.config["basis_dtype"])
-        for left, side in ((True, "basis_left"), (False, "basis_right")):
-            qs = _decode_squares(full, side, tiles, left, old, saved_settings["bjorck_iterations"], a, b)
-            out.update(_encode_squares(qs, side, new, dtype))
-        return out
-
     def settings(self):
-        return dict(super().settings(), **self.config)
+        return dict(super().settings(), **self.config.settings())
 
     def _parts(self, params):
         group_of = {id(p): g for g in self.param_groups for p in g["params"]}
         self._impl = _C.SOAP([_shard_spec(i, p) for i, p in enumerate(params)],
-                             [bool(group_of[id(p)]["use_soap"]) for p in params],
-                             self.config["max_preconditioner_dim"],
-                             self.config["precondition_frequency"],
-                             self.config["correct_bias"], self.config["factor_dtype"],
-                             self.config["basis_dtype"], self.comm, self.config["state_dtype"],
-                             self.config["basis_block"], self.config["basis_map"],
-                             self.config["bjorck_iterations"])
+                             [bool(group_of[id(p)]["use_soap"]) for p in params], self.config,
+                             self.comm)
         return [(self._impl, list(range(len(params))), _soap_options)]
 
