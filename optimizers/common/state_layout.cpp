@@ -17,4 +17,19 @@ TileRange tile_range(const TensorShard& shard, int64_t max_dim) {
   return r;
 }
 
+void square_tiles_layout(const std::string& name, const TileRange& r, bool left,
+                         const quant::LowBitFormat& format, std::vector<StateLayout>* out) {
+  const auto n = [left](const Tile& t) { return left ? t.rows : t.cols; };
+  if (!format.coded()) {
+    out->push_back(tile_sequence(name, r, [&](const Tile& t) { return n(t) * n(t); }));
+    return;
+  }
+  out->push_back(tile_sequence(name + "_codes", r, [&](const Tile& t) {
+    return quant::lowbit_code_bytes(n(t) * n(t), format.bits);
+  }));
+  out->push_back(tile_sequence(name + "_absmax", r, [&](const Tile& t) {
+    return quant::lowbit_blocks(n(t) * n(t), format.block);
+  }));
+}
+
 }  // namespace rfsdp

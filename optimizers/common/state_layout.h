@@ -10,6 +10,7 @@
 
 #include "core/ragged/tensor_shard.h"
 #include "optimizers/common/tiles.h"
+#include "quant/blockwise/lowbit.h"
 
 namespace rfsdp {
 
@@ -54,5 +55,11 @@ StateLayout tile_sequence(std::string name, const TileRange& r, Elements element
   if (r.first == r.all.size()) offset = total;
   return StateLayout::sequence(std::move(name), total, offset);
 }
+
+// A per-tile sequence of square matrices on one side (left: rows x rows) as
+// `format` stores them: coded, name + "_codes" and name + "_absmax"
+// (LowbitSquares' runs); else name, n * n entries per tile. Appended to *out.
+void square_tiles_layout(const std::string& name, const TileRange& r, bool left,
+                         const quant::LowBitFormat& format, std::vector<StateLayout>* out);
 
 }  // namespace rfsdp

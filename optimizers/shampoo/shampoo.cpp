@@ -430,15 +430,8 @@ std::vector<StateLayout> Shampoo::state_layout(size_t i) const {
     const auto n = [left](const Tile& t) { return left ? t.rows : t.cols; };
     const std::string side = left ? "left" : "right";
     out.push_back(tile_sequence("factor_" + side, r, [&](const Tile& t) { return packed_size(n(t)); }));
-    if (config_.basis.bits) {
-      const int bits = config_.basis.bits;
-      const int64_t block = config_.basis.block;
-      out.push_back(tile_sequence("root_" + side + "_basis_codes", r, [&](const Tile& t) {
-        return quant::lowbit_code_bytes(n(t) * n(t), bits);
-      }));
-      out.push_back(tile_sequence("root_" + side + "_basis_absmax", r, [&](const Tile& t) {
-        return quant::lowbit_blocks(n(t) * n(t), block);
-      }));
+    if (config_.basis.coded()) {
+      square_tiles_layout("root_" + side + "_basis", r, left, config_.basis, &out);
       out.push_back(tile_sequence("root_" + side + "_eigenvalues", r, n));
     } else {
       out.push_back(tile_sequence("root_" + side, r, [&](const Tile& t) { return packed_size(n(t)); }));

@@ -494,18 +494,7 @@ std::vector<StateLayout> SOAP::state_layout(size_t i) const {
     const auto n = [left](const Tile& t) { return left ? t.rows : t.cols; };
     const std::string side = left ? "left" : "right";
     out.push_back(tile_sequence("factor_" + side, r, [&](const Tile& t) { return packed_size(n(t)); }));
-    if (config_.basis.bits) {
-      const int bits = config_.basis.bits;
-      const int64_t block = config_.basis.block;
-      out.push_back(tile_sequence("basis_" + side + "_codes", r, [&](const Tile& t) {
-        return quant::lowbit_code_bytes(n(t) * n(t), bits);
-      }));
-      out.push_back(tile_sequence("basis_" + side + "_absmax", r, [&](const Tile& t) {
-        return quant::lowbit_blocks(n(t) * n(t), block);
-      }));
-    } else {
-      out.push_back(tile_sequence("basis_" + side, r, [&](const Tile& t) { return n(t) * n(t); }));
-    }
+    square_tiles_layout("basis_" + side, r, left, config_.basis, &out);
   }
   return out;
 }
