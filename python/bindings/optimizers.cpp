@@ -1,6 +1,8 @@
 // rfsdp._C: optimizers/ (the C++ optimizers over this rank's shards, and the tiles).
 #include "python/bindings/bindings.h"
 
+#include <tuple>
+
 #include "optimizers/adamw/adamw.h"
 #include "optimizers/common/tiles.h"
 #include "optimizers/muon/muon.h"
@@ -85,6 +87,61 @@ py::dict named(const std::vector<std::pair<std::string, at::Tensor>>& tensors) {
 }  // namespace
 
 void bind_optimizers(py::module_& m) {
+  // A group's hyperparameters (what a scheduler changes), as Python's param
+  // groups name them (betas: a pair); the optimizer checks them when they are set.
+  using Betas = std::pair<double, double>;
+  py::class_<rfsdp::AdamWOptions>(m, "AdamWOptions")
+      .def(py::init([](double lr, Betas betas, double eps, double weight_decay) {
+             rfsdp::AdamWOptions o;
+             o.lr = lr, o.beta1 = betas.first, o.beta2 = betas.second, o.eps = eps;
+             o.weight_decay = weight_decay;
+             return o;
+           }),
+           py::kw_only(), py::arg("lr"), py::arg("betas"), py::arg("eps"), py::arg("weight_decay"))
+      .def("__eq__", [](const rfsdp::AdamWOptions& a, const rfsdp::AdamWOptions& b) {
+             return std::tie(a.lr, a.beta1, a.beta2, a.eps, a.weight_decay) ==
+                    std::tie(b.lr, b.beta1, b.beta2, b.eps, b.weight_decay);
+           }, py::is_operator());
+  py::class_<rfsdp::MuonHyper>(m, "MuonOptions")
+      .def(py::init([](double lr, double momentum, double weight_decay, bool nesterov,
+                       const std::string& adjust_lr, Betas betas, double eps) {
+             return rfsdp::MuonHyper{lr, momentum, weight_decay, nesterov,
+                                     rfsdp::parse_muon_adjust_lr(adjust_lr), betas.first,
+                                     betas.second, eps};
+           }),
+           py::kw_only(), py::arg("lr"), py::arg("momentum"), py::arg("weight_decay"),
+           py::arg("nesterov"), py::arg("adjust_lr"), py::arg("betas"), py::arg("eps"))
+      .def("__eq__", [](const rfsdp::MuonHyper& a, const rfsdp::MuonHyper& b) {
+             return std::tie(a.lr, a.momentum, a.weight_decay, a.nesterov, a.adjust_lr, a.adam_beta1,
+                             a.adam_beta2, a.adam_eps) ==
+                    std::tie(b.lr, b.momentum, b.weight_decay, b.nesterov, b.adjust_lr, b.adam_beta1,
+                             b.adam_beta2, b.adam_eps);
+           }, py::is_operator());
+  py::class_<rfsdp::ShampooOptions>(m, "ShampooOptions")
+      .def(py::init([](double lr, Betas betas, double epsilon, double grafting_beta2,
+                       double grafting_epsilon, double weight_decay) {
+             return rfsdp::ShampooOptions{lr, betas.first, betas.second, epsilon, grafting_beta2,
+                                          grafting_epsilon, weight_decay};
+           }),
+           py::kw_only(), py::arg("lr"), py::arg("betas"), py::arg("epsilon"),
+           py::arg("grafting_beta2"), py::arg("grafting_epsilon"), py::arg("weight_decay"))
+      .def("__eq__", [](const rfsdp::ShampooOptions& a, const rfsdp::ShampooOptions& b) {
+             return std::tie(a.lr, a.beta1, a.beta2, a.epsilon, a.grafting_beta2, a.grafting_epsilon,
+                             a.weight_decay) ==
+                    std::tie(b.lr, b.beta1, b.beta2, b.epsilon, b.grafting_beta2, b.grafting_epsilon,
+                             b.weight_decay);
+           }, py::is_operator());
+  py::class_<rfsdp::SOAPOptions>(m, "SOAPOptions")
+      .def(py::init([](double lr, Betas betas, double shampoo_beta, double eps, double weight_decay) {
+             return rfsdp::SOAPOptions{lr, betas.first, betas.second, shampoo_beta, eps, weight_decay};
+           }),
+           py::kw_only(), py::arg("lr"), py::arg("betas"), py::arg("shampoo_beta"), py::arg("eps"),
+           py::arg("weight_decay"))
+      .def("__eq__", [](const rfsdp::SOAPOptions& a, const rfsdp::SOAPOptions& b) {
+             return std::tie(a.lr, a.beta1, a.beta2, a.shampoo_beta, a.eps, a.weight_decay) ==
+                    std::tie(b.lr, b.beta1, b.beta2, b.shampoo_beta, b.eps, b.weight_decay);
+           }, py::is_operator());
+
   // The optimizers: the C++ classes over this rank's shards. Python's
   // rfsdp.optim keeps param groups, schedulers and state_dict; it sends the
   // gradients once per step (set_grads) and a group's options when they change.
@@ -132,10 +189,10 @@ void bind_optimizers(py::module_& m) {
            }),
            py::arg("params"), py::arg("comm"), py::arg("check_finite") = true,
            py::arg("fused_on_cpu") = false)
-      .def("set_group_options", [](rfsdp::AdamW& o, size_t g, double lr, double b1, double b2,
-                                   double eps, double wd) {
-             rfsdp::AdamWOptions x = o.group_options(g);
-             x.lr = lr, x.beta1 = b1, x.beta2 = b2, x.eps = eps, x.weight_decay = wd;
+      .def("set_group_options", [](rfsdp::AdamW& o, size_t g, rfsdp::AdamWOptions x) {
+             const rfsdp::AdamWOptions& now = o.group_options(g);  // (the optimizer's own flags)
+             x.check_finite = now.check_finite;
+             x.fused_on_cpu = now.fused_on_cpu;
              o.set_group_options(g, x);
            });
   // The typed configs: the settings that shape an optimizer's state, built from
@@ -223,15 +280,7 @@ void bind_optimizers(py::module_& m) {
            py::arg("use_muon") = std::vector<bool>{}, py::arg("check_finite") = true)
       .def("requantized_state", &rfsdp::Muon::requantized_state, py::arg("i"), py::arg("saved"),
            py::arg("full"))
-      .def("set_group_options", [](rfsdp::Muon& o, size_t g, double lr, double momentum, double wd,
-                                   bool nesterov, const std::string& adjust_lr, double b1, double b2,
-                                   double eps) {
-             o.set_group_options(g, {lr, momentum, wd, nesterov,
-                                     rfsdp::parse_muon_adjust_lr(adjust_lr), b1, b2, eps});
-           },
-           py::arg("group"), py::arg("lr"), py::arg("momentum"), py::arg("weight_decay"),
-           py::arg("nesterov"), py::arg("adjust_lr"), py::arg("beta1") = 0.9, py::arg("beta2") = 0.95,
-           py::arg("eps") = 1e-10)
+      .def("set_group_options", &rfsdp::Muon::set_group_options)
       .def("matrices", [](const rfsdp::Muon& o) {
              py::list out;
              for (const auto& x : o.layout().matrices()) {
@@ -310,10 +359,7 @@ void bind_optimizers(py::module_& m) {
            py::arg("params"), py::arg("precondition"), py::arg("config"), py::arg("comm"))
       .def("requantized_state", &rfsdp::Shampoo::requantized_state, py::arg("i"), py::arg("saved"),
            py::arg("full"))
-      .def("set_group_options", [](rfsdp::Shampoo& o, size_t g, double lr, double b1, double b2,
-                                   double eps, double gb2, double geps, double wd) {
-             o.set_group_options(g, {lr, b1, b2, eps, gb2, geps, wd});
-           })
+      .def("set_group_options", &rfsdp::Shampoo::set_group_options)
       .def("num_tiles", [](const rfsdp::Shampoo& o) { return o.tiles().size(); })
       .def("shared_tile_rows", [](const rfsdp::Shampoo& o) { return o.cut_rows().size(); })
       .def("factor_bytes", &rfsdp::Shampoo::factor_bytes)
@@ -370,10 +416,7 @@ void bind_optimizers(py::module_& m) {
            py::arg("params"), py::arg("precondition"), py::arg("config"), py::arg("comm"))
       .def("requantized_state", &rfsdp::SOAP::requantized_state, py::arg("i"), py::arg("saved"),
            py::arg("full"))
-      .def("set_group_options", [](rfsdp::SOAP& o, size_t g, double lr, double b1, double b2,
-                                   double shampoo_beta, double eps, double wd) {
-             o.set_group_options(g, {lr, b1, b2, shampoo_beta, eps, wd});
-           })
+      .def("set_group_options", &rfsdp::SOAP::set_group_options)
       .def("num_tiles", [](const rfsdp::SOAP& o) { return o.tiles().size(); })
       .def("shared_tile_rows", [](const rfsdp::SOAP& o) { return o.cut_rows().size(); })
       .def("fp64_retries", &rfsdp::SOAP::fp64_retries);

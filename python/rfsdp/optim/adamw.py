@@ -4,7 +4,8 @@ from .base import _OverCpp, _shard_spec
 
 
 def _adamw_options(g):
-    return (g["lr"], *g["betas"], g["eps"], g["weight_decay"])
+    return _C.AdamWOptions(lr=g["lr"], betas=g["betas"], eps=g["eps"],
+                           weight_decay=g["weight_decay"])
 
 class AdamW(_OverCpp):
     """torch.optim.AdamW's update over shards (or plain tensors). Collective: the

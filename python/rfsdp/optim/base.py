@@ -87,7 +87,8 @@ def _agreed(impl, prepare):
 
 class _Part:
     """One C++ optimizer over some of the parameters: their indices, options(group)
-    (a group's hyperparameters as its set_group_options takes them), the groups
+    (a group's hyperparameters as the C++ options object its set_group_options
+    takes, checked there), the groups
     it holds and the options it was last sent."""
 
     def __init__(self, impl, idx, options, groups):
@@ -187,7 +188,7 @@ class _OverCpp(torch.optim.Optimizer):
             for k in part.groups:
                 opts = part.options(self.param_groups[k])
                 if part.sent.get(k) != opts:
-                    part.impl.set_group_options(k, *opts)
+                    part.impl.set_group_options(k, opts)
                     part.sent[k] = opts
 
     def state_bytes(self):

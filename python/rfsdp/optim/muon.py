@@ -85,6 +85,7 @@ class Muon(_OverCpp):
 
 
 def _muon_options(g):
-    betas = g.get("betas", Muon.AUX_DEFAULTS["betas"])
-    return (g["lr"], g["momentum"], g["weight_decay"], bool(g["nesterov"]), g["adjust_lr"],
-            betas[0], betas[1], g.get("eps", Muon.AUX_DEFAULTS["eps"]))
+    return _C.MuonOptions(lr=g["lr"], momentum=g["momentum"], weight_decay=g["weight_decay"],
+                          nesterov=bool(g["nesterov"]), adjust_lr=g["adjust_lr"],
+                          betas=g.get("betas", Muon.AUX_DEFAULTS["betas"]),
+                          eps=g.get("eps", Muon.AUX_DEFAULTS["eps"]))

@@ -6,8 +6,9 @@ from .base import _OverCpp, _shard_spec
 
 
 def _shampoo_options(g):
-    return (g["lr"], *g["betas"], g["epsilon"], g["grafting_beta2"], g["grafting_epsilon"],
-            g["weight_decay"])
+    return _C.ShampooOptions(lr=g["lr"], betas=g["betas"], epsilon=g["epsilon"],
+                             grafting_beta2=g["grafting_beta2"],
+                             grafting_epsilon=g["grafting_epsilon"], weight_decay=g["weight_decay"])
 
 
 class _Tiled(_OverCpp):

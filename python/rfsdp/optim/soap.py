@@ -7,7 +7,8 @@ from .shampoo import _Tiled
 
 
 def _soap_options(g):
-    return (g["lr"], *g["betas"], g["shampoo_beta"], g["eps"], g["weight_decay"])
+    return _C.SOAPOptions(lr=g["lr"], betas=g["betas"], shampoo_beta=g["shampoo_beta"],
+                          eps=g["eps"], weight_decay=g["weight_decay"])
 
 
 class SOAP(_Tiled):
