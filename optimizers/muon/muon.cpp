@@ -70,13 +70,19 @@ double newton_schulz_flops(int64_t rows, int64_t cols, int steps) {
   return steps * (4.0 * n * n * N + 2.0 * n * n * n);
 }
 
-MuonLayout::MuonLayout(Comm* comm, std::vector<TensorShard> shards, std::vector<int> ns_steps)
-    : shards_(std::move(shards)), ns_steps_(std::move(ns_steps)) {
+MuonLayout::MuonLayout(Comm* comm, std::vector<TensorShard> shards, std::vector<int> ns_steps,
+                       std::vector<std::vector<int64_t>> split_sizes)
+    : shards_(std::move(shards)), ns_steps_(std::move(ns_steps)), split_sizes_(std::move(split_sizes)) {
   const int world = comm ? comm->size() : 1, rank = comm ? comm->rank() : 0;
   const int64_t P = static_cast<int64_t>(shards_.size());
   if (static_cast<int64_t>(ns_steps_.size()) != P) {
     throw std::invalid_argument("Muon: " + std::to_string(ns_steps_.size()) +
                                 " ns_steps values for " + std::to_string(P) + " parameters");
+  }
+  if (split_sizes_.empty()) split_sizes_.resize(P);
+  if (static_cast<int64_t>(split_sizes_.size()) != P) {
+    throw std::invalid_argument("Muon: " + std::to_string(split_sizes_.size()) +
+                                " split_sizes values for " + std::to_string(P) + " parameters");
   }
   std::vector<std::vector<OwnerExchange::Range>> ranges(P);
   std::vector<std::string> lines;
@@ -97,8 +103,29 @@ MuonLayout::MuonLayout(Comm* comm, std::vector<TensorShard> shards, std::vector<
     }
     // Every rank's rows: the ranks only agree that they hold the same parameters
     // and rows (one all-reduce of a hash; the first difference named on every rank).
+    const auto& split = split_sizes_[i];
+    if (!split.empty()) {  // blocks of each matrix's rows, summing to them
+      const auto mats = matrices_of(p.shape);
+      const int64_t rows = mats.empty() ? 0 : mats.front().rows;
+      int64_t sum = 0;
+      for (int64_t s : split) {
+        if (s < 1) {
+          throw std::invalid_argument("Muon: parameter '" + p.name + "': split_sizes must be "
+                                      "positive row counts, got " + std::to_string(s));
+        }
+        sum += s;
+      }
+      if (sum != rows) {
+        throw std::invalid_argument(
+            "Muon: parameter '" + p.name + "' of shape " + shape_to_string(p.shape) +
+            ": split_sizes sum to " + std::to_string(sum) + " rows, its matrices have " +
+            std::to_string(rows) + (p.shape.size() == 3 ? " (a 3-D stack splits each expert's rows)" : ""));
+      }
+    }
     std::string line = p.name + " " + shape_to_string(p.shape) + " ns_steps " +
-                       std::to_string(ns_steps_[i]) + " rows";
+                       std::to_string(ns_steps_[i]) + " split";
+    for (int64_t s : split) line += " " + std::to_string(s);
+    line += " rows";
     for (const auto& [b, e] : p.rank_rows) {
       line += " [" + std::to_string(b) + ", " + std::to_string(e) + ")";
       ranges[i].emplace_back(b * p.row_len, e * p.row_len);
@@ -150,14 +177,20 @@ MuonLayout::MuonLayout(Comm* comm, std::vector<TensorShard> shards, std::vector<
     }
     for (const MatrixView& m : matrices_of(shards_[i].shape)) {
       if (m.rows * m.cols == 0) continue;
-      MuonMatrix mat;
-      mat.param = static_cast<size_t>(i);
-      mat.offset = m.offset;
-      mat.rows = m.rows;
-      mat.cols = m.cols;
-      mat.flops = newton_schulz_flops(m.rows, m.cols, ns_steps_[i]);
-      mat.replicated = replicated_[i];
-      matrices_.push_back(mat);
+      const std::vector<int64_t> blocks =
+          split_sizes_[i].empty() ? std::vector<int64_t>{m.rows} : split_sizes_[i];
+      int64_t row0 = 0;
+      for (int64_t rows : blocks) {  // each block its own matrix
+        MuonMatrix mat;
+        mat.param = static_cast<size_t>(i);
+        mat.offset = m.offset + row0 * m.cols;
+        mat.rows = rows;
+        mat.cols = m.cols;
+        mat.flops = newton_schulz_flops(rows, m.cols, ns_steps_[i]);
+        mat.replicated = replicated_[i];
+        matrices_.push_back(mat);
+        row0 += rows;
+      }
     }
   }
   // Roots (LPT): a matrix held by one rank stays there; the rest go costliest
@@ -286,14 +319,20 @@ void muon_step_from_updates(Comm* comm, const MuonLayout& layout,
 }
 
 MuonLayout Muon::layout_of(Comm* comm, std::vector<ParamShard>* params, const MuonOptions& o,
-                           std::vector<int> ns_steps, const std::vector<bool>& use_muon) {
+                           std::vector<int> ns_steps, const std::vector<bool>& use_muon,
+                           const std::vector<std::vector<int64_t>>& split_sizes) {
   const size_t n = params->size();
   if (!ns_steps.empty() && ns_steps.size() != n) {
     throw std::invalid_argument("Muon: " + std::to_string(ns_steps.size()) +
                                 " ns_steps values for " + std::to_string(n) + " parameters");
   }
+  if (!split_sizes.empty() && split_sizes.size() != n) {
+    throw std::invalid_argument("Muon: " + std::to_string(split_sizes.size()) +
+                                " split_sizes values for " + std::to_string(n) + " parameters");
+  }
   std::vector<ParamShard> mine;
   std::vector<int> steps;
+  std::vector<std::vector<int64_t>> splits;
   for (size_t i = 0; i < n; ++i) {
     if (!use_muon.empty() && !use_muon[i]) continue;
     const ParamShard& p = (*params)[i];
@@ -303,9 +342,11 @@ MuonLayout Muon::layout_of(Comm* comm, std::vector<ParamShard>* params, const Mu
     }
     mine.push_back(p);
     steps.push_back(ns_steps.empty() ? o.ns_steps : ns_steps[i]);
+    splits.push_back(split_sizes.empty() ? std::vector<int64_t>{} : split_sizes[i]);
   }
   gather_rank_rows(comm, &mine, "Muon");
-  return MuonLayout(comm, std::vector<TensorShard>(mine.begin(), mine.end()), std::move(steps));
+  return MuonLayout(comm, std::vector<TensorShard>(mine.begin(), mine.end()), std::move(steps),
+                    std::move(splits));
 }
 
 namespace {
@@ -348,12 +389,13 @@ void check_config(const MuonOptions& o) {
 }
 
 Muon::Muon(std::shared_ptr<Comm> comm, std::vector<ParamShard> params, MuonOptions options,
-           std::vector<int> ns_steps, std::vector<bool> use_muon)
+           std::vector<int> ns_steps, std::vector<bool> use_muon,
+           std::vector<std::vector<int64_t>> split_sizes)
     : GroupedOptimizer("Muon", std::move(params), std::move(comm), options.check_finite,
                        options.hyper),
       options_(options),
       muon_(muon_indices(params_.size(), use_muon)),
-      layout_(layout_of(comm_.get(), &params_, options, std::move(ns_steps), use_muon)) {
+      layout_(layout_of(comm_.get(), &params_, options, std::move(ns_steps), use_muon, split_sizes)) {
   check_options(options.hyper);
   check_config(options_);
   if (eight_bit()) lut_ = quant::code_lut(quant::code_map(options_.momentum_map, /*is_signed=*/true));

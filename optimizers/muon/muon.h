@@ -68,7 +68,12 @@ struct MuonMatrix {
 class MuonLayout {
  public:
   // comm may be null: one rank, every shard whole. ns_steps: one per shard.
-  MuonLayout(Comm* comm, std::vector<TensorShard> shards, std::vector<int> ns_steps);
+  // split_sizes (empty, or one per shard; empty: whole matrices): row counts
+  // along each matrix's rows (a 3-D stack: each expert's), summing to them, each
+  // block its own matrix for Newton–Schulz and the update's scale (heads, a
+  // fused QKV's logical matrices).
+  MuonLayout(Comm* comm, std::vector<TensorShard> shards, std::vector<int> ns_steps,
+             std::vector<std::vector<int64_t>> split_sizes = {});
 
   int world() const { return exchange_.world(); }
   int rank() const { return exchange_.rank(); }
@@ -97,6 +102,7 @@ class MuonLayout {
  private:
   std::vector<TensorShard> shards_;
   std::vector<int> ns_steps_;
+  std::vector<std::vector<int64_t>> split_sizes_;
   std::vector<MuonMatrix> matrices_;
   std::vector<bool> replicated_;  // [param]
   OwnerExchange exchange_;
@@ -164,9 +170,12 @@ class Muon : public GroupedOptimizer<MuonHyper> {
  public:
   // ns_steps: Newton–Schulz steps per parameter (empty: options.ns_steps for
   // all; ignored outside Muon). use_muon (empty: all): which parameters Muon
-  // takes. Collective: the layout agrees on every rank's ranges.
+  // takes. split_sizes (empty, or one per parameter; ignored outside Muon): a
+  // parameter's logical blocks along its rows (MuonLayout). Collective: the
+  // layout agrees on every rank's ranges and splits.
   Muon(std::shared_ptr<Comm> comm, std::vector<ParamShard> params, MuonOptions options = {},
-       std::vector<int> ns_steps = {}, std::vector<bool> use_muon = {});
+       std::vector<int> ns_steps = {}, std::vector<bool> use_muon = {},
+       std::vector<std::vector<int64_t>> split_sizes = {});
   const char* name() const override { return "Muon"; }
   // The layout of the Muon parameters (its parameter k: muon_params()[k]).
   const MuonLayout& layout() const { return layout_; }
@@ -200,7 +209,8 @@ class Muon : public GroupedOptimizer<MuonHyper> {
   // The layout of the Muon parameters (every rank's rows gathered into them
   // first where unknown).
   static MuonLayout layout_of(Comm* comm, std::vector<ParamShard>* params, const MuonOptions& o,
-                              std::vector<int> ns_steps, const std::vector<bool>& use_muon);
+                              std::vector<int> ns_steps, const std::vector<bool>& use_muon,
+                              const std::vector<std::vector<int64_t>>& split_sizes);
   // Replicated parameters' gradients must agree across the ranks (each matrix's
   // root computes the update every rank applies): one max all-reduce of their
   // sums, and the same error on every rank where they differ (layout order).

@@ -268,16 +268,18 @@ void bind_optimizers(py::module_& m) {
   py::class_<rfsdp::Muon, rfsdp::ShardedOptimizer, std::shared_ptr<rfsdp::Muon>>(m, "Muon")
       .def(py::init([](const std::vector<ShardOf>& params, const std::vector<int>& ns_steps,
                        const rfsdp::MuonOptions& config, std::shared_ptr<rfsdp::Comm> comm,
-                       const std::vector<bool>& use_muon, bool check_finite) {
+                       const std::vector<bool>& use_muon,
+                       const std::vector<std::vector<int64_t>>& split_sizes, bool check_finite) {
              rfsdp::MuonOptions o = config;
              o.check_finite = check_finite;
              auto shards = shards_of(params);
              py::gil_scoped_release release;  // collective
              return std::make_shared<rfsdp::Muon>(std::move(comm), std::move(shards), o, ns_steps,
-                                                  use_muon);
+                                                  use_muon, split_sizes);
            }),
            py::arg("params"), py::arg("ns_steps"), py::arg("config"), py::arg("comm"),
-           py::arg("use_muon") = std::vector<bool>{}, py::arg("check_finite") = true)
+           py::arg("use_muon") = std::vector<bool>{},
+           py::arg("split_sizes") = std::vector<std::vector<int64_t>>{}, py::arg("check_finite") = true)
       .def("requantized_state", &rfsdp::Muon::requantized_state, py::arg("i"), py::arg("saved"),
            py::arg("full"))
       .def("set_group_options", &rfsdp::Muon::set_group_options)

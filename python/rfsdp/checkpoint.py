@@ -589,6 +589,10 @@ def load(path, model, optimizer=None, *, process_group=None, check_files=True, r
             raise CheckpointError("checkpoint %s: the optimizer's parameter groups differ (saved "
                                   "%d groups over other parameters; nothing was loaded)"
                                   % (path, len(groups)))
+        try:
+            optimizer.check_saved_groups(groups)
+        except ValueError as e:
+            raise CheckpointError("checkpoint %s: %s (nothing was loaded)" % (path, e)) from None
         if requant:
             new_states = {fqn: _requantized(path, sd, fqn, p, saved, optimizer)
                           for fqn, p in _fqns(model, optimizer)}

@@ -108,18 +108,38 @@ def is_matrix(name, p):
     return p.dim() >= 2
 
 
-def muon(whole=False, matrix=is_matrix):
+def muon(whole=False, matrix=is_matrix, split=None):
     """Muon. whole=False: any row boundary (granule 1); a matrix cut across ranks
     is gathered to its root rank each step. whole=True: the planner keeps every
     Muon matrix on one rank (granule "whole"; a 3-D expert stack a whole expert
     per row), so the step moves nothing; padding grows instead (see rfsdp-plan).
     Ragged, a 3-D expert stack has rows of its last dim, so a boundary may cut an
-    expert; whole, a row is one expert."""
+    expert; whole, a row is one expert.
+
+    split: the logical blocks Muon orthogonalises apart (its groups' split_sizes),
+    as a dict {name: row counts} or a function (name, parameter) -> row counts or
+    None; their parameters are planned so that no rank boundary cuts a block:
+    boundaries every block when the blocks are equal (heads), else none inside
+    the tensor (a 2-D parameter; a 3-D stack: between experts). Each rank then
+    orthogonalises its blocks where they lie: the step moves nothing for them."""
+    def split_of(name, p):
+        if split is None or not matrix(name, p):
+            return None
+        s = split.get(name) if isinstance(split, dict) else split(name, p)
+        return None if s is None else [int(x) for x in s]
+
     def granule(name, p):
+        s = split_of(name, p)
+        if s is not None and p.dim() == 2:
+            return s[0] if len(set(s)) == 1 else WHOLE
+        if s is not None and p.dim() == 3:  # rows of 2 dims: blocks of each expert's rows
+            return s[0] if len(set(s)) == 1 else p.shape[1]
         if not whole or not matrix(name, p):
             return 1
         return 1 if p.dim() == 3 else WHOLE
 
     def row_dims(name, p):
+        if split_of(name, p) is not None and p.dim() == 3:
+            return 2
         return 2 if p.dim() == 3 and not whole and matrix(name, p) else 1
     return Policy(granule, row_dims)

@@ -21,19 +21,23 @@ def orthogonalise(g, steps=5):
     return x.T if tall else x
 
 
-def matrices(t):
-    """Views of the matrices of a full tensor (2-D: itself; 3-D: each expert; else (dim0, rest))."""
-    if t.dim() == 3:
-        return [t[e] for e in range(t.shape[0])]
-    return [t.view(t.shape[0], -1)]
+def matrices(t, split=None):
+    """Views of the matrices of a full tensor (2-D: itself; 3-D: each expert; else
+    (dim0, rest)), each cut into blocks of `split` rows where given."""
+    whole = [t[e] for e in range(t.shape[0])] if t.dim() == 3 else [t.view(t.shape[0], -1)]
+    if split is None:
+        return whole
+    return [b for m in whole for b in torch.split(m, list(split), dim=0)]
 
 
 class ReferenceMuon:
-    """params: name -> float64 tensor (updated in place); muon: the names Muon takes."""
+    """params: name -> float64 tensor (updated in place); muon: the names Muon takes;
+    splits: name -> row counts of its logical blocks (each its own matrix)."""
 
     def __init__(self, params, muon, lr=0.02, momentum=0.95, nesterov=True, weight_decay=0.0,
-                 adjust_lr="original", aux_lr=3e-4, betas=(0.9, 0.95), eps=1e-10, aux_wd=0.0):
-        self.p, self.muon = params, set(muon)
+                 adjust_lr="original", aux_lr=3e-4, betas=(0.9, 0.95), eps=1e-10, aux_wd=0.0,
+                 splits=None):
+        self.p, self.muon, self.splits = params, set(muon), dict(splits or {})
         self.hp = dict(lr=lr, momentum=momentum, nesterov=nesterov, wd=weight_decay,
                        adjust=adjust_lr, aux_lr=aux_lr, betas=betas, eps=eps, aux_wd=aux_wd)
         self.m = {n: torch.zeros_like(t) for n, t in params.items()}
@@ -50,7 +54,8 @@ class ReferenceMuon:
                 self.m[n] = beta * self.m[n] + (1 - beta) * g
                 u = (1 - beta) * g + beta * self.m[n] if h["nesterov"] else self.m[n]
                 lr = h["lr"] * lr_scale
-                for um, wm in zip(matrices(u), matrices(w)):
+                split = self.splits.get(n)
+                for um, wm in zip(matrices(u, split), matrices(w, split)):
                     r, c = um.shape
                     scale = math.sqrt(max(1.0, r / c)) if h["adjust"] == "original" \
                         else 0.2 * math.sqrt(max(r, c))

@@ -118,6 +118,22 @@ class _OverCpp(torch.optim.Optimizer):
     sharded_state(p) and load_sharded_state(p, state)."""
 
     rounding = "nearest"  # how steps write bfloat16 / float16 parameters back
+    # Param-group keys that shape the C++ optimizers beyond their state: a state
+    # dict or checkpoint saved with other values of them is refused.
+    _fixed_group_keys = ()
+
+    def check_saved_groups(self, groups):
+        """Raises ValueError, naming the key and both values, where a saved param
+        group (state_dict's or a checkpoint's, in this optimizer's group order)
+        holds another value of a key that shapes this optimizer (_fixed_group_keys)."""
+        for k, (saved, now) in enumerate(zip(groups, self.param_groups)):
+            for key in self._fixed_group_keys:
+                a, b = saved.get(key), now.get(key)
+                a, b = (None if a is None else list(a)), (None if b is None else list(b))
+                if a != b:
+                    raise ValueError("%s: param group %d was saved with %s=%r, this optimizer has "
+                                     "%r: build it with the saved value" % (type(self).__name__, k,
+                                                                           key, a, b))
 
     def _set_groups(self, process_group, timeout_seconds):
         """self.comm, the ranks the C++ optimizers agree over (_default_comm), and
@@ -420,6 +436,7 @@ class _OverCpp(torch.optim.Optimizer):
         or local tensors of this layout). States saved with other settings are
         refused. Collective where full tensors need this rank's pieces placed."""
         groups = state_dict["param_groups"]
+        self.check_saved_groups(groups)
         saved_settings = {g["rfsdp_settings"] for g in groups if "rfsdp_settings" in g}
         if saved_settings and saved_settings != {self._settings_json()}:
             raise ValueError(

@@ -16,7 +16,12 @@ class Muon(_OverCpp):
     [E, H, I] expert stack is E matrices H x I; more dims are (dim 0, rest). A 0-D
     or 1-D parameter in a Muon group is an error. adjust_lr: "original" scales
     the update by max(1, rows/cols)^0.5; "match_rms_adamw" by 0.2 sqrt(max(rows,
-    cols)) (Moonlight; reuse AdamW's lr and weight decay). ns_dtype: Newton–Schulz
+    cols)) (Moonlight; reuse AdamW's lr and weight decay). A group's split_sizes
+    (row counts along dim 0, summing to the rows; a 3-D stack: each expert's rows)
+    makes every block its own matrix for Newton–Schulz and adjust_lr: heads are
+    [head_dim] * n_heads, a grouped-query fused QKV [n_q * head_dim] +
+    [n_kv * head_dim] * 2 (as dion's split_sizes). A block one rank holds whole is
+    orthogonalised there and moves nothing. ns_dtype: Newton–Schulz
     compute dtype (default: bfloat16 for parameters on a GPU, float32 on the CPU).
     On a GPU the matrices of equal shape rooted on a rank (an expert stack, the
     layers' projections) are orthogonalised as one batch (bmm).
@@ -57,7 +62,7 @@ class Muon(_OverCpp):
                     g.setdefault(k, v)
         super().__init__(groups, dict(lr=lr, momentum=momentum, nesterov=nesterov,
                                       ns_steps=ns_steps, weight_decay=weight_decay,
-                                      adjust_lr=adjust_lr, use_muon=True))
+                                      adjust_lr=adjust_lr, use_muon=True, split_sizes=None))
         if ns_dtype is None:
             on_gpu = any(p.device.type == "cuda" for g in self.param_groups for p in g["params"])
             ns_dtype = torch.bfloat16 if on_gpu else torch.float32
@@ -74,14 +79,31 @@ class Muon(_OverCpp):
         use = [bool(group_of[id(p)]["use_muon"]) for p in params]
         # One C++ optimizer over both parts: one step, one agreement all-reduce
         # (NaN/Inf gradients and Newton-Schulz failures), so neither changes alone.
+        self._splits = self._group_splits()
         self.layout = _C.Muon([_shard_spec(i, p) for i, p in enumerate(params)],
                               [group_of[id(p)]["ns_steps"] for p in params], self.config,
-                              self.comm, use_muon=use)
+                              self.comm, use_muon=use,
+                              split_sizes=[list(group_of[id(p)]["split_sizes"] or ()) if u else []
+                                           for p, u in zip(params, use)])
         self._muon_idx = [i for i, u in enumerate(use) if u]
         return [(self.layout, list(range(len(params))), _muon_options)]
 
     def _needs_grads(self, part):
         return self._muon_idx
+
+    def _group_splits(self):
+        return [None if g.get("split_sizes") is None else tuple(g["split_sizes"])
+                for g in self.param_groups]
+
+    def _follow_params(self):
+        """As the base's, and a group whose split_sizes changed rebuilds the C++
+        Muon (its layout) with the state carried over."""
+        if getattr(self, "_splits", None) is not None and self._group_splits() != self._splits:
+            self._bind(force=True)
+        super()._follow_params()
+
+    # Group keys a checkpoint may not change: they shape the layout, not the state.
+    _fixed_group_keys = ("split_sizes",)
 
 
 def _muon_options(g):

@@ -1,0 +1,130 @@
+"""Muon per logical block (a group's split_sizes): every block of a fused
+parameter is its own matrix, on 1-3 ranks, with the plan keeping blocks whole
+(rfsdp.policy.muon(split=...): the step moves nothing) and without it (cut
+blocks go to a root and back), against a float64 single-device Muon that
+splits by hand (tests/python/muon_reference.py)."""
+import os
+import sys
+
+import pytest
+import torch
+from torch import nn
+
+import rfsdp
+
+sys.path.insert(0, os.path.dirname(__file__))
+from muon_reference import ReferenceMuon  # noqa: E402
+from ranks import run_ranks  # noqa: E402
+
+# name: (shape, split_sizes): a grouped-query fused QKV (q 4 heads, k and v 1 head
+# of 8), per-head blocks, and an expert stack whose experts split unequally.
+BLOCKS = {"qkv": ((48, 16), (32, 8, 8)),
+          "heads": ((32, 16), (8, 8, 8, 8)),
+          "experts": ((2, 12, 16), (4, 8))}
+STEPS = 3
+HYPER = dict(lr=0.02, momentum=0.95, weight_decay=0.01)
+
+
+class Blocks(nn.Module):
+    """The parameters of BLOCKS and a bias; loss = sum(p * G_t): each step's
+    gradient is G_t exactly, on every rank."""
+
+    def __init__(self, seed):
+        super().__init__()
+        g = torch.Generator().manual_seed(seed)
+        for name, (shape, _) in BLOCKS.items():
+            setattr(self, name, nn.Parameter(torch.randn(shape, generator=g)))
+        self.bias = nn.Parameter(torch.randn(16, generator=g))
+
+    def forward(self, grads):
+        return sum((p * grads[n]).sum() for n, p in self.named_parameters())
+
+
+def gradients(seed, model):
+    g = torch.Generator().manual_seed(seed + 1)
+    return [{n: torch.randn(p.shape, generator=g) for n, p in model.named_parameters()}
+            for _ in range(STEPS)]
+
+
+def run(seed, policy):
+    """Muon (split by group) over a fully_shard model planned by `policy`: its
+    full parameters after STEPS steps, and the elements this rank sends per step."""
+    model = Blocks(seed)
+    full_shapes = {n: p.shape for n, p in model.named_parameters()}
+    grads = gradients(seed, model)
+    rfsdp.fully_shard(model, policy=policy)
+    named = dict(model.named_parameters())
+    groups = [dict(params=[named[n]], split_sizes=list(split)) for n, (_, split) in BLOCKS.items()]
+    groups.append(dict(params=[named["bias"]], use_muon=False))
+    opt = rfsdp.optim.Muon(groups, **HYPER)
+    for g in grads:
+        model(g).backward()
+        opt.step()
+        opt.zero_grad()
+    full = rfsdp.full_parameters(model)
+    assert {n: tuple(t.shape) for n, t in full.items()} == {n: tuple(s) for n, s in full_shapes.items()}
+    return full, opt.layout.gather_send_elems(), len(opt.layout.matrices())
+
+
+def worker(rank, world, seed):
+    split = {n: list(s) for n, (_, s) in BLOCKS.items()}
+    return {"kept": run(seed, rfsdp.policy.muon(split=split)),
+            "cut": run(seed, rfsdp.policy.muon())}
+
+
+def reference(seed, split=True):
+    model = Blocks(seed)
+    ref = ReferenceMuon({n: p.detach().double().clone() for n, p in model.named_parameters()},
+                        list(BLOCKS), splits={n: s for n, (_, s) in BLOCKS.items()} if split else {},
+                        **HYPER)
+    for g in gradients(seed, model):
+        ref.step(g)
+    return ref.p
+
+
+@pytest.mark.parametrize("world", [1, 2, 3])
+def test_split_blocks_equal_the_float64_muon_that_splits_by_hand(world):
+    seed = int(torch.randint(0, 2 ** 30, ()).item())
+    got = run_ranks(worker, world, seed)
+    want, unsplit = reference(seed), reference(seed, split=False)
+    blocks = sum(len(s) * (shape[0] if len(shape) == 3 else 1) for shape, s in BLOCKS.values())
+    for case in ("kept", "cut"):
+        for rank in range(world):
+            params, sent, matrices = got[rank][case]
+            assert matrices == blocks, (case, matrices)
+            for n, w in want.items():
+                torch.testing.assert_close(params[n].double(), w, rtol=1e-4, atol=1e-5,
+                                           msg=lambda m: "%s %s rank %d of %d (seed %d): %s"
+                                           % (case, n, rank, world, seed, m))
+    # The plan that keeps blocks whole moves nothing; the plain one cuts some.
+    assert all(r["kept"][1] == 0 for r in got)
+    if world > 1:
+        assert sum(r["cut"][1] for r in got) > 0
+    # (The test can fail: orthogonalising whole matrices is far from splitting them.)
+    assert max((want[n] - unsplit[n]).abs().max().item() for n in BLOCKS) > 1e-2
+
+
+def test_a_wrong_split_is_an_error_naming_the_parameter():
+    w = nn.Parameter(torch.randn(12, 4))
+    with pytest.raises(ValueError, match="'param 0'.*split_sizes sum to 10 rows, its matrices have 12"):
+        rfsdp.optim.Muon([dict(params=[w], split_sizes=[4, 6])])
+    with pytest.raises(ValueError, match="split_sizes must be positive"):
+        rfsdp.optim.Muon([dict(params=[w], split_sizes=[12, 0])])
+    e = nn.Parameter(torch.randn(2, 6, 4))  # a stack splits each expert's rows
+    rfsdp.optim.Muon([dict(params=[e], split_sizes=[2, 4])])
+    with pytest.raises(ValueError, match="each expert's rows"):
+        rfsdp.optim.Muon([dict(params=[e], split_sizes=[4, 8])])
+
+
+def test_a_state_dict_with_another_split_is_refused_and_a_changed_split_is_followed():
+    torch.manual_seed(0)
+    w = nn.Parameter(torch.randn(12, 4))
+    a = rfsdp.optim.Muon([dict(params=[w], split_sizes=[4, 8])])
+    w.grad = torch.randn(12, 4)
+    a.step()
+    b = rfsdp.optim.Muon([dict(params=[w], split_sizes=[6, 6])])
+    with pytest.raises(ValueError, match="split_sizes=\\[4, 8\\], this optimizer has \\[6, 6\\]"):
+        b.load_state_dict(a.state_dict())
+    a.param_groups[0]["split_sizes"] = [6, 6]  # followed at the next step: the layout is rebuilt
+    a.step()
+    assert [m["rows"] for m in a.layout.matrices()] == [6, 6]
