@@ -1,7 +1,7 @@
 """Muon per logical block (a group's split_sizes): every block of a fused
 parameter is its own matrix, on 1-3 ranks, with the plan keeping blocks whole
-(rfsdp.policy.muon(split=...): the step moves nothing) and without it (cut
-blocks go to a root and back), against a float64 single-device Muon that
+(rfsdp.policy.muon(split=...): the step moves nothing), without it and on
+torch's FSDP2 (cut blocks go to a root and back), against a float64 single-device Muon that
 splits by hand (tests/python/muon_reference.py)."""
 import os
 import sys
@@ -66,10 +66,30 @@ def run(seed, policy):
     return full, opt.layout.gather_send_elems(), len(opt.layout.matrices())
 
 
+def run_fsdp2(seed, world):
+    """The same on torch's FSDP2 (chunk rows, which cut blocks)."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    model = Blocks(seed)
+    grads = gradients(seed, model)
+    fully_shard(model, mesh=init_device_mesh("cpu", (world,)))
+    named = dict(model.named_parameters())
+    groups = [dict(params=[named[n]], split_sizes=list(split)) for n, (_, split) in BLOCKS.items()]
+    groups.append(dict(params=[named["bias"]], use_muon=False))
+    opt = rfsdp.optim.Muon(groups, **HYPER)
+    for g in grads:
+        model(g).backward()
+        opt.step()
+        opt.zero_grad()
+    return ({n: p.full_tensor() for n, p in model.named_parameters()},
+            opt.layout.gather_send_elems(), len(opt.layout.matrices()))
+
+
 def worker(rank, world, seed):
     split = {n: list(s) for n, (_, s) in BLOCKS.items()}
     return {"kept": run(seed, rfsdp.policy.muon(split=split)),
-            "cut": run(seed, rfsdp.policy.muon())}
+            "cut": run(seed, rfsdp.policy.muon()),
+            "fsdp2": run_fsdp2(seed, world)}
 
 
 def reference(seed, split=True):
@@ -88,7 +108,7 @@ def test_split_blocks_equal_the_float64_muon_that_splits_by_hand(world):
     got = run_ranks(worker, world, seed)
     want, unsplit = reference(seed), reference(seed, split=False)
     blocks = sum(len(s) * (shape[0] if len(shape) == 3 else 1) for shape, s in BLOCKS.values())
-    for case in ("kept", "cut"):
+    for case in ("kept", "cut", "fsdp2"):
         for rank in range(world):
             params, sent, matrices = got[rank][case]
             assert matrices == blocks, (case, matrices)
@@ -99,7 +119,7 @@ def test_split_blocks_equal_the_float64_muon_that_splits_by_hand(world):
     # The plan that keeps blocks whole moves nothing; the plain one cuts some.
     assert all(r["kept"][1] == 0 for r in got)
     if world > 1:
-        assert sum(r["cut"][1] for r in got) > 0
+        assert sum(r["cut"][1] for r in got) > 0 and sum(r["fsdp2"][1] for r in got) > 0
     # (The test can fail: orthogonalising whole matrices is far from splitting them.)
     assert max((want[n] - unsplit[n]).abs().max().item() for n in BLOCKS) > 1e-2
 
