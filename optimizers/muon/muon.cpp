@@ -37,24 +37,48 @@ double muon_update_scale(int64_t rows, int64_t cols, MuonAdjustLr adjust) {
   return 0.2 * std::sqrt(static_cast<double>(std::max(rows, cols)));
 }
 
-at::Tensor newton_schulz(const at::Tensor& g, int steps, at::ScalarType dtype) {
+NsCoefficients NsCoefficients::polar_express() {
+  NsCoefficients c;
+  c.coefficients = {{8.156554524902461, -22.48329292557795, 15.878769915207462},
+                    {4.042929935166739, -2.808917465908714, 0.5000178451051316},
+                    {3.8916678022926607, -2.772484153217685, 0.5060648178503393},
+                    {3.285753657755655, -2.3681294933425376, 0.46449024233003106},
+                    {2.3465413258596377, -1.7097828382687081, 0.42323551169305323}};
+  c.norm_scale = 1.02;
+  c.eps = 1e-6;
+  return c;
+}
+
+void NsCoefficients::check_steps(const std::string& who, int steps) const {
+  if (coefficients.empty()) throw std::invalid_argument(who + ": ns_coefficients is empty");
+  if (coefficients.size() > 1 && steps > static_cast<int>(coefficients.size())) {
+    throw std::invalid_argument(who + ": ns_steps=" + std::to_string(steps) + " but ns_coefficients "
+                                "has " + std::to_string(coefficients.size()) + " iterations' "
+                                "coefficients");
+  }
+}
+
+at::Tensor newton_schulz(const at::Tensor& g, int steps, at::ScalarType dtype,
+                         const NsCoefficients& ns) {
   if (g.dim() != 2 && g.dim() != 3) {
     throw std::invalid_argument("newton_schulz: needs a matrix or a batch of matrices");
   }
-  constexpr double a = 3.4445, b = -4.7750, c = 2.0315;
+  ns.check_steps("newton_schulz", steps);
   const bool transposed = g.size(-2) > g.size(-1);
   at::Tensor x = g.to(dtype);
   if (transposed) x = x.transpose(-2, -1);
   if (g.dim() == 2) {
-    x = x / (x.norm() + 1e-7);
+    x = x / (x.norm() * ns.norm_scale + ns.eps);
     for (int i = 0; i < steps; ++i) {
+      const auto [a, b, c] = ns.at(i);
       const at::Tensor A = at::mm(x, x.t());
       const at::Tensor B = at::addmm(A, A, A, /*beta=*/b, /*alpha=*/c);  // b A + c A A
       x = at::addmm(x, B, x, /*beta=*/a, /*alpha=*/1.0);                // a X + B X
     }
   } else {  // the same, one bmm per product for the whole batch
-    x = x / (at::linalg_vector_norm(x, 2, {-2, -1}, /*keepdim=*/true) + 1e-7);
+    x = x / (at::linalg_vector_norm(x, 2, {-2, -1}, /*keepdim=*/true) * ns.norm_scale + ns.eps);
     for (int i = 0; i < steps; ++i) {
+      const auto [a, b, c] = ns.at(i);
       const at::Tensor A = at::bmm(x, x.transpose(-2, -1));
       const at::Tensor B = at::baddbmm(A, A, A, /*beta=*/b, /*alpha=*/c);
       x = at::baddbmm(x, B, x, /*beta=*/a, /*alpha=*/1.0);
@@ -239,7 +263,8 @@ namespace {
 // per group of equal shape and steps (expert stacks, layers). Each result must
 // be finite: the gate checks them with the gradients' check (one host wait).
 void orthogonalise(const MuonLayout& layout, std::vector<std::pair<size_t, at::Tensor>>* own,
-                   at::ScalarType ns_dtype, bool batch_same_shape, StepGate* gate) {
+                   at::ScalarType ns_dtype, const NsCoefficients& ns, bool batch_same_shape,
+                   StepGate* gate) {
   const auto& mats = layout.matrices();
   std::map<std::tuple<int64_t, int64_t, int>, std::vector<size_t>> batches;  // -> indices in own
   for (size_t j = 0; j < own->size(); ++j) {
@@ -248,17 +273,17 @@ void orthogonalise(const MuonLayout& layout, std::vector<std::pair<size_t, at::T
     if (batch_same_shape) {
       batches[{mat.rows, mat.cols, steps}].push_back(j);
     } else {
-      (*own)[j].second = newton_schulz((*own)[j].second, steps, ns_dtype);
+      (*own)[j].second = newton_schulz((*own)[j].second, steps, ns_dtype, ns);
     }
   }
   for (const auto& [key, js] : batches) {
     if (js.size() == 1) {  // alone: the plain matrix path
-      (*own)[js[0]].second = newton_schulz((*own)[js[0]].second, std::get<2>(key), ns_dtype);
+      (*own)[js[0]].second = newton_schulz((*own)[js[0]].second, std::get<2>(key), ns_dtype, ns);
       continue;
     }
     std::vector<at::Tensor> batch;
     for (size_t j : js) batch.push_back((*own)[j].second);
-    const at::Tensor o = newton_schulz(at::stack(batch), std::get<2>(key), ns_dtype);
+    const at::Tensor o = newton_schulz(at::stack(batch), std::get<2>(key), ns_dtype, ns);
     for (size_t b = 0; b < js.size(); ++b) (*own)[js[b]].second = o[b];
   }
   std::vector<int> index(mats.size());  // each matrix's index within its parameter
@@ -279,7 +304,7 @@ void orthogonalise(const MuonLayout& layout, std::vector<std::pair<size_t, at::T
 void muon_step_from_updates(Comm* comm, const MuonLayout& layout,
                             const std::vector<at::Tensor>& params, const std::vector<at::Tensor>& u,
                             const std::vector<MuonHyper>& hyper, at::ScalarType ns_dtype,
-                            bool batch_same_shape, StepGate& gate,
+                            const NsCoefficients& ns, bool batch_same_shape, StepGate& gate,
                             const std::function<void()>& commit) {
   at::NoGradGuard no_grad;
   const size_t P = layout.shards().size();
@@ -297,7 +322,7 @@ void muon_step_from_updates(Comm* comm, const MuonLayout& layout,
   // 3. Newton–Schulz (its failures, and a result that is not finite, agreed by
   // every rank with the caller's checks before anything changes).
   if (!gate.failed()) {
-    gate.guard([&] { orthogonalise(layout, &own, ns_dtype, batch_same_shape, &gate); });
+    gate.guard([&] { orthogonalise(layout, &own, ns_dtype, ns, batch_same_shape, &gate); });
   }
   gate.agree();
   commit();
@@ -398,6 +423,10 @@ Muon::Muon(std::shared_ptr<Comm> comm, std::vector<ParamShard> params, MuonOptio
       layout_(layout_of(comm_.get(), &params_, options, std::move(ns_steps), use_muon, split_sizes)) {
   check_options(options.hyper);
   check_config(options_);
+  for (size_t k = 0; k < layout_.shards().size(); ++k) {
+    options_.ns_coefficients.check_steps("Muon: parameter '" + layout_.shards()[k].name + "'",
+                                         layout_.ns_steps(k));
+  }
   if (eight_bit()) lut_ = quant::code_lut(quant::code_map(options_.momentum_map, /*is_signed=*/true));
   const size_t P = params_.size();
   in_muon_.assign(P, -1);
@@ -600,7 +629,8 @@ void Muon::run_step(StepGate& gate, const std::vector<size_t>& stepping) {
   }
   // (A momentum that overflowed makes u, and so Newton–Schulz's result, non-finite:
   // that failure is agreed with the gradients' in the step below, in one all-reduce.)
-  muon_step_from_updates(comm_.get(), layout_, ps, u, hyper, options_.ns_dtype, batch, gate, [&] {
+  muon_step_from_updates(comm_.get(), layout_, ps, u, hyper, options_.ns_dtype,
+                         options_.ns_coefficients, batch, gate, [&] {
     for (size_t k = 0; k < M; ++k) {
       const size_t i = muon_[k];
       momenta_[i].view(-1).copy_(pending[k].view(-1));

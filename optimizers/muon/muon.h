@@ -15,6 +15,7 @@
 
 #include <ATen/ATen.h>
 
+#include <array>
 #include <functional>
 #include <memory>
 #include <optional>
@@ -36,11 +37,33 @@ enum class MuonAdjustLr {
 MuonAdjustLr parse_muon_adjust_lr(const std::string& s);  // "original" | "match_rms_adamw"
 double muon_update_scale(int64_t rows, int64_t cols, MuonAdjustLr adjust);
 
-// Quintic Newton–Schulz orthogonalisation (coefficients 3.4445, -4.7750, 2.0315)
-// of one matrix: X / (|X|_F + 1e-7), transposed when rows > cols, `steps`
-// iterations computed in `dtype`. Returns a float32 matrix of g's shape. A 3-D
-// g is a batch of equal-shape matrices, each orthogonalised alone (bmm).
-at::Tensor newton_schulz(const at::Tensor& g, int steps, at::ScalarType dtype = at::kFloat);
+// Newton–Schulz's coefficients: iteration k computes X <- a X + (b A + c A^2) X
+// (A = X X^T) with (a, b, c) = coefficients[k] (one tuple: every iteration; more:
+// one per iteration, as many as the steps at least), after X / (norm_scale |X|_F + eps).
+struct NsCoefficients {
+  std::vector<std::array<double, 3>> coefficients{{3.4445, -4.7750, 2.0315}};
+  double norm_scale = 1.0, eps = 1e-7;
+  // Keller Jordan's quintic (the default; torch.optim.Muon's), and Polar Express
+  // (Amsel et al., arXiv 2505.16932: five per-iteration tuples computed for 5
+  // iterations, safety factor 2e-2, cushion 2, as its authors' code gives them;
+  // X / (1.02 |X|_F + 1e-6)).
+  static NsCoefficients quintic() { return {}; }
+  static NsCoefficients polar_express();
+  // Throws std::invalid_argument unless `steps` iterations have coefficients.
+  void check_steps(const std::string& who, int steps) const;
+  const std::array<double, 3>& at(int k) const {
+    return coefficients.size() == 1 ? coefficients[0] : coefficients.at(k);
+  }
+  bool operator==(const NsCoefficients& o) const {
+    return coefficients == o.coefficients && norm_scale == o.norm_scale && eps == o.eps;
+  }
+};
+
+// Newton–Schulz orthogonalisation of one matrix: transposed when rows > cols,
+// `steps` iterations of `ns` computed in `dtype`. Returns a float32 matrix of g's
+// shape. A 3-D g is a batch of equal-shape matrices, each orthogonalised alone (bmm).
+at::Tensor newton_schulz(const at::Tensor& g, int steps, at::ScalarType dtype = at::kFloat,
+                         const NsCoefficients& ns = NsCoefficients());
 // Flops of that (2 per multiply-add): steps * (4 n^2 N + 2 n^3), n = min, N = max.
 double newton_schulz_flops(int64_t rows, int64_t cols, int steps);
 
@@ -130,13 +153,14 @@ struct MuonHyper {
 void muon_step_from_updates(Comm* comm, const MuonLayout& layout,
                             const std::vector<at::Tensor>& params, const std::vector<at::Tensor>& u,
                             const std::vector<MuonHyper>& hyper, at::ScalarType ns_dtype,
-                            bool batch_same_shape, StepGate& gate,
+                            const NsCoefficients& ns, bool batch_same_shape, StepGate& gate,
                             const std::function<void()>& commit);
 
 struct MuonOptions {
   MuonHyper hyper;
   int ns_steps = 5;
   at::ScalarType ns_dtype = at::kFloat;  // bf16 is the usual choice on GPU
+  NsCoefficients ns_coefficients;
   // Batched Newton–Schulz for same-shape matrices on a root; unset: on GPUs only
   // (on a CPU one BLAS call already fills the cores, and results stay per matrix).
   std::optional<bool> batch_newton_schulz;

@@ -1,6 +1,7 @@
 // rfsdp._C: optimizers/ (the C++ optimizers over this rank's shards, and the tiles).
 #include "python/bindings/bindings.h"
 
+#include <array>
 #include <tuple>
 
 #include "optimizers/adamw/adamw.h"
@@ -61,6 +62,44 @@ rfsdp::quant::LowBitFormat basis_format(const char* who, int bits, const py::obj
   }
   f.bjorck_iterations = iterations.cast<int>();
   return f;
+}
+
+// Muon's ns_coefficients: None or "quintic" (the default), "polar_express", one
+// (a, b, c) tuple (torch.optim.Muon's form: every iteration), or a list of them
+// (one per iteration).
+rfsdp::NsCoefficients ns_coefficients_arg(const py::object& v) {
+  if (v.is_none()) return rfsdp::NsCoefficients::quintic();
+  if (py::isinstance<py::str>(v)) {
+    const std::string name = v.cast<std::string>();
+    if (name == "quintic") return rfsdp::NsCoefficients::quintic();
+    if (name == "polar_express") return rfsdp::NsCoefficients::polar_express();
+  } else if (py::isinstance<py::sequence>(v) && py::len(v) > 0) {
+    rfsdp::NsCoefficients c;
+    const py::sequence seq = v.cast<py::sequence>();
+    const bool one = !py::isinstance<py::sequence>(seq[0]);
+    try {
+      c.coefficients = one ? std::vector<std::array<double, 3>>{v.cast<std::array<double, 3>>()}
+                           : v.cast<std::vector<std::array<double, 3>>>();
+      return c;
+    } catch (const py::cast_error&) {
+    }
+  }
+  throw std::invalid_argument("Muon: ns_coefficients must be \"quintic\", \"polar_express\", one "
+                              "(a, b, c) tuple or a list of them (one per iteration), got " +
+                              py::repr(v).cast<std::string>());
+}
+
+// ns_coefficients as settings() keeps it: absent where quintic (the settings
+// saved before it existed).
+void put_ns_coefficients(py::dict& d, const rfsdp::NsCoefficients& c) {
+  if (c == rfsdp::NsCoefficients::quintic()) return;
+  if (c == rfsdp::NsCoefficients::polar_express()) {
+    d["ns_coefficients"] = "polar_express";
+    return;
+  }
+  py::list out;
+  for (const auto& t : c.coefficients) out.append(py::make_tuple(t[0], t[1], t[2]));
+  d["ns_coefficients"] = out;
 }
 
 void put_basis(py::dict& d, const rfsdp::quant::LowBitFormat& f) {
@@ -242,8 +281,10 @@ void bind_optimizers(py::module_& m) {
 
   py::class_<rfsdp::MuonOptions>(m, "MuonConfig")
       .def(py::init([](const py::object& ns_dtype, const py::object& momentum_dtype,
-                       const py::object& momentum_block, const std::string& momentum_map) {
+                       const py::object& momentum_block, const std::string& momentum_map,
+                       const py::object& ns_coefficients) {
              rfsdp::MuonOptions o;
+             o.ns_coefficients = ns_coefficients_arg(ns_coefficients);
              o.ns_dtype = dtype_arg(ns_dtype, "Muon", "ns_dtype", "torch.float32 or torch.bfloat16");
              o.momentum_dtype = dtype_arg(momentum_dtype, "Muon", "momentum_dtype",
                                           "torch.float32, torch.bfloat16 or \"int8\" (8-bit "
@@ -254,12 +295,15 @@ void bind_optimizers(py::module_& m) {
              return o;
            }),
            py::kw_only(), py::arg("ns_dtype") = py::none(), py::arg("momentum_dtype") = py::none(),
-           py::arg("momentum_block") = 256, py::arg("momentum_map") = "dynamic")
+           py::arg("momentum_block") = 256, py::arg("momentum_map") = "dynamic",
+           py::arg("ns_coefficients") = py::none())
       .def("settings", [](const rfsdp::MuonOptions& o) {
-             return py::dict(py::arg("ns_dtype") = dtype_name(o.ns_dtype),
-                             py::arg("momentum_dtype") = dtype_name(o.momentum_dtype),
-                             py::arg("momentum_block") = o.momentum_block,
-                             py::arg("momentum_map") = o.momentum_map);
+             py::dict d(py::arg("ns_dtype") = dtype_name(o.ns_dtype),
+                        py::arg("momentum_dtype") = dtype_name(o.momentum_dtype),
+                        py::arg("momentum_block") = o.momentum_block,
+                        py::arg("momentum_map") = o.momentum_map);
+             put_ns_coefficients(d, o.ns_coefficients);
+             return d;
            })
       .def_property_readonly_static("requantizable", [](const py::object&) {
              return rfsdp::MuonOptions::requantizable();
@@ -426,12 +470,14 @@ void bind_optimizers(py::module_& m) {
         py::arg("row_dims"), py::arg("max_preconditioner_dim"));
 
   m.def("newton_schulz",
-        [](const at::Tensor& g, int steps, const std::string& dtype) {
-          return rfsdp::newton_schulz(g, steps, dtype_of(dtype));
+        [](const at::Tensor& g, int steps, const std::string& dtype, const py::object& coefficients) {
+          const rfsdp::NsCoefficients ns = ns_coefficients_arg(coefficients);
+          py::gil_scoped_release release;
+          return rfsdp::newton_schulz(g, steps, dtype_of(dtype), ns);
         },
         py::arg("g"), py::arg("steps") = 5, py::arg("dtype") = "float32",
-        "Muon's quintic Newton–Schulz of a matrix or a batch of matrices (float32 result)",
-        py::call_guard<py::gil_scoped_release>());
+        py::arg("coefficients") = py::none(),
+        "Muon's Newton–Schulz of a matrix or a batch of matrices (float32 result)");
 }
 
 }  // namespace rfsdp_bind

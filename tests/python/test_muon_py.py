@@ -109,3 +109,80 @@ def test_two_ranks_torchrun_match_reference(whole):
         assert got["moved"] == 0
     else:
         assert got["moved"] > 0
+
+
+# Polar Express (Amsel et al., arXiv 2505.16932): the per-iteration coefficients
+# its authors' code gives for 5 iterations, safety factor 2e-2, cushion 2.
+POLAR_EXPRESS = [(8.156554524902461, -22.48329292557795, 15.878769915207462),
+                 (4.042929935166739, -2.808917465908714, 0.5000178451051316),
+                 (3.8916678022926607, -2.772484153217685, 0.5060648178503393),
+                 (3.285753657755655, -2.3681294933425376, 0.46449024233003106),
+                 (2.3465413258596377, -1.7097828382687081, 0.42323551169305323)]
+
+
+def float64_iteration(g, coefficients, steps, norm_scale=1.0, eps=1e-7):
+    """X <- a_k X + (b_k A + c_k A^2) X, A = X X^T, from X / (norm_scale |X|_F + eps)."""
+    x = g.double()
+    tall = x.shape[0] > x.shape[1]
+    x = x.T if tall else x
+    x = x / (x.norm() * norm_scale + eps)
+    for k in range(steps):
+        a, b, c = coefficients[k] if len(coefficients) > 1 else coefficients[0]
+        s = x @ x.T
+        x = a * x + (b * s + c * s @ s) @ x
+    return x.T if tall else x
+
+
+def test_ns_coefficients_polar_express_and_torch_form_equal_their_float64_iteration():
+    g = torch.randn(24, 40)
+    cases = [("polar_express", POLAR_EXPRESS, 5, 1.02, 1e-6),
+             ((3.4445, -4.775, 2.0315), [(3.4445, -4.775, 2.0315)], 5, 1.0, 1e-7),
+             ([(3.0, -3.2, 1.2), (2.0, -1.5, 0.5)], [(3.0, -3.2, 1.2), (2.0, -1.5, 0.5)], 2, 1.0, 1e-7)]
+    for given, coeffs, steps, scale, eps in cases:
+        for m in (g, g.T.contiguous()):
+            want = float64_iteration(m, coeffs, steps, scale, eps)
+            got = rfsdp._C.newton_schulz(m, steps, "float32", given)
+            torch.testing.assert_close(got.double(), want, rtol=0, atol=2e-5, msg=str(given))
+    # (the test can fail: Polar Express is not the quintic)
+    assert (float64_iteration(g, POLAR_EXPRESS, 5, 1.02, 1e-6)
+            - float64_iteration(g, [(3.4445, -4.775, 2.0315)], 5)).abs().max() > 1e-2
+    # In a step: p <- p - lr * max(1, rows/cols)^0.5 * NS(momentum update)
+    w = nn.Parameter(torch.randn(40, 24))
+    w0, grad = w.detach().clone(), torch.randn(40, 24)
+    opt = rfsdp.optim.Muon([w], lr=0.1, momentum=0.9, nesterov=False, ns_coefficients="polar_express")
+    w.grad = grad
+    opt.step()
+    want = w0.double() - 0.1 * (40 / 24) ** 0.5 * float64_iteration(0.1 * grad, POLAR_EXPRESS, 5, 1.02, 1e-6)
+    torch.testing.assert_close(w.detach().double(), want, rtol=0, atol=2e-6)
+    assert opt.settings()["ns_coefficients"] == "polar_express"
+    assert "ns_coefficients" not in rfsdp.optim.Muon([w]).settings()  # (as saved before it existed)
+
+
+def test_ns_coefficients_and_adjust_lr_fn_errors():
+    w = nn.Parameter(torch.randn(8, 8))
+    with pytest.raises(ValueError, match="ns_steps=6 but ns_coefficients has 5"):
+        rfsdp.optim.Muon([w], ns_coefficients="polar_express", ns_steps=6)
+    with pytest.raises(ValueError, match="ns_coefficients must be"):
+        rfsdp.optim.Muon([w], ns_coefficients="cubic")
+    with pytest.raises(ValueError, match="adjust_lr='original'.*disagree|disagree"):
+        rfsdp.optim.Muon([w], adjust_lr="match_rms_adamw", adjust_lr_fn="original")
+    opt = rfsdp.optim.Muon([w], adjust_lr_fn="match_rms_adamw")
+    assert opt.param_groups[0]["adjust_lr"] == "match_rms_adamw"
+
+
+@pytest.mark.skipif(not hasattr(torch.optim, "Muon"), reason="torch.optim.Muon is torch >= 2.9")
+def test_with_torchs_settings_it_equals_torch_optim_muon():
+    """Swapping torch.optim.Muon for rfsdp's with torch's settings (lr 1e-3,
+    weight_decay 0.1, bf16 Newton-Schulz, given explicitly) gives torch's run
+    (bit for bit on the machines tried; within 1e-6 of a 6e-3 displacement)."""
+    torch.manual_seed(int(torch.randint(0, 2 ** 30, ()).item()))
+    a = nn.Parameter(torch.randn(16, 24))
+    b = nn.Parameter(a.detach().clone())
+    ours = rfsdp.optim.Muon([a], lr=1e-3, weight_decay=0.1, ns_dtype=torch.bfloat16)
+    ref = torch.optim.Muon([b], lr=1e-3, weight_decay=0.1)
+    for _ in range(6):
+        g = torch.randn(16, 24)
+        a.grad, b.grad = g.clone(), g.clone()
+        ours.step()
+        ref.step()
+    torch.testing.assert_close(a.detach(), b.detach(), rtol=0, atol=1e-6)

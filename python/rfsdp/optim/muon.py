@@ -23,6 +23,11 @@ class Muon(_OverCpp):
     [n_kv * head_dim] * 2 (as dion's split_sizes). A block one rank holds whole is
     orthogonalised there and moves nothing. ns_dtype: Newton–Schulz
     compute dtype (default: bfloat16 for parameters on a GPU, float32 on the CPU).
+    ns_coefficients: Newton–Schulz's (a, b, c), in torch.optim.Muon's form (one
+    tuple for every iteration; default Keller Jordan's quintic (3.4445, -4.775,
+    2.0315)), a list of them (one per iteration), or "polar_express" (Amsel et
+    al., arXiv 2505.16932: five per-iteration tuples, X / (1.02 |X|_F + 1e-6);
+    ns_steps <= 5). adjust_lr_fn: torch.optim.Muon's name for adjust_lr.
     On a GPU the matrices of equal shape rooted on a rank (an expert stack, the
     layers' projections) are orthogonalised as one batch (bmm).
 
@@ -37,6 +42,13 @@ class Muon(_OverCpp):
     blocks (plan with rfsdp.policy.combine(rfsdp.policy.muon(...),
     rfsdp.policy.blockwise_8bit(momentum_block))) and runs on the CPU.
 
+    Coming from torch.optim.Muon: the defaults differ (torch: lr=1e-3,
+    weight_decay=0.1, bfloat16 Newton–Schulz; here lr=0.02, weight_decay=0.0,
+    float32 on a CPU), so a swap changes the run unless they are given; with the
+    same lr, weight_decay, ns_dtype and coefficients the two agree to rounding.
+    torch's refuses 0-D and 1-D parameters; here they go to a use_muon=False
+    group (AdamW).
+
     Collective: every rank builds it from the same model and steps together;
     process_group defaults to the shard group of fully_shard's parameters (under
     HSDP the roots are chosen inside it and each replica computes the same
@@ -49,8 +61,14 @@ class Muon(_OverCpp):
     def __init__(self, param_groups, lr=0.02, momentum=0.95, nesterov=True, ns_steps=5,
                  weight_decay=0.0, adjust_lr="original", process_group=None,
                  ns_dtype=None, timeout_seconds=300.0, momentum_dtype=torch.float32,
-                 momentum_block=256, momentum_map="dynamic", rounding="nearest"):
+                 momentum_block=256, momentum_map="dynamic", rounding="nearest",
+                 ns_coefficients=None, adjust_lr_fn=None):
         self.rounding = rounding  # (checked in C++ when bound)
+        if adjust_lr_fn is not None:  # torch.optim.Muon's name for adjust_lr
+            if adjust_lr not in ("original", adjust_lr_fn):
+                raise ValueError("Muon: adjust_lr=%r and adjust_lr_fn=%r disagree: give one"
+                                 % (adjust_lr, adjust_lr_fn))
+            adjust_lr = adjust_lr_fn
         groups = list(param_groups)
         if groups and not isinstance(groups[0], dict):
             groups = [dict(params=groups)]
@@ -67,7 +85,8 @@ class Muon(_OverCpp):
             on_gpu = any(p.device.type == "cuda" for g in self.param_groups for p in g["params"])
             ns_dtype = torch.bfloat16 if on_gpu else torch.float32
         self.config = _C.MuonConfig(ns_dtype=ns_dtype, momentum_dtype=momentum_dtype,
-                                    momentum_block=momentum_block, momentum_map=momentum_map)
+                                    momentum_block=momentum_block, momentum_map=momentum_map,
+                                    ns_coefficients=ns_coefficients)
         self._set_groups(process_group, timeout_seconds)
         self._bind()
 
