@@ -66,8 +66,9 @@ def test_state_dict_round_trip():
 
 
 def test_errors():
-    with pytest.raises(ValueError, match="'param 1'.*AdamW"):
-        rfsdp.optim.Muon([nn.Parameter(torch.zeros(3, 3)), nn.Parameter(torch.zeros(3))])
+    with pytest.raises(ValueError, match="'param 1'.*AdamW"):  # (a group that says use_muon)
+        rfsdp.optim.Muon([dict(params=[nn.Parameter(torch.zeros(3, 3)), nn.Parameter(torch.zeros(3))],
+                               use_muon=True)])
     with pytest.raises(ValueError, match="adjust_lr"):
         rfsdp.optim.Muon([nn.Parameter(torch.zeros(3, 3))], adjust_lr="rms")
     with pytest.raises(ValueError, match="ns_steps"):
@@ -186,3 +187,32 @@ def test_with_torchs_settings_it_equals_torch_optim_muon():
         ours.step()
         ref.step()
     torch.testing.assert_close(a.detach(), b.detach(), rtol=0, atol=1e-6)
+
+
+def test_the_one_line_swap_gives_biases_and_norms_to_adamw():
+    """Muon(model.parameters()) as a torch user writes it: the matrices take Muon,
+    the biases and norm weights AdamW with the group's lr and weight_decay and
+    the AdamW part's betas and eps (reported once), as the float64 reference with
+    those settings; an explicit use_muon=True group keeps refusing a bias."""
+    import warnings
+    seed = int(torch.randint(0, 2 ** 30, ()).item())
+    torch.manual_seed(seed)
+    model = nn.Sequential(nn.Linear(6, 10), nn.LayerNorm(10), nn.Linear(10, 4))
+    ref = ReferenceMuon({n: p.detach().double().clone() for n, p in model.named_parameters()},
+                        [n for n, p in model.named_parameters() if p.dim() >= 2], lr=0.01,
+                        weight_decay=0.1, aux_lr=0.01, aux_wd=0.1)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        opt = rfsdp.optim.Muon(model.parameters(), lr=0.01, weight_decay=0.1)
+    assert len(caught) == 1 and "4 0-D and 1-D parameters" in str(caught[0].message)
+    for _ in range(3):
+        x = torch.randn(5, 6)
+        model.zero_grad()
+        model(x).square().sum().backward()
+        ref.step({n: p.grad for n, p in model.named_parameters()})
+        opt.step()
+    for n, p in model.named_parameters():
+        torch.testing.assert_close(p.detach().double(), ref.p[n], rtol=1e-5, atol=1e-6,
+                                   msg=lambda m: "%s (seed %d): %s" % (n, seed, m))
+    with pytest.raises(ValueError, match="give 0-D and 1-D parameters"):
+        rfsdp.optim.Muon([dict(params=list(model.parameters()), use_muon=True)])

@@ -1,4 +1,6 @@
 """Muon with its AdamW part over the C++ Muon (optimizers/muon)."""
+import warnings
+
 import torch
 
 from .. import _C
@@ -9,6 +11,11 @@ class Muon(_OverCpp):
     """Muon over ragged shards, with AdamW for the parameters outside Muon groups
     (as the reference Muon's MuonWithAuxAdam): groups with use_muon=False take
     AdamW's lr, betas, eps and weight_decay (defaults 3e-4, (0.9, 0.95), 1e-10, 0).
+    A group that does not say (no use_muon, as Muon(model.parameters())) gives its
+    matrices to Muon and its 0-D and 1-D parameters (biases, norms) to AdamW with
+    the group's lr and weight_decay and betas (0.9, 0.95), eps 1e-10 unless the
+    group sets them (reported once, as a warning); use_muon=True makes every
+    parameter of the group Muon's (a 1-D one is then an error).
 
     Each step: momentum on the local shard; every matrix's update gathered to its
     root rank (one all-to-all), orthogonalised there by Newton–Schulz, scattered
@@ -46,8 +53,8 @@ class Muon(_OverCpp):
     weight_decay=0.1, bfloat16 Newton–Schulz; here lr=0.02, weight_decay=0.0,
     float32 on a CPU), so a swap changes the run unless they are given; with the
     same lr, weight_decay, ns_dtype and coefficients the two agree to rounding.
-    torch's refuses 0-D and 1-D parameters; here they go to a use_muon=False
-    group (AdamW).
+    torch's refuses 0-D and 1-D parameters; here a group that does not say
+    gives them to AdamW (above).
 
     Collective: every rank builds it from the same model and steps together;
     process_group defaults to the shard group of fully_shard's parameters (under
@@ -74,13 +81,21 @@ class Muon(_OverCpp):
             groups = [dict(params=groups)]
         groups = [dict(g) for g in groups]
         for g in groups:
-            g.setdefault("use_muon", True)
-            if not g["use_muon"]:
+            if "use_muon" in g and g["use_muon"] is not None and not g["use_muon"]:
                 for k, v in self.AUX_DEFAULTS.items():
                     g.setdefault(k, v)
+        # use_muon None (a group that does not say): matrices Muon, the rest AdamW
         super().__init__(groups, dict(lr=lr, momentum=momentum, nesterov=nesterov,
                                       ns_steps=ns_steps, weight_decay=weight_decay,
-                                      adjust_lr=adjust_lr, use_muon=True, split_sizes=None))
+                                      adjust_lr=adjust_lr, use_muon=None, split_sizes=None))
+        auto = sum(1 for g in self.param_groups if g["use_muon"] is None
+                   for p in g["params"] if p.dim() < 2)
+        if auto:
+            warnings.warn("Muon: %d 0-D and 1-D parameters (biases, norms) of groups without "
+                          "use_muon take AdamW with their group's lr and weight_decay, betas %s "
+                          "and eps %g; give them a use_muon=False group to choose otherwise"
+                          % (auto, self.AUX_DEFAULTS["betas"], self.AUX_DEFAULTS["eps"]),
+                          stacklevel=2)
         if ns_dtype is None:
             on_gpu = any(p.device.type == "cuda" for g in self.param_groups for p in g["params"])
             ns_dtype = torch.bfloat16 if on_gpu else torch.float32
@@ -95,7 +110,7 @@ class Muon(_OverCpp):
 
     def _parts(self, params):
         group_of = {id(p): g for g in self.param_groups for p in g["params"]}
-        use = [bool(group_of[id(p)]["use_muon"]) for p in params]
+        use = [_takes_muon(group_of[id(p)], p) for p in params]
         # One C++ optimizer over both parts: one step, one agreement all-reduce
         # (NaN/Inf gradients and Newton-Schulz failures), so neither changes alone.
         self._splits = self._group_splits()
@@ -123,6 +138,12 @@ class Muon(_OverCpp):
 
     # Group keys a checkpoint may not change: they shape the layout, not the state.
     _fixed_group_keys = ("split_sizes",)
+
+
+def _takes_muon(group, p):
+    """use_muon True: Muon; False: AdamW; None (not said): Muon for matrices."""
+    u = group["use_muon"]
+    return p.dim() >= 2 if u is None else bool(u)
 
 
 def _muon_options(g):
