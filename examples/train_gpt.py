@@ -27,7 +27,8 @@ OPTIMIZERS = ["adamw", "adamw8bit", "muon", "shampoo", "soap"]
 # the optimizer's own settings with these changed.
 VARIANTS = {
     "muon": {"bf16": dict(momentum_dtype=torch.bfloat16), "int8": dict(momentum_dtype="int8"),
-             "int8-linear": dict(momentum_dtype="int8", momentum_map="linear")},
+             "int8-linear": dict(momentum_dtype="int8", momentum_map="linear"),
+             "heads": {}},  # per-head Q, K and V (split_sizes; the plan keeps heads whole)
     "shampoo": {"bf16": dict(factor_dtype=torch.bfloat16), "int8-bases": dict(basis_dtype="int8"),
                 "int4-bases": dict(basis_dtype="int4")},
     "soap": {"bf16": dict(factor_dtype=torch.bfloat16, basis_dtype=torch.bfloat16),
@@ -102,20 +103,29 @@ def run(name, args, train, val, rank, world):
     n_params = sum(p.numel() for p in model.parameters())
     # One plan for every optimizer: whole 8-bit blocks and whole Shampoo tiles.
     pol = rfsdp.policy.combine(rfsdp.policy.blockwise_8bit(256), rfsdp.policy.shampoo(SHAMPOO_DIM))
+    base, _, variant = name.partition(":")
+    # muon:heads: every head of the fused QKV (its q, k and v rows) its own matrix, and
+    # a plan that keeps each head whole on one rank (orthogonalised where it lies).
+    per_head = [args.dim // args.heads] * (3 * args.heads) if name == "muon:heads" else None
+    if per_head:
+        pol = rfsdp.policy.combine(pol, rfsdp.policy.muon(
+            split=lambda n, p: per_head if n.endswith("qkv.weight") else None))
     for b in model.blocks:
         rfsdp.fully_shard(b, policy=pol)
     rfsdp.fully_shard(model, policy=pol)
-    base, _, variant = name.partition(":")
     low_bit = VARIANTS.get(base, {}).get(variant, {})
     if base == "muon":
         # The blocks' matrices take Muon; embeddings, head, norms and biases AdamW.
         # Weight decay per step (lr * wd) equal to the AdamW runs'.
         matrices = [p for b in model.blocks for p in b.parameters() if p.dim() == 2]
+        qkv = [b.qkv.weight for b in model.blocks] if per_head else []
         ids = {id(p) for p in matrices}
         rest = [p for p in model.parameters() if id(p) not in ids]
-        opt = rfsdp.optim.Muon([dict(params=matrices, use_muon=True),
-                                dict(params=rest, use_muon=False, lr=args.lr, betas=(0.9, 0.999),
-                                     eps=1e-8, weight_decay=0.1)],
+        split = [dict(params=qkv, use_muon=True, split_sizes=per_head)] if per_head else []
+        opt = rfsdp.optim.Muon(split + [dict(params=[p for p in matrices if all(p is not q for q in qkv)],
+                                             use_muon=True),
+                                        dict(params=rest, use_muon=False, lr=args.lr,
+                                             betas=(0.9, 0.999), eps=1e-8, weight_decay=0.1)],
                                lr=args.muon_lr, momentum=0.95,
                                weight_decay=0.1 * args.lr / args.muon_lr, **low_bit)
     elif base == "shampoo":
@@ -215,9 +225,10 @@ def run(name, args, train, val, rank, world):
     if base == "muon":  # how the roots balance Newton–Schulz, and what a step moves
         sent = torch.tensor([float(opt.layout.gather_send_elems())], device=DEVICE)
         dist.all_reduce(sent, op=dist.ReduceOp.MAX)
-        note = ("Newton-Schulz flops per rank: max/mean %.3f; gather moves at most %.2f MiB per "
-                "rank per step (and the scatter as much back)"
-                % (opt.layout.flop_imbalance(), sent.item() * 4 / 2 ** 20))
+        note = ("%d matrices; Newton-Schulz flops per rank: max/mean %.3f; gather moves at most "
+                "%.2f MiB per rank per step (and the scatter as much back)"
+                % (len(opt.layout.matrices()), opt.layout.flop_imbalance(),
+                   sent.item() * 4 / 2 ** 20))
     if base == "shampoo":
         note = ("%d tiles, %.2f MiB of factors and roots per rank, %.1f s in roots (of %.1f s), "
                 "%d roots retried in fp64" % (opt._impl.num_tiles(), opt._impl.factor_bytes() / 2 ** 20,
