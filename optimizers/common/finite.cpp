@@ -26,9 +26,25 @@ bool all_finite(const float* x, int64_t n) {
   return !bad.load();
 }
 
+bool all_finite_bf16(const uint16_t* x, int64_t n) {
+  std::atomic<bool> bad{false};
+  at::parallel_for(0, n, 1 << 16, [&](int64_t i0, int64_t i1) {
+    // NaN and Inf are the values whose 8 exponent bits are all set.
+    uint16_t any = 0;
+    for (int64_t i = i0; i < i1; ++i) any |= static_cast<uint16_t>(((x[i] & 0x7F80) == 0x7F80) ? 1 : 0);
+    if (any) bad.store(true, std::memory_order_relaxed);
+  });
+  return !bad.load();
+}
+
 bool tensor_finite(const at::Tensor& t) {
-  if (t.device().is_cpu() && t.scalar_type() == at::kFloat && t.is_contiguous()) {
-    return all_finite(t.data_ptr<float>(), t.numel());
+  // A dense tensor in any order (a transposed Newton-Schulz result, say): its
+  // elements are the storage run it spans, checked flat.
+  if (t.device().is_cpu() && t.is_non_overlapping_and_dense()) {
+    if (t.scalar_type() == at::kFloat) return all_finite(t.data_ptr<float>(), t.numel());
+    if (t.scalar_type() == at::kBFloat16) {
+      return all_finite_bf16(reinterpret_cast<const uint16_t*>(t.data_ptr<at::BFloat16>()), t.numel());
+    }
   }
   return at::isfinite(t).all().item<bool>();
 }

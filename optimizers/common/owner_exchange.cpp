@@ -93,12 +93,18 @@ at::TensorOptions options_of(const std::vector<std::vector<at::Tensor>>& fields,
 }  // namespace
 
 std::vector<at::Tensor> OwnerExchange::gather(Comm* comm,
-                                              const std::vector<std::vector<at::Tensor>>& fields) const {
+                                              const std::vector<std::vector<at::Tensor>>& fields,
+                                              bool views) const {
   const int64_t F = static_cast<int64_t>(fields.size());
   const at::TensorOptions opts = options_of(fields);
   std::vector<at::Tensor> out(units_.size());
   for (size_t u = 0; u < units_.size(); ++u) {
     if (!owns(u)) continue;
+    if (views && F == 1 && held_whole_here(u) && fields[0][units_[u].source].defined()) {
+      out[u] = fields[0][units_[u].source].narrow(0, local(u, units_[u].begin), units_[u].numel())
+                   .unsqueeze(0);
+      continue;
+    }
     out[u] = at::zeros({F, units_[u].numel()}, opts);
     const Range own = gather_piece(u, rank_);  // the owner's own piece: no travel
     const int64_t n = own.second - own.first;
@@ -140,7 +146,7 @@ void OwnerExchange::scatter(Comm* comm, const std::vector<at::Tensor>& results,
     return r.dim() == 1 ? r : r[f];
   };
   for (size_t u = 0; u < units_.size(); ++u) {
-    if (!owns(u)) continue;
+    if (!owns(u) || !results.at(u).defined()) continue;
     const Range own = piece(u, rank_);
     const int64_t n = own.second - own.first;
     if (n == 0) continue;

@@ -45,15 +45,26 @@ class OwnerExchange {
   // what it sends the owner (none for a replicated unit but the owner's own).
   Range piece(size_t u, int r) const;
   Range gather_piece(size_t u, int r) const;
+  // Unit u is owned here and this rank holds all of it (nothing travels for it
+  // but, replicated, its result to the other ranks).
+  bool held_whole_here(size_t u) const {
+    const Range own = piece(u, rank_);
+    return owns(u) && own.first == units_[u].begin && own.second == units_[u].end;
+  }
 
   // To the owners: for each unit owned here, a [F, numel] tensor (F =
   // fields.size()) holding every holder's piece in place; undefined for the
   // others. fields[f][s]: this rank's flat tensor of source s (undefined: its
   // pieces travel as zeros). Collective (one all-to-all) when comm is set.
-  std::vector<at::Tensor> gather(Comm* comm, const std::vector<std::vector<at::Tensor>>& fields) const;
+  // views: a unit held_whole_here comes as a view of its fields (read only:
+  // no copy), where every field is defined.
+  std::vector<at::Tensor> gather(Comm* comm, const std::vector<std::vector<at::Tensor>>& fields,
+                                 bool views = false) const;
   // Back from the owners: results[u] ([F, numel] or, F = 1, [numel]; for units
   // owned here) written into out[f][s] at every holder's piece, the owner's own
-  // included; an undefined out[f][s] takes nothing. Collective when comm is set.
+  // included; an undefined out[f][s] takes nothing, an undefined results[u] of a
+  // unit held_whole_here and not replicated is left to the caller. Collective
+  // when comm is set.
   void scatter(Comm* comm, const std::vector<at::Tensor>& results,
                const std::vector<std::vector<at::Tensor>>& out) const;
 

@@ -58,8 +58,8 @@ void NsCoefficients::check_steps(const std::string& who, int steps) const {
   }
 }
 
-at::Tensor newton_schulz(const at::Tensor& g, int steps, at::ScalarType dtype,
-                         const NsCoefficients& ns) {
+at::Tensor newton_schulz_in(const at::Tensor& g, int steps, at::ScalarType dtype,
+                            const NsCoefficients& ns) {
   if (g.dim() != 2 && g.dim() != 3) {
     throw std::invalid_argument("newton_schulz: needs a matrix or a batch of matrices");
   }
@@ -84,8 +84,12 @@ at::Tensor newton_schulz(const at::Tensor& g, int steps, at::ScalarType dtype,
       x = at::baddbmm(x, B, x, /*beta=*/a, /*alpha=*/1.0);
     }
   }
-  if (transposed) x = x.transpose(-2, -1);
-  return x.to(at::kFloat).contiguous();
+  return transposed ? x.transpose(-2, -1) : x;
+}
+
+at::Tensor newton_schulz(const at::Tensor& g, int steps, at::ScalarType dtype,
+                         const NsCoefficients& ns) {
+  return newton_schulz_in(g, steps, dtype, ns).to(at::kFloat).contiguous();
 }
 
 double newton_schulz_flops(int64_t rows, int64_t cols, int steps) {
@@ -273,17 +277,17 @@ void orthogonalise(const MuonLayout& layout, std::vector<std::pair<size_t, at::T
     if (batch_same_shape) {
       batches[{mat.rows, mat.cols, steps}].push_back(j);
     } else {
-      (*own)[j].second = newton_schulz((*own)[j].second, steps, ns_dtype, ns);
+      (*own)[j].second = newton_schulz_in((*own)[j].second, steps, ns_dtype, ns);
     }
   }
   for (const auto& [key, js] : batches) {
     if (js.size() == 1) {  // alone: the plain matrix path
-      (*own)[js[0]].second = newton_schulz((*own)[js[0]].second, std::get<2>(key), ns_dtype, ns);
+      (*own)[js[0]].second = newton_schulz_in((*own)[js[0]].second, std::get<2>(key), ns_dtype, ns);
       continue;
     }
     std::vector<at::Tensor> batch;
     for (size_t j : js) batch.push_back((*own)[j].second);
-    const at::Tensor o = newton_schulz(at::stack(batch), std::get<2>(key), ns_dtype, ns);
+    const at::Tensor o = newton_schulz_in(at::stack(batch), std::get<2>(key), ns_dtype, ns);
     for (size_t b = 0; b < js.size(); ++b) (*own)[js[b]].second = o[b];
   }
   std::vector<int> index(mats.size());  // each matrix's index within its parameter
@@ -314,7 +318,7 @@ void muon_step_from_updates(Comm* comm, const MuonLayout& layout,
   // 2. Gather: every matrix rooted here, whole (one all-to-all).
   std::vector<at::Tensor> flat(P);
   for (size_t i = 0; i < P; ++i) flat[i] = u[i].view(-1);
-  const std::vector<at::Tensor> whole = ex.gather(group, {flat});
+  const std::vector<at::Tensor> whole = ex.gather(group, {flat}, /*views=*/true);
   std::vector<std::pair<size_t, at::Tensor>> own;  // (matrix, orthogonalised) rooted here
   for (size_t k = 0; k < mats.size(); ++k) {
     if (ex.owns(k)) own.emplace_back(k, whole[k][0].view({mats[k].rows, mats[k].cols}));
@@ -326,20 +330,38 @@ void muon_step_from_updates(Comm* comm, const MuonLayout& layout,
   }
   gate.agree();
   commit();
-  // 4. Scatter: every rank's pieces of the scaled results back (one all-to-all).
-  std::vector<at::Tensor> results(mats.size()), o(P);
-  for (auto& [k, o_mat] : own) {
-    const MuonMatrix& mat = mats[k];
-    results[k] = o_mat.reshape(-1).mul_(muon_update_scale(mat.rows, mat.cols, hyper[mat.param].adjust_lr));
-  }
-  for (size_t i = 0; i < P; ++i) o[i] = at::empty_like(flat[i]);
-  ex.scatter(group, results, {o});
-  // 5. p <- p (1 - lr wd) - lr o (the matrices tile every shard).
+  // 4. A matrix held whole here (not replicated) takes its result where it lies:
+  // p <- p (1 - lr wd) - lr scale o, o in ns_dtype as Newton-Schulz left it (no
+  // copies). The others: every rank's pieces of the scaled results back (one
+  // all-to-all), then p <- p (1 - lr wd) - lr o.
   for (size_t i = 0; i < P; ++i) {
     const MuonHyper& h = hyper[i];
-    at::Tensor p = params[i].view(-1);
-    if (h.weight_decay != 0.0) p.mul_(1.0 - h.lr * h.weight_decay);
-    p.add_(o[i], -h.lr);
+    if (h.weight_decay != 0.0) params[i].view(-1).mul_(1.0 - h.lr * h.weight_decay);
+  }
+  std::vector<at::Tensor> results(mats.size()), o(P);
+  std::vector<bool> scattered(P, false);  // a parameter some result reaches through the scatter
+  for (auto& [k, o_mat] : own) {
+    const MuonMatrix& mat = mats[k];
+    const MuonHyper& h = hyper[mat.param];
+    const double scale = muon_update_scale(mat.rows, mat.cols, h.adjust_lr);
+    if (ex.held_whole_here(k) && !mat.replicated) {
+      const int64_t at = ex.units()[k].begin - layout.shards()[mat.param].row_begin *
+                                                   layout.shards()[mat.param].row_len;
+      params[mat.param].view(-1).narrow(0, at, mat.rows * mat.cols).view({mat.rows, mat.cols})
+          .add_(o_mat, -h.lr * scale);
+      continue;
+    }
+    results[k] = o_mat.to(at::kFloat).reshape(-1).mul_(scale);
+  }
+  for (size_t k = 0; k < mats.size(); ++k) {
+    if (!(ex.held_whole_here(k) && !mats[k].replicated)) scattered[mats[k].param] = true;
+  }
+  for (size_t i = 0; i < P; ++i) {
+    if (scattered[i]) o[i] = at::zeros_like(flat[i]);
+  }
+  ex.scatter(group, results, {o});
+  for (size_t i = 0; i < P; ++i) {
+    if (scattered[i]) params[i].view(-1).add_(o[i], -hyper[i].lr);
   }
 }
 

@@ -6,6 +6,7 @@
 #include <mutex>
 
 #include "tests/support/local_ranks.h"
+#include "optimizers/common/finite.h"
 #include "optimizers/common/step_gate.h"
 
 namespace rfsdp {
@@ -31,6 +32,28 @@ std::vector<std::pair<std::string, std::string>> outcomes(int world,
     out[comm.rank()] = got;
   });
   return out;
+}
+
+// tensor_finite agrees with at::isfinite on fp32 and bf16 tensors, contiguous,
+// transposed (dense in another order), strided and on each element: a NaN or an
+// Inf anywhere, and the largest finite values, which are finite.
+TEST(Finite, EveryDtypeAndLayoutAgreesWithIsfiniteElementByElement) {
+  for (at::ScalarType dt : {at::kFloat, at::kBFloat16}) {
+    const at::Tensor base = at::randn({37, 70}).to(dt);
+    EXPECT_TRUE(tensor_finite(base));
+    const double big = dt == at::kFloat ? 3.4e38 : 3.38e38;
+    for (const double bad : {std::nan(""), double(INFINITY), -double(INFINITY), big}) {
+      for (int64_t k : {int64_t{0}, int64_t{1}, int64_t{37 * 70 - 1}, int64_t{1000}}) {
+        at::Tensor t = base.clone();
+        t.view(-1)[k] = bad;
+        for (const at::Tensor& v : {t, t.t(), t.narrow(1, 0, 35), t.t().narrow(0, 0, 69)}) {
+          const bool want = at::isfinite(v).all().item<bool>();
+          ASSERT_EQ(tensor_finite(v), want) << c10::toString(dt) << " value " << bad << " at " << k
+                                            << " sizes " << v.sizes() << " strides " << v.strides();
+        }
+      }
+    }
+  }
 }
 
 TEST(StepGate, NothingFoundAnywhereGoesOn) {
