@@ -225,9 +225,10 @@ def run(name, args, train, val, rank, world):
     if base == "muon":  # how the roots balance Newton–Schulz, and what a step moves
         sent = torch.tensor([float(opt.layout.gather_send_elems())], device=DEVICE)
         dist.all_reduce(sent, op=dist.ReduceOp.MAX)
-        note = ("%d matrices; Newton-Schulz flops per rank: max/mean %.3f; gather moves at most "
-                "%.2f MiB per rank per step (and the scatter as much back)"
-                % (len(opt.layout.matrices()), opt.layout.flop_imbalance(),
+        mats = opt.layout.matrices()
+        note = ("%d matrices, %.1f GFLOP of Newton-Schulz a step (all ranks), max/mean per rank "
+                "%.3f; gather moves at most %.2f MiB per rank per step (and the scatter as much back)"
+                % (len(mats), sum(m["flops"] for m in mats) / 1e9, opt.layout.flop_imbalance(),
                    sent.item() * 4 / 2 ** 20))
     if base == "shampoo":
         note = ("%d tiles, %.2f MiB of factors and roots per rank, %.1f s in roots (of %.1f s), "

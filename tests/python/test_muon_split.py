@@ -46,17 +46,18 @@ def gradients(seed, model):
             for _ in range(STEPS)]
 
 
-def run(seed, policy):
-    """Muon (split by group) over a fully_shard model planned by `policy`: its
-    full parameters after STEPS steps, and the elements this rank sends per step."""
+def run(seed, policy, steps=STEPS, mesh=None, **muon):
+    """Muon (split by group; muon: more settings) over a fully_shard model planned
+    by `policy` (mesh: HSDP's): its full parameters after `steps` steps, the
+    elements this rank sends per step and the number of matrices."""
     model = Blocks(seed)
     full_shapes = {n: p.shape for n, p in model.named_parameters()}
-    grads = gradients(seed, model)
-    rfsdp.fully_shard(model, policy=policy)
+    grads = gradients(seed, model)[:steps]
+    rfsdp.fully_shard(model, policy=policy, mesh=mesh)
     named = dict(model.named_parameters())
     groups = [dict(params=[named[n]], split_sizes=list(split)) for n, (_, split) in BLOCKS.items()]
     groups.append(dict(params=[named["bias"]], use_muon=False))
-    opt = rfsdp.optim.Muon(groups, **HYPER)
+    opt = rfsdp.optim.Muon(groups, **HYPER, **muon)
     for g in grads:
         model(g).backward()
         opt.step()
@@ -92,14 +93,39 @@ def worker(rank, world, seed):
             "fsdp2": run_fsdp2(seed, world)}
 
 
-def reference(seed, split=True):
+def reference(seed, split=True, steps=STEPS):
     model = Blocks(seed)
     ref = ReferenceMuon({n: p.detach().double().clone() for n, p in model.named_parameters()},
                         list(BLOCKS), splits={n: s for n, (_, s) in BLOCKS.items()} if split else {},
                         **HYPER)
-    for g in gradients(seed, model):
+    for g in gradients(seed, model)[:steps]:
         ref.step(g)
     return ref.p
+
+
+def worker_hsdp_and_8bit(rank, world, seed):
+    """HSDP (2 replicas of 2 shards) with the split policy; and 8-bit momentum
+    (blocks of 64, whole on every shard) with it, one step: its update comes from
+    the fp32 momentum before it is encoded, so it is the fp32 one's."""
+    from torch.distributed.device_mesh import init_device_mesh
+    split = rfsdp.policy.muon(split={n: list(s) for n, (_, s) in BLOCKS.items()})
+    return {"hsdp": run(seed, split, mesh=init_device_mesh("cpu", (2, 2))),
+            "int8": run(seed, rfsdp.policy.combine(split, rfsdp.policy.blockwise_8bit(64)), steps=1,
+                        momentum_dtype="int8", momentum_block=64)}
+
+
+def test_split_blocks_under_hsdp_and_with_8bit_momentum_equal_the_float64_muon():
+    seed = int(torch.randint(0, 2 ** 30, ()).item())
+    got = run_ranks(worker_hsdp_and_8bit, 4, seed)
+    for case, steps in (("hsdp", STEPS), ("int8", 1)):
+        want = reference(seed, steps=steps)
+        for rank in range(4):
+            params, sent, _ = got[rank][case]
+            assert sent == 0, (case, rank)
+            for n, w in want.items():
+                torch.testing.assert_close(params[n].double(), w, rtol=1e-4, atol=1e-5,
+                                           msg=lambda m: "%s %s rank %d (seed %d): %s"
+                                           % (case, n, rank, seed, m))
 
 
 @pytest.mark.parametrize("world", [1, 2, 3])
