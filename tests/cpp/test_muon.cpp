@@ -288,6 +288,44 @@ TEST(MuonLayout, EveryMatrixHasExactlyOneRootAgreedByAllRanks) {
   }
 }
 
+// split_sizes: every block of rows its own matrix (a 3-D stack: of each expert),
+// blocks held whole by one rank rooted there and sending nothing, cut ones
+// gathered; a split that does not sum to the rows is an error naming the tensor.
+TEST(MuonLayout, SplitBlocksAreMatricesOfTheirOwnRootedWhereTheyLie) {
+  run_local_ranks(2, [](Comm& comm) {
+    // w [12, 4] split 4 + 8, rows 0..4 | 4..12: both blocks whole (nothing sent);
+    // e [2, 6, 3] split 2 + 4 per expert, rows (experts) 0..1 | 1..2.
+    const std::vector<std::pair<int64_t, int64_t>> w_rows = {{0, 4}, {4, 12}}, e_rows = {{0, 1}, {1, 2}};
+    const int r = comm.rank();
+    std::vector<TensorShard> shards{
+        TensorShard::rows_of("w", {12, 4}, 1, w_rows[r].first, w_rows[r].second, w_rows),
+        TensorShard::rows_of("e", {2, 6, 3}, 1, e_rows[r].first, e_rows[r].second, e_rows)};
+    MuonLayout layout(&comm, shards, {5, 5}, {{4, 8}, {2, 4}});
+    const auto& m = layout.matrices();
+    ASSERT_EQ(m.size(), 6u);
+    const std::vector<std::array<int64_t, 4>> want = {  // param, offset, rows, cols
+        {0, 0, 4, 4}, {0, 16, 8, 4}, {1, 0, 2, 3}, {1, 6, 4, 3}, {1, 18, 2, 3}, {1, 24, 4, 3}};
+    const std::vector<int> roots = {0, 1, 0, 0, 1, 1};
+    for (size_t k = 0; k < m.size(); ++k) {
+      EXPECT_EQ((std::array<int64_t, 4>{int64_t(m[k].param), m[k].offset, m[k].rows, m[k].cols}), want[k]) << k;
+      EXPECT_EQ(m[k].root, roots[k]) << k;
+      EXPECT_DOUBLE_EQ(m[k].flops, newton_schulz_flops(want[k][2], want[k][3], 5)) << k;
+    }
+    EXPECT_EQ(layout.gather_send_elems(), 0);
+    // Unsplit, w is one matrix cut between the ranks: one of them sends its rows.
+    MuonLayout whole(&comm, shards, {5, 5});
+    ASSERT_EQ(whole.matrices().size(), 3u);
+    EXPECT_EQ(whole.gather_send_elems(), whole.matrices()[0].root == r ? 0 : (r == 0 ? 16 : 32));
+  });
+  try {
+    MuonLayout(nullptr, {TensorShard::whole("w", {12, 4})}, {5}, {{4, 6}});
+    ADD_FAILURE() << "a split of 10 rows of 12 was accepted";
+  } catch (const std::invalid_argument& e) {
+    EXPECT_NE(std::string(e.what()).find("'w'"), std::string::npos) << e.what();
+    EXPECT_NE(std::string(e.what()).find("sum to 10 rows"), std::string::npos) << e.what();
+  }
+}
+
 TEST(MuonLayout, BalancesEqualSharedMatricesAcrossRanks) {
   // Eight equal matrices each cut in half between ranks 0 and 1 of 4: LPT puts two on every rank.
   run_local_ranks(4, [](Comm& comm) {
