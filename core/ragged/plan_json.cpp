@@ -28,7 +28,7 @@ TensorSpec tensor_from_json(const json& e, size_t index) {
   for (const auto& [key, value] : e.items()) {
     (void)value;
     if (key != "name" && key != "shape" && key != "granule_rows" && key != "row_dims" &&
-        key != "dtype_bytes") {
+        key != "dtype_bytes" && key != "blocks") {
       throw std::invalid_argument(who + "unknown field \"" + key + "\"");
     }
   }
@@ -50,6 +50,10 @@ TensorSpec tensor_from_json(const json& e, size_t index) {
   } else {
     throw std::invalid_argument(who + "granule_rows must be a positive integer or \"whole\", got " +
                                 g.dump());
+  }
+  if (e.contains("blocks")) {
+    if (!e["blocks"].is_array()) throw std::invalid_argument(who + "blocks must be a list of row counts");
+    for (const json& b : e["blocks"]) t.blocks.push_back(require_int(b, who + "blocks entries"));
   }
   check_tensor_spec(t);
   return t;
@@ -78,12 +82,14 @@ std::string plan_to_json(const Plan& plan, int indent) {
   for (size_t i = 0; i < plan.tensors.size(); ++i) {
     const TensorSpec& t = plan.tensors[i];
     ojson g = t.is_whole() ? ojson("whole") : ojson(t.effective_granule_rows());
-    tensors.push_back({{"name", t.name},
-                       {"shape", t.shape},
-                       {"row_dims", t.row_dims},
-                       {"granule_rows", g},
-                       {"buffer", plan.buffer_index(i)},
-                       {"offset", plan.offsets[i]}});
+    ojson e = {{"name", t.name},
+               {"shape", t.shape},
+               {"row_dims", t.row_dims},
+               {"granule_rows", g},
+               {"buffer", plan.buffer_index(i)},
+               {"offset", plan.offsets[i]}};
+    if (!t.blocks.empty()) e["blocks"] = t.blocks;
+    tensors.push_back(e);
   }
   ojson buffers = ojson::array();
   for (size_t b = 0; b < plan.num_buffers(); ++b) buffers.push_back({{"S", plan.buffer_shard(b)}});

@@ -60,7 +60,9 @@ TensorShard TensorShard::of_plan(const Plan& plan, size_t i, int64_t rank) {
     every.emplace_back(s.row_begin, s.row_end);
   }
   const ShardRange mine = plan.shard(i, rank);
-  return rows_of(t.name, t.shape, t.row_dims, mine.row_begin, mine.row_end, std::move(every));
+  TensorShard s = rows_of(t.name, t.shape, t.row_dims, mine.row_begin, mine.row_end, std::move(every));
+  s.blocks = t.blocks;
+  return s;
 }
 
 }  // namespace rfsdp

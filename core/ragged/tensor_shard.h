@@ -23,6 +23,9 @@ struct TensorShard {
   // Every rank's [row_begin, row_end) in its group, in rank order; empty where
   // unknown (a shard described by hand: consumers that need them gather them).
   std::vector<std::pair<int64_t, int64_t>> rank_rows;
+  // The tensor's logical blocks along each matrix's rows, where its plan keeps
+  // them whole (TensorSpec::blocks; Muon's split); empty: none.
+  std::vector<int64_t> blocks;
 
   // Rows [row_begin, row_end) of a tensor of `shape` seen with row_dims. Throws
   // std::invalid_argument, naming the tensor, when row_dims or the rows are out of range.

@@ -1,5 +1,7 @@
 #include "core/ragged/tensor_spec.h"
 
+#include <algorithm>
+
 #include <stdexcept>
 #include <unordered_set>
 
@@ -32,6 +34,33 @@ int64_t TensorSpec::effective_granule_rows() const {
   return granule_rows >= r ? r : granule_rows;
 }
 
+int64_t block_granule_rows(const std::string& name, const std::vector<int64_t>& shape,
+                           int row_dims, const std::vector<int64_t>& blocks) {
+  const std::string who = "tensor '" + name + "': ";
+  if (shape.size() < 2) {
+    throw std::invalid_argument(who + "logical blocks need a matrix (2-D) or a 3-D stack, got shape " +
+                                shape_to_string(shape));
+  }
+  const int64_t rows = shape.size() == 3 ? shape[1] : shape[0];  // one matrix's
+  int64_t sum = 0;
+  for (int64_t b : blocks) {
+    if (b < 1) throw std::invalid_argument(who + "logical blocks must be positive row counts");
+    sum += b;
+  }
+  if (sum != rows) {
+    throw std::invalid_argument(who + "logical blocks sum to " + std::to_string(sum) + " rows, its " +
+                                (shape.size() == 3 ? "experts have " : "matrix has ") +
+                                std::to_string(rows));
+  }
+  const bool equal = std::all_of(blocks.begin(), blocks.end(), [&](int64_t b) { return b == blocks[0]; });
+  if (shape.size() == 3) {
+    if (row_dims == 1) return 1;  // a row is a whole expert
+    return equal ? blocks[0] : rows;
+  }
+  // (rows of a 2-D tensor beyond dim 0 with row_dims 2: not a matrix's rows)
+  return equal ? blocks[0] : kWholeTensor;
+}
+
 void check_tensor_spec(const TensorSpec& t) {
   const std::string who = "tensor '" + t.name + "': ";
   if (t.name.empty()) throw std::invalid_argument("a tensor has an empty name");
@@ -51,6 +80,25 @@ void check_tensor_spec(const TensorSpec& t) {
   if (t.granule_rows < 1) {
     throw std::invalid_argument(who + "granule_rows must be a positive integer or \"whole\", got " +
                                 std::to_string(t.granule_rows));
+  }
+  if (!t.blocks.empty()) {  // every rank boundary (a multiple of the granule) on a block edge
+    block_granule_rows(t.name, t.shape, t.row_dims, t.blocks);  // checks the blocks
+    const int64_t per = t.shape.size() == 3 && t.row_dims == 2 ? t.shape[1]
+                        : t.shape.size() == 3 ? 1 : t.rows();  // rows of one matrix
+    std::vector<int64_t> edges{0};
+    for (int64_t b : t.blocks) edges.push_back(edges.back() + b);
+    const int64_t g = t.effective_granule_rows();
+    if (t.shape.size() != 3 || t.row_dims == 2) {
+      for (int64_t at = g; at < t.rows(); at += g) {
+        if (!std::binary_search(edges.begin(), edges.end(), at % per)) {
+          throw std::invalid_argument(
+              who + "granule_rows " + granule_to_string(t) + " puts a rank boundary at row " +
+              std::to_string(at) + ", inside one of its logical blocks; use " +
+              std::to_string(block_granule_rows(t.name, t.shape, t.row_dims, t.blocks)) +
+              " (or a multiple of it)");
+        }
+      }
+    }
   }
   if (t.elem_bytes < 1) {
     throw std::invalid_argument(who + "dtype_bytes must be positive, got " +

@@ -21,6 +21,11 @@ struct TensorSpec {
   int row_dims = 1;
   // Rank boundaries inside the tensor fall only at multiples of this many rows.
   int64_t granule_rows = 1;
+  // Logical blocks along each matrix's rows (row counts summing to them: a 2-D
+  // tensor's rows, a 3-D [E, H, I] stack's H; Muon's split_sizes: heads, a fused
+  // QKV's q, k, v); empty: none. The granule must keep every block whole on one
+  // rank (checked); the shards carry them to the optimizers.
+  std::vector<int64_t> blocks;
 
   int64_t numel() const;
   int64_t rows() const;
@@ -40,6 +45,14 @@ void check_tensor_spec(const TensorSpec& t);
 // Checks a whole unit: non-empty, every spec valid, names unique, one element
 // size (a unit keeps one flat buffer per dtype). Throws std::invalid_argument.
 void check_unit_specs(const std::vector<TensorSpec>& tensors);
+
+// The granule (rows, as row_dims sees them) that keeps every logical block of
+// `blocks` whole: one block's rows when they are equal (rank boundaries at
+// block edges), else whole matrices (a 3-D stack seen as E*H rows: H; else the
+// whole tensor: kWholeTensor). Throws std::invalid_argument, naming the tensor,
+// when the blocks are not positive or do not sum to the matrices' rows.
+int64_t block_granule_rows(const std::string& name, const std::vector<int64_t>& shape,
+                           int row_dims, const std::vector<int64_t>& blocks);
 
 // Granules asked by several users of one tensor combine by lcm, capped at the
 // whole tensor (any lcm >= rows, or one that overflows, is kWholeTensor).

@@ -131,7 +131,22 @@ MuonLayout::MuonLayout(Comm* comm, std::vector<TensorShard> shards, std::vector<
     }
     // Every rank's rows: the ranks only agree that they hold the same parameters
     // and rows (one all-reduce of a hash; the first difference named on every rank).
-    const auto& split = split_sizes_[i];
+    auto& split = split_sizes_[i];
+    if (!p.blocks.empty()) {  // the plan's logical blocks: the split unless the group gives one
+      if (split.empty()) {
+        split = p.blocks;
+      } else if (split != p.blocks) {
+        const auto str = [](const std::vector<int64_t>& v) {
+          std::string out = "[";
+          for (size_t k = 0; k < v.size(); ++k) out += (k ? ", " : "") + std::to_string(v[k]);
+          return out + "]";
+        };
+        throw std::invalid_argument("Muon: parameter '" + p.name + "': its group's split_sizes " +
+                                    str(split) + " differ from the logical blocks its plan keeps "
+                                    "whole, " + str(p.blocks) + " (rfsdp.policy.muon(split=...)); "
+                                    "give one of them");
+      }
+    }
     if (!split.empty()) {  // blocks of each matrix's rows, summing to them
       const auto mats = matrices_of(p.shape);
       const int64_t rows = mats.empty() ? 0 : mats.front().rows;

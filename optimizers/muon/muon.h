@@ -94,7 +94,9 @@ class MuonLayout {
   // split_sizes (empty, or one per shard; empty: whole matrices): row counts
   // along each matrix's rows (a 3-D stack: each expert's), summing to them, each
   // block its own matrix for Newton–Schulz and the update's scale (heads, a
-  // fused QKV's logical matrices).
+  // fused QKV's logical matrices). A shard whose plan carries logical blocks
+  // (TensorShard::blocks) takes them where split_sizes gives none; both given
+  // and different is an error naming both.
   MuonLayout(Comm* comm, std::vector<TensorShard> shards, std::vector<int> ns_steps,
              std::vector<std::vector<int64_t>> split_sizes = {});
 

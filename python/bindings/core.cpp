@@ -21,17 +21,18 @@ rfsdp::PlannerOptions planner_options(int max_buffers, int64_t collective_cost_b
 
 // Plans from Python's spec list: [(name, shape, granule_rows (0 = whole), row_dims, dtype_bytes)].
 rfsdp::Plan plan_specs(const std::vector<std::tuple<std::string, std::vector<int64_t>, int64_t, int,
-                                                    int64_t>>& specs,
+                                                    int64_t, std::vector<int64_t>>>& specs,
                        int64_t world_size, int64_t align_bytes, int max_buffers,
                        int64_t collective_cost_bytes) {
   std::vector<rfsdp::TensorSpec> ts;
-  for (const auto& [name, shape, g, row_dims, bytes] : specs) {
+  for (const auto& [name, shape, g, row_dims, bytes, blocks] : specs) {
     rfsdp::TensorSpec t;
     t.name = name;
     t.shape = shape;
     t.granule_rows = g == 0 ? rfsdp::kWholeTensor : g;
     t.row_dims = row_dims;
     t.elem_bytes = bytes;
+    t.blocks = blocks;
     ts.push_back(t);
   }
   return rfsdp::plan_unit(ts, world_size, align_bytes,
@@ -91,16 +92,27 @@ void bind_core(py::module_& m) {
       .def_readonly("row_begin", &rfsdp::TensorShard::row_begin)
       .def_readonly("row_end", &rfsdp::TensorShard::row_end)
       .def_readonly("rank_rows", &rfsdp::TensorShard::rank_rows)
+      .def_readonly("blocks", &rfsdp::TensorShard::blocks)
       .def(py::pickle(
           [](const rfsdp::TensorShard& t) {
-            return py::make_tuple(t.name, t.shape, t.row_dims, t.row_begin, t.row_end, t.rank_rows);
+            return py::make_tuple(t.name, t.shape, t.row_dims, t.row_begin, t.row_end, t.rank_rows,
+                                  t.blocks);
           },
           [](const py::tuple& s) {
-            return rfsdp::TensorShard::rows_of(
+            rfsdp::TensorShard t = rfsdp::TensorShard::rows_of(
                 s[0].cast<std::string>(), s[1].cast<std::vector<int64_t>>(), s[2].cast<int>(),
                 s[3].cast<int64_t>(), s[4].cast<int64_t>(),
                 s[5].cast<std::vector<std::pair<int64_t, int64_t>>>());
+            if (s.size() > 6) t.blocks = s[6].cast<std::vector<int64_t>>();
+            return t;
           }));
+  m.def("block_granule_rows", [](const std::string& name, const std::vector<int64_t>& shape,
+                                 int row_dims, const std::vector<int64_t>& blocks) -> py::object {
+          const int64_t g = rfsdp::block_granule_rows(name, shape, row_dims, blocks);
+          return g == rfsdp::kWholeTensor ? py::object(py::str("whole")) : py::object(py::int_(g));
+        },
+        py::arg("name"), py::arg("shape"), py::arg("row_dims"), py::arg("blocks"),
+        "The granule (rows) that keeps every logical block of a tensor whole, or \"whole\"");
 
   // Every rank's lines equal, or a ValueError on every rank naming the first
   // difference (collective; fully_shard's agreement).

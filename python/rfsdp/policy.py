@@ -28,12 +28,15 @@ class Policy:
     granule_fn(name, param) or granule_fn(name, param, row_dims): the second form
     (the granule depends on what a row is, as an 8-bit block's does) is asked in
     the row_dims that the plan uses, which combine() may take from another policy.
-    row_dims_fn None: the policy has no preference (1 alone, any under combine)."""
+    row_dims_fn None: the policy has no preference (1 alone, any under combine).
+    blocks_fn(name, param) -> row counts or None: the parameter's logical blocks
+    (Muon's split), carried by the plan to the shards (TensorSpec::blocks)."""
 
-    def __init__(self, granule_fn, row_dims_fn=None):
+    def __init__(self, granule_fn, row_dims_fn=None, blocks_fn=None):
         import inspect
         self._granule = granule_fn
         self._row_dims = row_dims_fn
+        self._blocks = blocks_fn
         try:
             self._rows_aware = len(inspect.signature(granule_fn).parameters) >= 3
         except (TypeError, ValueError):
@@ -46,6 +49,11 @@ class Policy:
 
     def row_dims(self, name, param):
         return self._row_dims(name, param) if self._row_dims else 1
+
+    def blocks(self, name, param):
+        """The parameter's logical blocks (row counts), or None."""
+        b = self._blocks(name, param) if self._blocks else None
+        return None if b is None else [int(x) for x in b]
 
 
 def adamw():
@@ -81,7 +89,15 @@ def combine(*policies):
         if WHOLE in gs:
             return WHOLE
         return math.lcm(*gs)
-    return Policy(granule, row_dims if any(pol._row_dims for pol in policies) else None)
+
+    def blocks(name, p):
+        given = {tuple(b) for b in (pol.blocks(name, p) for pol in policies) if b is not None}
+        if len(given) > 1:
+            raise ValueError("policy.combine: parameter '%s' is given different logical blocks: %s"
+                             % (name, " and ".join(str(list(b)) for b in sorted(given))))
+        return list(given.pop()) if given else None
+    return Policy(granule, row_dims if any(pol._row_dims for pol in policies) else None,
+                  blocks if any(pol._blocks for pol in policies) else None)
 
 
 def shampoo(max_preconditioner_dim=1024):
@@ -116,30 +132,29 @@ def muon(whole=False, matrix=is_matrix, split=None):
     Ragged, a 3-D expert stack has rows of its last dim, so a boundary may cut an
     expert; whole, a row is one expert.
 
-    split: the logical blocks Muon orthogonalises apart (its groups' split_sizes),
-    as a dict {name: row counts} or a function (name, parameter) -> row counts or
-    None; their parameters are planned so that no rank boundary cuts a block:
-    boundaries every block when the blocks are equal (heads), else none inside
-    the tensor (a 2-D parameter; a 3-D stack: between experts). Each rank then
-    orthogonalises its blocks where they lie: the step moves nothing for them."""
+    split: the logical blocks Muon orthogonalises apart, as a dict {name: row
+    counts} or a function (name, parameter) -> row counts or None. The plan keeps
+    every block whole (boundaries at block edges when the blocks are equal, else
+    none inside a matrix: block_granule_rows) and carries the blocks to the
+    shards, where Muon takes them as the parameter's split_sizes when its group
+    gives none: each rank orthogonalises its blocks where they lie and the step
+    moves nothing for them."""
     def split_of(name, p):
-        if split is None or not matrix(name, p):
+        if split is None or not matrix(name, p) or p.dim() < 2:
             return None
         s = split.get(name) if isinstance(split, dict) else split(name, p)
         return None if s is None else [int(x) for x in s]
-
-    def granule(name, p):
-        s = split_of(name, p)
-        if s is not None and p.dim() == 2:
-            return s[0] if len(set(s)) == 1 else WHOLE
-        if s is not None and p.dim() == 3:  # rows of 2 dims: blocks of each expert's rows
-            return s[0] if len(set(s)) == 1 else p.shape[1]
-        if not whole or not matrix(name, p):
-            return 1
-        return 1 if p.dim() == 3 else WHOLE
 
     def row_dims(name, p):
         if split_of(name, p) is not None and p.dim() == 3:
             return 2
         return 2 if p.dim() == 3 and not whole and matrix(name, p) else 1
-    return Policy(granule, row_dims)
+
+    def granule(name, p):
+        s = split_of(name, p)
+        if s is not None:
+            return _C.block_granule_rows(name, list(p.shape), row_dims(name, p), s)
+        if not whole or not matrix(name, p):
+            return 1
+        return 1 if p.dim() == 3 else WHOLE
+    return Policy(granule, row_dims, split_of if split is not None else None)

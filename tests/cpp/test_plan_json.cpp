@@ -6,6 +6,7 @@
 #include <stdexcept>
 
 #include "core/ragged/plan_json.h"
+#include "core/ragged/tensor_shard.h"
 #include "core/ragged/planner.h"
 
 namespace rfsdp {
@@ -34,6 +35,30 @@ void expect_parse_error(const std::string& text, const std::string& needle) {
     const std::string msg = e.what();
     EXPECT_NE(msg.find(needle), std::string::npos) << msg;
   }
+}
+
+// Logical blocks (Muon's split) travel through the JSON, the plan keeps them
+// whole (a granule that would cut one is refused, naming the one to use), and
+// every rank's shard carries them.
+TEST(PlanJson, LogicalBlocksTravelToTheShardsAndAreNeverCut) {
+  const auto unit = unit_from_json(R"([
+    {"name": "qkv", "shape": [48, 16], "granule_rows": "whole", "dtype_bytes": 4, "blocks": [32, 8, 8]},
+    {"name": "heads", "shape": [32, 16], "granule_rows": 8, "dtype_bytes": 4, "blocks": [8, 8, 8, 8]},
+    {"name": "b", "shape": [16], "granule_rows": 1, "dtype_bytes": 4}])");
+  ASSERT_EQ(unit[0].blocks, (std::vector<int64_t>{32, 8, 8}));
+  const Plan p = plan_unit(unit, 3);
+  const auto j = nlohmann::json::parse(plan_to_json(p));
+  EXPECT_EQ(j["tensors"][1]["blocks"], nlohmann::json::parse("[8, 8, 8, 8]"));
+  EXPECT_FALSE(j["tensors"][2].contains("blocks"));
+  for (int64_t r = 0; r < 3; ++r) {
+    const TensorShard s = TensorShard::of_plan(p, 1, r);
+    EXPECT_EQ(s.blocks, (std::vector<int64_t>{8, 8, 8, 8}));
+    EXPECT_EQ(s.row_begin % 8, 0);
+  }
+  EXPECT_THROW(unit_from_json(R"([{"name": "w", "shape": [16, 4], "granule_rows": 4,
+                                   "dtype_bytes": 4, "blocks": [8, 8]}])"), std::invalid_argument);
+  EXPECT_THROW(unit_from_json(R"([{"name": "w", "shape": [16, 4], "granule_rows": 8,
+                                   "dtype_bytes": 4, "blocks": [8, 6]}])"), std::invalid_argument);
 }
 
 TEST(PlanJson, BadInput) {

@@ -46,16 +46,18 @@ def gradients(seed, model):
             for _ in range(STEPS)]
 
 
-def run(seed, policy, steps=STEPS, mesh=None, **muon):
+def run(seed, policy, steps=STEPS, mesh=None, group_split=True, **muon):
     """Muon (split by group; muon: more settings) over a fully_shard model planned
-    by `policy` (mesh: HSDP's): its full parameters after `steps` steps, the
+    by `policy` (mesh: HSDP's; group_split=False: the groups give no split_sizes,
+    Muon takes the plan's blocks): its full parameters after `steps` steps, the
     elements this rank sends per step and the number of matrices."""
     model = Blocks(seed)
     full_shapes = {n: p.shape for n, p in model.named_parameters()}
     grads = gradients(seed, model)[:steps]
     rfsdp.fully_shard(model, policy=policy, mesh=mesh)
     named = dict(model.named_parameters())
-    groups = [dict(params=[named[n]], split_sizes=list(split)) for n, (_, split) in BLOCKS.items()]
+    groups = [dict(params=[named[n]], split_sizes=list(split) if group_split else None)
+              for n, (_, split) in BLOCKS.items()]
     groups.append(dict(params=[named["bias"]], use_muon=False))
     opt = rfsdp.optim.Muon(groups, **HYPER, **muon)
     for g in grads:
@@ -89,6 +91,7 @@ def run_fsdp2(seed, world):
 def worker(rank, world, seed):
     split = {n: list(s) for n, (_, s) in BLOCKS.items()}
     return {"kept": run(seed, rfsdp.policy.muon(split=split)),
+            "plan": run(seed, rfsdp.policy.muon(split=split), group_split=False),
             "cut": run(seed, rfsdp.policy.muon()),
             "fsdp2": run_fsdp2(seed, world)}
 
@@ -134,7 +137,7 @@ def test_split_blocks_equal_the_float64_muon_that_splits_by_hand(world):
     got = run_ranks(worker, world, seed)
     want, unsplit = reference(seed), reference(seed, split=False)
     blocks = sum(len(s) * (shape[0] if len(shape) == 3 else 1) for shape, s in BLOCKS.values())
-    for case in ("kept", "cut", "fsdp2"):
+    for case in ("kept", "plan", "cut", "fsdp2"):
         for rank in range(world):
             params, sent, matrices = got[rank][case]
             assert matrices == blocks, (case, matrices)
@@ -143,7 +146,7 @@ def test_split_blocks_equal_the_float64_muon_that_splits_by_hand(world):
                                            msg=lambda m: "%s %s rank %d of %d (seed %d): %s"
                                            % (case, n, rank, world, seed, m))
     # The plan that keeps blocks whole moves nothing; the plain one cuts some.
-    assert all(r["kept"][1] == 0 for r in got)
+    assert all(r["kept"][1] == 0 and r["plan"][1] == 0 for r in got)
     if world > 1:
         assert sum(r["cut"][1] for r in got) > 0 and sum(r["fsdp2"][1] for r in got) > 0
     # (The test can fail: orthogonalising whole matrices is far from splitting them.)
@@ -174,3 +177,31 @@ def test_a_state_dict_with_another_split_is_refused_and_a_changed_split_is_follo
     a.param_groups[0]["split_sizes"] = [6, 6]  # followed at the next step: the layout is rebuilt
     a.step()
     assert [m["rows"] for m in a.layout.matrices()] == [6, 6]
+
+
+def test_the_plan_carries_the_blocks_and_a_group_that_disagrees_is_an_error(one_rank):
+    model = Blocks(0)
+    split = {n: list(s) for n, (_, s) in BLOCKS.items()}
+    rfsdp.fully_shard(model, policy=rfsdp.policy.muon(split=split))
+    named = dict(model.named_parameters())
+    for n, s in split.items():
+        assert list(rfsdp.fsdp.dtensor.info_of(n, named[n]).shard.blocks) == s, n
+    assert list(rfsdp.fsdp.dtensor.info_of("bias", named["bias"]).shard.blocks) == []
+    with pytest.raises(ValueError, match="'qkv': its group's split_sizes \\[16, 16, 16\\] differ "
+                                         "from the logical blocks its plan keeps whole, \\[32, 8, 8\\]"):
+        rfsdp.optim.Muon([dict(params=[named["qkv"]], split_sizes=[16, 16, 16])])
+    # Policies that give one parameter different blocks do not combine.
+    a = rfsdp.policy.muon(split={"w": [4, 4]})
+    b = rfsdp.policy.muon(split={"w": [2, 6]})
+    with pytest.raises(ValueError, match="different logical blocks"):
+        rfsdp.policy.combine(a, b).blocks("w", torch.zeros(8, 3))
+
+
+def test_a_granule_that_would_cut_a_block_is_refused_by_the_planner():
+    # (the blocks' own granule is 8 rows; 4 would put a boundary inside a block)
+    with pytest.raises(ValueError, match="inside one of its logical blocks; use 8"):
+        rfsdp._C.plan_specs([("w", [16, 4], 4, 1, 4, [8, 8])], 2)
+    assert rfsdp._C.block_granule_rows("w", [48, 16], 1, [32, 8, 8]) == "whole"
+    assert rfsdp._C.block_granule_rows("e", [2, 12, 16], 2, [4, 8]) == 12
+    assert rfsdp._C.block_granule_rows("h", [32, 16], 1, [8] * 4) == 8
+    rfsdp._C.plan_specs([("w", [16, 4], 16, 1, 4, [8, 8]), ("v", [16, 4], 8, 1, 4, [8, 8])], 2)

@@ -156,7 +156,8 @@ class Unit:
             fqn = uses[0][2]
             g = pol.granule(fqn, p)
             specs.append((fqn, list(p.shape), 0 if g == policy_mod.WHOLE else g,
-                          pol.row_dims(fqn, p) if p.dim() > 0 else 1, dtype_bytes))
+                          pol.row_dims(fqn, p) if p.dim() > 0 else 1, dtype_bytes,
+                          pol.blocks(fqn, p) or []))
         self.plan = _C.plan_specs(specs, pg.size(), 16, planner.max_buffers,
                                   planner.collective_cost_bytes)
         self.comm = comm  # kept: rfsdp closes it at exit (see _comm)
