@@ -48,7 +48,12 @@ SOAPOptions options() {
   o.beta1 = 0.9;
   o.beta2 = 0.95;
   o.shampoo_beta = 0.9;
-  o.eps = 1e-8;
+  // Not SOAP's 1e-8: fp32 rotations leave an absolute error of ~1e-7 |m| in each
+  // entry of Q^T m Q, which m' / (sqrt(v) + eps) amplifies where m' and v are both
+  // tiny (1 in ~75 random seeds put an error of 5e-3 of the displacement there with
+  // 1e-8, in the old code as in the new). With 1e-4 the amplification is bounded
+  // and the comparison is of the algorithm, not of rounding.
+  o.eps = 1e-4;
   o.weight_decay = 0.05;
   return o;
 }

@@ -205,3 +205,24 @@ def test_a_granule_that_would_cut_a_block_is_refused_by_the_planner():
     assert rfsdp._C.block_granule_rows("e", [2, 12, 16], 2, [4, 8]) == 12
     assert rfsdp._C.block_granule_rows("h", [32, 16], 1, [8] * 4) == 8
     rfsdp._C.plan_specs([("w", [16, 4], 16, 1, 4, [8, 8]), ("v", [16, 4], 8, 1, 4, [8, 8])], 2)
+
+
+def test_a_checkpoint_saved_with_another_split_is_refused_naming_both(one_rank, tmp_path):
+    import rfsdp.checkpoint as ckpt
+    torch.manual_seed(0)
+
+    def built(split):
+        model = nn.Linear(4, 12, bias=False)
+        rfsdp.fully_shard(model)
+        opt = rfsdp.optim.Muon([dict(params=list(model.parameters()), split_sizes=split)])
+        return model, opt
+    model, opt = built([4, 8])
+    model(torch.randn(3, 4)).sum().backward()
+    opt.step()
+    ckpt.save(str(tmp_path / "c"), model, opt)
+    again, opt2 = built([6, 6])
+    with pytest.raises(ckpt.CheckpointError, match="split_sizes=\\[4, 8\\], this optimizer has \\[6, 6\\]"):
+        ckpt.load(str(tmp_path / "c"), again, opt2)
+    same, opt3 = built([4, 8])
+    ckpt.load(str(tmp_path / "c"), same, opt3)  # the same split loads
+    assert torch.equal(rfsdp.full_parameters(same)["weight"], rfsdp.full_parameters(model)["weight"])
