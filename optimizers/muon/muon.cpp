@@ -345,38 +345,40 @@ void muon_step_from_updates(Comm* comm, const MuonLayout& layout,
   }
   gate.agree();
   commit();
-  // 4. A matrix held whole here (not replicated) takes its result where it lies:
-  // p <- p (1 - lr wd) - lr scale o, o in ns_dtype as Newton-Schulz left it (no
-  // copies). The others: every rank's pieces of the scaled results back (one
-  // all-to-all), then p <- p (1 - lr wd) - lr o.
+  // 4. p <- p (1 - lr wd) - (lr scale) o, every matrix by the same arithmetic
+  // (torch.optim.Muon's): one held whole here (not replicated) where it lies, o
+  // as Newton-Schulz left it (no copies); the others' pieces back through the
+  // scatter (one all-to-all), each added with its own matrix's scale.
   for (size_t i = 0; i < P; ++i) {
     const MuonHyper& h = hyper[i];
     if (h.weight_decay != 0.0) params[i].view(-1).mul_(1.0 - h.lr * h.weight_decay);
   }
+  const auto alpha = [&](const MuonMatrix& m) {
+    return -hyper[m.param].lr * muon_update_scale(m.rows, m.cols, hyper[m.param].adjust_lr);
+  };
+  const auto direct = [&](size_t k) { return ex.held_whole_here(k) && !mats[k].replicated; };
   std::vector<at::Tensor> results(mats.size()), o(P);
-  std::vector<bool> scattered(P, false);  // a parameter some result reaches through the scatter
   for (auto& [k, o_mat] : own) {
     const MuonMatrix& mat = mats[k];
-    const MuonHyper& h = hyper[mat.param];
-    const double scale = muon_update_scale(mat.rows, mat.cols, h.adjust_lr);
-    if (ex.held_whole_here(k) && !mat.replicated) {
-      const int64_t at = ex.units()[k].begin - layout.shards()[mat.param].row_begin *
-                                                   layout.shards()[mat.param].row_len;
-      params[mat.param].view(-1).narrow(0, at, mat.rows * mat.cols).view({mat.rows, mat.cols})
-          .add_(o_mat, -h.lr * scale);
+    if (!direct(k)) {
+      results[k] = o_mat.to(at::kFloat).reshape(-1);
       continue;
     }
-    results[k] = o_mat.to(at::kFloat).reshape(-1).mul_(scale);
+    const TensorShard& s = layout.shards()[mat.param];
+    params[mat.param].view(-1).narrow(0, mat.offset - s.row_begin * s.row_len, mat.rows * mat.cols)
+        .view({mat.rows, mat.cols}).add_(o_mat, alpha(mat));
   }
   for (size_t k = 0; k < mats.size(); ++k) {
-    if (!(ex.held_whole_here(k) && !mats[k].replicated)) scattered[mats[k].param] = true;
-  }
-  for (size_t i = 0; i < P; ++i) {
-    if (scattered[i]) o[i] = at::zeros_like(flat[i]);
+    if (!direct(k) && !o[mats[k].param].defined()) o[mats[k].param] = at::empty_like(flat[mats[k].param]);
   }
   ex.scatter(group, results, {o});
-  for (size_t i = 0; i < P; ++i) {
-    if (scattered[i]) params[i].view(-1).add_(o[i], -hyper[i].lr);
+  for (size_t k = 0; k < mats.size(); ++k) {  // this rank's rows of each scattered matrix
+    const MuonMatrix& mat = mats[k];
+    if (direct(k)) continue;
+    const TensorShard& s = layout.shards()[mat.param];
+    const int64_t e0 = s.row_begin * s.row_len, e1 = s.row_end * s.row_len;
+    const int64_t b = std::max(mat.offset, e0), e = std::min(mat.offset + mat.rows * mat.cols, e1);
+    if (e > b) params[mat.param].view(-1).narrow(0, b - e0, e - b).add_(o[mat.param].narrow(0, b - e0, e - b), alpha(mat));
   }
 }
 
