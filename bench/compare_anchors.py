@@ -544,18 +544,20 @@ def dion_path(args):
     return None
 
 
-def muon_float64(init, grads, lr, wd, mu=0.95):
+def muon_float64(init, grads, lr, wd, mu=0.95, splits=None):
     """One-device Muon in float64: momentum, Nesterov, the quintic, lr scaled by
     0.2 sqrt(max(rows, cols)) (rfsdp's match_rms_adamw, dion's rms_norm),
-    p *= 1 - lr wd."""
+    p *= 1 - lr wd; splits {index: row counts}: those matrices per row block."""
     ps = [w.double().clone() for w in init]
     bufs = [torch.zeros_like(p) for p in ps]
     for step in grads:
-        for p, b, g in zip(ps, bufs, step):
+        for i, (p, b, g) in enumerate(zip(ps, bufs, step)):
             g = g.double()
             b.mul_(mu).add_(g)
-            o = newton_schulz(g + mu * b)
-            p.mul_(1 - lr * wd).add_(o, alpha=-lr * 0.2 * math.sqrt(max(p.shape)))
+            p.mul_(1 - lr * wd)
+            rows = (splits or {}).get(i, [p.shape[0]])
+            for pb, ub in zip(p.split(rows), (g + mu * b).split(rows)):
+                pb.add_(newton_schulz(ub), alpha=-lr * 0.2 * math.sqrt(max(pb.shape)))
     return ps
 
 
@@ -573,7 +575,11 @@ def dion_worker(args):
     init = muon_matrices(args.dim, 2, 1)
     torch.manual_seed(2)  # the same gradients on every rank
     grads = [[torch.randn_like(w) for w in init] for _ in range(steps)]
-    want = muon_float64(init, grads, lr, wd)
+    # Per-block: every (3d, d) fused QKV as its q, k and v (rfsdp's and dion's split_sizes).
+    qkv = [i for i, w in enumerate(init) if w.shape[0] == 3 * w.shape[1]]
+    split = [args.dim] * 3
+    want = {False: muon_float64(init, grads, lr, wd),
+            True: muon_float64(init, grads, lr, wd, splits={i: split for i in qkv})}
     sent = [0]  # bytes dion's collectives send (their inputs), per step
     single, gather = dist.all_to_all_single, dist.all_gather
 
@@ -607,7 +613,18 @@ def dion_worker(args):
         "dion (defaults)": lambda ps: dion.Muon(ps, distributed_mesh=mesh, lr=lr, mu=0.95,
                                                 weight_decay=wd, nesterov=True,
                                                 adjust_lr="rms_norm"),
+        "rfsdp per-block": lambda ps: rfsdp.optim.Muon(
+            by_block(ps, tuple(split)), lr=lr, weight_decay=wd, momentum=0.95, nesterov=True,
+            adjust_lr="match_rms_adamw", ns_dtype=torch.float32),
+        "dion per-block (quintic fp32)": lambda ps: dion.Muon(
+            by_block(ps, tuple(split)), distributed_mesh=mesh, lr=lr, mu=0.95, weight_decay=wd,
+            nesterov=True, adjust_lr="rms_norm", use_polar_express=False,
+            newton_schulz_func=newton_schulz),
     }
+
+    def by_block(ps, sizes):  # the QKV matrices in a group with split_sizes, the rest in one
+        return [dict(params=[ps[i] for i in qkv], split_sizes=sizes),
+                dict(params=[p for i, p in enumerate(ps) if i not in qkv])]
     out = {}
     for name, make in variants.items():
         model = _Matrices(init)
@@ -618,15 +635,16 @@ def dion_worker(args):
         for s in range(steps):
             for p, g in zip(ps, grads[s]):
                 p.grad = distribute_tensor(g, mesh, [Shard(0)])
-            if name == "rfsdp":
+            if name.startswith("rfsdp"):
                 opt.comm.reset_stats()
             sent[0] = 0
             dist.barrier()
             t0 = time.perf_counter()
             opt.step()
             times.append(time.perf_counter() - t0)
-            bytes_per.append(opt.comm.stats()["bytes_sent"] if name == "rfsdp" else sent[0])
-        worst = max((p.full_tensor().double() - w).abs().max().item() for p, w in zip(ps, want))
+            bytes_per.append(opt.comm.stats()["bytes_sent"] if name.startswith("rfsdp") else sent[0])
+        worst = max((p.full_tensor().double() - w).abs().max().item()
+                    for p, w in zip(ps, want["per-block" in name]))
         out[name] = dict(step_ms=median_ms(times[warm:]), sent=statistics.median(bytes_per[warm:]),
                          worst=worst, times_ms=[round(t * 1e3, 1) for t in times])
     rows = [None] * world
@@ -651,15 +669,16 @@ def section_dion(args):
                      "--dion", path])
         with open(out) as f:
             rows = json.load(f)
-    print("%-22s %9s %9s %14s %18s" % ("", "step ms", "/ rfsdp", "sent MiB/step",
+    print("%-30s %9s %9s %14s %18s" % ("", "step ms", "/ rfsdp", "sent MiB/step",
                                        "max |p - f64 Muon|"))
     base = max(r["rfsdp"]["step_ms"] for r in rows)
     for name in rows[0]:
         ms = max(r[name]["step_ms"] for r in rows)
-        print("%-22s %9.1f %8.2fx %14.2f %18.3g" % (
+        print("%-30s %9.1f %8.2fx %14.2f %18.3g" % (
             name, ms, ms / base, max(r[name]["sent"] for r in rows) / MIB, rows[0][name]["worst"]))
     print("f64 Muon: momentum 0.95 with Nesterov, the quintic %s, lr x 0.2 sqrt(max(rows, cols)), "
-          "decoupled weight decay. dion (quintic fp32): its Muon with that Newton-Schulz passed "
+          "decoupled weight decay (per-block rows: against the f64 Muon that splits every fused "
+          "QKV into its q, k and v, each scaled by its own rows). dion (quintic fp32): its Muon with that Newton-Schulz passed "
           "in (computing in fp32); it sends its updates in bf16 (its design). dion (defaults): Polar Express "
           "coefficients in bf16 (bf16 matmuls: slow on this CPU), a different algorithm. Sent: rfsdp's Comm; dion's collectives' "
           "inputs, counted in the worker (Gloo has no list all_to_all: the worker runs dion's as "
