@@ -375,11 +375,6 @@ std::vector<std::pair<std::string, at::Tensor>> AdamW8bit::state(size_t i) const
 NamedState AdamW8bit::requantized_state(size_t i, const AdamW8bitConfig& saved_config,
                                         const NamedState& full) const {
   const ParamShard& p = params_.at(i);
-  const auto live = state(i);
-  const auto numel_of = [&](const std::string& name) {
-    for (const auto& [n, t] : live) if (n == name) return t.numel();
-    return int64_t{0};
-  };
   NamedState out;
   const struct { const char *codes, *scales, *moment; bool is_signed; } moments[] = {
       {"q1", "absmax1", "exp_avg", true}, {"q2", "absmax2", "exp_avg_sq", false}};
@@ -402,7 +397,7 @@ NamedState AdamW8bit::requantized_state(size_t i, const AdamW8bitConfig& saved_c
     const quant::Quantized q = quant::quantize_blockwise(whole, code, block_, p.row_len,
                                                          /*keep_nonzero=*/!m.is_signed);
     out[m.codes] = rows_here(p, q.codes);
-    out[m.scales] = q.absmax.reshape(-1).narrow(0, q_[i].span.first, numel_of(m.scales)).clone();
+    out[m.scales] = q.absmax.reshape(-1).narrow(0, q_[i].span.first, q_[i].absmax1.numel()).clone();
   }
   return out;
 }

@@ -1,5 +1,7 @@
 #include "optimizers/common/sharded_optimizer.h"
 
+#include <algorithm>
+
 #include <stdexcept>
 
 namespace rfsdp {
@@ -193,6 +195,25 @@ void ShardedOptimizer::step_refused(const std::string& message, bool invalid_arg
   run_step_in_fp32(gate, {});
   gate.agree();  // (where run_step did not reach it) throws the agreed error
   throw std::logic_error("step_refused: the gate let a refused step through");
+}
+
+NamedState ShardedOptimizer::saved_as_kept(size_t i, const NamedState& full,
+                                           const std::vector<std::string>& names) const {
+  const auto live = state(i);
+  const auto layouts = state_layout(i);
+  const ParamShard& p = params_.at(i);
+  NamedState out;
+  for (const std::string& n : names) {
+    const auto t = std::find_if(live.begin(), live.end(), [&](const auto& x) { return x.first == n; });
+    const auto l = std::find_if(layouts.begin(), layouts.end(), [&](const auto& x) { return x.name == n; });
+    if (t == live.end() || l == layouts.end()) {
+      throw std::logic_error(std::string(name()) + ": no state '" + n + "' of parameter '" + p.name + "'");
+    }
+    const at::Tensor& whole = saved(full, n, name(), p);
+    out[n] = l->kind == StateLayout::Kind::kRows ? rows_here(p, whole).view(t->second.sizes())
+                                                 : piece_here(whole, *l, t->second.numel());
+  }
+  return out;
 }
 
 }  // namespace rfsdp

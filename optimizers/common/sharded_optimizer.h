@@ -103,6 +103,12 @@ class ShardedOptimizer {
   virtual void resize_groups(size_t n) = 0;
   // The parameter's name and where its shard lies, for messages.
   std::string who(size_t i) const;
+  // For requantized_state: this rank's part of the saved states `names` of
+  // parameter i, kept as saved (full: a checkpoint's whole state of it): its
+  // rows, shaped like the live tensor, or its piece of the sequence as
+  // state_layout places it, as long as the live tensor.
+  NamedState saved_as_kept(size_t i, const NamedState& full,
+                           const std::vector<std::string>& names) const;
   // Options of a float32 state tensor shaped like parameter i, on its device.
   at::TensorOptions state_options(size_t i) const {
     return params_.at(i).param.options().dtype(at::kFloat);

@@ -136,15 +136,10 @@ MuonLayout::MuonLayout(Comm* comm, std::vector<TensorShard> shards, std::vector<
       if (split.empty()) {
         split = p.blocks;
       } else if (split != p.blocks) {
-        const auto str = [](const std::vector<int64_t>& v) {
-          std::string out = "[";
-          for (size_t k = 0; k < v.size(); ++k) out += (k ? ", " : "") + std::to_string(v[k]);
-          return out + "]";
-        };
         throw std::invalid_argument("Muon: parameter '" + p.name + "': its group's split_sizes " +
-                                    str(split) + " differ from the logical blocks its plan keeps "
-                                    "whole, " + str(p.blocks) + " (rfsdp.policy.muon(split=...)); "
-                                    "give one of them");
+                                    shape_to_string(split) + " differ from the logical blocks its "
+                                    "plan keeps whole, " + shape_to_string(p.blocks) +
+                                    " (rfsdp.policy.muon(split=...)); give one of them");
       }
     }
     if (!split.empty()) {  // blocks of each matrix's rows, summing to them
@@ -524,14 +519,9 @@ std::vector<std::pair<std::string, at::Tensor>> Muon::state(size_t i) const {
 
 NamedState Muon::requantized_state(size_t i, const MuonOptions& saved_options,
                                    const NamedState& full) const {
+  if (!uses_muon(i)) return saved_as_kept(i, full, {"exp_avg", "exp_avg_sq"});
   const ParamShard& p = params_.at(i);
   NamedState out;
-  if (!uses_muon(i)) {
-    for (const char* m : {"exp_avg", "exp_avg_sq"}) {
-      out[m] = rows_here(p, saved(full, m, name(), p)).view(p.param.sizes());
-    }
-    return out;
-  }
   at::Tensor whole;  // the flattened global tensor's momentum, fp32
   if (full.count("momentum_codes")) {
     whole = quant::dequantize_blockwise(

@@ -369,18 +369,11 @@ std::vector<std::pair<std::string, at::Tensor>> Shampoo::state(size_t i) const {
 NamedState Shampoo::requantized_state(size_t i, const ShampooConfig& saved_config,
                                       const NamedState& full) const {
   const ParamShard& p = params_.at(i);
-  NamedState out;
-  for (const char* m : {"exp_avg", "exp_avg_sq"}) {
-    out[m] = rows_here(p, saved(full, m, name(), p)).view(p.param.sizes());
-  }
-  if (!precondition_.at(i)) return out;
-  const ParamState& st = state_[i];
+  if (!precondition_.at(i)) return saved_as_kept(i, full, {"exp_avg", "exp_avg_sq"});
+  // Moments, factors and failure counts as saved; the roots as this one keeps them.
+  NamedState out = saved_as_kept(
+      i, full, {"exp_avg", "exp_avg_sq", "factor_left", "factor_right", "root_failures"});
   const TileRange r = tile_range(p, config_.max_preconditioner_dim);
-  for (const StateLayout& l : state_layout(i)) {  // factors and failure counts: as saved
-    const at::Tensor live = l.name == "factor_left" ? st.left : l.name == "factor_right" ? st.right
-                          : l.name == "root_failures" ? st.failures : at::Tensor();
-    if (live.defined()) out[l.name] = piece_here(saved(full, l.name, name(), p), l, live.numel());
-  }
   for (bool left : {true, false}) {
     const std::string side = left ? "root_left" : "root_right";
     const auto n_of = [left](const Tile& t) { return left ? t.rows : t.cols; };

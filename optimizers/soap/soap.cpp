@@ -413,32 +413,18 @@ std::vector<std::pair<std::string, at::Tensor>> SOAP::state(size_t i) const {
 
 NamedState SOAP::requantized_state(size_t i, const SOAPConfig& saved_config,
                                    const NamedState& full) const {
+  if (!precondition_.at(i)) return saved_as_kept(i, full, {"exp_avg", "exp_avg_sq"});  // Adam alone
   const ParamShard& p = params_.at(i);
-  NamedState out;
-  if (!precondition_.at(i)) {  // Adam alone (fp32 moments)
-    for (const char* m : {"exp_avg", "exp_avg_sq"}) {
-      out[m] = rows_here(p, saved(full, m, name(), p)).view(p.param.sizes());
-    }
-    return out;
-  }
-  const ParamState& st = state_[i];
   const TileRange r = tile_range(p, config_.max_preconditioner_dim);
-  std::map<std::string, StateLayout> layout;
-  for (const StateLayout& l : state_layout(i)) layout[l.name] = l;
-  for (const char* f : {"factor_left", "factor_right"}) {
-    out[f] = piece_here(saved(full, f, name(), p), layout[f], (f[7] == 'l' ? st.left : st.right).numel());
-  }
+  NamedState out = saved_as_kept(i, full, {"factor_left", "factor_right"});  // as saved
   const bool saved_8bit = full.count("exp_avg_codes") > 0, live_8bit = eight_bit(i);
   const int64_t e0 = p.row_begin * p.row_len;
   for (const bool second : {false, true}) {
     const std::string m = second ? "exp_avg_sq" : "exp_avg";
     const at::Tensor code = quant::dynamic_map(/*is_signed=*/!second);
-    if (saved_8bit == live_8bit && !live_8bit) {
-      out[m] = rows_here(p, saved(full, m, name(), p)).view(p.param.sizes());
-    } else if (saved_8bit == live_8bit) {
-      out[m + "_codes"] = rows_here(p, saved(full, m + "_codes", name(), p)).view(p.param.sizes());
-      out[m + "_absmax"] = piece_here(saved(full, m + "_absmax", name(), p), layout[m + "_absmax"],
-                                      (second ? st.va : st.ma).numel());
+    if (saved_8bit == live_8bit) {  // kept alike: as saved
+      out.merge(saved_as_kept(i, full, live_8bit ? std::vector<std::string>{m + "_codes", m + "_absmax"}
+                                                 : std::vector<std::string>{m}));
     } else if (saved_8bit) {  // decoded whole (one scale per tile row), this rank's rows
       const at::Tensor codes = saved(full, m + "_codes", name(), p).reshape(-1).contiguous();
       const at::Tensor absmax = saved(full, m + "_absmax", name(), p).reshape(-1);

@@ -505,13 +505,12 @@ def _check_against(path, meta, entries, want_optim):
 def _check_settings(path, saved, optimizer):
     now = optimizer.settings()
     if saved != now:
+        movable = sorted(optimizer.requantizable())
         raise CheckpointError(
             "checkpoint %s: the optimizer was %s, this one is %s: build it with the saved "
-            "settings (8-bit blocks, Shampoo tiles and the like shape the states), or, for "
-            "AdamW8bit's block and min_8bit_size, Muon's momentum_dtype, momentum_block and "
-            "momentum_map, or Shampoo's and SOAP's basis_dtype, basis_block and basis_map (and "
-            "SOAP's state_dtype), load with requantize=True. Nothing was loaded"
-            % (path, saved, now))
+            "settings (8-bit blocks, Shampoo tiles and the like shape the states)%s. Nothing was "
+            "loaded" % (path, saved, now, ", or, where only %s differ, load with requantize=True"
+                        % ", ".join(movable) if movable else ""))
 
 
 def _requantized(path, sd, fqn, p, saved, optimizer):

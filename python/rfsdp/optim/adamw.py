@@ -57,6 +57,3 @@ class AdamW8bit(AdamW):
         their scales are agreed in one all-reduce a step; 0 means none."""
         self._bind()
         return self._impl.shared_blocks()
-
-    def settings(self):
-        return dict(super().settings(), **self.config.settings())

@@ -149,6 +149,10 @@ class _OverCpp(torch.optim.Optimizer):
     def _all_params(self):
         return [p for g in self.param_groups for p in g["params"]]
 
+    def _group_of(self):
+        """{id(parameter): its param group}."""
+        return {id(p): g for g in self.param_groups for p in g["params"]}
+
     def _bind(self, force=False):
         params = self._all_params()
         old = getattr(self, "_bound_params", None)
@@ -318,9 +322,13 @@ class _OverCpp(torch.optim.Optimizer):
     # ---- the checkpoint protocol ----
 
     def settings(self):
-        """What shapes this optimizer's states beyond its parameters, as JSON values:
-        a checkpoint keeps it and refuses to load into an optimizer whose settings differ."""
-        return {"type": type(self).__name__}
+        """What shapes this optimizer's states beyond its parameters, as JSON values
+        (its type and its C++ config's settings): a checkpoint keeps it and refuses
+        to load into an optimizer whose settings differ."""
+        out = {"type": type(self).__name__}
+        if self._config_class is not None:
+            out.update(self.config.settings())
+        return out
 
     # The C++ config class of the settings that shape the state (None: no settings
     # to move between): builds from settings(), less "type".

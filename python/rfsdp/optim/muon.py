@@ -105,11 +105,8 @@ class Muon(_OverCpp):
         self._set_groups(process_group, timeout_seconds)
         self._bind()
 
-    def settings(self):
-        return dict(super().settings(), **self.config.settings())
-
     def _parts(self, params):
-        group_of = {id(p): g for g in self.param_groups for p in g["params"]}
+        group_of = self._group_of()
         use = [_takes_muon(group_of[id(p)], p) for p in params]
         # One C++ optimizer over both parts: one step, one agreement all-reduce
         # (NaN/Inf gradients and Newton-Schulz failures), so neither changes alone.

@@ -87,11 +87,8 @@ class Shampoo(_Tiled):
         self._set_groups(process_group, timeout_seconds)
         self._bind()
 
-    def settings(self):
-        return dict(super().settings(), **self.config.settings())
-
     def _parts(self, params):
-        group_of = {id(p): g for g in self.param_groups for p in g["params"]}
+        group_of = self._group_of()
         self._impl = _C.Shampoo([_shard_spec(i, p) for i, p in enumerate(params)],
                                 [bool(group_of[id(p)]["use_shampoo"]) for p in params],
                                 self.config, self.comm)
