@@ -361,10 +361,10 @@ void bind_optimizers(py::module_& m) {
                                            "eps(float32) for an n x n factor), got " +
                                            py::repr(rank_rtol).cast<std::string>());
              }
-             int bits = 0;
+             int bits = 0;  // (None: packed roots; a dtype is no code name: refused)
              const char* basis_allowed = "None (roots in factor_dtype), \"int8\" or \"int4\"";
-             if (dtype_arg(basis_dtype, who, "basis_dtype", basis_allowed, at::kByte, &bits) != at::kByte ||
-                 (!basis_dtype.is_none() && bits == 0)) {
+             dtype_arg(basis_dtype, who, "basis_dtype", basis_allowed, at::kByte, &bits);
+             if (!basis_dtype.is_none() && bits == 0) {
                throw std::invalid_argument(std::string(who) + ": basis_dtype must be " + basis_allowed +
                                            ", got " + py::repr(basis_dtype).cast<std::string>());
              }

@@ -4,6 +4,7 @@ import warnings
 import torch
 
 from .. import _C
+from ..policy import is_matrix
 from .base import _OverCpp, _shard_spec
 
 
@@ -81,7 +82,7 @@ class Muon(_OverCpp):
             groups = [dict(params=groups)]
         groups = [dict(g) for g in groups]
         for g in groups:
-            if "use_muon" in g and g["use_muon"] is not None and not g["use_muon"]:
+            if g.get("use_muon") is not None and not g["use_muon"]:
                 for k, v in self.AUX_DEFAULTS.items():
                     g.setdefault(k, v)
         # use_muon None (a group that does not say): matrices Muon, the rest AdamW
@@ -89,7 +90,7 @@ class Muon(_OverCpp):
                                       ns_steps=ns_steps, weight_decay=weight_decay,
                                       adjust_lr=adjust_lr, use_muon=None, split_sizes=None))
         auto = sum(1 for g in self.param_groups if g["use_muon"] is None
-                   for p in g["params"] if p.dim() < 2)
+                   for p in g["params"] if not _takes_muon(g, p))
         if auto:
             warnings.warn("Muon: %d 0-D and 1-D parameters (biases, norms) of groups without "
                           "use_muon take AdamW with their group's lr and weight_decay, betas %s "
@@ -140,7 +141,7 @@ class Muon(_OverCpp):
 def _takes_muon(group, p):
     """use_muon True: Muon; False: AdamW; None (not said): Muon for matrices."""
     u = group["use_muon"]
-    return p.dim() >= 2 if u is None else bool(u)
+    return is_matrix(None, p) if u is None else bool(u)
 
 
 def _muon_options(g):
