@@ -169,7 +169,9 @@ int64_t ShardedOptimizer::state_bytes() const {
 void ShardedOptimizer::step() {
   StepGate gate(comm_.get(), std::string(name()) + " step");
   if (check_finite_) {
-    for (const auto& p : params_) gate.check_finite(p.name, p.grad);
+    for (size_t i = 0; i < params_.size(); ++i) {
+      if (!checks_own_gradient(i)) gate.check_finite(params_[i].name, params_[i].grad);
+    }
   }
   std::vector<size_t> stepping;
   for (size_t i = 0; i < params_.size(); ++i) {

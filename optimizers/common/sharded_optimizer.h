@@ -97,6 +97,9 @@ class ShardedOptimizer {
   // any state. Called with the parameters that have a gradient; their step
   // counts are already advanced.
   virtual void run_step(StepGate& gate, const std::vector<size_t>& stepping) = 0;
+  // True where run_step checks parameter i's gradient for NaN/Inf itself (in
+  // what it computes from it, while in cache), when check_finite is on.
+  virtual bool checks_own_gradient(size_t) const { return false; }
   // Throws std::invalid_argument unless parameter i may step with `grad`.
   virtual void check_grad_of(size_t i, const at::Tensor& grad) const;
   // Groups became n (each new one a copy of group 0's options).

@@ -13,6 +13,7 @@
 #include "core/comm/agree.h"
 #include "core/ragged/tensor_spec.h"
 #include "optimizers/common/adamw_step.h"
+#include "optimizers/common/finite.h"
 #include "optimizers/common/step_gate.h"
 #include "optimizers/common/lpt.h"
 #include "optimizers/common/matrices.h"
@@ -66,9 +67,11 @@ at::Tensor newton_schulz_in(const at::Tensor& g, int steps, at::ScalarType dtype
   ns.check_steps("newton_schulz", steps);
   const bool transposed = g.size(-2) > g.size(-1);
   at::Tensor x = g.to(dtype);
+  const bool fresh = !x.is_same(g);  // a new tensor (a cast): normalised in place, as torch does
   if (transposed) x = x.transpose(-2, -1);
   if (g.dim() == 2) {
-    x = x / (x.norm() * ns.norm_scale + ns.eps);
+    const at::Tensor norm = x.norm() * ns.norm_scale + ns.eps;
+    x = fresh ? x.div_(norm) : x / norm;
     for (int i = 0; i < steps; ++i) {
       const auto [a, b, c] = ns.at(i);
       const at::Tensor A = at::mm(x, x.t());
@@ -316,7 +319,8 @@ void orthogonalise(const MuonLayout& layout, std::vector<std::pair<size_t, at::T
 }  // namespace
 
 void muon_step_from_updates(Comm* comm, const MuonLayout& layout,
-                            const std::vector<at::Tensor>& params, const std::vector<at::Tensor>& u,
+                            const std::vector<at::Tensor>& params, std::vector<at::Tensor>& u,
+                            const std::function<void(size_t)>& make_update,
                             const std::vector<MuonHyper>& hyper, at::ScalarType ns_dtype,
                             const NsCoefficients& ns, bool batch_same_shape, StepGate& gate,
                             const std::function<void()>& commit) {
@@ -325,33 +329,71 @@ void muon_step_from_updates(Comm* comm, const MuonLayout& layout,
   const auto& mats = layout.matrices();
   const OwnerExchange& ex = layout.exchange();
   Comm* group = comm && layout.world() > 1 ? comm : nullptr;
-  // 2. Gather: every matrix rooted here, whole (one all-to-all).
-  std::vector<at::Tensor> flat(P);
-  for (size_t i = 0; i < P; ++i) flat[i] = u[i].view(-1);
-  const std::vector<at::Tensor> whole = ex.gather(group, {flat}, /*views=*/true);
+  const auto direct = [&](size_t k) { return ex.held_whole_here(k) && !mats[k].replicated; };
   std::vector<std::pair<size_t, at::Tensor>> own;  // (matrix, orthogonalised) rooted here
+  // 1. A parameter whose every matrix is held whole here (one process; blocks the
+  // plan keeps whole) needs no exchange: its update, then its Newton–Schulz,
+  // parameter by parameter, so that each reads what the last just wrote, in
+  // cache. (Batched Newton–Schulz wants every update first: the gather path.)
+  std::vector<char> ahead(P, 0);
+  if (!batch_same_shape) {
+    for (size_t k = 0; k < mats.size(); ++k) ahead[mats[k].param] = 1;
+    for (size_t k = 0; k < mats.size(); ++k) {
+      if (!direct(k)) ahead[mats[k].param] = 0;
+    }
+  }
+  for (size_t i = 0; i < P; ++i) {
+    if (!ahead[i]) continue;
+    make_update(i);
+    if (gate.failed()) continue;
+    const TensorShard& s = layout.shards()[i];
+    std::vector<std::pair<size_t, at::Tensor>> mine;
+    for (size_t k = 0; k < mats.size(); ++k) {
+      const MuonMatrix& m = mats[k];
+      if (m.param != i) continue;
+      mine.emplace_back(k, u[i].view(-1).narrow(0, m.offset - s.row_begin * s.row_len, m.rows * m.cols)
+                               .view({m.rows, m.cols}));
+    }
+    gate.guard([&] { orthogonalise(layout, &mine, ns_dtype, ns, batch_same_shape, &gate); });
+    own.insert(own.end(), mine.begin(), mine.end());
+    if (!gate.failed()) u[i] = at::Tensor();  // (read by nothing now: memory back for the next)
+  }
+  // 2. Gather: every other matrix rooted here, whole (one all-to-all).
+  for (size_t i = 0; i < P; ++i) {
+    if (!ahead[i]) make_update(i);
+  }
+  std::vector<at::Tensor> flat(P);
+  for (size_t i = 0; i < P; ++i) {
+    if (!ahead[i]) flat[i] = u[i].view(-1);
+  }
+  const std::vector<at::Tensor> whole = ex.gather(group, {flat}, /*views=*/true);
+  std::vector<std::pair<size_t, at::Tensor>> gathered;
   for (size_t k = 0; k < mats.size(); ++k) {
-    if (ex.owns(k)) own.emplace_back(k, whole[k][0].view({mats[k].rows, mats[k].cols}));
+    if (ex.owns(k) && !ahead[mats[k].param]) {
+      gathered.emplace_back(k, whole[k][0].view({mats[k].rows, mats[k].cols}));
+    }
   }
   // 3. Newton–Schulz (its failures, and a result that is not finite, agreed by
   // every rank with the caller's checks before anything changes).
   if (!gate.failed()) {
-    gate.guard([&] { orthogonalise(layout, &own, ns_dtype, ns, batch_same_shape, &gate); });
+    gate.guard([&] { orthogonalise(layout, &gathered, ns_dtype, ns, batch_same_shape, &gate); });
   }
+  own.insert(own.end(), gathered.begin(), gathered.end());
   gate.agree();
   commit();
   // 4. p <- p (1 - lr wd) - (lr scale) o, every matrix by the same arithmetic
   // (torch.optim.Muon's): one held whole here (not replicated) where it lies, o
   // as Newton-Schulz left it (no copies); the others' pieces back through the
   // scatter (one all-to-all), each added with its own matrix's scale.
-  for (size_t i = 0; i < P; ++i) {
-    const MuonHyper& h = hyper[i];
-    if (h.weight_decay != 0.0) params[i].view(-1).mul_(1.0 - h.lr * h.weight_decay);
-  }
+  // (The decay p *= 1 - lr wd goes region by region just before its add: the
+  // matrices tile every parameter, so each element is decayed once, while in cache.)
+  const auto decayed = [&](const MuonMatrix& m, at::Tensor region) {
+    const MuonHyper& h = hyper[m.param];
+    return h.weight_decay != 0.0 ? region.mul_(1.0 - h.lr * h.weight_decay) : region;
+  };
   const auto alpha = [&](const MuonMatrix& m) {
     return -hyper[m.param].lr * muon_update_scale(m.rows, m.cols, hyper[m.param].adjust_lr);
   };
-  const auto direct = [&](size_t k) { return ex.held_whole_here(k) && !mats[k].replicated; };
   std::vector<at::Tensor> results(mats.size()), o(P);
   for (auto& [k, o_mat] : own) {
     const MuonMatrix& mat = mats[k];
@@ -360,7 +402,8 @@ void muon_step_from_updates(Comm* comm, const MuonLayout& layout,
       continue;
     }
     const TensorShard& s = layout.shards()[mat.param];
-    params[mat.param].view(-1).narrow(0, mat.offset - s.row_begin * s.row_len, mat.rows * mat.cols)
+    decayed(mat, params[mat.param].view(-1).narrow(0, mat.offset - s.row_begin * s.row_len,
+                                                   mat.rows * mat.cols))
         .view({mat.rows, mat.cols}).add_(o_mat, alpha(mat));
   }
   for (size_t k = 0; k < mats.size(); ++k) {
@@ -373,7 +416,10 @@ void muon_step_from_updates(Comm* comm, const MuonLayout& layout,
     const TensorShard& s = layout.shards()[mat.param];
     const int64_t e0 = s.row_begin * s.row_len, e1 = s.row_end * s.row_len;
     const int64_t b = std::max(mat.offset, e0), e = std::min(mat.offset + mat.rows * mat.cols, e1);
-    if (e > b) params[mat.param].view(-1).narrow(0, b - e0, e - b).add_(o[mat.param].narrow(0, b - e0, e - b), alpha(mat));
+    if (e > b) {
+      decayed(mat, params[mat.param].view(-1).narrow(0, b - e0, e - b))
+          .add_(o[mat.param].narrow(0, b - e0, e - b), alpha(mat));
+    }
   }
 }
 
@@ -616,6 +662,10 @@ void Muon::check_replicated_grads(const std::vector<at::Tensor>& grads) const {
   }
 }
 
+bool Muon::checks_own_gradient(size_t i) const {
+  return uses_muon(i) && params_[i].grad.defined() && params_[i].grad.device().is_cpu();
+}
+
 void Muon::run_step(StepGate& gate, const std::vector<size_t>& stepping) {
   at::NoGradGuard no_grad;
   const size_t M = muon_.size();
@@ -636,16 +686,25 @@ void Muon::run_step(StepGate& gate, const std::vector<size_t>& stepping) {
   gate.guard([&] { check_replicated_grads(gs); });
   const bool on_gpu = !ps.empty() && ps[0].is_cuda();
   const bool batch = options_.batch_newton_schulz.value_or(on_gpu);
-  // The new momentum and the update in fp32 now; the momentum stored on commit.
+  // The new momentum and the update in fp32 (made when the step needs them); the
+  // momentum stored on commit.
   std::vector<at::Tensor> u(M), pending(M), pending_absmax(M);
-  for (size_t k = 0; k < M; ++k) {
+  const auto make_update_of = [&](size_t k) {
     const size_t i = muon_[k];
     const at::Tensor g = gs[k].contiguous().view(-1);
     const double beta = hyper[k].momentum;
-    if (!eight_bit()) {  // fp32 / bf16: torch's lerp in fp32
+    if (momenta_[i].scalar_type() == at::kFloat) {
+      // torch.optim.Muon's lerps, bit for bit, with one new tensor (as torch's): the new
+      // momentum in u, then (Nesterov) g.lerp(it, beta) over it in place; the stored
+      // momentum takes the same lerp in place on commit, after every check has passed.
+      u[k] = momenta_[i].view(-1).lerp(g, 1.0 - beta);
+      if (hyper[k].nesterov) at::lerp_out(u[k], g, u[k], beta);
+      return;
+    }
+    if (!eight_bit()) {  // bf16: torch's lerp in fp32, stored rounded on commit
       pending[k] = momenta_[i].view(-1).to(at::kFloat).lerp(g, 1.0 - beta);
       u[k] = hyper[k].nesterov ? g.lerp(pending[k], beta) : pending[k];
-      continue;
+      return;
     }
     pending[k] = at::empty_like(momenta_[i]);
     pending_absmax[k] = at::empty_like(absmax_[i]);
@@ -655,13 +714,29 @@ void Muon::run_step(StepGate& gate, const std::vector<size_t>& stepping) {
                                   static_cast<float>(beta), hyper[k].nesterov,
                                   pending[k].data_ptr<uint8_t>(),
                                   pending_absmax[k].data_ptr<float>(), u[k].data_ptr<float>());
-  }
+  };
+  const auto make_update = [&](size_t k) {
+    make_update_of(k);
+    // The gradient's NaN/Inf check (checks_own_gradient): u is finite exactly when the
+    // gradient is and the momentum did not overflow; u is read while in cache, the
+    // gradient only to name the cause.
+    const size_t i = muon_[k];
+    if (check_finite_ && checks_own_gradient(i) && !gate.failed() && !tensor_finite(u[k])) {
+      gate.check_finite(params_[i].name, gs[k]);
+      gate.expect_finite(u[k], "the momentum of parameter '" + params_[i].name + "' overflowed "
+                               "(its update holds NaN or Inf though its gradient is finite)");
+    }
+  };
   // (A momentum that overflowed makes u, and so Newton–Schulz's result, non-finite:
   // that failure is agreed with the gradients' in the step below, in one all-reduce.)
-  muon_step_from_updates(comm_.get(), layout_, ps, u, hyper, options_.ns_dtype,
+  muon_step_from_updates(comm_.get(), layout_, ps, u, make_update, hyper, options_.ns_dtype,
                          options_.ns_coefficients, batch, gate, [&] {
     for (size_t k = 0; k < M; ++k) {
       const size_t i = muon_[k];
+      if (!pending[k].defined()) {
+        momenta_[i].view(-1).lerp_(gs[k].contiguous().view(-1), 1.0 - hyper[k].momentum);
+        continue;
+      }
       momenta_[i].view(-1).copy_(pending[k].view(-1));
       if (eight_bit()) absmax_[i].copy_(pending_absmax[k]);
     }

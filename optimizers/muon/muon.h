@@ -144,8 +144,11 @@ struct MuonHyper {
 };
 
 // One Muon step over the layout's parameters from the updates to orthogonalise
-// (u: this rank's shards, contiguous fp32; hyper: one per layout parameter):
-// every matrix gathered to its root (one all-to-all), Newton–Schulz there
+// (u[i]: this rank's shard of parameter i, contiguous fp32, set by make_update(i)
+// when the step needs it; hyper: one per layout parameter): a parameter whose
+// every matrix is held whole here, when not batching, orthogonalised at once (its
+// update still in cache); every other matrix gathered to its root (one
+// all-to-all), Newton–Schulz there
 // (ns_dtype; batch_same_shape: the matrices rooted here with equal shape and
 // steps as one batch, one bmm per product), its failures (an error, a result
 // that is not finite) recorded in `gate`, then gate.agree() (the caller's other
@@ -153,7 +156,8 @@ struct MuonHyper {
 // results scattered back (one all-to-all) and applied: p <- p (1 - lr wd) - lr o.
 // Collective when comm is set; a rank whose gate failed before takes part alike.
 void muon_step_from_updates(Comm* comm, const MuonLayout& layout,
-                            const std::vector<at::Tensor>& params, const std::vector<at::Tensor>& u,
+                            const std::vector<at::Tensor>& params, std::vector<at::Tensor>& u,
+                            const std::function<void(size_t)>& make_update,
                             const std::vector<MuonHyper>& hyper, at::ScalarType ns_dtype,
                             const NsCoefficients& ns, bool batch_same_shape, StepGate& gate,
                             const std::function<void()>& commit);
@@ -230,6 +234,8 @@ class Muon : public GroupedOptimizer<MuonHyper> {
   void check_grad_of(size_t i, const at::Tensor& grad) const override;
   void check_options(const MuonHyper& h) const override;
   void run_step(StepGate& gate, const std::vector<size_t>& stepping) override;
+  // A Muon parameter's gradient is checked through its update (CPU): see run_step.
+  bool checks_own_gradient(size_t i) const override;
 
  private:
   // The layout of the Muon parameters (every rank's rows gathered into them

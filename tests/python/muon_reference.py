@@ -36,8 +36,9 @@ class ReferenceMuon:
 
     def __init__(self, params, muon, lr=0.02, momentum=0.95, nesterov=True, weight_decay=0.0,
                  adjust_lr="original", aux_lr=3e-4, betas=(0.9, 0.95), eps=1e-10, aux_wd=0.0,
-                 splits=None):
+                 splits=None, momentum_dtype=None):
         self.p, self.muon, self.splits = params, set(muon), dict(splits or {})
+        self.momentum_dtype = momentum_dtype  # (the momentum stored rounded to it, through fp32)
         self.hp = dict(lr=lr, momentum=momentum, nesterov=nesterov, wd=weight_decay,
                        adjust=adjust_lr, aux_lr=aux_lr, betas=betas, eps=eps, aux_wd=aux_wd)
         self.m = {n: torch.zeros_like(t) for n, t in params.items()}
@@ -51,8 +52,10 @@ class ReferenceMuon:
             g = grads[n].double()
             if n in self.muon:
                 beta = h["momentum"]
-                self.m[n] = beta * self.m[n] + (1 - beta) * g
-                u = (1 - beta) * g + beta * self.m[n] if h["nesterov"] else self.m[n]
+                m = beta * self.m[n] + (1 - beta) * g
+                u = (1 - beta) * g + beta * m if h["nesterov"] else m
+                self.m[n] = m if self.momentum_dtype is None \
+                    else m.float().to(self.momentum_dtype).double()
                 lr = h["lr"] * lr_scale
                 split = self.splits.get(n)
                 for um, wm in zip(matrices(u, split), matrices(w, split)):

@@ -76,9 +76,32 @@ def test_errors():
     w = nn.Parameter(torch.ones(3, 3))
     opt = rfsdp.optim.Muon([w])
     w.grad = torch.full((3, 3), float("nan"))
-    with pytest.raises(RuntimeError, match="NaN"):
+    with pytest.raises(RuntimeError, match="gradient of parameter .* holds NaN"):
         opt.step()
     assert torch.equal(w.detach(), torch.ones(3, 3)) and not opt.state[w]
+
+
+def test_gradient_checked_in_its_update_names_the_cause():
+    # Muon checks a gradient through the update it makes of it: a NaN in one matrix
+    # of a split parameter, or a momentum that overflows with a finite gradient, is
+    # refused by its cause, and nothing changes (momentum, weights, the other matrix).
+    w = nn.Parameter(torch.randn(6, 4))
+    opt = rfsdp.optim.Muon([dict(params=[w], split_sizes=[2, 4])])
+    w.grad = torch.randn(6, 4)
+    opt.step()
+    before, m = w.detach().clone(), opt.state[w]["momentum_buffer"].clone()
+    g = torch.randn(6, 4)
+    g[4, 1] = float("inf")
+    w.grad = g
+    with pytest.raises(RuntimeError, match="gradient of parameter .* holds NaN or Inf"):
+        opt.step()
+    assert torch.equal(w.detach(), before) and torch.equal(opt.state[w]["momentum_buffer"], m)
+    opt.state[w]["momentum_buffer"].fill_(-3e38)
+    w.grad = torch.full((6, 4), 3e38)
+    with pytest.raises(RuntimeError, match="momentum of parameter .* overflowed"):
+        opt.step()
+    assert torch.equal(w.detach(), before)
+    assert torch.equal(opt.state[w]["momentum_buffer"], torch.full((6, 4), -3e38))
 
 
 def reference_training(seed):

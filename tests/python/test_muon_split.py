@@ -96,11 +96,11 @@ def worker(rank, world, seed):
             "fsdp2": run_fsdp2(seed, world)}
 
 
-def reference(seed, split=True, steps=STEPS):
+def reference(seed, split=True, steps=STEPS, momentum_dtype=None):
     model = Blocks(seed)
     ref = ReferenceMuon({n: p.detach().double().clone() for n, p in model.named_parameters()},
                         list(BLOCKS), splits={n: s for n, (_, s) in BLOCKS.items()} if split else {},
-                        **HYPER)
+                        momentum_dtype=momentum_dtype, **HYPER)
     for g in gradients(seed, model)[:steps]:
         ref.step(g)
     return ref.p
@@ -109,19 +109,22 @@ def reference(seed, split=True, steps=STEPS):
 def worker_hsdp_and_8bit(rank, world, seed):
     """HSDP (2 replicas of 2 shards) with the split policy; and 8-bit momentum
     (blocks of 64, whole on every shard) with it, one step: its update comes from
-    the fp32 momentum before it is encoded, so it is the fp32 one's."""
+    the fp32 momentum before it is encoded, so it is the fp32 one's; and bfloat16
+    momentum, every step."""
     from torch.distributed.device_mesh import init_device_mesh
     split = rfsdp.policy.muon(split={n: list(s) for n, (_, s) in BLOCKS.items()})
     return {"hsdp": run(seed, split, mesh=init_device_mesh("cpu", (2, 2))),
             "int8": run(seed, rfsdp.policy.combine(split, rfsdp.policy.blockwise_8bit(64)), steps=1,
-                        momentum_dtype="int8", momentum_block=64)}
+                        momentum_dtype="int8", momentum_block=64),
+            "bf16": run(seed, split, momentum_dtype=torch.bfloat16)}
 
 
-def test_split_blocks_under_hsdp_and_with_8bit_momentum_equal_the_float64_muon():
+def test_split_blocks_under_hsdp_and_with_8bit_and_bf16_momentum_equal_the_float64_muon():
     seed = int(torch.randint(0, 2 ** 30, ()).item())
     got = run_ranks(worker_hsdp_and_8bit, 4, seed)
-    for case, steps in (("hsdp", STEPS), ("int8", 1)):
-        want = reference(seed, steps=steps)
+    for case, steps in (("hsdp", STEPS), ("int8", 1), ("bf16", STEPS)):
+        want = reference(seed, steps=steps,
+                         momentum_dtype=torch.bfloat16 if case == "bf16" else None)
         for rank in range(4):
             params, sent, _ = got[rank][case]
             assert sent == 0, (case, rank)
