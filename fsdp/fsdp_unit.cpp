@@ -6,6 +6,7 @@
 #include <stdexcept>
 
 #include "core/comm/agree.h"
+#include "fsdp/fp32_sum_reduce.h"
 
 namespace rfsdp {
 
@@ -22,7 +23,8 @@ FSDPUnit::FSDPUnit(std::shared_ptr<Comm> comm, Plan plan, MixedPrecision mp, at:
     : FSDPUnit(std::move(comm), nullptr, std::move(plan), mp, device, agree) {}
 
 std::vector<std::string> FSDPUnit::describe(const Plan& plan, const MixedPrecision& mp,
-                                            const at::Device& device) {
+                                            const at::Device& device,
+                                            const CommPolicy& comm_policy) {
   std::vector<std::string> lines;
   for (const TensorSpec& t : plan.tensors) {
     lines.push_back("tensor '" + t.name + "' shape " + shape_to_string(t.shape) + " granule " +
@@ -33,17 +35,23 @@ std::vector<std::string> FSDPUnit::describe(const Plan& plan, const MixedPrecisi
   lines.push_back(std::string("param dtype ") + c10::toString(mp.param_dtype) + ", reduce dtype " +
                   c10::toString(mp.reduce_dtype) + ", device " +
                   c10::DeviceTypeName(device.type(), /*lower_case=*/true));
+  lines.push_back("communication: " + comm_policy.describe());
   return lines;
 }
 
 FSDPUnit::FSDPUnit(std::shared_ptr<Comm> comm, std::shared_ptr<Comm> replicate, Plan plan,
                    MixedPrecision mp, at::Device device, bool agree)
+    : FSDPUnit(std::move(comm), std::move(replicate), std::move(plan), mp, CommPolicy{}, device,
+               agree) {}
+
+FSDPUnit::FSDPUnit(std::shared_ptr<Comm> comm, std::shared_ptr<Comm> replicate, Plan plan,
+                   MixedPrecision mp, CommPolicy comm_policy, at::Device device, bool agree)
     : comm_(std::move(comm)), replicate_(std::move(replicate)), plan_(std::move(plan)), mp_(mp),
-      device_(device) {
+      policy_(comm_policy), device_(device) {
   if (!comm_) throw std::invalid_argument("FSDPUnit needs a Comm");
   // Before any other collective: ranks building different units would otherwise
   // meet in collectives of different sizes (Gloo aborts the process there).
-  if (agree) agree_lines(*comm_, describe(plan_, mp_, device_), "FSDPUnit");
+  if (agree) agree_lines(*comm_, describe(plan_, mp_, device_, policy_), "FSDPUnit");
   if (!device_.is_cpu() && !device_.is_cuda()) {
     throw std::invalid_argument("FSDPUnit: parameters on " + device_.str() +
                                 " are not supported; use the CPU or a CUDA device");
@@ -73,6 +81,9 @@ FSDPUnit::FSDPUnit(std::shared_ptr<Comm> comm, std::shared_ptr<Comm> replicate, 
   local_param_ = at::zeros({S_}, f32);
   local_grad_ = at::zeros({S_}, f32);
   params_ = GatheredBuffer(plan_, f32.dtype(mp_.param_dtype), "parameter");
+  if (policy_.quantised_weights()) {
+    quantized_ = std::make_unique<QuantizedGather>(plan_, comm_->rank(), policy_, device_);
+  }
   grads_ = GatheredBuffer(plan_, f32.dtype(mp_.reduce_dtype), "gradient");
 }
 
@@ -153,6 +164,20 @@ CommHandle FSDPUnit::unshard() {
       on_gather.emplace(streams_->gather_stream());
     }
     params_.allocate();
+    if (quantized_) {  // codes and scales travel; decoded into the compute buffer
+      CommHandle h = quantized_->gather(*comm_, local_param_);
+      if (streams_) {
+        h.wait();
+        quantized_->decode(params_.flat());
+        return CommHandle::after_event(streams_->record(streams_->gather_stream()),
+                                       "FSDPUnit::unshard")
+            .then([this] { params_.end(); });
+      }
+      return std::move(h).then([this] {
+        quantized_->decode(params_.flat());
+        params_.end();
+      });
+    }
     std::vector<CommHandle> hs;
     for (size_t b = 0; b < plan_.num_buffers(); ++b) {  // one in-place gather per buffer
       const int64_t Sb = plan_.buffer_shard(b);
@@ -205,10 +230,14 @@ CommHandle FSDPUnit::reduce_grads(ReduceOp op) {
   }
   grads_.begin("FSDPUnit::reduce_grads");
   // Straight into the local gradient slice when nothing needs adding or casting;
-  // otherwise into a scratch slice that is then added (in fp32) to it.
-  const bool direct = mp_.reduce_dtype == at::kFloat && !has_grad_;
+  // otherwise into a scratch slice that is then added (in fp32) to it. Gradients
+  // in a narrow wire dtype are summed in fp32: their scratch is fp32.
+  const std::optional<at::ScalarType> wire = policy_.gradients;
+  const bool direct = (mp_.reduce_dtype == at::kFloat || wire) && !has_grad_;
   try {
-    at::Tensor out = direct ? local_grad_ : at::empty({S_}, grads_.flat().options());
+    at::Tensor out = direct ? local_grad_
+                            : at::empty({S_}, grads_.flat().options().dtype(wire ? at::kFloat
+                                                                                 : mp_.reduce_dtype));
     // One reduce-scatter per buffer. HSDP: sums inside the shard group, then across
     // replicas (on the slice alone, before anything accumulated is added), then one
     // division by every rank's count.
@@ -216,14 +245,25 @@ CommHandle FSDPUnit::reduce_grads(ReduceOp op) {
       std::vector<CommHandle> hs;
       for (size_t b = 0; b < plan_.num_buffers(); ++b) {
         const int64_t Sb = plan_.buffer_shard(b);
-        hs.push_back(comm_->reduce_scatter_flat(
-            grads_.flat().narrow(0, plan_.buffer_global_begin(b), plan_.world_size * Sb),
-            out.narrow(0, plan_.buffer_local_begin(b), Sb), o));
+        const at::Tensor global =
+            grads_.flat().narrow(0, plan_.buffer_global_begin(b), plan_.world_size * Sb);
+        const at::Tensor mine = out.narrow(0, plan_.buffer_local_begin(b), Sb);
+        if (!wire) {
+          hs.push_back(comm_->reduce_scatter_flat(global, mine, o));
+          continue;
+        }
+        hs.push_back(reduce_scatter_summed_in_fp32(*comm_, global, mine, *wire).then([mine, o, this] {
+          if (o == ReduceOp::Avg) mine.div_(static_cast<double>(comm_->size()));
+        }));
       }
       return CommHandle::all(std::move(hs));
     };
-    auto across_replicas = [this, out, op] {
-      replicate_->all_reduce(out, ReduceOp::Sum).wait();
+    auto across_replicas = [this, out, op, wire] {
+      if (wire) {
+        all_reduce_summed_in_fp32(*replicate_, out, *wire).wait();
+      } else {
+        replicate_->all_reduce(out, ReduceOp::Sum).wait();
+      }
       if (op == ReduceOp::Avg) out.div_(static_cast<double>(data_parallel_size()));
     };
     if (streams_) {
@@ -266,6 +306,21 @@ void FSDPUnit::finish_reduce(const at::Tensor& out, bool direct) {
 void FSDPUnit::zero_grad() {
   local_grad_.zero_();
   has_grad_ = false;
+}
+
+int64_t FSDPUnit::gather_bytes_sent() const {
+  if (quantized_) return quantized_->bytes_sent();
+  return S_ * static_cast<int64_t>(c10::elementSize(mp_.param_dtype));
+}
+
+int64_t FSDPUnit::reduce_bytes_sent() const {
+  // A reduce-scatter sends (m-1)/m of the buffer (ring or all-to-all alike); the
+  // replicas' all-reduce or all-gather of the slice comes on top (HSDP).
+  const int64_t m = plan_.world_size;
+  const int64_t elem = static_cast<int64_t>(c10::elementSize(policy_.gradients.value_or(mp_.reduce_dtype)));
+  int64_t b = (m - 1) * S_ * elem;
+  if (replicate_) b += S_ * (policy_.gradients ? elem : 4);
+  return b;
 }
 
 std::vector<ParamShard> param_shards(const FSDPUnit& unit) {

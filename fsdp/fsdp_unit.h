@@ -24,8 +24,10 @@
 #include "core/ragged/plan.h"
 #include "core/ragged/param_shard.h"
 #include "core/ragged/tensor_shard.h"
+#include "fsdp/comm_policy.h"
 #include "fsdp/device_streams.h"
 #include "fsdp/gathered_buffer.h"
+#include "fsdp/quantized_gather.h"
 
 namespace rfsdp {
 
@@ -50,10 +52,17 @@ class FSDPUnit {
   // all-reduce across the replica group; parameters gather inside the shard group.
   FSDPUnit(std::shared_ptr<Comm> shard, std::shared_ptr<Comm> replicate, Plan plan,
            MixedPrecision mp = {}, at::Device device = at::kCPU, bool agree = true);
+  // With a communication policy (fsdp/comm_policy.h): the weights' gathers as
+  // block codes (the plan must keep the blocks whole on ranks: an error naming
+  // the first tensor it cuts, otherwise), the gradients in bfloat16 summed in fp32.
+  FSDPUnit(std::shared_ptr<Comm> shard, std::shared_ptr<Comm> replicate, Plan plan,
+           MixedPrecision mp, CommPolicy comm_policy, at::Device device = at::kCPU,
+           bool agree = true);
   // What the ranks agree on at construction: one line per tensor, then the
   // dtypes and device.
   static std::vector<std::string> describe(const Plan& plan, const MixedPrecision& mp,
-                                           const at::Device& device);
+                                           const at::Device& device,
+                                           const CommPolicy& comm_policy = {});
   FSDPUnit(const FSDPUnit&) = delete;
   FSDPUnit& operator=(const FSDPUnit&) = delete;
 
@@ -66,6 +75,11 @@ class FSDPUnit {
   int data_parallel_size() const;
   size_t num_params() const { return plan_.tensors.size(); }
   const MixedPrecision& mixed_precision() const { return mp_; }
+  const CommPolicy& comm_policy() const { return policy_; }
+  // Bytes this rank sends in one gather of the parameters and one reduce of
+  // the gradients, under the unit's dtypes and communication policy.
+  int64_t gather_bytes_sent() const;
+  int64_t reduce_bytes_sent() const;
   at::Device device() const { return device_; }
 
   // Each rank keeps its rows of the full initial parameters (identical on
@@ -125,6 +139,8 @@ class FSDPUnit {
   std::shared_ptr<Comm> comm_, replicate_;
   Plan plan_;
   MixedPrecision mp_;
+  CommPolicy policy_;
+  std::unique_ptr<QuantizedGather> quantized_;  // weights as codes (policy_), or null
   at::Device device_;
   DeviceStreams* streams_ = nullptr;  // GPU only
   int64_t S_;

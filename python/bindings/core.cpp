@@ -159,6 +159,7 @@ void bind_core(py::module_& m) {
                                for (size_t i = 0; i < p.tensors.size(); ++i) b.push_back(p.buffer_index(i));
                                return b;
                              })
+      .def("global_offset", &rfsdp::Plan::global_offset)  // tensor i's first element, gathered
       .def_readonly("plan_seconds", &rfsdp::Plan::plan_seconds)
       .def_property_readonly("padding_fraction", &rfsdp::Plan::padding_fraction)
       .def_property_readonly("lower_bound_S", &rfsdp::Plan::lower_bound_shard_elems)

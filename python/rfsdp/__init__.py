@@ -14,6 +14,8 @@ from .fsdp import (FSDPModule, MixedPrecisionPolicy, ShardedRows, ShardGrad, Sha
                    global_numel, set_prefetch, set_state_dict_type, shard_info)
 from .planning import PlannerOptions, plan
 
-__all__ = ["plan", "PlannerOptions", "quant", "policy", "optim", "checkpoint", "fully_shard", "shard_info", "ShardInfo",
+CommPolicy = _C.CommPolicy  # how fully_shard's collectives carry the data (C++: fsdp/comm_policy.h)
+
+__all__ = ["plan", "PlannerOptions", "CommPolicy", "quant", "policy", "optim", "checkpoint", "fully_shard", "shard_info", "ShardInfo",
            "MixedPrecisionPolicy", "clip_grad_norm_", "full_parameters", "set_prefetch", "FSDPModule",
            "ShardedRows", "ShardGrad", "global_numel", "set_state_dict_type", "get_state_dict_type"]

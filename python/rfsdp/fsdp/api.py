@@ -309,7 +309,7 @@ def fully_shard(module: nn.Module, *, mesh=None, process_group=None, replicate_g
                 policy=None, mp_policy: Optional[MixedPrecisionPolicy] = None,
                 reshard_after_forward: Optional[bool] = True,
                 planner: Optional[PlannerOptions] = None, shard_placement_fn=None,
-                offload_policy=None, ignored_params=None) -> nn.Module:
+                offload_policy=None, ignored_params=None, comm_policy=None) -> nn.Module:
     """Shards the parameters of `module` that no inner fully_shard call claimed
     (apply bottom-up, like FSDP2's fully_shard). Returns the module, now an FSDPModule.
 
@@ -321,7 +321,11 @@ def fully_shard(module: nn.Module, *, mesh=None, process_group=None, replicate_g
     replicas (the mean over every rank); optimizers and clipping work inside the
     shard group. policy: rfsdp.policy (the row granules each optimizer needs; it
     is what FSDP2's shard_placement_fn would say). planner: rfsdp.PlannerOptions
-    (how many flat buffers, each with its own collective, a unit may take)."""
+    (how many flat buffers, each with its own collective, a unit may take).
+    comm_policy: rfsdp.CommPolicy (the weights' all-gather as int8 or float8 block
+    codes, the gradients in bfloat16 summed in float32); with quantised weights the
+    plan's granules keep every weight_block whole on one rank (policy combined with
+    rfsdp.policy.blockwise_8bit(weight_block))."""
     if shard_placement_fn is not None:
         raise ValueError("fully_shard: shard_placement_fn is not supported: the planner places "
                          "rows; say what must stay whole with policy=rfsdp.policy...")
@@ -330,11 +334,16 @@ def fully_shard(module: nn.Module, *, mesh=None, process_group=None, replicate_g
     if ignored_params:
         raise ValueError("fully_shard: ignored_params is not supported: keep such parameters in "
                          "a module outside the sharded one")
+    if comm_policy is not None and not isinstance(comm_policy, _C.CommPolicy):
+        raise ValueError("fully_shard: comm_policy must be an rfsdp.CommPolicy, got %r" % (comm_policy,))
     if getattr(module, "_rfsdp_unit", None) is not None:
         raise ValueError("fully_shard was already applied to this %s" % type(module).__name__)
     reshard_after_forward = _reshard_after_forward(reshard_after_forward)
     pg, rg = _groups(mesh, process_group, replicate_group)
     pol = policy if policy is not None else policy_mod.adamw()
+    if comm_policy is not None and comm_policy.quantised_weights():
+        # each rank encodes whole blocks of its own rows: the plan keeps them whole
+        pol = policy_mod.combine(pol, policy_mod.blockwise_8bit(comm_policy.weight_block))
     entries, devices = _collect(module)
     planner = planner if planner is not None else PlannerOptions()
     if not isinstance(planner, PlannerOptions):
@@ -349,7 +358,8 @@ def fully_shard(module: nn.Module, *, mesh=None, process_group=None, replicate_g
     comm = make_comm(pg)  # kept by the unit: rfsdp closes it at exit (see _comm)
     replicate_comm = make_comm(rg) if rg is not None and rg.size() > 1 else None
     _agree(module, (comm, replicate_comm),
-           _describe(module, call, entries, pol, mp_policy, reshard_after_forward, planner))
+           _describe(module, call, entries, pol, mp_policy, reshard_after_forward, planner)
+           + ["communication %r" % (comm_policy,)])
     if len(devices) > 1:
         raise ValueError("fully_shard: the parameters of this module live on different devices (%s); "
                          "move the module to one device first" % sorted(str(d) for d in devices))
@@ -372,7 +382,7 @@ def fully_shard(module: nn.Module, *, mesh=None, process_group=None, replicate_g
         mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16) if device.type == "cuda" \
             else MixedPrecisionPolicy()
     unit = Unit(entries, comm, replicate_comm, pg, rg, pol, mp, reshard_after_forward, planner,
-                device) if entries else None
+                device, comm_policy) if entries else None
     module._rfsdp_unit = unit if unit is not None else False
     # This call's schedule takes over the units of the calls below it (their
     # schedules are emptied). Its pre-hook runs before the unit's, its post-hook after.

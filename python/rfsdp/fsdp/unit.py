@@ -139,7 +139,7 @@ class UnitParam:
 
 class Unit:
     def __init__(self, entries, comm, replicate_comm, pg, rg, pol, mp, reshard_after_forward,
-                 planner, device):
+                 planner, device, comm_policy=None):
         # entries[i]: every place parameter i stands, [(owner module, attr name, fqn)];
         # a tied parameter stands in several and is sharded once, under the first name.
         self.entries = entries
@@ -165,7 +165,7 @@ class Unit:
         # agree=False: fully_shard agreed on all of this (and more) already.
         self.unit = _C.FSDPUnit(self.comm, self.plan, str(mp.param_dtype).replace("torch.", ""),
                                 str(mp.reduce_dtype).replace("torch.", ""), self.replicate_comm,
-                                str(device), False)
+                                str(device), False, comm_policy)
         # Every rank starts from the values of the shard group's rank 0: one all-reduce
         # of its values and zeros elsewhere (exact; one collective for the whole unit);
         # under HSDP, replica 0's then go to the other replicas (one broadcast).
