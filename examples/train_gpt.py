@@ -35,6 +35,11 @@ VARIANTS = {
              "int8": dict(state_dtype="int8"), "int8-bases": dict(basis_dtype="int8"),
              "int4-bases": dict(basis_dtype="int4")},
 }
+# How the collectives carry the data (--comm, --grad-comm: each run once per choice,
+# same data and seed): the weights' all-gather in the compute dtype or as block codes,
+# the gradients' reduce in fp32 or in bf16 summed in fp32.
+WEIGHT_COMMS = {"full": None, "int8": "int8", "float8": "float8_e4m3fn"}
+GRAD_COMMS = {"fp32": None, "bf16": torch.bfloat16}
 SHAMPOO_DIM = 256  # max_preconditioner_dim: tiles of at most 256 x 256
 FORTUNES = "/usr/share/games/fortunes"
 DEVICE = torch.device("cpu")  # main() sets it (--device)
@@ -97,7 +102,17 @@ def mean_over_ranks(v):
     return t.item() / dist.get_world_size()
 
 
-def run(name, args, train, val, rank, world):
+def comm_policy(comm):
+    """The run's rfsdp.CommPolicy from its 'weights/gradients' choice (None: today's)."""
+    weights, _, grads = comm.partition("/")
+    if WEIGHT_COMMS[weights] is None and GRAD_COMMS[grads] is None:
+        return None
+    return rfsdp.CommPolicy(weights=WEIGHT_COMMS[weights], weight_block=256,
+                            gradients=GRAD_COMMS[grads])
+
+
+def run(label, args, train, val, rank, world):
+    name, _, comm = label.partition("@")
     torch.manual_seed(args.seed)
     model = GPT(args.dim, args.layers, args.heads, args.ctx).to(DEVICE)
     n_params = sum(p.numel() for p in model.parameters())
@@ -110,9 +125,11 @@ def run(name, args, train, val, rank, world):
     if per_head:
         pol = rfsdp.policy.combine(pol, rfsdp.policy.muon(
             split=lambda n, p: per_head if n.endswith("qkv.weight") else None))
+    cp = comm_policy(comm)
     for b in model.blocks:
-        rfsdp.fully_shard(b, policy=pol)
-    rfsdp.fully_shard(model, policy=pol)
+        rfsdp.fully_shard(b, policy=pol, comm_policy=cp)
+    rfsdp.fully_shard(model, policy=pol, comm_policy=cp)
+    units = rfsdp.fsdp.units(model)
     low_bit = VARIANTS.get(base, {}).get(variant, {})
     if base == "muon":
         # The blocks' matrices take Muon; embeddings, head, norms and biases AdamW.
@@ -177,6 +194,9 @@ def run(name, args, train, val, rank, world):
         return mean_over_ranks(vl)
 
     tokens = (first - 1) * args.batch * args.ctx * world
+    for u in units:
+        u.unit.reset_bytes_sent()
+    sent = 0  # bytes this rank's gathers and reduces sent in training steps
     t0 = time.time() - (seconds[-1] if seconds else 0.0)
     paused = 0.0  # validation and checkpoint time, left out of the clock
     for step in range(first, args.steps + 1):
@@ -191,6 +211,9 @@ def run(name, args, train, val, rank, world):
         opt.step()
         sched.step()
         tokens += x.numel() * world
+        sent += sum(u.unit.bytes_sent() for u in units)
+        for u in units:
+            u.unit.reset_bytes_sent()
         curve.append(mean_over_ranks(loss.item()))
         seconds.append(time.time() - t0 - paused)
         if step % args.val_every == 0 and step != args.steps:
@@ -241,7 +264,9 @@ def run(name, args, train, val, rank, world):
                                      opt._impl.fp64_retries()))
     peak_mib = torch.cuda.max_memory_allocated() / 2 ** 20 if DEVICE.type == "cuda" \
         else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # GPU memory / host RSS
-    return dict(name=name, params=n_params, train=sum(curve[-10:]) / len(curve[-10:]),
+    steps_run = args.steps - first + 1
+    return dict(name=label, params=n_params, sent_mib=sent / max(1, steps_run) / 2 ** 20,
+                step_ms=1e3 * elapsed / max(1, steps_run), train=sum(curve[-10:]) / len(curve[-10:]),
                 val=vl, tps=tokens / elapsed, curve=curve, seconds=seconds, val_points=val_points,
                 peak_mib=peak_mib,
                 state_bytes=state, note=note)
@@ -261,6 +286,12 @@ def main():
     ap.add_argument("--lr", type=float, default=3e-3, help="AdamW's (and Muon's aux groups')")
     ap.add_argument("--muon-lr", type=float, default=0.02)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--comm", default="full",
+                    help="weights' all-gather, comma-separated runs: full (the compute dtype), "
+                         "int8, float8 (block codes of 256 elements, rfsdp.CommPolicy)")
+    ap.add_argument("--grad-comm", default="fp32",
+                    help="gradients' reduce, comma-separated runs: fp32, bf16 (sent in bf16, "
+                         "summed in fp32)")
     ap.add_argument("--log-every", type=int, default=25)
     ap.add_argument("--val-batches", type=int, default=8)
     ap.add_argument("--val-every", type=int, default=50, help="validation points in the plot")
@@ -306,16 +337,24 @@ def main():
             ap.error("--optimizers: unknown %s (choose from %s, or these variants: %s)"
                      % (unknown, OPTIMIZERS, ", ".join("%s:%s" % (b, v) for b in VARIANTS
                                                       for v in VARIANTS[b])))
+    comms = ["%s/%s" % (w, g) for w in args.comm.split(",") for g in args.grad_comm.split(",")]
+    bad = [c for c in comms if c.partition("/")[0] not in WEIGHT_COMMS
+           or c.partition("/")[2] not in GRAD_COMMS]
+    if bad:
+        ap.error("--comm / --grad-comm: unknown %s (weights: %s; gradients: %s)"
+                 % (bad, ", ".join(WEIGHT_COMMS), ", ".join(GRAD_COMMS)))
+    if comms != ["full/fp32"]:  # each optimizer once per communication choice
+        names = ["%s@%s" % (n, c) for n in names for c in comms]
     results = [run(n, args, train, val, rank, world) for n in names]
     if rank == 0:
         width = max([16] + [len(r["name"]) for r in results])
-        print("\n%-*s %8s %10s %10s %10s %12s %14s" % (width, "optimizer", "params", "train loss",
-                                                         "val loss", "tokens/s", "peak MiB/rank",
-                                                         "opt state/rank"))
+        print("\n%-*s %8s %10s %10s %10s %9s %12s %14s %13s" % (
+            width, "optimizer", "params", "train loss", "val loss", "tokens/s", "step ms",
+            "peak MiB/rank", "opt state/rank", "sent MiB/step"))
         for r in results:
-            print("%-*s %7.2fM %10.4f %10.4f %10.0f %12.0f %13.2fM" % (
-                width, r["name"], r["params"] / 1e6, r["train"], r["val"], r["tps"], r["peak_mib"],
-                r["state_bytes"] / 2 ** 20))
+            print("%-*s %7.2fM %10.4f %10.4f %10.0f %9.1f %12.0f %13.2fM %13.3f" % (
+                width, r["name"], r["params"] / 1e6, r["train"], r["val"], r["tps"], r["step_ms"],
+                r["peak_mib"], r["state_bytes"] / 2 ** 20, r["sent_mib"]))
         for r in results:
             if r["note"]:
                 print("%s: %s" % (r["name"], r["note"]))

@@ -164,6 +164,7 @@ CommHandle FSDPUnit::unshard() {
       on_gather.emplace(streams_->gather_stream());
     }
     params_.allocate();
+    bytes_sent_ += gather_bytes_sent();
     if (quantized_) {  // codes and scales travel; decoded into the compute buffer
       CommHandle h = quantized_->gather(*comm_, local_param_);
       if (streams_) {
@@ -229,6 +230,7 @@ CommHandle FSDPUnit::reduce_grads(ReduceOp op) {
                            "before backward");
   }
   grads_.begin("FSDPUnit::reduce_grads");
+  bytes_sent_ += reduce_bytes_sent();
   // Straight into the local gradient slice when nothing needs adding or casting;
   // otherwise into a scratch slice that is then added (in fp32) to it. Gradients
   // in a narrow wire dtype are summed in fp32: their scratch is fp32.
@@ -309,18 +311,17 @@ void FSDPUnit::zero_grad() {
 }
 
 int64_t FSDPUnit::gather_bytes_sent() const {
-  if (quantized_) return quantized_->bytes_sent();
-  return S_ * static_cast<int64_t>(c10::elementSize(mp_.param_dtype));
+  const int64_t slice = quantized_ ? quantized_->bytes_sent()
+                                   : S_ * static_cast<int64_t>(c10::elementSize(mp_.param_dtype));
+  return (plan_.world_size - 1) * slice;
 }
 
 int64_t FSDPUnit::reduce_bytes_sent() const {
-  // A reduce-scatter sends (m-1)/m of the buffer (ring or all-to-all alike); the
-  // replicas' all-reduce or all-gather of the slice comes on top (HSDP).
-  const int64_t m = plan_.world_size;
+  const int64_t m = plan_.world_size, r = replicate_ ? replicate_->size() : 1;
   const int64_t elem = static_cast<int64_t>(c10::elementSize(policy_.gradients.value_or(mp_.reduce_dtype)));
-  int64_t b = (m - 1) * S_ * elem;
-  if (replicate_) b += S_ * (policy_.gradients ? elem : 4);
-  return b;
+  // each other rank's slice of the buffer; then (HSDP) this rank's slice to each
+  // other replica (fp32 sums, or bf16 ones under the policy)
+  return (m - 1) * S_ * elem + (r - 1) * S_ * (policy_.gradients ? elem : 4);
 }
 
 std::vector<ParamShard> param_shards(const FSDPUnit& unit) {

@@ -76,10 +76,15 @@ class FSDPUnit {
   size_t num_params() const { return plan_.tensors.size(); }
   const MixedPrecision& mixed_precision() const { return mp_; }
   const CommPolicy& comm_policy() const { return policy_; }
-  // Bytes this rank sends in one gather of the parameters and one reduce of
-  // the gradients, under the unit's dtypes and communication policy.
+  // Bytes that leave this rank in one gather of the parameters and in one reduce
+  // of the gradients, under the unit's dtypes and communication policy (its
+  // slice to each of the m-1 others: ring and direct algorithms alike; HSDP's
+  // replica exchange of the slice on top).
   int64_t gather_bytes_sent() const;
   int64_t reduce_bytes_sent() const;
+  // Those bytes summed over the gathers and reduces this unit ran (zeroed by reset).
+  int64_t bytes_sent() const { return bytes_sent_; }
+  void reset_bytes_sent() { bytes_sent_ = 0; }
   at::Device device() const { return device_; }
 
   // Each rank keeps its rows of the full initial parameters (identical on
@@ -148,6 +153,7 @@ class FSDPUnit {
   GatheredBuffer params_, grads_;         // [m*S] in the compute / reduce dtype
   bool has_grad_ = false;  // the local gradient slice holds reduced gradients
   int64_t bytes_cast_ = 0;
+  int64_t bytes_sent_ = 0;
 };
 
 // The local shards of a unit's parameters (views of its local slices), each

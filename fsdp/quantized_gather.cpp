@@ -3,9 +3,13 @@
 #include <ATen/core/grad_mode.h>
 
 #include <algorithm>
+#include <atomic>
+#include <cstdlib>
 #include <stdexcept>
+#include <string>
 
 #include "core/ragged/int_math.h"
+#include "quant/blockwise/absmax_codes.h"
 
 namespace rfsdp {
 
@@ -48,9 +52,39 @@ QuantizedGather::QuantizedGather(const Plan& plan, int64_t rank, const CommPolic
   decode_index_ = at::tensor(index, at::TensorOptions().dtype(at::kLong)).to(device);
 }
 
+namespace {
+
+std::atomic<bool> g_generic{[] {
+  const char* env = std::getenv("RFSDP_DEVICE_GENERIC");
+  return env && std::string(env) == "1";
+}()};
+
+quant::cpu::AbsmaxCode code_kind(const CommPolicy& p) {
+  return p.weights == WeightWire::kInt8 ? quant::cpu::AbsmaxCode::kInt8
+                                        : quant::cpu::AbsmaxCode::kFloat8E4M3FN;
+}
+
+bool on_cpu_kernels(std::initializer_list<const at::Tensor*> ts) {
+  if (g_generic.load(std::memory_order_relaxed)) return false;
+  for (const at::Tensor* t : ts) {
+    if (!t->device().is_cpu() || !t->is_contiguous()) return false;
+  }
+  return true;
+}
+
+}  // namespace
+
+void QuantizedGather::use_generic_path(bool on) { g_generic.store(on, std::memory_order_relaxed); }
+bool QuantizedGather::generic_path() { return g_generic.load(std::memory_order_relaxed); }
+
 void QuantizedGather::encode_piece(const at::Tensor& x, int64_t block, const CommPolicy& policy,
                                    const at::Tensor& codes, const at::Tensor& scales) {
   const int64_t n = x.numel(), full = n / block, tail = n % block;
+  if (on_cpu_kernels({&x, &codes, &scales})) {
+    quant::cpu::absmax_encode(x.data_ptr<float>(), n, block, code_kind(policy),
+                              static_cast<uint8_t*>(codes.data_ptr()), scales.data_ptr<float>());
+    return;
+  }
   // Full blocks as rows of a matrix, the tail (a tensor's last block) alone.
   const auto part = [&](int64_t begin, int64_t len, int64_t rows, int64_t scale_at) {
     const at::Tensor w = x.narrow(0, begin, len).view({rows, len / rows});
@@ -109,17 +143,28 @@ void QuantizedGather::decode(const at::Tensor& out) {
   const at::Tensor scale = scales_.index_select(0, decode_index_);  // every block's, in order
   for (size_t i = 0; i < plan_.tensors.size(); ++i) {
     const int64_t n = plan_.tensors[i].numel(), at_ = plan_.global_offset(i);
-    const int64_t full = n / B, tail = n % B, k0 = block_begin_[i];
-    const auto part = [&](int64_t begin, int64_t len, int64_t rows, int64_t k) {
-      const at::Tensor c = codes_.narrow(0, at_ + begin, len).view({rows, len / rows}).to(at::kFloat);
-      at::Tensor o = out.narrow(0, at_ + begin, len).view({rows, len / rows});
-      o.copy_(c.mul_(scale.narrow(0, k, rows).unsqueeze(1)));  // code * scale in fp32, then the cast
-    };
-    if (full > 0) part(0, full * B, full, k0);
-    if (tail > 0) part(full * B, tail, 1, k0 + full);
+    decode_piece(codes_.narrow(0, at_, n), scale.narrow(0, block_begin_[i], block_begin_[i + 1] - block_begin_[i]),
+                 B, policy_, out.narrow(0, at_, n));
   }
   codes_ = at::Tensor();
   scales_ = at::Tensor();
+}
+
+void QuantizedGather::decode_piece(const at::Tensor& codes, const at::Tensor& scales, int64_t block,
+                                   const CommPolicy& policy, const at::Tensor& out) {
+  const int64_t n = codes.numel(), full = n / block, tail = n % block;
+  if (on_cpu_kernels({&codes, &scales, &out})) {
+    quant::cpu::absmax_decode(static_cast<const uint8_t*>(codes.data_ptr()), scales.data_ptr<float>(),
+                              n, block, code_kind(policy), out.scalar_type(), out.data_ptr());
+    return;
+  }
+  const auto part = [&](int64_t begin, int64_t len, int64_t rows, int64_t k) {
+    const at::Tensor c = codes.narrow(0, begin, len).view({rows, len / rows}).to(at::kFloat);
+    at::Tensor o = out.narrow(0, begin, len).view({rows, len / rows});
+    o.copy_(c.mul_(scales.narrow(0, k, rows).unsqueeze(1)));  // code * scale in fp32, then the cast
+  };
+  if (full > 0) part(0, full * block, full, 0);
+  if (tail > 0) part(full * block, tail, 1, full);
 }
 
 int64_t QuantizedGather::bytes_sent() const {

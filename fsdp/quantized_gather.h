@@ -43,6 +43,15 @@ class QuantizedGather {
   // (x: fp32, contiguous): what each rank does to its pieces.
   static void encode_piece(const at::Tensor& x, int64_t block, const CommPolicy& policy,
                            const at::Tensor& codes, const at::Tensor& scales);
+  // A tensor's decoded weights (codes: its n codes; scales: its blocks' scales)
+  // written into out (n elements of the compute dtype).
+  static void decode_piece(const at::Tensor& codes, const at::Tensor& scales, int64_t block,
+                           const CommPolicy& policy, const at::Tensor& out);
+  // CPU tensors take quant/blockwise/absmax_codes' kernels unless the generic
+  // path (ATen operations, what other devices run; bit for bit the same) is
+  // chosen: use_generic_path(true), or the environment's RFSDP_DEVICE_GENERIC=1.
+  static void use_generic_path(bool on);
+  static bool generic_path();
 
  private:
   struct Piece {           // one tensor's rows on this rank

@@ -117,7 +117,9 @@ rank that keeps them (and across HSDP replicas alike), then averaged.)")
       .def("stats", [](rfsdp::FSDPUnit& u) { return stats_dict(u.comm().stats()); })
       .def("comm_policy", &rfsdp::FSDPUnit::comm_policy)
       .def("gather_bytes_sent", &rfsdp::FSDPUnit::gather_bytes_sent)
-      .def("reduce_bytes_sent", &rfsdp::FSDPUnit::reduce_bytes_sent);
+      .def("reduce_bytes_sent", &rfsdp::FSDPUnit::reduce_bytes_sent)
+      .def("bytes_sent", &rfsdp::FSDPUnit::bytes_sent)
+      .def("reset_bytes_sent", &rfsdp::FSDPUnit::reset_bytes_sent);
 
   m.def("clip_grad_norm", [](const std::vector<std::shared_ptr<rfsdp::FSDPUnit>>& units,
                              double max_norm, bool error_if_nonfinite) {
