@@ -58,7 +58,9 @@ at::Tensor reference(const at::Tensor& w, const CommPolicy& p) {
   const at::Tensor bound = p.weights == WeightWire::kInt8
                                ? s.to(at::kDouble) * 0.5
                                : at::maximum(x.to(at::kDouble).abs() / 16, s.to(at::kDouble) / 1024);
-  EXPECT_TRUE((err <= bound * (1 + 1e-6) + 1e-30).all().item<bool>()) << "the encoding rounds wrongly";
+  // (+ 1e-4 of a scale: x / scale is rounded in fp32 before its code, up to 448 * 2^-24 off)
+  EXPECT_TRUE((err <= bound + s.to(at::kDouble) * 1e-4 + 1e-30).all().item<bool>())
+      << "the encoding rounds wrongly";
   return out.view(w.sizes());
 }
 

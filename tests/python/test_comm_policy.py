@@ -57,7 +57,8 @@ def dequantised(w, fmt, block=BLOCK):
     err = (out.double() - flat.double()).abs().view(-1)
     s = scale.double().repeat_interleave(block)[:n]
     bound = s * 0.5 if fmt == "int8" else torch.maximum(flat.double().abs() / 16, s * 2.0 ** -10)
-    assert bool((err <= bound * (1 + 1e-6) + 1e-30).all()), "the reference quantiser is wrong"
+    # (+ 1e-4 of a scale: w / scale is rounded in fp32 before its code, up to 448 * 2^-24 off)
+    assert bool((err <= bound + s * 1e-4 + 1e-30).all()), "the reference quantiser is wrong"
     return out.view(w.shape)
 
 
