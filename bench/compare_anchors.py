@@ -35,9 +35,13 @@
     (microsoft/dion, a checkout given by --dion or $RFSDP_DION; measured:
     0a059a4), 2 ranks, the same gradients: step time, bytes sent per step,
     largest distance from a float64 one-device Muon of the same algorithm.
+ 9. Communication: rfsdp.fully_shard with its comm policies (int8 / float8
+    weight codes, bf16 gradients summed in fp32) and bf16 compute beside
+    FSDP2's fp32 and bf16 all-gathers, on the GPT at the first width, 2 ranks:
+    median step time and bytes leaving each rank per step.
 
     python bench/compare_anchors.py [--widths 256,512] [--steps 20]
-        [--only fsdp,muon,8bit,shampoo,kernels8,fsdp2opt,dion,soap] [--distributed-shampoo DIR]
+        [--only fsdp,muon,8bit,shampoo,kernels8,fsdp2opt,dion,soap,comm] [--distributed-shampoo DIR]
         [--dion DIR] [--soap DIR]
 
 bitsandbytes and torchao are the bench's optional set-up, not project
@@ -97,6 +101,29 @@ def median_ms(times):
 
 # ---- 1. FSDP: rfsdp vs FSDP2 vs DDP -------------------------------------------------
 
+# Section 9's rfsdp runs: fully_shard's arguments for each.
+COMM_VARIANTS = {
+    "rfsdp": {},
+    "rfsdp-bf16": dict(mp_policy=rfsdp.MixedPrecisionPolicy(param_dtype=torch.bfloat16)),
+    "rfsdp-int8": dict(comm_policy=rfsdp.CommPolicy(weights="int8")),
+    "rfsdp-float8": dict(comm_policy=rfsdp.CommPolicy(weights="float8_e4m3fn")),
+    "rfsdp-int8-bf16grad": dict(comm_policy=rfsdp.CommPolicy(weights="int8", gradients=torch.bfloat16)),
+}
+
+
+def fsdp2_sent_bytes(model, world, param_bytes):
+    """Bytes leaving each rank per step in FSDP2 (its padded Shard(0) chunk to
+    each of the m-1 others): blocks gathered twice (forward, backward), the root
+    once, in the param dtype; one reduce-scatter of fp32 gradients per unit."""
+    total = 0
+    for mod in list(model.blocks) + [model]:
+        own = [p for n, p in mod.named_parameters(recurse=True)
+               if mod is not model or not n.startswith("blocks.")]
+        local = sum(math.ceil(p.shape[0] / world) * (p.numel() // p.shape[0]) for p in own)
+        total += (world - 1) * local * ((2 if mod is not model else 1) * param_bytes + 4)
+    return total
+
+
 def fsdp2_copied_bytes(model, world):
     """FSDP2's own copies per step, from its design (torch 2.11,
     _fsdp_collectives): an all-gather copies each rank's padded Shard(0) chunks
@@ -123,24 +150,28 @@ def fsdp_worker(args):
     torch.manual_seed(0)
     model = GPT(args.dim, args.layers, args.heads, args.ctx)
     n_params = sum(p.numel() for p in model.parameters())
-    copied, gathered_peak = None, [0]
+    copied, sent, gathered_peak = None, None, [0]
     if args.variant == "ddp":
         copied = 2 * n_params * 4  # gradients into the buckets and back
         model = nn.parallel.DistributedDataParallel(model)
         opt = torch.optim.AdamW(model.parameters(), lr=LR, betas=BETAS, eps=EPS, weight_decay=WD)
-    elif args.variant == "fsdp2":
+    elif args.variant.startswith("fsdp2"):
         from torch.distributed.device_mesh import init_device_mesh
-        from torch.distributed.fsdp import fully_shard as fsdp2_fully_shard
+        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard as fsdp2_fully_shard
         copied = fsdp2_copied_bytes(model, world)
+        sent = fsdp2_sent_bytes(model, world, 2 if args.variant == "fsdp2-bf16" else 4)
+        mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) \
+            if args.variant == "fsdp2-bf16" else MixedPrecisionPolicy()
         mesh = init_device_mesh("cpu", (world,))
         for b in model.blocks:
-            fsdp2_fully_shard(b, mesh=mesh)
-        fsdp2_fully_shard(model, mesh=mesh)
+            fsdp2_fully_shard(b, mesh=mesh, mp_policy=mp)
+        fsdp2_fully_shard(model, mesh=mesh, mp_policy=mp)
         opt = torch.optim.AdamW(model.parameters(), lr=LR, betas=BETAS, eps=EPS, weight_decay=WD)
     else:
+        kw = COMM_VARIANTS[args.variant]
         for b in model.blocks:
-            rfsdp.fully_shard(b)
-        rfsdp.fully_shard(model)
+            rfsdp.fully_shard(b, **kw)
+        rfsdp.fully_shard(model, **kw)
         opt = rfsdp.optim.AdamW(model.parameters(), lr=LR, betas=BETAS, eps=EPS, weight_decay=WD)
         units = rfsdp.fsdp.units(model)
 
@@ -155,9 +186,10 @@ def fsdp_worker(args):
     times, losses = [], []
     for step in range(args.warmup + args.steps):
         x, y = next(data)
-        if args.variant == "rfsdp":
+        if args.variant.startswith("rfsdp"):
             for u in units:
                 u.comm.reset_stats()
+                u.unit.reset_bytes_sent()
         dist.barrier()
         t0 = time.perf_counter()
         loss = nn.functional.cross_entropy(model(x).view(-1, 256), y.view(-1))
@@ -166,8 +198,9 @@ def fsdp_worker(args):
         opt.step()
         times.append(time.perf_counter() - t0)
         losses.append(loss.item())
-        if args.variant == "rfsdp":
+        if args.variant.startswith("rfsdp"):
             copied = sum(u.comm.stats()["bytes_copied"] for u in units)
+            sent = sum(u.unit.bytes_sent() for u in units)
     params = list(model.parameters())
     grads = [p.grad for p in params if p.grad is not None]
     mem = sum(tensor_bytes(p) for p in params) + sum(tensor_bytes(g) for g in grads) + state_bytes(opt)
@@ -175,7 +208,7 @@ def fsdp_worker(args):
         mem += sum(tensor_bytes(g) for g in grads)
     out = dict(variant=args.variant, dim=args.dim, params=n_params,
                step_ms=median_ms(times[args.warmup:]), mem=mem, gathered=gathered_peak[0],
-               copied=copied, loss=losses[-1],
+               copied=copied, sent=sent, loss=losses[-1],
                rss_mib=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024)
     rows = [None] * world
     dist.all_gather_object(rows, out)
@@ -239,6 +272,37 @@ def section_fsdp(args):
           "and the reduced slice out); FSDP2 and DDP computed from their designs (FSDP2: "
           "all-gather copy-in/copy-out and reduce-scatter chunk-cat, plus Gloo's staging; DDP: "
           "gradient buckets in and out). +gath.: with the most gathered-unit bytes live at once.")
+
+
+def section_comm(args):
+    """9. Quantised collectives: rfsdp's comm policies beside FSDP2's bf16 all-gather."""
+    variants = ("fsdp2", "fsdp2-bf16") + tuple(COMM_VARIANTS)
+    dim = args.widths[0]
+    results = {}
+    with tempfile.TemporaryDirectory() as d:
+        for v in variants:
+            out = os.path.join(d, "%s.json" % v)
+            torchrun(2, ["--worker", "fsdp", "--variant", v, "--dim", str(dim), "--out", out,
+                         "--steps", str(args.steps), "--warmup", str(args.warmup),
+                         "--batch", str(args.batch)])
+            with open(out) as f:
+                results[v] = json.load(f)
+    print("\n## 9. Communication: 2 ranks (Gloo), GPT width %d, %d layers, batch %d x %d, AdamW, "
+          "median of %d steps; bytes leaving each rank per step (gathers + reduce-scatters)"
+          % (dim, args.layers, args.batch, args.ctx, args.steps))
+    print("%-22s %9s %9s %12s %10s %10s" % ("", "step ms", "/ FSDP2", "sent MiB", "/ FSDP2",
+                                          "last loss"))
+    base = results["fsdp2"]
+    for v in variants:
+        rows = results[v]
+        ms = max(r["step_ms"] for r in rows)
+        sent = max(r["sent"] for r in rows)
+        print("%-22s %9.1f %8.2fx %12.2f %9.2fx %10.4f" % (
+            v, ms, ms / max(r["step_ms"] for r in base), sent / MIB,
+            sent / max(r["sent"] for r in base), rows[0]["loss"]))
+    print("rfsdp: counted by its units (FSDPUnit::bytes_sent); FSDP2: from its design (padded "
+          "Shard(0) chunks, blocks gathered twice, fp32 reduce-scatter). int8/float8: 1-byte codes "
+          "and an fp32 scale per 256 elements; bf16grad: gradients sent in bf16, summed in fp32.")
 
 
 # ---- 6. rfsdp's optimizers on FSDP2's parameters ------------------------------------
@@ -1210,7 +1274,7 @@ def main():
     ap.add_argument("--distributed-shampoo", help="a checkout of facebookresearch/optimizers")
     ap.add_argument("--kernel-mib", default="1,16", help="tensor sizes of section 5, Mi elements")
     ap.add_argument("--kernel-reps", type=int, default=7)
-    ap.add_argument("--only", default="fsdp,muon,8bit,shampoo,kernels8,fsdp2opt,dion,soap")
+    ap.add_argument("--only", default="fsdp,muon,8bit,shampoo,kernels8,fsdp2opt,dion,soap,comm")
     ap.add_argument("--install-anchors", action="store_true")
     ap.add_argument("--worker", choices=["fsdp", "muon", "fsdp2opt", "dion"],
                     help=argparse.SUPPRESS)
@@ -1219,7 +1283,8 @@ def main():
     ap.add_argument("--soap-dim", type=int, default=64,
                     help="section 8: its square matrices are n, n, n, 2n and 4n")
     ap.add_argument("--soap-steps", type=int, default=21)
-    ap.add_argument("--variant", choices=["rfsdp", "fsdp2", "ddp"], help=argparse.SUPPRESS)
+    ap.add_argument("--variant", choices=["fsdp2", "fsdp2-bf16", "ddp"] + list(COMM_VARIANTS),
+                    help=argparse.SUPPRESS)
     ap.add_argument("--dim", type=int, default=256, help=argparse.SUPPRESS)
     ap.add_argument("--out", help=argparse.SUPPRESS)
     args = ap.parse_args()
@@ -1254,6 +1319,8 @@ def main():
         section_dion(args)
     if "soap" in only:
         section_soap(args)
+    if "comm" in only:
+        section_comm(args)
 
 
 if __name__ == "__main__":

@@ -171,7 +171,7 @@ def run(label, args, train, val, rank, world):
     gen = torch.Generator().manual_seed(args.seed * 1000 + rank)  # each rank its own batches
     data = batches(train, args.batch, args.ctx, gen)
     curve, seconds, val_points, first = [], [], [], 1
-    root = os.path.join(args.checkpoint_dir, name) if args.checkpoint_dir else None
+    root = os.path.join(args.checkpoint_dir, label.replace("/", "-")) if args.checkpoint_dir else None
     if root and args.resume and rfsdp.checkpoint.latest(root):
         path = rfsdp.checkpoint.latest(root)
         c0 = time.time()
@@ -194,8 +194,6 @@ def run(label, args, train, val, rank, world):
         return mean_over_ranks(vl)
 
     tokens = (first - 1) * args.batch * args.ctx * world
-    for u in units:
-        u.unit.reset_bytes_sent()
     sent = 0  # bytes this rank's gathers and reduces sent in training steps
     t0 = time.time() - (seconds[-1] if seconds else 0.0)
     paused = 0.0  # validation and checkpoint time, left out of the clock
@@ -204,6 +202,8 @@ def run(label, args, train, val, rank, world):
                 and os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0":
             os._exit(3)  # a crash (tests: torchrun restarts the job, which resumes)
         x, y = next(data)
+        for u in units:  # (what validation and checkpoints gathered is not the step's)
+            u.unit.reset_bytes_sent()
         loss = nn.functional.cross_entropy(model(x).view(-1, 256), y.view(-1))
         opt.zero_grad()
         loss.backward()
@@ -212,8 +212,6 @@ def run(label, args, train, val, rank, world):
         sched.step()
         tokens += x.numel() * world
         sent += sum(u.unit.bytes_sent() for u in units)
-        for u in units:
-            u.unit.reset_bytes_sent()
         curve.append(mean_over_ranks(loss.item()))
         seconds.append(time.time() - t0 - paused)
         if step % args.val_every == 0 and step != args.steps:
@@ -232,7 +230,7 @@ def run(label, args, train, val, rank, world):
                 print("%-9s saved %s: %.2f MiB in %.2f s" % (name, path, size / 2 ** 20,
                                                              time.time() - c0), flush=True)
         if rank == 0 and (step % args.log_every == 0 or step == 1):
-            print("%-9s step %4d  loss %.4f  tokens/s %.0f" % (name, step, curve[-1],
+            print("%-9s step %4d  loss %.4f  tokens/s %.0f" % (label, step, curve[-1],
                                                                tokens / (time.time() - t0)), flush=True)
     elapsed = time.time() - t0 - paused
     vl = validate()

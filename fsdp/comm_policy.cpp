@@ -64,26 +64,19 @@ std::string CommPolicy::describe() const {
 
 void CommPolicy::check_plan(const Plan& plan) const {
   if (!quantised_weights()) return;
-  const int64_t B = weight_block;
-  for (size_t i = 0; i < plan.tensors.size(); ++i) {
-    const TensorSpec& t = plan.tensors[i];
-    const int64_t n = t.numel();
-    for (int64_t r = 0; r < plan.world_size; ++r) {
-      const ShardRange s = plan.shard(i, r);
-      if (s.empty()) continue;
-      const int64_t begin = s.row_begin * t.row_elems(), end = begin + s.numel;
-      const int64_t cut = begin % B != 0 ? begin : (end != n && end % B != 0 ? end : -1);
-      if (cut < 0) continue;
-      throw std::invalid_argument(
-          "comm_policy weights='" + weights_name() + "' with weight_block=" + std::to_string(B) +
-          ": tensor '" + t.name + "' (shape " + shape_to_string(t.shape) + ") is cut at element " +
-          std::to_string(cut) + " (rank " + std::to_string(r) + "'s rows " +
-          std::to_string(s.row_begin) + ".." + std::to_string(s.row_end) + "), inside a block of " +
-          std::to_string(B) + "; plan with a granule that keeps blocks whole "
-          "(rfsdp.policy.blockwise_8bit(" + std::to_string(B) + "), which fully_shard adds for a "
-          "comm_policy), or choose a weight_block that divides the granule's elements");
-    }
-  }
+  const std::optional<BlockCut> cut = first_block_cut(plan, weight_block);
+  if (!cut) return;
+  const TensorSpec& t = plan.tensors[cut->tensor];
+  const ShardRange s = plan.shard(cut->tensor, cut->rank);
+  const std::string B = std::to_string(weight_block);
+  throw std::invalid_argument(
+      "comm_policy weights='" + weights_name() + "' with weight_block=" + B + ": tensor '" +
+      t.name + "' (shape " + shape_to_string(t.shape) + ") is cut at element " +
+      std::to_string(cut->element) + " (rank " + std::to_string(cut->rank) + "'s rows " +
+      std::to_string(s.row_begin) + ".." + std::to_string(s.row_end) + "), inside a block of " + B +
+      "; plan with a granule that keeps blocks whole (rfsdp.policy.blockwise_8bit(" + B + "), which "
+      "fully_shard adds for a comm_policy), or choose a weight_block that divides the granule's "
+      "elements");
 }
 
 }  // namespace rfsdp

@@ -20,17 +20,9 @@ QuantizedGather::QuantizedGather(const Plan& plan, int64_t rank, const CommPolic
   policy.check_plan(plan);
   const int64_t B = policy.weight_block, m = plan.world_size;
   const size_t nb = plan.num_buffers();
-  // Blocks of each rank in each buffer; K_b is their most.
-  std::vector<std::vector<int64_t>> count(nb, std::vector<int64_t>(m, 0));
-  for (size_t i = 0; i < plan.tensors.size(); ++i) {
-    for (int64_t r = 0; r < m; ++r) count[plan.buffer_index(i)][r] += ceil_div(plan.shard(i, r).numel, B);
-  }
-  slots_.resize(nb);
+  slots_ = block_slots(plan, B);  // K_b
   std::vector<int64_t> slot_begin(nb, 0);  // K_0 + ... + K_{b-1}
-  for (size_t b = 0; b < nb; ++b) {
-    slots_[b] = *std::max_element(count[b].begin(), count[b].end());
-    if (b > 0) slot_begin[b] = slot_begin[b - 1] + slots_[b - 1];
-  }
+  for (size_t b = 1; b < nb; ++b) slot_begin[b] = slot_begin[b - 1] + slots_[b - 1];
   scale_slots_ = slot_begin.back() + slots_.back();
   // This rank's pieces, and every tensor's blocks' global scale slots: rank r's
   // scales of buffer b lie at m * slot_begin[b] + r * K_b, its tensors' in order.

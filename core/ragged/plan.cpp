@@ -209,4 +209,30 @@ void validate_plan(const Plan& plan) {
   if (!bad.empty()) throw std::invalid_argument("invalid plan: " + bad.front());
 }
 
+std::optional<BlockCut> first_block_cut(const Plan& plan, int64_t block) {
+  for (size_t i = 0; i < plan.tensors.size(); ++i) {
+    const TensorSpec& t = plan.tensors[i];
+    for (int64_t r = 0; r < plan.world_size; ++r) {
+      const ShardRange s = plan.shard(i, r);
+      if (s.empty()) continue;
+      const int64_t begin = s.row_begin * t.row_elems(), end = begin + s.numel;
+      if (begin % block != 0) return BlockCut{i, r, begin};
+      if (end != t.numel() && end % block != 0) return BlockCut{i, r, end};
+    }
+  }
+  return std::nullopt;
+}
+
+std::vector<int64_t> block_slots(const Plan& plan, int64_t block) {
+  std::vector<std::vector<int64_t>> count(plan.num_buffers(), std::vector<int64_t>(plan.world_size, 0));
+  for (size_t i = 0; i < plan.tensors.size(); ++i) {
+    for (int64_t r = 0; r < plan.world_size; ++r) {
+      count[plan.buffer_index(i)][r] += (plan.shard(i, r).numel + block - 1) / block;
+    }
+  }
+  std::vector<int64_t> slots;
+  for (const auto& c : count) slots.push_back(*std::max_element(c.begin(), c.end()));
+  return slots;
+}
+
 }  // namespace rfsdp

@@ -4,6 +4,7 @@
 
 #include <cstdint>
 #include <string>
+#include <optional>
 #include <vector>
 
 #include "core/ragged/tensor_spec.h"
@@ -53,6 +54,19 @@ struct Plan {
   double padding_fraction() const;
   ShardRange shard(size_t tensor, int64_t rank) const;
 };
+
+// Blocks of `block` consecutive elements of each tensor, counted from the tensor's
+// start (the weights' codes under a communication policy, fsdp/comm_policy.h).
+// Where a rank's piece of a tensor starts or ends inside a block: {tensor, rank,
+// element}; none when the plan keeps every block whole on one rank.
+struct BlockCut {
+  size_t tensor;
+  int64_t rank, element;
+};
+std::optional<BlockCut> first_block_cut(const Plan& plan, int64_t block);
+// The most blocks (a piece's last one may be short) any rank holds in each flat
+// buffer: the slots each rank's block scales take in a gathered buffer of scales.
+std::vector<int64_t> block_slots(const Plan& plan, int64_t block);
 
 // Alignment in elements for a buffer of elem_bytes-sized elements such that
 // every aligned offset is a multiple of align_bytes bytes.

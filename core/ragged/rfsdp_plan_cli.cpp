@@ -15,7 +15,7 @@ namespace {
 
 const char* kUsage =
     "usage: rfsdp-plan [FILE] --world-size M [--align-bytes A] [--max-buffers K]\n"
-    "                  [--collective-cost-bytes C] [--json] | --version\n"
+    "                  [--collective-cost-bytes C] [--weight-block B] [--json] | --version\n"
     "  FILE: JSON list of tensors [{\"name\", \"shape\", \"granule_rows\": int | \"whole\",\n"
     "        \"row_dims\" (default 1), \"dtype_bytes\"}]; stdin when absent or \"-\".\n"
     "  K: at most this many buffers (collectives) per unit (default 4; 1: one buffer);\n"
@@ -60,6 +60,39 @@ void print_table(const rfsdp::Plan& plan) {
   }
 }
 
+// What one training step sends from each rank (a gather for forward, one for
+// backward, a reduce-scatter: this rank's slice to each of the m-1 others)
+// under each communication policy (fsdp/comm_policy.h): weights in the plan's
+// element size, bf16, or block codes (1 byte an element and one fp32 scale a
+// block of B, which the plan must keep whole); gradients in fp32 or bf16.
+void print_comm_table(const rfsdp::Plan& plan, int64_t block) {
+  const double m1 = static_cast<double>(plan.world_size - 1), S = static_cast<double>(plan.shard_elems);
+  const std::vector<int64_t> slots = rfsdp::block_slots(plan, block);
+  double K = 0;
+  for (int64_t k : slots) K += static_cast<double>(k);
+  const bool whole = !rfsdp::first_block_cut(plan, block).has_value();
+  const double mib = 1.0 / (1 << 20);
+  std::printf("\nbytes sent per rank per step (2 all-gathers + 1 reduce-scatter), by communication policy:\n");
+  std::printf("%-34s %14s %14s %14s\n", "weights / gradients", "gathers MiB", "reduce MiB", "total MiB");
+  struct Row { std::string name; double weight_bytes; bool codes; };
+  const std::vector<Row> rows = {{"elements of " + std::to_string(plan.elem_bytes) + " bytes", 1.0 * plan.elem_bytes, false},
+                                 {"bfloat16", 2.0, false},
+                                 {"int8 / float8 codes, blocks of " + std::to_string(block), 1.0, true}};
+  for (const Row& r : rows) {
+    for (double g : {4.0, 2.0}) {
+      const std::string name = r.name + (g == 4.0 ? " / fp32" : " / bf16");
+      if (r.codes && !whole) {
+        std::printf("%-34s %14s (the plan cuts blocks of %lld: plan with that granule)\n",
+                    name.c_str(), "n/a", static_cast<long long>(block));
+        continue;
+      }
+      const double gathers = 2 * m1 * (S * r.weight_bytes + (r.codes ? 4 * K : 0)) * mib;
+      const double reduce = m1 * S * g * mib;
+      std::printf("%-34s %14.3f %14.3f %14.3f\n", name.c_str(), gathers, reduce, gathers + reduce);
+    }
+  }
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -68,6 +101,7 @@ int main(int argc, char** argv) {
     int64_t world_size = 0, align_bytes = 16;
     bool have_world_size = false;
     bool as_json = false;
+    int64_t weight_block = 256;  // the weights' code blocks in the bytes table
     rfsdp::PlannerOptions options;
     for (int i = 1; i < argc; ++i) {
       const std::string a = argv[i];
@@ -85,6 +119,9 @@ int main(int argc, char** argv) {
         if (options.collective_cost_bytes < 0) {
           throw std::invalid_argument("--collective-cost-bytes must be >= 0");
         }
+      } else if (a == "--weight-block") {
+        weight_block = parse_int(a, i + 1 < argc ? argv[++i] : nullptr);
+        if (weight_block < 1) throw std::invalid_argument("--weight-block must be positive");
       } else if (a == "--json") {
         as_json = true;
       } else if (a == "--version") {
@@ -117,6 +154,7 @@ int main(int argc, char** argv) {
       std::cout << rfsdp::plan_to_json(plan) << "\n";
     } else {
       print_table(plan);
+      print_comm_table(plan, weight_block);
     }
     return 0;
   } catch (const std::exception& e) {

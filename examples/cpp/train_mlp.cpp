@@ -11,6 +11,8 @@
 // (HSDP): shard over groups of M ranks, replicate across the world / M groups.
 // --device cuda: each rank on GPU LOCAL_RANK over NCCL (the unit's collectives on
 // side streams, the optimizers on the GPU); the default is the CPU over Gloo.
+// --comm int8 | float8_e4m3fn: the weights gathered as 8-bit block codes;
+// --grad-comm bf16: gradients sent in bf16 and summed in fp32 (rfsdp::CommPolicy).
 #include <torch/torch.h>
 
 #include <rfsdp/core/comm/comm.h>
@@ -28,6 +30,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <memory>
+#include <optional>
 #include <stdexcept>
 #include <string>
 
@@ -38,6 +41,8 @@ struct Args {
   int steps = 300, batch = 64, in = 32, hidden = 256, out = 16, seed = 0, log_every = 25;
   int shard_size = 0;  // 0: shard over every rank (plain FSDP)
   std::string device = "cpu";  // or "cuda"
+  std::string comm = "full";   // the weights' all-gather: full, int8 or float8_e4m3fn codes
+  std::string grad_comm = "fp32";  // the gradients' reduce: fp32, or bf16 summed in fp32
   double lr = -1;  // default per optimizer
 };
 
@@ -58,6 +63,8 @@ Args parse(int argc, char** argv) {
     else if (k == "--log-every") a.log_every = std::stoi(value());
     else if (k == "--shard-size") a.shard_size = std::stoi(value());
     else if (k == "--device") a.device = value();
+    else if (k == "--comm") a.comm = value();
+    else if (k == "--grad-comm") a.grad_comm = value();
     else throw std::invalid_argument("unknown option " + k);
   }
   if (a.optimizer != "adamw8bit" && a.optimizer != "muon") {
@@ -110,8 +117,16 @@ int run(const Args& a) {
   const rfsdp::HybridGroups groups =
       a.shard_size > 0 ? rfsdp::hybrid_groups(*comm, a.shard_size) : rfsdp::HybridGroups{comm, {}};
   const auto& shard_comm = groups.shard;
+  // The communication policy: weight codes in the 8-bit blocks the plan keeps whole
+  // (the unit refuses a plan that cuts them), gradients in bf16 summed in fp32.
+  if (a.grad_comm != "fp32" && a.grad_comm != "bf16") {
+    throw std::invalid_argument("--grad-comm must be fp32 or bf16, got " + a.grad_comm);
+  }
+  const rfsdp::CommPolicy comm_policy = rfsdp::CommPolicy::parse(
+      a.comm, block.block,
+      a.grad_comm == "bf16" ? std::optional<at::ScalarType>(at::kBFloat16) : std::nullopt);
   rfsdp::FSDPUnit unit(shard_comm, groups.replicate, rfsdp::plan_unit(specs, shard_comm->size()),
-                       rfsdp::MixedPrecision{}, device);
+                       rfsdp::MixedPrecision{}, comm_policy, device);
   {
     torch::NoGradGuard no_grad;
     unit.shard(params);

@@ -160,6 +160,12 @@ void bind_core(py::module_& m) {
                                return b;
                              })
       .def("global_offset", &rfsdp::Plan::global_offset)  // tensor i's first element, gathered
+      .def("block_slots", [](const rfsdp::Plan& p, int64_t block) { return rfsdp::block_slots(p, block); })
+      .def("block_cut", [](const rfsdp::Plan& p, int64_t block) -> py::object {
+        const auto cut = rfsdp::first_block_cut(p, block);  // (tensor name, rank, element) or None
+        if (!cut) return py::none();
+        return py::make_tuple(p.tensors[cut->tensor].name, cut->rank, cut->element);
+      })
       .def_readonly("plan_seconds", &rfsdp::Plan::plan_seconds)
       .def_property_readonly("padding_fraction", &rfsdp::Plan::padding_fraction)
       .def_property_readonly("lower_bound_S", &rfsdp::Plan::lower_bound_shard_elems)
