@@ -125,7 +125,7 @@ def run(label, args, train, val, rank, world):
     if per_head:
         pol = rfsdp.policy.combine(pol, rfsdp.policy.muon(
             split=lambda n, p: per_head if n.endswith("qkv.weight") else None))
-    cp = comm_policy(comm)
+    cp = comm_policy(comm or "full/fp32")  # (a label without @: today's collectives)
     for b in model.blocks:
         rfsdp.fully_shard(b, policy=pol, comm_policy=cp)
     rfsdp.fully_shard(model, policy=pol, comm_policy=cp)
