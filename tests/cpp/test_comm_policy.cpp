@@ -135,7 +135,7 @@ TEST_P(CommPolicyWorld, Bf16GradientsAreSummedInFp32InRankOrder) {
   }
 }
 
-INSTANTIATE_TEST_SUITE_P(Ranks, CommPolicyWorld, ::testing::Values(1, 2, 3, 4));
+INSTANTIATE_TEST_SUITE_P(Ranks, CommPolicyWorld, ::testing::Values(1, 2, 3, 4, 8, 16, 32));
 
 // Values that test the roundings: ties of int8 steps (k + 1/2 of a scale), e4m3's
 // subnormals and its ties, zeros and -0, a block of zeros, huge and tiny magnitudes.

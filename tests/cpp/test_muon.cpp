@@ -240,7 +240,7 @@ TEST_P(MuonRanks, ReplicatedTensorsStepAsOneDeviceOnEveryRank) {
       {GetParam(), true, MuonHyper{0.02, 0.95, 0.0, true, MuonAdjustLr::Original}, true, true});
 }
 
-INSTANTIATE_TEST_SUITE_P(Worlds, MuonRanks, ::testing::Values(1, 2, 3, 4));
+INSTANTIATE_TEST_SUITE_P(Worlds, MuonRanks, ::testing::Values(1, 2, 3, 4, 8, 16, 32));
 
 TEST(MuonLayout, EveryMatrixHasExactlyOneRootAgreedByAllRanks) {
   const uint64_t seed = fresh_seed();

@@ -86,7 +86,7 @@ TEST_P(OwnerExchangeRanks, GatherAndScatterMoveEveryPieceAndNothingElse) {
   });
 }
 
-INSTANTIATE_TEST_SUITE_P(Worlds, OwnerExchangeRanks, ::testing::Values(1, 2, 3, 4));
+INSTANTIATE_TEST_SUITE_P(Worlds, OwnerExchangeRanks, ::testing::Values(1, 2, 3, 4, 8, 16, 32));
 
 }  // namespace
 }  // namespace rfsdp

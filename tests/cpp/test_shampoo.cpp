@@ -608,7 +608,7 @@ TEST_P(ShampooRanks, RankDeficientGradientsUnderShiftAndPseudoInverseEqualTheirF
   }
 }
 
-INSTANTIATE_TEST_SUITE_P(Worlds, ShampooRanks, ::testing::Values(1, 2, 3, 4));
+INSTANTIATE_TEST_SUITE_P(Worlds, ShampooRanks, ::testing::Values(1, 2, 3, 4, 8, 16, 32));
 
 // --- quantised roots: every step from the state it starts from -------------------
 

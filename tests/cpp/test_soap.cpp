@@ -301,7 +301,7 @@ TEST_P(SOAPRanks, TorchChunkRowsThatCutTilesEqualTheFloat64SingleDeviceSOAP) {
   expect_reference_soap(GetParam(), true);
 }
 
-INSTANTIATE_TEST_SUITE_P(Worlds, SOAPRanks, ::testing::Values(1, 2, 3, 4));
+INSTANTIATE_TEST_SUITE_P(Worlds, SOAPRanks, ::testing::Values(1, 2, 3, 4, 8, 16, 32));
 
 // --- bf16 factors and bases: every step from the state it starts from --------------
 
