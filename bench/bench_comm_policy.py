@@ -69,7 +69,7 @@ def zoo_bytes(world, block=256):
         for t in tensors:  # the code blocks' granule (rfsdp.policy.blockwise_8bit's), by lcm
             row = math.prod(t["shape"][t["row_dims"]:]) if len(t["shape"]) > 1 else 1
             g = rfsdp._C.granule_rows(block, row)
-            coded.append(dict(t, granule_rows=t["granule_rows"] * g // math.gcd(t["granule_rows"], g)))
+            coded.append(dict(t, granule_rows=math.lcm(t["granule_rows"], g)))
         blocked = rfsdp.plan(coded, world)
         assert blocked.block_cut(block) is None
         k = sum(blocked.block_slots(block))

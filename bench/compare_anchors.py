@@ -111,17 +111,24 @@ COMM_VARIANTS = {
 }
 
 
-def fsdp2_sent_bytes(model, world, param_bytes):
-    """Bytes leaving each rank per step in FSDP2 (its padded Shard(0) chunk to
-    each of the m-1 others): blocks gathered twice (forward, backward), the root
-    once, in the param dtype; one reduce-scatter of fp32 gradients per unit."""
-    total = 0
+def fsdp2_units(model, world):
+    """FSDP2's units of the GPT as fully_shard wraps it (each block, then the root
+    with what the blocks leave): (elements of a rank's padded Shard(0) chunks,
+    elements of the full parameters, gathers per step: 2 for blocks, forward and
+    backward; 1 for the root)."""
     for mod in list(model.blocks) + [model]:
         own = [p for n, p in mod.named_parameters(recurse=True)
                if mod is not model or not n.startswith("blocks.")]
         local = sum(math.ceil(p.shape[0] / world) * (p.numel() // p.shape[0]) for p in own)
-        total += (world - 1) * local * ((2 if mod is not model else 1) * param_bytes + 4)
-    return total
+        yield local, sum(p.numel() for p in own), 2 if mod is not model else 1
+
+
+def fsdp2_sent_bytes(model, world, param_bytes):
+    """Bytes leaving each rank per step in FSDP2 (its padded Shard(0) chunk to
+    each of the m-1 others): every gather in the param dtype; one reduce-scatter
+    of fp32 gradients per unit."""
+    return sum((world - 1) * local * (gathers * param_bytes + 4)
+               for local, _, gathers in fsdp2_units(model, world))
 
 
 def fsdp2_copied_bytes(model, world):
@@ -132,14 +139,11 @@ def fsdp2_copied_bytes(model, world):
     (chunk_cat). Gloo's native ops stage both: (m + 1) x the per-rank bytes each.
     Blocks are gathered twice a step (forward, backward), the root once."""
     total = 0
-    for mod in list(model.blocks) + [model]:
-        own = [p for n, p in mod.named_parameters(recurse=True)
-               if mod is not model or not n.startswith("blocks.")]
-        local = sum(math.ceil(p.shape[0] / world) * (p.numel() // p.shape[0]) * 4 for p in own)
-        full = sum(p.numel() * 4 for p in own)
+    for local, full, gathers in fsdp2_units(model, world):
+        local, full = 4 * local, 4 * full
         gather = local + full + (world + 1) * local
         reduce = world * local + (world + 1) * local
-        total += (2 if mod is not model else 1) * gather + reduce
+        total += gathers * gather + reduce
     return total
 
 
@@ -237,18 +241,26 @@ def torchrun(nproc, argv):
         raise SystemExit("torchrun %s failed:\n%s" % (" ".join(argv), proc.stdout[-4000:]))
 
 
+def run_variants(worker, variants, dim, args):
+    """{variant: every rank's row}: each variant of `worker` its own 2-rank
+    torchrun job (so each peak RSS is its own) at GPT width `dim`."""
+    results = {}
+    with tempfile.TemporaryDirectory() as d:
+        for v in variants:
+            out = os.path.join(d, "%s.json" % v)
+            torchrun(2, ["--worker", worker, "--variant", v, "--dim", str(dim), "--out", out,
+                         "--steps", str(args.steps), "--warmup", str(args.warmup),
+                         "--batch", str(args.batch)])
+            with open(out) as f:
+                results[v] = json.load(f)
+    return results
+
+
 def section_fsdp(args):
     results = {}
     variants = ("fsdp2", "rfsdp", "ddp")
-    with tempfile.TemporaryDirectory() as d:
-        for dim in args.widths:
-            for v in variants:
-                out = os.path.join(d, "%s_%d.json" % (v, dim))
-                torchrun(2, ["--worker", "fsdp", "--variant", v, "--dim", str(dim), "--out", out,
-                             "--steps", str(args.steps), "--warmup", str(args.warmup),
-                             "--batch", str(args.batch)])
-                with open(out) as f:
-                    results[v, dim] = json.load(f)
+    for dim in args.widths:
+        results.update({(v, dim): rows for v, rows in run_variants("fsdp", variants, dim, args).items()})
     print("\n## 1. Sharded data parallelism: 2 ranks (Gloo, 1 thread each), GPT %d layers, "
           "batch %d x %d tokens per rank, AdamW, median of %d steps"
           % (args.layers, args.batch, args.ctx, args.steps))
@@ -278,15 +290,7 @@ def section_comm(args):
     """9. Quantised collectives: rfsdp's comm policies beside FSDP2's bf16 all-gather."""
     variants = ("fsdp2", "fsdp2-bf16") + tuple(COMM_VARIANTS)
     dim = args.widths[0]
-    results = {}
-    with tempfile.TemporaryDirectory() as d:
-        for v in variants:
-            out = os.path.join(d, "%s.json" % v)
-            torchrun(2, ["--worker", "fsdp", "--variant", v, "--dim", str(dim), "--out", out,
-                         "--steps", str(args.steps), "--warmup", str(args.warmup),
-                         "--batch", str(args.batch)])
-            with open(out) as f:
-                results[v] = json.load(f)
+    results = run_variants("fsdp", variants, dim, args)
     print("\n## 9. Communication: 2 ranks (Gloo), GPT width %d, %d layers, batch %d x %d, AdamW, "
           "median of %d steps; bytes leaving each rank per step (gathers + reduce-scatters)"
           % (dim, args.layers, args.batch, args.ctx, args.steps))
@@ -379,15 +383,7 @@ def fsdp2opt_worker(args):
 
 def section_fsdp2opt(args):
     dim = args.fsdp2_width
-    results = {}
-    with tempfile.TemporaryDirectory() as d:
-        for v in ("fsdp2", "rfsdp"):
-            out = os.path.join(d, "%s.json" % v)
-            torchrun(2, ["--worker", "fsdp2opt", "--variant", v, "--dim", str(dim), "--out", out,
-                         "--steps", str(args.steps), "--warmup", str(args.warmup),
-                         "--batch", str(args.batch)])
-            with open(out) as f:
-                results[v] = json.load(f)
+    results = run_variants("fsdp2opt", ("fsdp2", "rfsdp"), dim, args)
     print("\n## 6. rfsdp's optimizers on torch FSDP2's parameters vs rfsdp.fully_shard "
           "(whole-block plan): 2 ranks, GPT width %d, %d layers, median optimizer step of %d"
           % (dim, args.layers, args.steps))

@@ -21,9 +21,9 @@ QuantizedGather::QuantizedGather(const Plan& plan, int64_t rank, const CommPolic
   const int64_t B = policy.weight_block, m = plan.world_size;
   const size_t nb = plan.num_buffers();
   slots_ = block_slots(plan, B);  // K_b
-  std::vector<int64_t> slot_begin(nb, 0);  // K_0 + ... + K_{b-1}
-  for (size_t b = 1; b < nb; ++b) slot_begin[b] = slot_begin[b - 1] + slots_[b - 1];
-  scale_slots_ = slot_begin.back() + slots_.back();
+  slot_begin_.assign(nb, 0);      // K_0 + ... + K_{b-1}
+  for (size_t b = 1; b < nb; ++b) slot_begin_[b] = slot_begin_[b - 1] + slots_[b - 1];
+  scale_slots_ = slot_begin_.back() + slots_.back();
   // This rank's pieces, and every tensor's blocks' global scale slots: rank r's
   // scales of buffer b lie at m * slot_begin[b] + r * K_b, its tensors' in order.
   std::vector<std::vector<int64_t>> used(nb, std::vector<int64_t>(m, 0));
@@ -34,7 +34,7 @@ QuantizedGather::QuantizedGather(const Plan& plan, int64_t rank, const CommPolic
     for (int64_t r = 0; r < m; ++r) {
       const ShardRange s = plan.shard(i, r);
       const int64_t blocks = ceil_div(s.numel, B);
-      const int64_t first = m * slot_begin[b] + r * slots_[b] + used[b][r];
+      const int64_t first = m * slot_begin_[b] + r * slots_[b] + used[b][r];
       for (int64_t k = 0; k < blocks; ++k) index.push_back(first + k);
       if (r == rank && !s.empty()) pieces_.push_back({b, s.local_offset, s.numel, used[b][r]});
       used[b][r] += blocks;
@@ -100,16 +100,15 @@ CommHandle QuantizedGather::gather(Comm& comm, const at::Tensor& local) {
   at::NoGradGuard no_grad;
   const int64_t m = plan_.world_size;
   const auto on = at::TensorOptions().device(device_);
-  codes_ = at::zeros({plan_.buffer_elems()}, on.dtype(policy_.code_dtype()));
-  scales_ = at::zeros({m * scale_slots_}, on.dtype(at::kFloat));
+  // (Padding codes and unused scale slots travel unwritten: decode reads neither.)
+  codes_ = at::empty({plan_.buffer_elems()}, on.dtype(policy_.code_dtype()));
+  scales_ = at::empty({m * scale_slots_}, on.dtype(at::kFloat));
   // This rank's slots of each buffer, in place in the gathered buffers.
   std::vector<at::Tensor> my_codes, my_scales;
-  int64_t slot_begin = 0;
   for (size_t b = 0; b < plan_.num_buffers(); ++b) {
     const int64_t Sb = plan_.buffer_shard(b);
     my_codes.push_back(codes_.narrow(0, plan_.buffer_global_begin(b) + rank_ * Sb, Sb));
-    my_scales.push_back(scales_.narrow(0, m * slot_begin + rank_ * slots_[b], slots_[b]));
-    slot_begin += slots_[b];
+    my_scales.push_back(scales_.narrow(0, m * slot_begin_[b] + rank_ * slots_[b], slots_[b]));
   }
   for (const Piece& p : pieces_) {
     encode_piece(local.narrow(0, p.local_offset, p.numel), policy_.weight_block, policy_,
@@ -118,13 +117,11 @@ CommHandle QuantizedGather::gather(Comm& comm, const at::Tensor& local) {
   }
   // Codes travel as bytes (every backend moves uint8), scales as fp32.
   std::vector<CommHandle> hs;
-  slot_begin = 0;
   for (size_t b = 0; b < plan_.num_buffers(); ++b) {
     const int64_t Sb = plan_.buffer_shard(b);
     hs.push_back(comm.all_gather_flat(
         codes_.view(at::kByte).narrow(0, plan_.buffer_global_begin(b), m * Sb)));
-    hs.push_back(comm.all_gather_flat(scales_.narrow(0, m * slot_begin, m * slots_[b])));
-    slot_begin += slots_[b];
+    hs.push_back(comm.all_gather_flat(scales_.narrow(0, m * slot_begin_[b], m * slots_[b])));
   }
   return CommHandle::all(std::move(hs));
 }

@@ -65,6 +65,7 @@ class QuantizedGather {
   int64_t rank_ = 0;
   at::Device device_ = at::kCPU;
   std::vector<int64_t> slots_;        // K_b
+  std::vector<int64_t> slot_begin_;   // K_0 + ... + K_{b-1}: buffer b's first slot of a rank
   int64_t scale_slots_ = 0;           // sum of K_b
   std::vector<Piece> pieces_;         // this rank's, every buffer
   at::Tensor decode_index_;           // every tensor's blocks in order: its scales' global slots

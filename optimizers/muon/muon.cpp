@@ -330,6 +330,11 @@ void muon_step_from_updates(Comm* comm, const MuonLayout& layout,
   const OwnerExchange& ex = layout.exchange();
   Comm* group = comm && layout.world() > 1 ? comm : nullptr;
   const auto direct = [&](size_t k) { return ex.held_whole_here(k) && !mats[k].replicated; };
+  // Matrix m's elements in `flat`, a flat tensor of its parameter's rows here (m held whole here).
+  const auto region = [&](const MuonMatrix& m, const at::Tensor& flat) {
+    const TensorShard& s = layout.shards()[m.param];
+    return flat.view(-1).narrow(0, m.offset - s.row_begin * s.row_len, m.rows * m.cols);
+  };
   std::vector<std::pair<size_t, at::Tensor>> own;  // (matrix, orthogonalised) rooted here
   // 1. A parameter whose every matrix is held whole here (one process; blocks the
   // plan keeps whole) needs no exchange: its update, then its Newton–Schulz,
@@ -346,13 +351,9 @@ void muon_step_from_updates(Comm* comm, const MuonLayout& layout,
     if (!ahead[i]) continue;
     make_update(i);
     if (gate.failed()) continue;
-    const TensorShard& s = layout.shards()[i];
     std::vector<std::pair<size_t, at::Tensor>> mine;
     for (size_t k = 0; k < mats.size(); ++k) {
-      const MuonMatrix& m = mats[k];
-      if (m.param != i) continue;
-      mine.emplace_back(k, u[i].view(-1).narrow(0, m.offset - s.row_begin * s.row_len, m.rows * m.cols)
-                               .view({m.rows, m.cols}));
+      if (mats[k].param == i) mine.emplace_back(k, region(mats[k], u[i]).view({mats[k].rows, mats[k].cols}));
     }
     gate.guard([&] { orthogonalise(layout, &mine, ns_dtype, ns, batch_same_shape, &gate); });
     own.insert(own.end(), mine.begin(), mine.end());
@@ -401,10 +402,7 @@ void muon_step_from_updates(Comm* comm, const MuonLayout& layout,
       results[k] = o_mat.to(at::kFloat).reshape(-1);
       continue;
     }
-    const TensorShard& s = layout.shards()[mat.param];
-    decayed(mat, params[mat.param].view(-1).narrow(0, mat.offset - s.row_begin * s.row_len,
-                                                   mat.rows * mat.cols))
-        .view({mat.rows, mat.cols}).add_(o_mat, alpha(mat));
+    decayed(mat, region(mat, params[mat.param])).view({mat.rows, mat.cols}).add_(o_mat, alpha(mat));
   }
   for (size_t k = 0; k < mats.size(); ++k) {
     if (!direct(k) && !o[mats[k].param].defined()) o[mats[k].param] = at::empty_like(flat[mats[k].param]);
