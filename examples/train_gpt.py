@@ -244,13 +244,13 @@ def run(label, args, train, val, rank, world):
         rfsdp.checkpoint.save(os.path.join(args.final_checkpoint, name), model, opt)
     note = ""
     if base == "muon":  # how the roots balance Newton–Schulz, and what a step moves
-        sent = torch.tensor([float(opt.layout.gather_send_elems())], device=DEVICE)
-        dist.all_reduce(sent, op=dist.ReduceOp.MAX)
+        moved = torch.tensor([float(opt.layout.gather_send_elems())], device=DEVICE)
+        dist.all_reduce(moved, op=dist.ReduceOp.MAX)
         mats = opt.layout.matrices()
         note = ("%d matrices, %.1f GFLOP of Newton-Schulz a step (all ranks), max/mean per rank "
                 "%.3f; gather moves at most %.2f MiB per rank per step (and the scatter as much back)"
                 % (len(mats), sum(m["flops"] for m in mats) / 1e9, opt.layout.flop_imbalance(),
-                   sent.item() * 4 / 2 ** 20))
+                   moved.item() * 4 / 2 ** 20))
     if base == "shampoo":
         note = ("%d tiles, %.2f MiB of factors and roots per rank, %.1f s in roots (of %.1f s), "
                 "%d roots retried in fp64" % (opt._impl.num_tiles(), opt._impl.factor_bytes() / 2 ** 20,
