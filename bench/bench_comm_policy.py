@@ -47,14 +47,14 @@ def kernels(n):
     for fmt in ("int8", "float8_e4m3fn"):
         policy = rfsdp.CommPolicy(weights=fmt)
         for generic in (False, True):
-            rfsdp._C.use_generic_weight_codes(generic)
+            rfsdp._C.use_device_generic_path(generic)
             enc = median_ms(lambda: rfsdp._C.quantize_weight_blocks(x, policy))
             codes, scales = rfsdp._C.quantize_weight_blocks(x, policy)
             dec = median_ms(lambda: rfsdp._C.dequantize_weight_blocks(codes, scales, policy, dq))
             # memcpy speed over the time: > 1 would be faster than copying the fp32 weights
             print("%-16s %-8s %12.2f %12.2f %14.2f %14.2f" % (fmt, "generic" if generic else "cpu", enc,
                                                             dec, copy / enc, copy / dec))
-        rfsdp._C.use_generic_weight_codes(False)
+        rfsdp._C.use_device_generic_path(False)
 
 
 def zoo_bytes(world, block=256):

@@ -1,7 +1,7 @@
 // bench_quant: block-wise 8-bit quantise / dequantise and the fused AdamW8bit
 // step, against a plain memcpy of the same bytes (the floor) and against the
 // fp32 AdamW step, from 1M to 64M elements, with each kernel set this CPU runs
-// (portable, and AVX-512 where present) side by side. One thread by default
+// (portable, AVX2 and AVX-512 where present) and the device-generic path side by side. One thread by default
 // (rates per core); --threads N for more. Medians of --reps runs.
 #include <ATen/Parallel.h>
 
@@ -15,7 +15,11 @@
 #include "quant/blockwise/blockwise.h"
 #include "quant/blockwise/code_maps.h"
 #include "quant/blockwise/cpu_kernels.h"
+#include "quant/blockwise/device_path.h"
 #include "quant/blockwise/lowbit.h"
+#include "quant/blockwise/state_ops.h"
+
+#include <ATen/ops/_fused_adamw_ops.h>
 
 namespace {
 
@@ -71,7 +75,9 @@ int main(int argc, char** argv) {
               "bytes is the floor\n\n",
               threads, reps);
   std::vector<cpu::Isa> isas = {cpu::Isa::kPortable};
-  if (cpu::isa_supported(cpu::Isa::kAvx512)) isas.push_back(cpu::Isa::kAvx512);
+  for (cpu::Isa isa : {cpu::Isa::kAvx2, cpu::Isa::kAvx512}) {
+    if (cpu::isa_supported(isa)) isas.push_back(isa);
+  }
   std::printf("%-7s %-10s %-8s | %9s %9s %6s | %9s %9s %6s | %9s %9s %9s %6s\n", "elems", "blocks",
               "kernels", "quant", "memcpy", "ratio", "dequant", "memcpy", "ratio", "adam8 GB/s",
               "adam32", "memcpy", "t32/t8");
@@ -169,6 +175,67 @@ int main(int argc, char** argv) {
     });
     std::printf("%-7s | %12.2f %9.2f %6.2f | %12.2f %8.2f\n", (std::to_string(mi) + "M").c_str(),
                 n * 10.0 / t8 / 1e9, n * 10.0 / tm / 1e9, tm / t8, n * 36.0 / t32 / 1e9, t32 / t8);
+  }
+
+  // Every path side by side on the 8-bit states' operations (1-D blocks of 256), through
+  // the entry points the optimizers call (quant/blockwise/state_ops.h): each kernel set
+  // this CPU runs and the device-generic ATen path (what a device without kernels runs;
+  // the same bits). Ratios: memcpy of the bytes an operation moves over its time (1 = at
+  // memcpy speed), and torch's fused fp32 AdamW step (torch.optim.AdamW(fused=True), 28 B
+  // a parameter) over the AdamW8bit step (16 B a parameter): >= 1 is as fast or faster.
+  std::printf("\n%-7s %-9s | %8s %6s | %8s %6s | %8s %8s %7s | %8s %6s\n", "elems", "path",
+              "quant ms", "xmemcp", "deq ms", "xmemcp", "adam8 ms", "torch ms", "t/t8", "mom8 ms",
+              "xmemcp");
+  for (int64_t mi : {int64_t{4}, int64_t{16}}) {
+    if (mi > max_m) break;
+    const int64_t n = mi << 20;
+    const BlockLayout L(BlockShape::blocks(256), 1, n);
+    const Codec k1(code1), k2(code2, true);
+    const at::Tensor x = at::randn({n}), g = at::randn({n}) * 1e-3;
+    at::Tensor q = at::empty({n}, at::kByte), a = at::empty({L.num_blocks}), out = at::empty({n});
+    at::Tensor p = at::randn({n}), q1 = at::full({n}, 127, at::kByte), q2 = at::zeros({n}, at::kByte);
+    at::Tensor a1 = at::zeros({L.num_blocks}), a2 = at::zeros({L.num_blocks}), u = at::empty({n});
+    at::Tensor qm = at::full({n}, 127, at::kByte), am = at::ones({L.num_blocks});
+    at::Tensor qm2 = at::empty({n}, at::kByte), am2 = at::empty({L.num_blocks});
+    std::vector<char> src(n * 16), dst(n * 16);
+    std::memset(src.data(), 1, src.size());
+    auto memcpy_s = [&](int64_t bytes) {  // reads + writes = 2 x bytes
+      return median_seconds(reps, [&] {
+        at::parallel_for(0, bytes, 1 << 20, [&](int64_t b0, int64_t b1) {
+          std::memcpy(dst.data() + b0, src.data() + b0, b1 - b0);
+        });
+      });
+    };
+    const double mq = memcpy_s(n * 5 / 2), mm = memcpy_s(n * 10 / 2);
+    at::Tensor tp = at::randn({n}), tm = at::zeros({n}), tv = at::zeros({n});
+    const at::Tensor steps = at::full({}, 1.0);
+    const double tt = median_seconds(reps, [&] {
+      at::_fused_adamw_({tp}, {g}, {tm}, {tv}, {}, {steps}, 1e-3, 0.9, 0.999, 0.01, 1e-8, false, false);
+    });
+    struct Path {
+      const char* name;
+      cpu::Isa isa;
+      bool generic;
+    };
+    std::vector<Path> paths;
+    for (cpu::Isa isa : isas) paths.push_back({cpu::isa_name(isa), isa, false});
+    paths.push_back({"generic", cpu::active_isa(), true});
+    for (const Path& path : paths) {
+      cpu::use_isa(path.isa);
+      use_device_generic_path(path.generic);
+      const double tq = median_seconds(reps, [&] { quantize(x, L, k1, q, a); });
+      const double td = median_seconds(reps, [&] { dequantize(q, a, L, k1, out); });
+      const double t8 = median_seconds(reps, [&] {
+        adamw8bit_step(p, g, q1, a1, q2, a2, L, k1, k2, {1e-3f, 0.9f, 0.999f, 1e-8f, 0.01f, 1});
+      });
+      const double tm8 = median_seconds(reps, [&] {
+        momentum8bit_step(g, qm, am, L, k1, 0.95f, true, qm2, am2, u);
+      });
+      std::printf("%-7s %-9s | %8.2f %6.2f | %8.2f %6.2f | %8.2f %8.2f %7.2f | %8.2f %6.2f\n",
+                  (std::to_string(mi) + "M").c_str(), path.name, tq * 1e3, mq / tq, td * 1e3,
+                  mq / td, t8 * 1e3, tt * 1e3, tt / t8, tm8 * 1e3, mm / tm8);
+    }
+    use_device_generic_path(false);
   }
 
   // Quantised eigenbases (SOAP's basis_dtype int8 / int4): what a step pays to use one n x n

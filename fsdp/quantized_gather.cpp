@@ -3,13 +3,12 @@
 #include <ATen/core/grad_mode.h>
 
 #include <algorithm>
-#include <atomic>
-#include <cstdlib>
 #include <stdexcept>
 #include <string>
 
 #include "core/ragged/int_math.h"
 #include "quant/blockwise/absmax_codes.h"
+#include "quant/blockwise/device_path.h"
 
 namespace rfsdp {
 
@@ -46,18 +45,13 @@ QuantizedGather::QuantizedGather(const Plan& plan, int64_t rank, const CommPolic
 
 namespace {
 
-std::atomic<bool> g_generic{[] {
-  const char* env = std::getenv("RFSDP_DEVICE_GENERIC");
-  return env && std::string(env) == "1";
-}()};
-
 quant::cpu::AbsmaxCode code_kind(const CommPolicy& p) {
   return p.weights == WeightWire::kInt8 ? quant::cpu::AbsmaxCode::kInt8
                                         : quant::cpu::AbsmaxCode::kFloat8E4M3FN;
 }
 
 bool on_cpu_kernels(std::initializer_list<const at::Tensor*> ts) {
-  if (g_generic.load(std::memory_order_relaxed)) return false;
+  if (quant::device_generic_path()) return false;
   for (const at::Tensor* t : ts) {
     if (!t->device().is_cpu() || !t->is_contiguous()) return false;
   }
@@ -65,9 +59,6 @@ bool on_cpu_kernels(std::initializer_list<const at::Tensor*> ts) {
 }
 
 }  // namespace
-
-void QuantizedGather::use_generic_path(bool on) { g_generic.store(on, std::memory_order_relaxed); }
-bool QuantizedGather::generic_path() { return g_generic.load(std::memory_order_relaxed); }
 
 void QuantizedGather::encode_piece(const at::Tensor& x, int64_t block, const CommPolicy& policy,
                                    const at::Tensor& codes, const at::Tensor& scales) {

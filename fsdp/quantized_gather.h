@@ -49,9 +49,7 @@ class QuantizedGather {
                            const CommPolicy& policy, const at::Tensor& out);
   // CPU tensors take quant/blockwise/absmax_codes' kernels unless the generic
   // path (ATen operations, what other devices run; bit for bit the same) is
-  // chosen: use_generic_path(true), or the environment's RFSDP_DEVICE_GENERIC=1.
-  static void use_generic_path(bool on);
-  static bool generic_path();
+  // chosen (quant/blockwise/device_path.h).
 
  private:
   struct Piece {           // one tensor's rows on this rank

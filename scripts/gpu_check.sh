@@ -3,8 +3,12 @@
 # on an H200 with 16 cores; not yet timed there): builds the library, the extension and the C++ tests with that
 # machine's python3 (torch with CUDA) and nvcc, then runs
 #   1. the C++ suite (ctest; the CUDA kernels against the CPU ones among it),
-#   2. the GPU tests (tests/python/test_gpu.py): kernels bit for bit, AdamW and
-#      AdamW8bit, Muon and Shampoo, fully_shard over NCCL and over Gloo,
+#   2. the GPU tests (tests/python/test_gpu.py): every 8-bit state step on the CUDA
+#      kernels and on the device-generic path bit for bit the CPU kernels'; AdamW8bit,
+#      8-bit Muon momentum, SOAP 8-bit moments with int8 bases, Shampoo int8 roots,
+#      each on both paths, against the CPU; AdamW8bit and Shampoo on FSDP2 chunk rows
+#      (two processes on the GPU over Gloo) against one CPU process; AdamW, Muon,
+#      Shampoo, SOAP; fully_shard over NCCL and over Gloo,
 #   3. the main job on the GPU (torchrun, 1 rank, NCCL; every optimizer, 40 steps
 #      on the project's own docs as text: the machine has no fortunes), and the C++
 #      example (examples/cpp, built against the installed package) with AdamW8bit
@@ -71,9 +75,8 @@ step build build || { log "the build failed: nothing to run"; exit 1; }
 # (the Package tests install and rebuild out of tree: CPU CI covers them)
 step ctest ctest --test-dir "$BUILD" -j 8 --output-on-failure --timeout 300 -E "^Package\\."
 export PYTHONPATH=$(pwd)/python${PYTHONPATH:+:$PYTHONPATH}
-# The portable CPU kernels: IEEE sqrt and division, as the GPU's (test_gpu.py's AdamW8bit check).
-step pytest_gpu env RFSDP_QUANT_ISA=portable "$PY" -m pytest -q -p no:cacheprovider \
-  tests/python/test_gpu.py -rs
+# (every CPU kernel set rounds as the GPU's: IEEE sqrt and division, no FMA)
+step pytest_gpu "$PY" -m pytest -q -p no:cacheprovider --durations 10 tests/python/test_gpu.py -rs
 cat README.md docs/*.md > /tmp/rfsdp_text.txt
 step main_job_gpu "$PY" -m torch.distributed.run --standalone --nproc_per_node 1 \
   examples/train_gpt.py --compare --device cuda --steps 40 --val-every 20 --log-every 20 \

@@ -11,8 +11,7 @@
 #include "optimizers/common/adamw_step.h"
 #include "quant/blockwise/blockwise.h"
 #include "quant/blockwise/code_maps.h"
-#include "quant/blockwise/cpu_kernels.h"
-#include "quant/blockwise/cuda_ops.h"
+#include "quant/blockwise/state_ops.h"
 
 namespace rfsdp {
 
@@ -99,10 +98,8 @@ AdamW8bit::AdamW8bit(std::vector<ParamShard> params, AdamWOptions options,
     : AdamW(params, options, std::move(comm), small_tensors(params, min_8bit_size)),
       block_(block) {
   block_.check();
-  code1_ = quant::dynamic_map(true);
-  code2_ = quant::dynamic_map(false);
-  lut1_ = quant::code_lut(code1_);
-  lut2_ = quant::code_lut(code2_, /*keep_nonzero=*/true);  // v: see CodeLut
+  code1_ = quant::Codec(quant::dynamic_map(true));
+  code2_ = quant::Codec(quant::dynamic_map(false), /*keep_nonzero=*/true);  // v: see CodeLut
   for (size_t i = 0; i < params_.size(); ++i) {
     const ParamShard& p = params_[i];
     const bool eight = p.full_numel() >= min_8bit_size;
@@ -120,39 +117,12 @@ AdamW8bit::AdamW8bit(std::vector<ParamShard> params, AdamWOptions options,
       agreed_entries_ += shared;
       Quantized8& q = q_.back();
       int64_t blocks = 0;
-      for (const Region& r : q.regions) {
-        blocks += r.layout.num_blocks;
-        if (r.agreed >= 0 && p.param.is_cuda()) {
-          throw std::invalid_argument(
-              "AdamW8bit: parameter '" + p.name + "' (rows [" + std::to_string(p.row_begin) +
-              ", " + std::to_string(p.row_end) + ") of " + std::to_string(p.full_rows) +
-              ") cuts its " + block_.str() + ", and blocks shared by ranks are stepped on the "
-              "CPU only so far; on a GPU, give every rank whole blocks (rfsdp.fully_shard with "
-              "rfsdp.policy.blockwise_8bit), or choose a block that the rows keep whole");
-        }
-      }
+      for (const Region& r : q.regions) blocks += r.layout.num_blocks;
       const auto dev = state_options(i);
-      q.q1 = at::full({p.param.numel()}, lut1_->nearest(0.0f), dev.dtype(at::kByte));
-      q.q2 = at::full({p.param.numel()}, lut2_->nearest(0.0f), dev.dtype(at::kByte));
+      q.q1 = at::full({p.param.numel()}, code1_.lut().nearest(0.0f), dev.dtype(at::kByte));
+      q.q2 = at::full({p.param.numel()}, code2_.lut().nearest(0.0f), dev.dtype(at::kByte));
       q.absmax1 = at::zeros({blocks}, dev);
       q.absmax2 = at::zeros({blocks}, dev);
-      if (p.param.is_cuda()) {
-        if (!quant::cuda_ops::built()) {
-          throw std::invalid_argument("AdamW8bit: parameter '" + p.name + "' is on " +
-                                      p.param.device().str() + ", and this build of rfsdp has no "
-                                      "CUDA kernels (nvcc was not found when it was built); "
-                                      "rebuild with the CUDA toolkit, or use AdamW");
-        }
-        if (code1_on_.defined() && code1_on_.device() != p.param.device()) {
-          throw std::invalid_argument("AdamW8bit: parameters on " + code1_on_.device().str() +
-                                      " and " + p.param.device().str() +
-                                      "; build one optimizer per GPU");
-        }
-        if (!code1_on_.defined()) {
-          code1_on_ = code1_.to(p.param.device());
-          code2_on_ = code2_.to(p.param.device());
-        }
-      }
     }
   }
 }
@@ -238,18 +208,10 @@ void AdamW8bit::update(size_t i, int64_t step) {
   for (const Region& r : q.regions) {  // the whole blocks (the shared ones stepped already)
     if (r.agreed >= 0) continue;
     const int64_t n = r.layout.numel, nb = r.layout.num_blocks;
-    if (p.param.is_cuda()) {
-      quant::cuda_ops::adamw8bit_step(
-          p.param.view(-1).narrow(0, r.elem, n), p.grad.view(-1).narrow(0, r.elem, n),
-          q.q1.narrow(0, r.elem, n), q.absmax1.narrow(0, r.block, nb), q.q2.narrow(0, r.elem, n),
-          q.absmax2.narrow(0, r.block, nb), r.layout, code1_on_, *lut1_, code2_on_, *lut2_, h);
-      continue;
-    }
-    quant::cpu::adamw8bit_step(p.param.data_ptr<float>() + r.elem,
-                               p.grad.data_ptr<float>() + r.elem, q.q1.data_ptr<uint8_t>() + r.elem,
-                               q.absmax1.data_ptr<float>() + r.block,
-                               q.q2.data_ptr<uint8_t>() + r.elem,
-                               q.absmax2.data_ptr<float>() + r.block, r.layout, *lut1_, *lut2_, h);
+    quant::adamw8bit_step(p.param.view(-1).narrow(0, r.elem, n), p.grad.view(-1).narrow(0, r.elem, n),
+                          q.q1.narrow(0, r.elem, n), q.absmax1.narrow(0, r.block, nb),
+                          q.q2.narrow(0, r.elem, n), q.absmax2.narrow(0, r.block, nb), r.layout,
+                          code1_, code2_, h);
   }
 }
 
@@ -262,16 +224,18 @@ void AdamW8bit::run_step(StepGate& gate, const std::vector<size_t>& stepping) {
 void AdamW8bit::step_shared_blocks(const std::vector<size_t>& stepping) {
   // Per shared block: the new absmax of m and of v over this rank's elements,
   // whether this rank steps it, whether it holds some of it without a gradient.
-  // One max all-reduce gives every rank the block's absmax (and the flags).
+  // One max all-reduce gives every rank the block's absmax (and the flags), on the
+  // device the group reduces on; the amax stay on theirs until then.
   const int64_t K = agreed_entries_;
-  at::Tensor agreed = at::zeros({4 * K}, at::kFloat);
-  float* a = agreed.data_ptr<float>();
+  at::Tensor agreed = at::zeros({4 * K}, at::TensorOptions().device(comm_->control_device()));
+  std::vector<float> flags(2 * K, 0.0f);
   std::vector<bool> steps(params_.size(), false);
   for (size_t i : stepping) steps[i] = true;
   struct Pending {
     size_t i;
     const Region* r;
-    at::Tensor param, scratch;  // the region's parameter, updated on a copy until agreed
+    at::Tensor param;  // the region's parameter, updated on a copy until agreed
+    quant::SharedStep half;
   };
   std::vector<Pending> pending;
   for (size_t i = 0; i < params_.size(); ++i) {
@@ -280,32 +244,28 @@ void AdamW8bit::step_shared_blocks(const std::vector<size_t>& stepping) {
     Quantized8& q = q_[i];
     for (const Region& r : q.regions) {
       if (r.agreed < 0) continue;
-      const int64_t nb = r.layout.num_blocks;
+      const int64_t n = r.layout.numel, nb = r.layout.num_blocks;
       if (!steps[i]) {
-        for (int64_t j = 0; j < nb; ++j) a[3 * K + r.agreed + j] = 1.0f;
+        for (int64_t j = 0; j < nb; ++j) flags[K + r.agreed + j] = 1.0f;
         continue;
       }
-      Pending pd{i, &r, p.param.view(-1).narrow(0, r.elem, r.layout.numel).clone(),
-                 at::empty({2 * nb * r.layout.max_block_elems()}, at::kFloat)};
-      std::vector<float> am1(nb), am2(nb);
-      quant::cpu::adamw8bit_begin(pd.param.data_ptr<float>(), p.grad.data_ptr<float>() + r.elem,
-                                  q.q1.data_ptr<uint8_t>() + r.elem,
-                                  q.absmax1.data_ptr<float>() + r.block,
-                                  q.q2.data_ptr<uint8_t>() + r.elem,
-                                  q.absmax2.data_ptr<float>() + r.block, r.layout, *lut1_, *lut2_,
-                                  hyper(options_of(i), param_steps_[i]), pd.scratch.data_ptr<float>(),
-                                  am1.data(), am2.data());
-      for (int64_t j = 0; j < nb; ++j) {
-        a[r.agreed + j] = am1[j];
-        a[K + r.agreed + j] = am2[j];
-        a[2 * K + r.agreed + j] = 1.0f;
-      }
+      Pending pd{i, &r, p.param.view(-1).narrow(0, r.elem, n).clone(), {}};
+      pd.half = quant::adamw8bit_begin(pd.param, p.grad.view(-1).narrow(0, r.elem, n),
+                                       q.q1.narrow(0, r.elem, n), q.absmax1.narrow(0, r.block, nb),
+                                       q.q2.narrow(0, r.elem, n), q.absmax2.narrow(0, r.block, nb),
+                                       r.layout, code1_, code2_, hyper(options_of(i), param_steps_[i]));
+      agreed.narrow(0, r.agreed, nb).copy_(pd.half.moments.amax1);
+      agreed.narrow(0, K + r.agreed, nb).copy_(pd.half.moments.amax2);
+      for (int64_t j = 0; j < nb; ++j) flags[r.agreed + j] = 1.0f;
       pending.push_back(std::move(pd));
     }
   }
-  if (comm_) comm_->all_reduce(agreed, ReduceOp::Max).wait();
+  agreed.narrow(0, 2 * K, 2 * K).copy_(at::tensor(flags));
+  comm_->all_reduce(agreed, ReduceOp::Max).wait();
+  const at::Tensor agreed_flags = agreed.narrow(0, 2 * K, 2 * K).cpu();
+  const float* f = agreed_flags.data_ptr<float>();
   for (int64_t k = 0; k < K; ++k) {
-    if (a[2 * K + k] > 0 && a[3 * K + k] > 0) {
+    if (f[k] > 0 && f[K + k] > 0) {
       // The same on every rank, before anything changed (the step does not count).
       for (size_t i : stepping) --param_steps_[i];
       throw std::invalid_argument(
@@ -318,12 +278,12 @@ void AdamW8bit::step_shared_blocks(const std::vector<size_t>& stepping) {
     ParamShard& p = params_[pd.i];
     Quantized8& q = q_[pd.i];
     const Region& r = *pd.r;
-    quant::cpu::adamw8bit_end(pd.scratch.data_ptr<float>(), r.layout, *lut1_, *lut2_,
-                              a + r.agreed, a + K + r.agreed, q.q1.data_ptr<uint8_t>() + r.elem,
-                              q.absmax1.data_ptr<float>() + r.block,
-                              q.q2.data_ptr<uint8_t>() + r.elem,
-                              q.absmax2.data_ptr<float>() + r.block);
-    p.param.view(-1).narrow(0, r.elem, r.layout.numel).copy_(pd.param);
+    const int64_t n = r.layout.numel, nb = r.layout.num_blocks;
+    const auto on = [&](int64_t at) { return agreed.narrow(0, at, nb).to(p.param.device()); };
+    quant::adamw8bit_end(pd.half, on(r.agreed), on(K + r.agreed), r.layout, code1_, code2_,
+                         q.q1.narrow(0, r.elem, n), q.absmax1.narrow(0, r.block, nb),
+                         q.q2.narrow(0, r.elem, n), q.absmax2.narrow(0, r.block, nb));
+    p.param.view(-1).narrow(0, r.elem, n).copy_(pd.param);
   }
 }
 
@@ -346,15 +306,8 @@ at::Tensor AdamW8bit::dequantized(size_t i, bool second) const {
   at::Tensor out = at::empty({codes.numel()}, absmax.options());
   for (const Region& r : q.regions) {
     const int64_t n = r.layout.numel;
-    if (codes.is_cuda()) {
-      quant::cuda_ops::dequantize(codes.narrow(0, r.elem, n),
-                                  absmax.narrow(0, r.block, r.layout.num_blocks), r.layout,
-                                  second ? code2_on_ : code1_on_, out.narrow(0, r.elem, n));
-    } else {
-      quant::cpu::dequantize(codes.data_ptr<uint8_t>() + r.elem,
-                             absmax.data_ptr<float>() + r.block, r.layout,
-                             second ? *lut2_ : *lut1_, out.data_ptr<float>() + r.elem);
-    }
+    quant::dequantize(codes.narrow(0, r.elem, n), absmax.narrow(0, r.block, r.layout.num_blocks),
+                      r.layout, second ? code2_ : code1_, out.narrow(0, r.elem, n));
   }
   return out.view(p.param.sizes());
 }

@@ -17,7 +17,7 @@
 
 #include "optimizers/common/sharded_optimizer.h"
 #include "quant/blockwise/block_layout.h"
-#include "quant/blockwise/cpu_kernels.h"
+#include "quant/blockwise/state_ops.h"
 
 namespace rfsdp {
 
@@ -130,9 +130,7 @@ class AdamW8bit : public AdamW {
   quant::BlockShape block_;
   std::vector<bool> eight_bit_;
   std::vector<Quantized8> q_;
-  at::Tensor code1_, code2_;
-  at::Tensor code1_on_, code2_on_;  // the codes on the GPU the parameters live on
-  std::shared_ptr<const quant::cpu::CodeLut> lut1_, lut2_;
+  quant::Codec code1_, code2_;  // m: signed dynamic map; v: unsigned, keep_nonzero
 };
 
 }  // namespace rfsdp

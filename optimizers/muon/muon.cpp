@@ -19,7 +19,7 @@
 #include "optimizers/common/matrices.h"
 #include "quant/blockwise/blockwise.h"
 #include "quant/blockwise/code_maps.h"
-#include "quant/blockwise/cpu_kernels.h"
+#include "quant/blockwise/state_ops.h"
 
 namespace rfsdp {
 
@@ -505,7 +505,7 @@ Muon::Muon(std::shared_ptr<Comm> comm, std::vector<ParamShard> params, MuonOptio
     options_.ns_coefficients.check_steps("Muon: parameter '" + layout_.shards()[k].name + "'",
                                          layout_.ns_steps(k));
   }
-  if (eight_bit()) lut_ = quant::code_lut(quant::code_map(options_.momentum_map, /*is_signed=*/true));
+  if (eight_bit()) code_ = quant::Codec(quant::code_map(options_.momentum_map, /*is_signed=*/true));
   const size_t P = params_.size();
   in_muon_.assign(P, -1);
   for (size_t k = 0; k < muon_.size(); ++k) in_muon_[muon_[k]] = static_cast<int64_t>(k);
@@ -524,16 +524,11 @@ Muon::Muon(std::shared_ptr<Comm> comm, std::vector<ParamShard> params, MuonOptio
       momenta_[i] = at::zeros(p.param.sizes(), p.param.options().dtype(options_.momentum_dtype));
       continue;
     }
-    if (p.param.is_cuda()) {
-      throw std::invalid_argument("Muon: parameter '" + p.name + "' is on " + p.param.device().str() +
-                                  "; 8-bit momentum runs on the CPU only so far (use "
-                                  "momentum_dtype bfloat16 on a GPU)");
-    }
     quant::check_whole_blocks(quant::BlockShape::blocks(options_.momentum_block), p.name,
                               p.full_rows, p.row_len, p.row_begin, p.rows());
     // zero codes decode to the map's value nearest 0: store its code
-    momenta_[i] = at::full(p.param.sizes(), lut_->nearest(0.0f), p.param.options().dtype(at::kByte));
-    absmax_[i] = at::zeros({block_layout(i).num_blocks}, at::kFloat);
+    momenta_[i] = at::full(p.param.sizes(), code_.lut().nearest(0.0f), p.param.options().dtype(at::kByte));
+    absmax_[i] = at::zeros({block_layout(i).num_blocks}, p.param.options().dtype(at::kFloat));
   }
 }
 
@@ -549,9 +544,8 @@ at::Tensor Muon::momentum(size_t i) const {
                                 "(use_muon false): it has no momentum buffer");
   }
   if (!eight_bit()) return momenta_.at(i).to(at::kFloat);
-  at::Tensor out = at::empty(momenta_.at(i).sizes(), at::kFloat);
-  quant::cpu::dequantize(momenta_[i].data_ptr<uint8_t>(), absmax_.at(i).data_ptr<float>(),
-                         block_layout(i), *lut_, out.data_ptr<float>());
+  at::Tensor out = at::empty(momenta_.at(i).sizes(), absmax_.at(i).options());
+  quant::dequantize(momenta_[i].view(-1), absmax_[i], block_layout(i), code_, out.view(-1));
   return out;
 }
 
@@ -706,12 +700,10 @@ void Muon::run_step(StepGate& gate, const std::vector<size_t>& stepping) {
     }
     pending[k] = at::empty_like(momenta_[i]);
     pending_absmax[k] = at::empty_like(absmax_[i]);
-    u[k] = at::empty({g.numel()}, g.options());
-    quant::cpu::momentum8bit_step(g.data_ptr<float>(), momenta_[i].data_ptr<uint8_t>(),
-                                  absmax_[i].data_ptr<float>(), block_layout(i), *lut_,
-                                  static_cast<float>(beta), hyper[k].nesterov,
-                                  pending[k].data_ptr<uint8_t>(),
-                                  pending_absmax[k].data_ptr<float>(), u[k].data_ptr<float>());
+    u[k] = at::empty({g.numel()}, g.options().dtype(at::kFloat));
+    quant::momentum8bit_step(g.to(at::kFloat), momenta_[i].view(-1), absmax_[i], block_layout(i),
+                             code_, static_cast<float>(beta), hyper[k].nesterov,
+                             pending[k].view(-1), pending_absmax[k], u[k]);
   };
   const auto make_update = [&](size_t k) {
     make_update_of(k);

@@ -26,7 +26,7 @@
 #include "optimizers/common/owner_exchange.h"
 #include "optimizers/common/sharded_optimizer.h"
 #include "quant/blockwise/block_layout.h"
-#include "quant/blockwise/code_lut.h"
+#include "quant/blockwise/state_ops.h"
 
 namespace rfsdp {
 
@@ -257,7 +257,7 @@ class Muon : public GroupedOptimizer<MuonHyper> {
   std::vector<at::Tensor> momenta_;        // [param] float32 / bfloat16: the momentum; 8-bit: its codes
   std::vector<at::Tensor> absmax_;         // [param] 8-bit: per block
   std::vector<at::Tensor> exp_avg_, exp_avg_sq_;  // [param] outside Muon: AdamW's moments
-  std::shared_ptr<const quant::cpu::CodeLut> lut_;  // 8-bit: the code map
+  quant::Codec code_;  // 8-bit: the code map
 };
 
 }  // namespace rfsdp

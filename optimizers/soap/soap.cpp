@@ -64,8 +64,8 @@ SOAP::SOAP(std::vector<ParamShard> params, SOAPOptions options, SOAPConfig confi
   check_config(config_);
   state_dtype_8bit_ = config_.state_dtype == at::kByte;
   if (state_dtype_8bit_) {
-    lut_m_ = quant::code_lut(quant::dynamic_map(true));
-    lut_v_ = quant::code_lut(quant::dynamic_map(false), /*keep_nonzero=*/true);  // v: see CodeLut
+    code_m_ = quant::Codec(quant::dynamic_map(true));
+    code_v_ = quant::Codec(quant::dynamic_map(false), /*keep_nonzero=*/true);  // v: see CodeLut
   }
   check_options(options);
   const size_t n = params_.size();
@@ -81,9 +81,6 @@ SOAP::SOAP(std::vector<ParamShard> params, SOAPOptions options, SOAPConfig confi
     if (!eight_bit(i)) {
       s.m = at::zeros(p.param.sizes(), state_options(i));
       s.v = at::zeros(p.param.sizes(), state_options(i));
-    } else if (p.param.is_cuda()) {
-      throw std::invalid_argument("SOAP: parameter '" + p.name + "' is on " + p.param.device().str() +
-                                  "; 8-bit moments (state_dtype int8) run on the CPU only so far");
     }
     if (precondition_[i]) {
       int64_t left = 0, right = 0, ql = 0, qr = 0;
@@ -113,10 +110,10 @@ SOAP::SOAP(std::vector<ParamShard> params, SOAPOptions options, SOAPConfig confi
       if (eight_bit(i)) {  // zero scales: every code decodes to 0
         int64_t rows = 0;
         for (size_t k : s.tiles) s.arow.push_back(rows), rows += tiles_[k].rows;
-        s.mq = at::zeros(p.param.sizes(), at::kByte);
-        s.vq = at::zeros(p.param.sizes(), at::kByte);
-        s.ma = at::zeros({rows}, at::kFloat);
-        s.va = at::zeros({rows}, at::kFloat);
+        s.mq = at::zeros(p.param.sizes(), on.dtype(at::kByte));
+        s.vq = at::zeros(p.param.sizes(), on.dtype(at::kByte));
+        s.ma = at::zeros({rows}, on.dtype(at::kFloat));
+        s.va = at::zeros({rows}, on.dtype(at::kFloat));
       }
     }
     state_.push_back(std::move(s));
@@ -155,19 +152,18 @@ void SOAP::store_basis(size_t i, size_t j, bool left, const at::Tensor& q) {
   basis_view(left ? s.q_left : s.q_right, left ? s.ql[j] : s.qr[j], n).copy_(q);
 }
 
+// The 8-bit moments: one block per row of each tile (its absmax at arow + row).
 at::Tensor SOAP::decode(size_t i, bool second) const {
   const ParamState& s = state_[i];
   const at::Tensor codes = (second ? s.vq : s.mq).view({-1});
   const at::Tensor& absmax = second ? s.va : s.ma;
-  const auto& lut = second ? *lut_v_ : *lut_m_;
-  at::Tensor out = at::empty({codes.numel()}, at::kFloat);
+  at::Tensor out = at::empty({codes.numel()}, absmax.options());
   for (size_t j = 0; j < s.tiles.size(); ++j) {  // the tiles cover the shard
     const Tile& tl = tiles_[s.tiles[j]];
-    const at::Tensor q = tile_view(codes, tl).contiguous();
-    at::Tensor x = at::empty({tl.rows, tl.cols}, at::kFloat);
-    quant::cpu::dequantize(q.data_ptr<uint8_t>(), absmax.data_ptr<float>() + s.arow[j],
-                           quant::BlockLayout(quant::BlockShape::blocks(tl.cols), tl.rows, tl.cols),
-                           lut, x.data_ptr<float>());
+    at::Tensor x = at::empty({tl.rows, tl.cols}, absmax.options());
+    quant::dequantize(tile_view(codes, tl).contiguous(), absmax.narrow(0, s.arow[j], tl.rows),
+                      quant::BlockLayout(quant::BlockShape::blocks(tl.cols), tl.rows, tl.cols),
+                      second ? code_v_ : code_m_, x);
     tile_view(out, tl).copy_(x);
   }
   return out;
@@ -177,14 +173,14 @@ void SOAP::encode(size_t i, bool second, const at::Tensor& flat) {
   ParamState& s = state_[i];
   const at::Tensor codes = (second ? s.vq : s.mq).view({-1});
   at::Tensor& absmax = second ? s.va : s.ma;
-  const auto& lut = second ? *lut_v_ : *lut_m_;
   for (size_t j = 0; j < s.tiles.size(); ++j) {
     const Tile& tl = tiles_[s.tiles[j]];
-    const at::Tensor x = tile_view(flat, tl).contiguous();
-    at::Tensor q = at::empty({tl.rows, tl.cols}, at::kByte);
-    quant::cpu::quantize(x.data_ptr<float>(),
-                         quant::BlockLayout(quant::BlockShape::blocks(tl.cols), tl.rows, tl.cols),
-                         lut, q.data_ptr<uint8_t>(), absmax.data_ptr<float>() + s.arow[j]);
+    at::Tensor q = at::empty({tl.rows, tl.cols}, codes.options());
+    // (the moments' values are checked with the step's)
+    quant::quantize(tile_view(flat, tl).contiguous(),
+                    quant::BlockLayout(quant::BlockShape::blocks(tl.cols), tl.rows, tl.cols),
+                    second ? code_v_ : code_m_, q, absmax.narrow(0, s.arow[j], tl.rows),
+                    /*check_finite=*/false);
     tile_view(codes, tl).copy_(q);
   }
 }

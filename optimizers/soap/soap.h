@@ -42,7 +42,7 @@
 #include "optimizers/common/owner_exchange.h"
 #include "optimizers/common/sharded_optimizer.h"
 #include "optimizers/common/tiles.h"
-#include "quant/blockwise/code_lut.h"
+#include "quant/blockwise/state_ops.h"
 #include "quant/blockwise/lowbit.h"
 
 namespace rfsdp {
@@ -161,7 +161,7 @@ class SOAP : public GroupedOptimizer<SOAPOptions> {
   std::vector<at::Tensor> cut_g_;
   int64_t fp64_retries_ = 0;
   bool state_dtype_8bit_ = false;
-  std::shared_ptr<const quant::cpu::CodeLut> lut_m_, lut_v_;  // 8-bit: signed, unsigned maps
+  quant::Codec code_m_, code_v_;  // 8-bit: signed, unsigned maps
 };
 
 }  // namespace rfsdp

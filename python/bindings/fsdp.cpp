@@ -83,8 +83,6 @@ rank that keeps them (and across HSDP replicas alike), then averaged.)")
           rfsdp::QuantizedGather::decode_piece(codes, scales, policy.weight_block, policy, out);
           return out;
         }, py::arg("codes"), py::arg("scales"), py::arg("policy"), py::arg("out"));
-  m.def("use_generic_weight_codes", &rfsdp::QuantizedGather::use_generic_path,
-        "The ATen path (what other devices run) for the weights' codes on the CPU too.");
 
   py::class_<rfsdp::FSDPUnit, std::shared_ptr<rfsdp::FSDPUnit>>(m, "FSDPUnit")
       .def(py::init([](std::shared_ptr<rfsdp::Comm> comm, const rfsdp::Plan& plan,

@@ -4,20 +4,14 @@
 #include "quant/blockwise/blockwise.h"
 #include "quant/blockwise/code_lut.h"
 #include "quant/blockwise/code_maps.h"
-#include "quant/blockwise/cpu_kernels.h"
 #include "quant/blockwise/cuda_ops.h"
+#include "quant/blockwise/device_path.h"
 #include "quant/blockwise/lowbit.h"
+#include "quant/blockwise/state_ops.h"
 
 namespace rfsdp_bind {
 
 namespace {
-
-// The raw kernels below trust their pointers: check sizes and dtypes here.
-void expect(const at::Tensor& t, at::ScalarType dt, int64_t n, const char* what) {
-  TORCH_CHECK(t.scalar_type() == dt && t.is_contiguous() && t.device().is_cpu() && t.numel() == n,
-              what, ": expected a contiguous CPU tensor of ", n, " ", c10::toString(dt),
-              " elements, got ", t.numel(), " ", c10::toString(t.scalar_type()));
-}
 
 const rfsdp::quant::cpu::CodeLut& lut_of(const at::Tensor& code, bool keep_nonzero = false) {
   // code_lut caches per distinct code; the shared_ptr it returns stays in the cache.
@@ -27,9 +21,9 @@ const rfsdp::quant::cpu::CodeLut& lut_of(const at::Tensor& code, bool keep_nonze
 }  // namespace
 
 void bind_quant(py::module_& m) {
-  // The kernels alone, on the tensors' device (tests check them element by element;
-  // benches time them without the entry points' argument and NaN checks). The
-  // AdamW8bit step rounds v as the optimizer does (keep_nonzero: see CodeLut).
+  // The state steps alone, on the tensors' device (tests check them element by
+  // element; benches time them). The AdamW8bit step rounds v as the optimizer
+  // does (keep_nonzero: see CodeLut).
   m.def("adamw8bit_step", [](at::Tensor p, at::Tensor g, at::Tensor q1, at::Tensor a1, at::Tensor q2,
                              at::Tensor a2, const py::object& block, int64_t row_len,
                              const at::Tensor& code1, const at::Tensor& code2, double lr, double b1,
@@ -39,22 +33,23 @@ void bind_quant(py::module_& m) {
     TORCH_CHECK(row_len > 0 && n % row_len == 0, "row_len ", row_len, " does not divide ", n);
     const rfsdp::quant::BlockLayout L(shape, n / row_len, row_len);
     const rfsdp::quant::AdamWHyper h{float(lr), float(b1), float(b2), float(eps), float(wd), step};
-    if (p.is_cuda()) {
-      rfsdp::quant::cuda_ops::adamw8bit_step(p, g, q1, a1, q2, a2, L, code1.to(p.device()),
-                                             lut_of(code1), code2.to(p.device()), lut_of(code2, true), h);
-      return;
-    }
-    expect(p, at::kFloat, n, "param");
-    expect(g, at::kFloat, n, "grad");
-    expect(q1, at::kByte, n, "q1");
-    expect(q2, at::kByte, n, "q2");
-    expect(a1, at::kFloat, L.num_blocks, "absmax1");
-    expect(a2, at::kFloat, L.num_blocks, "absmax2");
-    rfsdp::quant::cpu::adamw8bit_step(p.data_ptr<float>(), g.data_ptr<float>(),
-                                      q1.data_ptr<uint8_t>(), a1.data_ptr<float>(),
-                                      q2.data_ptr<uint8_t>(), a2.data_ptr<float>(), L,
-                                      lut_of(code1), lut_of(code2, true), h);
+    // (on the path the tensors' device and the switch choose: quant/blockwise/state_ops.h)
+    rfsdp::quant::adamw8bit_step(p, g, q1, a1, q2, a2, L, rfsdp::quant::Codec(code1),
+                                 rfsdp::quant::Codec(code2, /*keep_nonzero=*/true), h);
   });
+  m.def("momentum8bit_step", [](const at::Tensor& g, const at::Tensor& q, const at::Tensor& absmax,
+                                int64_t block, const at::Tensor& code, double beta, bool nesterov,
+                                const at::Tensor& q_out, const at::Tensor& absmax_out,
+                                const at::Tensor& u) {
+    const rfsdp::quant::BlockLayout L(rfsdp::quant::BlockShape::blocks(block), 1, g.numel());
+    rfsdp::quant::momentum8bit_step(g, q, absmax, L, rfsdp::quant::Codec(code), float(beta),
+                                    nesterov, q_out, absmax_out, u);
+  });
+  m.def("use_device_generic_path", &rfsdp::quant::use_device_generic_path, py::arg("on"),
+        "Run every quantised operation (8-bit states, the weights' codes) on the device-generic "
+        "ATen path, as a device without kernels does, on the CPU too (RFSDP_DEVICE_GENERIC=1 at "
+        "load does the same).");
+  m.def("device_generic_path", &rfsdp::quant::device_generic_path);
   m.def("cuda_quantize_into", [](const at::Tensor& x, const at::Tensor& code, const py::object& block,
                                  int64_t row_len, const at::Tensor& q, const at::Tensor& absmax) {
     rfsdp::quant::cuda_ops::quantize(x, rfsdp::quant::layout_of(x, block_shape(block), row_len),

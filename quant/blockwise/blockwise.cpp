@@ -2,9 +2,7 @@
 
 #include <stdexcept>
 
-#include "quant/blockwise/code_maps.h"
-#include "quant/blockwise/cpu_kernels.h"
-#include "quant/blockwise/cuda_ops.h"
+#include "quant/blockwise/state_ops.h"
 
 namespace rfsdp::quant {
 
@@ -33,15 +31,10 @@ std::string dtype_name(at::ScalarType t) {
   }
 }
 
-// CPU tensors run the CPU kernels, CUDA tensors the CUDA kernels (cuda_ops).
 void check_tensor(const at::Tensor& t, at::ScalarType dt, const char* what) {
   if (t.scalar_type() != dt) {
     throw std::invalid_argument(std::string(what) + " must be " + dtype_name(dt) + ", got " +
                                 dtype_name(t.scalar_type()));
-  }
-  if (!t.device().is_cpu() && !t.device().is_cuda()) {
-    throw std::invalid_argument(std::string(what) + " is on " + t.device().str() +
-                                ": block-wise quantisation runs on the CPU or a CUDA device");
   }
 }
 
@@ -59,19 +52,9 @@ Quantized quantize_blockwise(const at::Tensor& x_in, const at::Tensor& code, Blo
   check_tensor(x_in, at::kFloat, "quantize_blockwise input");
   const at::Tensor x = x_in.contiguous();
   const BlockLayout L = layout_of(x, shape, row_len);
-  const auto lut = code_lut(code, keep_nonzero);
   Quantized q{at::empty(x.sizes(), x.options().dtype(at::kByte)),
               at::empty({L.num_blocks}, x.options())};
-  if (x.is_cuda()) {
-    if (!at::isfinite(x).all().item<bool>()) {
-      throw std::invalid_argument("quantize_blockwise: the input holds NaN or Inf values");
-    }
-    cuda_ops::quantize(x.view(-1), L, code.to(x.device(), at::kFloat).contiguous(), *lut,
-                       q.codes.view(-1), q.absmax);
-    return q;
-  }
-  if (!cpu::quantize(x.data_ptr<float>(), L, *lut, q.codes.data_ptr<uint8_t>(),
-                     q.absmax.data_ptr<float>())) {
+  if (!quant::quantize(x, L, Codec(code, keep_nonzero), q.codes, q.absmax)) {
     throw std::invalid_argument("quantize_blockwise: the input holds NaN or Inf values");
   }
   return q;
@@ -102,14 +85,7 @@ at::Tensor dequantize_blockwise(const Quantized& q, const at::Tensor& code, Bloc
   } else {
     out = at::empty(codes.sizes(), codes.options().dtype(at::kFloat));
   }
-  if (codes.is_cuda()) {
-    cuda_ops::dequantize(codes.view(-1), q.absmax.contiguous(), L,
-                         code.to(codes.device(), at::kFloat).contiguous(), out.view(-1));
-    return out;
-  }
-  const auto lut = code_lut(code.to(at::kFloat));
-  cpu::dequantize(codes.data_ptr<uint8_t>(), q.absmax.contiguous().data_ptr<float>(), L, *lut,
-                  out.data_ptr<float>());
+  quant::dequantize(codes, q.absmax.contiguous(), L, Codec(code.to(at::kCPU, at::kFloat)), out);
   return out;
 }
 

@@ -43,6 +43,7 @@ CodeLut::CodeLut(const float* code256, bool keep_nonzero) : keep_nonzero_(keep_n
     if (ib > ia + 1) exact_ = false;
     table_[slot] = ia;
   }
+  table32_.assign(table_.begin(), table_.end());
   slot_mid_.resize(8192);
   for (uint32_t slot = 0; slot < 8192; ++slot) slot_mid_[slot] = mid_[table_[slot]];
   index_ = arithmetic_index(code_, mid_);

@@ -35,6 +35,8 @@ class CodeLut {
   const uint8_t* code_planes() const { return code_planes_; }
   const uint8_t* index_mid_planes() const { return index_mid_planes_; }
   const uint8_t* table() const { return table_.data(); }
+  // The table's entries as int32 (the AVX2 kernels gather them).
+  const int32_t* table32() const { return table32_.data(); }
   // slot_mid()[slot] == mid()[table()[slot]]: the compare needs no dependent load.
   const float* slot_mid() const { return slot_mid_.data(); }
   // Index of the code value nearest to v (ties to the lower index).
@@ -55,6 +57,7 @@ class CodeLut {
   float code_[256];
   float mid_[256];  // mid_[i] = (code[i] + code[i+1]) / 2 (keep_nonzero: mid_[0] = 0); mid_[255] = +inf
   std::vector<uint8_t> table_;
+  std::vector<int32_t> table32_;
   std::vector<float> slot_mid_;
   bool exact_ = true;
   bool keep_nonzero_ = false;

@@ -1,8 +1,10 @@
 // CPU kernels of block-wise 8-bit quantisation, over raw pointers: the entry
-// points and the choice between the two implementations. Threads run over
-// blocks (ATen's pool). AVX-512 (F, BW, VBMI: cpu_kernels_avx512.cpp) where the
-// CPU has it, else the portable one (cpu_kernels_portable.cpp: its loops
-// compiled for AVX2 and a baseline, picked at load time).
+// points and the choice between the implementations. Threads run over blocks
+// (ATen's pool). AVX-512 (F, BW, VBMI: cpu_kernels_avx512.cpp) where the CPU has
+// it, else AVX2 with FMA (cpu_kernels_avx2.cpp), else the portable one
+// (cpu_kernels_portable.cpp: its loops compiled for AVX2 and a baseline). All
+// give the same bits (tests compare them): the nearest code by the same midpoints,
+// the arithmetic as adamw_update.h and torch.lerp write it, no FMA contraction.
 #pragma once
 
 #include <cstdint>
@@ -14,9 +16,10 @@
 namespace rfsdp::quant::cpu {
 
 // The kernels in use. Default: the best this CPU runs, unless the environment
-// sets RFSDP_QUANT_ISA=portable. use_isa switches (tests, benches); it throws
-// std::invalid_argument for kernels this CPU cannot run.
-enum class Isa { kPortable, kAvx512 };
+// sets RFSDP_QUANT_ISA=portable or =avx2 (a lesser set this CPU runs). use_isa
+// switches (tests, benches); it throws std::invalid_argument for kernels this CPU
+// cannot run.
+enum class Isa { kPortable, kAvx2, kAvx512 };
 Isa active_isa();
 bool isa_supported(Isa isa);
 void use_isa(Isa isa);
@@ -55,8 +58,8 @@ void adamw8bit_end(const float* scratch, const BlockLayout& layout, const CodeLu
 // Muon's momentum as 8-bit block-wise codes, one fused pass per block: decode m
 // (q, absmax), m <- lerp(m, g, 1 - beta), the update u = lerp(g, m, beta)
 // (nesterov) or m, both in fp32 with torch.lerp's arithmetic; then m's new codes
-// and scale into q_out, absmax_out (they may be q, absmax). Portable kernel on
-// every CPU (no AVX-512 one). Returns false if m holds NaN or Inf.
+// and scale into q_out, absmax_out (they may be q, absmax). Returns false if m
+// holds NaN or Inf.
 bool momentum8bit_step(const float* grad, const uint8_t* q, const float* absmax,
                        const BlockLayout& layout, const CodeLut& lut, float beta, bool nesterov,
                        uint8_t* q_out, float* absmax_out, float* u);

@@ -148,23 +148,6 @@ inline __m512i encode64(const __m512 v[4], const IndexRegs& r) {
   return swap_order(pack_bytes(n[0], n[1], n[2], n[3]));
 }
 
-// sqrt(v) for v >= 0 and m / d for d >= eps > 0 from the 14-bit estimates and a
-// Newton step each (to about 1 ulp): vsqrtps and vdivps take 10-12 cycles per 16
-// lanes here, and AdamW's update needs both. For v below the normal range the
-// estimate is off, but there sqrt(v) < 2^-63, far under the eps it is added to.
-inline __m512 sqrt_nr(__m512 v) {
-  const __m512 y = _mm512_min_ps(_mm512_rsqrt14_ps(v), _mm512_set1_ps(0x1p60f));  // 1/sqrt(0) = inf
-  const __m512 s = _mm512_mul_ps(v, y);
-  const __m512 h = _mm512_mul_ps(y, _mm512_set1_ps(0.5f));
-  return _mm512_fmadd_ps(s, _mm512_fnmadd_ps(s, h, _mm512_set1_ps(0.5f)), s);
-}
-inline __m512 div_nr(__m512 m, __m512 d) {
-  __m512 r = _mm512_rcp14_ps(d);
-  r = _mm512_fmadd_ps(r, _mm512_fnmadd_ps(d, r, _mm512_set1_ps(1.0f)), r);
-  const __m512 q = _mm512_mul_ps(m, r);
-  return _mm512_fmadd_ps(r, _mm512_fnmadd_ps(d, q, m), q);
-}
-
 inline __mmask16 lanes(int64_t k, int s) {
   const int64_t left = k - 16 * s;
   return left >= 16 ? __mmask16(0xFFFF) : (left > 0 ? __mmask16((1u << left) - 1) : __mmask16(0));
@@ -401,11 +384,14 @@ void update_block(const StepRegs& R, float* p, const float* g, const uint8_t* q1
     load_floats(g, ch.off, ch, gj);
     load_floats(p, ch.off, ch, pj);
     for (int j = 0; j < 4; ++j) {
-      const __m512 mj = _mm512_fmadd_ps(R.b1v, _mm512_mul_ps(m[j], a1), _mm512_mul_ps(R.omb1, gj[j]));
-      const __m512 vj = _mm512_fmadd_ps(R.b2v, _mm512_mul_ps(v[j], a2),
-                                        _mm512_mul_ps(_mm512_mul_ps(R.omb2, gj[j]), gj[j]));
-      const __m512 denom = _mm512_fmadd_ps(sqrt_nr(vj), R.isb, R.eps);
-      pj[j] = _mm512_fnmadd_ps(R.step, div_nr(mj, denom), _mm512_mul_ps(pj[j], R.decay));
+      // adamw_update's operations one by one, each rounded (no FMA): the portable bits
+      const __m512 mj = _mm512_add_ps(_mm512_mul_ps(R.b1v, _mm512_mul_ps(m[j], a1)),
+                                      _mm512_mul_ps(R.omb1, gj[j]));
+      const __m512 vj = _mm512_add_ps(_mm512_mul_ps(R.b2v, _mm512_mul_ps(v[j], a2)),
+                                      _mm512_mul_ps(_mm512_mul_ps(R.omb2, gj[j]), gj[j]));
+      const __m512 denom = _mm512_add_ps(_mm512_mul_ps(_mm512_sqrt_ps(vj), R.isb), R.eps);
+      pj[j] = _mm512_sub_ps(_mm512_mul_ps(pj[j], R.decay),
+                            _mm512_mul_ps(R.step, _mm512_div_ps(mj, denom)));
       am1 = _mm512_mask_max_ps(am1, ch.lane[j], am1, _mm512_abs_ps(mj));
       am2 = _mm512_mask_max_ps(am2, ch.lane[j], am2, _mm512_abs_ps(vj));
       m[j] = mj;
@@ -491,6 +477,58 @@ void adamw8bit_end_blocks(const float* scratch, const BlockLayout& L, const Code
   }
 }
 
+namespace {
+
+// torch.lerp's float arithmetic (cpu_kernels_portable.cpp's torch_lerp) for a
+// scalar weight w whose branch (|w| < 0.5) the caller chose: small ? a + w (b - a)
+// : b - (b - a)(1 - w), each operation rounded.
+inline __m512 torch_lerp(__m512 a, __m512 b, bool small, __m512 w, __m512 one_minus_w) {
+  const __m512 d = _mm512_sub_ps(b, a);
+  return small ? _mm512_add_ps(a, _mm512_mul_ps(w, d)) : _mm512_sub_ps(b, _mm512_mul_ps(d, one_minus_w));
+}
+
+}  // namespace
+
+void momentum8bit_blocks(const float* g, const uint8_t* q, const float* absmax, const BlockLayout& L,
+                         const CodeLut& lut, float beta, bool nesterov, uint8_t* q_out,
+                         float* absmax_out, float* u, int64_t b0, int64_t b1, float* mbuf,
+                         bool* bad) {
+  const Table256 code(lut.code_planes());
+  const IndexRegs r(*lut.index(), lut.index_mid_planes());
+  const Domain d = domain_of(*lut.index());
+  const float w = 1.0f - beta;
+  const bool small_w = std::fabs(w) < 0.5f, small_beta = std::fabs(beta) < 0.5f;
+  const __m512 wv = _mm512_set1_ps(w), omw = _mm512_set1_ps(1.0f - w);
+  const __m512 bv = _mm512_set1_ps(beta), omb = _mm512_set1_ps(1.0f - beta);
+  const __m512 zero = _mm512_setzero_ps();
+  for (int64_t b = b0; b < b1; ++b) {
+    const auto blk = L.block(b);
+    const __m512 a = _mm512_set1_ps(absmax[b]);
+    __m512 am = zero, probe = zero;
+    const int64_t ahead = prefetch_distance(blk);
+    for_chunks(blk, L.row_len, [&](const Chunk& ch) {
+      prefetch(g, ch, ahead);
+      prefetch(q, ch, ahead);
+      __m512 m[4], gj[4], uj[4];
+      decode64(load_bytes(q, ch), code, m);
+      load_floats(g, ch.off, ch, gj);
+      for (int j = 0; j < 4; ++j) {
+        m[j] = torch_lerp(_mm512_mul_ps(m[j], a), gj[j], small_w, wv, omw);
+        uj[j] = nesterov ? torch_lerp(gj[j], m[j], small_beta, bv, omb) : m[j];
+        am = _mm512_mask_max_ps(am, ch.lane[j], am, _mm512_abs_ps(m[j]));
+        probe = _mm512_mask_add_ps(probe, ch.lane[j], probe, _mm512_mul_ps(m[j], zero));
+      }
+      store_floats(u, ch.off, ch, uj);
+      store_floats(mbuf, ch.buf, ch, m);
+    });
+    const float pr = _mm512_reduce_add_ps(probe);
+    if (pr != 0.0f || std::isnan(pr)) *bad = true;
+    const float amax = _mm512_reduce_max_ps(am);
+    quantize_block_in(d, mbuf, true, blk, L.row_len, amax > 0.0f ? 1.0f / amax : 0.0f, r, q_out);
+    absmax_out[b] = amax;
+  }
+}
+
 }  // namespace rfsdp::quant::cpu::avx512
 
 #pragma GCC pop_options
@@ -519,6 +557,11 @@ void adamw8bit_begin_blocks(float*, const float*, const uint8_t*, const float*, 
 void adamw8bit_end_blocks(const float*, const BlockLayout&, const CodeLut&, const CodeLut&,
                           const float*, const float*, uint8_t*, float*, uint8_t*, float*, int64_t,
                           int64_t) {
+  absent();
+}
+void momentum8bit_blocks(const float*, const uint8_t*, const float*, const BlockLayout&,
+                         const CodeLut&, float, bool, uint8_t*, float*, float*, int64_t, int64_t,
+                         float*, bool*) {
   absent();
 }
 }  // namespace rfsdp::quant::cpu::avx512

@@ -40,4 +40,11 @@ void adamw8bit_end_blocks(const float* scratch, const BlockLayout& L, const Code
                           uint8_t* q1, float* absmax1, uint8_t* q2, float* absmax2, int64_t b0,
                           int64_t b1);
 
+// Blocks [b0, b1) of momentum8bit_step (cpu_kernels.h); mbuf: L.max_block_elems()
+// floats of scratch; *bad turns true when the new momentum holds NaN or Inf.
+void momentum8bit_blocks(const float* g, const uint8_t* q, const float* absmax, const BlockLayout& L,
+                         const CodeLut& lut, float beta, bool nesterov, uint8_t* q_out,
+                         float* absmax_out, float* u, int64_t b0, int64_t b1, float* mbuf,
+                         bool* bad);
+
 }  // namespace rfsdp::quant::cpu::avx512

@@ -1,5 +1,5 @@
 // Runs a test body once per CPU kernel set this machine has (portable, and
-// AVX-512 where present), switching back to the default afterwards.
+// AVX2 and AVX-512 where present), switching back to the default afterwards.
 #pragma once
 
 #include <gtest/gtest.h>
@@ -12,7 +12,9 @@ namespace rfsdp::testing {
 
 inline std::vector<quant::cpu::Isa> quant_isas() {
   std::vector<quant::cpu::Isa> v = {quant::cpu::Isa::kPortable};
-  if (quant::cpu::isa_supported(quant::cpu::Isa::kAvx512)) v.push_back(quant::cpu::Isa::kAvx512);
+  for (quant::cpu::Isa isa : {quant::cpu::Isa::kAvx2, quant::cpu::Isa::kAvx512}) {
+    if (quant::cpu::isa_supported(isa)) v.push_back(isa);
+  }
   return v;
 }
 

@@ -15,6 +15,7 @@
 #include "fsdp/fsdp_unit.h"
 #include "optimizers/adamw/adamw.h"
 #include "quant/blockwise/code_maps.h"
+#include "quant/blockwise/device_path.h"
 #include "tests/cpp/quant_isas.h"
 #include "tests/cpp/test_util.h"
 
@@ -384,6 +385,11 @@ TEST(AdamW8bit, BlocksThatShardsCutAreAgreedAndEqualOneDeviceBitForBit) {
         }
       }
       std::atomic<int> differ_without{0};
+      // The CPU kernels, then the device-generic path (what a GPU runs), against the
+      // one device's CPU kernels.
+      for (bool generic : {false, true}) {
+      SCOPED_TRACE(generic ? "device-generic path" : "CPU kernels");
+      quant::use_device_generic_path(generic);
       run_local_ranks(world, [&](Comm& c) {
         auto comm = std::shared_ptr<Comm>(&c, [](Comm*) {});
         const int r = c.rank();
@@ -436,6 +442,8 @@ TEST(AdamW8bit, BlocksThatShardsCutAreAgreedAndEqualOneDeviceBitForBit) {
           }
         }
       });
+      quant::use_device_generic_path(false);
+      }
       EXPECT_GT(differ_without.load(), 0) << "shard-local quantisation gave the same result";
     }
   }

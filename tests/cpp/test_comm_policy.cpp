@@ -11,6 +11,7 @@
 #include "core/ragged/planner.h"
 #include "fsdp/fsdp_unit.h"
 #include "quant/blockwise/block_layout.h"
+#include "quant/blockwise/device_path.h"
 #include "tests/cpp/test_util.h"
 #include "tests/support/local_ranks.h"
 
@@ -167,7 +168,7 @@ TEST(CommPolicy, CpuKernelsEqualTheGenericPathBitForBit) {
       const int64_t nb = (n + block - 1) / block;
       at::Tensor codes[2], scales[2];
       for (int generic = 0; generic < 2; ++generic) {
-        QuantizedGather::use_generic_path(generic == 1);
+        quant::use_device_generic_path(generic == 1);
         codes[generic] = at::empty({n}, x.options().dtype(p.code_dtype()));
         scales[generic] = at::empty({nb}, x.options());
         QuantizedGather::encode_piece(x, block, p, codes[generic], scales[generic]);
@@ -177,14 +178,14 @@ TEST(CommPolicy, CpuKernelsEqualTheGenericPathBitForBit) {
       for (at::ScalarType dt : {at::kFloat, at::kBFloat16, at::kHalf}) {
         at::Tensor out[2];
         for (int generic = 0; generic < 2; ++generic) {
-          QuantizedGather::use_generic_path(generic == 1);
+          quant::use_device_generic_path(generic == 1);
           out[generic] = at::empty({n}, x.options().dtype(dt));
           QuantizedGather::decode_piece(codes[0], scales[0], block, p, out[generic]);
         }
         EXPECT_TRUE(at::equal(out[0].view({-1}).to(at::kFloat), out[1].view({-1}).to(at::kFloat)))
             << fmt << " block " << block << " " << dt;
       }
-      QuantizedGather::use_generic_path(false);
+      quant::use_device_generic_path(false);
     }
   }
 }

@@ -15,6 +15,7 @@
 #include "optimizers/muon/muon.h"
 #include "tests/cpp/test_util.h"
 #include "quant/blockwise/code_maps.h"
+#include "quant/blockwise/device_path.h"
 #include "optimizers/common/param_shard.h"
 
 namespace rfsdp {
@@ -651,6 +652,34 @@ TEST(MuonLowBit, EightBitMomentumEqualsTheFloat64QuantisedAlgorithmOnAnyWorld) {
       for (size_t t = 0; t < kBlockShapes.size(); ++t) {
         EXPECT_TRUE(at::equal(other.codes[k][t], one.codes[k][t])) << world << " ranks, step " << k;
         EXPECT_TRUE(at::equal(other.absmax[k][t], one.absmax[k][t])) << world << " ranks, step " << k;
+      }
+    }
+  }
+}
+
+TEST(MuonLowBit, EightBitMomentumOnTheDeviceGenericPathEqualsTheCpuKernels) {
+  // What a GPU runs (ATen operations: quant/blockwise/generic_ops.h), here on the
+  // CPU: momenta, codes, scales and parameters bit for bit the CPU kernels' run, on
+  // 1, 2 and 4 ranks.
+  const uint64_t seed = fresh_seed();
+  SCOPED_TRACE("seed " + std::to_string(seed));
+  MuonHyper h;
+  h.lr = 0.02;
+  h.momentum = 0.9;
+  h.weight_decay = 0.01;
+  for (int world : {1, 2, 4}) {
+    const LowBitRun kernels = run_low_bit(world, seed, at::kByte, 4, h);
+    quant::use_device_generic_path(true);
+    const LowBitRun generic = run_low_bit(world, seed, at::kByte, 4, h);
+    quant::use_device_generic_path(false);
+    for (int k = 0; k < 4; ++k) {
+      for (size_t t = 0; t < kBlockShapes.size(); ++t) {
+        SCOPED_TRACE(std::to_string(world) + " ranks, step " + std::to_string(k + 1) + ", " +
+                     kBlockShapes[t].name);
+        EXPECT_TRUE(at::equal(generic.m_before[k][t], kernels.m_before[k][t])) << "momentum";
+        EXPECT_TRUE(at::equal(generic.codes[k][t], kernels.codes[k][t])) << "codes";
+        EXPECT_TRUE(at::equal(generic.absmax[k][t], kernels.absmax[k][t])) << "absmax";
+        EXPECT_TRUE(at::equal(generic.p_after[k][t], kernels.p_after[k][t])) << "parameters";
       }
     }
   }

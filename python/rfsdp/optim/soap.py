@@ -37,7 +37,8 @@ class SOAP(_Tiled):
     counts them). state_dtype="int8" keeps m and v of preconditioned parameters as 8-bit codes
     (dynamic maps, signed for m and unsigned for v), one block per tile row, so
     v's refresh permutation moves whole blocks with their scales; each step
-    decodes, updates in fp32 and encodes (CPU only, whole tiles only; 1-D
+    decodes, updates in fp32 and encodes (on any device: the CPU kernels, elsewhere the
+    device-generic path, the same bits; whole tiles only; 1-D
     parameters and use_soap=False groups keep fp32 moments). basis_dtype="int8" or "int4" stores
     Q_L, Q_R as block-wise codes (blocks of basis_block elements of a tile's
     basis, one fp32 absmax each, the map basis_map: "linear_square" as 4-bit

@@ -1,0 +1,415 @@
+#include "quant/blockwise/cpu_kernels_avx2.h"
+
+#include <cmath>
+#include <cstring>
+
+// GCC only: the AVX2 region below uses #pragma GCC target (clang takes the stubs).
+#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
+#include <immintrin.h>
+
+// Only the code below is compiled for AVX2 and FMA; the headers above keep the
+// baseline target, so no inline function they define is emitted with it.
+#pragma GCC push_options
+#pragma GCC target("avx2,fma")
+
+namespace rfsdp::quant::cpu::avx2 {
+
+namespace {
+
+// CodeIndex in registers: its 32 binade keys and 16 levels' coefficients (looked
+// up with vpermd and blends), its midpoints (gathered).
+struct IndexRegs {
+  __m256i key[4];
+  __m256 a[2], b[2];
+  __m256 lo;
+  bool fold;
+  const float* mid;
+  const CodeIndex* ix;
+  // Where the lookup table is exact (the dynamic maps): its entry and the entry's
+  // midpoint, two gathers, in place of the index (fewer instructions a lane).
+  const int32_t* table;
+  const float* slot_mid;
+  explicit IndexRegs(const CodeLut& lut)
+      : fold(lut.index()->fold), mid(lut.mid()), ix(lut.index()),
+        table(lut.table_exact() ? lut.table32() : nullptr), slot_mid(lut.slot_mid()) {
+    for (int k = 0; k < 4; ++k) key[k] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(ix->binade_key + 8 * k));
+    for (int k = 0; k < 2; ++k) a[k] = _mm256_loadu_ps(ix->a + 8 * k), b[k] = _mm256_loadu_ps(ix->b + 8 * k);
+    lo = _mm256_set1_ps(ix->lo);
+  }
+};
+
+inline __m256i bit_set(__m256i x, int bit) {  // all-ones lanes where x has `bit`
+  const __m256i m = _mm256_set1_epi32(bit);
+  return _mm256_cmpeq_epi32(_mm256_and_si256(x, m), m);
+}
+
+// CodeIndex::pack_saturate lane-wise.
+inline __m256i pack_saturate(__m256i x) {
+  const __m256i s = _mm256_min_epi32(_mm256_max_epi32(x, _mm256_setzero_si256()), _mm256_set1_epi32(65535));
+  return _mm256_blendv_epi8(_mm256_min_epi32(s, _mm256_set1_epi32(255)), _mm256_setzero_si256(),
+                            _mm256_cmpgt_epi32(s, _mm256_set1_epi32(32767)));
+}
+
+// CodeIndex::nearest(v, mid) for 8 lanes (Fold: r.fold).
+template <bool Fold>
+inline __m256i nearest8(__m256 v, const IndexRegs& r) {
+  const __m256i abs_mask = _mm256_set1_epi32(0x7FFFFFFF);
+  const __m256 w = Fold ? _mm256_castsi256_ps(_mm256_and_si256(_mm256_castps_si256(v), abs_mask))
+                          : _mm256_max_ps(v, r.lo);
+  // candidate: the binade's key, the level, trunc(w * a - b)
+  __m256i e = _mm256_srli_epi32(_mm256_and_si256(_mm256_castps_si256(w), abs_mask), 23);
+  e = _mm256_and_si256(_mm256_max_epu32(e, _mm256_set1_epi32(CodeIndex::kLowestBinade)),
+                       _mm256_set1_epi32(31));
+  const __m256i k01 = _mm256_blendv_epi8(_mm256_permutevar8x32_epi32(r.key[0], e),
+                                         _mm256_permutevar8x32_epi32(r.key[1], e), bit_set(e, 8));
+  const __m256i k23 = _mm256_blendv_epi8(_mm256_permutevar8x32_epi32(r.key[2], e),
+                                         _mm256_permutevar8x32_epi32(r.key[3], e), bit_set(e, 8));
+  const __m256i key = _mm256_blendv_epi8(k01, k23, bit_set(e, 16));
+  __m256i lvl = _mm256_and_si256(key, _mm256_set1_epi32(15));
+  lvl = _mm256_sub_epi32(lvl, _mm256_castps_si256(_mm256_cmp_ps(w, _mm256_castsi256_ps(key), _CMP_GE_OQ)));
+  const __m256 up = _mm256_castsi256_ps(bit_set(lvl, 8));
+  const __m256 a = _mm256_blendv_ps(_mm256_permutevar8x32_ps(r.a[0], lvl), _mm256_permutevar8x32_ps(r.a[1], lvl), up);
+  const __m256 b = _mm256_blendv_ps(_mm256_permutevar8x32_ps(r.b[0], lvl), _mm256_permutevar8x32_ps(r.b[1], lvl), up);
+  const __m256i f = _mm256_cvttps_epi32(_mm256_fmsub_ps(w, a, b));  // out of range: INT32_MIN
+  __m256i slot = pack_saturate(f);
+  if (Fold) {  // mid_slot: f & 127, or 128 + (f & 127)
+    const __m256i f7 = _mm256_and_si256(slot, _mm256_set1_epi32(127));
+    slot = _mm256_blendv_epi8(_mm256_add_epi32(f7, _mm256_set1_epi32(128)), f7,
+                              _mm256_cmpeq_epi32(f7, _mm256_set1_epi32(127)));
+  }
+  __m256i m = _mm256_castps_si256(_mm256_i32gather_ps(r.mid, slot, 4));
+  const __m256i negative = Fold ? _mm256_srai_epi32(_mm256_castps_si256(v), 31) : _mm256_setzero_si256();
+  m = _mm256_add_epi32(m, negative);  // a negative v compares against the float below m
+  const __m256i n = _mm256_sub_epi32(f, _mm256_castps_si256(_mm256_cmp_ps(w, _mm256_castsi256_ps(m), _CMP_GT_OQ)));
+  return pack_saturate(_mm256_blendv_epi8(n, _mm256_sub_epi32(_mm256_set1_epi32(254), n), negative));
+}
+
+// CodeLut::nearest for 8 lanes: the table slot of v (sign, binade, 7 mantissa
+// bits), its entry, one compare against the entry's midpoint.
+inline __m256i nearest8_table(__m256 v, const int32_t* table, const float* slot_mid) {
+  const __m256i bits = _mm256_castps_si256(v);
+  __m256i e = _mm256_sub_epi32(_mm256_and_si256(_mm256_srli_epi32(bits, 23), _mm256_set1_epi32(0xFF)),
+                               _mm256_set1_epi32(96));
+  e = _mm256_min_epi32(_mm256_max_epi32(e, _mm256_setzero_si256()), _mm256_set1_epi32(31));
+  const __m256i k = _mm256_or_si256(
+      _mm256_or_si256(_mm256_slli_epi32(_mm256_srli_epi32(bits, 31), 12), _mm256_slli_epi32(e, 7)),
+      _mm256_and_si256(_mm256_srli_epi32(bits, 16), _mm256_set1_epi32(0x7F)));
+  const __m256i t = _mm256_i32gather_epi32(table, k, 4);
+  const __m256 m = _mm256_i32gather_ps(slot_mid, k, 4);
+  return _mm256_sub_epi32(t, _mm256_castps_si256(_mm256_cmp_ps(v, m, _CMP_GT_OQ)));
+}
+
+inline void store8_codes(uint8_t* q, __m256i c) {  // 8 lanes of 0..255 -> 8 bytes
+  const __m256i w = _mm256_packus_epi16(_mm256_packus_epi32(c, c), _mm256_setzero_si256());
+  const uint32_t lo = static_cast<uint32_t>(_mm_cvtsi128_si32(_mm256_castsi256_si128(w)));
+  const uint32_t hi = static_cast<uint32_t>(_mm_cvtsi128_si32(_mm256_extracti128_si256(w, 1)));
+  const uint64_t both = lo | (static_cast<uint64_t>(hi) << 32);
+  std::memcpy(q, &both, 8);
+}
+
+inline __m256 decode8(const uint8_t* q, const float* code) {
+  return _mm256_i32gather_ps(code, _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(q))), 4);
+}
+
+inline __m256 abs8(__m256 x) { return _mm256_and_ps(x, _mm256_castsi256_ps(_mm256_set1_epi32(0x7FFFFFFF))); }
+
+inline float hmax(__m256 x) {
+  __m128 m = _mm_max_ps(_mm256_castps256_ps128(x), _mm256_extractf128_ps(x, 1));
+  m = _mm_max_ps(m, _mm_movehl_ps(m, m));
+  m = _mm_max_ss(m, _mm_shuffle_ps(m, m, 1));
+  return _mm_cvtss_f32(m);
+}
+inline float hsum(__m256 x) {
+  __m128 m = _mm_add_ps(_mm256_castps256_ps128(x), _mm256_extractf128_ps(x, 1));
+  m = _mm_add_ps(m, _mm_movehl_ps(m, m));
+  m = _mm_add_ss(m, _mm_shuffle_ps(m, m, 1));
+  return _mm_cvtss_f32(m);
+}
+
+// Codes of x[i] * scale, n values. (The index copied here stays in registers:
+// the byte stores may alias the caller's copy.)
+template <bool Fold>
+void encode_run_as(const float* x, float scale, int64_t n, const IndexRegs& regs, uint8_t* q) {
+  const IndexRegs r = regs;
+  const __m256 s = _mm256_set1_ps(scale);
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8) store8_codes(q + i, nearest8<Fold>(_mm256_mul_ps(_mm256_loadu_ps(x + i), s), r));
+  for (; i < n; ++i) q[i] = static_cast<uint8_t>(r.ix->nearest(x[i] * scale, r.mid));
+}
+void encode_run(const float* x, float scale, int64_t n, const IndexRegs& r, uint8_t* q) {
+  if (r.table) {
+    const __m256 s = _mm256_set1_ps(scale);
+    int64_t i = 0;
+    for (; i + 32 <= n; i += 32) {  // four lanes of 8 -> 32 bytes
+      __m256i c[4];
+      for (int j = 0; j < 4; ++j) {
+        c[j] = nearest8_table(_mm256_mul_ps(_mm256_loadu_ps(x + i + 8 * j), s), r.table, r.slot_mid);
+      }
+      const __m256i b = _mm256_packus_epi16(_mm256_packus_epi32(c[0], c[1]), _mm256_packus_epi32(c[2], c[3]));
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(q + i),
+                          _mm256_permutevar8x32_epi32(b, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7)));
+    }
+    for (; i + 8 <= n; i += 8) {
+      store8_codes(q + i, nearest8_table(_mm256_mul_ps(_mm256_loadu_ps(x + i), s), r.table, r.slot_mid));
+    }
+    for (; i < n; ++i) q[i] = static_cast<uint8_t>(r.ix->nearest(x[i] * scale, r.mid));
+    return;
+  }
+  if (r.fold) return encode_run_as<true>(x, scale, n, r, q);
+  encode_run_as<false>(x, scale, n, r, q);
+}
+
+// Max |x| over a block; *bad set when it holds NaN or Inf (x * 0 is then NaN).
+float block_absmax(const float* x, const BlockLayout::Block& blk, int64_t row_len, bool* bad) {
+  __m256 am = _mm256_setzero_ps(), am2 = _mm256_setzero_ps(), probe = _mm256_setzero_ps();
+  const __m256 zero = _mm256_setzero_ps();
+  float tail = 0.0f, tail_probe = 0.0f;
+  for (int64_t s = 0; s < blk.segments; ++s) {
+    const float* p = x + blk.start + s * row_len;
+    int64_t i = 0;
+    for (; i + 16 <= blk.seg_len; i += 16) {
+      const __m256 a = _mm256_loadu_ps(p + i), b = _mm256_loadu_ps(p + i + 8);
+      am = _mm256_max_ps(am, abs8(a));
+      am2 = _mm256_max_ps(am2, abs8(b));
+      probe = _mm256_add_ps(probe, _mm256_add_ps(_mm256_mul_ps(a, zero), _mm256_mul_ps(b, zero)));
+    }
+    for (; i < blk.seg_len; ++i) {
+      tail = tail < std::fabs(p[i]) ? std::fabs(p[i]) : tail;
+      tail_probe += p[i] * 0.0f;
+    }
+  }
+  const float pr = hsum(probe) + tail_probe;
+  if (pr != 0.0f || std::isnan(pr)) *bad = true;
+  const float v = hmax(_mm256_max_ps(am, am2));
+  return v < tail ? tail : v;
+}
+
+void quantize_block(const float* x, const BlockLayout::Block& blk, int64_t row_len, float amax,
+                    const IndexRegs& r, uint8_t* q) {
+  const float scale = amax > 0.0f ? 1.0f / amax : 0.0f;
+  for (int64_t s = 0; s < blk.segments; ++s) {
+    const int64_t off = blk.start + s * row_len;
+    encode_run(x + off, scale, blk.seg_len, r, q + off);
+  }
+}
+
+// The codes of a block kept packed (segment after segment) in buf.
+void quantize_packed(const float* buf, const BlockLayout::Block& blk, int64_t row_len, float amax,
+                     const IndexRegs& r, uint8_t* q) {
+  const float scale = amax > 0.0f ? 1.0f / amax : 0.0f;
+  for (int64_t s = 0; s < blk.segments; ++s) {
+    encode_run(buf + s * blk.seg_len, scale, blk.seg_len, r, q + blk.start + s * row_len);
+  }
+}
+
+// What the AdamW8bit step holds: both codes' indexes, the coefficients.
+struct StepRegs {
+  IndexRegs r1, r2;
+  const float *code1, *code2;
+  AdamWCoeffs c;
+  __m256 b1, omb1, b2, omb2, decay, step, isb, eps;
+  StepRegs(const CodeLut& lut1, const CodeLut& lut2, const AdamWCoeffs& k)
+      : r1(lut1), r2(lut2), code1(lut1.code()), code2(lut2.code()), c(k),
+        b1(_mm256_set1_ps(k.b1)), omb1(_mm256_set1_ps(k.one_minus_b1)), b2(_mm256_set1_ps(k.b2)),
+        omb2(_mm256_set1_ps(k.one_minus_b2)), decay(_mm256_set1_ps(k.decay)),
+        step(_mm256_set1_ps(k.step_size)), isb(_mm256_set1_ps(k.inv_sqrt_bc2)), eps(_mm256_set1_ps(k.eps)) {}
+};
+
+// The first half of a block's step: decode, update (adamw_update's operations one
+// by one), the new moments packed into mbuf, vbuf, their max |.| into amax1, amax2.
+void update_block(const StepRegs& R, float* p, const float* g, const uint8_t* q1,
+                  const uint8_t* q2, float absmax1, float absmax2, const BlockLayout::Block& blk,
+                  int64_t row_len, float* mbuf, float* vbuf, float* amax1, float* amax2) {
+  const __m256 a1 = _mm256_set1_ps(absmax1), a2 = _mm256_set1_ps(absmax2);
+  __m256 am1 = _mm256_setzero_ps(), am2 = _mm256_setzero_ps();
+  float t1 = 0.0f, t2 = 0.0f;
+  for (int64_t s = 0; s < blk.segments; ++s) {
+    const int64_t off = blk.start + s * row_len, k = s * blk.seg_len;
+    int64_t i = 0;
+    for (; i + 8 <= blk.seg_len; i += 8) {
+      const int64_t e = off + i;
+      const __m256 gj = _mm256_loadu_ps(g + e);
+      const __m256 m = _mm256_add_ps(_mm256_mul_ps(R.b1, _mm256_mul_ps(decode8(q1 + e, R.code1), a1)),
+                                     _mm256_mul_ps(R.omb1, gj));
+      const __m256 v = _mm256_add_ps(_mm256_mul_ps(R.b2, _mm256_mul_ps(decode8(q2 + e, R.code2), a2)),
+                                     _mm256_mul_ps(_mm256_mul_ps(R.omb2, gj), gj));
+      const __m256 denom = _mm256_add_ps(_mm256_mul_ps(_mm256_sqrt_ps(v), R.isb), R.eps);
+      const __m256 pj = _mm256_sub_ps(_mm256_mul_ps(_mm256_loadu_ps(p + e), R.decay),
+                                      _mm256_mul_ps(R.step, _mm256_div_ps(m, denom)));
+      _mm256_storeu_ps(p + e, pj);
+      _mm256_storeu_ps(mbuf + k + i, m);
+      _mm256_storeu_ps(vbuf + k + i, v);
+      am1 = _mm256_max_ps(am1, abs8(m));
+      am2 = _mm256_max_ps(am2, abs8(v));
+    }
+    for (; i < blk.seg_len; ++i) {
+      const int64_t e = off + i;
+      float m = R.code1[q1[e]] * absmax1, v = R.code2[q2[e]] * absmax2;
+      adamw_update(p[e], m, v, g[e], R.c);
+      mbuf[k + i] = m, vbuf[k + i] = v;
+      t1 = t1 < std::fabs(m) ? std::fabs(m) : t1;
+      t2 = t2 < std::fabs(v) ? std::fabs(v) : t2;
+    }
+  }
+  const float h1 = hmax(am1), h2 = hmax(am2);
+  *amax1 = h1 < t1 ? t1 : h1;
+  *amax2 = h2 < t2 ? t2 : h2;
+}
+
+// torch.lerp's float arithmetic (cpu_kernels_portable.cpp's torch_lerp), the branch
+// (|w| < 0.5) chosen by the caller.
+inline __m256 torch_lerp(__m256 a, __m256 b, bool small, __m256 w, __m256 one_minus_w) {
+  const __m256 d = _mm256_sub_ps(b, a);
+  return small ? _mm256_add_ps(a, _mm256_mul_ps(w, d)) : _mm256_sub_ps(b, _mm256_mul_ps(d, one_minus_w));
+}
+inline float torch_lerp(float a, float b, float w) {
+  return std::fabs(w) < 0.5f ? a + w * (b - a) : b - (b - a) * (1.0f - w);
+}
+
+}  // namespace
+
+bool supported() {
+  __builtin_cpu_init();
+  return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+}
+
+void quantize_blocks(const float* x, const BlockLayout& L, const CodeLut& lut, uint8_t* q,
+                     float* absmax, int64_t b0, int64_t b1, bool* bad) {
+  const IndexRegs r(lut);
+  for (int64_t b = b0; b < b1; ++b) {
+    const auto blk = L.block(b);
+    const float amax = block_absmax(x, blk, L.row_len, bad);
+    quantize_block(x, blk, L.row_len, amax, r, q);
+    absmax[b] = amax;
+  }
+}
+
+void dequantize_blocks(const uint8_t* q, const float* absmax, const BlockLayout& L,
+                       const CodeLut& lut, float* out, int64_t b0, int64_t b1) {
+  const float* code = lut.code();
+  for (int64_t b = b0; b < b1; ++b) {
+    const auto blk = L.block(b);
+    const float a = absmax[b];
+    const __m256 av = _mm256_set1_ps(a);
+    for (int64_t s = 0; s < blk.segments; ++s) {
+      const int64_t off = blk.start + s * L.row_len;
+      int64_t i = 0;
+      for (; i + 8 <= blk.seg_len; i += 8) {
+        _mm256_storeu_ps(out + off + i, _mm256_mul_ps(decode8(q + off + i, code), av));
+      }
+      for (; i < blk.seg_len; ++i) out[off + i] = code[q[off + i]] * a;
+    }
+  }
+}
+
+void adamw8bit_blocks(float* p, const float* g, uint8_t* q1, float* absmax1, uint8_t* q2,
+                      float* absmax2, const BlockLayout& L, const CodeLut& lut1,
+                      const CodeLut& lut2, const AdamWCoeffs& c, int64_t b0, int64_t b1,
+                      float* mbuf, float* vbuf) {
+  const StepRegs R(lut1, lut2, c);
+  for (int64_t b = b0; b < b1; ++b) {
+    const auto blk = L.block(b);
+    float amax1, amax2;
+    update_block(R, p, g, q1, q2, absmax1[b], absmax2[b], blk, L.row_len, mbuf, vbuf, &amax1, &amax2);
+    quantize_packed(mbuf, blk, L.row_len, amax1, R.r1, q1);
+    quantize_packed(vbuf, blk, L.row_len, amax2, R.r2, q2);
+    absmax1[b] = amax1;
+    absmax2[b] = amax2;
+  }
+}
+
+void adamw8bit_begin_blocks(float* p, const float* g, const uint8_t* q1, const float* absmax1,
+                            const uint8_t* q2, const float* absmax2, const BlockLayout& L,
+                            const CodeLut& lut1, const CodeLut& lut2, const AdamWCoeffs& c,
+                            int64_t b0, int64_t b1, float* scratch, float* amax1, float* amax2) {
+  const StepRegs R(lut1, lut2, c);
+  const int64_t w = L.max_block_elems();
+  for (int64_t b = b0; b < b1; ++b) {
+    update_block(R, p, g, q1, q2, absmax1[b], absmax2[b], L.block(b), L.row_len,
+                 scratch + 2 * b * w, scratch + (2 * b + 1) * w, amax1 + b, amax2 + b);
+  }
+}
+
+void adamw8bit_end_blocks(const float* scratch, const BlockLayout& L, const CodeLut& lut1,
+                          const CodeLut& lut2, const float* agreed1, const float* agreed2,
+                          uint8_t* q1, float* absmax1, uint8_t* q2, float* absmax2, int64_t b0,
+                          int64_t b1) {
+  const IndexRegs r1(lut1), r2(lut2);
+  const int64_t w = L.max_block_elems();
+  for (int64_t b = b0; b < b1; ++b) {
+    const auto blk = L.block(b);
+    quantize_packed(scratch + 2 * b * w, blk, L.row_len, agreed1[b], r1, q1);
+    quantize_packed(scratch + (2 * b + 1) * w, blk, L.row_len, agreed2[b], r2, q2);
+    absmax1[b] = agreed1[b];
+    absmax2[b] = agreed2[b];
+  }
+}
+
+void momentum8bit_blocks(const float* g, const uint8_t* q, const float* absmax, const BlockLayout& L,
+                         const CodeLut& lut, float beta, bool nesterov, uint8_t* q_out,
+                         float* absmax_out, float* u, int64_t b0, int64_t b1, float* mbuf,
+                         bool* bad) {
+  const IndexRegs r(lut);
+  const float* code = lut.code();
+  const float w = 1.0f - beta;
+  const bool small_w = std::fabs(w) < 0.5f, small_beta = std::fabs(beta) < 0.5f;
+  const __m256 wv = _mm256_set1_ps(w), omw = _mm256_set1_ps(1.0f - w);
+  const __m256 bv = _mm256_set1_ps(beta), omb = _mm256_set1_ps(1.0f - beta);
+  for (int64_t b = b0; b < b1; ++b) {
+    const auto blk = L.block(b);
+    const float a = absmax[b];
+    const __m256 av = _mm256_set1_ps(a);
+    for (int64_t s = 0; s < blk.segments; ++s) {
+      const int64_t off = blk.start + s * L.row_len, k = s * blk.seg_len;
+      int64_t i = 0;
+      for (; i + 8 <= blk.seg_len; i += 8) {
+        const __m256 gj = _mm256_loadu_ps(g + off + i);
+        const __m256 m = torch_lerp(_mm256_mul_ps(decode8(q + off + i, code), av), gj, small_w, wv, omw);
+        _mm256_storeu_ps(mbuf + k + i, m);
+        _mm256_storeu_ps(u + off + i, nesterov ? torch_lerp(gj, m, small_beta, bv, omb) : m);
+      }
+      for (; i < blk.seg_len; ++i) {
+        const float m = torch_lerp(code[q[off + i]] * a, g[off + i], w);
+        mbuf[k + i] = m;
+        u[off + i] = nesterov ? torch_lerp(g[off + i], m, beta) : m;
+      }
+    }
+    const BlockLayout::Block packed{0, 1, blk.count, blk.count};
+    const float amax = block_absmax(mbuf, packed, blk.count, bad);
+    quantize_packed(mbuf, blk, L.row_len, amax, r, q_out);
+    absmax_out[b] = amax;
+  }
+}
+
+}  // namespace rfsdp::quant::cpu::avx2
+
+#pragma GCC pop_options
+
+#else  // not x86-64 GCC: supported() is false, so nothing below is reached
+
+#include <stdexcept>
+
+namespace rfsdp::quant::cpu::avx2 {
+namespace {
+[[noreturn]] void absent() { throw std::logic_error("the AVX2 quantisation kernels are not built here"); }
+}  // namespace
+bool supported() { return false; }
+void quantize_blocks(const float*, const BlockLayout&, const CodeLut&, uint8_t*, float*, int64_t,
+                     int64_t, bool*) { absent(); }
+void dequantize_blocks(const uint8_t*, const float*, const BlockLayout&, const CodeLut&, float*,
+                       int64_t, int64_t) { absent(); }
+void adamw8bit_blocks(float*, const float*, uint8_t*, float*, uint8_t*, float*, const BlockLayout&,
+                      const CodeLut&, const CodeLut&, const AdamWCoeffs&, int64_t, int64_t, float*,
+                      float*) { absent(); }
+void adamw8bit_begin_blocks(float*, const float*, const uint8_t*, const float*, const uint8_t*,
+                            const float*, const BlockLayout&, const CodeLut&, const CodeLut&,
+                            const AdamWCoeffs&, int64_t, int64_t, float*, float*, float*) { absent(); }
+void adamw8bit_end_blocks(const float*, const BlockLayout&, const CodeLut&, const CodeLut&,
+                          const float*, const float*, uint8_t*, float*, uint8_t*, float*, int64_t,
+                          int64_t) { absent(); }
+void momentum8bit_blocks(const float*, const uint8_t*, const float*, const BlockLayout&,
+                         const CodeLut&, float, bool, uint8_t*, float*, float*, int64_t, int64_t,
+                         float*, bool*) { absent(); }
+}  // namespace rfsdp::quant::cpu::avx2
+
+#endif
