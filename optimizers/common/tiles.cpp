@@ -8,6 +8,7 @@
 #include <tuple>
 
 #include "optimizers/common/matrices.h"
+#include "quant/blockwise/device_path.h"
 
 namespace rfsdp {
 
@@ -132,11 +133,12 @@ const TriangleIndex& triangle_index(int64_t n, const at::Device& device) {
 }  // namespace
 
 // Row i of the upper triangle, columns [i, n), follows rows 0..i-1: plain copies
-// at memory speed (an index_select/index_copy pair cost 30% of a step).
+// at memory speed on the CPU (an index_select/index_copy pair cost 30% of a step);
+// elsewhere (and on the device-generic path, quant/blockwise/device_path.h) index ops.
 at::Tensor pack_symmetric(const at::Tensor& full) {
   const at::Tensor f = full.to(at::kFloat).contiguous();
   const int64_t n = f.size(0);
-  if (!f.is_cpu()) {  // on a GPU: one gather of the upper triangle (row by row)
+  if (!f.is_cpu() || quant::device_generic_path()) {  // one gather of the upper triangle, row by row
     return f.view(-1).index_select(0, triangle_index(n, f.device()).upper);
   }
   at::Tensor out = at::empty({packed_size(n)}, at::kFloat);
@@ -151,7 +153,7 @@ at::Tensor pack_symmetric(const at::Tensor& full) {
 
 at::Tensor unpack_symmetric(const at::Tensor& flat, int64_t offset, int64_t n) {
   const at::Tensor packed = flat.narrow(0, offset, packed_size(n)).to(at::kFloat).contiguous();
-  if (!packed.is_cpu()) {  // on a GPU: two scatters (the mirror, then the upper triangle)
+  if (!packed.is_cpu() || quant::device_generic_path()) {  // two scatters (the mirror, then the upper triangle)
     const TriangleIndex& ix = triangle_index(n, packed.device());
     at::Tensor full = at::empty({n * n}, packed.options());
     full.index_put_({ix.lower}, packed);

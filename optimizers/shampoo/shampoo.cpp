@@ -261,14 +261,10 @@ void Shampoo::run_step(StepGate& gate, const std::vector<size_t>& stepping) {
   // P = L^-1/4 M^ R^-1/4 scaled to |D| in tile j of parameter i's (D where |P| = 0).
   auto precondition_tile = [&](size_t i, size_t j, at::Tensor d, const at::Tensor& m_hat) {
     const at::Tensor rl = root(i, j, true), rr = root(i, j, false);
-    at::Tensor p = at::matmul(at::matmul(rl, m_hat), rr);
-    if (p.is_cuda()) {  // the same on the device, with no host wait per tile
-      const at::Tensor np = p.norm();
-      d.copy_(at::where(np > 0, p * (d.norm() / np), d));
-      return;
-    }
-    const double np = p.norm().item<double>();
-    if (np > 0) d.copy_(p.mul_(d.norm().item<double>() / np));  // else keep D
+    const at::Tensor p = at::matmul(at::matmul(rl, m_hat), rr);
+    // (tensors, on every device alike: no host wait per tile on a GPU)
+    const at::Tensor np = p.norm();
+    d.copy_(at::where(np > 0, p * (d.norm() / np), d));
   };
   auto preconditions = [&](size_t i) {
     return precondition_[i] && param_steps_[i] >= config_.start_preconditioning_step;

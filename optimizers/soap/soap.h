@@ -70,8 +70,9 @@ struct SOAPConfig {
   // tile row (a block never crosses a tile, and v's refresh permutation, rows
   // and columns, moves whole blocks or stays inside one: codes move with their
   // scales, nothing is requantised by it). Each step decodes a parameter's
-  // moments, updates them in fp32 and encodes them once it is done. CPU only;
-  // 1-D parameters and use_soap=False groups keep fp32 moments.
+  // moments, updates them in fp32 and encodes them once it is done (on any
+  // device: quant/blockwise/state_ops.h); whole tiles only (a shard that cuts
+  // a tile is refused); 1-D parameters and use_soap=False groups keep fp32 moments.
   at::ScalarType state_dtype = at::kFloat;
   // basis coded (8 or 4 bits): Q_L, Q_R as block-wise codes instead
   // (LowbitSquares: blocks of a tile's n x n basis, row by row, one fp32 absmax

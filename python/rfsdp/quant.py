@@ -1,5 +1,6 @@
 """Block-wise 8-bit quantisation (bitsandbytes' dynamic map, 1-D blocks or 2-D tiles), on
-CPU tensors (the CPU kernels) or CUDA tensors (the CUDA kernels, on the current stream)."""
+CPU tensors (the CPU kernels), CUDA tensors (the CUDA kernels, on the current stream) or
+any other device (the device-generic path: ATen operations); all give the same bits."""
 from . import _C
 
 
@@ -27,3 +28,17 @@ def dequantize_blockwise(codes, absmax, block=256, code="dynamic", signed=True, 
     as many elements) when given, so repeated calls reuse one buffer."""
     res = _C.dequantize_blockwise(codes, absmax, _code(code, signed), block, out=out)
     return res.reshape(shape) if shape is not None else res
+
+
+def use_device_generic_path(on=True):
+    """Run every quantised operation (8-bit optimizer states, the weights' codes under
+    a CommPolicy) on the device-generic path: ATen operations only, what a device with
+    no kernel for an operation runs, bit for bit the CPU and CUDA kernels. On the CPU
+    it is for tests and checks (it is much slower than the kernels);
+    RFSDP_DEVICE_GENERIC=1 at import does the same."""
+    _C.use_device_generic_path(bool(on))
+
+
+def device_generic_path():
+    """Whether use_device_generic_path is on."""
+    return _C.device_generic_path()

@@ -31,10 +31,17 @@ std::string dtype_name(at::ScalarType t) {
   }
 }
 
+// CPU tensors run the CPU kernels, CUDA tensors the CUDA kernels, other devices
+// the device-generic path (state_ops.h); meta tensors hold no values.
 void check_tensor(const at::Tensor& t, at::ScalarType dt, const char* what) {
   if (t.scalar_type() != dt) {
     throw std::invalid_argument(std::string(what) + " must be " + dtype_name(dt) + ", got " +
                                 dtype_name(t.scalar_type()));
+  }
+  if (t.device().is_meta()) {
+    throw std::invalid_argument(std::string(what) + " is on meta: block-wise quantisation runs "
+                                "on tensors with values (the CPU, a CUDA device, or another "
+                                "device through the device-generic path); meta tensors have none");
   }
 }
 

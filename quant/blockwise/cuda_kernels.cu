@@ -194,6 +194,88 @@ __global__ void adamw8bit_kernel(float* __restrict p, const float* __restrict g,
   }
 }
 
+// The step of blocks that ranks share, in two halves around the agreement of each
+// block's absmax (cpu_kernels.h adamw8bit_begin / _end): begin updates the
+// parameter, keeps the new moments in scratch (block b's m at 2 b w, its v at
+// (2 b + 1) w, w = L.max_block_elems(), as the CPU kernels keep them) and this
+// rank's max |.| per block in amax1, amax2; end writes the codes under the agreed
+// absmax and stores it.
+template <int kItems>
+__global__ void adamw8bit_begin_kernel(float* __restrict p, const float* __restrict g,
+                                       const uint8_t* __restrict q1, const float* __restrict absmax1,
+                                       const uint8_t* __restrict q2, const float* __restrict absmax2,
+                                       BlockLayout L, const float* __restrict code1_g,
+                                       const float* __restrict code2_g, AdamWCoeffs c,
+                                       float* __restrict scratch, float* __restrict amax1_out,
+                                       float* __restrict amax2_out) {
+  __shared__ float code1[256], code2[256];
+  __shared__ float scratch_max[32];
+  code1[threadIdx.x] = code1_g[threadIdx.x];
+  code2[threadIdx.x] = code2_g[threadIdx.x];
+  __syncthreads();
+  const int64_t w = L.max_block_elems();
+  for (int64_t blk = blockIdx.x; blk < L.num_blocks; blk += gridDim.x) {
+    const BlockLayout::Block b = L.block(blk);
+    const int count = static_cast<int>(b.count);
+    const float a1 = absmax1[blk], a2 = absmax2[blk];
+    float amax1 = 0.0f, amax2 = 0.0f;
+#pragma unroll
+    for (int i = 0; i < kItems; ++i) {
+      const int k = threadIdx.x + i * kThreads;
+      if (k < count) {
+        const int64_t e = element(b, L.row_len, k);
+        float m = code1[q1[e]] * a1, v = code2[q2[e]] * a2, pe = p[e];
+        adamw_update(pe, m, v, g[e], c);
+        p[e] = pe;
+        scratch[2 * blk * w + k] = m;
+        scratch[(2 * blk + 1) * w + k] = v;
+        amax1 = fmaxf(amax1, fabsf(m));
+        amax2 = fmaxf(amax2, v);
+      }
+    }
+    amax1 = block_max(amax1, scratch_max);
+    amax2 = block_max(amax2, scratch_max);
+    if (threadIdx.x == 0) {
+      amax1_out[blk] = amax1;
+      amax2_out[blk] = amax2;
+    }
+  }
+}
+
+template <int kItems>
+__global__ void adamw8bit_end_kernel(const float* __restrict scratch, BlockLayout L,
+                                     const float* __restrict code1_g, IndexArg ia1,
+                                     const float* __restrict code2_g, IndexArg ia2,
+                                     const float* __restrict agreed1, const float* __restrict agreed2,
+                                     uint8_t* __restrict q1, float* __restrict absmax1,
+                                     uint8_t* __restrict q2, float* __restrict absmax2) {
+  __shared__ SharedCode near1, near2;
+  near1.load(code1_g, ia1.ix, ia1.has, ia1.keep_nonzero);
+  near2.load(code2_g, ia2.ix, ia2.has, ia2.keep_nonzero);
+  __syncthreads();
+  const int64_t w = L.max_block_elems();
+  for (int64_t blk = blockIdx.x; blk < L.num_blocks; blk += gridDim.x) {
+    const BlockLayout::Block b = L.block(blk);
+    const int count = static_cast<int>(b.count);
+    const float a1 = agreed1[blk], a2 = agreed2[blk];
+    const float s1 = a1 > 0.0f ? 1.0f / a1 : 0.0f;
+    const float s2 = a2 > 0.0f ? 1.0f / a2 : 0.0f;
+#pragma unroll
+    for (int i = 0; i < kItems; ++i) {
+      const int k = threadIdx.x + i * kThreads;
+      if (k < count) {
+        const int64_t e = element(b, L.row_len, k);
+        q1[e] = near1.nearest(scratch[2 * blk * w + k] * s1);
+        q2[e] = near2.nearest(scratch[(2 * blk + 1) * w + k] * s2);
+      }
+    }
+    if (threadIdx.x == 0) {
+      absmax1[blk] = a1;
+      absmax2[blk] = a2;
+    }
+  }
+}
+
 // Thread blocks to launch: enough to fill the GPU a few times over (8 resident
 // blocks of 256 threads per multiprocessor), never more than there are
 // quantisation blocks.
@@ -244,6 +326,35 @@ cudaError_t adamw8bit_step(float* param, const float* grad, uint8_t* q1, float* 
     adamw8bit_kernel<decltype(items)::value><<<grid_for(L), kThreads, 0, stream>>>(
         param, grad, q1, absmax1, q2, absmax2, L, code1, index_arg(rounding1), code2,
         index_arg(rounding2), c);
+  });
+  return cudaGetLastError();
+}
+
+cudaError_t adamw8bit_begin(float* param, const float* grad, const uint8_t* q1,
+                            const float* absmax1, const uint8_t* q2, const float* absmax2,
+                            const BlockLayout& L, const float* code1, const float* code2,
+                            const AdamWHyper& h, float* scratch, float* amax1, float* amax2,
+                            cudaStream_t stream) {
+  if (cudaError_t e = check_layout(L); e != cudaSuccess) return e;
+  if (L.num_blocks == 0) return cudaSuccess;
+  const AdamWCoeffs c = adamw_coeffs(h);
+  with_items(L.max_block_elems(), [&](auto items) {
+    adamw8bit_begin_kernel<decltype(items)::value><<<grid_for(L), kThreads, 0, stream>>>(
+        param, grad, q1, absmax1, q2, absmax2, L, code1, code2, c, scratch, amax1, amax2);
+  });
+  return cudaGetLastError();
+}
+
+cudaError_t adamw8bit_end(const float* scratch, const BlockLayout& L, const float* code1,
+                          CodeRounding rounding1, const float* code2, CodeRounding rounding2,
+                          const float* agreed1, const float* agreed2, uint8_t* q1, float* absmax1,
+                          uint8_t* q2, float* absmax2, cudaStream_t stream) {
+  if (cudaError_t e = check_layout(L); e != cudaSuccess) return e;
+  if (L.num_blocks == 0) return cudaSuccess;
+  with_items(L.max_block_elems(), [&](auto items) {
+    adamw8bit_end_kernel<decltype(items)::value><<<grid_for(L), kThreads, 0, stream>>>(
+        scratch, L, code1, index_arg(rounding1), code2, index_arg(rounding2), agreed1, agreed2,
+        q1, absmax1, q2, absmax2);
   });
   return cudaGetLastError();
 }

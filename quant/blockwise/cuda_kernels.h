@@ -41,4 +41,17 @@ cudaError_t adamw8bit_step(float* param, const float* grad, uint8_t* q1, float* 
                            const float* code1, CodeRounding rounding1, const float* code2,
                            CodeRounding rounding2, const AdamWHyper& h, cudaStream_t stream);
 
+// adamw8bit_step for blocks that ranks share, in two halves around the agreement
+// of each block's absmax (as cpu_kernels.h's): scratch holds 2 * num_blocks *
+// max_block_elems floats; amax1, amax2 and agreed1, agreed2 one per block.
+cudaError_t adamw8bit_begin(float* param, const float* grad, const uint8_t* q1,
+                            const float* absmax1, const uint8_t* q2, const float* absmax2,
+                            const BlockLayout& layout, const float* code1, const float* code2,
+                            const AdamWHyper& h, float* scratch, float* amax1, float* amax2,
+                            cudaStream_t stream);
+cudaError_t adamw8bit_end(const float* scratch, const BlockLayout& layout, const float* code1,
+                          CodeRounding rounding1, const float* code2, CodeRounding rounding2,
+                          const float* agreed1, const float* agreed2, uint8_t* q1, float* absmax1,
+                          uint8_t* q2, float* absmax2, cudaStream_t stream);
+
 }  // namespace rfsdp::quant::cuda

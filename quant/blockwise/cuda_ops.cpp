@@ -113,6 +113,61 @@ void adamw8bit_step(const at::Tensor& p, const at::Tensor& g, const at::Tensor& 
            "adamw8bit_step");
 }
 
+void adamw8bit_begin(const at::Tensor& p, const at::Tensor& g, const at::Tensor& q1,
+                     const at::Tensor& a1, const at::Tensor& q2, const at::Tensor& a2,
+                     const BlockLayout& L, const at::Tensor& code1, const at::Tensor& code2,
+                     const AdamWHyper& h, const at::Tensor& scratch, const at::Tensor& amax1,
+                     const at::Tensor& amax2) {
+  check_gpu(p, "adamw8bit_begin param");
+  const at::Device d = p.device();
+  const int64_t n = L.rows * L.row_len;
+  check(p, at::kFloat, n, d, "adamw8bit_begin param");
+  check(g, at::kFloat, n, d, "adamw8bit_begin grad");
+  check(q1, at::kByte, n, d, "adamw8bit_begin q1");
+  check(q2, at::kByte, n, d, "adamw8bit_begin q2");
+  check(a1, at::kFloat, L.num_blocks, d, "adamw8bit_begin absmax1");
+  check(a2, at::kFloat, L.num_blocks, d, "adamw8bit_begin absmax2");
+  check(code1, at::kFloat, 256, d, "adamw8bit_begin code1");
+  check(code2, at::kFloat, 256, d, "adamw8bit_begin code2");
+  check(scratch, at::kFloat, 2 * L.num_blocks * L.max_block_elems(), d, "adamw8bit_begin scratch");
+  check(amax1, at::kFloat, L.num_blocks, d, "adamw8bit_begin amax1");
+  check(amax2, at::kFloat, L.num_blocks, d, "adamw8bit_begin amax2");
+  if (n == 0) return;
+  c10::DeviceGuard guard(d);
+  launched(cuda::adamw8bit_begin(p.data_ptr<float>(), g.data_ptr<float>(), q1.data_ptr<uint8_t>(),
+                                 a1.data_ptr<float>(), q2.data_ptr<uint8_t>(), a2.data_ptr<float>(),
+                                 L, code1.data_ptr<float>(), code2.data_ptr<float>(), h,
+                                 scratch.data_ptr<float>(), amax1.data_ptr<float>(),
+                                 amax2.data_ptr<float>(), current_stream(d)),
+           "adamw8bit_begin");
+}
+
+void adamw8bit_end(const at::Tensor& scratch, const BlockLayout& L, const at::Tensor& code1,
+                   const cpu::CodeLut& lut1, const at::Tensor& code2, const cpu::CodeLut& lut2,
+                   const at::Tensor& agreed1, const at::Tensor& agreed2, const at::Tensor& q1,
+                   const at::Tensor& a1, const at::Tensor& q2, const at::Tensor& a2) {
+  check_gpu(scratch, "adamw8bit_end scratch");
+  const at::Device d = scratch.device();
+  const int64_t n = L.rows * L.row_len;
+  check(scratch, at::kFloat, 2 * L.num_blocks * L.max_block_elems(), d, "adamw8bit_end scratch");
+  check(code1, at::kFloat, 256, d, "adamw8bit_end code1");
+  check(code2, at::kFloat, 256, d, "adamw8bit_end code2");
+  check(agreed1, at::kFloat, L.num_blocks, d, "adamw8bit_end agreed1");
+  check(agreed2, at::kFloat, L.num_blocks, d, "adamw8bit_end agreed2");
+  check(q1, at::kByte, n, d, "adamw8bit_end q1");
+  check(q2, at::kByte, n, d, "adamw8bit_end q2");
+  check(a1, at::kFloat, L.num_blocks, d, "adamw8bit_end absmax1");
+  check(a2, at::kFloat, L.num_blocks, d, "adamw8bit_end absmax2");
+  if (n == 0) return;
+  c10::DeviceGuard guard(d);
+  launched(cuda::adamw8bit_end(scratch.data_ptr<float>(), L, code1.data_ptr<float>(),
+                               rounding_of(lut1), code2.data_ptr<float>(), rounding_of(lut2),
+                               agreed1.data_ptr<float>(), agreed2.data_ptr<float>(),
+                               q1.data_ptr<uint8_t>(), a1.data_ptr<float>(), q2.data_ptr<uint8_t>(),
+                               a2.data_ptr<float>(), current_stream(d)),
+           "adamw8bit_end");
+}
+
 #else  // no nvcc at build time
 
 namespace {
@@ -138,6 +193,17 @@ void adamw8bit_step(const at::Tensor&, const at::Tensor&, const at::Tensor&, con
                     const cpu::CodeLut&, const at::Tensor&, const cpu::CodeLut&,
                     const AdamWHyper&) {
   none("adamw8bit_step");
+}
+void adamw8bit_begin(const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
+                     const at::Tensor&, const at::Tensor&, const BlockLayout&, const at::Tensor&,
+                     const at::Tensor&, const AdamWHyper&, const at::Tensor&, const at::Tensor&,
+                     const at::Tensor&) {
+  none("adamw8bit_begin");
+}
+void adamw8bit_end(const at::Tensor&, const BlockLayout&, const at::Tensor&, const cpu::CodeLut&,
+                   const at::Tensor&, const cpu::CodeLut&, const at::Tensor&, const at::Tensor&,
+                   const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&) {
+  none("adamw8bit_end");
 }
 
 #endif

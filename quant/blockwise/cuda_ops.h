@@ -24,4 +24,16 @@ void adamw8bit_step(const at::Tensor& param, const at::Tensor& grad, const at::T
                     const BlockLayout& layout, const at::Tensor& code1, const cpu::CodeLut& lut1,
                     const at::Tensor& code2, const cpu::CodeLut& lut2, const AdamWHyper& h);
 
+// The step of blocks that ranks share, in two halves (cuda_kernels.h): scratch
+// 2 * num_blocks * max_block_elems fp32; amax1, amax2, agreed1, agreed2 per block.
+void adamw8bit_begin(const at::Tensor& param, const at::Tensor& grad, const at::Tensor& q1,
+                     const at::Tensor& absmax1, const at::Tensor& q2, const at::Tensor& absmax2,
+                     const BlockLayout& layout, const at::Tensor& code1, const at::Tensor& code2,
+                     const AdamWHyper& h, const at::Tensor& scratch, const at::Tensor& amax1,
+                     const at::Tensor& amax2);
+void adamw8bit_end(const at::Tensor& scratch, const BlockLayout& layout, const at::Tensor& code1,
+                   const cpu::CodeLut& lut1, const at::Tensor& code2, const cpu::CodeLut& lut2,
+                   const at::Tensor& agreed1, const at::Tensor& agreed2, const at::Tensor& q1,
+                   const at::Tensor& absmax1, const at::Tensor& q2, const at::Tensor& absmax2);
+
 }  // namespace rfsdp::quant::cuda_ops

@@ -1,5 +1,8 @@
 #include "quant/blockwise/generic_ops.h"
 
+#include <cmath>
+#include <vector>
+
 namespace rfsdp::quant::generic {
 
 // Every expression below is one IEEE operation per ATen call on fp32 values, in
@@ -27,23 +30,75 @@ at::Tensor block_ids(const BlockLayout& L, at::Device device) {
 
 namespace {
 
-// Max |x| per block (from 0, as the kernels start).
-at::Tensor block_amax(const at::Tensor& x, const at::Tensor& ids, int64_t blocks) {
-  return at::zeros({blocks}, x.options()).scatter_reduce_(0, ids, x.abs(), "amax", true);
-}
+// How a layout's elements group into blocks for ATen: 1-D blocks as rows of a
+// [blocks, B] view (a partial last block apart), tiles that divide the region as
+// a [R/TR, TR, C/TC, TC] view, other tiles by each element's block id. Reductions
+// and broadcasts over views cost what the data does; the ids (8 B an element, a
+// scatter and a gather) only serve partial tiles.
+class Blocked {
+ public:
+  Blocked(const BlockLayout& L, at::Device device) : L_(L) {
+    if (L.shape.is_tile()) {
+      tiled_ = L.rows % L.shape.tile_rows == 0 && L.row_len % L.shape.tile_cols == 0;
+      if (!tiled_) ids_ = block_ids(L, device);
+    } else {
+      full_ = L.numel / L.shape.block;
+    }
+  }
+  // Max |x| per block (from 0, as the kernels start), [L.num_blocks].
+  at::Tensor amax(const at::Tensor& x) const {
+    if (ids_.defined()) {
+      return at::zeros({L_.num_blocks}, x.options()).scatter_reduce_(0, ids_, x.abs(), "amax", true);
+    }
+    if (tiled_) return tiles(x).abs().amax({1, 3}).reshape(-1);
+    std::vector<at::Tensor> parts;
+    if (full_ > 0) parts.push_back(body(x).abs().amax(1));
+    if (tail(x).numel() > 0) parts.push_back(tail(x).abs().amax(0, /*keepdim=*/true));
+    if (parts.empty()) return at::zeros({0}, x.options());  // an empty region
+    return parts.size() == 1 ? parts[0] : at::cat(parts);
+  }
+  // x times its block's entry of s (s: one per block), flat.
+  at::Tensor times(const at::Tensor& x, const at::Tensor& s) const {
+    if (ids_.defined()) return x * s.index_select(0, ids_);
+    if (tiled_) {
+      const int64_t tr = L_.rows / L_.shape.tile_rows, tc = L_.row_len / L_.shape.tile_cols;
+      return (tiles(x) * s.view({tr, 1, tc, 1})).view(-1);
+    }
+    std::vector<at::Tensor> parts;
+    if (full_ > 0) parts.push_back((body(x) * s.narrow(0, 0, full_).unsqueeze(1)).view(-1));
+    if (tail(x).numel() > 0) parts.push_back(tail(x) * s.narrow(0, full_, 1));
+    if (parts.empty()) return x.clone();  // an empty region
+    return parts.size() == 1 ? parts[0] : at::cat(parts);
+  }
+
+ private:
+  at::Tensor body(const at::Tensor& x) const {
+    return x.narrow(0, 0, full_ * L_.shape.block).view({full_, L_.shape.block});
+  }
+  at::Tensor tail(const at::Tensor& x) const {
+    return x.narrow(0, full_ * L_.shape.block, L_.numel - full_ * L_.shape.block);
+  }
+  at::Tensor tiles(const at::Tensor& x) const {
+    return x.view({L_.rows / L_.shape.tile_rows, L_.shape.tile_rows, L_.row_len / L_.shape.tile_cols,
+                   L_.shape.tile_cols});
+  }
+  const BlockLayout& L_;
+  bool tiled_ = false;
+  int64_t full_ = 0;
+  at::Tensor ids_;
+};
 
 // The codes of x under absmax per block: x * (1 / absmax), or 0 where the absmax is 0.
-void encode(const at::Tensor& x, const at::Tensor& ids, const at::Tensor& absmax,
+void encode(const at::Tensor& x, const Blocked& blocks, const at::Tensor& absmax,
             const DeviceCode& code, const at::Tensor& q) {
   const at::Tensor scale =
       at::where(absmax > 0, at::ones_like(absmax).div_(absmax), at::zeros_like(absmax));
-  const at::Tensor v = x * scale.index_select(0, ids);
-  q.copy_(at::bucketize(v, code.mids, /*out_int32=*/true, /*right=*/false));
+  q.copy_(at::bucketize(blocks.times(x, scale), code.mids, /*out_int32=*/true, /*right=*/false));
 }
 
-at::Tensor decode(const at::Tensor& q, const at::Tensor& absmax, const at::Tensor& ids,
+at::Tensor decode(const at::Tensor& q, const at::Tensor& absmax, const Blocked& blocks,
                   const DeviceCode& code) {
-  return code.values.index_select(0, q.to(at::kLong)) * absmax.index_select(0, ids);
+  return blocks.times(code.values.index_select(0, q.to(at::kLong)), absmax);
 }
 
 // torch.lerp's float arithmetic (cpu_kernels_portable.cpp's torch_lerp), the branch
@@ -73,16 +128,16 @@ void adamw_update(const at::Tensor& p, const at::Tensor& m, const at::Tensor& v,
 
 at::Tensor quantize(const at::Tensor& x, const BlockLayout& L, const DeviceCode& code,
                     const at::Tensor& q, const at::Tensor& absmax) {
-  const at::Tensor ids = block_ids(L, x.device());
+  const Blocked blocks(L, x.device());
   const at::Tensor flat = x.reshape(-1);
-  absmax.copy_(block_amax(flat, ids, L.num_blocks));
-  encode(flat, ids, absmax, code, q.view(-1));
+  absmax.copy_(blocks.amax(flat));
+  encode(flat, blocks, absmax, code, q.view(-1));
   return at::isfinite(flat).all();
 }
 
 void dequantize(const at::Tensor& q, const at::Tensor& absmax, const BlockLayout& L,
                 const DeviceCode& code, const at::Tensor& out) {
-  out.view(-1).copy_(decode(q.view(-1), absmax, block_ids(L, q.device()), code));
+  out.view(-1).copy_(decode(q.view(-1), absmax, Blocked(L, q.device()), code));
 }
 
 SteppedMoments adamw8bit_begin(const at::Tensor& param, const at::Tensor& grad,
@@ -90,13 +145,13 @@ SteppedMoments adamw8bit_begin(const at::Tensor& param, const at::Tensor& grad,
                                const at::Tensor& q2, const at::Tensor& absmax2,
                                const BlockLayout& L, const DeviceCode& code1,
                                const DeviceCode& code2, const AdamWHyper& h) {
-  const at::Tensor ids = block_ids(L, param.device());
+  const Blocked blocks(L, param.device());
   SteppedMoments s;
-  s.m = decode(q1.view(-1), absmax1, ids, code1);
-  s.v = decode(q2.view(-1), absmax2, ids, code2);
+  s.m = decode(q1.view(-1), absmax1, blocks, code1);
+  s.v = decode(q2.view(-1), absmax2, blocks, code2);
   adamw_update(param.view(-1), s.m, s.v, grad.reshape(-1), adamw_coeffs(h));
-  s.amax1 = block_amax(s.m, ids, L.num_blocks);
-  s.amax2 = block_amax(s.v, ids, L.num_blocks);
+  s.amax1 = blocks.amax(s.m);
+  s.amax2 = blocks.amax(s.v);
   return s;
 }
 
@@ -104,9 +159,9 @@ void adamw8bit_end(const SteppedMoments& s, const at::Tensor& agreed1, const at:
                    const BlockLayout& L, const DeviceCode& code1, const DeviceCode& code2,
                    const at::Tensor& q1, const at::Tensor& absmax1, const at::Tensor& q2,
                    const at::Tensor& absmax2) {
-  const at::Tensor ids = block_ids(L, s.m.device());
-  encode(s.m, ids, agreed1, code1, q1.view(-1));
-  encode(s.v, ids, agreed2, code2, q2.view(-1));
+  const Blocked blocks(L, s.m.device());
+  encode(s.m, blocks, agreed1, code1, q1.view(-1));
+  encode(s.v, blocks, agreed2, code2, q2.view(-1));
   absmax1.copy_(agreed1);
   absmax2.copy_(agreed2);
 }
@@ -123,12 +178,12 @@ at::Tensor momentum8bit_step(const at::Tensor& grad, const at::Tensor& q, const 
                              const BlockLayout& L, const DeviceCode& code, float beta,
                              bool nesterov, const at::Tensor& q_out, const at::Tensor& absmax_out,
                              const at::Tensor& u) {
-  const at::Tensor ids = block_ids(L, grad.device());
+  const Blocked blocks(L, grad.device());
   const at::Tensor g = grad.reshape(-1);
-  const at::Tensor m = torch_lerp(decode(q.view(-1), absmax, ids, code), g, 1.0f - beta);
+  const at::Tensor m = torch_lerp(decode(q.view(-1), absmax, blocks, code), g, 1.0f - beta);
   u.view(-1).copy_(nesterov ? torch_lerp(g, m, beta) : m);
-  absmax_out.copy_(block_amax(m, ids, L.num_blocks));
-  encode(m, ids, absmax_out, code, q_out.view(-1));
+  absmax_out.copy_(blocks.amax(m));
+  encode(m, blocks, absmax_out, code, q_out.view(-1));
   return at::isfinite(m).all();
 }
 

@@ -126,7 +126,8 @@ SharedStep adamw8bit_begin(const at::Tensor& param, const at::Tensor& grad, cons
                            const Codec& code2, const AdamWHyper& h) {
   check_step("adamw8bit_begin", param, grad, q1, absmax1, q2, absmax2, L);
   SharedStep s;
-  if (path_of(param, false) == Path::kGeneric) {
+  const Path path = path_of(param, true);
+  if (path == Path::kGeneric) {
     s.moments = generic::adamw8bit_begin(param, grad, q1, absmax1, q2, absmax2, L,
                                          code1.on(param.device()), code2.on(param.device()), h);
     return s;
@@ -134,6 +135,13 @@ SharedStep adamw8bit_begin(const at::Tensor& param, const at::Tensor& grad, cons
   s.scratch = at::empty({2 * L.num_blocks * L.max_block_elems()}, param.options());
   s.moments.amax1 = at::empty({L.num_blocks}, param.options());
   s.moments.amax2 = at::empty({L.num_blocks}, param.options());
+  if (path == Path::kCudaKernels) {
+    cuda_ops::adamw8bit_begin(param.view(-1), grad.view(-1), q1.view(-1), absmax1, q2.view(-1),
+                              absmax2, L, code1.on(param.device()).values,
+                              code2.on(param.device()).values, h, s.scratch, s.moments.amax1,
+                              s.moments.amax2);
+    return s;
+  }
   cpu::adamw8bit_begin(param.data_ptr<float>(), grad.data_ptr<float>(), q1.data_ptr<uint8_t>(),
                        absmax1.data_ptr<float>(), q2.data_ptr<uint8_t>(), absmax2.data_ptr<float>(),
                        L, code1.lut(), code2.lut(), h, s.scratch.data_ptr<float>(),
@@ -154,6 +162,11 @@ void adamw8bit_end(const SharedStep& s, const at::Tensor& agreed1, const at::Ten
   if (!s.scratch.defined()) {  // begun on the generic path
     return generic::adamw8bit_end(s.moments, agreed1, agreed2, L, code1.on(q1.device()),
                                   code2.on(q1.device()), q1, absmax1, q2, absmax2);
+  }
+  if (s.scratch.is_cuda()) {
+    return cuda_ops::adamw8bit_end(s.scratch, L, code1.on(q1.device()).values, code1.lut(),
+                                   code2.on(q1.device()).values, code2.lut(), agreed1, agreed2,
+                                   q1.view(-1), absmax1, q2.view(-1), absmax2);
   }
   cpu::adamw8bit_end(s.scratch.data_ptr<float>(), L, code1.lut(), code2.lut(),
                      agreed1.data_ptr<float>(), agreed2.data_ptr<float>(), q1.data_ptr<uint8_t>(),

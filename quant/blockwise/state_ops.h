@@ -67,7 +67,7 @@ void adamw8bit_step(const at::Tensor& param, const at::Tensor& grad, const at::T
 // agreed = amax the two are adamw8bit_step bit for bit.
 struct SharedStep {
   generic::SteppedMoments moments;  // amax1, amax2 always; m, v on the generic path
-  at::Tensor scratch;               // the CPU kernels' moments
+  at::Tensor scratch;               // the CPU or CUDA kernels' moments
 };
 SharedStep adamw8bit_begin(const at::Tensor& param, const at::Tensor& grad, const at::Tensor& q1,
                            const at::Tensor& absmax1, const at::Tensor& q2,

@@ -3,6 +3,8 @@
 // the optimizers call (state_ops.h), bit for bit: codes, absmax, parameters,
 // dequantised values, updates, on 1-D blocks and tiles with partial edges, every
 // code map the optimizers use, values that land exactly on midpoints, zero blocks.
+// (Layouts whose blocks divide the region run the generic path on views, the
+// others on per-element block ids: both kinds below.)
 #include <gtest/gtest.h>
 
 #include <cmath>
@@ -37,7 +39,9 @@ struct Layout {
 const Layout kLayouts[] = {{37, 530, BlockShape::blocks(256)}, {3, 1000, BlockShape::blocks(2048)},
                            {70, 45, BlockShape::tiles(32, 32)}, {33, 97, BlockShape::tiles(32, 32)},
                            {9, 13, BlockShape::tiles(4, 5)},    {100, 1, BlockShape::blocks(7)},
-                           {1, 1, BlockShape::blocks(256)}};
+                           {1, 1, BlockShape::blocks(256)},     {4, 512, BlockShape::blocks(256)},
+                           {64, 96, BlockShape::tiles(32, 32)}, {8, 10, BlockShape::tiles(4, 5)},
+                           {0, 7, BlockShape::blocks(256)}};  // (a rank's empty shard)
 
 std::string name_of(const Layout& c) {
   return c.shape.str() + " over " + std::to_string(c.rows) + "x" + std::to_string(c.row_len);
@@ -107,6 +111,7 @@ TEST(DeviceGeneric, QuantizeAndDequantizeEqualEveryCpuKernelBitForBit) {
         ASSERT_TRUE(at::equal(o, og)) << "dequantised values differ";
       });
       for (float bad : {NAN, INFINITY}) {
+        if (n == 0) break;
         at::Tensor y = x.clone();
         y[n / 2] = bad;
         on_generic_path([&] { EXPECT_FALSE(quantize(y, L, code, qg, ag)) << "missed " << bad; });
@@ -154,7 +159,7 @@ TEST(DeviceGeneric, AdamW8bitStepAndItsHalvesEqualEveryCpuKernelBitForBit) {
       };
       Out want;
       on_generic_path([&] { want = run(); });
-      ASSERT_FALSE(at::equal(want.p, p0)) << "the step changed nothing";
+      ASSERT_TRUE(n == 0 || !at::equal(want.p, p0)) << "the step changed nothing";
       ASSERT_TRUE(at::equal(want.hp, want.p)) << "the halves' parameter is not the step's";
       ASSERT_TRUE(at::equal(want.amax1, want.a1)) << "the halves' amax is not the step's absmax";
       testing::for_each_quant_isa([&](cpu::Isa) {

@@ -14,6 +14,7 @@
 #include "tests/support/local_ranks.h"
 #include "core/ragged/planner.h"
 #include "optimizers/shampoo/shampoo.h"
+#include "quant/blockwise/device_path.h"
 #include "quant/blockwise/lowbit.h"
 #include "tests/cpp/test_util.h"
 #include "tests/cpp/tiled_test_util.h"
@@ -512,6 +513,25 @@ TEST_P(ShampooRanks, TorchChunkRowsThatCutTilesEqualTheFloat64SingleDeviceShampo
   int64_t shared = -1;
   expect_close(run_sharded(world, seed, o, c, nullptr, true, &shared), ref.x, 2e-4);
   if (world > 1) EXPECT_GT(shared, 0) << "no tile was cut: the test tests nothing new";
+}
+
+TEST(Shampoo, CutTileRowsOnTheDeviceGenericPathEqualTheCpuPath) {
+  // What a GPU runs (the packing of factors by index ops; the owner exchange and the
+  // preconditioning are ATen on every device) on FSDP2's chunk rows, here on the
+  // CPU: every parameter bit for bit the CPU path's, on 1 to 4 ranks.
+  const uint64_t seed = fresh_seed();
+  SCOPED_TRACE("seed " + std::to_string(seed));
+  const ShampooOptions o = rank_test_options();
+  const ShampooConfig c = rank_test_config();
+  for (int world : {1, 2, 3, 4}) {
+    const auto cpu = run_sharded(world, seed, o, c, nullptr, true);
+    quant::use_device_generic_path(true);
+    const auto generic = run_sharded(world, seed, o, c, nullptr, true);
+    quant::use_device_generic_path(false);
+    for (size_t i = 0; i < kCases.size(); ++i) {
+      EXPECT_TRUE(at::equal(generic[i], cpu[i])) << world << " ranks, " << kCases[i].name;
+    }
+  }
 }
 
 TEST(Shampoo, SharedTileRowWithAGradientOnOnlySomeRanksIsAnErrorEverywhere) {

@@ -53,23 +53,14 @@ def test_quantise_and_dequantise_equal_the_cpu_kernels_bit_for_bit(block):
         rfsdp.quant.quantize_blockwise(torch.full((512,), float("nan"), device="cuda"))
 
 
-@pytest.fixture
-def device_generic():
-    """The device-generic path (ATen operations: what a device without kernels runs)
-    for every quantised operation while the test runs (the CPU too)."""
-    rfsdp._C.use_device_generic_path(True)
-    yield
-    rfsdp._C.use_device_generic_path(False)
-
-
 def on_path(path, fn):
     """fn() on the GPU path `path`: "kernels" (the CUDA kernels where one exists) or
     "generic" (the device-generic ATen path)."""
-    rfsdp._C.use_device_generic_path(path == "generic")
+    rfsdp.quant.use_device_generic_path(path == "generic")
     try:
         return fn()
     finally:
-        rfsdp._C.use_device_generic_path(False)
+        rfsdp.quant.use_device_generic_path(False)
 
 
 @pytest.mark.parametrize("path", ["kernels", "generic"])
@@ -211,7 +202,7 @@ def fsdp2_chunk_rows_worker(rank, world, seed, path):
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import DTensor, Shard
     torch.cuda.set_device(0)
-    rfsdp._C.use_device_generic_path(path == "generic")
+    rfsdp.quant.use_device_generic_path(path == "generic")
     mesh = init_device_mesh("cuda", (world,))
     out = {}
     for name, shapes, make in [("AdamW8bit", tf.CUT[256],

@@ -292,3 +292,42 @@ def test_adamw8bit_on_sparse_rows_moves_no_element_further_than_exact_adamw_allo
     assert exact < 1.5, "seed %d: exact AdamW moved %g lr" % (seed, exact)
     assert eight <= 2 * exact, "seed %d: AdamW8bit moved an element %g lr in one step " \
         "(exact AdamW: %g)" % (seed, eight, exact)
+
+
+@pytest.mark.parametrize("name", ["AdamW8bit", "Muon", "SOAP", "quantize"])
+def test_device_generic_path_equals_the_cpu_kernels_bit_for_bit(name):
+    # What a GPU without a kernel runs (rfsdp.quant.use_device_generic_path: ATen
+    # operations), here on the CPU from Python: parameters and every state tensor
+    # after 4 steps equal the CPU kernels' run bit for bit.
+    seed = int(torch.randint(0, 2 ** 30, ()).item())
+
+    def run():
+        g = torch.Generator().manual_seed(seed)
+        if name == "quantize":
+            x = torch.randn(37, 530, generator=g) * torch.logspace(-6, 2, 530)
+            q, a = rfsdp.quant.quantize_blockwise(x, (32, 32))
+            return [q, a, rfsdp.quant.dequantize_blockwise(q, a, (32, 32))]
+        ps = [torch.nn.Parameter(torch.randn(s, generator=g)) for s in [(64, 40), (33, 96)]]
+        opt = {"AdamW8bit": lambda: rfsdp.optim.AdamW8bit(ps, lr=1e-2, min_8bit_size=256),
+               "Muon": lambda: rfsdp.optim.Muon(ps, lr=0.02, momentum_dtype="int8",
+                                                momentum_block=64),
+               "SOAP": lambda: rfsdp.optim.SOAP(ps, lr=1e-2, state_dtype="int8",
+                                                max_preconditioner_dim=16,
+                                                precondition_frequency=2)}[name]()
+        for _ in range(4):
+            for p in ps:
+                p.grad = torch.randn(p.shape, generator=g)
+            opt.step()
+        return [p.detach().clone() for p in ps] + [
+            t.clone() for p in ps for t in opt.state[p].values() if torch.is_tensor(t)]
+
+    kernels = run()
+    rfsdp.quant.use_device_generic_path(True)
+    try:
+        assert rfsdp.quant.device_generic_path()
+        generic = run()
+    finally:
+        rfsdp.quant.use_device_generic_path(False)
+    assert len(generic) == len(kernels) > 2
+    for k, (a, b) in enumerate(zip(generic, kernels)):
+        assert torch.equal(a, b), "%s: tensor %d differs (seed %d)" % (name, k, seed)
