@@ -6,11 +6,22 @@
 //           ceil(dim0 / m) rows, padded.
 // For each: padding (% of the sharded buffer) and how many granules (the
 // blocks an optimizer or quantiser needs whole) are cut across ranks.
+//
+// --blocks: the pad-to-block comparison. For each unit of the zoo and each whole
+// model (its units times their layer counts), per block kind (MXFP8's 32-element
+// blocks, 8-bit 256-element blocks, 32x32 tiles, Shampoo's 1024-row tiles, per-head
+// Muon) and world size: (a) rfsdp's planner; (b) every tensor's shard padded up to
+// whole blocks (ceil(rows / m) rounded up to the granule: Megatron-LM's "pad more
+// aggressively", and what FSDP2's chunks need to hold whole blocks); (c) FSDP2's
+// Shard(0) chunks as they are (padding, and how many blocks they cut). Padding and
+// MiB per rank (bf16) for each; the planner's time beside (a).
 #include <algorithm>
 #include <cstdio>
 #include <cstring>
 #include <dirent.h>
 #include <fstream>
+#include <map>
+#include <tuple>
 #include <sstream>
 #include <stdexcept>
 #include <string>
@@ -19,6 +30,8 @@
 #include "core/ragged/int_math.h"
 #include "core/ragged/plan_json.h"
 #include "core/ragged/planner.h"
+#include "optimizers/common/tiles.h"
+#include "quant/blockwise/block_layout.h"
 
 namespace {
 
@@ -117,6 +130,212 @@ std::vector<std::string> zoo_files(const std::string& dir) {
   return names;
 }
 
+// ---- --blocks: the pad-to-block comparison ----------------------------------
+
+// The block kinds, as the rows each tensor's shard must hold whole.
+enum class Kind { kMxfp8, kQuant256, kTiles32, kShampoo1024, kMuonHeads };
+const char* kind_name(Kind k) {
+  switch (k) {
+    case Kind::kMxfp8: return "mxfp8-32";
+    case Kind::kQuant256: return "8bit-256";
+    case Kind::kTiles32: return "tile-32x32";
+    case Kind::kShampoo1024: return "shampoo-1024";
+    case Kind::kMuonHeads: return "muon-heads";
+  }
+  return "?";
+}
+
+bool contains(const std::string& s, const char* part) { return s.find(part) != std::string::npos; }
+
+// Rows of one attention head in a projection whose rows are heads (q, k, v; MLA's
+// q_b and kv_b), 0 for other tensors; by model (the zoo's configs).
+int64_t head_rows(const std::string& unit, const std::string& name) {
+  if (contains(unit, "deepseek_v3")) {
+    if (contains(name, "q_b_proj")) return 192;   // nope 128 + rope 64 per head
+    if (contains(name, "kv_b_proj")) return 256;  // nope 128 + v 128 per head
+    return 0;
+  }
+  if (!(contains(name, "q_proj") || contains(name, "k_proj") || contains(name, "v_proj"))) return 0;
+  return contains(unit, "gpt_oss") ? 64 : 128;
+}
+
+std::vector<TensorSpec> with_kind(std::vector<TensorSpec> unit, Kind kind, const std::string& unit_name) {
+  for (auto& t : unit) {
+    const bool matrix = t.shape.size() >= 2;
+    const int64_t row = t.row_elems();
+    switch (kind) {
+      case Kind::kMxfp8:  // 1x32 and 32x1 scaling blocks (both GEMM directions): 32 rows
+        t.granule_rows = matrix ? 32 : 1;
+        break;
+      case Kind::kQuant256:  // 8-bit optimizer states, every tensor
+        t.granule_rows = rfsdp::quant::BlockShape::blocks(256).granule_rows(row);
+        break;
+      case Kind::kTiles32:
+        t.granule_rows = matrix ? 32 : 1;
+        break;
+      case Kind::kShampoo1024:
+        t.granule_rows = rfsdp::tile_granule_rows(t.shape, t.row_dims, 1024);
+        break;
+      case Kind::kMuonHeads: {  // heads where the rows are heads, else whole matrices
+        const int64_t h = head_rows(unit_name, t.name);
+        if (h > 0 && t.rows() % h == 0) t.granule_rows = h;
+        else if (!matrix) t.granule_rows = 1;
+        else t.granule_rows = t.row_dims == 2 ? t.shape[1] : rfsdp::kWholeTensor;
+        break;
+      }
+    }
+    if (t.granule_rows != rfsdp::kWholeTensor && t.granule_rows >= t.rows()) t.granule_rows = rfsdp::kWholeTensor;
+  }
+  return unit;
+}
+
+// Elements per rank and elements in all when every tensor's shard is its own
+// ceil(rows / m) rows rounded up to whole granules (a whole tensor on one rank).
+struct PerRank {
+  int64_t per_rank = 0, total = 0;
+};
+PerRank pad_each_tensor(const std::vector<TensorSpec>& unit, int64_t m) {
+  PerRank r;
+  for (const auto& t : unit) {
+    const int64_t g = t.granule_rows == rfsdp::kWholeTensor ? t.rows() : t.granule_rows;
+    const int64_t rows = rfsdp::round_up(rfsdp::ceil_div(t.rows(), m), g);
+    r.per_rank += std::min(rows, rfsdp::round_up(t.rows(), g)) * t.row_elems();
+    r.total += t.numel();
+  }
+  return r;
+}
+
+// FSDP2's Shard(0) elements per rank and the granules its chunks cut.
+struct Fsdp2Rows {
+  int64_t per_rank = 0, cut = 0;
+};
+Fsdp2Rows fsdp2_rows(const std::vector<TensorSpec>& unit, int64_t m) {
+  Fsdp2Rows r;
+  std::vector<int64_t> cuts;
+  for (const auto& t : unit) {
+    const int64_t dim0 = t.shape.empty() ? 1 : t.shape[0];
+    const int64_t row0 = t.numel() / dim0;
+    const int64_t chunk = rfsdp::ceil_div(dim0, m);
+    r.per_rank += chunk * row0;
+    cuts.clear();
+    for (int64_t i = 1; i < m && i * chunk < dim0; ++i) cuts.push_back(i * chunk * row0);
+    r.cut += granules_cut(t, cuts);
+  }
+  return r;
+}
+
+// Layer counts of the zoo's models: unit name -> how many of it the model has.
+const std::vector<std::pair<std::string, std::vector<std::pair<std::string, int>>>> kModels = {
+    {"llama3_8b", {{"llama3_8b.block", 32}, {"llama3_8b.embed_head", 1}}},
+    {"llama3_70b", {{"llama3_70b.block", 80}, {"llama3_70b.embed_head", 1}}},
+    {"gpt_oss_120b", {{"gpt_oss_120b.block", 36}, {"gpt_oss_120b.embed_head", 1}}},
+    {"deepseek_v3", {{"deepseek_v3.dense_block", 3}, {"deepseek_v3.moe_block", 58},
+                     {"deepseek_v3.embed_head", 1}}},
+    {"qwen3_30b_a3b", {{"qwen3_30b_a3b.block", 48}, {"qwen3_30b_a3b.embed_head", 1}}},
+    {"mixtral_8x22b", {{"mixtral_8x22b.block", 56}, {"mixtral_8x22b.embed_head", 1}}},
+};
+
+// `layers` copies of a unit's tensors in one unit (a wider plan: several layers a unit).
+std::vector<TensorSpec> layers_of(const std::vector<TensorSpec>& unit, int layers) {
+  std::vector<TensorSpec> out;
+  for (int l = 0; l < layers; ++l) {
+    for (TensorSpec t : unit) {
+      t.name = "layer" + std::to_string(l) + "." + t.name;
+      out.push_back(std::move(t));
+    }
+  }
+  return out;
+}
+constexpr int kWideLayers = 8;
+
+struct Row {  // one unit (or model), kind and m
+  double elems = 0, rf = 0, each = 0, f2 = 0;  // elements; per-rank elements of (a), (b), (c)
+  double wide = 0;  // per-rank elements of (a) over kWideLayers layers a unit, per layer
+  double plan_ms = 0;
+  int64_t f2_cut = 0;
+  bool granule_over_shard = false;  // some granule holds more than an even share
+};
+
+int pad_to_block(const std::string& zoo, const std::string& only, const std::vector<int64_t>& ms) {
+  const std::vector<Kind> kinds = {Kind::kMxfp8, Kind::kQuant256, Kind::kTiles32,
+                                   Kind::kShampoo1024, Kind::kMuonHeads};
+  std::printf("Pad-to-block: padding %% of the sharded buffer and MiB per rank (bf16) for (a) rfsdp's "
+              "planner (plan ms beside it), (b) every tensor's shard padded to whole blocks "
+              "(Megatron's option; FSDP2 made whole), (c) FSDP2 Shard(0) as is (and the blocks it "
+              "cuts). (a) 8 lay: rfsdp with 8 layers in one unit (a wider plan). '*': rfsdp pads > 3 %% where a granule holds more than an even share of the "
+              "unit (structural: a block bigger than a shard).\n"
+              "Blocks: mxfp8-32 = 1x32 and 32x1 scaling blocks of every matrix (32 rows); 8bit-256 = "
+              "256-element blocks of every tensor; tile-32x32 = 32 rows of every matrix; "
+              "shampoo-1024 = 1024-row tiles (an expert's rows when not a multiple); muon-heads = "
+              "one head's rows of q/k/v (MLA: q_b, kv_b), other matrices whole, a fused expert "
+              "stack one expert.\n\n");
+  std::printf("%-26s %-12s %6s | %7s %9s %7s | %8s | %7s %9s | %7s %9s %8s\n", "unit / model", "blocks", "m",
+              "(a) pad", "MiB/rank", "plan ms", "(a) 8 lay", "(b) pad", "MiB/rank", "(c) pad",
+              "MiB/rank", "cut");
+  std::map<std::tuple<std::string, int, int64_t>, Row> rows;  // (unit, kind, m)
+  auto print = [](const std::string& name, Kind k, int64_t m, const Row& r) {
+    auto pad = [&](double per) { return 100.0 * (1.0 - r.elems / (m * per)); };
+    const double mib = 2.0 / (1 << 20);
+    std::printf("%-26s %-12s %6lld | %6.3f%s %9.1f %7.2f | %8.3f | %7.3f %9.1f | %7.3f %9.1f %8lld\n",
+                name.c_str(), kind_name(k), static_cast<long long>(m), pad(r.rf),
+                pad(r.rf) > 3.0 && r.granule_over_shard ? "*" : " ", r.rf * mib, r.plan_ms,
+                pad(r.wide), pad(r.each), r.each * mib, pad(r.f2), r.f2 * mib,
+                static_cast<long long>(r.f2_cut));
+  };
+  for (const auto& file : zoo_files(zoo)) {
+    const std::string unit_name = file.substr(0, file.size() - 5);
+    const auto unit = rfsdp::unit_from_json(read_file(zoo + "/" + file));
+    for (size_t k = 0; k < kinds.size(); ++k) {
+      const auto specs = with_kind(unit, kinds[k], unit_name);
+      for (int64_t m : ms) {
+        const rfsdp::Plan plan = rfsdp::plan_unit(specs, m, 16);
+        rfsdp::validate_plan(plan);
+        Row r;
+        const PerRank each = pad_each_tensor(specs, m);
+        const Fsdp2Rows f2 = fsdp2_rows(specs, m);
+        r.elems = static_cast<double>(each.total);
+        r.rf = static_cast<double>(plan.shard_elems);
+        r.each = static_cast<double>(each.per_rank);
+        r.f2 = static_cast<double>(f2.per_rank);
+        r.f2_cut = f2.cut;
+        r.plan_ms = plan.plan_seconds * 1e3;
+        if (unit_name.find("block") != std::string::npos) {
+          r.wide = static_cast<double>(rfsdp::plan_unit(layers_of(specs, kWideLayers), m, 16).shard_elems) /
+                   kWideLayers;
+        } else {
+          r.wide = r.rf;  // (one per model)
+        }
+        for (const auto& t : specs) {
+          if (t.granule_elems() > rfsdp::ceil_div(each.total, m)) r.granule_over_shard = true;
+        }
+        rows[{unit_name, static_cast<int>(k), m}] = r;
+        if (only.empty() || unit_name.find(only) != std::string::npos) print(unit_name, kinds[k], m, r);
+      }
+    }
+  }
+  std::printf("\nWhole models (each unit times its layer count):\n");
+  for (const auto& [model, units] : kModels) {
+    if (!only.empty() && model.find(only) == std::string::npos) continue;
+    for (size_t k = 0; k < kinds.size(); ++k) {
+      for (int64_t m : ms) {
+        Row sum;
+        bool complete = true;
+        for (const auto& [unit, count] : units) {
+          const auto it = rows.find({unit, static_cast<int>(k), m});
+          if (it == rows.end()) { complete = false; break; }
+          const Row& r = it->second;
+          sum.elems += count * r.elems, sum.rf += count * r.rf, sum.each += count * r.each;
+          sum.wide += count * r.wide;
+          sum.f2 += count * r.f2, sum.f2_cut += count * r.f2_cut, sum.plan_ms += r.plan_ms;
+          sum.granule_over_shard = sum.granule_over_shard || r.granule_over_shard;
+        }
+        if (complete) print(model, kinds[k], m, sum);
+      }
+    }
+  }
+  return 0;
+}
+
 std::vector<int64_t> parse_list(const char* text) {
   std::vector<int64_t> v;
   std::stringstream s(text);
@@ -130,6 +349,7 @@ std::vector<int64_t> parse_list(const char* text) {
 int main(int argc, char** argv) {
   std::string zoo = RFSDP_ZOO_DIR, only;
   std::vector<int64_t> world_sizes = {8, 64, 1024, 16384};
+  bool blocks = false;
   for (int i = 1; i < argc; ++i) {
     if (!std::strcmp(argv[i], "--zoo") && i + 1 < argc) {
       zoo = argv[++i];
@@ -137,12 +357,16 @@ int main(int argc, char** argv) {
       only = argv[++i];
     } else if (!std::strcmp(argv[i], "--world-sizes") && i + 1 < argc) {
       world_sizes = parse_list(argv[++i]);
+    } else if (!std::strcmp(argv[i], "--blocks")) {
+      blocks = true;
+      world_sizes = {8, 64, 1024, 8192};
     } else {
-      std::fprintf(stderr,
-                   "usage: bench_planner [--zoo DIR] [--only SUBSTRING] [--world-sizes 8,64,...]\n");
+      std::fprintf(stderr, "usage: bench_planner [--zoo DIR] [--only SUBSTRING] [--world-sizes "
+                           "8,64,...] [--blocks]\n");
       return 2;
     }
   }
+  if (blocks) return pad_to_block(zoo, only, world_sizes);
   const std::vector<Mode> modes = {{"1", 1}, {"16", 16}, {"32", 32}, {"128", 128}, {"whole", 0}};
   const int64_t align_bytes = 16;
   std::printf("Granule: rows per granule for every tensor; 'whole' = each Muon matrix whole "

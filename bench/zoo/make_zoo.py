@@ -97,6 +97,16 @@ def qwen3_moe_block(hidden, heads, kv_heads, head_dim, experts, moe_inter):
     return out
 
 
+def mixtral_block(hidden=6144, heads=48, kv_heads=8, head_dim=128, experts=8, inter=16384):
+    out = llama_block(hidden, heads, kv_heads, head_dim, inter)[:6]  # norms and attention
+    out.append(t("block_sparse_moe.gate.weight", [experts, hidden]))
+    for i in range(experts):
+        out += [t("block_sparse_moe.experts.%d.w1.weight" % i, [inter, hidden]),
+                t("block_sparse_moe.experts.%d.w2.weight" % i, [hidden, inter]),
+                t("block_sparse_moe.experts.%d.w3.weight" % i, [inter, hidden])]
+    return out
+
+
 ZOO = {
     # Llama-3-8B: hidden 4096, 32 heads, 8 KV heads, head dim 128, FFN 14336, vocab 128256.
     "llama3_8b.block": llama_block(4096, 32, 8, 128, 14336),
@@ -114,6 +124,9 @@ ZOO = {
     # Qwen3-30B-A3B: hidden 2048, 32 heads x 128, 4 KV heads, 128 experts of 768, vocab 151936.
     "qwen3_30b_a3b.block": qwen3_moe_block(2048, 32, 4, 128, 128, 768),
     "qwen3_30b_a3b.embed_head": embed_head(151936, 2048),
+    # Mixtral-8x22B: hidden 6144, 48 heads x 128, 8 KV heads, 8 experts of 16384, vocab 32768.
+    "mixtral_8x22b.block": mixtral_block(),
+    "mixtral_8x22b.embed_head": embed_head(32768, 6144),
 }
 
 if __name__ == "__main__":
