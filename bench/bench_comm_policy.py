@@ -72,11 +72,11 @@ def zoo_bytes(world, block=256):
             coded.append(dict(t, granule_rows=math.lcm(t["granule_rows"], g)))
         blocked = rfsdp.plan(coded, world)
         assert blocked.block_cut(block) is None
-        k = sum(blocked.block_slots(block))
-        for label, plan, wbytes, extra in (("bf16", plain, 2.0, 0), ("int8 / float8 codes", blocked, 1.0, 4 * k)):
+        for label, plan, code_block in (("bf16", plain, 0), ("int8 / float8 codes", blocked, block)):
             for grads, gbytes in (("fp32", 4), ("bf16", 2)):
-                gathers = 2 * (world - 1) * (plan.S * wbytes + extra) / MIB
-                reduce = (world - 1) * plan.S * gbytes / MIB
+                # (core/ragged/step_model.h's formulas, as FSDPUnit counts them)
+                gathers = 2 * plan.gather_bytes(weight_bytes=2, code_block=code_block) / MIB
+                reduce = plan.reduce_bytes(grad_bytes=gbytes) / MIB
                 print("%-26s %-26s %8.3f%% %12.1f %12.1f %12.1f" % (
                     name, label + " / " + grads, 100 * plan.padding_fraction, gathers, reduce,
                     gathers + reduce))

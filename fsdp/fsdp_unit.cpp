@@ -310,18 +310,20 @@ void FSDPUnit::zero_grad() {
   has_grad_ = false;
 }
 
-int64_t FSDPUnit::gather_bytes_sent() const {
-  const int64_t slice = quantized_ ? quantized_->bytes_sent()
-                                   : S_ * static_cast<int64_t>(c10::elementSize(mp_.param_dtype));
-  return (plan_.world_size - 1) * slice;
+WireFormat FSDPUnit::wire_format() const {
+  WireFormat w;
+  w.weight_bytes = static_cast<int64_t>(c10::elementSize(mp_.param_dtype));
+  if (quantized_) w.code_block = policy_.weight_block;
+  w.grad_bytes = static_cast<int64_t>(c10::elementSize(policy_.gradients.value_or(mp_.reduce_dtype)));
+  // replicas sum fp32 slices, or the policy's narrow ones (fsdp/fp32_sum_reduce.h)
+  w.replica_bytes = policy_.gradients ? w.grad_bytes : 4;
+  return w;
 }
 
+int64_t FSDPUnit::gather_bytes_sent() const { return gather_bytes(plan_, wire_format()); }
+
 int64_t FSDPUnit::reduce_bytes_sent() const {
-  const int64_t m = plan_.world_size, r = replicate_ ? replicate_->size() : 1;
-  const int64_t elem = static_cast<int64_t>(c10::elementSize(policy_.gradients.value_or(mp_.reduce_dtype)));
-  // each other rank's slice of the buffer; then (HSDP) this rank's slice to each
-  // other replica (fp32 sums, or bf16 ones under the policy)
-  return (m - 1) * S_ * elem + (r - 1) * S_ * (policy_.gradients ? elem : 4);
+  return reduce_bytes(plan_, wire_format(), replicate_ ? replicate_->size() : 1);
 }
 
 std::vector<ParamShard> param_shards(const FSDPUnit& unit) {

@@ -22,6 +22,7 @@
 
 #include "core/comm/comm.h"
 #include "core/ragged/plan.h"
+#include "core/ragged/step_model.h"
 #include "core/ragged/param_shard.h"
 #include "core/ragged/tensor_shard.h"
 #include "fsdp/comm_policy.h"
@@ -82,6 +83,8 @@ class FSDPUnit {
   // replica exchange of the slice on top).
   int64_t gather_bytes_sent() const;
   int64_t reduce_bytes_sent() const;
+  // What travels in this unit's collectives (core/ragged/step_model.h's formulas).
+  WireFormat wire_format() const;
   // Those bytes summed over the gathers and reduces this unit ran (zeroed by reset).
   int64_t bytes_sent() const { return bytes_sent_; }
   void reset_bytes_sent() { bytes_sent_ = 0; }

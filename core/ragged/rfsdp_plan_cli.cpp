@@ -4,22 +4,30 @@
 #include <fstream>
 #include <iostream>
 #include <sstream>
+#include <vector>
 #include <stdexcept>
 #include <string>
 
 #include "rfsdp_version.h"  // generated (cmake/rfsdp_version.h.in)
 #include "core/ragged/plan_json.h"
 #include "core/ragged/planner.h"
+#include "core/ragged/step_model.h"
 
 namespace {
 
 const char* kUsage =
     "usage: rfsdp-plan [FILE] --world-size M [--align-bytes A] [--max-buffers K]\n"
-    "                  [--collective-cost-bytes C] [--weight-block B] [--json] | --version\n"
+    "                  [--collective-cost-bytes C] [--weight-block B] [--json]\n"
+    "                  [--report [--layers L] [--node-size N] [--intra-gbps X] [--inter-gbps Y]\n"
+    "                   [--intra-latency-us U] [--inter-latency-us V] [--hbm-gbps H]] | --version\n"
     "  FILE: JSON list of tensors [{\"name\", \"shape\", \"granule_rows\": int | \"whole\",\n"
     "        \"row_dims\" (default 1), \"dtype_bytes\"}]; stdin when absent or \"-\".\n"
     "  K: at most this many buffers (collectives) per unit (default 4; 1: one buffer);\n"
-    "  C: a collective's fixed cost as bytes received (latency x bandwidth; default 1 MiB).\n";
+    "  C: a collective's fixed cost as bytes received (latency x bandwidth; default 1 MiB).\n"
+    "  --report: a training step of L such units (default 1) at M GPUs, rfsdp beside FSDP2:\n"
+    "        bytes per rank under each communication policy, FSDP2's copies, a modelled\n"
+    "        time from the links (defaults: H200 nodes of 8, NVLink 450 GB/s a GPU,\n"
+    "        400 Gb/s NICs); its assumptions are printed with it.\n";
 
 int64_t parse_int(const std::string& flag, const char* text) {
   if (text == nullptr) throw std::invalid_argument(flag + " needs a value");
@@ -60,36 +68,91 @@ void print_table(const rfsdp::Plan& plan) {
   }
 }
 
+// The wire formats the tables compare: the plan's elements, bf16, block codes
+// (1-byte codes and an fp32 scale a block of B: the plan must keep them whole);
+// gradients in fp32 or bf16.
+struct WireRow {
+  std::string name;
+  rfsdp::WireFormat wire;
+};
+std::vector<WireRow> wire_rows(const rfsdp::Plan& plan, int64_t block) {
+  std::vector<WireRow> rows;
+  for (int64_t g : {4, 2}) {
+    const std::string grads = g == 4 ? " / fp32" : " / bf16";
+    if (plan.elem_bytes != 2) {
+      rows.push_back({"elements of " + std::to_string(plan.elem_bytes) + " bytes" + grads,
+                      {plan.elem_bytes, 0, g, g == 4 ? 4 : g}});
+    }
+    rows.push_back({"bfloat16" + grads, {2, 0, g, g == 4 ? 4 : g}});
+    rows.push_back({"int8 / float8 codes, blocks of " + std::to_string(block) + grads,
+                    {1, block, g, g == 4 ? 4 : g}});
+  }
+  return rows;
+}
+
 // What one training step sends from each rank (a gather for forward, one for
-// backward, a reduce-scatter: this rank's slice to each of the m-1 others)
-// under each communication policy (fsdp/comm_policy.h): weights in the plan's
-// element size, bf16, or block codes (1 byte an element and one fp32 scale a
-// block of B, which the plan must keep whole); gradients in fp32 or bf16.
+// backward, a reduce-scatter: core/ragged/step_model.h) under each policy.
 void print_comm_table(const rfsdp::Plan& plan, int64_t block) {
-  const double m1 = static_cast<double>(plan.world_size - 1), S = static_cast<double>(plan.shard_elems);
-  const std::vector<int64_t> slots = rfsdp::block_slots(plan, block);
-  double K = 0;
-  for (int64_t k : slots) K += static_cast<double>(k);
   const bool whole = !rfsdp::first_block_cut(plan, block).has_value();
   const double mib = 1.0 / (1 << 20);
   std::printf("\nbytes sent per rank per step (2 all-gathers + 1 reduce-scatter), by communication policy:\n");
-  std::printf("%-34s %14s %14s %14s\n", "weights / gradients", "gathers MiB", "reduce MiB", "total MiB");
-  struct Row { std::string name; double weight_bytes; bool codes; };
-  const std::vector<Row> rows = {{"elements of " + std::to_string(plan.elem_bytes) + " bytes", 1.0 * plan.elem_bytes, false},
-                                 {"bfloat16", 2.0, false},
-                                 {"int8 / float8 codes, blocks of " + std::to_string(block), 1.0, true}};
-  for (const Row& r : rows) {
-    for (double g : {4.0, 2.0}) {
-      const std::string name = r.name + (g == 4.0 ? " / fp32" : " / bf16");
-      if (r.codes && !whole) {
-        std::printf("%-34s %14s (the plan cuts blocks of %lld: plan with that granule)\n",
-                    name.c_str(), "n/a", static_cast<long long>(block));
-        continue;
-      }
-      const double gathers = 2 * m1 * (S * r.weight_bytes + (r.codes ? 4 * K : 0)) * mib;
-      const double reduce = m1 * S * g * mib;
-      std::printf("%-34s %14.3f %14.3f %14.3f\n", name.c_str(), gathers, reduce, gathers + reduce);
+  std::printf("%-40s %14s %14s %14s\n", "weights / gradients", "gathers MiB", "reduce MiB", "total MiB");
+  for (const WireRow& r : wire_rows(plan, block)) {
+    if (r.wire.code_block > 0 && !whole) {
+      std::printf("%-40s %14s (the plan cuts blocks of %lld: plan with that granule)\n",
+                  r.name.c_str(), "n/a", static_cast<long long>(block));
+      continue;
     }
+    const double gathers = 2.0 * rfsdp::gather_bytes(plan, r.wire) * mib;
+    const double reduce = rfsdp::reduce_bytes(plan, r.wire) * mib;
+    std::printf("%-40s %14.3f %14.3f %14.3f\n", r.name.c_str(), gathers, reduce, gathers + reduce);
+  }
+}
+
+// A step of `layers` units at the plan's world size, rfsdp beside FSDP2, modelled.
+void print_report(const rfsdp::Plan& plan, int64_t block, int64_t layers,
+                  const rfsdp::LinkModel& links) {
+  const int64_t m = plan.world_size;
+  const double mib = 1.0 / (1 << 20), ms = 1e3;
+  const rfsdp::Fsdp2Unit f2 = rfsdp::fsdp2_unit(plan.tensors, m);
+  std::printf("\nstep report: %lld unit(s) like this one at %lld GPUs\n", static_cast<long long>(layers),
+              static_cast<long long>(m));
+  std::printf("model: %s. Each collective is a ring over the %lld ranks: the bytes a rank sends "
+              "(its slice to each of the m - 1 others) at the slowest link it crosses, plus one "
+              "latency per step (m - 1 steps); per unit and step two all-gathers and one "
+              "reduce-scatter; FSDP2 adds its copies (all-gather copy-in of the shard and copy-out "
+              "of the unit into the parameters, twice; the gradients' copy-in before the "
+              "reduce-scatter) at the HBM bandwidth. Communication alone: compute, overlap and "
+              "the optimizer are not modelled.\n",
+              links.describe().c_str(), static_cast<long long>(m));
+  std::printf("padding: rfsdp %.3f %% (S = %lld), FSDP2 Shard(0) %.3f %% (S = %lld)\n",
+              100.0 * plan.padding_fraction(), static_cast<long long>(plan.shard_elems),
+              100.0 * (1.0 - static_cast<double>(f2.total_elems) / (m * f2.shard_elems)),
+              static_cast<long long>(f2.shard_elems));
+  std::printf("%-46s %12s %12s %12s %12s\n", "layout: weights / gradients", "sent MiB",
+              "copied MiB", "comm ms", "step ms");
+  const bool whole = !rfsdp::first_block_cut(plan, block).has_value();
+  auto row = [&](const std::string& name, int64_t gather, int64_t reduce, int64_t copied) {
+    const double t = 2 * rfsdp::collective_seconds(gather, m, links) +
+                     rfsdp::collective_seconds(reduce, m, links);
+    const double total = t + rfsdp::copy_seconds(copied, links);
+    std::printf("%-46s %12.1f %12.1f %12.2f %12.2f\n", name.c_str(),
+                layers * (2.0 * gather + reduce) * mib, layers * copied * mib, layers * t * ms,
+                layers * total * ms);
+  };
+  for (const WireRow& r : wire_rows(plan, block)) {
+    if (r.wire.code_block > 0 && !whole) continue;
+    row("rfsdp: " + r.name, rfsdp::gather_bytes(plan, r.wire), rfsdp::reduce_bytes(plan, r.wire), 0);
+  }
+  // FSDP2: bf16 all-gather, fp32 (or bf16) reduce-scatter of its padded chunks.
+  rfsdp::Plan fsdp2 = plan;
+  fsdp2.shard_elems = f2.shard_elems;
+  fsdp2.buffer_shard_elems.clear();
+  for (int64_t g : {4, 2}) {
+    const rfsdp::WireFormat w{2, 0, g, g};
+    const int64_t copied = 2 * (f2.shard_elems * 2 + m * f2.shard_elems * 2) + m * f2.shard_elems * g;
+    row(std::string("FSDP2: bfloat16 / ") + (g == 4 ? "fp32" : "bf16"),
+        rfsdp::gather_bytes(fsdp2, w), rfsdp::reduce_bytes(fsdp2, w), copied);
   }
 }
 
@@ -102,6 +165,18 @@ int main(int argc, char** argv) {
     bool have_world_size = false;
     bool as_json = false;
     int64_t weight_block = 256;  // the weights' code blocks in the bytes table
+    bool report = false;
+    int64_t layers = 1;
+    rfsdp::LinkModel links;
+    auto parse_double = [&](const std::string& flag, const char* text) {
+      if (text == nullptr) throw std::invalid_argument(flag + " needs a value");
+      char* end = nullptr;
+      const double v = std::strtod(text, &end);
+      if (end == text || *end != '\0' || !(v > 0)) {
+        throw std::invalid_argument(flag + " takes a positive number, got '" + text + "'");
+      }
+      return v;
+    };
     rfsdp::PlannerOptions options;
     for (int i = 1; i < argc; ++i) {
       const std::string a = argv[i];
@@ -122,6 +197,24 @@ int main(int argc, char** argv) {
       } else if (a == "--weight-block") {
         weight_block = parse_int(a, i + 1 < argc ? argv[++i] : nullptr);
         if (weight_block < 1) throw std::invalid_argument("--weight-block must be positive");
+      } else if (a == "--report") {
+        report = true;
+      } else if (a == "--layers") {
+        layers = parse_int(a, i + 1 < argc ? argv[++i] : nullptr);
+        if (layers < 1) throw std::invalid_argument("--layers must be >= 1");
+      } else if (a == "--node-size") {
+        links.node_size = parse_int(a, i + 1 < argc ? argv[++i] : nullptr);
+        if (links.node_size < 1) throw std::invalid_argument("--node-size must be >= 1");
+      } else if (a == "--intra-gbps") {
+        links.intra_gbps = parse_double(a, i + 1 < argc ? argv[++i] : nullptr);
+      } else if (a == "--inter-gbps") {
+        links.inter_gbps = parse_double(a, i + 1 < argc ? argv[++i] : nullptr);
+      } else if (a == "--intra-latency-us") {
+        links.intra_latency_us = parse_double(a, i + 1 < argc ? argv[++i] : nullptr);
+      } else if (a == "--inter-latency-us") {
+        links.inter_latency_us = parse_double(a, i + 1 < argc ? argv[++i] : nullptr);
+      } else if (a == "--hbm-gbps") {
+        links.hbm_gbps = parse_double(a, i + 1 < argc ? argv[++i] : nullptr);
       } else if (a == "--json") {
         as_json = true;
       } else if (a == "--version") {
@@ -155,6 +248,7 @@ int main(int argc, char** argv) {
     } else {
       print_table(plan);
       print_comm_table(plan, weight_block);
+      if (report) print_report(plan, weight_block, layers, links);
     }
     return 0;
   } catch (const std::exception& e) {

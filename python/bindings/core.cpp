@@ -4,6 +4,7 @@
 #include "core/comm/agree.h"
 #include "core/ragged/plan_json.h"
 #include "core/ragged/planner.h"
+#include "core/ragged/step_model.h"
 #include "core/ragged/tensor_shard.h"
 #include "core/ragged/tensor_spec.h"
 
@@ -161,6 +162,16 @@ void bind_core(py::module_& m) {
                              })
       .def("global_offset", &rfsdp::Plan::global_offset)  // tensor i's first element, gathered
       .def("block_slots", [](const rfsdp::Plan& p, int64_t block) { return rfsdp::block_slots(p, block); })
+      // Bytes a rank sends in one gather / one gradient reduction (core/ragged/step_model.h):
+      // weights of weight_bytes (code_block > 0: 1-byte codes + an fp32 scale a block),
+      // gradients of grad_bytes; replicas > 1 (HSDP) add the slice to each other replica.
+      .def("gather_bytes", [](const rfsdp::Plan& p, int64_t weight_bytes, int64_t code_block) {
+             return rfsdp::gather_bytes(p, {weight_bytes, code_block, 4, 4});
+           }, py::arg("weight_bytes") = 2, py::arg("code_block") = 0)
+      .def("reduce_bytes", [](const rfsdp::Plan& p, int64_t grad_bytes, int64_t replicas,
+                              int64_t replica_bytes) {
+             return rfsdp::reduce_bytes(p, {2, 0, grad_bytes, replica_bytes}, replicas);
+           }, py::arg("grad_bytes") = 4, py::arg("replicas") = 1, py::arg("replica_bytes") = 4)
       .def("block_cut", [](const rfsdp::Plan& p, int64_t block) -> py::object {
         const auto cut = rfsdp::first_block_cut(p, block);  // (tensor name, rank, element) or None
         if (!cut) return py::none();
