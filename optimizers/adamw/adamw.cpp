@@ -164,7 +164,7 @@ int64_t AdamW8bit::lay_out(size_t i, int64_t cut_offset) {
   }
   shared_owner_.insert(shared_owner_.end(), cut.size() * per_unit, i);
   q.span.global_blocks = (extent + unit - 1) / unit * per_unit;
-  if (p.rows() == 0) return static_cast<int64_t>(cut.size());
+  if (p.rows() == 0) return static_cast<int64_t>(cut.size()) * per_unit;  // (tiles: per tile column)
   const int64_t x0 = at_row(p.row_begin), x1 = at_row(p.row_end);
   const int64_t u0 = x0 / unit, u1 = (x1 - 1) / unit + 1;
   q.span.first = u0 * per_unit;

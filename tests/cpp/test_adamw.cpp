@@ -345,9 +345,11 @@ std::vector<std::pair<int64_t, int64_t>> chunk_rows(int64_t n, int64_t world) {
 }
 
 TEST(AdamW8bit, BlocksThatShardsCutAreAgreedAndEqualOneDeviceBitForBit) {
-  // torch.chunk rows over 2-4 ranks cut blocks: at one end or both, a block
+  // torch.chunk rows over 2-16 ranks cut blocks: at one end or both, a block
   // spread over three ranks (20 x 16 = 320 elements, 112 a rank), a rank with no
-  // rows (5 rows over 4 ranks), rows of tiles cut. Each rank's parameter, codes
+  // rows (5 rows over 4 ranks), rows of tiles cut, ranks with no rows of a tiled
+  // tensor (70 rows over 16: ranks 14 and 15; they once counted the shared tile
+  // rows as rows, not tiles, and their agreement's size mismatched the others'). Each rank's parameter, codes
   // and absmax equal the one-device optimizer's (its rows; its blocks' entries)
   // bit for bit after every step. Without the agreement (each rank quantising its
   // rows as a tensor of its own, what a shard-local 8-bit optimizer does) they differ.
@@ -357,7 +359,7 @@ TEST(AdamW8bit, BlocksThatShardsCutAreAgreedAndEqualOneDeviceBitForBit) {
       {quant::BlockShape::blocks(256), {{"a", {300, 40}}, {"t", {20, 16}}, {"e", {5, 300}}}},
       {quant::BlockShape::tiles(32, 32), {{"b", {70, 45}}, {"f", {130, 40}}}}};
   for (const auto& [block, ts] : configs) {
-    for (int world : {2, 3, 4}) {
+    for (int world : {2, 3, 4, 8, 16}) {
       SCOPED_TRACE(block.str() + ", " + std::to_string(world) + " ranks");
       // The one-device run: every step's parameters, codes and absmax.
       std::vector<at::Tensor> wp, wg;
