@@ -246,7 +246,7 @@ INSTANTIATE_TEST_SUITE_P(Worlds, MuonRanks, ::testing::Values(1, 2, 3, 4, 8, 16,
 TEST(MuonLayout, EveryMatrixHasExactlyOneRootAgreedByAllRanks) {
   const uint64_t seed = fresh_seed();
   SCOPED_TRACE("seed " + std::to_string(seed));
-  for (int world : {2, 3, 4}) {
+  for (int world : {2, 3, 4, 8, 16, 32}) {
     const auto cuts = make_cuts(world, seed + world, false);
     run_local_ranks(world, [&](Comm& comm) {
       std::vector<TensorShard> shards;

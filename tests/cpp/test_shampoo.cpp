@@ -843,7 +843,7 @@ TEST_P(ShampooQuantisedRoots, EveryStepEqualsTheFloat64QuantisedAlgorithmAndCode
   c.basis.bits = GetParam();
   c.basis.block = 16;
   RootCodes one;
-  for (int world : {1, 2, 4}) {
+  for (int world : {1, 2, 4, 8, 16}) {
     QuantisedFigures fig;
     int64_t bytes = 0, fp32_bytes = 0;
     const RootCodes got = run_quantised(world, seed, c, false, &fig, &bytes, &fp32_bytes);

@@ -670,7 +670,7 @@ TEST(SOAPLowBit, CodesAndScalesDoNotDependOnTheRanks) {
     c.basis.bits = bits;
     c.basis.block = 16;
     const TileCodes one = low_bit_codes(1, seed, c);
-    for (int world : {2, 4}) {
+    for (int world : {2, 4, 8, 16}) {
       const TileCodes got = low_bit_codes(world, seed, c);
       ASSERT_EQ(got.size(), one.size());
       int64_t compared = 0;
