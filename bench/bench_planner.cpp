@@ -15,7 +15,14 @@
 // aggressively", and what FSDP2's chunks need to hold whole blocks); (c) FSDP2's
 // Shard(0) chunks as they are (padding, and how many blocks they cut). Padding and
 // MiB per rank (bf16) for each; the planner's time beside (a).
+//
+// --roots: Muon at scale on the ragged plan (granule 1), from the layout rank 0
+// computes (MuonLayout::planned): per block unit and m, the matrices (or heads:
+// q/k/v split per head) held whole on one rank, Newton-Schulz flops rooted on the
+// busiest rank over the mean (LPT), and the fp32 update elements a rank sends and
+// receives in the gather to the roots and the scatter back (max and mean).
 #include <algorithm>
+#include <chrono>
 #include <cstdio>
 #include <cstring>
 #include <dirent.h>
@@ -31,6 +38,7 @@
 #include "core/ragged/plan_json.h"
 #include "core/ragged/planner.h"
 #include "optimizers/common/tiles.h"
+#include "optimizers/muon/muon.h"
 #include "quant/blockwise/block_layout.h"
 
 namespace {
@@ -336,6 +344,101 @@ int pad_to_block(const std::string& zoo, const std::string& only, const std::vec
   return 0;
 }
 
+struct RootStats {
+  size_t blocks = 0;
+  int64_t whole = 0;
+  double imbalance = 0, max_elems = 0, mean_elems = 0;
+};
+
+// Muon's layout over these shards at m ranks (rank 0's view), summarised.
+RootStats root_stats(const std::vector<rfsdp::TensorShard>& shards,
+                     const std::vector<std::vector<int64_t>>& split, int64_t m) {
+  const rfsdp::MuonLayout layout = rfsdp::MuonLayout::planned(
+      static_cast<int>(m), shards, std::vector<int>(shards.size(), 5), split);
+  const rfsdp::OwnerExchange& x = layout.exchange();
+  std::vector<double> moved(m, 0.0);
+  RootStats st;
+  st.blocks = x.size();
+  for (size_t u = 0; u < x.size(); ++u) {
+    const int owner = x.units()[u].owner;
+    bool one = false;
+    for (int r = 0; r < m; ++r) {
+      const auto [b, e] = x.piece(u, r);
+      const int64_t n = e - b;
+      if (n == x.units()[u].numel()) one = true;
+      if (r == owner || n == 0) continue;
+      moved[r] += 2.0 * n;      // its piece out (gather) and its result back (scatter)
+      moved[owner] += 2.0 * n;  // and the root's side of both
+    }
+    st.whole += one;
+  }
+  st.imbalance = layout.flop_imbalance();
+  st.max_elems = *std::max_element(moved.begin(), moved.end());
+  for (double v : moved) st.mean_elems += v / m;
+  return st;
+}
+
+int muon_roots(const std::string& zoo, const std::string& only, const std::vector<int64_t>& ms) {
+  std::printf("Muon roots on the ragged plan (granule 1): blocks = matrices (whole) or heads (q/k/v "
+              "split per head, MLA's q_b/kv_b too); whole = held by one rank (nothing moves); "
+              "flops max/mean = Newton-Schulz flops on the busiest root over the mean (LPT); MiB = fp32 "
+              "update a rank sends + receives per step (gather to the roots and scatter back), max "
+              "and mean over ranks. 'model': every layer's unit (each planned alone, as FSDP units "
+              "are) in one optimizer, its roots balanced together.\n\n");
+  std::printf("%-26s %-6s %-7s %6s | %7s %7s | %10s | %10s %10s | %8s\n", "unit", "scope", "blocks", "m",
+              "blocks", "whole", "flops max/mean", "MiB max", "MiB mean", "ms");
+  for (const auto& file : zoo_files(zoo)) {
+    const std::string unit_name = file.substr(0, file.size() - 5);
+    if (unit_name.find("block") == std::string::npos) continue;
+    if (!only.empty() && unit_name.find(only) == std::string::npos) continue;
+    int layers = 1;
+    for (const auto& [model, units] : kModels) {
+      for (const auto& [u, count] : units) {
+        if (u == unit_name) layers = count;
+      }
+    }
+    std::vector<TensorSpec> mats;
+    for (auto t : rfsdp::unit_from_json(read_file(zoo + "/" + file))) {
+      if (t.shape.size() >= 2) t.granule_rows = 1, mats.push_back(t);
+    }
+    for (bool heads : {false, true}) {
+      for (int64_t m : ms) {
+        const rfsdp::Plan plan = rfsdp::plan_unit(mats, m, 16);
+        std::vector<rfsdp::TensorShard> shards, model;
+        std::vector<std::vector<int64_t>> split, model_split;
+        for (size_t i = 0; i < plan.tensors.size(); ++i) {
+          shards.push_back(rfsdp::TensorShard::of_plan(plan, i, 0));
+          const TensorSpec& t = plan.tensors[i];
+          const int64_t h = heads && t.shape.size() == 2 ? head_rows(unit_name, t.name) : 0;
+          split.push_back(h > 0 && t.shape[0] % h == 0 ? std::vector<int64_t>(t.shape[0] / h, h)
+                                                       : std::vector<int64_t>{});
+        }
+        for (int l = 0; l < layers; ++l) {
+          for (size_t i = 0; i < shards.size(); ++i) {
+            rfsdp::TensorShard s = shards[i];
+            s.name = "layer" + std::to_string(l) + "." + s.name;
+            model.push_back(std::move(s));
+            model_split.push_back(split[i]);
+          }
+        }
+        for (int scope = 0; scope < (layers > 1 ? 2 : 1); ++scope) {
+          const auto t0 = std::chrono::steady_clock::now();
+          const RootStats st = scope ? root_stats(model, model_split, m) : root_stats(shards, split, m);
+          const double ms_taken =
+              std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count() * 1e3;
+          const double mib = 4.0 / (1 << 20);
+          std::printf("%-26s %-6s %-7s %6lld | %7zu %7lld | %10.3f | %10.1f %10.1f | %8.1f\n",
+                      unit_name.c_str(), scope ? ("x" + std::to_string(layers)).c_str() : "unit",
+                      heads ? "heads" : "whole", static_cast<long long>(m), st.blocks,
+                      static_cast<long long>(st.whole), st.imbalance, st.max_elems * mib,
+                      st.mean_elems * mib, ms_taken);
+        }
+      }
+    }
+  }
+  return 0;
+}
+
 std::vector<int64_t> parse_list(const char* text) {
   std::vector<int64_t> v;
   std::stringstream s(text);
@@ -349,7 +452,7 @@ std::vector<int64_t> parse_list(const char* text) {
 int main(int argc, char** argv) {
   std::string zoo = RFSDP_ZOO_DIR, only;
   std::vector<int64_t> world_sizes = {8, 64, 1024, 16384};
-  bool blocks = false;
+  bool blocks = false, roots = false;
   for (int i = 1; i < argc; ++i) {
     if (!std::strcmp(argv[i], "--zoo") && i + 1 < argc) {
       zoo = argv[++i];
@@ -357,16 +460,20 @@ int main(int argc, char** argv) {
       only = argv[++i];
     } else if (!std::strcmp(argv[i], "--world-sizes") && i + 1 < argc) {
       world_sizes = parse_list(argv[++i]);
+    } else if (!std::strcmp(argv[i], "--roots")) {
+      roots = true;
+      world_sizes = {8, 64, 1024};
     } else if (!std::strcmp(argv[i], "--blocks")) {
       blocks = true;
       world_sizes = {8, 64, 1024, 8192};
     } else {
       std::fprintf(stderr, "usage: bench_planner [--zoo DIR] [--only SUBSTRING] [--world-sizes "
-                           "8,64,...] [--blocks]\n");
+                           "8,64,...] [--blocks] [--roots]\n");
       return 2;
     }
   }
   if (blocks) return pad_to_block(zoo, only, world_sizes);
+  if (roots) return muon_roots(zoo, only, world_sizes);
   const std::vector<Mode> modes = {{"1", 1}, {"16", 16}, {"32", 32}, {"128", 128}, {"whole", 0}};
   const int64_t align_bytes = 16;
   std::printf("Granule: rows per granule for every tensor; 'whole' = each Muon matrix whole "

@@ -103,8 +103,17 @@ double newton_schulz_flops(int64_t rows, int64_t cols, int steps) {
 
 MuonLayout::MuonLayout(Comm* comm, std::vector<TensorShard> shards, std::vector<int> ns_steps,
                        std::vector<std::vector<int64_t>> split_sizes)
+    : MuonLayout(comm, comm ? comm->size() : 1, comm ? comm->rank() : 0, std::move(shards),
+                 std::move(ns_steps), std::move(split_sizes)) {}
+
+MuonLayout MuonLayout::planned(int world, std::vector<TensorShard> shards, std::vector<int> ns_steps,
+                               std::vector<std::vector<int64_t>> split_sizes) {
+  return MuonLayout(nullptr, world, 0, std::move(shards), std::move(ns_steps), std::move(split_sizes));
+}
+
+MuonLayout::MuonLayout(Comm* comm, int world, int rank, std::vector<TensorShard> shards,
+                       std::vector<int> ns_steps, std::vector<std::vector<int64_t>> split_sizes)
     : shards_(std::move(shards)), ns_steps_(std::move(ns_steps)), split_sizes_(std::move(split_sizes)) {
-  const int world = comm ? comm->size() : 1, rank = comm ? comm->rank() : 0;
   const int64_t P = static_cast<int64_t>(shards_.size());
   if (static_cast<int64_t>(ns_steps_.size()) != P) {
     throw std::invalid_argument("Muon: " + std::to_string(ns_steps_.size()) +

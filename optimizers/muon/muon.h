@@ -99,6 +99,11 @@ class MuonLayout {
   // and different is an error naming both.
   MuonLayout(Comm* comm, std::vector<TensorShard> shards, std::vector<int> ns_steps,
              std::vector<std::vector<int64_t>> split_sizes = {});
+  // The layout rank 0 of `world` ranks computes from these shards (each with every
+  // rank's rows), without a group and so without the ranks' agreement: for
+  // planning tools (roots, loads and traffic at world sizes no test runs).
+  static MuonLayout planned(int world, std::vector<TensorShard> shards, std::vector<int> ns_steps,
+                            std::vector<std::vector<int64_t>> split_sizes = {});
 
   int world() const { return exchange_.world(); }
   int rank() const { return exchange_.rank(); }
@@ -125,6 +130,8 @@ class MuonLayout {
   int64_t scatter_recv_elems() const { return exchange_.scatter_recv_elems(); }
 
  private:
+  MuonLayout(Comm* comm, int world, int rank, std::vector<TensorShard> shards,
+             std::vector<int> ns_steps, std::vector<std::vector<int64_t>> split_sizes);
   std::vector<TensorShard> shards_;
   std::vector<int> ns_steps_;
   std::vector<std::vector<int64_t>> split_sizes_;
