@@ -37,6 +37,7 @@
 #include "core/ragged/int_math.h"
 #include "core/ragged/plan_json.h"
 #include "core/ragged/planner.h"
+#include "core/ragged/step_model.h"
 #include "optimizers/common/tiles.h"
 #include "optimizers/muon/muon.h"
 #include "quant/blockwise/block_layout.h"
@@ -99,21 +100,26 @@ Baseline flat_sharding(const std::vector<TensorSpec>& unit, int64_t m, int64_t a
   return b;
 }
 
-Baseline fsdp2_shard0(const std::vector<TensorSpec>& unit, int64_t m) {
-  int64_t total = 0, per_rank = 0;
-  Baseline b;
+// Granules that FSDP2's Shard(0) chunks (ceil(dim0 / m) rows of dim 0) cut.
+int64_t fsdp2_cut(const std::vector<TensorSpec>& unit, int64_t m) {
+  int64_t cut = 0;
   std::vector<int64_t> cuts;
   for (const auto& t : unit) {
     const int64_t dim0 = t.shape.empty() ? 1 : t.shape[0];
     const int64_t row0 = t.numel() / dim0;
     const int64_t chunk = rfsdp::ceil_div(dim0, m);
-    total += t.numel();
-    per_rank += chunk * row0;
     cuts.clear();
     for (int64_t i = 1; i < m && i * chunk < dim0; ++i) cuts.push_back(i * chunk * row0);
-    b.cut += granules_cut(t, cuts);
+    cut += granules_cut(t, cuts);
   }
-  b.padding = 1.0 - static_cast<double>(total) / static_cast<double>(m * per_rank);
+  return cut;
+}
+
+Baseline fsdp2_shard0(const std::vector<TensorSpec>& unit, int64_t m) {
+  const rfsdp::Fsdp2Unit f2 = rfsdp::fsdp2_unit(unit, m);  // (core/ragged/step_model.h)
+  Baseline b;
+  b.padding = 1.0 - static_cast<double>(f2.total_elems) / static_cast<double>(m * f2.shard_elems);
+  b.cut = fsdp2_cut(unit, m);
   return b;
 }
 
@@ -213,25 +219,6 @@ PerRank pad_each_tensor(const std::vector<TensorSpec>& unit, int64_t m) {
   return r;
 }
 
-// FSDP2's Shard(0) elements per rank and the granules its chunks cut.
-struct Fsdp2Rows {
-  int64_t per_rank = 0, cut = 0;
-};
-Fsdp2Rows fsdp2_rows(const std::vector<TensorSpec>& unit, int64_t m) {
-  Fsdp2Rows r;
-  std::vector<int64_t> cuts;
-  for (const auto& t : unit) {
-    const int64_t dim0 = t.shape.empty() ? 1 : t.shape[0];
-    const int64_t row0 = t.numel() / dim0;
-    const int64_t chunk = rfsdp::ceil_div(dim0, m);
-    r.per_rank += chunk * row0;
-    cuts.clear();
-    for (int64_t i = 1; i < m && i * chunk < dim0; ++i) cuts.push_back(i * chunk * row0);
-    r.cut += granules_cut(t, cuts);
-  }
-  return r;
-}
-
 // Layer counts of the zoo's models: unit name -> how many of it the model has.
 const std::vector<std::pair<std::string, std::vector<std::pair<std::string, int>>>> kModels = {
     {"llama3_8b", {{"llama3_8b.block", 32}, {"llama3_8b.embed_head", 1}}},
@@ -300,12 +287,12 @@ int pad_to_block(const std::string& zoo, const std::string& only, const std::vec
         rfsdp::validate_plan(plan);
         Row r;
         const PerRank each = pad_each_tensor(specs, m);
-        const Fsdp2Rows f2 = fsdp2_rows(specs, m);
+        const rfsdp::Fsdp2Unit f2 = rfsdp::fsdp2_unit(specs, m);
         r.elems = static_cast<double>(each.total);
         r.rf = static_cast<double>(plan.shard_elems);
         r.each = static_cast<double>(each.per_rank);
-        r.f2 = static_cast<double>(f2.per_rank);
-        r.f2_cut = f2.cut;
+        r.f2 = static_cast<double>(f2.shard_elems);
+        r.f2_cut = fsdp2_cut(specs, m);
         r.plan_ms = plan.plan_seconds * 1e3;
         if (unit_name.find("block") != std::string::npos) {
           r.wide = static_cast<double>(rfsdp::plan_unit(layers_of(specs, kWideLayers), m, 16).shard_elems) /
