@@ -21,8 +21,15 @@
 // q/k/v split per head) held whole on one rank, Newton-Schulz flops rooted on the
 // busiest rank over the mean (LPT), and the fp32 update elements a rank sends and
 // receives in the gather to the roots and the scatter back (max and mean).
+//
+// --tiles: Shampoo's / SOAP's preconditioner work per rank at scale (1024-row
+// tiles, eigendecomposition cost rows^3 + cols^3 a tile): tiles whole on one rank
+// (the tile granule), the ragged plan (granule 1: cut tile rows to their owners)
+// and FSDP2's chunk rows; busiest rank over the mean, and the cut rows' elements
+// a rank sends and receives (max).
 #include <algorithm>
 #include <chrono>
+#include <cmath>
 #include <cstdio>
 #include <cstring>
 #include <dirent.h>
@@ -426,6 +433,84 @@ int muon_roots(const std::string& zoo, const std::string& only, const std::vecto
   return 0;
 }
 
+int shampoo_tiles(const std::string& zoo, const std::string& only, const std::vector<int64_t>& ms) {
+  constexpr int64_t kDim = 1024;
+  std::printf("Shampoo/SOAP tiles of at most %lld x %lld, cost rows^3 + cols^3 a tile (its factors' "
+              "eigendecompositions): layout = tiles whole (the tile granule), ragged (granule 1; cut "
+              "tile rows to the rank holding their first row), fsdp2 (chunk rows, cut rows likewise); "
+              "cost max/mean over ranks (1 = balanced), ranks with no tile, cut rows, and the cut rows' "
+              "elements a rank sends + receives per step (max; fp32 moments and update: x3 fields).\n\n",
+              static_cast<long long>(kDim), static_cast<long long>(kDim));
+  std::printf("%-26s %-6s %6s | %7s %10s %8s | %8s %10s | %8s\n", "unit", "layout", "m", "tiles",
+              "cost max/mean", "idle", "cut rows", "MiB max", "ms");
+  for (const auto& file : zoo_files(zoo)) {
+    const std::string unit_name = file.substr(0, file.size() - 5);
+    if (unit_name.find("block") == std::string::npos) continue;
+    if (!only.empty() && unit_name.find(only) == std::string::npos) continue;
+    std::vector<TensorSpec> mats;
+    for (auto t : rfsdp::unit_from_json(read_file(zoo + "/" + file))) {
+      if (t.shape.size() >= 2) mats.push_back(t);
+    }
+    for (const char* layout : {"whole", "ragged", "fsdp2"}) {
+      for (int64_t m : ms) {
+        const auto t0 = std::chrono::steady_clock::now();
+        std::vector<TensorSpec> specs = mats;
+        for (auto& t : specs) {
+          t.granule_rows = std::string(layout) == "whole" ? rfsdp::tile_granule_rows(t.shape, t.row_dims, kDim) : 1;
+          if (t.granule_rows >= t.rows()) t.granule_rows = rfsdp::kWholeTensor;
+        }
+        const rfsdp::Plan plan = rfsdp::plan_unit(specs, m, 16);
+        std::vector<double> cost(m, 0.0), moved(m, 0.0);
+        int64_t tiles = 0, cut_rows = 0;
+        for (size_t i = 0; i < specs.size(); ++i) {
+          const TensorSpec& t = specs[i];
+          std::vector<std::pair<int64_t, int64_t>> rows;  // every rank's rows
+          if (std::string(layout) == "fsdp2") {  // torch.chunk over dim 0 (row_dims 1 here)
+            const int64_t chunk = rfsdp::ceil_div(t.rows(), m);
+            for (int64_t r = 0; r < m; ++r) rows.push_back({std::min(r * chunk, t.rows()), std::min((r + 1) * chunk, t.rows())});
+          } else {
+            for (int64_t r = 0; r < m; ++r) {
+              const rfsdp::ShardRange sr = plan.shard(i, r);
+              rows.push_back({sr.row_begin, sr.row_end});
+            }
+          }
+          for (int64_t r = 0; r < m; ++r) {
+            const rfsdp::TensorShard shard =
+                rfsdp::TensorShard::rows_of(t.name, t.shape, t.row_dims, rows[r].first, rows[r].second, rows);
+            std::vector<rfsdp::CutTileRow> cut;
+            for (const rfsdp::Tile& tl : rfsdp::matrix_tiles("Shampoo", shard, i, kDim, static_cast<int>(r), &cut)) {
+              cost[r] += std::pow(static_cast<double>(tl.rows), 3) + std::pow(static_cast<double>(tl.cols), 3);
+              ++tiles;
+            }
+            if (r == 0) {  // (every rank lists every cut row: count them once, and their traffic)
+              cut_rows += static_cast<int64_t>(cut.size());
+              for (const rfsdp::CutTileRow& c : cut) {
+                for (int64_t q = 0; q < m; ++q) {  // each holder's part to the owner and back
+                  const int64_t b = std::max(c.begin, rows[q].first * t.row_elems());
+                  const int64_t e = std::min(c.end, rows[q].second * t.row_elems());
+                  if (e <= b || q == c.owner) continue;
+                  moved[q] += 2.0 * (e - b);
+                  moved[c.owner] += 2.0 * (e - b);
+                }
+              }
+            }
+          }
+        }
+        double mean = 0, mx = 0;
+        int64_t idle = 0;
+        for (double c : cost) mean += c / m, mx = std::max(mx, c), idle += c == 0;
+        const double moved_max = *std::max_element(moved.begin(), moved.end());
+        const double ms_taken = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count() * 1e3;
+        std::printf("%-26s %-6s %6lld | %7lld %10.3f %8lld | %8lld %10.1f | %8.1f\n", unit_name.c_str(),
+                    layout, static_cast<long long>(m), static_cast<long long>(tiles),
+                    mean > 0 ? mx / mean : 0.0, static_cast<long long>(idle),
+                    static_cast<long long>(cut_rows), 3 * 4.0 * moved_max / (1 << 20), ms_taken);
+      }
+    }
+  }
+  return 0;
+}
+
 std::vector<int64_t> parse_list(const char* text) {
   std::vector<int64_t> v;
   std::stringstream s(text);
@@ -439,7 +524,7 @@ std::vector<int64_t> parse_list(const char* text) {
 int main(int argc, char** argv) {
   std::string zoo = RFSDP_ZOO_DIR, only;
   std::vector<int64_t> world_sizes = {8, 64, 1024, 16384};
-  bool blocks = false, roots = false;
+  bool blocks = false, roots = false, tiles = false;
   for (int i = 1; i < argc; ++i) {
     if (!std::strcmp(argv[i], "--zoo") && i + 1 < argc) {
       zoo = argv[++i];
@@ -447,6 +532,9 @@ int main(int argc, char** argv) {
       only = argv[++i];
     } else if (!std::strcmp(argv[i], "--world-sizes") && i + 1 < argc) {
       world_sizes = parse_list(argv[++i]);
+    } else if (!std::strcmp(argv[i], "--tiles")) {
+      tiles = true;
+      world_sizes = {8, 64, 1024};
     } else if (!std::strcmp(argv[i], "--roots")) {
       roots = true;
       world_sizes = {8, 64, 1024};
@@ -455,12 +543,13 @@ int main(int argc, char** argv) {
       world_sizes = {8, 64, 1024, 8192};
     } else {
       std::fprintf(stderr, "usage: bench_planner [--zoo DIR] [--only SUBSTRING] [--world-sizes "
-                           "8,64,...] [--blocks] [--roots]\n");
+                           "8,64,...] [--blocks] [--roots] [--tiles]\n");
       return 2;
     }
   }
   if (blocks) return pad_to_block(zoo, only, world_sizes);
   if (roots) return muon_roots(zoo, only, world_sizes);
+  if (tiles) return shampoo_tiles(zoo, only, world_sizes);
   const std::vector<Mode> modes = {{"1", 1}, {"16", 16}, {"32", 32}, {"128", 128}, {"whole", 0}};
   const int64_t align_bytes = 16;
   std::printf("Granule: rows per granule for every tensor; 'whole' = each Muon matrix whole "
