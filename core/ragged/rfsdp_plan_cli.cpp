@@ -150,7 +150,7 @@ void print_report(const rfsdp::Plan& plan, int64_t block, int64_t layers,
   fsdp2.buffer_shard_elems.clear();
   for (int64_t g : {4, 2}) {
     const rfsdp::WireFormat w{2, 0, g, g};
-    const int64_t copied = 2 * (f2.shard_elems * 2 + m * f2.shard_elems * 2) + m * f2.shard_elems * g;
+    const int64_t copied = rfsdp::fsdp2_copy_bytes(f2, m, 2, g);
     row(std::string("FSDP2: bfloat16 / ") + (g == 4 ? "fp32" : "bf16"),
         rfsdp::gather_bytes(fsdp2, w), rfsdp::reduce_bytes(fsdp2, w), copied);
   }

@@ -36,6 +36,12 @@ Fsdp2Unit fsdp2_unit(const std::vector<TensorSpec>& tensors, int64_t world_size)
   return u;
 }
 
+int64_t fsdp2_copy_bytes(const Fsdp2Unit& unit, int64_t world_size, int64_t weight_bytes,
+                         int64_t grad_bytes) {
+  const int64_t S = unit.shard_elems;
+  return 2 * (S + world_size * S) * weight_bytes + world_size * S * grad_bytes;
+}
+
 std::string LinkModel::describe() const {
   char text[400];
   std::snprintf(text, sizeof text,

@@ -49,6 +49,11 @@ struct Fsdp2Unit {
   int64_t total_elems = 0;  // the tensors' elements
 };
 Fsdp2Unit fsdp2_unit(const std::vector<TensorSpec>& tensors, int64_t world_size);
+// Bytes FSDP2 copies in one step of such a unit (weights on the wire as weight_bytes,
+// gradients as grad_bytes): per gather the shard's copy-in and the unit's copy-out
+// into the parameters, twice; the gradients' copy-in before the reduce-scatter.
+int64_t fsdp2_copy_bytes(const Fsdp2Unit& unit, int64_t world_size, int64_t weight_bytes,
+                         int64_t grad_bytes);
 
 // The links of a cluster and the step being modelled (defaults: H200 nodes of 8
 // on NVLink 4, one 400 Gb/s NIC per GPU, bf16 weights).

@@ -279,7 +279,7 @@ void AdamW8bit::step_shared_blocks(const std::vector<size_t>& stepping) {
     Quantized8& q = q_[pd.i];
     const Region& r = *pd.r;
     const int64_t n = r.layout.numel, nb = r.layout.num_blocks;
-    const auto on = [&](int64_t at) { return agreed.narrow(0, at, nb).to(p.param.device()); };
+    const auto on = [&](int64_t entry) { return agreed.narrow(0, entry, nb).to(p.param.device()); };
     quant::adamw8bit_end(pd.half, on(r.agreed), on(K + r.agreed), r.layout, code1_, code2_,
                          q.q1.narrow(0, r.elem, n), q.absmax1.narrow(0, r.block, nb),
                          q.q2.narrow(0, r.elem, n), q.absmax2.narrow(0, r.block, nb));

@@ -184,21 +184,14 @@ float block_absmax(const float* x, const BlockLayout::Block& blk, int64_t row_le
   return v < tail ? tail : v;
 }
 
-void quantize_block(const float* x, const BlockLayout::Block& blk, int64_t row_len, float amax,
-                    const IndexRegs& r, uint8_t* q) {
+// The codes of a block under absmax amax: from x in the tensor's layout, or
+// (packed) from a buffer holding the block's segments one after another.
+void quantize_block(const float* x, bool packed, const BlockLayout::Block& blk, int64_t row_len,
+                    float amax, const IndexRegs& r, uint8_t* q) {
   const float scale = amax > 0.0f ? 1.0f / amax : 0.0f;
   for (int64_t s = 0; s < blk.segments; ++s) {
     const int64_t off = blk.start + s * row_len;
-    encode_run(x + off, scale, blk.seg_len, r, q + off);
-  }
-}
-
-// The codes of a block kept packed (segment after segment) in buf.
-void quantize_packed(const float* buf, const BlockLayout::Block& blk, int64_t row_len, float amax,
-                     const IndexRegs& r, uint8_t* q) {
-  const float scale = amax > 0.0f ? 1.0f / amax : 0.0f;
-  for (int64_t s = 0; s < blk.segments; ++s) {
-    encode_run(buf + s * blk.seg_len, scale, blk.seg_len, r, q + blk.start + s * row_len);
+    encode_run(x + (packed ? s * blk.seg_len : off), scale, blk.seg_len, r, q + off);
   }
 }
 
@@ -279,7 +272,7 @@ void quantize_blocks(const float* x, const BlockLayout& L, const CodeLut& lut, u
   for (int64_t b = b0; b < b1; ++b) {
     const auto blk = L.block(b);
     const float amax = block_absmax(x, blk, L.row_len, bad);
-    quantize_block(x, blk, L.row_len, amax, r, q);
+    quantize_block(x, false, blk, L.row_len, amax, r, q);
     absmax[b] = amax;
   }
 }
@@ -311,8 +304,8 @@ void adamw8bit_blocks(float* p, const float* g, uint8_t* q1, float* absmax1, uin
     const auto blk = L.block(b);
     float amax1, amax2;
     update_block(R, p, g, q1, q2, absmax1[b], absmax2[b], blk, L.row_len, mbuf, vbuf, &amax1, &amax2);
-    quantize_packed(mbuf, blk, L.row_len, amax1, R.r1, q1);
-    quantize_packed(vbuf, blk, L.row_len, amax2, R.r2, q2);
+    quantize_block(mbuf, true, blk, L.row_len, amax1, R.r1, q1);
+    quantize_block(vbuf, true, blk, L.row_len, amax2, R.r2, q2);
     absmax1[b] = amax1;
     absmax2[b] = amax2;
   }
@@ -338,8 +331,8 @@ void adamw8bit_end_blocks(const float* scratch, const BlockLayout& L, const Code
   const int64_t w = L.max_block_elems();
   for (int64_t b = b0; b < b1; ++b) {
     const auto blk = L.block(b);
-    quantize_packed(scratch + 2 * b * w, blk, L.row_len, agreed1[b], r1, q1);
-    quantize_packed(scratch + (2 * b + 1) * w, blk, L.row_len, agreed2[b], r2, q2);
+    quantize_block(scratch + 2 * b * w, true, blk, L.row_len, agreed1[b], r1, q1);
+    quantize_block(scratch + (2 * b + 1) * w, true, blk, L.row_len, agreed2[b], r2, q2);
     absmax1[b] = agreed1[b];
     absmax2[b] = agreed2[b];
   }
@@ -376,7 +369,7 @@ void momentum8bit_blocks(const float* g, const uint8_t* q, const float* absmax, 
     }
     const BlockLayout::Block packed{0, 1, blk.count, blk.count};
     const float amax = block_absmax(mbuf, packed, blk.count, bad);
-    quantize_packed(mbuf, blk, L.row_len, amax, r, q_out);
+    quantize_block(mbuf, true, blk, L.row_len, amax, r, q_out);
     absmax_out[b] = amax;
   }
 }

@@ -55,6 +55,25 @@ void launched(cudaError_t e, const char* what) {
   }
 }
 
+// The fused step's inputs (op names them in messages): a CUDA parameter, and every
+// tensor on its device, of its dtype and size.
+void check_step(const at::Tensor& p, const at::Tensor& g, const at::Tensor& q1,
+                const at::Tensor& a1, const at::Tensor& q2, const at::Tensor& a2,
+                const BlockLayout& L, const at::Tensor& code1, const at::Tensor& code2,
+                const std::string& op) {
+  check_gpu(p, (op + " param").c_str());
+  const at::Device d = p.device();
+  const int64_t n = L.numel;
+  check(p, at::kFloat, n, d, (op + " param").c_str());
+  check(g, at::kFloat, n, d, (op + " grad").c_str());
+  check(q1, at::kByte, n, d, (op + " q1").c_str());
+  check(q2, at::kByte, n, d, (op + " q2").c_str());
+  check(a1, at::kFloat, L.num_blocks, d, (op + " absmax1").c_str());
+  check(a2, at::kFloat, L.num_blocks, d, (op + " absmax2").c_str());
+  check(code1, at::kFloat, 256, d, (op + " code1").c_str());
+  check(code2, at::kFloat, 256, d, (op + " code2").c_str());
+}
+
 }  // namespace
 
 bool built() { return true; }
@@ -93,18 +112,9 @@ void adamw8bit_step(const at::Tensor& p, const at::Tensor& g, const at::Tensor& 
                     const at::Tensor& a1, const at::Tensor& q2, const at::Tensor& a2,
                     const BlockLayout& L, const at::Tensor& code1, const cpu::CodeLut& lut1,
                     const at::Tensor& code2, const cpu::CodeLut& lut2, const AdamWHyper& h) {
-  check_gpu(p, "adamw8bit param");
+  check_step(p, g, q1, a1, q2, a2, L, code1, code2, "adamw8bit");
   const at::Device d = p.device();
-  const int64_t n = L.rows * L.row_len;
-  check(p, at::kFloat, n, d, "adamw8bit param");
-  check(g, at::kFloat, n, d, "adamw8bit grad");
-  check(q1, at::kByte, n, d, "adamw8bit q1");
-  check(q2, at::kByte, n, d, "adamw8bit q2");
-  check(a1, at::kFloat, L.num_blocks, d, "adamw8bit absmax1");
-  check(a2, at::kFloat, L.num_blocks, d, "adamw8bit absmax2");
-  check(code1, at::kFloat, 256, d, "adamw8bit code1");
-  check(code2, at::kFloat, 256, d, "adamw8bit code2");
-  if (n == 0) return;
+  if (L.numel == 0) return;
   c10::DeviceGuard guard(d);
   launched(cuda::adamw8bit_step(p.data_ptr<float>(), g.data_ptr<float>(), q1.data_ptr<uint8_t>(),
                                 a1.data_ptr<float>(), q2.data_ptr<uint8_t>(), a2.data_ptr<float>(),
@@ -118,17 +128,9 @@ void adamw8bit_begin(const at::Tensor& p, const at::Tensor& g, const at::Tensor&
                      const BlockLayout& L, const at::Tensor& code1, const at::Tensor& code2,
                      const AdamWHyper& h, const at::Tensor& scratch, const at::Tensor& amax1,
                      const at::Tensor& amax2) {
-  check_gpu(p, "adamw8bit_begin param");
+  check_step(p, g, q1, a1, q2, a2, L, code1, code2, "adamw8bit_begin");
   const at::Device d = p.device();
-  const int64_t n = L.rows * L.row_len;
-  check(p, at::kFloat, n, d, "adamw8bit_begin param");
-  check(g, at::kFloat, n, d, "adamw8bit_begin grad");
-  check(q1, at::kByte, n, d, "adamw8bit_begin q1");
-  check(q2, at::kByte, n, d, "adamw8bit_begin q2");
-  check(a1, at::kFloat, L.num_blocks, d, "adamw8bit_begin absmax1");
-  check(a2, at::kFloat, L.num_blocks, d, "adamw8bit_begin absmax2");
-  check(code1, at::kFloat, 256, d, "adamw8bit_begin code1");
-  check(code2, at::kFloat, 256, d, "adamw8bit_begin code2");
+  const int64_t n = L.numel;
   check(scratch, at::kFloat, 2 * L.num_blocks * L.max_block_elems(), d, "adamw8bit_begin scratch");
   check(amax1, at::kFloat, L.num_blocks, d, "adamw8bit_begin amax1");
   check(amax2, at::kFloat, L.num_blocks, d, "adamw8bit_begin amax2");

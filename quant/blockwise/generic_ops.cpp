@@ -20,6 +20,9 @@ DeviceCode device_code(const cpu::CodeLut& lut, at::Device device) {
   return c;
 }
 
+namespace {
+
+// The block of every element (int64, L.numel): 1-D blocks or row-major tiles.
 at::Tensor block_ids(const BlockLayout& L, at::Device device) {
   const auto i64 = at::TensorOptions().dtype(at::kLong).device(device);
   if (!L.shape.is_tile()) return at::arange(L.numel, i64).div_(L.shape.block, "floor");
@@ -27,8 +30,6 @@ at::Tensor block_ids(const BlockLayout& L, at::Device device) {
   const at::Tensor tile_col = at::arange(L.row_len, i64).div_(L.shape.tile_cols, "floor");
   return (tile_row.unsqueeze(1) + tile_col.unsqueeze(0)).reshape(-1);
 }
-
-namespace {
 
 // How a layout's elements group into blocks for ATen: 1-D blocks as rows of a
 // [blocks, B] view (a partial last block apart), tiles that divide the region as

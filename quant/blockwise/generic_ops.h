@@ -25,9 +25,6 @@ struct DeviceCode {
 };
 DeviceCode device_code(const cpu::CodeLut& lut, at::Device device);
 
-// The block of every element (int64, L.numel): 1-D blocks or row-major tiles.
-at::Tensor block_ids(const BlockLayout& L, at::Device device);
-
 // Codes and absmax of x. Returns a bool scalar on x's device: x is finite
 // (otherwise the outputs are meaningless), left on the device so a caller that
 // needs it decides when to wait.

@@ -196,47 +196,48 @@ def test_shampoo_quantised_roots_on_the_gpu_equal_the_cpu():
 # AdamW8bit and Shampoo on FSDP2 chunk rows that cut blocks and tiles: two processes on
 # one GPU over Gloo (the shared blocks' scales agreed, the cut tile rows sent to their
 # owners), against one CPU process.
-def fsdp2_chunk_rows_worker(rank, world, seed, path):
-    sys.path.insert(0, HERE)
+def chunk_row_cases():
+    """(name, shapes, optimizer factory): shapes whose torch.chunk rows cut the blocks / tiles."""
     import test_fsdp2_params as tf
+    return [("AdamW8bit", tf.CUT[256],
+             lambda ps: rfsdp.optim.AdamW8bit(ps, lr=1e-2, block=256, min_8bit_size=256)),
+            ("Shampoo", tf.CUT_SHAMPOO, tf.shampoo_of)]
+
+
+def train_cut(make, shapes, seed, place):
+    """The parameters after test_fsdp2_params' cut gradients' steps; place: a full tensor ->
+    the parameter's (or gradient's) tensor here."""
+    import test_fsdp2_params as tf
+    ps = [nn.Parameter(place(torch.zeros(s))) for s in shapes]
+    opt = make(ps)
+    for gs in tf.cut_grads(seed, shapes):
+        for p, gr in zip(ps, gs):
+            p.grad = place(gr)
+        opt.step()
+    return ps
+
+
+def fsdp2_chunk_rows_worker(rank, world, seed, path):
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import DTensor, Shard
     torch.cuda.set_device(0)
     rfsdp.quant.use_device_generic_path(path == "generic")
     mesh = init_device_mesh("cuda", (world,))
-    out = {}
-    for name, shapes, make in [("AdamW8bit", tf.CUT[256],
-                                lambda ps: rfsdp.optim.AdamW8bit(ps, lr=1e-2, block=256, min_8bit_size=256)),
-                               ("Shampoo", tf.CUT_SHAMPOO, tf.shampoo_of)]:
-        def local(t):  # torch.chunk's rows of this rank
-            return DTensor.from_local(t.chunk(world)[rank].clone().cuda(), mesh, [Shard(0)],
-                                      shape=t.shape, stride=t.stride())
-        ps = [nn.Parameter(local(torch.zeros(s))) for s in shapes]
-        opt = make(ps)
-        for gs in tf.cut_grads(seed, shapes):
-            for p, gr in zip(ps, gs):
-                p.grad = local(gr)
-            opt.step()
-        out[name] = [p.to_local().cpu() for p in ps]
-    return out
+
+    def local(t):  # torch.chunk's rows of this rank
+        return DTensor.from_local(t.chunk(world)[rank].clone().cuda(), mesh, [Shard(0)],
+                                  shape=t.shape, stride=t.stride())
+    return {name: [p.to_local().cpu() for p in train_cut(make, shapes, seed, local)]
+            for name, shapes, make in chunk_row_cases()}
 
 
 @pytest.mark.parametrize("path", ["kernels", "generic"])
 def test_adamw8bit_and_shampoo_on_fsdp2_chunk_rows_on_one_gpu_equal_one_cpu_process(path):
-    import test_fsdp2_params as tf
     from ranks import run_ranks
     seed = fresh_seed()
     got = run_ranks(fsdp2_chunk_rows_worker, 2, seed, path, timeout=300)
-    for name, shapes, make in [("AdamW8bit", tf.CUT[256],
-                                lambda ps: rfsdp.optim.AdamW8bit(ps, lr=1e-2, block=256, min_8bit_size=256)),
-                               ("Shampoo", tf.CUT_SHAMPOO, tf.shampoo_of)]:
-        ps = [nn.Parameter(torch.zeros(s)) for s in shapes]
-        opt = make(ps)
-        for gs in tf.cut_grads(seed, shapes):
-            for p, gr in zip(ps, gs):
-                p.grad = gr
-            opt.step()
-        for i, p in enumerate(ps):
+    for name, shapes, make in chunk_row_cases():
+        for i, p in enumerate(train_cut(make, shapes, seed, lambda t: t)):
             want = torch.cat([got[r][name][i] for r in range(2)])
             if name == "AdamW8bit":  # bit for bit, as on the CPU ranks
                 assert torch.equal(want, p.detach()), (name, shapes[i], path, seed)
