@@ -172,6 +172,16 @@ struct Chunk {
         bytes{bytes_mask(n0), bytes_mask(n1)} {}
 };
 
+// 64 consecutive elements (most chunks of long segments): the same fields,
+// known full when compiled, so its loads, stores and lane masks take no masks.
+struct FullChunk {
+  static constexpr bool full = true;
+  static constexpr __mmask16 lane[4] = {0xFFFF, 0xFFFF, 0xFFFF, 0xFFFF};
+  static constexpr __mmask32 bytes[2] = {0xFFFFFFFFu, 0xFFFFFFFFu};
+  int64_t off[2], buf[2];
+  FullChunk(int64_t off0, int64_t buf0) : off{off0, off0 + 32}, buf{buf0, buf0 + 32} {}
+};
+
 template <class F>
 inline void for_chunks(const BlockLayout::Block& blk, int64_t row_len, F&& f) {
   const int64_t len = blk.seg_len;
@@ -184,35 +194,41 @@ inline void for_chunks(const BlockLayout::Block& blk, int64_t row_len, F&& f) {
   }
   for (int64_t s = 0; s < blk.segments; ++s) {
     const int64_t off = blk.start + s * row_len;
-    for (int64_t i = 0; i < len; i += 64) {
-      const int64_t k = len - i < 64 ? len - i : 64;
+    int64_t i = 0;
+    for (; i + 64 <= len; i += 64) f(FullChunk(off + i, s * len + i));
+    if (i < len) {
+      const int64_t k = len - i;
       f(Chunk(off + i, off + i + 32, s * len + i, s * len + i + 32, k < 32 ? k : 32,
               k > 32 ? k - 32 : 0));
     }
   }
 }
 
-inline void load_floats(const float* x, const int64_t off[2], const Chunk& c, __m512 v[4]) {
+template <class C>
+inline void load_floats(const float* x, const int64_t off[2], const C& c, __m512 v[4]) {
   if (c.full) {
     for (int j = 0; j < 4; ++j) v[j] = _mm512_loadu_ps(x + off[0] + 16 * j);
     return;
   }
   for (int j = 0; j < 4; ++j) v[j] = _mm512_maskz_loadu_ps(c.lane[j], x + off[j >> 1] + 16 * (j & 1));
 }
-inline void store_floats(float* x, const int64_t off[2], const Chunk& c, const __m512 v[4]) {
+template <class C>
+inline void store_floats(float* x, const int64_t off[2], const C& c, const __m512 v[4]) {
   if (c.full) {
     for (int j = 0; j < 4; ++j) _mm512_storeu_ps(x + off[0] + 16 * j, v[j]);
     return;
   }
   for (int j = 0; j < 4; ++j) _mm512_mask_storeu_ps(x + off[j >> 1] + 16 * (j & 1), c.lane[j], v[j]);
 }
-inline __m512i load_bytes(const uint8_t* q, const Chunk& c) {
+template <class C>
+inline __m512i load_bytes(const uint8_t* q, const C& c) {
   if (c.full) return _mm512_loadu_si512(q + c.off[0]);
   const __m256i lo = _mm256_maskz_loadu_epi8(c.bytes[0], q + c.off[0]);
   const __m256i hi = _mm256_maskz_loadu_epi8(c.bytes[1], q + c.off[1]);
   return _mm512_inserti64x4(_mm512_castsi256_si512(lo), hi, 1);
 }
-inline void store_bytes(uint8_t* q, const Chunk& c, __m512i b) {
+template <class C>
+inline void store_bytes(uint8_t* q, const C& c, __m512i b) {
   if (c.full) return _mm512_storeu_si512(q + c.off[0], b);
   _mm256_mask_storeu_epi8(q + c.off[0], c.bytes[0], _mm512_castsi512_si256(b));
   _mm256_mask_storeu_epi8(q + c.off[1], c.bytes[1], _mm512_extracti64x4_epi64(b, 1));
@@ -224,8 +240,8 @@ inline void store_bytes(uint8_t* q, const Chunk& c, __m512i b) {
 inline int64_t prefetch_distance(const BlockLayout::Block& blk) {
   return blk.seg_len <= 32 ? 64 : 1024;  // two tiles along the row, or 4 KiB of floats
 }
-template <class T>
-inline void prefetch(const T* x, const Chunk& c, int64_t ahead) {
+template <class T, class C>
+inline void prefetch(const T* x, const C& c, int64_t ahead) {
   for (int h = 0; h < 2; ++h) {
     _mm_prefetch(reinterpret_cast<const char*>(x + c.off[h] + ahead), _MM_HINT_T0);
     if (sizeof(T) * 32 > 64) {
@@ -241,7 +257,7 @@ float block_absmax(const float* x, const BlockLayout::Block& blk, int64_t row_le
   for (int j = 0; j < 4; ++j) am[j] = probe[j] = _mm512_setzero_ps();
   const __m512 zero = _mm512_setzero_ps();
   const int64_t ahead = prefetch_distance(blk);
-  for_chunks(blk, row_len, [&](const Chunk& c) {
+  for_chunks(blk, row_len, [&](const auto& c) {
     prefetch(x, c, ahead);
     __m512 v[4];
     load_floats(x, c.off, c, v);
@@ -262,7 +278,7 @@ template <Domain D>
 void quantize_block(const float* x, bool from_buf, const BlockLayout::Block& blk, int64_t row_len,
                     float scale, const IndexRegs& r, uint8_t* q) {
   const __m512 sc = _mm512_set1_ps(scale);
-  for_chunks(blk, row_len, [&](const Chunk& c) {
+  for_chunks(blk, row_len, [&](const auto& c) {
     __m512 v[4];
     load_floats(x, from_buf ? c.buf : c.off, c, v);
     for (int j = 0; j < 4; ++j) v[j] = _mm512_mul_ps(v[j], sc);
@@ -332,7 +348,7 @@ void dequantize_blocks(const uint8_t* q, const float* absmax, const BlockLayout&
     const __m512 a = _mm512_set1_ps(absmax[b]);
     const auto blk = L.block(b);
     const int64_t ahead = prefetch_distance(blk);
-    for_chunks(blk, L.row_len, [&](const Chunk& c) {
+    for_chunks(blk, L.row_len, [&](const auto& c) {
       prefetch(q, c, ahead);
       __m512 v[4];
       decode64(load_bytes(q, c), code, v);
@@ -373,7 +389,7 @@ void update_block(const StepRegs& R, float* p, const float* g, const uint8_t* q1
   const __m512 a1 = _mm512_set1_ps(absmax1), a2 = _mm512_set1_ps(absmax2);
   __m512 am1 = _mm512_setzero_ps(), am2 = _mm512_setzero_ps();
   const int64_t ahead = prefetch_distance(blk);
-  for_chunks(blk, row_len, [&](const Chunk& ch) {
+  for_chunks(blk, row_len, [&](const auto& ch) {
     prefetch(p, ch, ahead);
     prefetch(g, ch, ahead);
     prefetch(q1, ch, ahead);
@@ -412,7 +428,7 @@ void encode_block(const StepRegs& R, const float* mbuf, const float* vbuf,
   const float s1 = a1 > 0.0f ? 1.0f / a1 : 0.0f, s2 = a2 > 0.0f ? 1.0f / a2 : 0.0f;
   if (R.d1 == Domain::kFolded && R.d2 == Domain::kNonNegative) {  // the dynamic maps: one pass
     const __m512 sc1 = _mm512_set1_ps(s1), sc2 = _mm512_set1_ps(s2);
-    for_chunks(blk, row_len, [&](const Chunk& ch) {
+    for_chunks(blk, row_len, [&](const auto& ch) {
       __m512 m[4], v[4];
       load_floats(mbuf, ch.buf, ch, m);
       load_floats(vbuf, ch.buf, ch, v);
@@ -506,7 +522,7 @@ void momentum8bit_blocks(const float* g, const uint8_t* q, const float* absmax, 
     const __m512 a = _mm512_set1_ps(absmax[b]);
     __m512 am = zero, probe = zero;
     const int64_t ahead = prefetch_distance(blk);
-    for_chunks(blk, L.row_len, [&](const Chunk& ch) {
+    for_chunks(blk, L.row_len, [&](const auto& ch) {
       prefetch(g, ch, ahead);
       prefetch(q, ch, ahead);
       __m512 m[4], gj[4], uj[4];
