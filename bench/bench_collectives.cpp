@@ -1,5 +1,5 @@
 // bench_collectives: unshard and reduce_grads of a Llama-style block unit on 2
-// ranks (threads over Gloo), RaggedFSDP's flat-buffer unit against an
+// (--ranks M) ranks (threads over Gloo), RaggedFSDP's flat-buffer unit against an
 // FSDP2-style path written here for comparison:
 //   all-gather: per-parameter copy-in of the local Shard(0) chunks to a flat
 //               send buffer, all-gather, copy-out into per-parameter tensors;
@@ -70,7 +70,8 @@ struct Result {
 
 // The flat collectives' algorithms compared for the ragged unit (--algorithms).
 std::vector<std::pair<rfsdp::FlatAlgorithm, const char*>> kAlgorithms = {
-    {rfsdp::FlatAlgorithm::Native, "native"}, {rfsdp::FlatAlgorithm::PerRank, "per-rank"}};
+    {rfsdp::FlatAlgorithm::Native, "native"}, {rfsdp::FlatAlgorithm::PerRank, "per-rank"},
+    {rfsdp::FlatAlgorithm::AllToAll, "all-to-all"}};
 
 }  // namespace
 
@@ -131,7 +132,7 @@ void hsdp_section(const std::vector<TensorSpec>& unit, int iters) {
 }
 
 int main(int argc, char** argv) {
-  int iters = 15;
+  int iters = 15, ranks = 2;
   int64_t hidden = 1024, kv = 256, ffn = 2816;
   for (int i = 1; i < argc; ++i) {
     if (!std::strcmp(argv[i], "--iters") && i + 1 < argc) {
@@ -145,16 +146,19 @@ int main(int argc, char** argv) {
       kAlgorithms.clear();
       if (a.find("native") != std::string::npos) kAlgorithms.push_back({rfsdp::FlatAlgorithm::Native, "native"});
       if (a.find("per-rank") != std::string::npos) kAlgorithms.push_back({rfsdp::FlatAlgorithm::PerRank, "per-rank"});
+      if (a.find("all-to-all") != std::string::npos) kAlgorithms.push_back({rfsdp::FlatAlgorithm::AllToAll, "all-to-all"});
+    } else if (!std::strcmp(argv[i], "--ranks") && i + 1 < argc) {
+      ranks = std::atoi(argv[++i]);
     } else {
       kAlgorithms.clear();
     }
     if (kAlgorithms.empty()) {
       std::fprintf(stderr, "usage: bench_collectives [--iters N] [--hidden H] "
-                           "[--algorithms native,per-rank]\n");
+                           "[--algorithms native,per-rank,all-to-all] [--ranks M]\n");
       return 2;
     }
   }
-  const int m = 2;
+  const int m = ranks;
   const auto unit = llama_block(hidden, kv, ffn);
   const rfsdp::Plan plan = rfsdp::plan_unit(unit, m, 16);
   const Fsdp2Layout f2 = fsdp2_layout(unit, m);
@@ -175,7 +179,9 @@ int main(int argc, char** argv) {
     u.shard(full);
     for (size_t a = 0; a < kAlgorithms.size(); ++a)
     for (int it = 0; it < iters + 2; ++it) {
-      c.set_flat_algorithms(kAlgorithms[a].first, kAlgorithms[a].first);
+      // all-to-all is the reduce-scatter's alone: the gather keeps its default
+      const rfsdp::FlatAlgorithm algo = kAlgorithms[a].first;
+      c.set_flat_algorithms(algo == rfsdp::FlatAlgorithm::AllToAll ? rfsdp::FlatAlgorithm::Auto : algo, algo);
       c.reset_stats();
       c.barrier().wait();
       auto t0 = Clock::now();
@@ -276,9 +282,9 @@ int main(int argc, char** argv) {
   int64_t params = 0;
   for (const auto& t : unit) params += t.numel();
   std::printf("Llama-style block unit: hidden %lld, kv %lld, ffn %lld: %.2fM fp32 parameters, "
-              "2 ranks (threads, gloo), %d iterations, medians of rank 0\n",
+              "%d ranks (threads, gloo), %d iterations, medians of rank 0\n",
               static_cast<long long>(hidden), static_cast<long long>(kv),
-              static_cast<long long>(ffn), params / 1e6, iters);
+              static_cast<long long>(ffn), params / 1e6, m, iters);
   std::printf("ragged plan: S = %lld (padding %.3f%%); FSDP2 Shard(0): %lld per rank\n\n",
               static_cast<long long>(plan.shard_elems), 100 * plan.padding_fraction(),
               static_cast<long long>(f2.per_rank));

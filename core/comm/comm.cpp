@@ -132,6 +132,7 @@ const char* to_string(FlatAlgorithm a) {
     case FlatAlgorithm::Auto: return "auto";
     case FlatAlgorithm::Native: return "native";
     case FlatAlgorithm::PerRank: return "per-rank";
+    case FlatAlgorithm::AllToAll: return "all-to-all";
   }
   return "?";
 }
@@ -173,11 +174,24 @@ FlatAlgorithm Comm::resolve(FlatAlgorithm a, bool gather) const {
   // through a scratch buffer), per-rank reduces reduce-scattered 1.3-2.6x faster
   // from 1 Mi floats (the native one all-reduces a clone of the whole buffer) and
   // no slower below. bench_collectives prints both.
-  (void)gather;
+  // Beyond 2 ranks the reduce-scatter is chosen per call (reduce_scatter_auto).
+  if (!gather && size_ > 2) return FlatAlgorithm::Auto;
   return FlatAlgorithm::PerRank;
 }
 
+FlatAlgorithm Comm::reduce_scatter_auto(int64_t slice_bytes) const {
+  // Gloo beyond 2 ranks (bench_collectives --ranks M, threads on 2 cores): PerRank's
+  // m reduces cost ~55 ms at 8 ranks and ~1.3 s at 32 whatever the size (m rounds
+  // of a tree each); one all-to-all 4-13 ms for small units, but its staging and
+  // m-piece sum lose from ~1 Mi floats a rank (8 ranks, 1.4 Mi floats a rank:
+  // 170 ms against PerRank's 118 ms).
+  return slice_bytes <= (int64_t{4} << 20) ? FlatAlgorithm::AllToAll : FlatAlgorithm::PerRank;
+}
+
 void Comm::set_flat_algorithms(FlatAlgorithm gather, FlatAlgorithm reduce_scatter) {
+  if (gather == FlatAlgorithm::AllToAll) {
+    throw std::invalid_argument("all_gather_flat has no all-to-all algorithm (reduce-scatter only)");
+  }
   gather_algo_ = resolve(gather, true);
   reduce_scatter_algo_ = resolve(reduce_scatter, false);
 }
@@ -209,6 +223,7 @@ CommStats Comm::stats() const {
   s.gathers_per_rank = gathers_per_rank_;
   s.reduce_scatters_native = reduce_scatters_native_;
   s.reduce_scatters_per_rank = reduce_scatters_per_rank_;
+  s.reduce_scatters_all_to_all = reduce_scatters_all_to_all_;
   s.bytes_sent = bytes_sent_;
   s.bytes_copied = bytes_copied_;
   return s;
@@ -217,6 +232,7 @@ CommStats Comm::stats() const {
 void Comm::reset_stats() {
   collectives_ = fallbacks_ = bytes_sent_ = bytes_copied_ = 0;
   gathers_native_ = gathers_per_rank_ = reduce_scatters_native_ = reduce_scatters_per_rank_ = 0;
+  reduce_scatters_all_to_all_ = 0;
 }
 
 void Comm::check_flat(const at::Tensor& t, const char* what) const {
@@ -312,7 +328,10 @@ CommHandle Comm::reduce_scatter_flat(const at::Tensor& buffer, const at::Tensor&
     if (scale != 1.0) out.mul_(scale);
   };
   bytes_sent_ += nbytes(buffer);
-  if (reduce_scatter_algo_ == FlatAlgorithm::Native) {
+  const FlatAlgorithm algo = reduce_scatter_algo_ == FlatAlgorithm::Auto
+                                ? reduce_scatter_auto(nbytes(out))
+                                : reduce_scatter_algo_;
+  if (algo == FlatAlgorithm::Native) {
     try {
       c10d::ReduceScatterOptions opts;
       opts.reduceOp = sum_op();
@@ -329,7 +348,38 @@ CommHandle Comm::reduce_scatter_flat(const at::Tensor& buffer, const at::Tensor&
       reduce_scatter_algo_ = FlatAlgorithm::PerRank;
     }
   }
+  if (algo == FlatAlgorithm::AllToAll) {
+    return reduce_scatter_all_to_all(buffer, out, std::move(average), S);
+  }
   return reduce_scatter_per_rank(buffer, out, std::move(average), S);
+}
+
+CommHandle Comm::reduce_scatter_all_to_all(const at::Tensor& buffer, const at::Tensor& out,
+                                           std::function<void()> average, int64_t S) {
+  ++reduce_scatters_all_to_all_;
+  // The pieces land in a scratch of the buffer's size, then are summed into out.
+  const at::Tensor pieces = at::empty({size_ * S}, buffer.options());
+  bytes_copied_ += nbytes(buffer) + nbytes(out);
+  const std::vector<int64_t> splits(size_, S);
+  c10d::AllToAllOptions opts;
+  opts.timeout = timeout_;
+  at::Tensor o = pieces, i = buffer;
+  std::vector<int64_t> os = splits, is = splits;
+  auto work = group().alltoall_base(o, i, os, is, opts);
+  ++collectives_;
+  const int64_t m = size_;
+  return make_handle(
+      {work},
+      [pieces, out, m, S, average = std::move(average)] {
+        sum_in_rank_order(pieces.view({m, S}), out);
+        average();
+      },
+      "reduce_scatter_flat (all-to-all)", buffer);
+}
+
+void sum_in_rank_order(const at::Tensor& pieces, const at::Tensor& out) {
+  out.copy_(pieces[0]);
+  for (int64_t r = 1; r < pieces.size(0); ++r) out.add_(pieces[r]);
 }
 
 CommHandle Comm::reduce_scatter_per_rank(const at::Tensor& buffer, const at::Tensor& out,

@@ -1,10 +1,11 @@
 // Comm: the collectives FSDP units and optimizers need, over a c10d::ProcessGroup
 // (a user's torch.distributed group works as is: Gloo on CPU, NCCL on GPU).
 //
-// The two flat collectives FSDP lives on run either as the backend's own
-// operation or as one in-place operation per rank (broadcasts for the gather,
-// reduces rooted at each slice's owner for the reduce-scatter), whichever is
-// faster on that backend (FlatAlgorithm); CommStats counts which ran.
+// The two flat collectives FSDP lives on run as the backend's own operation,
+// as one in-place operation per rank (broadcasts for the gather, reduces
+// rooted at each slice's owner for the reduce-scatter), or (the reduce-scatter)
+// as one all-to-all summed by each slice's owner, whichever is faster on that
+// backend (FlatAlgorithm); CommStats counts which ran.
 #pragma once
 
 #include <ATen/ATen.h>
@@ -32,9 +33,14 @@ enum class ReduceOp { Sum, Avg, Max };
 //           reduce-scatter's traffic), then copies the own slice out.
 //  PerRank: m in-place broadcasts (rank r's slice from rank r), or m in-place
 //           reduces (slice r rooted at rank r, then the own slice copied out).
-//  Auto:    the faster of the two for the backend, as bench_collectives
-//           measured it (see Comm::resolve).
-enum class FlatAlgorithm { Auto, Native, PerRank };
+//  AllToAll (reduce-scatter only): one all-to-all (slice r of every rank to
+//           rank r), the m pieces summed by their owner in rank order. One
+//           round whatever m, where PerRank's m reduces take m rounds and Gloo's
+//           native all-reduce 2(m-1) ring steps of the whole buffer.
+//  Auto:    the fastest for the backend, the group's size (and for Gloo's
+//           reduce-scatter beyond 2 ranks, the slice's bytes), as
+//           bench_collectives measured it (see Comm::resolve).
+enum class FlatAlgorithm { Auto, Native, PerRank, AllToAll };
 const char* to_string(FlatAlgorithm a);
 
 // What Comm did, for benches and tests. Bytes are per rank.
@@ -43,6 +49,7 @@ struct CommStats {
   int64_t fallbacks = 0;       // flat collectives run per rank instead of natively
   int64_t gathers_native = 0, gathers_per_rank = 0;                  // all_gather_flat calls
   int64_t reduce_scatters_native = 0, reduce_scatters_per_rank = 0;  // reduce_scatter_flat calls
+  int64_t reduce_scatters_all_to_all = 0;
   int64_t bytes_sent = 0;      // payload this rank contributed (see each op)
   int64_t bytes_copied = 0;    // bytes copied by Comm, or by the backend's staging (Gloo)
 };
@@ -148,8 +155,9 @@ class Comm {
   CommHandle broadcast(const at::Tensor& t, int root);
   CommHandle barrier();
 
-  // The algorithms the flat collectives use (Auto resolved for this backend).
-  // Every rank of a group must choose the same.
+  // The algorithms the flat collectives use (Auto resolved for this backend;
+  // Gloo's reduce-scatter beyond 2 ranks stays Auto: chosen per call by the
+  // slice's size). Every rank of a group must choose the same.
   void set_flat_algorithms(FlatAlgorithm gather, FlatAlgorithm reduce_scatter);
   FlatAlgorithm gather_algorithm() const { return gather_algo_; }
   FlatAlgorithm reduce_scatter_algorithm() const { return reduce_scatter_algo_; }
@@ -163,11 +171,16 @@ class Comm {
                          const at::Tensor& on);
   void check_flat(const at::Tensor& t, const char* what) const;
   FlatAlgorithm resolve(FlatAlgorithm a, bool gather) const;
+  // The reduce-scatter's algorithm for one call when its choice is Auto
+  // (Gloo beyond 2 ranks): by the bytes of a rank's slice.
+  FlatAlgorithm reduce_scatter_auto(int64_t slice_bytes) const;
   c10d::ProcessGroup& group() const;
   CommHandle gather_per_rank(const at::Tensor& buffer, const at::Tensor& slice,
                              const at::Tensor& input, int64_t S);
   CommHandle reduce_scatter_per_rank(const at::Tensor& buffer, const at::Tensor& out,
                                      std::function<void()> average, int64_t S);
+  CommHandle reduce_scatter_all_to_all(const at::Tensor& buffer, const at::Tensor& out,
+                                       std::function<void()> average, int64_t S);
 
   c10::intrusive_ptr<c10d::ProcessGroup> pg_;
   int rank_, size_;
@@ -177,7 +190,13 @@ class Comm {
   FlatAlgorithm gather_algo_ = FlatAlgorithm::Native, reduce_scatter_algo_ = FlatAlgorithm::Native;
   std::atomic<int64_t> collectives_{0}, fallbacks_{0}, bytes_sent_{0}, bytes_copied_{0};
   std::atomic<int64_t> gathers_native_{0}, gathers_per_rank_{0};
-  std::atomic<int64_t> reduce_scatters_native_{0}, reduce_scatters_per_rank_{0};
+  std::atomic<int64_t> reduce_scatters_native_{0}, reduce_scatters_per_rank_{0},
+      reduce_scatters_all_to_all_{0};
 };
+
+// out <- pieces[0] + pieces[1] + ... + pieces[m-1], added in that (rank) order
+// in out's dtype (pieces: [m, S], any dtype out holds exactly or rounds to).
+// The one sum every rank-ordered reduction here uses.
+void sum_in_rank_order(const at::Tensor& pieces, const at::Tensor& out);
 
 }  // namespace rfsdp

@@ -48,6 +48,7 @@ inline py::dict stats_dict(const rfsdp::CommStats& s) {
                   py::arg("gathers_per_rank") = s.gathers_per_rank,
                   py::arg("reduce_scatters_native") = s.reduce_scatters_native,
                   py::arg("reduce_scatters_per_rank") = s.reduce_scatters_per_rank,
+                  py::arg("reduce_scatters_all_to_all") = s.reduce_scatters_all_to_all,
                   py::arg("bytes_sent") = s.bytes_sent, py::arg("bytes_copied") = s.bytes_copied);
 }
 

@@ -123,8 +123,11 @@ TEST_P(CommAlgorithms, FlatCollectivesMatchReferenceAndCountWhatRan) {
   const int64_t S = 24;
   const uint64_t seed = fresh_seed();
   run_local_ranks(world, [&](Comm& comm) {
-    comm.set_flat_algorithms(algo, algo);
-    EXPECT_EQ(comm.gather_algorithm(), algo);
+    // all-to-all is the reduce-scatter's alone (a gather asked for it is refused)
+    const FlatAlgorithm gather_algo = algo == FlatAlgorithm::AllToAll ? FlatAlgorithm::PerRank : algo;
+    EXPECT_THROW(comm.set_flat_algorithms(FlatAlgorithm::AllToAll, algo), std::invalid_argument);
+    comm.set_flat_algorithms(gather_algo, algo);
+    EXPECT_EQ(comm.gather_algorithm(), gather_algo);
     EXPECT_EQ(comm.reduce_scatter_algorithm(), algo);
     const int r = comm.rank();
     at::Tensor buf = at::zeros({world * S});
@@ -146,7 +149,17 @@ TEST_P(CommAlgorithms, FlatCollectivesMatchReferenceAndCountWhatRan) {
     const int64_t sb = S * 4;
     EXPECT_EQ(g.bytes_sent, sb);
     EXPECT_EQ(rs.bytes_sent, world * sb);
-    if (algo == FlatAlgorithm::PerRank) {
+    if (algo == FlatAlgorithm::AllToAll) {
+      // one all-to-all into a scratch of the buffer's size, the pieces summed into out
+      EXPECT_EQ(rs.reduce_scatters_all_to_all, 1);
+      EXPECT_EQ(rs.collectives, 1);
+      EXPECT_EQ(rs.fallbacks, 0);
+      EXPECT_EQ(rs.bytes_copied, (world + 1) * sb);
+      // in rank order, every element: the float64 sum rounded piece by piece
+      at::Tensor ordered = seeded_randn({world * S}, seed, 100).narrow(0, r * S, S).clone();
+      for (int k = 1; k < world; ++k) ordered.add_(seeded_randn({world * S}, seed, 100 + k).narrow(0, r * S, S));
+      ASSERT_TRUE(at::equal(out, ordered.mul_(1.0 / world)));
+    } else if (algo == FlatAlgorithm::PerRank) {
       // m in-place broadcasts after one copy of the local input into the own slice;
       // m reduces, then one copy of the own slice out.
       EXPECT_EQ(g.gathers_per_rank, 1);
@@ -170,9 +183,30 @@ TEST_P(CommAlgorithms, FlatCollectivesMatchReferenceAndCountWhatRan) {
 }
 
 INSTANTIATE_TEST_SUITE_P(Worlds, CommAlgorithms,
-                         ::testing::Combine(::testing::Values(1, 2, 3),
+                         ::testing::Combine(::testing::Values(1, 2, 3, 8),
                                             ::testing::Values(FlatAlgorithm::Native,
-                                                              FlatAlgorithm::PerRank)));
+                                                              FlatAlgorithm::PerRank,
+                                                              FlatAlgorithm::AllToAll)));
+
+// Gloo's reduce-scatter left to Auto: per-rank reduces on 2 ranks; beyond, one
+// all-to-all for slices up to 4 MiB, per-rank reduces above (chosen per call).
+TEST(CommAlgorithms, GlooReduceScatterAutoFollowsRanksAndSliceSize) {
+  for (int world : {2, 4}) {
+    run_local_ranks(world, [&](Comm& comm) {
+      comm.set_flat_algorithms(FlatAlgorithm::Auto, FlatAlgorithm::Auto);
+      for (int64_t S : {int64_t{1024}, int64_t{(4 << 20) / 4 + 1}}) {
+        at::Tensor buf = at::ones({world * S}), out = at::zeros({S});
+        comm.reset_stats();
+        comm.reduce_scatter_flat(buf, out, ReduceOp::Sum).wait();
+        ASSERT_TRUE(at::equal(out, at::full({S}, static_cast<float>(world))));
+        const CommStats st = comm.stats();
+        const bool a2a = world > 2 && S * 4 <= (4 << 20);
+        EXPECT_EQ(st.reduce_scatters_all_to_all, a2a ? 1 : 0) << world << " ranks, S " << S;
+        EXPECT_EQ(st.reduce_scatters_per_rank, a2a ? 0 : 1) << world << " ranks, S " << S;
+      }
+    });
+  }
+}
 
 TEST(Comm, Bf16TravelsAndReducesOverGloo) {
   const uint64_t seed = fresh_seed();

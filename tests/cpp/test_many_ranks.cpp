@@ -216,7 +216,11 @@ RankRows run_planned(const Variant& v, int world, int shard_size, uint64_t seed)
   RankRows rows(world);
   std::mutex mu;
   run_local_ranks(world, [&](Comm& c) {
-    HybridGroups g = hybrid_groups(c, shard_size);
+    // One shard group of the whole world is plain FSDP: the world's comm itself
+    // (no second group of as many ranks to set up).
+    HybridGroups g = shard_size == world
+                         ? HybridGroups{std::shared_ptr<Comm>(&c, [](Comm*) {}), nullptr}
+                         : hybrid_groups(c, shard_size);
     FSDPUnit unit(g.shard, g.replicate, plan);
     std::vector<at::Tensor> full;
     for (size_t i = 0; i < specs.size(); ++i) full.push_back(seeded_randn(specs[i].shape, seed, i));
