@@ -1,6 +1,7 @@
 #include "quant/blockwise/cpu_kernels_avx512.h"
 
 #include <cmath>
+#include <cstring>
 
 // GCC only: the AVX-512 region below uses #pragma GCC target (clang takes the stubs).
 #if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
@@ -250,27 +251,29 @@ inline void prefetch(const T* x, const C& c, int64_t ahead) {
   }
 }
 
-// Max |x| over a block; *bad set when it holds NaN or Inf (x * 0 is then NaN).
-// Four accumulators of each, so the loop runs at load speed, not max latency.
+// Max |x| over a block; *bad set when it holds NaN or Inf. |x|'s bits as
+// unsigned integers order as the values do, with Inf and every NaN above all
+// finite values: one integer max finds both (two operations an element).
+// Four accumulators, so the loop runs at load speed, not max latency.
 float block_absmax(const float* x, const BlockLayout::Block& blk, int64_t row_len, bool* bad) {
-  __m512 am[4], probe[4];
-  for (int j = 0; j < 4; ++j) am[j] = probe[j] = _mm512_setzero_ps();
-  const __m512 zero = _mm512_setzero_ps();
+  __m512i am[4];
+  for (int j = 0; j < 4; ++j) am[j] = _mm512_setzero_si512();
+  const __m512i magnitude = _mm512_set1_epi32(0x7FFFFFFF);
   const int64_t ahead = prefetch_distance(blk);
   for_chunks(blk, row_len, [&](const auto& c) {
     prefetch(x, c, ahead);
     __m512 v[4];
     load_floats(x, c.off, c, v);
     for (int j = 0; j < 4; ++j) {
-      am[j] = _mm512_max_ps(am[j], _mm512_abs_ps(v[j]));
-      probe[j] = _mm512_fmadd_ps(v[j], zero, probe[j]);
+      am[j] = _mm512_max_epu32(am[j], _mm512_and_si512(_mm512_castps_si512(v[j]), magnitude));
     }
   });
-  const __m512 a = _mm512_max_ps(_mm512_max_ps(am[0], am[1]), _mm512_max_ps(am[2], am[3]));
-  const __m512 pr4 = _mm512_add_ps(_mm512_add_ps(probe[0], probe[1]), _mm512_add_ps(probe[2], probe[3]));
-  const float pr = _mm512_reduce_add_ps(pr4);
-  if (pr != 0.0f || std::isnan(pr)) *bad = true;
-  return _mm512_reduce_max_ps(a);
+  const __m512i a = _mm512_max_epu32(_mm512_max_epu32(am[0], am[1]), _mm512_max_epu32(am[2], am[3]));
+  const uint32_t bits = _mm512_reduce_max_epu32(a);
+  if (bits >= 0x7F800000u) *bad = true;
+  float amax;
+  std::memcpy(&amax, &bits, 4);
+  return amax;
 }
 
 // Codes of a block: x (at the chunks' off, or at their buf when from_buf) times scale.
@@ -516,11 +519,11 @@ void momentum8bit_blocks(const float* g, const uint8_t* q, const float* absmax, 
   const bool small_w = std::fabs(w) < 0.5f, small_beta = std::fabs(beta) < 0.5f;
   const __m512 wv = _mm512_set1_ps(w), omw = _mm512_set1_ps(1.0f - w);
   const __m512 bv = _mm512_set1_ps(beta), omb = _mm512_set1_ps(1.0f - beta);
-  const __m512 zero = _mm512_setzero_ps();
+  const __m512i magnitude = _mm512_set1_epi32(0x7FFFFFFF);
   for (int64_t b = b0; b < b1; ++b) {
     const auto blk = L.block(b);
     const __m512 a = _mm512_set1_ps(absmax[b]);
-    __m512 am = zero, probe = zero;
+    __m512i am = _mm512_setzero_si512();  // max |m| as bits (block_absmax's rule)
     const int64_t ahead = prefetch_distance(blk);
     for_chunks(blk, L.row_len, [&](const auto& ch) {
       prefetch(g, ch, ahead);
@@ -531,15 +534,16 @@ void momentum8bit_blocks(const float* g, const uint8_t* q, const float* absmax, 
       for (int j = 0; j < 4; ++j) {
         m[j] = torch_lerp(_mm512_mul_ps(m[j], a), gj[j], small_w, wv, omw);
         uj[j] = nesterov ? torch_lerp(gj[j], m[j], small_beta, bv, omb) : m[j];
-        am = _mm512_mask_max_ps(am, ch.lane[j], am, _mm512_abs_ps(m[j]));
-        probe = _mm512_mask_add_ps(probe, ch.lane[j], probe, _mm512_mul_ps(m[j], zero));
+        am = _mm512_mask_max_epu32(am, ch.lane[j], am,
+                                   _mm512_and_si512(_mm512_castps_si512(m[j]), magnitude));
       }
       store_floats(u, ch.off, ch, uj);
       store_floats(mbuf, ch.buf, ch, m);
     });
-    const float pr = _mm512_reduce_add_ps(probe);
-    if (pr != 0.0f || std::isnan(pr)) *bad = true;
-    const float amax = _mm512_reduce_max_ps(am);
+    const uint32_t bits = _mm512_reduce_max_epu32(am);
+    if (bits >= 0x7F800000u) *bad = true;
+    float amax;
+    std::memcpy(&amax, &bits, 4);
     quantize_block_in(d, mbuf, true, blk, L.row_len, amax > 0.0f ? 1.0f / amax : 0.0f, r, q_out);
     absmax_out[b] = amax;
   }

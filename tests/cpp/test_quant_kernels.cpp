@@ -268,5 +268,42 @@ TEST(Kernels, Avx512AdamW8bitStepEqualsPortableBitForBit) {
   }
 }
 
+// The 8-bit momentum step reports a NaN or an Inf the new momentum holds
+// (from the gradient, or from a scale that overflows), on every kernel set,
+// wherever in a block (first lane, middle, a partial last block) and of either sign.
+TEST(Kernels, MomentumStepReportsNanAndInfOnEveryKernelSet) {
+  const uint64_t seed = fresh_seed();
+  SCOPED_TRACE("seed " + std::to_string(seed));
+  const at::Tensor code = dynamic_map(true);
+  const cpu::CodeLut lut(code.data_ptr<float>());
+  const int64_t n = 1000;
+  const BlockLayout L(BlockShape::blocks(256), 1, n);
+  const at::Tensor q = at::randint(0, 256, {n}, at::kByte);
+  const at::Tensor a = testing::seeded_randn({L.num_blocks}, seed, 1).abs();
+  const cpu::Isa before = cpu::active_isa();
+  for (cpu::Isa isa : testing::quant_isas()) {
+    cpu::use_isa(isa);
+    at::Tensor qo = at::empty({n}, at::kByte), ao = at::empty({L.num_blocks}), u = at::empty({n});
+    at::Tensor g = testing::seeded_randn({n}, seed, 2);
+    EXPECT_TRUE(cpu::momentum8bit_step(g.data_ptr<float>(), q.data_ptr<uint8_t>(),
+                                       a.data_ptr<float>(), L, lut, 0.9f, true,
+                                       qo.data_ptr<uint8_t>(), ao.data_ptr<float>(),
+                                       u.data_ptr<float>()))
+        << cpu::isa_name(isa) << ": a finite step reported";
+    for (float bad : {NAN, -NAN, INFINITY, -INFINITY}) {
+      for (int64_t at : {int64_t{0}, int64_t{300}, n - 1}) {
+        at::Tensor gb = g.clone();
+        gb[at] = bad;
+        EXPECT_FALSE(cpu::momentum8bit_step(gb.data_ptr<float>(), q.data_ptr<uint8_t>(),
+                                            a.data_ptr<float>(), L, lut, 0.9f, true,
+                                            qo.data_ptr<uint8_t>(), ao.data_ptr<float>(),
+                                            u.data_ptr<float>()))
+            << cpu::isa_name(isa) << " missed " << bad << " at " << at;
+      }
+    }
+  }
+  cpu::use_isa(before);
+}
+
 }  // namespace
 }  // namespace rfsdp::quant
