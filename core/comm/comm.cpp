@@ -361,12 +361,7 @@ CommHandle Comm::reduce_scatter_all_to_all(const at::Tensor& buffer, const at::T
   const at::Tensor pieces = at::empty({size_ * S}, buffer.options());
   bytes_copied_ += nbytes(buffer) + nbytes(out);
   const std::vector<int64_t> splits(size_, S);
-  c10d::AllToAllOptions opts;
-  opts.timeout = timeout_;
-  at::Tensor o = pieces, i = buffer;
-  std::vector<int64_t> os = splits, is = splits;
-  auto work = group().alltoall_base(o, i, os, is, opts);
-  ++collectives_;
+  auto work = issue_all_to_all(pieces, buffer, splits, splits);
   const int64_t m = size_;
   return make_handle(
       {work},
@@ -427,13 +422,19 @@ CommHandle Comm::all_to_all(const at::Tensor& out, const at::Tensor& in,
                                 std::to_string(out.numel()) + "/" + std::to_string(in.numel()));
   }
   bytes_sent_ += (in_total - in_splits[rank_]) * static_cast<int64_t>(in.element_size());
+  return make_handle({issue_all_to_all(out, in, out_splits, in_splits)}, nullptr, "all_to_all", out);
+}
+
+c10::intrusive_ptr<compat::Work> Comm::issue_all_to_all(const at::Tensor& out, const at::Tensor& in,
+                                                        const std::vector<int64_t>& out_splits,
+                                                        const std::vector<int64_t>& in_splits) {
   c10d::AllToAllOptions opts;
   opts.timeout = timeout_;
   at::Tensor o = out, i = in;
   std::vector<int64_t> os = out_splits, is = in_splits;
   auto work = group().alltoall_base(o, i, os, is, opts);
   ++collectives_;
-  return make_handle({work}, nullptr, "all_to_all", out);
+  return work;
 }
 
 CommHandle Comm::all_reduce(const at::Tensor& t, ReduceOp op) {

@@ -181,6 +181,11 @@ class Comm {
                                      std::function<void()> average, int64_t S);
   CommHandle reduce_scatter_all_to_all(const at::Tensor& buffer, const at::Tensor& out,
                                        std::function<void()> average, int64_t S);
+  // The backend's all-to-all, issued and counted as a collective (the callers
+  // count their own bytes).
+  c10::intrusive_ptr<compat::Work> issue_all_to_all(const at::Tensor& out, const at::Tensor& in,
+                                                    const std::vector<int64_t>& out_splits,
+                                                    const std::vector<int64_t>& in_splits);
 
   c10::intrusive_ptr<c10d::ProcessGroup> pg_;
   int rank_, size_;

@@ -251,6 +251,15 @@ inline void prefetch(const T* x, const C& c, int64_t ahead) {
   }
 }
 
+// The float whose magnitude bits are `bits` (a block's max |x| as an unsigned
+// max); *bad set when it is Inf or NaN, the only bit patterns at or above Inf's.
+inline float absmax_of_bits(uint32_t bits, bool* bad) {
+  if (bits >= 0x7F800000u) *bad = true;
+  float amax;
+  std::memcpy(&amax, &bits, 4);
+  return amax;
+}
+
 // Max |x| over a block; *bad set when it holds NaN or Inf. |x|'s bits as
 // unsigned integers order as the values do, with Inf and every NaN above all
 // finite values: one integer max finds both (two operations an element).
@@ -269,11 +278,7 @@ float block_absmax(const float* x, const BlockLayout::Block& blk, int64_t row_le
     }
   });
   const __m512i a = _mm512_max_epu32(_mm512_max_epu32(am[0], am[1]), _mm512_max_epu32(am[2], am[3]));
-  const uint32_t bits = _mm512_reduce_max_epu32(a);
-  if (bits >= 0x7F800000u) *bad = true;
-  float amax;
-  std::memcpy(&amax, &bits, 4);
-  return amax;
+  return absmax_of_bits(_mm512_reduce_max_epu32(a), bad);
 }
 
 // Codes of a block: x (at the chunks' off, or at their buf when from_buf) times scale.
@@ -540,10 +545,7 @@ void momentum8bit_blocks(const float* g, const uint8_t* q, const float* absmax, 
       store_floats(u, ch.off, ch, uj);
       store_floats(mbuf, ch.buf, ch, m);
     });
-    const uint32_t bits = _mm512_reduce_max_epu32(am);
-    if (bits >= 0x7F800000u) *bad = true;
-    float amax;
-    std::memcpy(&amax, &bits, 4);
+    const float amax = absmax_of_bits(_mm512_reduce_max_epu32(am), bad);
     quantize_block_in(d, mbuf, true, blk, L.row_len, amax > 0.0f ? 1.0f / amax : 0.0f, r, q_out);
     absmax_out[b] = amax;
   }

@@ -83,24 +83,19 @@ int64_t tile_granule(const TensorSpec& t) {
   return is_matrix(t) ? tile_granule_rows(t.shape, t.row_dims, kTile) : 1;
 }
 
-std::vector<std::vector<int64_t>> head_splits(const std::vector<ParamShard>& ps, bool per_block) {
-  std::vector<std::vector<int64_t>> split(ps.size());
-  if (per_block) {
-    for (size_t i = 0; i < ps.size(); ++i) {
-      if (ps[i].name == "qkv") split[i] = std::vector<int64_t>(12, 8);
-    }
-  }
-  return split;
-}
+// qkv's 12 heads of 8 rows: Muon's blocks when a variant takes it per head.
+std::vector<int64_t> qkv_heads() { return std::vector<int64_t>(12, 8); }
 
 std::unique_ptr<ShardedOptimizer> make_muon(std::shared_ptr<Comm> comm, std::vector<ParamShard> ps,
                                             MuonOptions o, bool per_block) {
   std::vector<bool> use;
-  for (const auto& p : ps) use.push_back(p.shape.size() >= 2);
-  // Planned per-block shards carry the heads themselves (TensorSpec::blocks);
-  // FSDP2's chunk rows name them.
-  const bool carried = !ps.empty() && !ps[1].blocks.empty();
-  auto split = head_splits(ps, per_block && !carried);
+  std::vector<std::vector<int64_t>> split(ps.size());
+  for (size_t i = 0; i < ps.size(); ++i) {
+    use.push_back(ps[i].shape.size() >= 2);
+    // Planned per-block shards carry the heads themselves (TensorSpec::blocks);
+    // FSDP2's chunk rows name them.
+    if (per_block && ps[i].name == "qkv" && ps[i].blocks.empty()) split[i] = qkv_heads();
+  }
   return std::make_unique<Muon>(std::move(comm), std::move(ps), o, std::vector<int>{}, use,
                                 std::move(split));
 }
@@ -192,7 +187,7 @@ std::vector<Variant> variants() {
 Plan plan_for(const Variant& v, int64_t world) {
   std::vector<TensorSpec> specs = model_specs();
   for (TensorSpec& t : specs) {
-    if (v.per_block && t.name == "qkv") t.blocks = std::vector<int64_t>(12, 8);
+    if (v.per_block && t.name == "qkv") t.blocks = qkv_heads();
     t.granule_rows = t.blocks.empty() ? 1 : block_granule_rows(t.name, t.shape, t.row_dims, t.blocks);
     if (v.granule) t.granule_rows = combine_granules(t.granule_rows, v.granule(t), t.rows());
   }
@@ -256,7 +251,6 @@ RankRows run_chunks(const Variant& v, int world, uint64_t seed) {
   run_local_ranks(world, [&](Comm& c) {
     auto comm = std::shared_ptr<Comm>(&c, [](Comm*) {});
     std::vector<ParamShard> ps;
-    std::vector<std::pair<int64_t, int64_t>> mine_rows;
     for (size_t i = 0; i < specs.size(); ++i) {
       const TensorSpec& t = specs[i];
       const int64_t d0 = t.shape[0], per_d0 = t.rows() / d0, c0 = (d0 + world - 1) / world;
@@ -265,28 +259,21 @@ RankRows run_chunks(const Variant& v, int world, uint64_t seed) {
         every.push_back({std::min(r * c0, d0) * per_d0, std::min((r + 1) * c0, d0) * per_d0});
       }
       const auto [b, e] = every[c.rank()];
-      mine_rows.push_back({b, e});
       const at::Tensor full = seeded_randn(t.shape, seed, i).reshape(-1);
       ps.emplace_back(TensorShard::rows_of(t.name, t.shape, t.row_dims, b, e, every),
                       full.narrow(0, b * t.row_elems(), (e - b) * t.row_elems()).clone(),
                       at::zeros({(e - b) * t.row_elems()}));
     }
-    std::vector<at::Tensor> params, grads;
-    for (const auto& p : ps) {
-      params.push_back(p.param);
-      grads.push_back(p.grad);
-    }
-    auto opt = v.make(comm, ps);
+    auto opt = v.make(comm, ps);  // the shards' tensors are the optimizer's
     for (int s = 0; s < kSteps; ++s) {
       for (size_t i = 0; i < specs.size(); ++i) {
-        const int64_t len = specs[i].row_elems();
-        const auto [b, e] = mine_rows[i];
-        grads[i].copy_(grad_of(specs[i], seed, s, i).reshape(-1).narrow(0, b * len, (e - b) * len));
+        const at::Tensor g = grad_of(specs[i], seed, s, i).reshape(-1);
+        ps[i].grad.copy_(g.narrow(0, ps[i].row_begin * ps[i].row_len, ps[i].numel()));
       }
       opt->step();
     }
     std::vector<at::Tensor> mine;
-    for (const auto& p : params) mine.push_back(p.clone());
+    for (const auto& p : ps) mine.push_back(p.param.clone());
     std::lock_guard<std::mutex> lock(mu);
     rows[c.rank()] = std::move(mine);
   });
