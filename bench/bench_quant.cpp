@@ -58,12 +58,15 @@ std::string cpu_model() {
 int main(int argc, char** argv) {
   int threads = 1, reps = 5;
   int64_t max_m = 64;
+  std::string only;  // --paths: a comma-separated subset of portable, avx2, avx512, generic
   for (int i = 1; i < argc; ++i) {
     if (!std::strcmp(argv[i], "--threads") && i + 1 < argc) threads = std::atoi(argv[++i]);
     else if (!std::strcmp(argv[i], "--reps") && i + 1 < argc) reps = std::atoi(argv[++i]);
     else if (!std::strcmp(argv[i], "--max-mib") && i + 1 < argc) max_m = std::atoll(argv[++i]);
+    else if (!std::strcmp(argv[i], "--paths") && i + 1 < argc) only = "," + std::string(argv[++i]) + ",";
     else {
-      std::fprintf(stderr, "usage: bench_quant [--threads N] [--reps N] [--max-mib M]\n");
+      std::fprintf(stderr, "usage: bench_quant [--threads N] [--reps N] [--max-mib M] "
+                           "[--paths portable,avx2,avx512,generic]\n");
       return 2;
     }
   }
@@ -74,9 +77,12 @@ int main(int argc, char** argv) {
   std::printf("threads %d, medians of %d; GB/s = bytes read + written / time; memcpy of the same "
               "bytes is the floor\n\n",
               threads, reps);
-  std::vector<cpu::Isa> isas = {cpu::Isa::kPortable};
-  for (cpu::Isa isa : {cpu::Isa::kAvx2, cpu::Isa::kAvx512}) {
-    if (cpu::isa_supported(isa)) isas.push_back(isa);
+  auto wanted = [&](const char* path) {
+    return only.empty() || only.find("," + std::string(path) + ",") != std::string::npos;
+  };
+  std::vector<cpu::Isa> isas;
+  for (cpu::Isa isa : {cpu::Isa::kPortable, cpu::Isa::kAvx2, cpu::Isa::kAvx512}) {
+    if (cpu::isa_supported(isa) && wanted(cpu::isa_name(isa))) isas.push_back(isa);
   }
   std::printf("%-7s %-10s %-8s | %9s %9s %6s | %9s %9s %6s | %9s %9s %9s %6s\n", "elems", "blocks",
               "kernels", "quant", "memcpy", "ratio", "dequant", "memcpy", "ratio", "adam8 GB/s",
@@ -219,7 +225,7 @@ int main(int argc, char** argv) {
     };
     std::vector<Path> paths;
     for (cpu::Isa isa : isas) paths.push_back({cpu::isa_name(isa), isa, false});
-    paths.push_back({"generic", cpu::active_isa(), true});
+    if (wanted("generic")) paths.push_back({"generic", cpu::active_isa(), true});
     for (const Path& path : paths) {
       cpu::use_isa(path.isa);
       use_device_generic_path(path.generic);

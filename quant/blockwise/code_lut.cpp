@@ -43,9 +43,15 @@ CodeLut::CodeLut(const float* code256, bool keep_nonzero) : keep_nonzero_(keep_n
     if (ib > ia + 1) exact_ = false;
     table_[slot] = ia;
   }
-  table32_.assign(table_.begin(), table_.end());
   slot_mid_.resize(8192);
   for (uint32_t slot = 0; slot < 8192; ++slot) slot_mid_[slot] = mid_[table_[slot]];
+  entry_by_top16_.resize(65536);
+  for (uint32_t top = 0; top < 65536; ++top) {
+    const uint32_t slot = key(bits_to_float(top << 16));  // key reads only the top 16 bits
+    uint32_t mid_bits;
+    std::memcpy(&mid_bits, &slot_mid_[slot], 4);
+    entry_by_top16_[top] = static_cast<int32_t>((mid_bits & ~0xFFu) | table_[slot]);
+  }
   index_ = arithmetic_index(code_, mid_);
   for (int i = 0; i < 256; ++i) {
     const int m = index_ ? index_->mid_slot(i) : i;

@@ -35,10 +35,16 @@ class CodeLut {
   const uint8_t* code_planes() const { return code_planes_; }
   const uint8_t* index_mid_planes() const { return index_mid_planes_; }
   const uint8_t* table() const { return table_.data(); }
-  // The table's entries as int32 (the AVX2 kernels gather them).
-  const int32_t* table32() const { return table32_.data(); }
   // slot_mid()[slot] == mid()[table()[slot]]: the compare needs no dependent load.
   const float* slot_mid() const { return slot_mid_.data(); }
+  // For kernels that gather (AVX2): a float's slot entry by its top 16 bits (sign,
+  // exponent, 7 mantissa bits: the key before its binade is clamped), so the slot
+  // costs one shift; 65536 int32 (256 KiB), of which data touch the few binades
+  // they span. An entry is slot_mid's bits with the low 8 replaced by table()'s
+  // entry t: compared with that truncated midpoint a value decides as with mid()[t]
+  // unless its top 24 bits equal the entry's (within 255 ulps of it), the one case
+  // that needs mid()[t] itself.
+  const int32_t* entry_by_top16() const { return entry_by_top16_.data(); }
   // Index of the code value nearest to v (ties to the lower index).
   inline uint8_t nearest(float v) const;
   uint8_t nearest_by_search(float v) const;  // binary search; the reference for the table
@@ -57,7 +63,7 @@ class CodeLut {
   float code_[256];
   float mid_[256];  // mid_[i] = (code[i] + code[i+1]) / 2 (keep_nonzero: mid_[0] = 0); mid_[255] = +inf
   std::vector<uint8_t> table_;
-  std::vector<int32_t> table32_;
+  std::vector<int32_t> entry_by_top16_;
   std::vector<float> slot_mid_;
   bool exact_ = true;
   bool keep_nonzero_ = false;

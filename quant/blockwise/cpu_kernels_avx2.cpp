@@ -25,13 +25,12 @@ struct IndexRegs {
   bool fold;
   const float* mid;
   const CodeIndex* ix;
-  // Where the lookup table is exact (the dynamic maps): its entry and the entry's
-  // midpoint, two gathers, in place of the index (fewer instructions a lane).
-  const int32_t* table;
-  const float* slot_mid;
+  // Where the lookup table is exact (the dynamic maps): its slot entries (one
+  // gather a lane) in place of the index (fewer instructions a lane).
+  const int32_t* entry;
   explicit IndexRegs(const CodeLut& lut)
       : fold(lut.index()->fold), mid(lut.mid()), ix(lut.index()),
-        table(lut.table_exact() ? lut.table32() : nullptr), slot_mid(lut.slot_mid()) {
+        entry(lut.table_exact() ? lut.entry_by_top16() : nullptr) {
     for (int k = 0; k < 4; ++k) key[k] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(ix->binade_key + 8 * k));
     for (int k = 0; k < 2; ++k) a[k] = _mm256_loadu_ps(ix->a + 8 * k), b[k] = _mm256_loadu_ps(ix->b + 8 * k);
     lo = _mm256_set1_ps(ix->lo);
@@ -84,18 +83,17 @@ inline __m256i nearest8(__m256 v, const IndexRegs& r) {
   return pack_saturate(_mm256_blendv_epi8(n, _mm256_sub_epi32(_mm256_set1_epi32(254), n), negative));
 }
 
-// CodeLut::nearest for 8 lanes: the table slot of v (sign, binade, 7 mantissa
-// bits), its entry, one compare against the entry's midpoint.
-inline __m256i nearest8_table(__m256 v, const int32_t* table, const float* slot_mid) {
+// CodeLut::nearest for 8 lanes: one gather of the slot entry by the value's top 16
+// bits (its code index and truncated midpoint: CodeLut::entry_by_top16), one
+// compare; the exact midpoint is gathered only for lanes within 255 ulps of it.
+inline __m256i nearest8_table(__m256 v, const int32_t* entry, const float* mid) {
   const __m256i bits = _mm256_castps_si256(v);
-  __m256i e = _mm256_sub_epi32(_mm256_and_si256(_mm256_srli_epi32(bits, 23), _mm256_set1_epi32(0xFF)),
-                               _mm256_set1_epi32(96));
-  e = _mm256_min_epi32(_mm256_max_epi32(e, _mm256_setzero_si256()), _mm256_set1_epi32(31));
-  const __m256i k = _mm256_or_si256(
-      _mm256_or_si256(_mm256_slli_epi32(_mm256_srli_epi32(bits, 31), 12), _mm256_slli_epi32(e, 7)),
-      _mm256_and_si256(_mm256_srli_epi32(bits, 16), _mm256_set1_epi32(0x7F)));
-  const __m256i t = _mm256_i32gather_epi32(table, k, 4);
-  const __m256 m = _mm256_i32gather_ps(slot_mid, k, 4);
+  const __m256i e = _mm256_i32gather_epi32(entry, _mm256_srli_epi32(bits, 16), 4);
+  const __m256i t = _mm256_and_si256(e, _mm256_set1_epi32(0xFF));
+  __m256 m = _mm256_castsi256_ps(_mm256_andnot_si256(_mm256_set1_epi32(0xFF), e));
+  const __m256i near = _mm256_cmpeq_epi32(_mm256_srli_epi32(_mm256_xor_si256(bits, e), 8),
+                                          _mm256_setzero_si256());
+  if (!_mm256_testz_si256(near, near)) m = _mm256_mask_i32gather_ps(m, mid, t, _mm256_castsi256_ps(near), 4);
   return _mm256_sub_epi32(t, _mm256_castps_si256(_mm256_cmp_ps(v, m, _CMP_GT_OQ)));
 }
 
@@ -119,12 +117,6 @@ inline float hmax(__m256 x) {
   m = _mm_max_ss(m, _mm_shuffle_ps(m, m, 1));
   return _mm_cvtss_f32(m);
 }
-inline float hsum(__m256 x) {
-  __m128 m = _mm_add_ps(_mm256_castps256_ps128(x), _mm256_extractf128_ps(x, 1));
-  m = _mm_add_ps(m, _mm_movehl_ps(m, m));
-  m = _mm_add_ss(m, _mm_shuffle_ps(m, m, 1));
-  return _mm_cvtss_f32(m);
-}
 
 // Codes of x[i] * scale, n values. (The index copied here stays in registers:
 // the byte stores may alias the caller's copy.)
@@ -137,20 +129,20 @@ void encode_run_as(const float* x, float scale, int64_t n, const IndexRegs& regs
   for (; i < n; ++i) q[i] = static_cast<uint8_t>(r.ix->nearest(x[i] * scale, r.mid));
 }
 void encode_run(const float* x, float scale, int64_t n, const IndexRegs& r, uint8_t* q) {
-  if (r.table) {
+  if (r.entry) {
     const __m256 s = _mm256_set1_ps(scale);
     int64_t i = 0;
     for (; i + 32 <= n; i += 32) {  // four lanes of 8 -> 32 bytes
       __m256i c[4];
       for (int j = 0; j < 4; ++j) {
-        c[j] = nearest8_table(_mm256_mul_ps(_mm256_loadu_ps(x + i + 8 * j), s), r.table, r.slot_mid);
+        c[j] = nearest8_table(_mm256_mul_ps(_mm256_loadu_ps(x + i + 8 * j), s), r.entry, r.mid);
       }
       const __m256i b = _mm256_packus_epi16(_mm256_packus_epi32(c[0], c[1]), _mm256_packus_epi32(c[2], c[3]));
       _mm256_storeu_si256(reinterpret_cast<__m256i*>(q + i),
                           _mm256_permutevar8x32_epi32(b, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7)));
     }
     for (; i + 8 <= n; i += 8) {
-      store8_codes(q + i, nearest8_table(_mm256_mul_ps(_mm256_loadu_ps(x + i), s), r.table, r.slot_mid));
+      store8_codes(q + i, nearest8_table(_mm256_mul_ps(_mm256_loadu_ps(x + i), s), r.entry, r.mid));
     }
     for (; i < n; ++i) q[i] = static_cast<uint8_t>(r.ix->nearest(x[i] * scale, r.mid));
     return;
@@ -159,29 +151,67 @@ void encode_run(const float* x, float scale, int64_t n, const IndexRegs& r, uint
   encode_run_as<false>(x, scale, n, r, q);
 }
 
-// Max |x| over a block; *bad set when it holds NaN or Inf (x * 0 is then NaN).
+// How far block_absmax prefetches: a block or more ahead (4 KiB of floats along a
+// long row, two tiles along a tile's row), as the AVX-512 kernels. (The fused
+// steps run slower with it: their decode and stores keep the load ports busy.)
+inline int64_t prefetch_distance(const BlockLayout::Block& blk) { return blk.seg_len <= 32 ? 64 : 1024; }
+
+// The largest of 8 unsigned lanes.
+inline uint32_t max_lane(__m256i m) {
+  __m128i h = _mm_max_epu32(_mm256_castsi256_si128(m), _mm256_extracti128_si256(m, 1));
+  h = _mm_max_epu32(h, _mm_shuffle_epi32(h, _MM_SHUFFLE(1, 0, 3, 2)));
+  h = _mm_max_epu32(h, _mm_shuffle_epi32(h, _MM_SHUFFLE(2, 3, 0, 1)));
+  return static_cast<uint32_t>(_mm_cvtsi128_si32(h));
+}
+
+// The float whose magnitude bits are the larger of `bits` and `tail`; *bad set when
+// it is Inf or NaN, the only bit patterns at or above Inf's.
+inline float absmax_of_bits(uint32_t bits, uint32_t tail, bool* bad) {
+  bits = bits < tail ? tail : bits;
+  if (bits >= 0x7F800000u) *bad = true;
+  float amax;
+  std::memcpy(&amax, &bits, 4);
+  return amax;
+}
+
+// Max |x| over a block; *bad set when it holds NaN or Inf. |x|'s bits as unsigned
+// integers order as the values do, Inf and every NaN above all finite values: one
+// integer max finds both (AVX-512's rule).
 float block_absmax(const float* x, const BlockLayout::Block& blk, int64_t row_len, bool* bad) {
-  __m256 am = _mm256_setzero_ps(), am2 = _mm256_setzero_ps(), probe = _mm256_setzero_ps();
-  const __m256 zero = _mm256_setzero_ps();
-  float tail = 0.0f, tail_probe = 0.0f;
+  const __m256i magnitude = _mm256_set1_epi32(0x7FFFFFFF);
+  __m256i am[4];
+  for (int j = 0; j < 4; ++j) am[j] = _mm256_setzero_si256();
+  uint32_t tail = 0;
+  const int64_t ahead = prefetch_distance(blk);
   for (int64_t s = 0; s < blk.segments; ++s) {
     const float* p = x + blk.start + s * row_len;
     int64_t i = 0;
-    for (; i + 16 <= blk.seg_len; i += 16) {
-      const __m256 a = _mm256_loadu_ps(p + i), b = _mm256_loadu_ps(p + i + 8);
-      am = _mm256_max_ps(am, abs8(a));
-      am2 = _mm256_max_ps(am2, abs8(b));
-      probe = _mm256_add_ps(probe, _mm256_add_ps(_mm256_mul_ps(a, zero), _mm256_mul_ps(b, zero)));
+    for (; i + 32 <= blk.seg_len; i += 32) {
+      _mm_prefetch(reinterpret_cast<const char*>(p + i + ahead), _MM_HINT_T0);
+      _mm_prefetch(reinterpret_cast<const char*>(p + i + ahead + 16), _MM_HINT_T0);
+      for (int j = 0; j < 4; ++j) {
+        const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + i + 8 * j));
+        am[j] = _mm256_max_epu32(am[j], _mm256_and_si256(v, magnitude));
+      }
+    }
+    if (blk.seg_len < 32) {
+      _mm_prefetch(reinterpret_cast<const char*>(p + ahead), _MM_HINT_T0);
+      _mm_prefetch(reinterpret_cast<const char*>(p + ahead + 16), _MM_HINT_T0);
+    }
+    for (; i + 8 <= blk.seg_len; i += 8) {
+      const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + i));
+      am[0] = _mm256_max_epu32(am[0], _mm256_and_si256(v, magnitude));
     }
     for (; i < blk.seg_len; ++i) {
-      tail = tail < std::fabs(p[i]) ? std::fabs(p[i]) : tail;
-      tail_probe += p[i] * 0.0f;
+      uint32_t bits;
+      std::memcpy(&bits, p + i, 4);
+      bits &= 0x7FFFFFFFu;
+      tail = tail < bits ? bits : tail;
     }
   }
-  const float pr = hsum(probe) + tail_probe;
-  if (pr != 0.0f || std::isnan(pr)) *bad = true;
-  const float v = hmax(_mm256_max_ps(am, am2));
-  return v < tail ? tail : v;
+  return absmax_of_bits(max_lane(_mm256_max_epu32(_mm256_max_epu32(am[0], am[1]),
+                                                  _mm256_max_epu32(am[2], am[3]))),
+                        tail, bad);
 }
 
 // The codes of a block under absmax amax: from x in the tensor's layout, or
@@ -348,10 +378,14 @@ void momentum8bit_blocks(const float* g, const uint8_t* q, const float* absmax, 
   const bool small_w = std::fabs(w) < 0.5f, small_beta = std::fabs(beta) < 0.5f;
   const __m256 wv = _mm256_set1_ps(w), omw = _mm256_set1_ps(1.0f - w);
   const __m256 bv = _mm256_set1_ps(beta), omb = _mm256_set1_ps(1.0f - beta);
+  const __m256i magnitude = _mm256_set1_epi32(0x7FFFFFFF);
   for (int64_t b = b0; b < b1; ++b) {
     const auto blk = L.block(b);
     const float a = absmax[b];
     const __m256 av = _mm256_set1_ps(a);
+    // the new momentum's max |m| as it is made (block_absmax's integer max)
+    __m256i am = _mm256_setzero_si256();
+    uint32_t tail = 0;
     for (int64_t s = 0; s < blk.segments; ++s) {
       const int64_t off = blk.start + s * L.row_len, k = s * blk.seg_len;
       int64_t i = 0;
@@ -360,15 +394,19 @@ void momentum8bit_blocks(const float* g, const uint8_t* q, const float* absmax, 
         const __m256 m = torch_lerp(_mm256_mul_ps(decode8(q + off + i, code), av), gj, small_w, wv, omw);
         _mm256_storeu_ps(mbuf + k + i, m);
         _mm256_storeu_ps(u + off + i, nesterov ? torch_lerp(gj, m, small_beta, bv, omb) : m);
+        am = _mm256_max_epu32(am, _mm256_and_si256(_mm256_castps_si256(m), magnitude));
       }
       for (; i < blk.seg_len; ++i) {
         const float m = torch_lerp(code[q[off + i]] * a, g[off + i], w);
         mbuf[k + i] = m;
         u[off + i] = nesterov ? torch_lerp(g[off + i], m, beta) : m;
+        uint32_t bits;
+        std::memcpy(&bits, &m, 4);
+        bits &= 0x7FFFFFFFu;
+        tail = tail < bits ? bits : tail;
       }
     }
-    const BlockLayout::Block packed{0, 1, blk.count, blk.count};
-    const float amax = block_absmax(mbuf, packed, blk.count, bad);
+    const float amax = absmax_of_bits(max_lane(am), tail, bad);
     quantize_block(mbuf, true, blk, L.row_len, amax, r, q_out);
     absmax_out[b] = amax;
   }

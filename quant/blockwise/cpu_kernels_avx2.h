@@ -1,10 +1,12 @@
 // The AVX2 (+FMA) kernels of block-wise 8-bit quantisation, for CPUs without
 // AVX-512 VBMI (AMD Zen 2/3, Intel before Ice Lake); chosen at run time by
 // cpu_kernels.cpp. Same contracts as the portable kernels (cpu_kernels.h), over
-// blocks [b0, b1), bit for bit: the nearest code from the code's arithmetic index
-// (code_index.h: its binade keys and level coefficients in registers, the midpoint
-// by a gather), so quantising needs lut.index(); codes decoded by a gather; the
-// AdamW and lerp arithmetic as adamw_update.h writes it (no FMA there).
+// blocks [b0, b1), bit for bit: the nearest code from the table's entry by a
+// value's top 16 bits (one gather: CodeLut::entry_by_top16) where the table is
+// exact, else from the code's arithmetic index (code_index.h: its binade keys and
+// level coefficients in registers, the midpoint by a gather), so quantising needs
+// lut.index(); codes decoded by a gather; the AdamW and lerp arithmetic as
+// adamw_update.h writes it (no FMA there).
 #pragma once
 
 #include <cstdint>

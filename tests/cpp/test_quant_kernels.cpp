@@ -11,6 +11,7 @@
 #include <limits>
 #include <random>
 #include <stdexcept>
+#include <vector>
 
 #include "quant/blockwise/code_index.h"
 #include "quant/blockwise/code_maps.h"
@@ -158,6 +159,37 @@ TEST(Kernels, QuantiseGivesTheSearchsCodeForEveryValue) {
         }
       });
     }
+  }
+}
+
+// Values within a few hundred ulps of every midpoint, where AVX2's truncated
+// midpoint cannot decide and the exact one must: every kernel set gives the
+// search's code (each block holds a +-1, so its scale is exactly 1).
+TEST(Kernels, QuantiseDecidesExactlyNextToEveryMidpoint) {
+  for (const auto& [code, keep_nonzero] : shipped_roundings()) {
+    SCOPED_TRACE(keep_nonzero ? "keep_nonzero" : "nearest");
+    const auto lut = code_lut(code, keep_nonzero);
+    std::vector<float> xs;
+    for (int i = 0; i < 255; ++i) {
+      const float m = lut->mid()[i];
+      uint32_t bits;
+      std::memcpy(&bits, &m, 4);
+      for (int d = -300; d <= 300; d += 3) {
+        const float v = float_of(bits + static_cast<uint32_t>(d));
+        if (std::fabs(v) < 1.0f && std::isfinite(v)) xs.push_back(v);
+      }
+    }
+    const int64_t n = (static_cast<int64_t>(xs.size()) + 255) / 256 * 256;
+    xs.resize(n, 0.0f);
+    for (int64_t e = 0; e < n; e += 256) xs[e] = (e / 256) % 2 ? 1.0f : -1.0f;
+    const BlockLayout L(BlockShape::blocks(256), 1, n);
+    testing::for_each_quant_isa([&](cpu::Isa) {
+      at::Tensor q = at::full({n}, 0xAB, at::kByte), a = at::empty({L.num_blocks});
+      ASSERT_TRUE(cpu::quantize(xs.data(), L, *lut, q.data_ptr<uint8_t>(), a.data_ptr<float>()));
+      for (int64_t e = 0; e < n; ++e) {
+        ASSERT_EQ(q.data_ptr<uint8_t>()[e], lut->nearest_by_search(xs[e])) << "x = " << xs[e];
+      }
+    });
   }
 }
 
