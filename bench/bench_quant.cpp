@@ -153,8 +153,8 @@ int main(int argc, char** argv) {
   // Muon's 8-bit momentum (blocks of 256): codes r/w (2) + grad r (4) + update w (4) = 10 B
   // per element, against memcpy of as many bytes and the fp32 momentum as Muon steps it
   // (m' = lerp(m, g), u = lerp(g, m'), m <- m': 36 B per element through ATen).
-  std::printf("\n%-7s | %12s %9s %6s | %12s %8s\n", "elems", "mom8 GB/s", "memcpy", "ratio",
-              "fp32 GB/s", "t32/t8");
+  std::printf("\n%-7s %-8s | %12s %9s %6s | %12s %8s\n", "elems", "kernels", "mom8 GB/s", "memcpy",
+              "ratio", "fp32 GB/s", "t32/t8");
   const auto lut = code_lut(dynamic_map(true));
   for (int64_t mi = 1; mi <= max_m; mi *= 4) {
     const int64_t n = mi << 20;
@@ -164,11 +164,15 @@ int main(int argc, char** argv) {
     at::Tensor m = at::randn({n});
     std::vector<char> src(n * 10), dst(n * 10);
     std::memset(src.data(), 1, src.size());
-    const double t8 = median_seconds(reps, [&] {
-      cpu::momentum8bit_step(g.data_ptr<float>(), q.data_ptr<uint8_t>(), a.data_ptr<float>(), L,
-                             *lut, 0.95f, true, q2.data_ptr<uint8_t>(), a2.data_ptr<float>(),
-                             u.data_ptr<float>());
-    });
+    std::vector<double> t8;
+    for (cpu::Isa isa : isas) {
+      cpu::use_isa(isa);
+      t8.push_back(median_seconds(reps, [&] {
+        cpu::momentum8bit_step(g.data_ptr<float>(), q.data_ptr<uint8_t>(), a.data_ptr<float>(), L,
+                               *lut, 0.95f, true, q2.data_ptr<uint8_t>(), a2.data_ptr<float>(),
+                               u.data_ptr<float>());
+      }));
+    }
     const double tm = median_seconds(reps, [&] {
       at::parallel_for(0, n * 5, 1 << 20, [&](int64_t x, int64_t y) {
         std::memcpy(dst.data() + x, src.data() + x, y - x);
@@ -179,8 +183,11 @@ int main(int argc, char** argv) {
       const at::Tensor uu = g.lerp(nm, 0.95);
       m.copy_(nm);
     });
-    std::printf("%-7s | %12.2f %9.2f %6.2f | %12.2f %8.2f\n", (std::to_string(mi) + "M").c_str(),
-                n * 10.0 / t8 / 1e9, n * 10.0 / tm / 1e9, tm / t8, n * 36.0 / t32 / 1e9, t32 / t8);
+    for (size_t i = 0; i < isas.size(); ++i) {
+      std::printf("%-7s %-8s | %12.2f %9.2f %6.2f | %12.2f %8.2f\n", (std::to_string(mi) + "M").c_str(),
+                  cpu::isa_name(isas[i]), n * 10.0 / t8[i] / 1e9, n * 10.0 / tm / 1e9, tm / t8[i],
+                  n * 36.0 / t32 / 1e9, t32 / t8[i]);
+    }
   }
 
   // Every path side by side on the 8-bit states' operations (1-D blocks of 256), through

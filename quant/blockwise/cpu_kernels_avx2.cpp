@@ -128,7 +128,8 @@ void encode_run_as(const float* x, float scale, int64_t n, const IndexRegs& regs
   for (; i + 8 <= n; i += 8) store8_codes(q + i, nearest8<Fold>(_mm256_mul_ps(_mm256_loadu_ps(x + i), s), r));
   for (; i < n; ++i) q[i] = static_cast<uint8_t>(r.ix->nearest(x[i] * scale, r.mid));
 }
-void encode_run(const float* x, float scale, int64_t n, const IndexRegs& r, uint8_t* q) {
+__attribute__((always_inline)) inline void encode_run(const float* x, float scale, int64_t n,
+                                                   const IndexRegs& r, uint8_t* q) {
   if (r.entry) {
     const __m256 s = _mm256_set1_ps(scale);
     int64_t i = 0;
@@ -238,6 +239,17 @@ struct StepRegs {
         step(_mm256_set1_ps(k.step_size)), isb(_mm256_set1_ps(k.inv_sqrt_bc2)), eps(_mm256_set1_ps(k.eps)) {}
 };
 
+// A tile row's inputs two tiles ahead along the row (tiles read 32 rows at once:
+// more streams than the hardware prefetcher follows; long rows do without).
+inline void prefetch_tile_row(int64_t at, const float* p, const float* g, const uint8_t* q1,
+                              const uint8_t* q2) {
+  for (const float* x : {p + at, p + at + 16, g + at, g + at + 16}) {
+    _mm_prefetch(reinterpret_cast<const char*>(x), _MM_HINT_T0);
+  }
+  _mm_prefetch(reinterpret_cast<const char*>(q1 + at), _MM_HINT_T0);
+  _mm_prefetch(reinterpret_cast<const char*>(q2 + at), _MM_HINT_T0);
+}
+
 // The first half of a block's step: decode, update (adamw_update's operations one
 // by one), the new moments packed into mbuf, vbuf, their max |.| into amax1, amax2.
 void update_block(const StepRegs& R, float* p, const float* g, const uint8_t* q1,
@@ -248,6 +260,7 @@ void update_block(const StepRegs& R, float* p, const float* g, const uint8_t* q1
   float t1 = 0.0f, t2 = 0.0f;
   for (int64_t s = 0; s < blk.segments; ++s) {
     const int64_t off = blk.start + s * row_len, k = s * blk.seg_len;
+    if (blk.seg_len <= 32) prefetch_tile_row(off + 2 * blk.seg_len, p, g, q1, q2);
     int64_t i = 0;
     for (; i + 8 <= blk.seg_len; i += 8) {
       const int64_t e = off + i;
