@@ -256,6 +256,11 @@ void update_block(const StepRegs& R, float* p, const float* g, const uint8_t* q1
                   const uint8_t* q2, float absmax1, float absmax2, const BlockLayout::Block& blk,
                   int64_t row_len, float* mbuf, float* vbuf, float* amax1, float* amax2) {
   const __m256 a1 = _mm256_set1_ps(absmax1), a2 = _mm256_set1_ps(absmax2);
+  // the coefficients in registers (the stores below may alias R, so R's would be
+  // reloaded every step: loads the gathers need)
+  const __m256 b1 = R.b1, omb1 = R.omb1, b2 = R.b2, omb2 = R.omb2, decay = R.decay, step = R.step,
+               isb = R.isb, eps = R.eps;
+  const float *code1 = R.code1, *code2 = R.code2;
   __m256 am1 = _mm256_setzero_ps(), am2 = _mm256_setzero_ps();
   float t1 = 0.0f, t2 = 0.0f;
   for (int64_t s = 0; s < blk.segments; ++s) {
@@ -265,13 +270,13 @@ void update_block(const StepRegs& R, float* p, const float* g, const uint8_t* q1
     for (; i + 8 <= blk.seg_len; i += 8) {
       const int64_t e = off + i;
       const __m256 gj = _mm256_loadu_ps(g + e);
-      const __m256 m = _mm256_add_ps(_mm256_mul_ps(R.b1, _mm256_mul_ps(decode8(q1 + e, R.code1), a1)),
-                                     _mm256_mul_ps(R.omb1, gj));
-      const __m256 v = _mm256_add_ps(_mm256_mul_ps(R.b2, _mm256_mul_ps(decode8(q2 + e, R.code2), a2)),
-                                     _mm256_mul_ps(_mm256_mul_ps(R.omb2, gj), gj));
-      const __m256 denom = _mm256_add_ps(_mm256_mul_ps(_mm256_sqrt_ps(v), R.isb), R.eps);
-      const __m256 pj = _mm256_sub_ps(_mm256_mul_ps(_mm256_loadu_ps(p + e), R.decay),
-                                      _mm256_mul_ps(R.step, _mm256_div_ps(m, denom)));
+      const __m256 m = _mm256_add_ps(_mm256_mul_ps(b1, _mm256_mul_ps(decode8(q1 + e, code1), a1)),
+                                     _mm256_mul_ps(omb1, gj));
+      const __m256 v = _mm256_add_ps(_mm256_mul_ps(b2, _mm256_mul_ps(decode8(q2 + e, code2), a2)),
+                                     _mm256_mul_ps(_mm256_mul_ps(omb2, gj), gj));
+      const __m256 denom = _mm256_add_ps(_mm256_mul_ps(_mm256_sqrt_ps(v), isb), eps);
+      const __m256 pj = _mm256_sub_ps(_mm256_mul_ps(_mm256_loadu_ps(p + e), decay),
+                                      _mm256_mul_ps(step, _mm256_div_ps(m, denom)));
       _mm256_storeu_ps(p + e, pj);
       _mm256_storeu_ps(mbuf + k + i, m);
       _mm256_storeu_ps(vbuf + k + i, v);
