@@ -149,6 +149,26 @@ inline __m512i encode64(const __m512 v[4], const IndexRegs& r) {
   return swap_order(pack_bytes(n[0], n[1], n[2], n[3]));
 }
 
+// CodeLut::nearest for 64 values (natural order) -> 64 bytes, natural order, by
+// gathers of the table entry by each value's top 16 bits (the AVX2 kernels' rule:
+// CodeLut::entry_by_top16; the exact midpoint only within 255 ulps of it). It
+// loads where encode64 shuffles, so a step that encodes two moments runs one of
+// each side by side.
+inline __m512i encode64_table(const __m512 v[4], const int32_t* entry, const float* mid) {
+  const __m512i low = _mm512_set1_epi32(0xFF), one = _mm512_set1_epi32(1);
+  __m512i n[4];
+  for (int s = 0; s < 4; ++s) {
+    const __m512i bits = _mm512_castps_si512(v[s]);
+    const __m512i e = _mm512_i32gather_epi32(_mm512_srli_epi32(bits, 16), entry, 4);
+    const __m512i t = _mm512_and_si512(e, low);
+    __m512 m = _mm512_castsi512_ps(_mm512_andnot_si512(low, e));
+    const __mmask16 near = _mm512_testn_epi32_mask(_mm512_xor_si512(bits, e), _mm512_set1_epi32(~0xFF));
+    if (near) m = _mm512_mask_i32gather_ps(m, near, t, mid, 4);
+    n[s] = _mm512_mask_add_epi32(t, _mm512_cmp_ps_mask(v[s], m, _CMP_GT_OQ), t, one);
+  }
+  return swap_order(pack_bytes(n[0], n[1], n[2], n[3]));
+}
+
 inline __mmask16 lanes(int64_t k, int s) {
   const int64_t left = k - 16 * s;
   return left >= 16 ? __mmask16(0xFFFF) : (left > 0 ? __mmask16((1u << left) - 1) : __mmask16(0));
@@ -375,11 +395,14 @@ namespace {
 // What one AdamW8bit step holds in registers: both codes, their indexes, the coefficients.
 struct StepRegs {
   Table256 code1, code2;
+  const int32_t* entry2;  // the second code's table entries (encode64_table), where exact
+  const float* mid2;
   IndexRegs r1, r2;
   Domain d1, d2;
   __m512 b1v, omb1, b2v, omb2, decay, step, isb, eps;
   StepRegs(const CodeLut& lut1, const CodeLut& lut2, const AdamWCoeffs& c)
       : code1(lut1.code_planes()), code2(lut2.code_planes()),
+        entry2(lut2.table_exact() ? lut2.entry_by_top16() : nullptr), mid2(lut2.mid()),
         r1(*lut1.index(), lut1.index_mid_planes()), r2(*lut2.index(), lut2.index_mid_planes()),
         d1(domain_of(*lut1.index())), d2(domain_of(*lut2.index())),
         b1v(_mm512_set1_ps(c.b1)), omb1(_mm512_set1_ps(c.one_minus_b1)),
@@ -445,7 +468,8 @@ void encode_block(const StepRegs& R, const float* mbuf, const float* vbuf,
         v[j] = _mm512_mul_ps(v[j], sc2);
       }
       const __m512i c1 = encode64<Domain::kFolded>(m, R.r1);
-      const __m512i c2 = encode64<Domain::kNonNegative>(v, R.r2);
+      const __m512i c2 = R.entry2 ? encode64_table(v, R.entry2, R.mid2)
+                                  : encode64<Domain::kNonNegative>(v, R.r2);
       store_bytes(q1, ch, c1);
       store_bytes(q2, ch, c2);
     });
