@@ -75,17 +75,22 @@ inline void decode64(__m512i q, const Table256& code, __m512 out[4]) {
                 code.plane(3, qp, hi), out);
 }
 
-// The arithmetic index of a code in registers (CodeIndex, lane-wise).
+// The arithmetic index of a code in registers (CodeIndex, lane-wise), and where
+// the code's table is exact its entries by top 16 bits (encode64_table's).
 struct IndexRegs {
   __m512 lo, key_a, key_b, a, b;
   Table256 mid;
-  explicit IndexRegs(const CodeIndex& ix, const uint8_t* mid_planes)
-      : lo(_mm512_set1_ps(ix.lo)),
-        key_a(_mm512_castsi512_ps(_mm512_loadu_si512(ix.binade_key))),
-        key_b(_mm512_castsi512_ps(_mm512_loadu_si512(ix.binade_key + 16))),
-        a(_mm512_loadu_ps(ix.a)),
-        b(_mm512_loadu_ps(ix.b)),
-        mid(mid_planes) {}
+  const int32_t* entry;  // null where the table is not exact
+  const float* code_mid;
+  explicit IndexRegs(const CodeLut& lut)
+      : lo(_mm512_set1_ps(lut.index()->lo)),
+        key_a(_mm512_castsi512_ps(_mm512_loadu_si512(lut.index()->binade_key))),
+        key_b(_mm512_castsi512_ps(_mm512_loadu_si512(lut.index()->binade_key + 16))),
+        a(_mm512_loadu_ps(lut.index()->a)),
+        b(_mm512_loadu_ps(lut.index()->b)),
+        mid(lut.index_mid_planes()),
+        entry(lut.table_exact() ? lut.entry_by_top16() : nullptr),
+        code_mid(lut.mid()) {}
 };
 
 // How the index sees v: |v| (a folded index), max(v, lo) with lo >= 0 (w has no
@@ -302,15 +307,20 @@ float block_absmax(const float* x, const BlockLayout::Block& blk, int64_t row_le
 }
 
 // Codes of a block: x (at the chunks' off, or at their buf when from_buf) times scale.
+// Where the code's table is exact, every other chunk by the table's gathers: they
+// load where the index shuffles, so consecutive chunks overlap (quantise and the
+// 8-bit momentum step 3-4 % faster at 4 Mi).
 template <Domain D>
 void quantize_block(const float* x, bool from_buf, const BlockLayout::Block& blk, int64_t row_len,
                     float scale, const IndexRegs& r, uint8_t* q) {
   const __m512 sc = _mm512_set1_ps(scale);
+  bool by_table = false;
   for_chunks(blk, row_len, [&](const auto& c) {
     __m512 v[4];
     load_floats(x, from_buf ? c.buf : c.off, c, v);
     for (int j = 0; j < 4; ++j) v[j] = _mm512_mul_ps(v[j], sc);
-    store_bytes(q, c, encode64<D>(v, r));
+    by_table = r.entry && !by_table;
+    store_bytes(q, c, by_table ? encode64_table(v, r.entry, r.code_mid) : encode64<D>(v, r));
   });
 }
 
@@ -351,7 +361,7 @@ bool supported() {
 
 void quantize_blocks(const float* x, const BlockLayout& L, const CodeLut& lut, uint8_t* q,
                      float* absmax, int64_t b0, int64_t b1, bool* bad) {
-  const IndexRegs r(*lut.index(), lut.index_mid_planes());
+  const IndexRegs r(lut);
   switch (domain_of(*lut.index())) {
     case Domain::kFolded:
       return quantize_blocks_in<Domain::kFolded>(x, L, r, q, absmax, b0, b1, bad);
@@ -395,15 +405,12 @@ namespace {
 // What one AdamW8bit step holds in registers: both codes, their indexes, the coefficients.
 struct StepRegs {
   Table256 code1, code2;
-  const int32_t* entry2;  // the second code's table entries (encode64_table), where exact
-  const float* mid2;
   IndexRegs r1, r2;
   Domain d1, d2;
   __m512 b1v, omb1, b2v, omb2, decay, step, isb, eps;
   StepRegs(const CodeLut& lut1, const CodeLut& lut2, const AdamWCoeffs& c)
       : code1(lut1.code_planes()), code2(lut2.code_planes()),
-        entry2(lut2.table_exact() ? lut2.entry_by_top16() : nullptr), mid2(lut2.mid()),
-        r1(*lut1.index(), lut1.index_mid_planes()), r2(*lut2.index(), lut2.index_mid_planes()),
+        r1(lut1), r2(lut2),
         d1(domain_of(*lut1.index())), d2(domain_of(*lut2.index())),
         b1v(_mm512_set1_ps(c.b1)), omb1(_mm512_set1_ps(c.one_minus_b1)),
         b2v(_mm512_set1_ps(c.b2)), omb2(_mm512_set1_ps(c.one_minus_b2)),
@@ -468,8 +475,8 @@ void encode_block(const StepRegs& R, const float* mbuf, const float* vbuf,
         v[j] = _mm512_mul_ps(v[j], sc2);
       }
       const __m512i c1 = encode64<Domain::kFolded>(m, R.r1);
-      const __m512i c2 = R.entry2 ? encode64_table(v, R.entry2, R.mid2)
-                                  : encode64<Domain::kNonNegative>(v, R.r2);
+      const __m512i c2 = R.r2.entry ? encode64_table(v, R.r2.entry, R.r2.code_mid)
+                                    : encode64<Domain::kNonNegative>(v, R.r2);
       store_bytes(q1, ch, c1);
       store_bytes(q2, ch, c2);
     });
@@ -542,7 +549,7 @@ void momentum8bit_blocks(const float* g, const uint8_t* q, const float* absmax, 
                          float* absmax_out, float* u, int64_t b0, int64_t b1, float* mbuf,
                          bool* bad) {
   const Table256 code(lut.code_planes());
-  const IndexRegs r(*lut.index(), lut.index_mid_planes());
+  const IndexRegs r(lut);
   const Domain d = domain_of(*lut.index());
   const float w = 1.0f - beta;
   const bool small_w = std::fabs(w) < 0.5f, small_beta = std::fabs(beta) < 0.5f;
