@@ -157,6 +157,17 @@ TEST(Kernels, QuantiseGivesTheSearchsCodeForEveryValue) {
         for (int64_t e = 0; e < n; ++e) {
           ASSERT_EQ(q.data_ptr<uint8_t>()[e], lut->nearest_by_search(xv[e])) << "x = " << xv[e];
         }
+        // Dequantised past 4 MiB (streaming stores where aligned), at an aligned
+        // output and one float off: code times absmax, every element.
+        at::Tensor out = at::full({n + 1}, NAN);
+        for (int shift : {0, 1}) {
+          float* o = out.data_ptr<float>() + shift;
+          cpu::dequantize(q.data_ptr<uint8_t>(), a.data_ptr<float>(), L, *lut, o);
+          for (int64_t e = 0; e < n; ++e) {
+            ASSERT_EQ(o[e], lut->code()[q.data_ptr<uint8_t>()[e]] * a.data_ptr<float>()[e / shape.block])
+                << "element " << e;
+          }
+        }
       });
     }
   }
