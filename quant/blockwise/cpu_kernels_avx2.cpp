@@ -239,6 +239,20 @@ struct StepRegs {
         step(_mm256_set1_ps(k.step_size)), isb(_mm256_set1_ps(k.inv_sqrt_bc2)), eps(_mm256_set1_ps(k.eps)) {}
 };
 
+// A long row's inputs 1024 elements (4 KiB of floats) ahead, once a line (i, the
+// step's offset in the row, counts by 8): what the hardware prefetcher does not
+// start early enough past the caches (16 Mi parameters: 0.67-0.72 -> 0.86-0.93 of
+// the fp32 step's speed; no change at 4 Mi).
+inline void prefetch_row_ahead(int64_t e, int64_t i, const float* p, const float* g,
+                               const uint8_t* q1, const uint8_t* q2) {
+  if (i % 16 != 0) return;
+  _mm_prefetch(reinterpret_cast<const char*>(p + e + 1024), _MM_HINT_T0);
+  _mm_prefetch(reinterpret_cast<const char*>(g + e + 1024), _MM_HINT_T0);
+  if (i % 64 != 0) return;
+  _mm_prefetch(reinterpret_cast<const char*>(q1 + e + 1024), _MM_HINT_T0);
+  _mm_prefetch(reinterpret_cast<const char*>(q2 + e + 1024), _MM_HINT_T0);
+}
+
 // A tile row's inputs two tiles ahead along the row (tiles read 32 rows at once:
 // more streams than the hardware prefetcher follows; long rows do without).
 inline void prefetch_tile_row(int64_t at, const float* p, const float* g, const uint8_t* q1,
@@ -269,6 +283,7 @@ void update_block(const StepRegs& R, float* p, const float* g, const uint8_t* q1
     int64_t i = 0;
     for (; i + 8 <= blk.seg_len; i += 8) {
       const int64_t e = off + i;
+      if (blk.seg_len > 32) prefetch_row_ahead(e, i, p, g, q1, q2);
       const __m256 gj = _mm256_loadu_ps(g + e);
       const __m256 m = _mm256_add_ps(_mm256_mul_ps(b1, _mm256_mul_ps(decode8(q1 + e, code1), a1)),
                                      _mm256_mul_ps(omb1, gj));
