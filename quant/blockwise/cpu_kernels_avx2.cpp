@@ -152,9 +152,10 @@ __attribute__((always_inline)) inline void encode_run(const float* x, float scal
   encode_run_as<false>(x, scale, n, r, q);
 }
 
-// How far block_absmax prefetches: a block or more ahead (4 KiB of floats along a
-// long row, two tiles along a tile's row), as the AVX-512 kernels.
-inline int64_t prefetch_distance(const BlockLayout::Block& blk) { return blk.seg_len <= 32 ? 64 : 1024; }
+// How far the kernels prefetch along a long row: a block or more ahead (4 KiB of
+// floats), as the AVX-512 kernels; along a tile's row, two tiles.
+constexpr int64_t kRowAhead = 1024;
+inline int64_t prefetch_distance(const BlockLayout::Block& blk) { return blk.seg_len <= 32 ? 64 : kRowAhead; }
 
 // The largest of 8 unsigned lanes.
 inline uint32_t max_lane(__m256i m) {
@@ -238,18 +239,18 @@ struct StepRegs {
         step(_mm256_set1_ps(k.step_size)), isb(_mm256_set1_ps(k.inv_sqrt_bc2)), eps(_mm256_set1_ps(k.eps)) {}
 };
 
-// A long row's inputs 1024 elements (4 KiB of floats) ahead, once a line (i, the
+// A long row's inputs kRowAhead elements ahead, once a line (i, the
 // step's offset in the row, counts by 8): what the hardware prefetcher does not
 // start early enough past the caches (16 Mi parameters: 0.67-0.72 -> 0.86-0.93 of
 // the fp32 step's speed; no change at 4 Mi).
 inline void prefetch_row_ahead(int64_t e, int64_t i, const float* p, const float* g,
                                const uint8_t* q1, const uint8_t* q2) {
   if (i % 16 != 0) return;
-  _mm_prefetch(reinterpret_cast<const char*>(p + e + 1024), _MM_HINT_T0);
-  _mm_prefetch(reinterpret_cast<const char*>(g + e + 1024), _MM_HINT_T0);
+  _mm_prefetch(reinterpret_cast<const char*>(p + e + kRowAhead), _MM_HINT_T0);
+  _mm_prefetch(reinterpret_cast<const char*>(g + e + kRowAhead), _MM_HINT_T0);
   if (i % 64 != 0) return;
-  _mm_prefetch(reinterpret_cast<const char*>(q1 + e + 1024), _MM_HINT_T0);
-  _mm_prefetch(reinterpret_cast<const char*>(q2 + e + 1024), _MM_HINT_T0);
+  _mm_prefetch(reinterpret_cast<const char*>(q1 + e + kRowAhead), _MM_HINT_T0);
+  _mm_prefetch(reinterpret_cast<const char*>(q2 + e + kRowAhead), _MM_HINT_T0);
 }
 
 // A tile row's inputs two tiles ahead along the row (tiles read 32 rows at once:
@@ -434,10 +435,10 @@ void momentum8bit_blocks(const float* g, const uint8_t* q, const float* absmax, 
       const int64_t off = blk.start + s * L.row_len, k = s * blk.seg_len;
       int64_t i = 0;
       for (; i + 8 <= blk.seg_len; i += 8) {
-        // the gradient 1024 elements ahead (16M: 0.59-0.64 -> 0.65-0.70 of memcpy);
+        // the gradient kRowAhead elements ahead (16M: 0.59-0.64 -> 0.65-0.70 of memcpy);
         // prefetching the codes too made it a third slower at 4M (measured, not understood)
         if (blk.seg_len > 32 && i % 16 == 0) {
-          _mm_prefetch(reinterpret_cast<const char*>(g + off + i + 1024), _MM_HINT_T0);
+          _mm_prefetch(reinterpret_cast<const char*>(g + off + i + kRowAhead), _MM_HINT_T0);
         }
         const __m256 gj = _mm256_loadu_ps(g + off + i);
         const __m256 m = torch_lerp(_mm256_mul_ps(decode8(q + off + i, code), av), gj, small_w, wv, omw);
