@@ -1,7 +1,10 @@
 #include "quant/blockwise/cpu_kernels_avx2.h"
 
+#include <algorithm>
 #include <cmath>
 #include <cstring>
+
+#include "quant/blockwise/absmax_bits.h"
 
 // GCC only: the AVX2 region below uses #pragma GCC target (clang takes the stubs).
 #if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
@@ -165,19 +168,7 @@ inline uint32_t max_lane(__m256i m) {
   return static_cast<uint32_t>(_mm_cvtsi128_si32(h));
 }
 
-// The float whose magnitude bits are the larger of `bits` and `tail`; *bad set when
-// it is Inf or NaN, the only bit patterns at or above Inf's.
-inline float absmax_of_bits(uint32_t bits, uint32_t tail, bool* bad) {
-  bits = bits < tail ? tail : bits;
-  if (bits >= 0x7F800000u) *bad = true;
-  float amax;
-  std::memcpy(&amax, &bits, 4);
-  return amax;
-}
-
-// Max |x| over a block; *bad set when it holds NaN or Inf. |x|'s bits as unsigned
-// integers order as the values do, Inf and every NaN above all finite values: one
-// integer max finds both (AVX-512's rule).
+// Max |x| over a block; *bad set when it holds NaN or Inf (absmax_bits.h's rule).
 float block_absmax(const float* x, const BlockLayout::Block& blk, int64_t row_len, bool* bad) {
   const __m256i magnitude = _mm256_set1_epi32(0x7FFFFFFF);
   __m256i am[4];
@@ -203,16 +194,11 @@ float block_absmax(const float* x, const BlockLayout::Block& blk, int64_t row_le
       const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + i));
       am[0] = _mm256_max_epu32(am[0], _mm256_and_si256(v, magnitude));
     }
-    for (; i < blk.seg_len; ++i) {
-      uint32_t bits;
-      std::memcpy(&bits, p + i, 4);
-      bits &= 0x7FFFFFFFu;
-      tail = tail < bits ? bits : tail;
-    }
+    for (; i < blk.seg_len; ++i) tail = std::max(tail, magnitude_bits(p[i]));
   }
-  return absmax_of_bits(max_lane(_mm256_max_epu32(_mm256_max_epu32(am[0], am[1]),
-                                                  _mm256_max_epu32(am[2], am[3]))),
-                        tail, bad);
+  const uint32_t lanes = max_lane(_mm256_max_epu32(_mm256_max_epu32(am[0], am[1]),
+                                                   _mm256_max_epu32(am[2], am[3])));
+  return absmax_of_bits(std::max(lanes, tail), bad);
 }
 
 // The codes of a block under absmax amax: from x in the tensor's layout, or
@@ -450,13 +436,10 @@ void momentum8bit_blocks(const float* g, const uint8_t* q, const float* absmax, 
         const float m = torch_lerp(code[q[off + i]] * a, g[off + i], w);
         mbuf[k + i] = m;
         u[off + i] = nesterov ? torch_lerp(g[off + i], m, beta) : m;
-        uint32_t bits;
-        std::memcpy(&bits, &m, 4);
-        bits &= 0x7FFFFFFFu;
-        tail = tail < bits ? bits : tail;
+        tail = std::max(tail, magnitude_bits(m));
       }
     }
-    const float amax = absmax_of_bits(max_lane(am), tail, bad);
+    const float amax = absmax_of_bits(std::max(max_lane(am), tail), bad);
     quantize_block(mbuf, true, blk, L.row_len, amax, r, q_out);
     absmax_out[b] = amax;
   }

@@ -3,6 +3,8 @@
 #include <cmath>
 #include <cstring>
 
+#include "quant/blockwise/absmax_bits.h"
+
 // GCC only: the AVX-512 region below uses #pragma GCC target (clang takes the stubs).
 #if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
 #include <immintrin.h>
@@ -276,19 +278,9 @@ inline void prefetch(const T* x, const C& c, int64_t ahead) {
   }
 }
 
-// The float whose magnitude bits are `bits` (a block's max |x| as an unsigned
-// max); *bad set when it is Inf or NaN, the only bit patterns at or above Inf's.
-inline float absmax_of_bits(uint32_t bits, bool* bad) {
-  if (bits >= 0x7F800000u) *bad = true;
-  float amax;
-  std::memcpy(&amax, &bits, 4);
-  return amax;
-}
-
-// Max |x| over a block; *bad set when it holds NaN or Inf. |x|'s bits as
-// unsigned integers order as the values do, with Inf and every NaN above all
-// finite values: one integer max finds both (two operations an element).
-// Four accumulators, so the loop runs at load speed, not max latency.
+// Max |x| over a block; *bad set when it holds NaN or Inf (absmax_bits.h's rule:
+// two operations an element). Four accumulators, so the loop runs at load speed,
+// not max latency.
 float block_absmax(const float* x, const BlockLayout::Block& blk, int64_t row_len, bool* bad) {
   __m512i am[4];
   for (int j = 0; j < 4; ++j) am[j] = _mm512_setzero_si512();
