@@ -131,12 +131,18 @@ void encode_run_as(const float* x, float scale, int64_t n, const IndexRegs& regs
   for (; i + 8 <= n; i += 8) store8_codes(q + i, nearest8<Fold>(_mm256_mul_ps(_mm256_loadu_ps(x + i), s), r));
   for (; i < n; ++i) q[i] = static_cast<uint8_t>(r.ix->nearest(x[i] * scale, r.mid));
 }
+// ahead: prefetch x[i + ahead] as x[i] is encoded (0: none).
 __attribute__((always_inline)) inline void encode_run(const float* x, float scale, int64_t n,
-                                                   const IndexRegs& r, uint8_t* q) {
+                                                   const IndexRegs& r, uint8_t* q,
+                                                   int64_t ahead = 0) {
   if (r.entry) {
     const __m256 s = _mm256_set1_ps(scale);
     int64_t i = 0;
     for (; i + 32 <= n; i += 32) {  // four lanes of 8 -> 32 bytes
+      if (ahead) {
+        _mm_prefetch(reinterpret_cast<const char*>(x + i + ahead), _MM_HINT_T0);
+        _mm_prefetch(reinterpret_cast<const char*>(x + i + ahead + 16), _MM_HINT_T0);
+      }
       __m256i c[4];
       for (int j = 0; j < 4; ++j) {
         c[j] = nearest8_table(_mm256_mul_ps(_mm256_loadu_ps(x + i + 8 * j), s), r.entry, r.mid);
@@ -202,13 +208,14 @@ float block_absmax(const float* x, const BlockLayout::Block& blk, int64_t row_le
 }
 
 // The codes of a block under absmax amax: from x in the tensor's layout, or
-// (packed) from a buffer holding the block's segments one after another.
+// (packed) from a buffer holding the block's segments one after another. ahead:
+// encode_run's (where a later block lies, to fetch it meanwhile).
 void quantize_block(const float* x, bool packed, const BlockLayout::Block& blk, int64_t row_len,
-                    float amax, const IndexRegs& r, uint8_t* q) {
+                    float amax, const IndexRegs& r, uint8_t* q, int64_t ahead = 0) {
   const float scale = amax > 0.0f ? 1.0f / amax : 0.0f;
   for (int64_t s = 0; s < blk.segments; ++s) {
     const int64_t off = blk.start + s * row_len;
-    encode_run(x + (packed ? s * blk.seg_len : off), scale, blk.seg_len, r, q + off);
+    encode_run(x + (packed ? s * blk.seg_len : off), scale, blk.seg_len, r, q + off, ahead);
   }
 }
 
@@ -317,12 +324,21 @@ bool supported() {
 
 void quantize_blocks(const float* x, const BlockLayout& L, const CodeLut& lut, uint8_t* q,
                      float* absmax, int64_t b0, int64_t b1, bool* bad) {
+  // The AVX-512 kernels' order: each absmax a block ahead of its encode, which
+  // fetches the block after next.
   const IndexRegs r(lut);
+  if (b0 >= b1) return;
+  auto blk = L.block(b0);
+  float amax = block_absmax(x, blk, L.row_len, bad);
   for (int64_t b = b0; b < b1; ++b) {
-    const auto blk = L.block(b);
-    const float amax = block_absmax(x, blk, L.row_len, bad);
-    quantize_block(x, false, blk, L.row_len, amax, r, q);
+    const bool last = b + 1 == b1;
+    const auto next = last ? blk : L.block(b + 1);
+    const float next_amax = last ? 0.0f : block_absmax(x, next, L.row_len, bad);
+    const int64_t ahead = b + 2 < b1 ? L.block(b + 2).start - blk.start : 0;
+    quantize_block(x, false, blk, L.row_len, amax, r, q, ahead);
     absmax[b] = amax;
+    blk = next;
+    amax = next_amax;
   }
 }
 
