@@ -181,6 +181,20 @@ float block_absmax(const float* x, const BlockLayout::Block& blk, int64_t row_le
   for (int j = 0; j < 4; ++j) am[j] = _mm256_setzero_si256();
   uint32_t tail = 0;
   const int64_t ahead = prefetch_distance(blk);
+  if (blk.seg_len == 32) {  // a 32-wide tile: a row is one step of the loop below
+    for (int64_t s = 0; s < blk.segments; ++s) {
+      const float* p = x + blk.start + s * row_len;
+      _mm_prefetch(reinterpret_cast<const char*>(p + ahead), _MM_HINT_T0);
+      _mm_prefetch(reinterpret_cast<const char*>(p + ahead + 16), _MM_HINT_T0);
+      for (int j = 0; j < 4; ++j) {
+        const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 8 * j));
+        am[j] = _mm256_max_epu32(am[j], _mm256_and_si256(v, magnitude));
+      }
+    }
+    const uint32_t lanes = max_lane(_mm256_max_epu32(_mm256_max_epu32(am[0], am[1]),
+                                                     _mm256_max_epu32(am[2], am[3])));
+    return absmax_of_bits(lanes, bad);
+  }
   for (int64_t s = 0; s < blk.segments; ++s) {
     const float* p = x + blk.start + s * row_len;
     int64_t i = 0;
@@ -213,6 +227,13 @@ float block_absmax(const float* x, const BlockLayout::Block& blk, int64_t row_le
 void quantize_block(const float* x, bool packed, const BlockLayout::Block& blk, int64_t row_len,
                     float amax, const IndexRegs& r, uint8_t* q, int64_t ahead = 0) {
   const float scale = amax > 0.0f ? 1.0f / amax : 0.0f;
+  if (blk.seg_len == 32) {  // a 32-wide tile: encode_run's loop once a row, its length known
+    for (int64_t s = 0; s < blk.segments; ++s) {
+      const int64_t off = blk.start + s * row_len;
+      encode_run(x + (packed ? s * 32 : off), scale, 32, r, q + off, ahead);
+    }
+    return;
+  }
   for (int64_t s = 0; s < blk.segments; ++s) {
     const int64_t off = blk.start + s * row_len;
     encode_run(x + (packed ? s * blk.seg_len : off), scale, blk.seg_len, r, q + off, ahead);
