@@ -227,13 +227,6 @@ float block_absmax(const float* x, const BlockLayout::Block& blk, int64_t row_le
 void quantize_block(const float* x, bool packed, const BlockLayout::Block& blk, int64_t row_len,
                     float amax, const IndexRegs& r, uint8_t* q, int64_t ahead = 0) {
   const float scale = amax > 0.0f ? 1.0f / amax : 0.0f;
-  if (blk.seg_len == 32) {  // a 32-wide tile: encode_run's loop once a row, its length known
-    for (int64_t s = 0; s < blk.segments; ++s) {
-      const int64_t off = blk.start + s * row_len;
-      encode_run(x + (packed ? s * 32 : off), scale, 32, r, q + off, ahead);
-    }
-    return;
-  }
   for (int64_t s = 0; s < blk.segments; ++s) {
     const int64_t off = blk.start + s * row_len;
     encode_run(x + (packed ? s * blk.seg_len : off), scale, blk.seg_len, r, q + off, ahead);

@@ -24,7 +24,7 @@ void quantize_blocks(const float* x, const BlockLayout& L, const CodeLut& lut, u
 void dequantize_blocks(const uint8_t* q, const float* absmax, const BlockLayout& L,
                        const CodeLut& lut, float* out, int64_t b0, int64_t b1);
 
-// buf: 2 * L.max_block_elems() floats of scratch.
+// buf: 4 * L.max_block_elems() floats of scratch (two blocks' m and v).
 void adamw8bit_blocks(float* p, const float* g, uint8_t* q1, float* absmax1, uint8_t* q2,
                       float* absmax2, const BlockLayout& L, const CodeLut& lut1,
                       const CodeLut& lut2, const AdamWCoeffs& c, int64_t b0, int64_t b1,
