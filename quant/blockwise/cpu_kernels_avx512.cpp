@@ -549,64 +549,90 @@ void encode_block(const StepRegs& R, const float* mbuf, const float* vbuf,
   }
 }
 
-// A 1-D block of w elements (w a multiple of 64): all its chunks full.
-inline bool regular(const BlockLayout::Block& blk, int64_t w) {
-  return blk.segments == 1 && blk.seg_len == w && w % 64 == 0;
+// The software pipeline of adamw8bit_blocks over blocks b0, b0 + 1, ... while
+// regular(block) holds (each block's chunk i: chunk(block, i), n chunks); returns
+// the first block it did not take.
+template <class Regular, class ChunkAt>
+int64_t adamw8bit_pipelined(const StepRegs& R, float* p, const float* g, uint8_t* q1,
+                            float* absmax1, uint8_t* q2, float* absmax2, const BlockLayout& L,
+                            int64_t b0, int64_t b1, float* buf, int64_t ahead, int64_t n,
+                            Regular&& regular, ChunkAt&& chunk) {
+  const int64_t w = L.max_block_elems();
+  auto slot = [&](int64_t b) { return buf + (b & 1) * 2 * w; };
+  float pa1 = 0.0f, pa2 = 0.0f;  // block b - 1's new absmax
+  int64_t b = b0;
+  for (; b < b1 && regular(L.block(b)); ++b) {
+    const auto blk = L.block(b);
+    const auto before = b > b0 ? L.block(b - 1) : blk;
+    float* mb = slot(b);
+    const float* pm = slot(b - 1);
+    const __m512 a1 = _mm512_set1_ps(absmax1[b]), a2 = _mm512_set1_ps(absmax2[b]);
+    const __m512 sc1 = _mm512_set1_ps(scale_of(pa1)), sc2 = _mm512_set1_ps(scale_of(pa2));
+    __m512 am1 = _mm512_setzero_ps(), am2 = _mm512_setzero_ps();
+    for (int64_t i = 0; i < n; ++i) {
+      update_chunk(R, p, g, q1, q2, a1, a2, chunk(blk, i), ahead, mb, mb + w, am1, am2);
+      if (b > b0) encode_chunk(R, pm, pm + w, chunk(before, i), sc1, sc2, q1, q2);
+    }
+    if (b > b0) {
+      absmax1[b - 1] = pa1;
+      absmax2[b - 1] = pa2;
+    }
+    pa1 = _mm512_reduce_max_ps(am1);
+    pa2 = _mm512_reduce_max_ps(am2);
+  }
+  if (b > b0) {  // the last pipelined block's codes
+    const float* pm = slot(b - 1);
+    encode_block(R, pm, pm + w, L.block(b - 1), L.row_len, pa1, pa2, q1, q2);
+    absmax1[b - 1] = pa1;
+    absmax2[b - 1] = pa2;
+  }
+  return b;
 }
 
 }  // namespace
 
-// Where the blocks are regular (1-D, a multiple of 64 elements, the last one
-// aside) and the maps the dynamic ones, the step runs software-pipelined: chunk
-// i of block b's update beside chunk i of block b - 1's encode. The update waits
-// on the divider (sqrt and division: 88 cycles a 64-element chunk, llvm-mca),
-// the encode on shuffles and gathers; one block after the other they add, side
-// by side they overlap (4 Mi, B = 256: 1.10 -> 0.97 ns a parameter). buf: two
-// blocks of moments (4 x max_block_elems).
+// Where the maps are the dynamic ones and the blocks regular (1-D blocks of a
+// multiple of 64 elements, or whole 32 x 32 tiles), the step runs
+// software-pipelined: chunk i of block b's update beside chunk i of block b - 1's
+// encode. The update waits on the divider (sqrt and division: 88 cycles a
+// 64-element chunk, llvm-mca), the encode on shuffles and gathers; one block after
+// the other they add, side by side they overlap (4 Mi, B = 256: 1.10 -> 0.95 ns a
+// parameter). buf: two blocks of moments (4 x max_block_elems).
 void adamw8bit_blocks(float* p, const float* g, uint8_t* q1, float* absmax1, uint8_t* q2,
                       float* absmax2, const BlockLayout& L, const CodeLut& lut1,
                       const CodeLut& lut2, const AdamWCoeffs& c, int64_t b0, int64_t b1,
                       float* buf) {
   const StepRegs R(lut1, lut2, c);
-  const int64_t w = L.max_block_elems();
-  auto slot = [&](int64_t b) { return buf + (b & 1) * 2 * w; };
-  int64_t b = b0;
-  if (!L.shape.is_tile() && dynamic_maps(R)) {
-    float pa1 = 0.0f, pa2 = 0.0f;  // block b - 1's new absmax
-    for (; b < b1 && regular(L.block(b), w); ++b) {
-      const int64_t start = L.block(b).start, prev = start - w;
-      float* mb = slot(b);
-      const float* pm = slot(b - 1);
-      const __m512 a1 = _mm512_set1_ps(absmax1[b]), a2 = _mm512_set1_ps(absmax2[b]);
-      const __m512 sc1 = _mm512_set1_ps(scale_of(pa1)), sc2 = _mm512_set1_ps(scale_of(pa2));
-      __m512 am1 = _mm512_setzero_ps(), am2 = _mm512_setzero_ps();
-      for (int64_t i = 0; i < w; i += 64) {
-        update_chunk(R, p, g, q1, q2, a1, a2, FullChunk(start + i, i), kRowAhead, mb, mb + w,
-                     am1, am2);
-        if (b > b0) encode_chunk(R, pm, pm + w, FullChunk(prev + i, i), sc1, sc2, q1, q2);
-      }
-      if (b > b0) {
-        absmax1[b - 1] = pa1;
-        absmax2[b - 1] = pa2;
-      }
-      pa1 = _mm512_reduce_max_ps(am1);
-      pa2 = _mm512_reduce_max_ps(am2);
-    }
-    if (b > b0) {  // the last pipelined block's codes
-      const float* pm = slot(b - 1);
-      encode_block(R, pm, pm + w, L.block(b - 1), L.row_len, pa1, pa2, q1, q2);
-      absmax1[b - 1] = pa1;
-      absmax2[b - 1] = pa2;
-    }
-  }
-  for (; b < b1; ++b) {  // the rest (tiles, other maps, a short last block) a block at a time
+  const int64_t w = L.max_block_elems(), row_len = L.row_len;
+  auto one_block = [&](int64_t b) {
     const auto blk = L.block(b);
     float amax1, amax2;
-    update_block(R, p, g, q1, q2, absmax1[b], absmax2[b], blk, L.row_len, buf, buf + w, &amax1,
+    update_block(R, p, g, q1, q2, absmax1[b], absmax2[b], blk, row_len, buf, buf + w, &amax1,
                  &amax2);
-    encode_block(R, buf, buf + w, blk, L.row_len, amax1, amax2, q1, q2);
+    encode_block(R, buf, buf + w, blk, row_len, amax1, amax2, q1, q2);
     absmax1[b] = amax1;
     absmax2[b] = amax2;
+  };
+  // runs of regular blocks pipelined, the others (a short last block, a tile
+  // row's partial last tile) one at a time
+  auto run = [&](int64_t ahead, int64_t n, auto&& regular, auto&& chunk) {
+    for (int64_t b = b0; b < b1;) {
+      b = adamw8bit_pipelined(R, p, g, q1, absmax1, q2, absmax2, L, b, b1, buf, ahead, n, regular,
+                              chunk);
+      for (; b < b1 && !regular(L.block(b)); ++b) one_block(b);
+    }
+  };
+  if (dynamic_maps(R) && !L.shape.is_tile() && w % 64 == 0) {
+    run(kRowAhead, w / 64, [&](const BlockLayout::Block& blk) { return blk.seg_len == w; },
+        [](const BlockLayout::Block& blk, int64_t i) { return FullChunk(blk.start + 64 * i, 64 * i); });
+  } else if (dynamic_maps(R) && L.shape.tile_rows == 32 && L.shape.tile_cols == 32) {
+    run(64, 16, [](const BlockLayout::Block& blk) { return blk.segments == 32 && blk.seg_len == 32; },
+        [&](const BlockLayout::Block& blk, int64_t i) {
+          const int64_t off = blk.start + 2 * i * row_len;
+          return PairChunk(off, off + row_len, 64 * i);
+        });
+  } else {
+    for (int64_t b = b0; b < b1; ++b) one_block(b);
   }
 }
 
