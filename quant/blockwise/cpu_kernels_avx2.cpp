@@ -131,6 +131,23 @@ void encode_run_as(const float* x, float scale, int64_t n, const IndexRegs& regs
   for (; i + 8 <= n; i += 8) store8_codes(q + i, nearest8<Fold>(_mm256_mul_ps(_mm256_loadu_ps(x + i), s), r));
   for (; i < n; ++i) q[i] = static_cast<uint8_t>(r.ix->nearest(x[i] * scale, r.mid));
 }
+// Codes of 32 values x[i] * s by the table (r.entry), four lanes of 8 -> 32 bytes;
+// x[ahead] fetched meanwhile (0: none).
+__attribute__((always_inline)) inline void encode32_table(const float* x, __m256 s, const IndexRegs& r,
+                                                          uint8_t* q, int64_t ahead) {
+  if (ahead) {
+    _mm_prefetch(reinterpret_cast<const char*>(x + ahead), _MM_HINT_T0);
+    _mm_prefetch(reinterpret_cast<const char*>(x + ahead + 16), _MM_HINT_T0);
+  }
+  __m256i c[4];
+  for (int j = 0; j < 4; ++j) {
+    c[j] = nearest8_table(_mm256_mul_ps(_mm256_loadu_ps(x + 8 * j), s), r.entry, r.mid);
+  }
+  const __m256i b = _mm256_packus_epi16(_mm256_packus_epi32(c[0], c[1]), _mm256_packus_epi32(c[2], c[3]));
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(q),
+                      _mm256_permutevar8x32_epi32(b, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7)));
+}
+
 // ahead: prefetch x[i + ahead] as x[i] is encoded (0: none).
 __attribute__((always_inline)) inline void encode_run(const float* x, float scale, int64_t n,
                                                    const IndexRegs& r, uint8_t* q,
@@ -138,19 +155,7 @@ __attribute__((always_inline)) inline void encode_run(const float* x, float scal
   if (r.entry) {
     const __m256 s = _mm256_set1_ps(scale);
     int64_t i = 0;
-    for (; i + 32 <= n; i += 32) {  // four lanes of 8 -> 32 bytes
-      if (ahead) {
-        _mm_prefetch(reinterpret_cast<const char*>(x + i + ahead), _MM_HINT_T0);
-        _mm_prefetch(reinterpret_cast<const char*>(x + i + ahead + 16), _MM_HINT_T0);
-      }
-      __m256i c[4];
-      for (int j = 0; j < 4; ++j) {
-        c[j] = nearest8_table(_mm256_mul_ps(_mm256_loadu_ps(x + i + 8 * j), s), r.entry, r.mid);
-      }
-      const __m256i b = _mm256_packus_epi16(_mm256_packus_epi32(c[0], c[1]), _mm256_packus_epi32(c[2], c[3]));
-      _mm256_storeu_si256(reinterpret_cast<__m256i*>(q + i),
-                          _mm256_permutevar8x32_epi32(b, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7)));
-    }
+    for (; i + 32 <= n; i += 32) encode32_table(x + i, s, r, q + i, ahead);
     for (; i + 8 <= n; i += 8) {
       store8_codes(q + i, nearest8_table(_mm256_mul_ps(_mm256_loadu_ps(x + i), s), r.entry, r.mid));
     }
@@ -339,17 +344,49 @@ bool supported() {
 void quantize_blocks(const float* x, const BlockLayout& L, const CodeLut& lut, uint8_t* q,
                      float* absmax, int64_t b0, int64_t b1, bool* bad) {
   // The AVX-512 kernels' order: each absmax a block ahead of its encode, which
-  // fetches the block after next.
+  // fetches the block after next; where both blocks are runs of 32 (1-D blocks of
+  // a multiple of 32, whole 32-wide tiles: run i at row(block, i)) and the table
+  // exact, the next block's absmax run by run beside this block's encode.
   const IndexRegs r(lut);
   if (b0 >= b1) return;
+  const int64_t w = L.max_block_elems(), row_len = L.row_len;
+  const bool tiles = L.shape.is_tile();
+  const int64_t runs = tiles ? L.shape.tile_rows : w / 32;
+  auto regular = [&](const BlockLayout::Block& blk) {
+    return r.entry && (tiles ? blk.seg_len == 32 && blk.segments == L.shape.tile_rows
+                             : blk.seg_len == w && w % 32 == 0);
+  };
+  auto row = [&](const BlockLayout::Block& blk, int64_t i) {
+    return blk.start + (tiles ? i * row_len : 32 * i);
+  };
+  const __m256i magnitude = _mm256_set1_epi32(0x7FFFFFFF);
   auto blk = L.block(b0);
-  float amax = block_absmax(x, blk, L.row_len, bad);
+  float amax = block_absmax(x, blk, row_len, bad);
   for (int64_t b = b0; b < b1; ++b) {
     const bool last = b + 1 == b1;
     const auto next = last ? blk : L.block(b + 1);
-    const float next_amax = last ? 0.0f : block_absmax(x, next, L.row_len, bad);
     const int64_t ahead = b + 2 < b1 ? L.block(b + 2).start - blk.start : 0;
-    quantize_block(x, false, blk, L.row_len, amax, r, q, ahead);
+    float next_amax = 0.0f;
+    if (!last && regular(blk) && regular(next)) {
+      const __m256 sc = _mm256_set1_ps(amax > 0.0f ? 1.0f / amax : 0.0f);
+      __m256i am[4];
+      for (int j = 0; j < 4; ++j) am[j] = _mm256_setzero_si256();
+      for (int64_t i = 0; i < runs; ++i) {
+        const float* pn = x + row(next, i);
+        for (int j = 0; j < 4; ++j) {
+          const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(pn + 8 * j));
+          am[j] = _mm256_max_epu32(am[j], _mm256_and_si256(v, magnitude));
+        }
+        const int64_t at = row(blk, i);
+        encode32_table(x + at, sc, r, q + at, ahead);
+      }
+      next_amax = absmax_of_bits(max_lane(_mm256_max_epu32(_mm256_max_epu32(am[0], am[1]),
+                                                           _mm256_max_epu32(am[2], am[3]))),
+                                 bad);
+    } else {
+      next_amax = last ? 0.0f : block_absmax(x, next, row_len, bad);
+      quantize_block(x, false, blk, row_len, amax, r, q, ahead);
+    }
     absmax[b] = amax;
     blk = next;
     amax = next_amax;
