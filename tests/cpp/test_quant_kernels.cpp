@@ -5,6 +5,7 @@
 // to float rounding) on shapes that exercise every chunk kind.
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdlib>
 #include <cstring>
@@ -16,6 +17,8 @@
 #include "quant/blockwise/code_index.h"
 #include "quant/blockwise/code_maps.h"
 #include "quant/blockwise/cpu_kernels.h"
+#include "quant/blockwise/cpu_kernels_avx2.h"
+#include "quant/blockwise/cpu_kernels_avx512.h"
 #include "tests/cpp/quant_isas.h"
 #include "tests/cpp/test_util.h"
 
@@ -346,6 +349,104 @@ TEST(Kernels, MomentumStepReportsNanAndInfOnEveryKernelSet) {
     }
   }
   cpu::use_isa(before);
+}
+
+// The SIMD kernels carry state from block to block (an absmax taken a block
+// ahead, AVX-512's pipelined AdamW8bit step, its two scratch slots), so a range
+// [b0, b1) that starts or ends anywhere must give the bits the whole range gives:
+// the kernel sets called directly on random splits (the dispatcher's thread
+// tasks), on 1-D blocks with a partial last one and 32x32 tiles with partial
+// edges, against one call over every block.
+TEST(Kernels, AnySplitIntoBlockRangesGivesTheWholeRangesBits) {
+  const uint64_t seed = fresh_seed();
+  SCOPED_TRACE("seed " + std::to_string(seed));
+  std::mt19937_64 rng(seed);
+  const auto lut1 = code_lut(dynamic_map(true)), lut2 = code_lut(dynamic_map(false), true);
+  const AdamWCoeffs coeffs = adamw_coeffs({1e-3f, 0.9f, 0.999f, 1e-8f, 0.01f, 3});
+  struct Case {
+    int64_t rows, row_len;
+    BlockShape shape;
+  };
+  const Case cases[] = {{37, 530, BlockShape::blocks(256)}, {5, 1000, BlockShape::blocks(2048)},
+                        {70, 131, BlockShape::tiles(32, 32)}, {96, 96, BlockShape::tiles(32, 32)}};
+  std::vector<cpu::Isa> isas;
+  for (cpu::Isa isa : {cpu::Isa::kAvx2, cpu::Isa::kAvx512}) {
+    if (cpu::isa_supported(isa)) isas.push_back(isa);
+  }
+  if (isas.empty()) GTEST_SKIP() << "this CPU has neither AVX2 nor AVX-512 VBMI";
+  int k = 0;
+  for (const Case& c : cases) {
+    const BlockLayout L(c.shape, c.rows, c.row_len);
+    const int64_t n = c.rows * c.row_len, nb = L.num_blocks, w = L.max_block_elems();
+    const at::Tensor x = testing::seeded_randn({n}, seed, k++);
+    const at::Tensor g = testing::seeded_randn({n}, seed, k++) * 1e-2;
+    const at::Tensor p0 = testing::seeded_randn({n}, seed, k++);
+    at::Tensor q10 = at::empty({n}, at::kByte), q20 = at::empty({n}, at::kByte);
+    for (int64_t e = 0; e < n; ++e) {
+      q10.data_ptr<uint8_t>()[e] = static_cast<uint8_t>(rng() % 256);
+      q20.data_ptr<uint8_t>()[e] = static_cast<uint8_t>(rng() % 256);
+    }
+    const at::Tensor a10 = testing::seeded_randn({nb}, seed, k++).abs() * 0.01;
+    const at::Tensor a20 = testing::seeded_randn({nb}, seed, k++).abs() * 1e-4;
+    for (cpu::Isa isa : isas) {
+      SCOPED_TRACE(std::string(cpu::isa_name(isa)) + ", " + c.shape.str() + " over " +
+                   std::to_string(c.rows) + "x" + std::to_string(c.row_len));
+      const bool wide = isa == cpu::Isa::kAvx512;
+      // every kernel of this set over [b0, b1), in place on the tensors given
+      auto run = [&](int64_t b0, int64_t b1, at::Tensor* out) {
+        bool bad = false;
+        std::vector<float> buf(4 * w);
+        float* f = out[0].data_ptr<float>();  // quantise's absmax
+        uint8_t* q = out[1].data_ptr<uint8_t>();
+        float *p = out[2].data_ptr<float>(), *a1 = out[5].data_ptr<float>(), *a2 = out[6].data_ptr<float>();
+        uint8_t *q1 = out[3].data_ptr<uint8_t>(), *q2 = out[4].data_ptr<uint8_t>();
+        uint8_t* qm = out[7].data_ptr<uint8_t>();
+        float *am = out[8].data_ptr<float>(), *u = out[9].data_ptr<float>();
+        if (wide) {
+          cpu::avx512::quantize_blocks(x.data_ptr<float>(), L, *lut1, q, f, b0, b1, &bad);
+          cpu::avx512::adamw8bit_blocks(p, g.data_ptr<float>(), q1, a1, q2, a2, L, *lut1, *lut2,
+                                        coeffs, b0, b1, buf.data());
+          cpu::avx512::momentum8bit_blocks(g.data_ptr<float>(), q10.data_ptr<uint8_t>(),
+                                           a10.data_ptr<float>(), L, *lut1, 0.95f, true, qm, am, u,
+                                           b0, b1, buf.data(), &bad);
+        } else {
+          cpu::avx2::quantize_blocks(x.data_ptr<float>(), L, *lut1, q, f, b0, b1, &bad);
+          cpu::avx2::adamw8bit_blocks(p, g.data_ptr<float>(), q1, a1, q2, a2, L, *lut1, *lut2,
+                                      coeffs, b0, b1, buf.data(), buf.data() + w);
+          cpu::avx2::momentum8bit_blocks(g.data_ptr<float>(), q10.data_ptr<uint8_t>(),
+                                         a10.data_ptr<float>(), L, *lut1, 0.95f, true, qm, am, u, b0,
+                                         b1, buf.data(), &bad);
+        }
+        EXPECT_FALSE(bad);
+      };
+      auto fresh = [&] {
+        return std::vector<at::Tensor>{at::full({nb}, -1.0f), at::full({n}, 0xAB, at::kByte),
+                                       p0.clone(), q10.clone(), q20.clone(), a10.clone(),
+                                       a20.clone(), at::full({n}, 0xCD, at::kByte),
+                                       at::full({nb}, -1.0f), at::full({n}, NAN)};
+      };
+      std::vector<at::Tensor> whole = fresh();
+      run(0, nb, whole.data());
+      ASSERT_FALSE(at::equal(whole[2], p0)) << "the step changed nothing";
+      for (int trial = 0; trial < 4; ++trial) {
+        std::vector<int64_t> cuts = {0, nb};
+        for (int i = 0; i < 3; ++i) cuts.push_back(static_cast<int64_t>(rng() % (nb + 1)));
+        if (trial == 0) cuts.push_back(1), cuts.push_back(nb - 1);  // single-block ends
+        std::sort(cuts.begin(), cuts.end());
+        std::vector<at::Tensor> split = fresh();
+        std::string where;
+        for (size_t i = 0; i + 1 < cuts.size(); ++i) {
+          run(cuts[i], cuts[i + 1], split.data());  // empty ranges too
+          where += std::to_string(cuts[i]) + " ";
+        }
+        SCOPED_TRACE("cuts " + where + "of " + std::to_string(nb) + " blocks");
+        const char* names[] = {"quantise absmax", "quantise codes", "parameters", "m codes",
+                               "v codes", "m absmax", "v absmax", "momentum codes",
+                               "momentum absmax", "momentum update"};
+        for (int t = 0; t < 10; ++t) EXPECT_TRUE(at::equal(whole[t], split[t])) << names[t] << " differ";
+      }
+    }
+  }
 }
 
 }  // namespace
