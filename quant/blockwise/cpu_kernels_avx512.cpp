@@ -2,6 +2,7 @@
 
 #include <cmath>
 #include <cstring>
+#include <type_traits>
 
 #include "quant/blockwise/absmax_bits.h"
 
@@ -488,8 +489,11 @@ void dequantize_blocks(const uint8_t* q, const float* absmax, const BlockLayout&
       __m512 v[4];
       decode64(load_bytes(q, c), code, v);
       for (int j = 0; j < 4; ++j) v[j] = _mm512_mul_ps(v[j], a);
-      if (stream && c.full && (reinterpret_cast<uintptr_t>(out + c.off[0]) & 63) == 0) {
-        for (int j = 0; j < 4; ++j) _mm512_stream_ps(out + c.off[0] + 16 * j, v[j]);
+      using C = std::decay_t<decltype(c)>;
+      if (stream && C::dense && ((reinterpret_cast<uintptr_t>(out + c.off[0]) |
+                                  reinterpret_cast<uintptr_t>(out + c.off[1])) & 63) == 0) {
+        // whole lines, 64 consecutive floats or a tile's two rows of 32
+        for (int j = 0; j < 4; ++j) _mm512_stream_ps(out + c.off[j >> 1] + 16 * (j & 1), v[j]);
       } else {
         store_floats(out, c.off, c, v);
       }

@@ -151,23 +151,29 @@ TEST(Kernels, QuantiseGivesTheSearchsCodeForEveryValue) {
                                      : 0x33800000u + static_cast<uint32_t>(rng() % 0x0C000000u);
       xv[e] = float_of(mag | ((rng() & 1) ? 0x80000000u : 0u));
     }
-    for (int64_t e = 0; e < n; e += 256) xv[e] = (e / 256) % 2 ? 1.0f : -1.0f;
-    for (BlockShape shape : {BlockShape::blocks(256), BlockShape::blocks(2048)}) {
+    // a +-1 in every block and tile row, so every scale is exactly 1
+    for (int64_t e = 0; e < n; e += 32) xv[e] = (e / 32) % 2 ? 1.0f : -1.0f;
+    for (BlockShape shape : {BlockShape::blocks(256), BlockShape::blocks(2048), BlockShape::tiles(32, 32)}) {
+      SCOPED_TRACE(shape.str());
       const BlockLayout L(shape, n / 1024, 1024);
+      auto block_of = [&](int64_t e) {
+        return shape.is_tile() ? (e / 1024 / 32) * L.tiles_per_row + (e % 1024) / 32 : e / shape.block;
+      };
       testing::for_each_quant_isa([&](cpu::Isa) {
         at::Tensor q = at::full({n}, 0xAB, at::kByte), a = at::empty({L.num_blocks});
         ASSERT_TRUE(cpu::quantize(xv, L, *lut, q.data_ptr<uint8_t>(), a.data_ptr<float>()));
         for (int64_t e = 0; e < n; ++e) {
           ASSERT_EQ(q.data_ptr<uint8_t>()[e], lut->nearest_by_search(xv[e])) << "x = " << xv[e];
         }
-        // Dequantised past 4 MiB (streaming stores where aligned), at an aligned
-        // output and one float off: code times absmax, every element.
+        // Dequantised past 4 MiB (streaming stores where aligned: runs of 64, a
+        // tile's rows in pairs), at an aligned output and one float off: code
+        // times absmax, every element.
         at::Tensor out = at::full({n + 1}, NAN);
         for (int shift : {0, 1}) {
           float* o = out.data_ptr<float>() + shift;
           cpu::dequantize(q.data_ptr<uint8_t>(), a.data_ptr<float>(), L, *lut, o);
           for (int64_t e = 0; e < n; ++e) {
-            ASSERT_EQ(o[e], lut->code()[q.data_ptr<uint8_t>()[e]] * a.data_ptr<float>()[e / shape.block])
+            ASSERT_EQ(o[e], lut->code()[q.data_ptr<uint8_t>()[e]] * a.data_ptr<float>()[block_of(e)])
                 << "element " << e;
           }
         }
