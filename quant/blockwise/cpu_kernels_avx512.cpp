@@ -523,7 +523,7 @@ struct StepRegs {
 // a2), update them and the parameter (adamw_update's operations), keep the new
 // moments in mbuf, vbuf at the chunk's buf; their max |.| into am1, am2.
 template <class C>
-__attribute__((always_inline)) inline void update_chunk(
+inline void update_chunk(
     const StepRegs& R, float* p, const float* g, const uint8_t* q1, const uint8_t* q2, __m512 a1,
     __m512 a2, const C& ch, int64_t ahead, float* mbuf, float* vbuf, __m512& am1, __m512& am2) {
   prefetch(p, ch, ahead);
@@ -559,7 +559,7 @@ __attribute__((always_inline)) inline void update_chunk(
 // shuffles, v by the table's gathers, so the two overlap (measured against both
 // by either: the same or slower).
 template <class C>
-__attribute__((always_inline)) inline void encode_chunk(const StepRegs& R, const float* mbuf,
+inline void encode_chunk(const StepRegs& R, const float* mbuf,
                                                         const float* vbuf, const C& ch, __m512 sc1,
                                                         __m512 sc2, uint8_t* q1, uint8_t* q2) {
   __m512 m[4], v[4];
