@@ -96,7 +96,7 @@ void adamw8bit_step(float* param, const float* grad, uint8_t* q1, float* absmax1
   const Isa isa = isa_for(lut1, lut2);
   at::parallel_for(0, L.num_blocks, grain(L), [&](int64_t b0, int64_t b1) {
     // this task's blocks of moments: m and v of one (portable, AVX2) or two (AVX-512's pipeline)
-    std::vector<float> buf(4 * L.max_block_elems());
+    std::vector<float> buf((isa == Isa::kAvx512 ? 4 : 2) * L.max_block_elems());
     float* vbuf = buf.data() + L.max_block_elems();
     switch (isa) {
       case Isa::kAvx512:
