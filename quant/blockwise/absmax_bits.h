@@ -2,7 +2,8 @@
 // rule (AVX2, AVX-512): |x|'s bits as unsigned integers order as the values do,
 // and Inf and every NaN lie above all finite values, so one integer max finds
 // the absmax and a non-finite value alike. Plain C++: the kernels' SIMD code
-// takes the max, these the scalar ends.
+// takes the max, these the scalar ends; and the scale every CPU kernel set
+// quantises a block with.
 #pragma once
 
 #include <cstdint>
@@ -25,5 +26,9 @@ inline float absmax_of_bits(uint32_t bits, bool* bad) {
   std::memcpy(&amax, &bits, 4);
   return amax;
 }
+
+// The scale a block's values are multiplied by before their nearest codes: 1 /
+// absmax, 0 for a block of zeros.
+inline float scale_of(float amax) { return amax > 0.0f ? 1.0f / amax : 0.0f; }
 
 }  // namespace rfsdp::quant::cpu

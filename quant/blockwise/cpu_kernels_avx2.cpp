@@ -179,6 +179,19 @@ inline uint32_t max_lane(__m256i m) {
   return static_cast<uint32_t>(_mm_cvtsi128_si32(h));
 }
 
+// The magnitude bits of the 32 floats at p into four accumulators (absmax_bits.h's rule).
+inline void accumulate32(const float* p, __m256i am[4]) {
+  const __m256i magnitude = _mm256_set1_epi32(0x7FFFFFFF);
+  for (int j = 0; j < 4; ++j) {
+    const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 8 * j));
+    am[j] = _mm256_max_epu32(am[j], _mm256_and_si256(v, magnitude));
+  }
+}
+// The largest lane of four accumulators.
+inline uint32_t max_lane(const __m256i am[4]) {
+  return max_lane(_mm256_max_epu32(_mm256_max_epu32(am[0], am[1]), _mm256_max_epu32(am[2], am[3])));
+}
+
 // Max |x| over a block; *bad set when it holds NaN or Inf (absmax_bits.h's rule).
 float block_absmax(const float* x, const BlockLayout::Block& blk, int64_t row_len, bool* bad) {
   const __m256i magnitude = _mm256_set1_epi32(0x7FFFFFFF);
@@ -191,14 +204,9 @@ float block_absmax(const float* x, const BlockLayout::Block& blk, int64_t row_le
       const float* p = x + blk.start + s * row_len;
       _mm_prefetch(reinterpret_cast<const char*>(p + ahead), _MM_HINT_T0);
       _mm_prefetch(reinterpret_cast<const char*>(p + ahead + 16), _MM_HINT_T0);
-      for (int j = 0; j < 4; ++j) {
-        const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 8 * j));
-        am[j] = _mm256_max_epu32(am[j], _mm256_and_si256(v, magnitude));
-      }
+      accumulate32(p, am);
     }
-    const uint32_t lanes = max_lane(_mm256_max_epu32(_mm256_max_epu32(am[0], am[1]),
-                                                     _mm256_max_epu32(am[2], am[3])));
-    return absmax_of_bits(lanes, bad);
+    return absmax_of_bits(max_lane(am), bad);
   }
   for (int64_t s = 0; s < blk.segments; ++s) {
     const float* p = x + blk.start + s * row_len;
@@ -206,10 +214,7 @@ float block_absmax(const float* x, const BlockLayout::Block& blk, int64_t row_le
     for (; i + 32 <= blk.seg_len; i += 32) {
       _mm_prefetch(reinterpret_cast<const char*>(p + i + ahead), _MM_HINT_T0);
       _mm_prefetch(reinterpret_cast<const char*>(p + i + ahead + 16), _MM_HINT_T0);
-      for (int j = 0; j < 4; ++j) {
-        const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + i + 8 * j));
-        am[j] = _mm256_max_epu32(am[j], _mm256_and_si256(v, magnitude));
-      }
+      accumulate32(p + i, am);
     }
     if (blk.seg_len < 32) {
       _mm_prefetch(reinterpret_cast<const char*>(p + ahead), _MM_HINT_T0);
@@ -221,9 +226,7 @@ float block_absmax(const float* x, const BlockLayout::Block& blk, int64_t row_le
     }
     for (; i < blk.seg_len; ++i) tail = std::max(tail, magnitude_bits(p[i]));
   }
-  const uint32_t lanes = max_lane(_mm256_max_epu32(_mm256_max_epu32(am[0], am[1]),
-                                                   _mm256_max_epu32(am[2], am[3])));
-  return absmax_of_bits(std::max(lanes, tail), bad);
+  return absmax_of_bits(std::max(max_lane(am), tail), bad);
 }
 
 // The codes of a block under absmax amax: from x in the tensor's layout, or
@@ -231,7 +234,7 @@ float block_absmax(const float* x, const BlockLayout::Block& blk, int64_t row_le
 // encode_run's (where a later block lies, to fetch it meanwhile).
 void quantize_block(const float* x, bool packed, const BlockLayout::Block& blk, int64_t row_len,
                     float amax, const IndexRegs& r, uint8_t* q, int64_t ahead = 0) {
-  const float scale = amax > 0.0f ? 1.0f / amax : 0.0f;
+  const float scale = scale_of(amax);
   for (int64_t s = 0; s < blk.segments; ++s) {
     const int64_t off = blk.start + s * row_len;
     encode_run(x + (packed ? s * blk.seg_len : off), scale, blk.seg_len, r, q + off, ahead);
@@ -359,7 +362,6 @@ void quantize_blocks(const float* x, const BlockLayout& L, const CodeLut& lut, u
   auto row = [&](const BlockLayout::Block& blk, int64_t i) {
     return blk.start + (tiles ? i * row_len : 32 * i);
   };
-  const __m256i magnitude = _mm256_set1_epi32(0x7FFFFFFF);
   auto blk = L.block(b0);
   float amax = block_absmax(x, blk, row_len, bad);
   for (int64_t b = b0; b < b1; ++b) {
@@ -368,21 +370,15 @@ void quantize_blocks(const float* x, const BlockLayout& L, const CodeLut& lut, u
     const int64_t ahead = b + 2 < b1 ? L.block(b + 2).start - blk.start : 0;
     float next_amax = 0.0f;
     if (!last && regular(blk) && regular(next)) {
-      const __m256 sc = _mm256_set1_ps(amax > 0.0f ? 1.0f / amax : 0.0f);
+      const __m256 sc = _mm256_set1_ps(scale_of(amax));
       __m256i am[4];
       for (int j = 0; j < 4; ++j) am[j] = _mm256_setzero_si256();
       for (int64_t i = 0; i < runs; ++i) {
-        const float* pn = x + row(next, i);
-        for (int j = 0; j < 4; ++j) {
-          const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(pn + 8 * j));
-          am[j] = _mm256_max_epu32(am[j], _mm256_and_si256(v, magnitude));
-        }
+        accumulate32(x + row(next, i), am);
         const int64_t at = row(blk, i);
         encode32_table(x + at, sc, r, q + at, ahead);
       }
-      next_amax = absmax_of_bits(max_lane(_mm256_max_epu32(_mm256_max_epu32(am[0], am[1]),
-                                                           _mm256_max_epu32(am[2], am[3]))),
-                                 bad);
+      next_amax = absmax_of_bits(max_lane(am), bad);
     } else {
       next_amax = last ? 0.0f : block_absmax(x, next, row_len, bad);
       quantize_block(x, false, blk, row_len, amax, r, q, ahead);

@@ -248,6 +248,35 @@ inline void for_chunks(const BlockLayout::Block& blk, int64_t row_len, F&& f) {
   }
 }
 
+// Regular blocks, whose chunks run in step with another block's (the quantise
+// and AdamW8bit pipelines): regular(block) says a block is whole, chunk(block, i)
+// is its chunk i of chunks(). Long rows: 1-D blocks of w elements, w a multiple
+// of 64, 64 consecutive a chunk.
+struct RowRuns {
+  int64_t w;
+  int64_t chunks() const { return w / 64; }
+  bool regular(const BlockLayout::Block& blk) const { return blk.seg_len == w; }
+  FullChunk chunk(const BlockLayout::Block& blk, int64_t i) const {
+    return FullChunk(blk.start + 64 * i, 64 * i);
+  }
+};
+// Whole 32 x 32 tiles, two rows a chunk (for_chunks' order).
+struct TilePairs {
+  int64_t row_len;
+  int64_t chunks() const { return 16; }
+  bool regular(const BlockLayout::Block& blk) const { return blk.segments == 32 && blk.seg_len == 32; }
+  PairChunk chunk(const BlockLayout::Block& blk, int64_t i) const {
+    const int64_t off = blk.start + 2 * i * row_len;
+    return PairChunk(off, off + row_len, 64 * i);
+  }
+};
+// Other layouts: no block regular.
+struct NoRuns {
+  int64_t chunks() const { return 0; }
+  bool regular(const BlockLayout::Block&) const { return false; }
+  FullChunk chunk(const BlockLayout::Block& blk, int64_t) const { return FullChunk(blk.start, 0); }
+};
+
 template <class C>
 inline void load_floats(const float* x, const int64_t off[2], const C& c, __m512 v[4]) {
   if (c.full) {
@@ -313,33 +342,49 @@ inline void prefetch(const T* x, const C& c, int64_t ahead) {
   }
 }
 
-// Max |x| over a block; *bad set when it holds NaN or Inf (absmax_bits.h's rule:
-// two operations an element). Four accumulators, so the loop runs at load speed,
-// not max latency.
-float block_absmax(const float* x, const BlockLayout::Block& blk, int64_t row_len, bool* bad) {
+// A block's max |x| in four accumulators (absmax_bits.h's rule: two operations
+// an element; four, so a loop runs at load speed, not max latency): a chunk's
+// floats at c.off added, and the block's absmax at the end (*bad set when it
+// holds NaN or Inf).
+struct AbsmaxAcc {
   __m512i am[4];
-  for (int j = 0; j < 4; ++j) am[j] = _mm512_setzero_si512();
-  const __m512i magnitude = _mm512_set1_epi32(0x7FFFFFFF);
-  const int64_t ahead = prefetch_distance(blk);
-  for_chunks(blk, row_len, [&](const auto& c) {
-    prefetch(x, c, ahead);
+  AbsmaxAcc() {
+    for (int j = 0; j < 4; ++j) am[j] = _mm512_setzero_si512();
+  }
+  template <class C>
+  __attribute__((always_inline)) void add(const float* x, const C& c) {
+    const __m512i magnitude = _mm512_set1_epi32(0x7FFFFFFF);
     __m512 v[4];
     load_floats(x, c.off, c, v);
     for (int j = 0; j < 4; ++j) {
       am[j] = _mm512_max_epu32(am[j], _mm512_and_si512(_mm512_castps_si512(v[j]), magnitude));
     }
+  }
+  __attribute__((always_inline)) float absmax(bool* bad) const {
+    const __m512i a = _mm512_max_epu32(_mm512_max_epu32(am[0], am[1]), _mm512_max_epu32(am[2], am[3]));
+    return absmax_of_bits(_mm512_reduce_max_epu32(a), bad);
+  }
+};
+
+// Max |x| over a block; *bad set when it holds NaN or Inf.
+float block_absmax(const float* x, const BlockLayout::Block& blk, int64_t row_len, bool* bad) {
+  AbsmaxAcc acc;
+  const int64_t ahead = prefetch_distance(blk);
+  for_chunks(blk, row_len, [&](const auto& c) {
+    prefetch(x, c, ahead);
+    acc.add(x, c);
   });
-  const __m512i a = _mm512_max_epu32(_mm512_max_epu32(am[0], am[1]), _mm512_max_epu32(am[2], am[3]));
-  return absmax_of_bits(_mm512_reduce_max_epu32(a), bad);
+  return acc.absmax(bad);
 }
 
 // Codes of a block: x (at the chunks' off, or at their buf when from_buf) times scale.
 // Where the code's table is exact, every other chunk by the table's gathers: they
 // load where the index shuffles, so consecutive chunks overlap (quantise and the
-// 8-bit momentum step 3-4 % faster at 4 Mi). next: how far on the next block's
-// elements lie, to prefetch while this one encodes (0: none); the hardware's
-// stream runs about a kilobyte ahead, so without it the next block's absmax
-// waits on memory past that (2048-element blocks: 0.33 -> 0.30 ns a value).
+// 8-bit momentum step 3-4 % faster at 4 Mi). next: how far on a later block's
+// elements lie, to prefetch while this one encodes (0: none; quantize_blocks_by
+// gives the block after next); the hardware's stream runs about a kilobyte
+// ahead, so without it a block's absmax waits on memory past that (2048-element
+// blocks: 0.33 -> 0.30 ns a value).
 template <Domain D, class C>
 __attribute__((always_inline)) inline void quantize_chunk(const float* x, const int64_t at[2],
                                                           const C& c, __m512 sc, const IndexRegs& r,
@@ -365,40 +410,31 @@ void quantize_block(const float* x, bool from_buf, const BlockLayout::Block& blk
 // Each block's absmax is taken a block ahead of its encode: the encode then
 // starts on a scale already known, not on a reduction and a division just made
 // (the encode waited on them: 256-element blocks 0.305 -> 0.27 ns a value). Where
-// both blocks are regular (n chunks, chunk(block, i)), the next one's absmax runs
+// both blocks are regular (runs: RowRuns, TilePairs), the next one's absmax runs
 // chunk by chunk beside this one's encode, its loads beside the encode's work.
-template <Domain D, class Regular, class ChunkAt>
+template <Domain D, class Runs>
 void quantize_blocks_by(const float* x, const BlockLayout& L, const IndexRegs& r, uint8_t* q,
-                        float* absmax, int64_t b0, int64_t b1, bool* bad, int64_t n,
-                        Regular&& regular, ChunkAt&& chunk) {
+                        float* absmax, int64_t b0, int64_t b1, bool* bad, const Runs& runs) {
   if (b0 >= b1) return;
   auto blk = L.block(b0);
   float amax = block_absmax(x, blk, L.row_len, bad);
-  const __m512i magnitude = _mm512_set1_epi32(0x7FFFFFFF);
   for (int64_t b = b0; b < b1; ++b) {
     const bool last = b + 1 == b1;
     const auto next = last ? blk : L.block(b + 1);
     // the block after next is the one to fetch now: next is being read
     const int64_t ahead = b + 2 < b1 ? L.block(b + 2).start - blk.start : 0;
-    const float scale = amax > 0.0f ? 1.0f / amax : 0.0f;
+    const float scale = scale_of(amax);
     float next_amax = 0.0f;
-    if (!last && regular(blk) && regular(next)) {
+    if (!last && runs.regular(blk) && runs.regular(next)) {
       const __m512 sc = _mm512_set1_ps(scale);
-      __m512i am[4];
-      for (int j = 0; j < 4; ++j) am[j] = _mm512_setzero_si512();
-      for (int64_t i = 0; i < n; ++i) {
-        const auto cn = chunk(next, i);
-        __m512 v[4];
-        load_floats(x, cn.off, cn, v);
-        for (int j = 0; j < 4; ++j) {
-          am[j] = _mm512_max_epu32(am[j], _mm512_and_si512(_mm512_castps_si512(v[j]), magnitude));
-        }
-        const auto c = chunk(blk, i);
+      AbsmaxAcc acc;
+      for (int64_t i = 0; i < runs.chunks(); ++i) {
+        acc.add(x, runs.chunk(next, i));
+        const auto c = runs.chunk(blk, i);
         if (ahead) prefetch(x, c, ahead);
         quantize_chunk<D>(x, c.off, c, sc, r, r.entry && i % 2 == 0, q);
       }
-      const __m512i a = _mm512_max_epu32(_mm512_max_epu32(am[0], am[1]), _mm512_max_epu32(am[2], am[3]));
-      next_amax = absmax_of_bits(_mm512_reduce_max_epu32(a), bad);
+      next_amax = acc.absmax(bad);
     } else {
       next_amax = last ? 0.0f : block_absmax(x, next, L.row_len, bad);
       quantize_block<D>(x, false, blk, L.row_len, scale, r, q, ahead);
@@ -412,24 +448,13 @@ void quantize_blocks_by(const float* x, const BlockLayout& L, const IndexRegs& r
 template <Domain D>
 void quantize_blocks_in(const float* x, const BlockLayout& L, const IndexRegs& r, uint8_t* q,
                         float* absmax, int64_t b0, int64_t b1, bool* bad) {
-  const int64_t w = L.max_block_elems(), row_len = L.row_len;
+  const int64_t w = L.max_block_elems();
   if (!L.shape.is_tile() && w % 64 == 0) {
-    quantize_blocks_by<D>(x, L, r, q, absmax, b0, b1, bad, w / 64,
-                          [&](const BlockLayout::Block& blk) { return blk.seg_len == w; },
-                          [](const BlockLayout::Block& blk, int64_t i) {
-                            return FullChunk(blk.start + 64 * i, 64 * i);
-                          });
+    quantize_blocks_by<D>(x, L, r, q, absmax, b0, b1, bad, RowRuns{w});
   } else if (L.shape.tile_rows == 32 && L.shape.tile_cols == 32) {
-    quantize_blocks_by<D>(x, L, r, q, absmax, b0, b1, bad, 16,
-                          [](const BlockLayout::Block& blk) { return blk.segments == 32 && blk.seg_len == 32; },
-                          [&](const BlockLayout::Block& blk, int64_t i) {
-                            const int64_t off = blk.start + 2 * i * row_len;
-                            return PairChunk(off, off + row_len, 64 * i);
-                          });
+    quantize_blocks_by<D>(x, L, r, q, absmax, b0, b1, bad, TilePairs{L.row_len});
   } else {
-    quantize_blocks_by<D>(x, L, r, q, absmax, b0, b1, bad, 0,
-                          [](const BlockLayout::Block&) { return false; },
-                          [](const BlockLayout::Block& blk, int64_t i) { return FullChunk(blk.start, 0); });
+    quantize_blocks_by<D>(x, L, r, q, absmax, b0, b1, bad, NoRuns{});
   }
 }
 
@@ -523,9 +548,9 @@ struct StepRegs {
 // a2), update them and the parameter (adamw_update's operations), keep the new
 // moments in mbuf, vbuf at the chunk's buf; their max |.| into am1, am2.
 template <class C>
-inline void update_chunk(
-    const StepRegs& R, float* p, const float* g, const uint8_t* q1, const uint8_t* q2, __m512 a1,
-    __m512 a2, const C& ch, int64_t ahead, float* mbuf, float* vbuf, __m512& am1, __m512& am2) {
+inline void update_chunk(const StepRegs& R, float* p, const float* g, const uint8_t* q1,
+                         const uint8_t* q2, __m512 a1, __m512 a2, const C& ch, int64_t ahead,
+                         float* mbuf, float* vbuf, __m512& am1, __m512& am2) {
   prefetch(p, ch, ahead);
   prefetch(g, ch, ahead);
   prefetch(q1, ch, ahead);
@@ -559,9 +584,8 @@ inline void update_chunk(
 // shuffles, v by the table's gathers, so the two overlap (measured against both
 // by either: the same or slower).
 template <class C>
-inline void encode_chunk(const StepRegs& R, const float* mbuf,
-                                                        const float* vbuf, const C& ch, __m512 sc1,
-                                                        __m512 sc2, uint8_t* q1, uint8_t* q2) {
+inline void encode_chunk(const StepRegs& R, const float* mbuf, const float* vbuf, const C& ch,
+                         __m512 sc1, __m512 sc2, uint8_t* q1, uint8_t* q2) {
   __m512 m[4], v[4];
   load_floats(mbuf, ch.buf, ch, m);
   load_floats(vbuf, ch.buf, ch, v);
@@ -575,8 +599,6 @@ inline void encode_chunk(const StepRegs& R, const float* mbuf,
   store_bytes(q1, ch, c1);
   store_bytes(q2, ch, c2);
 }
-
-inline float scale_of(float amax) { return amax > 0.0f ? 1.0f / amax : 0.0f; }
 
 // The first half of one block's step, one pass: update_chunk over its chunks;
 // the new moments' max |.| into *amax1, *amax2.
@@ -610,28 +632,27 @@ void encode_block(const StepRegs& R, const float* mbuf, const float* vbuf,
 }
 
 // The software pipeline of adamw8bit_blocks over blocks b0, b0 + 1, ... while
-// regular(block) holds (each block's chunk i: chunk(block, i), n chunks); returns
-// the first block it did not take.
-template <class Regular, class ChunkAt>
+// runs.regular(block) holds; returns the first block it did not take.
+template <class Runs>
 int64_t adamw8bit_pipelined(const StepRegs& R, float* p, const float* g, uint8_t* q1,
                             float* absmax1, uint8_t* q2, float* absmax2, const BlockLayout& L,
-                            int64_t b0, int64_t b1, float* buf, int64_t ahead, int64_t n,
-                            Regular&& regular, ChunkAt&& chunk) {
+                            int64_t b0, int64_t b1, float* buf, const Runs& runs) {
   const int64_t w = L.max_block_elems();
   auto slot = [&](int64_t b) { return buf + (b & 1) * 2 * w; };
   float pa1 = 0.0f, pa2 = 0.0f;  // block b - 1's new absmax
   int64_t b = b0;
-  for (; b < b1 && regular(L.block(b)); ++b) {
+  for (; b < b1 && runs.regular(L.block(b)); ++b) {
     const auto blk = L.block(b);
     const auto before = b > b0 ? L.block(b - 1) : blk;
+    const int64_t ahead = prefetch_distance(blk);
     float* mb = slot(b);
     const float* pm = slot(b - 1);
     const __m512 a1 = _mm512_set1_ps(absmax1[b]), a2 = _mm512_set1_ps(absmax2[b]);
     const __m512 sc1 = _mm512_set1_ps(scale_of(pa1)), sc2 = _mm512_set1_ps(scale_of(pa2));
     __m512 am1 = _mm512_setzero_ps(), am2 = _mm512_setzero_ps();
-    for (int64_t i = 0; i < n; ++i) {
-      update_chunk(R, p, g, q1, q2, a1, a2, chunk(blk, i), ahead, mb, mb + w, am1, am2);
-      if (b > b0) encode_chunk(R, pm, pm + w, chunk(before, i), sc1, sc2, q1, q2);
+    for (int64_t i = 0; i < runs.chunks(); ++i) {
+      update_chunk(R, p, g, q1, q2, a1, a2, runs.chunk(blk, i), ahead, mb, mb + w, am1, am2);
+      if (b > b0) encode_chunk(R, pm, pm + w, runs.chunk(before, i), sc1, sc2, q1, q2);
     }
     if (b > b0) {
       absmax1[b - 1] = pa1;
@@ -651,13 +672,12 @@ int64_t adamw8bit_pipelined(const StepRegs& R, float* p, const float* g, uint8_t
 
 }  // namespace
 
-// Where the maps are the dynamic ones and the blocks regular (1-D blocks of a
-// multiple of 64 elements, or whole 32 x 32 tiles), the step runs
-// software-pipelined: chunk i of block b's update beside chunk i of block b - 1's
-// encode. The update waits on the divider (sqrt and division: 88 cycles a
-// 64-element chunk, llvm-mca), the encode on shuffles and gathers; one block after
-// the other they add, side by side they overlap (4 Mi, B = 256: 1.10 -> 0.95 ns a
-// parameter). buf: two blocks of moments (4 x max_block_elems).
+// Where the maps are the dynamic ones and the blocks regular (RowRuns, TilePairs),
+// the step runs software-pipelined: chunk i of block b's update beside chunk i of
+// block b - 1's encode. The update waits on the divider (sqrt and division: 88
+// cycles a 64-element chunk, llvm-mca), the encode on shuffles and gathers; one
+// block after the other they add, side by side they overlap (4 Mi, B = 256: 1.10
+// -> 0.95 ns a parameter). buf: two blocks of moments (4 x max_block_elems).
 void adamw8bit_blocks(float* p, const float* g, uint8_t* q1, float* absmax1, uint8_t* q2,
                       float* absmax2, const BlockLayout& L, const CodeLut& lut1,
                       const CodeLut& lut2, const AdamWCoeffs& c, int64_t b0, int64_t b1,
@@ -673,24 +693,22 @@ void adamw8bit_blocks(float* p, const float* g, uint8_t* q1, float* absmax1, uin
     absmax1[b] = amax1;
     absmax2[b] = amax2;
   };
+  if (!dynamic_maps(R)) {
+    for (int64_t b = b0; b < b1; ++b) one_block(b);
+    return;
+  }
   // runs of regular blocks pipelined, the others (a short last block, a tile
   // row's partial last tile) one at a time
-  auto run = [&](int64_t ahead, int64_t n, auto&& regular, auto&& chunk) {
+  auto run = [&](const auto& runs) {
     for (int64_t b = b0; b < b1;) {
-      b = adamw8bit_pipelined(R, p, g, q1, absmax1, q2, absmax2, L, b, b1, buf, ahead, n, regular,
-                              chunk);
-      for (; b < b1 && !regular(L.block(b)); ++b) one_block(b);
+      b = adamw8bit_pipelined(R, p, g, q1, absmax1, q2, absmax2, L, b, b1, buf, runs);
+      for (; b < b1 && !runs.regular(L.block(b)); ++b) one_block(b);
     }
   };
-  if (dynamic_maps(R) && !L.shape.is_tile() && w % 64 == 0) {
-    run(kRowAhead, w / 64, [&](const BlockLayout::Block& blk) { return blk.seg_len == w; },
-        [](const BlockLayout::Block& blk, int64_t i) { return FullChunk(blk.start + 64 * i, 64 * i); });
-  } else if (dynamic_maps(R) && L.shape.tile_rows == 32 && L.shape.tile_cols == 32) {
-    run(64, 16, [](const BlockLayout::Block& blk) { return blk.segments == 32 && blk.seg_len == 32; },
-        [&](const BlockLayout::Block& blk, int64_t i) {
-          const int64_t off = blk.start + 2 * i * row_len;
-          return PairChunk(off, off + row_len, 64 * i);
-        });
+  if (!L.shape.is_tile() && w % 64 == 0) {
+    run(RowRuns{w});
+  } else if (L.shape.tile_rows == 32 && L.shape.tile_cols == 32) {
+    run(TilePairs{row_len});
   } else {
     for (int64_t b = b0; b < b1; ++b) one_block(b);
   }
@@ -767,7 +785,7 @@ void momentum8bit_blocks(const float* g, const uint8_t* q, const float* absmax, 
       store_floats(mbuf, ch.buf, ch, m);
     });
     const float amax = absmax_of_bits(_mm512_reduce_max_epu32(am), bad);
-    quantize_block_in(d, mbuf, true, blk, L.row_len, amax > 0.0f ? 1.0f / amax : 0.0f, r, q_out);
+    quantize_block_in(d, mbuf, true, blk, L.row_len, scale_of(amax), r, q_out);
     absmax_out[b] = amax;
   }
 }

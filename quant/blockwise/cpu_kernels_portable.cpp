@@ -6,6 +6,8 @@
 #include <cstring>
 #include <limits>
 
+#include "quant/blockwise/absmax_bits.h"
+
 // Hot loops get an AVX2 clone and a baseline one; the loader picks (GCC ifunc).
 #if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
 #define RFSDP_CLONES __attribute__((target_clones("avx2", "default")))
@@ -91,7 +93,7 @@ void quantize_blocks(const float* __restrict x, const BlockLayout& L, const Code
     float bad;
     const float amax = block_absmax(x, blk, L.row_len, &bad);
     if (bad != 0.0f || std::isnan(bad)) bad_any->store(true, std::memory_order_relaxed);
-    const float scale = amax > 0.0f ? 1.0f / amax : 0.0f;
+    const float scale = scale_of(amax);
     for (int64_t s = 0; s < blk.segments; ++s) {
       const int64_t off = blk.start + s * L.row_len;
       nearest_codes(x + off, scale, blk.seg_len, lut, q + off);
@@ -149,7 +151,7 @@ void momentum8bit_blocks(const float* g, const uint8_t* q, const float* absmax, 
     const BlockLayout::Block packed{0, 1, blk.count, blk.count};
     const float amax = block_absmax(mbuf, packed, blk.count, &bad);
     if (bad != 0.0f || std::isnan(bad)) bad_any->store(true, std::memory_order_relaxed);
-    const float scale = amax > 0.0f ? 1.0f / amax : 0.0f;
+    const float scale = scale_of(amax);
     for (int64_t s = 0; s < blk.segments; ++s) {
       nearest_codes(mbuf + s * blk.seg_len, scale, blk.seg_len, lut, q_out + blk.start + s * L.row_len);
     }
@@ -212,8 +214,7 @@ void update_block(float* __restrict p, const float* __restrict g, const uint8_t*
 void encode_block(const float* mbuf, const float* vbuf, const BlockLayout& L,
                   const BlockLayout::Block& blk, const CodeLut& lut1, const CodeLut& lut2,
                   float a1, float a2, uint8_t* __restrict q1, uint8_t* __restrict q2) {
-  const float s1 = a1 > 0.0f ? 1.0f / a1 : 0.0f;
-  const float s2 = a2 > 0.0f ? 1.0f / a2 : 0.0f;
+  const float s1 = scale_of(a1), s2 = scale_of(a2);
   for (int64_t s = 0; s < blk.segments; ++s) {
     const int64_t off = blk.start + s * L.row_len, k = s * blk.seg_len;
     nearest_codes(mbuf + k, s1, blk.seg_len, lut1, q1 + off);
