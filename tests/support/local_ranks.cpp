@@ -3,7 +3,10 @@
 #include <ATen/Parallel.h>
 #include <torch/csrc/distributed/c10d/HashStore.hpp>
 
+#include <condition_variable>
 #include <cstdlib>
+#include <memory>
+#include <mutex>
 #include <thread>
 
 namespace rfsdp {
@@ -28,14 +31,35 @@ std::vector<std::exception_ptr> run_local_ranks_collect(int world,
   // runs in 60 of 60 reduce-scatters between barriers; 0 in 80 with one thread).
   // OpenMP's thread count is per calling thread, so each rank thread sets its own.
   const int intra_op_threads = at::get_num_threads();
+  // Every rank's group is built before any rank runs fn. Gloo's passive side of
+  // a pair is connected when its listener hands it the socket, but its thread
+  // only returns from connectFullMesh once woken: a peer whose fn makes no
+  // collective (argument checks) could finish and close the socket in between,
+  // and the waking rank then throws "Connection closed by peer" (seen once in
+  // CI in Comm.BadArguments, on a loaded machine).
+  std::mutex built_mutex;
+  std::condition_variable built_cv;
+  int built = 0;  // ranks whose construction returned or threw
+  auto arrive_and_wait = [&] {
+    std::unique_lock<std::mutex> lock(built_mutex);
+    if (++built == world) built_cv.notify_all();
+    built_cv.wait(lock, [&] { return built == world; });
+  };
   std::vector<std::exception_ptr> errors(world);
   std::vector<std::thread> threads;
   for (int r = 0; r < world; ++r) {
     threads.emplace_back([&, r] {
       try {
         at::set_num_threads(1);
-        Comm comm(compat::make_gloo_group(store, r, world, timeout), timeout);
-        fn(comm);
+        std::unique_ptr<Comm> comm;
+        try {
+          comm = std::make_unique<Comm>(compat::make_gloo_group(store, r, world, timeout), timeout);
+        } catch (...) {
+          arrive_and_wait();
+          throw;
+        }
+        arrive_and_wait();
+        fn(*comm);
       } catch (...) {
         errors[r] = std::current_exception();
       }
