@@ -6,7 +6,7 @@
 #   2. the GPU tests (tests/python/test_gpu.py): every 8-bit state step on the CUDA
 #      kernels and on the device-generic path bit for bit the CPU kernels'; AdamW8bit,
 #      8-bit Muon momentum, SOAP 8-bit moments with int8 bases, Shampoo int8 roots,
-#      each on both paths, against the CPU; AdamW8bit and Shampoo on FSDP2 chunk rows
+#      each on both paths, against the CPU; AdamW8bit, Shampoo and SOAP 8-bit on FSDP2 chunk rows
 #      (two processes on the GPU over Gloo) against one CPU process; AdamW, Muon,
 #      Shampoo, SOAP; fully_shard over NCCL and over Gloo,
 #   3. the main job on the GPU (torchrun, 1 rank, NCCL; every optimizer, 40 steps

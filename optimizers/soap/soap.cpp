@@ -119,18 +119,6 @@ SOAP::SOAP(std::vector<ParamShard> params, SOAPOptions options, SOAPConfig confi
     state_.push_back(std::move(s));
   }
   exchange_ = cut_exchange("SOAP", cut_, params_, comm_.get());
-  for (const CutTileRow& row : cut_) {
-    const ParamShard& p = params_[row.param];
-    if (eight_bit(row.param)) {
-      throw std::invalid_argument(
-          "SOAP: parameter '" + p.name + "': its shard (rows [" + std::to_string(p.row_begin) +
-          ", " + std::to_string(p.row_end) + ")) cuts tiles of " +
-          std::to_string(config_.max_preconditioner_dim) + " rows, and 8-bit moments "
-          "(state_dtype int8) need whole tiles so far; plan the unit with "
-          "rfsdp.policy.shampoo(max_preconditioner_dim), choose a max_preconditioner_dim "
-          "that the rows keep whole, or keep float32 moments");
-    }
-  }
 }
 
 at::Tensor SOAP::basis(size_t i, size_t j, bool left) const {
@@ -153,18 +141,39 @@ void SOAP::store_basis(size_t i, size_t j, bool left, const at::Tensor& q) {
 }
 
 // The 8-bit moments: one block per row of each tile (its absmax at arow + row).
+// codes: flat, laid out as the tile's shard (or, a cut row's tile, as the row's buffer).
+void SOAP::decode_tile(size_t i, size_t j, bool second, const at::Tensor& codes,
+                       const at::Tensor& out) const {
+  const ParamState& s = state_[i];
+  const Tile& tl = tiles_[s.tiles[j]];
+  const at::Tensor& absmax = second ? s.va : s.ma;
+  at::Tensor x = at::empty({tl.rows, tl.cols}, absmax.options());
+  quant::dequantize(tile_view(codes, tl).contiguous(), absmax.narrow(0, s.arow[j], tl.rows),
+                    quant::BlockLayout(quant::BlockShape::blocks(tl.cols), tl.rows, tl.cols),
+                    second ? code_v_ : code_m_, x);
+  tile_view(out, tl).copy_(x);
+}
+
+void SOAP::encode_tile(size_t i, size_t j, bool second, const at::Tensor& flat,
+                       const at::Tensor& codes) {
+  ParamState& s = state_[i];
+  const Tile& tl = tiles_[s.tiles[j]];
+  at::Tensor q = at::empty({tl.rows, tl.cols}, codes.options().dtype(at::kByte));
+  // (the moments' values are checked with the step's)
+  quant::quantize(tile_view(flat, tl).contiguous(),
+                  quant::BlockLayout(quant::BlockShape::blocks(tl.cols), tl.rows, tl.cols),
+                  second ? code_v_ : code_m_, q, (second ? s.va : s.ma).narrow(0, s.arow[j], tl.rows),
+                  /*check_finite=*/false);
+  tile_view(codes, tl).copy_(q);
+}
+
+// The shard's whole tiles; the rows of cut tiles stay 0 (their owner decodes them).
 at::Tensor SOAP::decode(size_t i, bool second) const {
   const ParamState& s = state_[i];
   const at::Tensor codes = (second ? s.vq : s.mq).view({-1});
-  const at::Tensor& absmax = second ? s.va : s.ma;
-  at::Tensor out = at::empty({codes.numel()}, absmax.options());
-  for (size_t j = 0; j < s.tiles.size(); ++j) {  // the tiles cover the shard
-    const Tile& tl = tiles_[s.tiles[j]];
-    at::Tensor x = at::empty({tl.rows, tl.cols}, absmax.options());
-    quant::dequantize(tile_view(codes, tl).contiguous(), absmax.narrow(0, s.arow[j], tl.rows),
-                      quant::BlockLayout(quant::BlockShape::blocks(tl.cols), tl.rows, tl.cols),
-                      second ? code_v_ : code_m_, x);
-    tile_view(out, tl).copy_(x);
+  at::Tensor out = at::zeros({codes.numel()}, (second ? s.va : s.ma).options());
+  for (size_t j = 0; j < s.tiles.size(); ++j) {
+    if (tiles_[s.tiles[j]].cut < 0) decode_tile(i, j, second, codes, out);
   }
   return out;
 }
@@ -172,21 +181,20 @@ at::Tensor SOAP::decode(size_t i, bool second) const {
 void SOAP::encode(size_t i, bool second, const at::Tensor& flat) {
   ParamState& s = state_[i];
   const at::Tensor codes = (second ? s.vq : s.mq).view({-1});
-  at::Tensor& absmax = second ? s.va : s.ma;
   for (size_t j = 0; j < s.tiles.size(); ++j) {
-    const Tile& tl = tiles_[s.tiles[j]];
-    at::Tensor q = at::empty({tl.rows, tl.cols}, codes.options());
-    // (the moments' values are checked with the step's)
-    quant::quantize(tile_view(flat, tl).contiguous(),
-                    quant::BlockLayout(quant::BlockShape::blocks(tl.cols), tl.rows, tl.cols),
-                    second ? code_v_ : code_m_, q, absmax.narrow(0, s.arow[j], tl.rows),
-                    /*check_finite=*/false);
-    tile_view(codes, tl).copy_(q);
+    if (tiles_[s.tiles[j]].cut < 0) encode_tile(i, j, second, flat, codes);
   }
 }
 
 std::pair<at::Tensor, at::Tensor> SOAP::moments(size_t i) const {
   if (eight_bit(i)) {
+    for (const CutTileRow& row : cut_) {
+      if (row.param == i) {
+        throw std::logic_error("SOAP::moments: parameter '" + params_.at(i).name +
+                               "' has rows of cut tiles, whose 8-bit scales are at their owner; "
+                               "read state() (codes by row, scales in tile order)");
+      }
+    }
     const auto shape = params_.at(i).param.sizes();
     return {decode(i, false).view(shape), decode(i, true).view(shape)};
   }
@@ -360,27 +368,99 @@ void SOAP::run_step(StepGate& gate, const std::vector<size_t>& stepping) {
     if (!has_cut[i]) finish(i);
   }
   if (cut_.empty()) return;
-  // Cut rows: their m and v to the owner, which steps its tiles of them and sends
-  // every holder its rows of v and n back.
-  const std::vector<at::Tensor> mv = exchange_.gather(comm_.get(), {ms, vs});
-  std::vector<at::Tensor> vn(cut_.size());
-  for (size_t j = 0; j < cut_.size(); ++j) {
-    if (exchange_.owns(j)) vn[j] = at::stack({mv[j][1], at::zeros_like(mv[j][1])});
+  if (state_dtype_8bit_) {
+    step_cut_rows_8bit(stepping, has_cut, tile_step, permute_v, ns);
+  } else {
+    // Cut rows: their m and v to the owner, which steps its tiles of them and
+    // sends every holder its rows of v and n back.
+    const std::vector<at::Tensor> mv = exchange_.gather(comm_.get(), {ms, vs});
+    std::vector<at::Tensor> vn(cut_.size());
+    for (size_t j = 0; j < cut_.size(); ++j) {
+      if (exchange_.owns(j)) vn[j] = at::stack({mv[j][1], at::zeros_like(mv[j][1])});
+    }
+    for (size_t i : stepping) {
+      if (!precondition_[i] || param_steps_[i] < 2) continue;
+      const ParamState& s = state_[i];
+      for (size_t j = 0; j < s.tiles.size(); ++j) {
+        const size_t k = s.tiles[j];
+        const int64_t c = tiles_[k].cut;
+        if (c < 0) continue;
+        tile_step(i, j, cut_g_[c], mv[c][0], vn[c][0], vn[c][1]);
+        permute_v(k, vn[c][0]);
+      }
+    }
+    exchange_.scatter(comm_.get(), vn, {vs, ns});
   }
   for (size_t i : stepping) {
-    if (!precondition_[i] || param_steps_[i] < 2) continue;
+    if (has_cut[i]) finish(i);
+  }
+}
+
+// 8-bit moments on cut rows: a block is a tile row and its scale is the owner's
+// (the scales' tile order: a checkpoint's sequence whatever the ranks), so the
+// holders send their codes of the rows (as floats, exact) to the owner, which
+// decodes them, takes m's step there with the row's gradient (the holders' own
+// operations, the same bits), steps its tiles, encodes m and v with its scales
+// and sends every holder its rows of the codes and of n back. As many
+// all-to-alls as float32 moments, and the same bytes.
+void SOAP::step_cut_rows_8bit(const std::vector<size_t>& stepping, const std::vector<bool>& has_cut,
+                              const TileStepFn& tile_step,
+                              const std::function<void(size_t, const at::Tensor&)>& permute_v,
+                              const std::vector<at::Tensor>& ns) {
+  const size_t P = params_.size();
+  std::vector<at::Tensor> mc(P), vc(P);  // this rank's codes as floats; the new ones land here
+  for (size_t i : stepping) {
+    if (!has_cut[i] || param_steps_[i] < 2) continue;
+    mc[i] = state_[i].mq.view({-1}).to(at::kFloat);
+    vc[i] = state_[i].vq.view({-1}).to(at::kFloat);
+  }
+  const std::vector<at::Tensor> codes = exchange_.gather(comm_.get(), {mc, vc});
+  std::vector<at::Tensor> back(cut_.size());  // [3, numel]: m's and v's codes, n
+  for (size_t c = 0; c < cut_.size(); ++c) {
+    if (exchange_.owns(c)) back[c] = at::stack({codes[c][0], codes[c][1], at::zeros_like(codes[c][0])});
+  }
+  struct Row {  // an owned cut row of a parameter that steps: its codes and moments
+    at::Tensor qm, qv, m, v;
+  };
+  for (size_t i : stepping) {
+    if (!has_cut[i] || param_steps_[i] < 2) continue;
+    const SOAPOptions& o = options_of(i);
     const ParamState& s = state_[i];
+    std::map<int64_t, Row> rows;
+    for (size_t j = 0; j < s.tiles.size(); ++j) {
+      const int64_t c = tiles_[s.tiles[j]].cut;
+      if (c < 0) continue;
+      Row& r = rows[c];
+      if (!r.m.defined()) {
+        r.qm = back[c][0].to(at::kByte);
+        r.qv = back[c][1].to(at::kByte);
+        r.m = at::zeros_like(back[c][2]);  // (its tiles cover the row)
+        r.v = at::zeros_like(back[c][2]);
+      }
+      decode_tile(i, j, false, r.qm, r.m);
+      decode_tile(i, j, true, r.qv, r.v);
+    }
+    for (auto& [c, r] : rows) r.m.mul_(o.beta1).add_(cut_g_[c], 1 - o.beta1);
     for (size_t j = 0; j < s.tiles.size(); ++j) {
       const size_t k = s.tiles[j];
       const int64_t c = tiles_[k].cut;
       if (c < 0) continue;
-      tile_step(i, j, cut_g_[c], mv[c][0], vn[c][0], vn[c][1]);
-      permute_v(k, vn[c][0]);
+      Row& r = rows[c];
+      tile_step(i, j, cut_g_[c], r.m, r.v, back[c][2]);
+      permute_v(k, r.v);  // (before it is encoded: the same codes as permuting codes and scales)
+      encode_tile(i, j, false, r.m, r.qm);
+      encode_tile(i, j, true, r.v, r.qv);
+    }
+    for (auto& [c, r] : rows) {
+      back[c][0].copy_(r.qm);
+      back[c][1].copy_(r.qv);
     }
   }
-  exchange_.scatter(comm_.get(), vn, {vs, ns});
+  exchange_.scatter(comm_.get(), back, {mc, vc, ns});
   for (size_t i : stepping) {
-    if (has_cut[i]) finish(i);
+    if (!mc[i].defined()) continue;
+    state_[i].mq.view({-1}).copy_(mc[i]);  // (whole tiles' codes as they were: finish encodes them)
+    state_[i].vq.view({-1}).copy_(vc[i]);
   }
 }
 
@@ -432,20 +512,24 @@ NamedState SOAP::requantized_state(size_t i, const SOAPConfig& saved_config,
         row += t.rows;
       }
       out[m] = rows_here(p, whole).view(p.param.sizes());
-    } else {  // this rank's tiles encoded, one block per tile row
+    } else {  // encoded one block per tile row: the codes of this rank's rows, the
+              // scales of its tiles (an owned cut row's whole)
       const at::Tensor whole = saved(full, m, name(), p).reshape(-1).to(at::kFloat).contiguous();
-      at::Tensor codes = at::zeros({p.numel()}, at::kByte);
+      const int64_t e1 = p.row_end * p.row_len;
+      at::Tensor codes = at::zeros({p.full_numel()}, at::kByte);
       std::vector<at::Tensor> scales;
-      for (size_t k = r.first; k < r.end; ++k) {
-        Tile t = r.all[k];
+      for (size_t k = 0; k < r.all.size(); ++k) {
+        const Tile& t = r.all[k];
+        const int64_t t1 = t.local_offset + (t.rows - 1) * t.stride + t.cols;
+        const bool mine = k >= r.first && k < r.end;
+        if (!mine && (t1 <= e0 || t.local_offset >= e1)) continue;  // no row of it here
         const quant::Quantized q = quant::quantize_blockwise(
             tile_view(whole, t).contiguous(), code, quant::BlockShape::blocks(t.cols), -1,
             /*keep_nonzero=*/second);
-        t.local_offset -= e0;  // (SOAP's 8-bit moments need whole tiles: checked at construction)
         tile_view(codes, t).copy_(q.codes.view({t.rows, t.cols}));
-        scales.push_back(q.absmax.reshape(-1));
+        if (mine) scales.push_back(q.absmax.reshape(-1));
       }
-      out[m + "_codes"] = codes.view(p.param.sizes());
+      out[m + "_codes"] = codes.narrow(0, e0, e1 - e0).clone().view(p.param.sizes());
       out[m + "_absmax"] = scales.empty() ? at::zeros({0}, at::kFloat) : at::cat(scales);
     }
   }

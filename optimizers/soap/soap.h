@@ -31,6 +31,7 @@
 
 #include <ATen/ATen.h>
 
+#include <functional>
 #include <memory>
 #include <string>
 #include <utility>
@@ -71,8 +72,10 @@ struct SOAPConfig {
   // and columns, moves whole blocks or stays inside one: codes move with their
   // scales, nothing is requantised by it). Each step decodes a parameter's
   // moments, updates them in fp32 and encodes them once it is done (on any
-  // device: quant/blockwise/state_ops.h); whole tiles only (a shard that cuts
-  // a tile is refused); 1-D parameters and use_soap=False groups keep fp32 moments.
+  // device: quant/blockwise/state_ops.h). A tile row that shard boundaries cut
+  // (FSDP2's chunk rows) is coded by its owner, which keeps its scales (tile
+  // order) while each holder keeps its rows' codes; 1-D parameters and
+  // use_soap=False groups keep fp32 moments.
   at::ScalarType state_dtype = at::kFloat;
   // basis coded (8 or 4 bits): Q_L, Q_R as block-wise codes instead
   // (LowbitSquares: blocks of a tile's n x n basis, row by row, one fp32 absmax
@@ -148,9 +151,22 @@ class SOAP : public GroupedOptimizer<SOAPOptions> {
   // Stores q (fp32, n x n) as that basis.
   void store_basis(size_t i, size_t j, bool left, const at::Tensor& q);
   bool eight_bit(size_t i) const { return state_dtype_8bit_ && precondition_[i]; }
-  // 8-bit moments of parameter i: decoded into a flat fp32 tensor, or encoded from one.
+  // 8-bit moments of parameter i: decoded into a flat fp32 tensor, or encoded
+  // from one (its whole tiles; the rows of cut tiles are their owner's to code).
   at::Tensor decode(size_t i, bool second) const;
   void encode(size_t i, bool second, const at::Tensor& flat);
+  // Its tile j: codes (flat uint8, laid out as the tile's shard or cut row) to
+  // out (fp32, alike), and back (the tile's scales set).
+  void decode_tile(size_t i, size_t j, bool second, const at::Tensor& codes, const at::Tensor& out) const;
+  void encode_tile(size_t i, size_t j, bool second, const at::Tensor& flat, const at::Tensor& codes);
+  // tile_step(i, j, g, m, v, n): tile j of parameter i's step on flat tensors laid out as its rows.
+  using TileStepFn = std::function<void(size_t, size_t, const at::Tensor&, const at::Tensor&,
+                                        const at::Tensor&, const at::Tensor&)>;
+  // The cut rows' step with 8-bit moments (run_step's end; ns: the directions).
+  void step_cut_rows_8bit(const std::vector<size_t>& stepping, const std::vector<bool>& has_cut,
+                          const TileStepFn& tile_step,
+                          const std::function<void(size_t, const at::Tensor&)>& permute_v,
+                          const std::vector<at::Tensor>& ns);
 
   SOAPConfig config_;
   std::vector<bool> precondition_;

@@ -179,6 +179,8 @@ std::vector<Variant> variants() {
   v.push_back({"SOAPCutTiles", Layout::Planned, {}, false, soap(soap_config())});
   v.push_back({"SOAPFsdp2Chunks", Layout::Chunks, {}, false, soap(soap_config())});
   v.push_back({"SOAP8bitMoments", Layout::Planned, tile_granule, false, soap(so8)});
+  v.push_back({"SOAP8bitMomentsCutTiles", Layout::Planned, {}, false, soap(so8)});
+  v.push_back({"SOAP8bitMomentsFsdp2Chunks", Layout::Chunks, {}, false, soap(so8)});
   v.push_back({"SOAP8bitBases", Layout::Planned, tile_granule, false, soap(sob)});
   return v;
 }

@@ -3,8 +3,9 @@ torch.chunk rows), 3 ranks (processes, Gloo), rows that 3 does not divide (the
 last rank short; a 3-row matrix gives each rank one row): Muon against the
 float64 single-device Muon (muon_reference.py) on the whole batch, AdamW
 against torch's AdamW unsharded; AdamW8bit and Shampoo where the chunks hold
-whole blocks and tiles against the same optimizer in one process; Shampoo and SOAP where the chunks cut rows of tiles (owned by the rank
-holding the first row) against one process; AdamW8bit where the chunks cut blocks (the ranks agree the shared
+whole blocks and tiles against the same optimizer in one process; Shampoo and SOAP (float32
+and 8-bit moments) where the chunks cut rows of tiles (owned by the rank holding the first
+row) against one process; AdamW8bit where the chunks cut blocks (the ranks agree the shared
 blocks' scales), bit for bit against one process, codes and scales included,
 under FSDP and HSDP; its state saved by rfsdp.checkpoint on 3 ranks, loaded on
 2, resuming as one process; placements rfsdp does not take are refused
@@ -100,12 +101,16 @@ def shampoo_of(params):
                                start_preconditioning_step=2, weight_decay=0.01)
 
 
-def soap_of(params):
+def soap_of(params, state_dtype=torch.float32):
     return rfsdp.optim.SOAP(params, lr=1e-2, betas=(0.9, 0.95), max_preconditioner_dim=8,
-                            precondition_frequency=2, weight_decay=0.01)
+                            precondition_frequency=2, weight_decay=0.01, state_dtype=state_dtype)
 
 
-CUT_TILED = {"Shampoo": shampoo_of, "SOAP": soap_of}
+def soap_8bit_of(params):
+    return soap_of(params, "int8")
+
+
+CUT_TILED = {"Shampoo": shampoo_of, "SOAP": soap_of, "SOAP 8-bit moments": soap_8bit_of}
 
 
 def cut_tiled(mesh, seed):
@@ -304,9 +309,15 @@ def ckpt_grads(seed, model):
             for _ in range(4)]
 
 
-def ckpt_optimizer(name, params):
+def ckpt_optimizer(name, params, save):
+    """save: the optimizer that saves (else the one that loads: they differ for
+    "soap-fp32-to-int8", whose load requantises the moments)."""
     if name == "8bit":
         return rfsdp.optim.AdamW8bit(params, lr=1e-2, block=32, min_8bit_size=16)
+    if name.startswith("soap"):
+        state = "int8" if name == "soap8bit" or not save else torch.float32
+        return rfsdp.optim.SOAP(params, lr=1e-2, betas=(0.9, 0.95), max_preconditioner_dim=4,
+                                precondition_frequency=2, state_dtype=state)
     return rfsdp.optim.Shampoo(params, lr=1e-2, betas=(0.9, 0.95), epsilon=1e-6,
                                max_preconditioner_dim=4, precondition_frequency=2,
                                start_preconditioning_step=2)
@@ -315,12 +326,13 @@ def ckpt_optimizer(name, params):
 def ckpt_worker(rank, world, name, seed, path, save):
     """save: 2 steps on 3 ranks, save, 2 more; load: on 2 ranks, the last 2 steps.
     Given gradients, so each step is the one-device step (AdamW8bit's blocks and
-    Shampoo's rows of tiles cut by FSDP2's chunks, differently at 3 and 2 ranks)."""
+    Shampoo's and SOAP's rows of tiles cut by FSDP2's chunks, differently at 3 and
+    2 ranks)."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import Shard, distribute_tensor
     mesh = init_device_mesh("cpu", (world,))
     model = ckpt_model(mesh)
-    opt = ckpt_optimizer(name, model.parameters())
+    opt = ckpt_optimizer(name, model.parameters(), save)
     grads = ckpt_grads(seed, model)
 
     def step(k):
@@ -333,30 +345,40 @@ def ckpt_worker(rank, world, name, seed, path, save):
         step(1)
         rfsdp.checkpoint.save(path, model, opt)
     else:
-        rfsdp.checkpoint.load(path, model, opt)
+        rfsdp.checkpoint.load(path, model, opt, requantize=name == "soap-fp32-to-int8")
     step(2)
     step(3)
     return full_of(model)
 
 
-@pytest.mark.parametrize("name", ["8bit", "shampoo"])
+@pytest.mark.parametrize("name", ["8bit", "shampoo", "soap8bit", "soap-fp32-to-int8"])
 def test_fsdp2_optimizer_state_checkpoint_reshards_and_resumes_as_one_process(name):
-    """AdamW8bit: bit for bit; Shampoo: to fp32 rounding (its roots and matmuls)."""
+    """AdamW8bit: bit for bit; Shampoo, SOAP: to fp32 rounding (roots, rotations).
+    SOAP with 8-bit moments: the scales of a cut row of tiles are its owner's (3
+    ranks) and another rank's (2); from float32 moments, encoded where loaded."""
     seed = int(torch.randint(0, 2 ** 30, ()).item())
     with tempfile.TemporaryDirectory() as d:
         path = os.path.join(d, "ckpt")
         outs = []
         for world, save in ((3, True), (2, False)):
             outs.append(run_ranks(ckpt_worker, world, name, seed, path, save)[0])
-    torch.manual_seed(0)
-    model = Odd()
-    opt = ckpt_optimizer(name, model.parameters())
-    for grads in ckpt_grads(seed, model):
-        for n, p in model.named_parameters():
-            p.grad = grads[n]
-        opt.step()
+        # one process: the same steps, saved and loaded where the ranks did
+        torch.manual_seed(0)
+        model = Odd()
+        opt = ckpt_optimizer(name, model.parameters(), True)
+        for k, grads in enumerate(ckpt_grads(seed, model)):
+            if k == 2:
+                one = os.path.join(d, "one")
+                rfsdp.checkpoint.save(one, model, opt)
+                opt = ckpt_optimizer(name, model.parameters(), False)
+                rfsdp.checkpoint.load(one, model, opt, requantize=name == "soap-fp32-to-int8")
+            for n, p in model.named_parameters():
+                p.grad = grads[n]
+            opt.step()
+    # (fp32-to-int8: the 3 ranks that saved go on in float32; the 2 that loaded are the run)
+    runs = list(zip((3, 2), outs))[1 if name == "soap-fp32-to-int8" else 0:]
     for n, p in model.named_parameters():
-        for world, got in zip((3, 2), outs):
+        for world, got in runs:
             if name == "8bit":
                 assert torch.equal(got[n], p.detach()), (n, world, seed)
             else:

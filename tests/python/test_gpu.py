@@ -211,15 +211,16 @@ def test_shampoo_quantised_roots_on_the_gpu_equal_the_cpu():
     assert gpu_losses == pytest.approx(cpu_losses, rel=1e-3, abs=1e-5), "seed %d" % seed
 
 
-# AdamW8bit and Shampoo on FSDP2 chunk rows that cut blocks and tiles: two processes on
-# one GPU over Gloo (the shared blocks' scales agreed, the cut tile rows sent to their
-# owners), against one CPU process.
+# AdamW8bit, Shampoo and SOAP's 8-bit moments on FSDP2 chunk rows that cut blocks and
+# tiles: two processes on one GPU over Gloo (the shared blocks' scales agreed, the cut
+# tile rows sent to their owners, which code SOAP's), against one CPU process.
 def chunk_row_cases():
     """(name, shapes, optimizer factory): shapes whose torch.chunk rows cut the blocks / tiles."""
     import test_fsdp2_params as tf
     return [("AdamW8bit", tf.CUT[256],
              lambda ps: rfsdp.optim.AdamW8bit(ps, lr=1e-2, block=256, min_8bit_size=256)),
-            ("Shampoo", tf.CUT_SHAMPOO, tf.shampoo_of)]
+            ("Shampoo", tf.CUT_SHAMPOO, tf.shampoo_of),
+            ("SOAP 8-bit moments", tf.CUT_SHAMPOO, tf.soap_8bit_of)]
 
 
 def train_cut(make, shapes, seed, place):
@@ -251,7 +252,7 @@ def fsdp2_chunk_rows_worker(rank, world, seed, path):
 
 
 @pytest.mark.parametrize("path", ["kernels", "generic"])
-def test_adamw8bit_and_shampoo_on_fsdp2_chunk_rows_on_one_gpu_equal_one_cpu_process(path):
+def test_adamw8bit_shampoo_and_soap_8bit_on_fsdp2_chunk_rows_on_one_gpu_equal_one_cpu_process(path):
     from ranks import run_ranks
     seed = fresh_seed()
     got = run_ranks(fsdp2_chunk_rows_worker, 2, seed, path, timeout=300)

@@ -38,8 +38,8 @@ class SOAP(_Tiled):
     (dynamic maps, signed for m and unsigned for v), one block per tile row, so
     v's refresh permutation moves whole blocks with their scales; each step
     decodes, updates in fp32 and encodes (on any device: the CPU kernels, elsewhere the
-    device-generic path, the same bits; whole tiles only; 1-D
-    parameters and use_soap=False groups keep fp32 moments). basis_dtype="int8" or "int4" stores
+    device-generic path, the same bits; a cut row of tiles is coded by its owner,
+    which keeps its scales; 1-D parameters and use_soap=False groups keep fp32 moments). basis_dtype="int8" or "int4" stores
     Q_L, Q_R as block-wise codes (blocks of basis_block elements of a tile's
     basis, one fp32 absmax each, the map basis_map: "linear_square" as 4-bit
     Shampoo's, "linear", or "dynamic" at 8 bits; 4-bit codes two to a byte),
