@@ -771,7 +771,8 @@ TEST(SOAP, CutTilesNeedTheirRanks) {
 // blocks): the owner of a cut row codes it and keeps its scales, each holder its
 // rows' codes. On 1-4 ranks, every step's parameters equal one device's 8-bit
 // SOAP, and the ranks' state put together (codes by rows, scales in rank order)
-// is one device's state, code for code: the layout a checkpoint reads.
+// is one device's state, code for code: the layout a checkpoint reads; and the
+// device-generic path gives the CPU kernels' bits.
 class SOAP8bitChunkRows : public ::testing::TestWithParam<int> {};
 
 TEST_P(SOAP8bitChunkRows, EqualOneDeviceCodeForCode) {
@@ -825,6 +826,18 @@ TEST_P(SOAP8bitChunkRows, EqualOneDeviceCodeForCode) {
   int64_t cut = 0;
   const Run got = run(world, &cut), want = run(1, nullptr);
   if (world > 1) EXPECT_GT(cut, 0) << "no tile was cut: the test tests nothing new";
+  // The device-generic path (what a GPU runs) on the same ranks: the same bits.
+  quant::use_device_generic_path(true);
+  const Run generic = run(world, nullptr);
+  quant::use_device_generic_path(false);
+  for (int s = 0; s < kSteps; ++s) {
+    for (size_t i = 0; i < n; ++i) {
+      for (size_t f = 0; f < got[s][i].size(); ++f) {
+        EXPECT_TRUE(at::equal(generic[s][i][f], got[s][i][f]))
+            << "device-generic path: " << kCases[i].name << " field " << f << " after step " << s + 1;
+      }
+    }
+  }
   const char* fields[] = {"parameter", "exp_avg_codes", "exp_avg_absmax", "exp_avg_sq_codes",
                           "exp_avg_sq_absmax"};
   for (int s = 0; s < kSteps; ++s) {
