@@ -398,26 +398,34 @@ void SOAP::run_step(StepGate& gate, const std::vector<size_t>& stepping) {
 
 // 8-bit moments on cut rows: a block is a tile row and its scale is the owner's
 // (the scales' tile order: a checkpoint's sequence whatever the ranks), so the
-// holders send their codes of the rows (as floats, exact) to the owner, which
-// decodes them, takes m's step there with the row's gradient (the holders' own
-// operations, the same bits), steps its tiles, encodes m and v with its scales
-// and sends every holder its rows of the codes and of n back. As many
-// all-to-alls as float32 moments, and the same bytes.
+// holders send the owner their codes of the rows, which decodes them, takes m's
+// step there with the row's gradient (the holders' own operations, the same
+// bits), steps its tiles, encodes m and v with its scales and sends every holder
+// its rows of the codes and of n back. An element's two codes travel as one
+// float (m + 256 v, exact): 3 floats an element where fp32 moments move 4.
+namespace {
+at::Tensor pack_codes(const at::Tensor& m, const at::Tensor& v) {
+  return m.to(at::kFloat).add_(v.to(at::kFloat), 256);
+}
+at::Tensor code_of(const at::Tensor& packed, bool second) {
+  const at::Tensor i = packed.to(at::kInt);
+  return (second ? i.bitwise_right_shift(8) : i.bitwise_and(255)).to(at::kByte);
+}
+}  // namespace
+
 void SOAP::step_cut_rows_8bit(const std::vector<size_t>& stepping, const std::vector<bool>& has_cut,
                               const TileStepFn& tile_step,
                               const std::function<void(size_t, const at::Tensor&)>& permute_v,
                               const std::vector<at::Tensor>& ns) {
   const size_t P = params_.size();
-  std::vector<at::Tensor> mc(P), vc(P);  // this rank's codes as floats; the new ones land here
+  std::vector<at::Tensor> codes(P);  // this rank's codes, packed; the new ones land here
   for (size_t i : stepping) {
-    if (!has_cut[i] || param_steps_[i] < 2) continue;
-    mc[i] = state_[i].mq.view({-1}).to(at::kFloat);
-    vc[i] = state_[i].vq.view({-1}).to(at::kFloat);
+    if (has_cut[i] && param_steps_[i] >= 2) codes[i] = pack_codes(state_[i].mq.view({-1}), state_[i].vq.view({-1}));
   }
-  const std::vector<at::Tensor> codes = exchange_.gather(comm_.get(), {mc, vc});
-  std::vector<at::Tensor> back(cut_.size());  // [3, numel]: m's and v's codes, n
+  const std::vector<at::Tensor> rows_in = exchange_.gather(comm_.get(), {codes});
+  std::vector<at::Tensor> back(cut_.size());  // [2, numel]: the codes (packed), n
   for (size_t c = 0; c < cut_.size(); ++c) {
-    if (exchange_.owns(c)) back[c] = at::stack({codes[c][0], codes[c][1], at::zeros_like(codes[c][0])});
+    if (exchange_.owns(c)) back[c] = at::stack({rows_in[c][0], at::zeros_like(rows_in[c][0])});
   }
   struct Row {  // an owned cut row of a parameter that steps: its codes and moments
     at::Tensor qm, qv, m, v;
@@ -432,10 +440,10 @@ void SOAP::step_cut_rows_8bit(const std::vector<size_t>& stepping, const std::ve
       if (c < 0) continue;
       Row& r = rows[c];
       if (!r.m.defined()) {
-        r.qm = back[c][0].to(at::kByte);
-        r.qv = back[c][1].to(at::kByte);
-        r.m = at::zeros_like(back[c][2]);  // (its tiles cover the row)
-        r.v = at::zeros_like(back[c][2]);
+        r.qm = code_of(back[c][0], false);
+        r.qv = code_of(back[c][0], true);
+        r.m = at::zeros_like(back[c][1]);  // (its tiles cover the row)
+        r.v = at::zeros_like(back[c][1]);
       }
       decode_tile(i, j, false, r.qm, r.m);
       decode_tile(i, j, true, r.qv, r.v);
@@ -446,21 +454,19 @@ void SOAP::step_cut_rows_8bit(const std::vector<size_t>& stepping, const std::ve
       const int64_t c = tiles_[k].cut;
       if (c < 0) continue;
       Row& r = rows[c];
-      tile_step(i, j, cut_g_[c], r.m, r.v, back[c][2]);
+      tile_step(i, j, cut_g_[c], r.m, r.v, back[c][1]);
       permute_v(k, r.v);  // (before it is encoded: the same codes as permuting codes and scales)
       encode_tile(i, j, false, r.m, r.qm);
       encode_tile(i, j, true, r.v, r.qv);
     }
-    for (auto& [c, r] : rows) {
-      back[c][0].copy_(r.qm);
-      back[c][1].copy_(r.qv);
-    }
+    for (auto& [c, r] : rows) back[c][0].copy_(pack_codes(r.qm, r.qv));
   }
-  exchange_.scatter(comm_.get(), back, {mc, vc, ns});
+  exchange_.scatter(comm_.get(), back, {codes, ns});
   for (size_t i : stepping) {
-    if (!mc[i].defined()) continue;
-    state_[i].mq.view({-1}).copy_(mc[i]);  // (whole tiles' codes as they were: finish encodes them)
-    state_[i].vq.view({-1}).copy_(vc[i]);
+    if (!codes[i].defined()) continue;
+    // (whole tiles' codes as they were: finish encodes them)
+    state_[i].mq.view({-1}).copy_(code_of(codes[i], false));
+    state_[i].vq.view({-1}).copy_(code_of(codes[i], true));
   }
 }
 

@@ -7,6 +7,7 @@
 // decay, factor updates, power-step refreshes with v's permutation.
 #include <gtest/gtest.h>
 
+#include <atomic>
 #include <cmath>
 #include <iostream>
 #include <map>
@@ -785,7 +786,9 @@ TEST_P(SOAP8bitChunkRows, EqualOneDeviceCodeForCode) {
   const size_t n = kCases.size();
   // per step and parameter: the parameter, and the 8-bit state's four tensors put together
   using Run = std::vector<std::vector<std::vector<at::Tensor>>>;
+  std::atomic<int64_t> sent{0};  // bytes all ranks sent in the last run's steps
   auto run = [&](int ranks, int64_t* cut) {
+    sent = 0;
     Run out(kSteps, std::vector<std::vector<at::Tensor>>(n));
     std::vector<std::vector<std::vector<std::vector<at::Tensor>>>> by_rank(ranks);  // [rank][step][param]
     run_local_ranks(ranks, [&](Comm& comm) {
@@ -796,6 +799,7 @@ TEST_P(SOAP8bitChunkRows, EqualOneDeviceCodeForCode) {
       if (rank == 0 && cut) *cut = static_cast<int64_t>(opt.cut_rows().size());
       auto& mine = by_rank[rank];
       mine.resize(kSteps, std::vector<std::vector<at::Tensor>>(n));
+      const int64_t sent_before = comm.stats().bytes_sent;
       for (int s = 0; s < kSteps; ++s) {
         const auto g = full_tensors(seed, s + 1);
         for (size_t i = 0; i < n; ++i) {
@@ -804,13 +808,14 @@ TEST_P(SOAP8bitChunkRows, EqualOneDeviceCodeForCode) {
         opt.step();
         for (size_t i = 0; i < n; ++i) {
           mine[s][i].push_back(opt.params()[i].param.reshape(-1).clone());
-          if (!opt.preconditioned(i)) continue;
+          if (!opt.preconditioned(i) || c.state_dtype != at::kByte) continue;
           const auto st = opt.state(i);
           for (const char* name : {"exp_avg_codes", "exp_avg_absmax", "exp_avg_sq_codes", "exp_avg_sq_absmax"}) {
             mine[s][i].push_back(named(st, name).reshape(-1).clone());
           }
         }
       }
+      sent += comm.stats().bytes_sent - sent_before;
     });
     for (int s = 0; s < kSteps; ++s) {
       for (size_t i = 0; i < n; ++i) {
@@ -824,8 +829,17 @@ TEST_P(SOAP8bitChunkRows, EqualOneDeviceCodeForCode) {
     return out;
   };
   int64_t cut = 0;
-  const Run got = run(world, &cut), want = run(1, nullptr);
+  const Run want = run(1, nullptr), got = run(world, &cut);
+  const int64_t sent_8bit = sent;
   if (world > 1) EXPECT_GT(cut, 0) << "no tile was cut: the test tests nothing new";
+  {  // the codes travel packed, 3 floats an element of a cut row against float32 moments' 4
+    c.state_dtype = at::kFloat;
+    run(world, nullptr);
+    c.state_dtype = at::kByte;
+    if (world > 1) EXPECT_LT(sent_8bit, sent.load()) << "bytes sent in " << kSteps << " steps";
+    std::cout << "[ figure ] " << world << " ranks: " << sent_8bit << " bytes sent in " << kSteps
+              << " steps with 8-bit moments, " << sent.load() << " with float32 moments\n";
+  }
   // The device-generic path (what a GPU runs) on the same ranks: the same bits.
   quant::use_device_generic_path(true);
   const Run generic = run(world, nullptr);
