@@ -3,13 +3,16 @@ runs it): 8-bit kernels against a device-to-device copy of the same bytes,
 Newton–Schulz against torch.mm on the same products, a GPT step with rfsdp, torch
 FSDP2 and plain PyTorch (time, peak memory), and the overlap prefetch buys.
 Times are medians of CUDA-event timings after warm-up; ratios are what to read.
-Prints a markdown table; --out FILE writes it there too."""
+Prints a markdown table; --out FILE writes it there too. --rehearse: every line on
+the CPU with tiny sizes (the suite runs it, so the GPU run does not fail on the
+bench's own code); its figures mean nothing."""
 import argparse
 import copy
 import os
 import statistics
 import sys
 import tempfile
+import time
 
 import torch
 import torch.distributed as dist
@@ -22,6 +25,12 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(
 from train_gpt import GPT  # noqa: E402
 
 ROWS = []
+DEV = torch.device("cuda")  # the CPU in a rehearsal (main)
+
+
+def sync():
+    if DEV.type == "cuda":
+        torch.cuda.synchronize()
 
 
 def row(section, what, value, reference, ratio, note=""):
@@ -34,6 +43,11 @@ def median_ms(fn, reps=20, warm=3):
         fn()
     times = []
     for _ in range(reps):
+        if DEV.type != "cuda":
+            t0 = time.perf_counter()
+            fn()
+            times.append((time.perf_counter() - t0) * 1e3)
+            continue
         a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         a.record()
         fn()
@@ -45,13 +59,29 @@ def median_ms(fn, reps=20, warm=3):
 
 def copy_ms(nbytes):
     """A device-to-device copy moving nbytes in all (half read, half written)."""
-    src = torch.empty(nbytes // 2, dtype=torch.uint8, device="cuda")
+    src = torch.empty(nbytes // 2, dtype=torch.uint8, device=DEV)
     dst = torch.empty_like(src)
     return median_ms(lambda: dst.copy_(src))
 
 
+def quantise_into(x, code, block, row_len, q, a):
+    if DEV.type == "cuda":
+        rfsdp._C.cuda_quantize_into(x, code, block, row_len, q, a)
+    else:  # the rehearsal: the CPU's entry point
+        codes, absmax = rfsdp._C.quantize_blockwise(x, code, block, row_len)
+        q.copy_(codes.reshape(-1))
+        a.copy_(absmax.reshape(-1))
+
+
+def dequantise_into(q, a, code, block, row_len, out):
+    if DEV.type == "cuda":
+        rfsdp._C.cuda_dequantize_into(q, a, code, block, row_len, out)
+    else:
+        rfsdp._C.dequantize_blockwise(q, a, code, block, row_len, out)
+
+
 def bench_8bit(n):
-    dev = "cuda"
+    dev = DEV
     code1, code2 = rfsdp.quant.dynamic_map(True).to(dev), rfsdp.quant.dynamic_map(False).to(dev)
     for block, row_len in ((256, 1), ((32, 32), 8192)):
         nb = rfsdp._C.num_blocks(block, n // row_len, row_len)
@@ -71,9 +101,9 @@ def bench_8bit(n):
                                     0.999, 1e-8, 0.01, step[0])
 
         kernels = {
-            "quantise": (lambda: rfsdp._C.cuda_quantize_into(x, code1, block, row_len, q, a),
+            "quantise": (lambda: quantise_into(x, code1, block, row_len, q, a),
                          4 * n + n + 4 * nb),
-            "dequantise": (lambda: rfsdp._C.cuda_dequantize_into(q, a, code1, block, row_len, out),
+            "dequantise": (lambda: dequantise_into(q, a, code1, block, row_len, out),
                            n + 4 * nb + 4 * n),
             # param r/w, grad read, both codes r/w, both absmax r/w
             "fused AdamW8bit": (adamw, 8 * n + 4 * n + 4 * n + 16 * nb),
@@ -90,16 +120,15 @@ def ns_flops(rows, cols, steps):
     return steps * (4.0 * n * n * N + 2.0 * n ** 3)
 
 
-def bench_newton_schulz(steps=5):
-    for batch, rows, cols in ((1, 4096, 4096), (1, 4096, 14336), (1, 1024, 4096), (32, 1024, 1024),
-                              (16, 2048, 1408)):
+def bench_newton_schulz(shapes, steps=5):
+    for batch, rows, cols in shapes:
         shape = (rows, cols) if batch == 1 else (batch, rows, cols)
-        x = torch.randn(shape, device="cuda")
+        x = torch.randn(shape, device=DEV)
         t = median_ms(lambda: rfsdp._C.newton_schulz(x, steps, "bfloat16"), reps=10)
         # torch.mm (bmm) on the products one iteration makes, in bf16: X X^T, A A, B X
         n, N = min(rows, cols), max(rows, cols)
-        xb = torch.randn((batch, n, N), device="cuda", dtype=torch.bfloat16)
-        ab = torch.randn((batch, n, n), device="cuda", dtype=torch.bfloat16)
+        xb = torch.randn((batch, n, N), device=DEV, dtype=torch.bfloat16)
+        ab = torch.randn((batch, n, n), device=DEV, dtype=torch.bfloat16)
 
         def products():
             torch.bmm(xb, xb.transpose(1, 2))
@@ -117,7 +146,7 @@ def bench_newton_schulz(steps=5):
 def gpt_step_bench(d, layers, heads, ctx, batch, steps=10):
     torch.manual_seed(0)
     base = GPT(d, layers, heads, ctx)
-    data = torch.randint(0, 256, (batch, ctx + 1), device="cuda")
+    data = torch.randint(0, 256, (batch, ctx + 1), device=DEV)
 
     def loss_of(model):
         logits = model(data[:, :-1])
@@ -128,26 +157,32 @@ def gpt_step_bench(d, layers, heads, ctx, batch, steps=10):
     def measure(name, model, opt, autocast=False):
         def step():
             opt.zero_grad(set_to_none=True)
-            with torch.autocast("cuda", torch.bfloat16, enabled=autocast):
+            with torch.autocast(DEV.type, torch.bfloat16, enabled=autocast):
                 loss = loss_of(model)
             loss.backward()
             opt.step()
         for _ in range(3):
             step()
-        torch.cuda.synchronize()
-        torch.cuda.reset_peak_memory_stats()
+        sync()
+        if DEV.type == "cuda":
+            torch.cuda.reset_peak_memory_stats()
         t = median_ms(step, reps=steps, warm=0)
-        results[name] = (t, torch.cuda.max_memory_allocated() / 2 ** 30)
+        peak = torch.cuda.max_memory_allocated() / 2 ** 30 if DEV.type == "cuda" else 0.0
+        results[name] = (t, peak)
         return model
 
-    plain = copy.deepcopy(base).cuda()
+    def empty_cache():
+        if DEV.type == "cuda":
+            torch.cuda.empty_cache()
+
+    plain = copy.deepcopy(base).to(DEV)
     measure("plain PyTorch (autocast bf16, fused AdamW)", plain,
             torch.optim.AdamW(plain.parameters(), lr=1e-4, fused=True), autocast=True)
     del plain
-    torch.cuda.empty_cache()
+    empty_cache()
 
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
-    f2 = copy.deepcopy(base).cuda()
+    f2 = copy.deepcopy(base).to(DEV)
     mp2 = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
     for b in f2.blocks:
         fully_shard(b, mp_policy=mp2)
@@ -155,9 +190,9 @@ def gpt_step_bench(d, layers, heads, ctx, batch, steps=10):
     measure("torch FSDP2 (bf16 / fp32 reduce, AdamW foreach)", f2,
             torch.optim.AdamW(f2.parameters(), lr=1e-4))
     del f2
-    torch.cuda.empty_cache()
+    empty_cache()
 
-    r = copy.deepcopy(base).cuda()
+    r = copy.deepcopy(base).to(DEV)
     for b in r.blocks:
         rfsdp.fully_shard(b)  # the GPU default: bf16 compute, fp32 reduction
     rfsdp.fully_shard(r)
@@ -166,7 +201,7 @@ def gpt_step_bench(d, layers, heads, ctx, batch, steps=10):
     rfsdp.set_prefetch(r, False)
     measure("rfsdp, prefetch off", r, opt)
     del r, opt
-    torch.cuda.empty_cache()
+    empty_cache()
 
     plain_t, plain_m = results["plain PyTorch (autocast bf16, fused AdamW)"]
     tag = "GPT d=%d L=%d ctx=%d batch=%d" % (d, layers, ctx, batch)
@@ -184,24 +219,37 @@ def main():
     ap.add_argument("--out", help="write the markdown table here")
     ap.add_argument("--elems", type=int, default=1 << 26, help="8-bit kernels: elements")
     ap.add_argument("--quick", action="store_true", help="a small GPT only")
+    ap.add_argument("--rehearse", action="store_true",
+                    help="every line on the CPU with tiny sizes (figures meaningless)")
     args = ap.parse_args()
-    assert torch.cuda.is_available(), "gpu_bench needs a CUDA device"
-    print("torch %s, %s" % (torch.__version__, torch.cuda.get_device_name()))
+    global DEV
+    if args.rehearse:
+        DEV = torch.device("cpu")
+        device_name = "the CPU (a rehearsal: the figures mean nothing)"
+    else:
+        assert torch.cuda.is_available(), "gpu_bench needs a CUDA device"
+        device_name = torch.cuda.get_device_name()
+    print("torch %s, %s" % (torch.__version__, device_name))
     print("| section | what | measured | reference | ratio | note |\n|---|---|---|---|---|---|")
-    bench_8bit(args.elems)
-    bench_newton_schulz()
+    bench_8bit(1 << 16 if args.rehearse else args.elems)
+    bench_newton_schulz(((1, 64, 96), (4, 32, 32)) if args.rehearse else
+                        ((1, 4096, 4096), (1, 4096, 14336), (1, 1024, 4096), (32, 1024, 1024),
+                         (16, 2048, 1408)))
     with tempfile.TemporaryDirectory() as d:
-        dist.init_process_group("nccl", init_method="file://" + os.path.join(d, "init"), rank=0,
-                                world_size=1)
+        dist.init_process_group("gloo" if args.rehearse else "nccl",
+                                init_method="file://" + os.path.join(d, "init"), rank=0, world_size=1)
         try:
-            gpt_step_bench(256, 4, 4, 128, 8)
-            if not args.quick:
+            if args.rehearse:
+                gpt_step_bench(32, 2, 2, 16, 2, steps=2)
+            else:
+                gpt_step_bench(256, 4, 4, 128, 8)
+            if not (args.quick or args.rehearse):
                 gpt_step_bench(1024, 12, 16, 512, 8)
         finally:
             dist.destroy_process_group()
     if args.out:
         with open(args.out, "w") as f:
-            f.write("GPU bench: torch %s on %s\n\n" % (torch.__version__, torch.cuda.get_device_name()))
+            f.write("GPU bench: torch %s on %s\n\n" % (torch.__version__, device_name))
             f.write("| section | what | measured | reference | ratio | note |\n|---|---|---|---|---|---|\n")
             for r in ROWS:
                 f.write("| %s | %s | %s | %s | %s | %s |\n" % r)

@@ -1,5 +1,6 @@
-"""The GPU tests rehearsed on the CPU: test_gpu.py runs, in a fresh interpreter, with
-the CPU standing in for the GPU (RFSDP_GPU_TESTS_ON_CPU=1, see there). The GPU
+"""The GPU tests and bench rehearsed on the CPU: test_gpu.py runs, in a fresh
+interpreter, with the CPU standing in for the GPU (RFSDP_GPU_TESTS_ON_CPU=1, see
+there), and bench/gpu_bench.py --rehearse runs every line with tiny sizes. The GPU
 machine is lent only at times and its minutes are few; without this the GPU tests
 are skipped in every run here and rot unseen (an API renamed, a helper's arguments
 changed) until a GPU run fails on them. What a GPU computes is tested only there."""
@@ -11,6 +12,7 @@ import pytest
 import torch
 
 HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(os.path.dirname(HERE))
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="a GPU is visible: test_gpu.py runs on it")
@@ -24,3 +26,14 @@ def test_the_gpu_tests_run_with_the_cpu_standing_in_for_the_gpu():
     # every test but the NCCL ones ran (none skipped for another reason)
     skipped = [line for line in out.splitlines() if line.startswith("SKIPPED")]
     assert all("NCCL" in line for line in skipped), "\n".join(skipped)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="a GPU is visible: gpu_check.sh runs the bench")
+def test_the_gpu_bench_runs_with_the_cpu_standing_in_for_the_gpu(tmp_path):
+    out = str(tmp_path / "table.md")
+    r = subprocess.run([sys.executable, os.path.join(ROOT, "bench", "gpu_bench.py"), "--rehearse",
+                        "--out", out], capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, "gpu_bench.py --rehearse failed:\n" + (r.stdout + r.stderr)[-8000:]
+    rows = [line.split(" | ")[0].lstrip("| ") for line in open(out) if line.startswith("| ")]
+    for section in ("8-bit", "Newton–Schulz", "GPT step", "overlap"):
+        assert section in rows, "no %s row in the table:\n%s" % (section, open(out).read())
