@@ -418,9 +418,26 @@ void SOAP::step_cut_rows_8bit(const std::vector<size_t>& stepping, const std::ve
                               const std::function<void(size_t, const at::Tensor&)>& permute_v,
                               const std::vector<at::Tensor>& ns) {
   const size_t P = params_.size();
-  std::vector<at::Tensor> codes(P);  // this rank's codes, packed; the new ones land here
-  for (size_t i : stepping) {
-    if (has_cut[i] && param_steps_[i] >= 2) codes[i] = pack_codes(state_[i].mq.view({-1}), state_[i].vq.view({-1}));
+  // This rank's pieces of the cut rows of parameters that step (element ranges of
+  // its flat shard): their codes packed travel, the new ones land there.
+  std::vector<at::Tensor> codes(P);
+  for (size_t i : stepping) {  // (only the pieces travel: the rest stays unset)
+    const at::Tensor& mq = state_[i].mq;
+    if (has_cut[i] && param_steps_[i] >= 2) codes[i] = at::empty({mq.numel()}, mq.options().dtype(at::kFloat));
+  }
+  std::vector<std::pair<size_t, OwnerExchange::Range>> pieces;  // (parameter, {offset, length})
+  for (size_t c = 0; c < cut_.size(); ++c) {
+    const size_t i = cut_[c].param;
+    const OwnerExchange::Range r = exchange_.piece(c, exchange_.rank());
+    if (!codes[i].defined() || r.first == r.second) continue;
+    const int64_t e0 = params_[i].row_begin * params_[i].row_len;
+    pieces.push_back({i, {r.first - e0, r.second - r.first}});
+  }
+  auto piece_of = [](const at::Tensor& t, const OwnerExchange::Range& r) {
+    return t.view({-1}).narrow(0, r.first, r.second);
+  };
+  for (const auto& [i, r] : pieces) {
+    piece_of(codes[i], r).copy_(pack_codes(piece_of(state_[i].mq, r), piece_of(state_[i].vq, r)));
   }
   const std::vector<at::Tensor> rows_in = exchange_.gather(comm_.get(), {codes});
   std::vector<at::Tensor> back(cut_.size());  // [2, numel]: the codes (packed), n
@@ -462,11 +479,9 @@ void SOAP::step_cut_rows_8bit(const std::vector<size_t>& stepping, const std::ve
     for (auto& [c, r] : rows) back[c][0].copy_(pack_codes(r.qm, r.qv));
   }
   exchange_.scatter(comm_.get(), back, {codes, ns});
-  for (size_t i : stepping) {
-    if (!codes[i].defined()) continue;
-    // (whole tiles' codes as they were: finish encodes them)
-    state_[i].mq.view({-1}).copy_(code_of(codes[i], false));
-    state_[i].vq.view({-1}).copy_(code_of(codes[i], true));
+  for (const auto& [i, r] : pieces) {
+    piece_of(state_[i].mq, r).copy_(code_of(piece_of(codes[i], r), false));
+    piece_of(state_[i].vq, r).copy_(code_of(piece_of(codes[i], r), true));
   }
 }
 
