@@ -167,11 +167,20 @@ void SOAP::encode_tile(size_t i, size_t j, bool second, const at::Tensor& flat,
   tile_view(codes, tl).copy_(q);
 }
 
+bool SOAP::has_cut_rows(size_t i) const {
+  for (const CutTileRow& row : cut_) {
+    if (row.param == i) return true;
+  }
+  return false;
+}
+
 // The shard's whole tiles; the rows of cut tiles stay 0 (their owner decodes them).
 at::Tensor SOAP::decode(size_t i, bool second) const {
   const ParamState& s = state_[i];
   const at::Tensor codes = (second ? s.vq : s.mq).view({-1});
-  at::Tensor out = at::zeros({codes.numel()}, (second ? s.va : s.ma).options());
+  const auto opts = (second ? s.va : s.ma).options();
+  // (without cut rows the tiles cover the shard: nothing to clear)
+  at::Tensor out = has_cut_rows(i) ? at::zeros({codes.numel()}, opts) : at::empty({codes.numel()}, opts);
   for (size_t j = 0; j < s.tiles.size(); ++j) {
     if (tiles_[s.tiles[j]].cut < 0) decode_tile(i, j, second, codes, out);
   }
@@ -188,12 +197,10 @@ void SOAP::encode(size_t i, bool second, const at::Tensor& flat) {
 
 std::pair<at::Tensor, at::Tensor> SOAP::moments(size_t i) const {
   if (eight_bit(i)) {
-    for (const CutTileRow& row : cut_) {
-      if (row.param == i) {
-        throw std::logic_error("SOAP::moments: parameter '" + params_.at(i).name +
-                               "' has rows of cut tiles, whose 8-bit scales are at their owner; "
-                               "read state() (codes by row, scales in tile order)");
-      }
+    if (has_cut_rows(i)) {
+      throw std::logic_error("SOAP::moments: parameter '" + params_.at(i).name +
+                             "' has rows of cut tiles, whose 8-bit scales are at their owner; "
+                             "read state() (codes by row, scales in tile order)");
     }
     const auto shape = params_.at(i).param.sizes();
     return {decode(i, false).view(shape), decode(i, true).view(shape)};
@@ -448,7 +455,7 @@ void SOAP::step_cut_rows_8bit(const std::vector<size_t>& stepping, const std::ve
     at::Tensor qm, qv, m, v;
   };
   for (size_t i : stepping) {
-    if (!has_cut[i] || param_steps_[i] < 2) continue;
+    if (!codes[i].defined()) continue;  // (no cut rows, or no moments yet)
     const SOAPOptions& o = options_of(i);
     const ParamState& s = state_[i];
     std::map<int64_t, Row> rows;

@@ -151,6 +151,8 @@ class SOAP : public GroupedOptimizer<SOAPOptions> {
   // Stores q (fp32, n x n) as that basis.
   void store_basis(size_t i, size_t j, bool left, const at::Tensor& q);
   bool eight_bit(size_t i) const { return state_dtype_8bit_ && precondition_[i]; }
+  // Some row of parameter i's tiles is cut by shard boundaries (on any rank).
+  bool has_cut_rows(size_t i) const;
   // 8-bit moments of parameter i: decoded into a flat fp32 tensor, or encoded
   // from one (its whole tiles; the rows of cut tiles are their owner's to code).
   at::Tensor decode(size_t i, bool second) const;
