@@ -4,9 +4,12 @@
 
 #include <algorithm>
 #include <cstdlib>
+#include <cstring>
 #include <iostream>
+#include <mutex>
 #include <numeric>
 #include <stdexcept>
+#include <unordered_map>
 
 namespace rfsdp {
 
@@ -15,6 +18,26 @@ namespace {
 int64_t nbytes(const at::Tensor& t) { return t.numel() * static_cast<int64_t>(t.element_size()); }
 
 c10d::ReduceOp sum_op() { return c10d::ReduceOp(c10d::ReduceOp::SUM); }
+
+// The collectives a check-in names (their codes travel in it).
+const char* const kCheckedOps[] = {"all_gather_flat", "reduce_scatter_flat", "all_to_all",
+                                   "all_reduce", "broadcast", "barrier"};
+
+// Each process group's count of checked collectives, shared by every Comm over
+// it (FSDP units and optimizers keep their own Comms over one group); a group
+// made later at the address of one that is gone starts from 0.
+std::shared_ptr<std::atomic<int64_t>> sequence_of(const c10::intrusive_ptr<c10d::ProcessGroup>& pg) {
+  using Entry = std::pair<c10::weak_intrusive_ptr<c10d::ProcessGroup>,
+                          std::shared_ptr<std::atomic<int64_t>>>;
+  static std::mutex mu;
+  static std::unordered_map<const c10d::ProcessGroup*, Entry> groups;
+  std::lock_guard<std::mutex> lock(mu);
+  auto it = groups.find(pg.get());
+  if (it != groups.end() && !it->second.first.expired()) return it->second.second;
+  auto count = std::make_shared<std::atomic<int64_t>>(0);
+  groups.insert_or_assign(pg.get(), Entry(c10::weak_intrusive_ptr<c10d::ProcessGroup>(pg), count));
+  return count;
+}
 
 }  // namespace
 
@@ -144,7 +167,40 @@ Comm::Comm(c10::intrusive_ptr<c10d::ProcessGroup> pg, std::chrono::milliseconds 
   size_ = pg_->getSize();
   backend_name_ = pg_->getBackendName();
   gloo_ = backend_name_ == "gloo";
+  const char* check = std::getenv("RFSDP_CHECK_COLLECTIVES");
+  checked_ = gloo_ && size_ > 1 && !(check && std::strcmp(check, "0") == 0);
+  sequence_ = sequence_of(pg_);
   set_flat_algorithms(FlatAlgorithm::Auto, FlatAlgorithm::Auto);
+}
+
+void Comm::check_in(const char* op, int64_t numel, at::ScalarType dtype) {
+  if (!checked_) return;
+  int64_t code = 0;
+  while (code < 6 && std::strcmp(kCheckedOps[code], op) != 0) ++code;
+  const int64_t seq = (*sequence_)++;
+  at::Tensor mine = at::tensor({seq, code, numel, static_cast<int64_t>(dtype)}, at::kLong);
+  at::Tensor all = at::empty({size_ * 4}, at::kLong);
+  c10d::AllgatherOptions opts;
+  opts.timeout = timeout_;
+  make_handle({group()._allgather_base(all, mine, opts)}, nullptr,
+              std::string(op) + " (its check-in)", at::Tensor()).wait();
+  const int64_t* a = all.data_ptr<int64_t>();
+  bool same = true;
+  for (int r = 1; r < size_ && same; ++r) same = std::equal(a, a + 4, a + 4 * r);
+  if (same) return;
+  std::string text = "collectives out of step on a group of " + std::to_string(size_) + " ranks:";
+  for (int r = 0; r < size_; ++r) {
+    const int64_t* x = a + 4 * r;
+    text += std::string(r ? "; " : " ") + "rank " + std::to_string(r) + " is at its collective #" +
+            std::to_string(x[0]) + ", " + (x[1] >= 0 && x[1] < 6 ? kCheckedOps[x[1]] : "?") +
+            (x[2] >= 0 ? " of " + std::to_string(x[2]) : std::string(" of")) + " " +
+            c10::toString(static_cast<at::ScalarType>(x[3])) + " elements";
+  }
+  throw std::runtime_error(
+      text + ". A rank skipped part of a step (an exception caught on one rank and training "
+      "continued?) or the ranks run different code: every rank must issue the same collectives "
+      "in the same order. Nothing was sent; restart every rank from the last checkpoint "
+      "(RFSDP_CHECK_COLLECTIVES=0 turns this check off)");
 }
 
 std::shared_ptr<Comm> Comm::split(const std::vector<int>& ranks, const std::string& name) const {
@@ -256,6 +312,7 @@ CommHandle Comm::all_gather_flat(const at::Tensor& buffer, const at::Tensor& loc
     throw std::invalid_argument("all_gather_flat: buffer of " + std::to_string(buffer.numel()) +
                                 " elements is not m*S for world size " + std::to_string(size_));
   }
+  check_in("all_gather_flat", buffer.numel(), buffer.scalar_type());
   const int64_t S = buffer.numel() / size_;
   at::Tensor slice = buffer.narrow(0, rank_ * S, S);
   at::Tensor input = slice;
@@ -323,6 +380,7 @@ CommHandle Comm::reduce_scatter_flat(const at::Tensor& buffer, const at::Tensor&
                                 ") elements of one dtype, got " + std::to_string(buffer.numel()));
   }
   if (op == ReduceOp::Max) throw std::invalid_argument("reduce_scatter_flat: Sum or Avg only");
+  check_in("reduce_scatter_flat", buffer.numel(), buffer.scalar_type());
   const double scale = op == ReduceOp::Avg ? 1.0 / size_ : 1.0;
   auto average = [out, scale] {
     if (scale != 1.0) out.mul_(scale);
@@ -421,6 +479,7 @@ CommHandle Comm::all_to_all(const at::Tensor& out, const at::Tensor& in,
                                 std::to_string(in_total) + " elements, tensors hold " +
                                 std::to_string(out.numel()) + "/" + std::to_string(in.numel()));
   }
+  check_in("all_to_all", -1, in.scalar_type());  // (each rank sends its own count)
   bytes_sent_ += (in_total - in_splits[rank_]) * static_cast<int64_t>(in.element_size());
   return make_handle({issue_all_to_all(out, in, out_splits, in_splits)}, nullptr, "all_to_all", out);
 }
@@ -441,6 +500,7 @@ CommHandle Comm::all_reduce(const at::Tensor& t, ReduceOp op) {
   if (!t.defined() || !t.is_contiguous()) {
     throw std::invalid_argument("all_reduce: needs a defined contiguous tensor");
   }
+  check_in("all_reduce", t.numel(), t.scalar_type());
   bytes_sent_ += nbytes(t);
   std::vector<at::Tensor> ts{t};
   c10d::AllreduceOptions opts;
@@ -465,6 +525,7 @@ CommHandle Comm::broadcast(const at::Tensor& t, int root) {
     throw std::invalid_argument("broadcast: root " + std::to_string(root) +
                                 " out of range for world size " + std::to_string(size_));
   }
+  check_in("broadcast", t.numel(), t.scalar_type());
   if (rank_ == root) bytes_sent_ += nbytes(t);
   std::vector<at::Tensor> ts{t};
   c10d::BroadcastOptions opts;
@@ -476,6 +537,7 @@ CommHandle Comm::broadcast(const at::Tensor& t, int root) {
 }
 
 CommHandle Comm::barrier() {
+  check_in("barrier", 0, at::kByte);
   c10d::BarrierOptions opts;
   opts.timeout = timeout_;
   auto work = group().barrier(opts);

@@ -164,6 +164,16 @@ class Comm {
 
   CommStats stats() const;
   void reset_stats();
+  // Whether every collective first checks in with the other ranks (Gloo, unless
+  // RFSDP_CHECK_COLLECTIVES=0): one small all-gather of (its place in the
+  // group's sequence of collectives, the operation, its elements, its dtype), so
+  // ranks that would meet in different collectives (one rank skipped part of a
+  // step: caught an exception and went on; or runs other code) all raise an
+  // error naming what each rank was doing, where Gloo would abort the processes
+  // ("Received data size doesn't match"). NCCL is left alone: its mismatches
+  // hang until its watchdog, and a host-side check would stall its streams.
+  bool checks_collectives() const { return checked_; }
+  void set_checks_collectives(bool on) { checked_ = on && size_ > 1; }
 
  private:
   CommHandle make_handle(std::vector<c10::intrusive_ptr<compat::Work>> works,
@@ -192,6 +202,10 @@ class Comm {
   std::string backend_name_;
   std::chrono::milliseconds timeout_;
   bool gloo_ = false;
+  bool checked_ = false;
+  std::shared_ptr<std::atomic<int64_t>> sequence_;  // the group's checked collectives so far
+  // The check-in above (op: what the error calls the collective).
+  void check_in(const char* op, int64_t numel, at::ScalarType dtype);
   FlatAlgorithm gather_algo_ = FlatAlgorithm::Native, reduce_scatter_algo_ = FlatAlgorithm::Native;
   std::atomic<int64_t> collectives_{0}, fallbacks_{0}, bytes_sent_{0}, bytes_copied_{0};
   std::atomic<int64_t> gathers_native_{0}, gathers_per_rank_{0};

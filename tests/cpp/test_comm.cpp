@@ -261,6 +261,36 @@ TEST(Comm, PeerThatStopsTakingPartFailsClearly) {
   }
 }
 
+// Ranks that would meet in different collectives (one skipped part of a step)
+// raise one error naming what each was doing, where Gloo would abort the
+// processes; the same collective on every rank passes its check-in.
+TEST(Comm, CollectivesOutOfStepAreAnErrorOnEveryRank) {
+  const auto errors = run_local_ranks_collect(2, [&](Comm& comm) {
+    EXPECT_TRUE(comm.checks_collectives());
+    at::Tensor t = at::ones({3});
+    comm.all_reduce(t, ReduceOp::Sum).wait();  // in step
+    if (comm.rank() == 0) {
+      at::Tensor buf = at::zeros({8});
+      comm.all_gather_flat(buf).wait();
+    } else {
+      at::Tensor x = at::ones({5});
+      comm.all_reduce(x, ReduceOp::Sum).wait();
+    }
+  });
+  for (int r = 0; r < 2; ++r) {
+    ASSERT_TRUE(errors[r] != nullptr) << "rank " << r << " went on";
+    try {
+      std::rethrow_exception(errors[r]);
+    } catch (const std::runtime_error& e) {
+      const std::string msg = e.what();
+      EXPECT_NE(msg.find("collectives out of step on a group of 2 ranks: rank 0 is at its "
+                         "collective #1, all_gather_flat of 8 Float elements; rank 1 is at its "
+                         "collective #1, all_reduce of 5 Float elements"),
+                std::string::npos) << msg;
+    }
+  }
+}
+
 TEST(Comm, BadArguments) {
   run_local_ranks(2, [&](Comm& comm) {
     EXPECT_THROW(comm.all_gather_flat(at::zeros({7})), std::invalid_argument);
