@@ -28,7 +28,7 @@ TensorSpec tensor_from_json(const json& e, size_t index) {
   for (const auto& [key, value] : e.items()) {
     (void)value;
     if (key != "name" && key != "shape" && key != "granule_rows" && key != "row_dims" &&
-        key != "dtype_bytes" && key != "blocks") {
+        key != "dtype_bytes" && key != "blocks" && key != "blocks_dim") {
       throw std::invalid_argument(who + "unknown field \"" + key + "\"");
     }
   }
@@ -55,6 +55,7 @@ TensorSpec tensor_from_json(const json& e, size_t index) {
     if (!e["blocks"].is_array()) throw std::invalid_argument(who + "blocks must be a list of row counts");
     for (const json& b : e["blocks"]) t.blocks.push_back(require_int(b, who + "blocks entries"));
   }
+  if (e.contains("blocks_dim")) t.blocks_dim = static_cast<int>(require_int(e["blocks_dim"], who + "blocks_dim"));
   check_tensor_spec(t);
   return t;
 }
@@ -89,6 +90,7 @@ std::string plan_to_json(const Plan& plan, int indent) {
                {"buffer", plan.buffer_index(i)},
                {"offset", plan.offsets[i]}};
     if (!t.blocks.empty()) e["blocks"] = t.blocks;
+    if (t.blocks_dim != 0) e["blocks_dim"] = t.blocks_dim;
     tensors.push_back(e);
   }
   ojson buffers = ojson::array();

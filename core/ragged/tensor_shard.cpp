@@ -62,6 +62,7 @@ TensorShard TensorShard::of_plan(const Plan& plan, size_t i, int64_t rank) {
   const ShardRange mine = plan.shard(i, rank);
   TensorShard s = rows_of(t.name, t.shape, t.row_dims, mine.row_begin, mine.row_end, std::move(every));
   s.blocks = t.blocks;
+  s.blocks_dim = t.blocks_dim;
   return s;
 }
 

@@ -26,6 +26,7 @@ struct TensorShard {
   // The tensor's logical blocks along each matrix's rows, where its plan keeps
   // them whole (TensorSpec::blocks; Muon's split); empty: none.
   std::vector<int64_t> blocks;
+  int blocks_dim = 0;  // what the blocks split: 0 rows, 1 columns (TensorSpec::blocks_dim)
 
   // Rows [row_begin, row_end) of a tensor of `shape` seen with row_dims. Throws
   // std::invalid_argument, naming the tensor, when row_dims or the rows are out of range.
@@ -41,6 +42,13 @@ struct TensorShard {
   int64_t numel() const { return rows() * row_len; }
   int64_t full_numel() const { return full_rows * row_len; }
   bool knows_every_rank() const { return !rank_rows.empty(); }
+  // The same shard under another name (what errors call it: the name the
+  // model's named_parameters() gives, known once the outer fully_shard call ran).
+  TensorShard renamed(std::string new_name) const {
+    TensorShard s = *this;
+    s.name = std::move(new_name);
+    return s;
+  }
 };
 
 }  // namespace rfsdp

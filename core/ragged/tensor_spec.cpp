@@ -35,27 +35,46 @@ int64_t TensorSpec::effective_granule_rows() const {
 }
 
 int64_t block_granule_rows(const std::string& name, const std::vector<int64_t>& shape,
-                           int row_dims, const std::vector<int64_t>& blocks) {
+                           int row_dims, const std::vector<int64_t>& blocks, int blocks_dim) {
   const std::string who = "tensor '" + name + "': ";
   if (shape.size() < 2) {
     throw std::invalid_argument(who + "logical blocks need a matrix (2-D) or a 3-D stack, got shape " +
                                 shape_to_string(shape));
   }
-  const int64_t rows = shape.size() == 3 ? shape[1] : shape[0];  // one matrix's
+  if (blocks_dim != 0 && blocks_dim != 1) {
+    throw std::invalid_argument(who + "logical blocks split a matrix's rows (split_dim 0) or its "
+                                "columns (split_dim 1), got split_dim " + std::to_string(blocks_dim));
+  }
+  const bool stack = shape.size() == 3;
+  // one matrix's rows, or columns (a matrix of more dims: dim 0 x the rest)
+  int64_t extent = stack ? shape[1] : shape[0];
+  if (blocks_dim == 1) {
+    extent = 1;
+    for (size_t d = stack ? 2 : 1; d < shape.size(); ++d) extent *= shape[d];
+  }
+  const char* unit = blocks_dim == 1 ? " columns" : " rows";
   int64_t sum = 0;
   for (int64_t b : blocks) {
-    if (b < 1) throw std::invalid_argument(who + "logical blocks must be positive row counts");
+    if (b < 1) {
+      throw std::invalid_argument(who + "logical blocks must be positive " +
+                                  (blocks_dim == 1 ? "column" : "row") + " counts, got " +
+                                  std::to_string(b));
+    }
     sum += b;
   }
-  if (sum != rows) {
-    throw std::invalid_argument(who + "logical blocks sum to " + std::to_string(sum) + " rows, its " +
-                                (shape.size() == 3 ? "experts have " : "matrix has ") +
-                                std::to_string(rows));
+  if (sum != extent) {
+    throw std::invalid_argument(who + "logical blocks sum to " + std::to_string(sum) + unit + ", its " +
+                                (stack ? "experts have " : "matrix has ") + std::to_string(extent) +
+                                (blocks_dim == 0 ? " (split_dim 0 splits rows; 1 splits columns)" : ""));
+  }
+  if (blocks_dim == 1) {  // a column block spans every row of its matrix: whole matrices
+    if (stack) return row_dims == 1 ? 1 : shape[1];
+    return kWholeTensor;
   }
   const bool equal = std::all_of(blocks.begin(), blocks.end(), [&](int64_t b) { return b == blocks[0]; });
-  if (shape.size() == 3) {
+  if (stack) {
     if (row_dims == 1) return 1;  // a row is a whole expert
-    return equal ? blocks[0] : rows;
+    return equal ? blocks[0] : extent;
   }
   // (rows of a 2-D tensor beyond dim 0 with row_dims 2: not a matrix's rows)
   return equal ? blocks[0] : kWholeTensor;
@@ -82,19 +101,23 @@ void check_tensor_spec(const TensorSpec& t) {
                                 std::to_string(t.granule_rows));
   }
   if (!t.blocks.empty()) {  // every rank boundary (a multiple of the granule) on a block edge
-    block_granule_rows(t.name, t.shape, t.row_dims, t.blocks);  // checks the blocks
+    const int64_t need = block_granule_rows(t.name, t.shape, t.row_dims, t.blocks, t.blocks_dim);
     const int64_t per = t.shape.size() == 3 && t.row_dims == 2 ? t.shape[1]
                         : t.shape.size() == 3 ? 1 : t.rows();  // rows of one matrix
     std::vector<int64_t> edges{0};
-    for (int64_t b : t.blocks) edges.push_back(edges.back() + b);
+    if (t.blocks_dim == 0) {
+      for (int64_t b : t.blocks) edges.push_back(edges.back() + b);
+    }  // (column blocks: only matrix edges)
     const int64_t g = t.effective_granule_rows();
     if (t.shape.size() != 3 || t.row_dims == 2) {
       for (int64_t at = g; at < t.rows(); at += g) {
         if (!std::binary_search(edges.begin(), edges.end(), at % per)) {
           throw std::invalid_argument(
               who + "granule_rows " + granule_to_string(t) + " puts a rank boundary at row " +
-              std::to_string(at) + ", inside one of its logical blocks; use " +
-              std::to_string(block_granule_rows(t.name, t.shape, t.row_dims, t.blocks)) +
+              std::to_string(at) + ", inside one of its logical " +
+              (t.blocks_dim == 1 ? "column blocks (they span every row of a matrix)"
+                                 : "blocks") + "; use " +
+              (need == kWholeTensor ? std::string("\"whole\"") : std::to_string(need)) +
               " (or a multiple of it)");
         }
       }

@@ -26,6 +26,10 @@ struct TensorSpec {
   // QKV's q, k, v); empty: none. The granule must keep every block whole on one
   // rank (checked); the shards carry them to the optimizers.
   std::vector<int64_t> blocks;
+  // The dim of each matrix the blocks split: 0 rows (above), 1 columns (column
+  // counts summing to a matrix's columns: GPT-2's Conv1D fused QKV, stored
+  // [in, 3 in]); column blocks are whole only where whole matrices are.
+  int blocks_dim = 0;
 
   int64_t numel() const;
   int64_t rows() const;
@@ -47,12 +51,14 @@ void check_tensor_spec(const TensorSpec& t);
 void check_unit_specs(const std::vector<TensorSpec>& tensors);
 
 // The granule (rows, as row_dims sees them) that keeps every logical block of
-// `blocks` whole: one block's rows when they are equal (rank boundaries at
-// block edges), else whole matrices (a 3-D stack seen as E*H rows: H; else the
-// whole tensor: kWholeTensor). Throws std::invalid_argument, naming the tensor,
-// when the blocks are not positive or do not sum to the matrices' rows.
+// `blocks` whole: blocks of rows (blocks_dim 0), one block's rows when they are
+// equal (rank boundaries at block edges), else whole matrices (a 3-D stack seen
+// as E*H rows: H; else the whole tensor: kWholeTensor); blocks of columns
+// (blocks_dim 1), whole matrices. Throws std::invalid_argument, naming the
+// tensor, when the blocks are not positive or do not sum to the matrices' rows
+// (columns), or blocks_dim is not 0 or 1.
 int64_t block_granule_rows(const std::string& name, const std::vector<int64_t>& shape,
-                           int row_dims, const std::vector<int64_t>& blocks);
+                           int row_dims, const std::vector<int64_t>& blocks, int blocks_dim = 0);
 
 // Granules asked by several users of one tensor combine by lcm, capped at the
 // whole tensor (any lcm >= rows, or one that overflows, is kWholeTensor).

@@ -81,6 +81,12 @@ void AdamW::update_params(const std::vector<size_t>& stepping) {
   fused_launches_ += adamw_fp32_steps(fp32, fused_on_cpu_);
 }
 
+void AdamW::clear_state(size_t i) {
+  if (!m_.at(i).defined()) return;
+  m_[i].zero_();
+  v_[i].zero_();
+}
+
 void AdamW::update(size_t i, int64_t) {
   throw std::logic_error("AdamW: parameter '" + params_.at(i).name + "' has no fp32 moments");
 }
@@ -125,6 +131,18 @@ AdamW8bit::AdamW8bit(std::vector<ParamShard> params, AdamWOptions options,
       q.absmax2 = at::zeros({blocks}, dev);
     }
   }
+}
+
+void AdamW8bit::clear_state(size_t i) {
+  if (!eight_bit_.at(i)) {
+    AdamW::clear_state(i);
+    return;
+  }
+  Quantized8& q = q_[i];  // zero codes decode to the maps' values nearest 0
+  q.q1.fill_(code1_.lut().nearest(0.0f));
+  q.q2.fill_(code2_.lut().nearest(0.0f));
+  q.absmax1.zero_();
+  q.absmax2.zero_();
 }
 
 int64_t AdamW8bit::lay_out(size_t i, int64_t cut_offset) {

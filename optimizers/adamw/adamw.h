@@ -54,6 +54,7 @@ class AdamW : public GroupedOptimizer<AdamWOptions> {
         const std::vector<bool>& fp32_state);
   void run_step(StepGate& gate, const std::vector<size_t>& stepping) override;
   void check_options(const AdamWOptions& o) const override;
+  void clear_state(size_t i) override;
   // One step of a parameter without fp32 moments (AdamW8bit's codes: its CPU
   // and CUDA kernels); those with fp32 moments take adamw_fp32_steps.
   virtual void update(size_t i, int64_t step);
@@ -86,6 +87,10 @@ class AdamW8bit : public AdamW {
   std::vector<std::pair<std::string, at::Tensor>> state(size_t i) const override;
   std::vector<StateLayout> state_layout(size_t i) const override;
   const quant::BlockShape& block() const { return block_; }
+ protected:
+  void clear_state(size_t i) override;
+
+ public:
   // Parameter i's state as this optimizer keeps it, from a checkpoint's whole
   // state of it saved with the blocks of `saved` (q1, absmax1, q2, absmax2;
   // or fp32 exp_avg, exp_avg_sq where it kept those): the moments decoded, this

@@ -115,6 +115,15 @@ void ShardedOptimizer::set_groups(const std::vector<size_t>& group_of) {
   resize_groups(n);
 }
 
+void ShardedOptimizer::reset_state(size_t i) {
+  if (i >= params_.size()) {
+    throw std::out_of_range(std::string(name()) + ": parameter " + std::to_string(i) + " of " +
+                            std::to_string(params_.size()));
+  }
+  clear_state(i);
+  param_steps_[i] = 0;
+}
+
 void ShardedOptimizer::set_step_count(size_t i, int64_t n) {
   if (n < 0) {
     throw std::invalid_argument(std::string(name()) + ": " + who(i) + ": a step count of " +

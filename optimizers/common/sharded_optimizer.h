@@ -76,6 +76,13 @@ class ShardedOptimizer {
   const std::vector<int64_t>& step_counts() const { return param_steps_; }
   void set_step_count(size_t i, int64_t n);
 
+  // Parameter i's state as at construction and its step count 0: what torch's
+  // optimizers do when their state is cleared (the next step starts its
+  // moments, momentum, factors or codes from zero). state(i) may name new
+  // tensors after it. Local: every rank holding the parameter resets it alike
+  // (an 8-bit scale its ranks share, a cut tile row's owner included).
+  void reset_state(size_t i);
+
   // The tensors the step updates for parameter i, by name: what a checkpoint
   // saves and loads (in place).
   virtual std::vector<std::pair<std::string, at::Tensor>> state(size_t i) const = 0;
@@ -104,6 +111,8 @@ class ShardedOptimizer {
   virtual void check_grad_of(size_t i, const at::Tensor& grad) const;
   // Groups became n (each new one a copy of group 0's options).
   virtual void resize_groups(size_t n) = 0;
+  // reset_state's part: parameter i's state tensors as the constructor made them.
+  virtual void clear_state(size_t i) = 0;
   // The parameter's name and where its shard lies, for messages.
   std::string who(size_t i) const;
   // For requantized_state: this rank's part of the saved states `names` of

@@ -25,8 +25,11 @@ class StepGate {
 
   // Records a tensor that must hold only finite values; `message` is this rank's
   // failure where it does not. CPU tensors are scanned now, device tensors in
-  // agree() (one multi-tensor check per device and dtype).
-  void expect_finite(const at::Tensor& t, std::string message);
+  // agree() (one multi-tensor check per device and dtype). derived: a result
+  // computed from other ranks' data (a root's Newton–Schulz of gathered rows),
+  // which a non-finite gradient elsewhere explains: every other failure outranks
+  // it, so the agreed error names the rank whose gradient it was.
+  void expect_finite(const at::Tensor& t, std::string message, bool derived = false);
   // expect_finite for a gradient: "the gradient of parameter '<name>' holds NaN or Inf".
   void check_finite(const std::string& name, const at::Tensor& grad);
   // Checks the device gradients recorded so far now (one host wait), so that
@@ -56,29 +59,47 @@ class StepGate {
   // Whether this rank has recorded a failure or a non-finite CPU gradient.
   bool failed() const { return code_ != kOk; }
 
+  // Counts every rank adds its values to in agree()'s all-reduce (no collective
+  // of their own): after agree() they hold the sums over the ranks (Muon: how
+  // many ranks have each parameter's gradient). Must outlive agree().
+  void share_counts(std::vector<int64_t>* counts) { counts_ = counts; }
+
   // One all-reduce of every rank's code (collective); throws the agreed error.
   void agree();
   // Whether agree() found nothing on any rank (the step may change state).
   bool agreed() const { return agreed_; }
 
  private:
+  // In rising severity: the agreed error names the first rank with the worst.
+  // A refusal (this rank could not even prepare) outranks a bad argument, which
+  // outranks a NaN/Inf gradient, which explains what other ranks computed from
+  // it: an error thrown there (an eigensolver's on a gathered row), a derived
+  // result that is not finite.
   enum Code : int64_t {
-    kOk = 0, kNonFinite = 1, kError = 2, kInvalid = 3, kRefusedError = 4, kRefusedInvalid = 5
+    kOk = 0, kDerivedNonFinite = 1, kError = 2, kNonFinite = 3, kInvalid = 4, kRefusedError = 5,
+    kRefusedInvalid = 6
   };
-  // A refusal outranks an error, an error a NaN/Inf.
-  static int severity(Code c) { return c >= kRefusedError ? 3 : c >= kError ? 2 : c; }
+  static int severity(Code c) { return c >= kRefusedError ? kRefusedError : c; }
   void record(Code code, std::string message);
-  // This rank's message once agree() knows it failed (names a non-finite device gradient).
+  // This rank's message once agree() knows it failed (names a non-finite device tensor).
   std::string local_message(bool device_nonfinite) const;
-  // The device gradients' NaN/Inf flag on `dev` (> 0: some hold one); undefined if none.
-  at::Tensor device_nonfinite_flag(const at::Device& dev) const;
+  // The code the device tensors give, on `dev`: kNonFinite where a gradient (not
+  // derived) holds NaN/Inf, else kDerivedNonFinite where a derived one does, else
+  // kOk; undefined if none are recorded.
+  at::Tensor device_code(const at::Device& dev) const;
 
   Comm* comm_;
   std::string who_;
   Code code_ = kOk;
   bool agreed_ = false;
   std::string message_;
-  std::vector<std::pair<std::string, at::Tensor>> on_device_;  // (message, tensor)
+  struct OnDevice {
+    std::string message;
+    at::Tensor t;
+    bool derived;
+  };
+  std::vector<OnDevice> on_device_;
+  std::vector<int64_t>* counts_ = nullptr;
 };
 
 }  // namespace rfsdp

@@ -102,18 +102,22 @@ double newton_schulz_flops(int64_t rows, int64_t cols, int steps) {
 }
 
 MuonLayout::MuonLayout(Comm* comm, std::vector<TensorShard> shards, std::vector<int> ns_steps,
-                       std::vector<std::vector<int64_t>> split_sizes)
+                       std::vector<std::vector<int64_t>> split_sizes, std::vector<int> split_dims)
     : MuonLayout(comm, comm ? comm->size() : 1, comm ? comm->rank() : 0, std::move(shards),
-                 std::move(ns_steps), std::move(split_sizes)) {}
+                 std::move(ns_steps), std::move(split_sizes), std::move(split_dims)) {}
 
 MuonLayout MuonLayout::planned(int world, std::vector<TensorShard> shards, std::vector<int> ns_steps,
-                               std::vector<std::vector<int64_t>> split_sizes) {
-  return MuonLayout(nullptr, world, 0, std::move(shards), std::move(ns_steps), std::move(split_sizes));
+                               std::vector<std::vector<int64_t>> split_sizes,
+                               std::vector<int> split_dims) {
+  return MuonLayout(nullptr, world, 0, std::move(shards), std::move(ns_steps), std::move(split_sizes),
+                    std::move(split_dims));
 }
 
 MuonLayout::MuonLayout(Comm* comm, int world, int rank, std::vector<TensorShard> shards,
-                       std::vector<int> ns_steps, std::vector<std::vector<int64_t>> split_sizes)
-    : shards_(std::move(shards)), ns_steps_(std::move(ns_steps)), split_sizes_(std::move(split_sizes)) {
+                       std::vector<int> ns_steps, std::vector<std::vector<int64_t>> split_sizes,
+                       std::vector<int> split_dims)
+    : shards_(std::move(shards)), ns_steps_(std::move(ns_steps)), split_sizes_(std::move(split_sizes)),
+      split_dims_(std::move(split_dims)) {
   const int64_t P = static_cast<int64_t>(shards_.size());
   if (static_cast<int64_t>(ns_steps_.size()) != P) {
     throw std::invalid_argument("Muon: " + std::to_string(ns_steps_.size()) +
@@ -123,6 +127,11 @@ MuonLayout::MuonLayout(Comm* comm, int world, int rank, std::vector<TensorShard>
   if (static_cast<int64_t>(split_sizes_.size()) != P) {
     throw std::invalid_argument("Muon: " + std::to_string(split_sizes_.size()) +
                                 " split_sizes values for " + std::to_string(P) + " parameters");
+  }
+  if (split_dims_.empty()) split_dims_.resize(P, 0);
+  if (static_cast<int64_t>(split_dims_.size()) != P) {
+    throw std::invalid_argument("Muon: " + std::to_string(split_dims_.size()) +
+                                " split_dim values for " + std::to_string(P) + " parameters");
   }
   std::vector<std::vector<OwnerExchange::Range>> ranges(P);
   std::vector<std::string> lines;
@@ -144,36 +153,34 @@ MuonLayout::MuonLayout(Comm* comm, int world, int rank, std::vector<TensorShard>
     // Every rank's rows: the ranks only agree that they hold the same parameters
     // and rows (one all-reduce of a hash; the first difference named on every rank).
     auto& split = split_sizes_[i];
+    int& dim = split_dims_[i];
     if (!p.blocks.empty()) {  // the plan's logical blocks: the split unless the group gives one
       if (split.empty()) {
         split = p.blocks;
-      } else if (split != p.blocks) {
+        dim = p.blocks_dim;
+      } else if (split != p.blocks || dim != p.blocks_dim) {
         throw std::invalid_argument("Muon: parameter '" + p.name + "': its group's split_sizes " +
-                                    shape_to_string(split) + " differ from the logical blocks its "
-                                    "plan keeps whole, " + shape_to_string(p.blocks) +
-                                    " (rfsdp.policy.muon(split=...)); give one of them");
+                                    shape_to_string(split) + " (split_dim " + std::to_string(dim) +
+                                    ") differ from the logical blocks its plan keeps whole, " +
+                                    shape_to_string(p.blocks) + " (split_dim " +
+                                    std::to_string(p.blocks_dim) +
+                                    ", rfsdp.policy.muon(split=...)); give one of them");
       }
     }
-    if (!split.empty()) {  // blocks of each matrix's rows, summing to them
-      const auto mats = matrices_of(p.shape);
-      const int64_t rows = mats.empty() ? 0 : mats.front().rows;
-      int64_t sum = 0;
-      for (int64_t s : split) {
-        if (s < 1) {
-          throw std::invalid_argument("Muon: parameter '" + p.name + "': split_sizes must be "
-                                      "positive row counts, got " + std::to_string(s));
-        }
-        sum += s;
-      }
-      if (sum != rows) {
-        throw std::invalid_argument(
-            "Muon: parameter '" + p.name + "' of shape " + shape_to_string(p.shape) +
-            ": split_sizes sum to " + std::to_string(sum) + " rows, its matrices have " +
-            std::to_string(rows) + (p.shape.size() == 3 ? " (a 3-D stack splits each expert's rows)" : ""));
+    if (!split.empty()) {  // blocks of each matrix's rows (columns), summing to them
+      try {
+        block_granule_rows(p.name, p.shape, p.shape.size() == 3 ? 2 : 1, split, dim);
+      } catch (const std::invalid_argument& e) {  // (the same words as the planner's)
+        std::string what = e.what();
+        const std::string tensor = "tensor '" + p.name + "': ";
+        if (what.rfind(tensor, 0) == 0) what = what.substr(tensor.size());
+        throw std::invalid_argument("Muon: parameter '" + p.name + "' of shape " +
+                                    shape_to_string(p.shape) + ": split_sizes " +
+                                    shape_to_string(split) + " do not fit it: " + what);
       }
     }
     std::string line = p.name + " " + shape_to_string(p.shape) + " ns_steps " +
-                       std::to_string(ns_steps_[i]) + " split";
+                       std::to_string(ns_steps_[i]) + " split" + (dim == 1 ? " columns" : "");
     for (int64_t s : split) line += " " + std::to_string(s);
     line += " rows";
     for (const auto& [b, e] : p.rank_rows) {
@@ -227,6 +234,18 @@ MuonLayout::MuonLayout(Comm* comm, int world, int rank, std::vector<TensorShard>
     }
     for (const MatrixView& m : matrices_of(shards_[i].shape)) {
       if (m.rows * m.cols == 0) continue;
+      if (split_dims_[i] == 1) {  // column blocks: the matrix is the unit, split on its root
+        MuonMatrix mat;
+        mat.param = static_cast<size_t>(i);
+        mat.offset = m.offset;
+        mat.rows = m.rows;
+        mat.cols = m.cols;
+        mat.col_blocks = split_sizes_[i];
+        for (int64_t c : mat.col_blocks) mat.flops += newton_schulz_flops(m.rows, c, ns_steps_[i]);
+        mat.replicated = replicated_[i];
+        matrices_.push_back(mat);
+        continue;
+      }
       const std::vector<int64_t> blocks =
           split_sizes_[i].empty() ? std::vector<int64_t>{m.rows} : split_sizes_[i];
       int64_t row0 = 0;
@@ -288,6 +307,25 @@ namespace {
 // pairs): one matrix at a time, or (batch_same_shape) one batched product chain
 // per group of equal shape and steps (expert stacks, layers). Each result must
 // be finite: the gate checks them with the gradients' check (one host wait).
+// Newton–Schulz of a matrix's column blocks, each alone (batch_same_shape and
+// equal widths: one batched product chain), put side by side again.
+at::Tensor newton_schulz_by_columns(const at::Tensor& x, const MuonMatrix& m, int steps,
+                                    at::ScalarType ns_dtype, const NsCoefficients& ns, bool batch) {
+  const auto& w = m.col_blocks;
+  if (batch && std::all_of(w.begin(), w.end(), [&](int64_t c) { return c == w[0]; })) {
+    const int64_t nb = static_cast<int64_t>(w.size());
+    const at::Tensor blocks = x.reshape({m.rows, nb, w[0]}).permute({1, 0, 2});  // [nb, rows, w]
+    return newton_schulz_in(blocks, steps, ns_dtype, ns).permute({1, 0, 2}).reshape({m.rows, m.cols});
+  }
+  std::vector<at::Tensor> parts;
+  int64_t c0 = 0;
+  for (int64_t c : w) {
+    parts.push_back(newton_schulz_in(x.narrow(1, c0, c), steps, ns_dtype, ns));
+    c0 += c;
+  }
+  return at::cat(parts, 1);
+}
+
 void orthogonalise(const MuonLayout& layout, std::vector<std::pair<size_t, at::Tensor>>* own,
                    at::ScalarType ns_dtype, const NsCoefficients& ns, bool batch_same_shape,
                    StepGate* gate) {
@@ -296,7 +334,10 @@ void orthogonalise(const MuonLayout& layout, std::vector<std::pair<size_t, at::T
   for (size_t j = 0; j < own->size(); ++j) {
     const MuonMatrix& mat = mats[(*own)[j].first];
     const int steps = layout.ns_steps(mat.param);
-    if (batch_same_shape) {
+    if (!mat.col_blocks.empty()) {
+      (*own)[j].second = newton_schulz_by_columns((*own)[j].second, mat, steps, ns_dtype, ns,
+                                                  batch_same_shape);
+    } else if (batch_same_shape) {
       batches[{mat.rows, mat.cols, steps}].push_back(j);
     } else {
       (*own)[j].second = newton_schulz_in((*own)[j].second, steps, ns_dtype, ns);
@@ -321,7 +362,8 @@ void orthogonalise(const MuonLayout& layout, std::vector<std::pair<size_t, at::T
                                " of '" + layout.shards()[mat.param].name + "' (" + std::to_string(mat.rows) +
                                " x " + std::to_string(mat.cols) +
                                ") is not finite: its update holds NaN or Inf, or overflowed "
-                               "(check the gradients and the momentum)");
+                               "(check the gradients and the momentum)",
+                       /*derived=*/true);
   }
 }
 
@@ -332,7 +374,8 @@ void muon_step_from_updates(Comm* comm, const MuonLayout& layout,
                             const std::function<void(size_t)>& make_update,
                             const std::vector<MuonHyper>& hyper, at::ScalarType ns_dtype,
                             const NsCoefficients& ns, bool batch_same_shape, StepGate& gate,
-                            const std::function<void()>& commit) {
+                            const std::function<void()>& commit,
+                            const std::vector<int64_t>* grad_ranks) {
   at::NoGradGuard no_grad;
   const size_t P = layout.shards().size();
   const auto& mats = layout.matrices();
@@ -401,17 +444,36 @@ void muon_step_from_updates(Comm* comm, const MuonLayout& layout,
     const MuonHyper& h = hyper[m.param];
     return h.weight_decay != 0.0 ? region.mul_(1.0 - h.lr * h.weight_decay) : region;
   };
+  // A matrix of column blocks has each block's scale folded into o on its root
+  // (one alpha for the matrix's pieces wherever they go).
   const auto alpha = [&](const MuonMatrix& m) {
-    return -hyper[m.param].lr * muon_update_scale(m.rows, m.cols, hyper[m.param].adjust_lr);
+    const double scale =
+        m.col_blocks.empty() ? muon_update_scale(m.rows, m.cols, hyper[m.param].adjust_lr) : 1.0;
+    return -hyper[m.param].lr * scale;
+  };
+  const auto scaled = [&](const MuonMatrix& m, at::Tensor o_mat) {
+    if (m.col_blocks.empty()) return o_mat;
+    o_mat = o_mat.to(at::kFloat);
+    int64_t c0 = 0;
+    for (int64_t c : m.col_blocks) {
+      o_mat.narrow(1, c0, c).mul_(muon_update_scale(m.rows, c, hyper[m.param].adjust_lr));
+      c0 += c;
+    }
+    return o_mat;
+  };
+  const auto skipped = [&](const MuonMatrix& m) {
+    return grad_ranks != nullptr && (*grad_ranks)[m.param] == 0;
   };
   std::vector<at::Tensor> results(mats.size()), o(P);
   for (auto& [k, o_mat] : own) {
     const MuonMatrix& mat = mats[k];
     if (!direct(k)) {
-      results[k] = o_mat.to(at::kFloat).reshape(-1);
+      results[k] = scaled(mat, o_mat).to(at::kFloat).reshape(-1);
       continue;
     }
-    decayed(mat, region(mat, params[mat.param])).view({mat.rows, mat.cols}).add_(o_mat, alpha(mat));
+    if (skipped(mat)) continue;
+    decayed(mat, region(mat, params[mat.param])).view({mat.rows, mat.cols})
+        .add_(scaled(mat, o_mat), alpha(mat));
   }
   for (size_t k = 0; k < mats.size(); ++k) {
     if (!direct(k) && !o[mats[k].param].defined()) o[mats[k].param] = at::empty_like(flat[mats[k].param]);
@@ -419,7 +481,7 @@ void muon_step_from_updates(Comm* comm, const MuonLayout& layout,
   ex.scatter(group, results, {o});
   for (size_t k = 0; k < mats.size(); ++k) {  // this rank's rows of each scattered matrix
     const MuonMatrix& mat = mats[k];
-    if (direct(k)) continue;
+    if (direct(k) || skipped(mat)) continue;
     const TensorShard& s = layout.shards()[mat.param];
     const int64_t e0 = s.row_begin * s.row_len, e1 = s.row_end * s.row_len;
     const int64_t b = std::max(mat.offset, e0), e = std::min(mat.offset + mat.rows * mat.cols, e1);
@@ -432,7 +494,8 @@ void muon_step_from_updates(Comm* comm, const MuonLayout& layout,
 
 MuonLayout Muon::layout_of(Comm* comm, std::vector<ParamShard>* params, const MuonOptions& o,
                            std::vector<int> ns_steps, const std::vector<bool>& use_muon,
-                           const std::vector<std::vector<int64_t>>& split_sizes) {
+                           const std::vector<std::vector<int64_t>>& split_sizes,
+                           const std::vector<int>& split_dims) {
   const size_t n = params->size();
   if (!ns_steps.empty() && ns_steps.size() != n) {
     throw std::invalid_argument("Muon: " + std::to_string(ns_steps.size()) +
@@ -442,8 +505,12 @@ MuonLayout Muon::layout_of(Comm* comm, std::vector<ParamShard>* params, const Mu
     throw std::invalid_argument("Muon: " + std::to_string(split_sizes.size()) +
                                 " split_sizes values for " + std::to_string(n) + " parameters");
   }
+  if (!split_dims.empty() && split_dims.size() != n) {
+    throw std::invalid_argument("Muon: " + std::to_string(split_dims.size()) +
+                                " split_dim values for " + std::to_string(n) + " parameters");
+  }
   std::vector<ParamShard> mine;
-  std::vector<int> steps;
+  std::vector<int> steps, dims;
   std::vector<std::vector<int64_t>> splits;
   for (size_t i = 0; i < n; ++i) {
     if (!use_muon.empty() && !use_muon[i]) continue;
@@ -455,10 +522,11 @@ MuonLayout Muon::layout_of(Comm* comm, std::vector<ParamShard>* params, const Mu
     mine.push_back(p);
     steps.push_back(ns_steps.empty() ? o.ns_steps : ns_steps[i]);
     splits.push_back(split_sizes.empty() ? std::vector<int64_t>{} : split_sizes[i]);
+    dims.push_back(split_dims.empty() ? 0 : split_dims[i]);
   }
   gather_rank_rows(comm, &mine, "Muon");
   return MuonLayout(comm, std::vector<TensorShard>(mine.begin(), mine.end()), std::move(steps),
-                    std::move(splits));
+                    std::move(splits), std::move(dims));
 }
 
 namespace {
@@ -502,12 +570,13 @@ void check_config(const MuonOptions& o) {
 
 Muon::Muon(std::shared_ptr<Comm> comm, std::vector<ParamShard> params, MuonOptions options,
            std::vector<int> ns_steps, std::vector<bool> use_muon,
-           std::vector<std::vector<int64_t>> split_sizes)
+           std::vector<std::vector<int64_t>> split_sizes, std::vector<int> split_dims)
     : GroupedOptimizer("Muon", std::move(params), std::move(comm), options.check_finite,
                        options.hyper),
       options_(options),
       muon_(muon_indices(params_.size(), use_muon)),
-      layout_(layout_of(comm_.get(), &params_, options, std::move(ns_steps), use_muon, split_sizes)) {
+      layout_(layout_of(comm_.get(), &params_, options, std::move(ns_steps), use_muon, split_sizes,
+                        split_dims)) {
   check_options(options.hyper);
   check_config(options_);
   for (size_t k = 0; k < layout_.shards().size(); ++k) {
@@ -538,6 +607,18 @@ Muon::Muon(std::shared_ptr<Comm> comm, std::vector<ParamShard> params, MuonOptio
     // zero codes decode to the map's value nearest 0: store its code
     momenta_[i] = at::full(p.param.sizes(), code_.lut().nearest(0.0f), p.param.options().dtype(at::kByte));
     absmax_[i] = at::zeros({block_layout(i).num_blocks}, p.param.options().dtype(at::kFloat));
+  }
+}
+
+void Muon::clear_state(size_t i) {
+  if (!uses_muon(i)) {
+    exp_avg_[i].zero_();
+    exp_avg_sq_[i].zero_();
+  } else if (!eight_bit()) {
+    momenta_[i].zero_();
+  } else {  // zero codes decode to the map's value nearest 0
+    momenta_[i].fill_(code_.lut().nearest(0.0f));
+    absmax_[i].zero_();
   }
 }
 
@@ -618,16 +699,6 @@ void Muon::check_options(const MuonHyper& h) const {
   }
 }
 
-void Muon::check_grad_of(size_t i, const at::Tensor& grad) const {
-  const ParamShard& p = params_.at(i);
-  if (!grad.defined() && uses_muon(i)) {
-    throw std::invalid_argument("Muon: parameter '" + p.name + "' needs a gradient on every rank "
-                                "(every matrix is gathered and scattered each step); give zeros "
-                                "where a rank has none");
-  }
-  check_grad(name(), p, grad);
-}
-
 void Muon::check_replicated_grads(const std::vector<at::Tensor>& grads) const {
   std::vector<size_t> rep;  // layout indices
   for (size_t k = 0; k < muon_.size(); ++k) {
@@ -672,17 +743,19 @@ void Muon::run_step(StepGate& gate, const std::vector<size_t>& stepping) {
   const size_t M = muon_.size();
   std::vector<at::Tensor> ps(M), gs(M);
   std::vector<MuonHyper> hyper(M);
+  // How many ranks have each parameter's gradient (summed in the gate's
+  // all-reduce): a rank without one takes part with zeros; a parameter no rank
+  // has one for is skipped, as torch skips a parameter without a gradient.
+  std::vector<int64_t> grad_ranks(M, 0);
   for (size_t k = 0; k < M; ++k) {
     const size_t i = muon_[k];
     ps[k] = params_[i].param;
     gs[k] = params_[i].grad;
     hyper[k] = options_of(i);
-    if (!gs[k].defined()) {  // set_grad refuses none: not given yet
-      gate.fail("parameter '" + params_[i].name + "' was given no gradient; every Muon parameter "
-                "needs one on every rank (zeros where a rank has none)", true);
-      gs[k] = at::zeros(ps[k].sizes(), state_options(i));  // (this rank still takes part in the exchanges)
-    }
+    grad_ranks[k] = gs[k].defined() ? 1 : 0;
+    if (!gs[k].defined()) gs[k] = at::zeros(ps[k].sizes(), state_options(i));
   }
+  gate.share_counts(&grad_ranks);
   // (collective: every rank checks, a failed one too, and all fail alike)
   gate.guard([&] { check_replicated_grads(gs); });
   const bool on_gpu = !ps.empty() && ps[0].is_cuda();
@@ -732,6 +805,7 @@ void Muon::run_step(StepGate& gate, const std::vector<size_t>& stepping) {
                          options_.ns_coefficients, batch, gate, [&] {
     for (size_t k = 0; k < M; ++k) {
       const size_t i = muon_[k];
+      if (grad_ranks[k] == 0) continue;  // no rank had its gradient: unchanged
       if (!pending[k].defined()) {
         momenta_[i].view(-1).lerp_(gs[k].contiguous().view(-1), 1.0 - hyper[k].momentum);
         continue;
@@ -739,7 +813,7 @@ void Muon::run_step(StepGate& gate, const std::vector<size_t>& stepping) {
       momenta_[i].view(-1).copy_(pending[k].view(-1));
       if (eight_bit()) absmax_[i].copy_(pending_absmax[k]);
     }
-  });
+  }, &grad_ranks);
   // The AdamW part: the parameters outside Muon that have a gradient.
   std::vector<AdamWStep> adam;
   for (size_t i : stepping) {

@@ -71,6 +71,9 @@ struct MuonMatrix {
   size_t param = 0;     // index into the layout's parameters
   int64_t offset = 0;   // first element in the full (flattened) parameter
   int64_t rows = 0, cols = 0;
+  // Column counts of its logical column blocks (split_dim 1), each orthogonalised
+  // alone and scaled by its own rows x columns; empty: the matrix is one block.
+  std::vector<int64_t> col_blocks;
   int root = 0;         // the rank that runs Newton–Schulz on it
   double flops = 0;     // Newton–Schulz flops
   bool replicated = false;  // every rank holds it whole: the root gathers nothing
@@ -91,19 +94,25 @@ struct MuonMatrix {
 class MuonLayout {
  public:
   // comm may be null: one rank, every shard whole. ns_steps: one per shard.
-  // split_sizes (empty, or one per shard; empty: whole matrices): row counts
-  // along each matrix's rows (a 3-D stack: each expert's), summing to them, each
-  // block its own matrix for Newton–Schulz and the update's scale (heads, a
-  // fused QKV's logical matrices). A shard whose plan carries logical blocks
-  // (TensorShard::blocks) takes them where split_sizes gives none; both given
-  // and different is an error naming both.
+  // split_sizes (empty, or one per shard; empty: whole matrices): counts along
+  // each matrix's rows (split_dims[i] 0, the default; a 3-D stack: each
+  // expert's) or columns (split_dims[i] 1: GPT-2's Conv1D fused QKV, stored
+  // [in, 3 in], has its heads as column blocks), summing to them, each block its
+  // own matrix for Newton–Schulz and the update's scale (heads, a fused QKV's
+  // logical matrices). Row blocks are exchange units of their own (a rank
+  // holding one whole orthogonalises it there); column blocks span every row, so
+  // their matrix is the unit, split on its root. A shard whose plan carries
+  // logical blocks (TensorShard::blocks, blocks_dim) takes them where
+  // split_sizes gives none; both given and different is an error naming both.
   MuonLayout(Comm* comm, std::vector<TensorShard> shards, std::vector<int> ns_steps,
-             std::vector<std::vector<int64_t>> split_sizes = {});
+             std::vector<std::vector<int64_t>> split_sizes = {},
+             std::vector<int> split_dims = {});
   // The layout rank 0 of `world` ranks computes from these shards (each with every
   // rank's rows), without a group and so without the ranks' agreement: for
   // planning tools (roots, loads and traffic at world sizes no test runs).
   static MuonLayout planned(int world, std::vector<TensorShard> shards, std::vector<int> ns_steps,
-                            std::vector<std::vector<int64_t>> split_sizes = {});
+                            std::vector<std::vector<int64_t>> split_sizes = {},
+                            std::vector<int> split_dims = {});
 
   int world() const { return exchange_.world(); }
   int rank() const { return exchange_.rank(); }
@@ -131,10 +140,12 @@ class MuonLayout {
 
  private:
   MuonLayout(Comm* comm, int world, int rank, std::vector<TensorShard> shards,
-             std::vector<int> ns_steps, std::vector<std::vector<int64_t>> split_sizes);
+             std::vector<int> ns_steps, std::vector<std::vector<int64_t>> split_sizes,
+             std::vector<int> split_dims);
   std::vector<TensorShard> shards_;
   std::vector<int> ns_steps_;
   std::vector<std::vector<int64_t>> split_sizes_;
+  std::vector<int> split_dims_;
   std::vector<MuonMatrix> matrices_;
   std::vector<bool> replicated_;  // [param]
   OwnerExchange exchange_;
@@ -161,13 +172,17 @@ struct MuonHyper {
 // that is not finite) recorded in `gate`, then gate.agree() (the caller's other
 // checks agreed in the same all-reduce), commit() (the caller's state), the
 // results scattered back (one all-to-all) and applied: p <- p (1 - lr wd) - lr o.
+// grad_ranks (null: every parameter steps): read after gate.agree(), a layout
+// parameter k with grad_ranks[k] == 0 (no rank had its gradient) takes part in
+// the exchanges but is not changed, as torch skips a parameter without one.
 // Collective when comm is set; a rank whose gate failed before takes part alike.
 void muon_step_from_updates(Comm* comm, const MuonLayout& layout,
                             const std::vector<at::Tensor>& params, std::vector<at::Tensor>& u,
                             const std::function<void(size_t)>& make_update,
                             const std::vector<MuonHyper>& hyper, at::ScalarType ns_dtype,
                             const NsCoefficients& ns, bool batch_same_shape, StepGate& gate,
-                            const std::function<void()>& commit);
+                            const std::function<void()>& commit,
+                            const std::vector<int64_t>* grad_ranks = nullptr);
 
 struct MuonOptions {
   MuonHyper hyper;
@@ -208,11 +223,11 @@ class Muon : public GroupedOptimizer<MuonHyper> {
   // ns_steps: Newton–Schulz steps per parameter (empty: options.ns_steps for
   // all; ignored outside Muon). use_muon (empty: all): which parameters Muon
   // takes. split_sizes (empty, or one per parameter; ignored outside Muon): a
-  // parameter's logical blocks along its rows (MuonLayout). Collective: the
-  // layout agrees on every rank's ranges and splits.
+  // parameter's logical blocks along its rows, or columns where split_dims[i] is
+  // 1 (MuonLayout). Collective: the layout agrees on every rank's ranges and splits.
   Muon(std::shared_ptr<Comm> comm, std::vector<ParamShard> params, MuonOptions options = {},
        std::vector<int> ns_steps = {}, std::vector<bool> use_muon = {},
-       std::vector<std::vector<int64_t>> split_sizes = {});
+       std::vector<std::vector<int64_t>> split_sizes = {}, std::vector<int> split_dims = {});
   const char* name() const override { return "Muon"; }
   // The layout of the Muon parameters (its parameter k: muon_params()[k]).
   const MuonLayout& layout() const { return layout_; }
@@ -237,10 +252,9 @@ class Muon : public GroupedOptimizer<MuonHyper> {
   bool state_has_step(size_t i) const override { return !uses_muon(i); }
 
  protected:
-  // Every Muon parameter steps on every rank (collectives): a gradient is required.
-  void check_grad_of(size_t i, const at::Tensor& grad) const override;
   void check_options(const MuonHyper& h) const override;
   void run_step(StepGate& gate, const std::vector<size_t>& stepping) override;
+  void clear_state(size_t i) override;
   // A Muon parameter's gradient is checked through its update (CPU): see run_step.
   bool checks_own_gradient(size_t i) const override;
 
@@ -249,7 +263,8 @@ class Muon : public GroupedOptimizer<MuonHyper> {
   // first where unknown).
   static MuonLayout layout_of(Comm* comm, std::vector<ParamShard>* params, const MuonOptions& o,
                               std::vector<int> ns_steps, const std::vector<bool>& use_muon,
-                              const std::vector<std::vector<int64_t>>& split_sizes);
+                              const std::vector<std::vector<int64_t>>& split_sizes,
+                              const std::vector<int>& split_dims);
   // Replicated parameters' gradients must agree across the ranks (each matrix's
   // root computes the update every rank applies): one max all-reduce of their
   // sums, and the same error on every rank where they differ (layout order).

@@ -64,61 +64,69 @@ Shampoo::Shampoo(std::vector<ParamShard> params, ShampooOptions options, Shampoo
     throw std::invalid_argument("Shampoo: " + std::to_string(precondition.size()) +
                                 " precondition flags for " + std::to_string(n) + " parameters");
   }
-  const auto fdt = at::TensorOptions().dtype(config_.factor_dtype);
   for (size_t i = 0; i < n; ++i) {
     const ParamShard& p = params_[i];
     precondition_.push_back((precondition.empty() || precondition[i]) && p.shape.size() >= 2);
     ParamState s;
-    s.m = at::zeros(p.param.sizes(), state_options(i));
-    s.v = at::zeros(p.param.sizes(), state_options(i));
     if (precondition_[i]) {
       const int rank = comm_ ? comm_->rank() : 0;
       for (const Tile& t : matrix_tiles("Shampoo", p, i, config_.max_preconditioner_dim, rank, &cut_)) {
         s.tiles.push_back(tiles_.size());
         tiles_.push_back(t);
       }
-      int64_t left = 0, right = 0;
-      for (size_t k : s.tiles) {
-        left += packed_size(tiles_[k].rows);
-        right += packed_size(tiles_[k].cols);
-      }
-      const auto on = fdt.device(p.param.device());  // factors live with the shard
-      s.left = at::zeros({left}, on);
-      s.right = at::zeros({right}, on);
-      if (config_.basis.coded()) {  // roots start as the identity: Q = I, s = 1
-        std::vector<int64_t> rows, cols;
-        int64_t sl = 0, sr = 0;
-        for (size_t k : s.tiles) {
-          s.sl.push_back(sl);
-          s.sr.push_back(sr);
-          rows.push_back(tiles_[k].rows);
-          cols.push_back(tiles_[k].cols);
-          sl += tiles_[k].rows;
-          sr += tiles_[k].cols;
-        }
-        const auto f32 = on.dtype(at::kFloat);
-        s.q_l = quant::LowbitSquares(rows, config_.basis, f32);
-        s.q_r = quant::LowbitSquares(cols, config_.basis, f32);
-        for (size_t j = 0; j < s.tiles.size(); ++j) {
-          s.q_l.store(j, at::eye(rows[j], f32));
-          s.q_r.store(j, at::eye(cols[j], f32));
-        }
-        s.s_l = at::ones({sl}, f32);
-        s.s_r = at::ones({sr}, f32);
-      } else {
-        s.root_l = at::zeros({left}, on);
-        s.root_r = at::zeros({right}, on);
-        for (size_t k : s.tiles) {  // roots start as the identity
-          const Tile& t = tiles_[k];
-          s.root_l.narrow(0, t.left_offset, packed_size(t.rows)).copy_(pack_symmetric(at::eye(t.rows)));
-          s.root_r.narrow(0, t.right_offset, packed_size(t.cols)).copy_(pack_symmetric(at::eye(t.cols)));
-        }
-      }
-      s.failures = at::zeros({static_cast<int64_t>(s.tiles.size())}, at::kLong);
     }
     state_.push_back(std::move(s));
+    Shampoo::clear_state(i);  // (allocates it)
   }
   exchange_ = cut_exchange("Shampoo", cut_, params_, comm_.get());
+}
+
+void Shampoo::clear_state(size_t i) {
+  const ParamShard& p = params_[i];
+  ParamState& s = state_[i];
+  s.m = at::zeros(p.param.sizes(), state_options(i));
+  s.v = at::zeros(p.param.sizes(), state_options(i));
+  if (!precondition_[i]) return;
+  int64_t left = 0, right = 0;
+  for (size_t k : s.tiles) {
+    left += packed_size(tiles_[k].rows);
+    right += packed_size(tiles_[k].cols);
+  }
+  const auto on = at::TensorOptions().dtype(config_.factor_dtype).device(p.param.device());
+  s.left = at::zeros({left}, on);  // factors live with the shard
+  s.right = at::zeros({right}, on);
+  if (config_.basis.coded()) {  // roots start as the identity: Q = I, s = 1
+    std::vector<int64_t> rows, cols;
+    int64_t sl = 0, sr = 0;
+    s.sl.clear();
+    s.sr.clear();
+    for (size_t k : s.tiles) {
+      s.sl.push_back(sl);
+      s.sr.push_back(sr);
+      rows.push_back(tiles_[k].rows);
+      cols.push_back(tiles_[k].cols);
+      sl += tiles_[k].rows;
+      sr += tiles_[k].cols;
+    }
+    const auto f32 = on.dtype(at::kFloat);
+    s.q_l = quant::LowbitSquares(rows, config_.basis, f32);
+    s.q_r = quant::LowbitSquares(cols, config_.basis, f32);
+    for (size_t j = 0; j < s.tiles.size(); ++j) {
+      s.q_l.store(j, at::eye(rows[j], f32));
+      s.q_r.store(j, at::eye(cols[j], f32));
+    }
+    s.s_l = at::ones({sl}, f32);
+    s.s_r = at::ones({sr}, f32);
+  } else {
+    s.root_l = at::zeros({left}, on);
+    s.root_r = at::zeros({right}, on);
+    for (size_t k : s.tiles) {  // roots start as the identity
+      const Tile& t = tiles_[k];
+      s.root_l.narrow(0, t.left_offset, packed_size(t.rows)).copy_(pack_symmetric(at::eye(t.rows)));
+      s.root_r.narrow(0, t.right_offset, packed_size(t.cols)).copy_(pack_symmetric(at::eye(t.cols)));
+    }
+  }
+  s.failures = at::zeros({static_cast<int64_t>(s.tiles.size())}, at::kLong);
 }
 
 at::Tensor Shampoo::grad_tile(size_t i, const Tile& t) const {

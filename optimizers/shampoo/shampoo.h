@@ -143,6 +143,9 @@ class Shampoo : public GroupedOptimizer<ShampooOptions> {
   };
   void check_options(const ShampooOptions& o) const override;
   void run_step(StepGate& gate, const std::vector<size_t>& stepping) override;
+  // Parameter i's state as at construction (its tiles set): zero moments and
+  // factors, identity roots.
+  void clear_state(size_t i) override;
   // Tile k of parameter i's factors L, R after this step's gradient, written to
   // l_out, r_out (packed, the factor dtype): the state's own views (in place), or
   // new tensors (the state is then left as it is).

@@ -78,47 +78,60 @@ SOAP::SOAP(std::vector<ParamShard> params, SOAPOptions options, SOAPConfig confi
     const ParamShard& p = params_[i];
     precondition_.push_back((precondition.empty() || precondition[i]) && p.shape.size() >= 2);
     ParamState s;
-    if (!eight_bit(i)) {
-      s.m = at::zeros(p.param.sizes(), state_options(i));
-      s.v = at::zeros(p.param.sizes(), state_options(i));
-    }
     if (precondition_[i]) {
-      int64_t left = 0, right = 0, ql = 0, qr = 0;
-      std::vector<int64_t> rows, cols;
+      int64_t ql = 0, qr = 0, arow = 0;
       for (const Tile& t : matrix_tiles("SOAP", p, i, config_.max_preconditioner_dim, rank, &cut_)) {
         s.tiles.push_back(tiles_.size());
         tiles_.push_back(t);
         s.ql.push_back(ql);
         s.qr.push_back(qr);
-        rows.push_back(t.rows);
-        cols.push_back(t.cols);
-        left += packed_size(t.rows);
-        right += packed_size(t.cols);
         ql += t.rows * t.rows;
         qr += t.cols * t.cols;
-      }
-      const auto on = at::TensorOptions().device(p.param.device());  // states live with the shard
-      s.left = at::zeros({left}, on.dtype(config_.factor_dtype));
-      s.right = at::zeros({right}, on.dtype(config_.factor_dtype));
-      if (config_.basis.coded()) {
-        s.lq_left = quant::LowbitSquares(rows, config_.basis, on);
-        s.lq_right = quant::LowbitSquares(cols, config_.basis, on);
-      } else {
-        s.q_left = at::zeros({ql}, on.dtype(config_.basis_dtype));
-        s.q_right = at::zeros({qr}, on.dtype(config_.basis_dtype));
-      }
-      if (eight_bit(i)) {  // zero scales: every code decodes to 0
-        int64_t rows = 0;
-        for (size_t k : s.tiles) s.arow.push_back(rows), rows += tiles_[k].rows;
-        s.mq = at::zeros(p.param.sizes(), on.dtype(at::kByte));
-        s.vq = at::zeros(p.param.sizes(), on.dtype(at::kByte));
-        s.ma = at::zeros({rows}, on.dtype(at::kFloat));
-        s.va = at::zeros({rows}, on.dtype(at::kFloat));
+        if (eight_bit(i)) s.arow.push_back(arow), arow += t.rows;
       }
     }
     state_.push_back(std::move(s));
+    SOAP::clear_state(i);  // (allocates it)
   }
   exchange_ = cut_exchange("SOAP", cut_, params_, comm_.get());
+}
+
+void SOAP::clear_state(size_t i) {
+  const ParamShard& p = params_[i];
+  ParamState& s = state_[i];
+  if (!eight_bit(i)) {
+    s.m = at::zeros(p.param.sizes(), state_options(i));
+    s.v = at::zeros(p.param.sizes(), state_options(i));
+  }
+  if (!precondition_[i]) return;
+  int64_t left = 0, right = 0, ql = 0, qr = 0, rows_total = 0;
+  std::vector<int64_t> rows, cols;
+  for (size_t k : s.tiles) {
+    const Tile& t = tiles_[k];
+    rows.push_back(t.rows);
+    cols.push_back(t.cols);
+    left += packed_size(t.rows);
+    right += packed_size(t.cols);
+    ql += t.rows * t.rows;
+    qr += t.cols * t.cols;
+    rows_total += t.rows;
+  }
+  const auto on = at::TensorOptions().device(p.param.device());  // states live with the shard
+  s.left = at::zeros({left}, on.dtype(config_.factor_dtype));
+  s.right = at::zeros({right}, on.dtype(config_.factor_dtype));
+  if (config_.basis.coded()) {
+    s.lq_left = quant::LowbitSquares(rows, config_.basis, on);
+    s.lq_right = quant::LowbitSquares(cols, config_.basis, on);
+  } else {
+    s.q_left = at::zeros({ql}, on.dtype(config_.basis_dtype));
+    s.q_right = at::zeros({qr}, on.dtype(config_.basis_dtype));
+  }
+  if (eight_bit(i)) {  // zero scales: every code decodes to 0
+    s.mq = at::zeros(p.param.sizes(), on.dtype(at::kByte));
+    s.vq = at::zeros(p.param.sizes(), on.dtype(at::kByte));
+    s.ma = at::zeros({rows_total}, on.dtype(at::kFloat));
+    s.va = at::zeros({rows_total}, on.dtype(at::kFloat));
+  }
 }
 
 at::Tensor SOAP::basis(size_t i, size_t j, bool left) const {

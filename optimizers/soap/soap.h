@@ -145,6 +145,9 @@ class SOAP : public GroupedOptimizer<SOAPOptions> {
   };
   void check_options(const SOAPOptions& o) const override;
   void run_step(StepGate& gate, const std::vector<size_t>& stepping) override;
+  // Parameter i's state as at construction (its tiles set): every moment,
+  // factor and basis zero (the first step computes the bases).
+  void clear_state(size_t i) override;
   // The new factors of every stepping tile, and its new bases where due.
   void prepare(const std::vector<size_t>& stepping, std::vector<TileUpdate>* up);
   double shampoo_beta(const SOAPOptions& o) const { return o.shampoo_beta < 0 ? o.beta2 : o.shampoo_beta; }

@@ -20,13 +20,14 @@ rfsdp::PlannerOptions planner_options(int max_buffers, int64_t collective_cost_b
   return o;
 }
 
-// Plans from Python's spec list: [(name, shape, granule_rows (0 = whole), row_dims, dtype_bytes)].
+// Plans from Python's spec list: [(name, shape, granule_rows (0 = whole), row_dims, dtype_bytes,
+// blocks, blocks_dim)].
 rfsdp::Plan plan_specs(const std::vector<std::tuple<std::string, std::vector<int64_t>, int64_t, int,
-                                                    int64_t, std::vector<int64_t>>>& specs,
+                                                    int64_t, std::vector<int64_t>, int>>& specs,
                        int64_t world_size, int64_t align_bytes, int max_buffers,
                        int64_t collective_cost_bytes) {
   std::vector<rfsdp::TensorSpec> ts;
-  for (const auto& [name, shape, g, row_dims, bytes, blocks] : specs) {
+  for (const auto& [name, shape, g, row_dims, bytes, blocks, blocks_dim] : specs) {
     rfsdp::TensorSpec t;
     t.name = name;
     t.shape = shape;
@@ -34,6 +35,7 @@ rfsdp::Plan plan_specs(const std::vector<std::tuple<std::string, std::vector<int
     t.row_dims = row_dims;
     t.elem_bytes = bytes;
     t.blocks = blocks;
+    t.blocks_dim = blocks_dim;
     ts.push_back(t);
   }
   return rfsdp::plan_unit(ts, world_size, align_bytes,
@@ -94,10 +96,12 @@ void bind_core(py::module_& m) {
       .def_readonly("row_end", &rfsdp::TensorShard::row_end)
       .def_readonly("rank_rows", &rfsdp::TensorShard::rank_rows)
       .def_readonly("blocks", &rfsdp::TensorShard::blocks)
+      .def_readonly("blocks_dim", &rfsdp::TensorShard::blocks_dim)
+      .def("renamed", &rfsdp::TensorShard::renamed, py::arg("name"))
       .def(py::pickle(
           [](const rfsdp::TensorShard& t) {
             return py::make_tuple(t.name, t.shape, t.row_dims, t.row_begin, t.row_end, t.rank_rows,
-                                  t.blocks);
+                                  t.blocks, t.blocks_dim);
           },
           [](const py::tuple& s) {
             rfsdp::TensorShard t = rfsdp::TensorShard::rows_of(
@@ -105,14 +109,17 @@ void bind_core(py::module_& m) {
                 s[3].cast<int64_t>(), s[4].cast<int64_t>(),
                 s[5].cast<std::vector<std::pair<int64_t, int64_t>>>());
             if (s.size() > 6) t.blocks = s[6].cast<std::vector<int64_t>>();
+            if (s.size() > 7) t.blocks_dim = s[7].cast<int>();
             return t;
           }));
   m.def("block_granule_rows", [](const std::string& name, const std::vector<int64_t>& shape,
-                                 int row_dims, const std::vector<int64_t>& blocks) -> py::object {
-          const int64_t g = rfsdp::block_granule_rows(name, shape, row_dims, blocks);
+                                 int row_dims, const std::vector<int64_t>& blocks,
+                                 int blocks_dim) -> py::object {
+          const int64_t g = rfsdp::block_granule_rows(name, shape, row_dims, blocks, blocks_dim);
           return g == rfsdp::kWholeTensor ? py::object(py::str("whole")) : py::object(py::int_(g));
         },
         py::arg("name"), py::arg("shape"), py::arg("row_dims"), py::arg("blocks"),
+        py::arg("blocks_dim") = 0,
         "The granule (rows) that keeps every logical block of a tensor whole, or \"whole\"");
 
   // Every rank's lines equal, or a ValueError on every rank naming the first

@@ -203,6 +203,7 @@ void bind_optimizers(py::module_& m) {
       .def("step_count", &rfsdp::ShardedOptimizer::step_count)
       .def("step_counts", &rfsdp::ShardedOptimizer::step_counts)
       .def("set_step_count", &rfsdp::ShardedOptimizer::set_step_count)
+      .def("reset_state", &rfsdp::ShardedOptimizer::reset_state)
       .def("state_has_step", &rfsdp::ShardedOptimizer::state_has_step)
       .def("state", [](const rfsdp::ShardedOptimizer& o, size_t i) { return named(o.state(i)); })
       // {name: ("rows", 0, 0, 0) or ("sequence", total, offset, shared)}
@@ -313,17 +314,19 @@ void bind_optimizers(py::module_& m) {
       .def(py::init([](const std::vector<ShardOf>& params, const std::vector<int>& ns_steps,
                        const rfsdp::MuonOptions& config, std::shared_ptr<rfsdp::Comm> comm,
                        const std::vector<bool>& use_muon,
-                       const std::vector<std::vector<int64_t>>& split_sizes, bool check_finite) {
+                       const std::vector<std::vector<int64_t>>& split_sizes, bool check_finite,
+                       const std::vector<int>& split_dims) {
              rfsdp::MuonOptions o = config;
              o.check_finite = check_finite;
              auto shards = shards_of(params);
              py::gil_scoped_release release;  // collective
              return std::make_shared<rfsdp::Muon>(std::move(comm), std::move(shards), o, ns_steps,
-                                                  use_muon, split_sizes);
+                                                  use_muon, split_sizes, split_dims);
            }),
            py::arg("params"), py::arg("ns_steps"), py::arg("config"), py::arg("comm"),
            py::arg("use_muon") = std::vector<bool>{},
-           py::arg("split_sizes") = std::vector<std::vector<int64_t>>{}, py::arg("check_finite") = true)
+           py::arg("split_sizes") = std::vector<std::vector<int64_t>>{}, py::arg("check_finite") = true,
+           py::arg("split_dims") = std::vector<int>{})
       .def("requantized_state", &rfsdp::Muon::requantized_state, py::arg("i"), py::arg("saved"),
            py::arg("full"))
       .def("set_group_options", &rfsdp::Muon::set_group_options)
@@ -332,7 +335,8 @@ void bind_optimizers(py::module_& m) {
              for (const auto& x : o.layout().matrices()) {
                out.append(py::dict(py::arg("param") = o.muon_params().at(x.param), py::arg("offset") = x.offset,
                                    py::arg("rows") = x.rows, py::arg("cols") = x.cols,
-                                   py::arg("root") = x.root, py::arg("flops") = x.flops));
+                                   py::arg("root") = x.root, py::arg("flops") = x.flops,
+                                   py::arg("col_blocks") = x.col_blocks));
              }
              return out;
            })

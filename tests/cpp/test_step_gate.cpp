@@ -1,5 +1,6 @@
 // StepGate on 1-3 thread ranks: what one rank found is every rank's error, the
-// worst kind first (an invalid argument, an error, then NaN/Inf), naming the rank.
+// worst kind first (an invalid argument, a NaN/Inf gradient, an error, then a
+// derived result that is not finite), naming the rank.
 #include <gtest/gtest.h>
 
 #include <cmath>
@@ -66,7 +67,8 @@ TEST(StepGate, NothingFoundAnywhereGoesOn) {
 }
 
 TEST(StepGate, TheWorstFindingOfAnyRankIsEveryRanksErrorNamingIt) {
-  // rank 0: a NaN; rank 1: an error (thrown inside guard); rank 2: nothing.
+  // rank 0: a NaN gradient; rank 1: an error (thrown inside guard: an owner's
+  // eigensolver on rows rank 0 sent it); rank 2: nothing. The gradient is the cause.
   const auto got = outcomes(3, [](StepGate& g, int rank) {
     at::Tensor grad = at::randn({4, 4});
     if (rank == 0) grad[3][3] = std::nan("");
@@ -80,8 +82,33 @@ TEST(StepGate, TheWorstFindingOfAnyRankIsEveryRanksErrorNamingIt) {
     EXPECT_EQ(msg, got[0].second);
   }
   EXPECT_EQ(got[0].second,
-            "Test step: the root of tile 3 failed (on rank 1; rank 0 failed too); the step was not "
-            "taken on any rank");
+            "Test step: the gradient of parameter 'layer.weight' holds NaN or Inf (on rank 0; rank 1 "
+            "failed too); the step was not taken on any rank (check the loss, lower the learning "
+            "rate, or clip gradients)");
+  // An error outranks a derived result that is not finite (a root's Newton–Schulz
+  // of rows other ranks sent), which names its rank only where nothing else failed.
+  const auto derived = outcomes(3, [](StepGate& g, int rank) {
+    if (rank == 0) g.expect_finite(at::full({2}, NAN), "the result of matrix 0", /*derived=*/true);
+    if (rank == 2) g.fail("the root of tile 3 failed");
+  });
+  for (const auto& [kind, msg] : derived) {
+    EXPECT_EQ(msg, "Test step: the root of tile 3 failed (on rank 2; rank 0 failed too); the step "
+                   "was not taken on any rank");
+  }
+  const auto blamed = outcomes(2, [](StepGate& g, int rank) {
+    if (rank == 0) g.expect_finite(at::full({2}, NAN), "the result of matrix 0", /*derived=*/true);
+    if (rank == 1) g.check_finite("w", at::full({2}, NAN));
+  });
+  for (const auto& [kind, msg] : blamed) {
+    EXPECT_NE(msg.find("the gradient of parameter 'w' holds NaN or Inf (on rank 1; rank 0 failed "
+                       "too)"), std::string::npos) << msg;
+  }
+  const auto alone = outcomes(2, [](StepGate& g, int rank) {
+    if (rank == 1) g.expect_finite(at::full({2}, NAN), "the result of matrix 0", /*derived=*/true);
+  });
+  for (const auto& [kind, msg] : alone) {
+    EXPECT_NE(msg.find("the result of matrix 0 (on rank 1)"), std::string::npos) << msg;
+  }
   // NaN alone, on ranks 1 and 2: the first names the tensor, the other is counted.
   const auto nan = outcomes(3, [](StepGate& g, int rank) {
     g.check_finite("b", rank > 0 ? at::full({2}, INFINITY) : at::zeros({2}));
@@ -91,6 +118,29 @@ TEST(StepGate, TheWorstFindingOfAnyRankIsEveryRanksErrorNamingIt) {
             "Test step: the gradient of parameter 'b' holds NaN or Inf (on rank 1; rank 2 failed "
             "too); the step was not taken on any rank (check the loss, lower the learning rate, "
             "or clip gradients)");
+}
+
+// Counts shared in the agreement's all-reduce (Muon: how many ranks have each
+// parameter's gradient) are every rank's sums after it, passed or failed.
+TEST(StepGate, SharedCountsAreSummedOverTheRanks) {
+  std::mutex mu;
+  std::vector<std::vector<int64_t>> seen(3);
+  for (const bool fail : {false, true}) {
+    run_local_ranks(3, [&](Comm& comm) {
+      const int r = comm.rank();
+      std::vector<int64_t> counts{r == 0 ? 1 : 0, 1, r, 0};
+      StepGate gate(&comm, "Test step");
+      gate.share_counts(&counts);
+      if (fail && r == 2) gate.fail("no");
+      try {
+        gate.agree();
+      } catch (const std::runtime_error&) {
+      }
+      std::lock_guard<std::mutex> lock(mu);
+      seen[r] = counts;
+    });
+    for (const auto& c : seen) EXPECT_EQ(c, (std::vector<int64_t>{1, 3, 3, 0}));
+  }
 }
 
 TEST(StepGate, ABadArgumentIsAnInvalidArgumentEverywhereAndOneRankAloneNeedsNoComm) {
