@@ -29,14 +29,29 @@ class Policy:
     (the granule depends on what a row is, as an 8-bit block's does) is asked in
     the row_dims that the plan uses, which combine() may take from another policy.
     row_dims_fn None: the policy has no preference (1 alone, any under combine).
-    blocks_fn(name, param) -> row counts or None: the parameter's logical blocks
-    (Muon's split), carried by the plan to the shards (TensorSpec::blocks)."""
+    blocks_fn(name, param) -> counts or None: the parameter's logical blocks
+    (Muon's split) along blocks_dim (0 rows, 1 columns), carried by the plan to
+    the shards (TensorSpec::blocks).
 
-    def __init__(self, granule_fn, row_dims_fn=None, blocks_fn=None):
+    Names: fully_shard asks a policy with the names the module it shards gives
+    its parameters, and again, for the parameters inner calls sharded, with the
+    names each outer call's module gives them (the model's own
+    named_parameters() at the outermost call), so a policy keyed by either finds
+    them; an inner unit whose blocks only an outer name gives is planned again
+    there. keys: the names the policy was given (a split dict's); those that no
+    name ever matched are unmatched() (the optimizers refuse them: a typo would
+    otherwise leave matrices unsplit without a word)."""
+
+    def __init__(self, granule_fn, row_dims_fn=None, blocks_fn=None, blocks_dim=0, keys=()):
         import inspect
         self._granule = granule_fn
         self._row_dims = row_dims_fn
         self._blocks = blocks_fn
+        self.blocks_dim = int(blocks_dim)
+        self._keys = frozenset(keys)
+        self._matched = set()   # keys a name has matched
+        self._asked = set()     # every name the policy was asked about
+        self._parts = ()        # the policies combine() made this of
         try:
             self._rows_aware = len(inspect.signature(granule_fn).parameters) >= 3
         except (TypeError, ValueError):
@@ -51,9 +66,49 @@ class Policy:
         return self._row_dims(name, param) if self._row_dims else 1
 
     def blocks(self, name, param):
-        """The parameter's logical blocks (row counts), or None."""
+        """The parameter's logical blocks (counts along blocks_dim), or None."""
         b = self._blocks(name, param) if self._blocks else None
         return None if b is None else [int(x) for x in b]
+
+    def _lookup(self, table, name):
+        """table.get(name), recording the name and the key it matched."""
+        self._asked.add(name)
+        if name in table:
+            self._matched.add(name)
+            return table[name]
+        return None
+
+    def asked(self):
+        """Every name this policy (and those it combines) was asked about."""
+        out = set(self._asked)
+        for pol in self._parts:
+            out |= pol.asked()
+        return out
+
+    def unmatched(self):
+        """Keys of this policy (and of those it combines) that no name matched yet."""
+        out = set(self._keys - self._matched)
+        for pol in self._parts:
+            out |= pol.unmatched()
+        return out
+
+    def check_matched(self, who="rfsdp.policy"):
+        """Raises ValueError naming every key no parameter's name matched, with the
+        nearest names the policy was asked about."""
+        missing = sorted(self.unmatched())
+        if not missing:
+            return
+        import difflib
+        asked = sorted(self.asked())
+        hints = []
+        for key in missing:
+            near = difflib.get_close_matches(key, asked, n=3, cutoff=0.5)
+            hints.append("'%s'%s" % (key, " (nearest: %s)" % ", ".join("'%s'" % n for n in near)
+                                     if near else ""))
+        raise ValueError(
+            "%s: the policy names %s, which match no parameter any fully_shard call planned "
+            "with it (names as the sharded module or the model's named_parameters() give them, "
+            "of matrices); nothing was split there: fix the names" % (who, ", ".join(hints)))
 
 
 def adamw():
@@ -91,13 +146,22 @@ def combine(*policies):
         return math.lcm(*gs)
 
     def blocks(name, p):
-        given = {tuple(b) for b in (pol.blocks(name, p) for pol in policies) if b is not None}
+        given = {(tuple(b), pol.blocks_dim) for b, pol in ((pol.blocks(name, p), pol)
+                                                            for pol in policies) if b is not None}
         if len(given) > 1:
             raise ValueError("policy.combine: parameter '%s' is given different logical blocks: %s"
-                             % (name, " and ".join(str(list(b)) for b in sorted(given))))
-        return list(given.pop()) if given else None
-    return Policy(granule, row_dims if any(pol._row_dims for pol in policies) else None,
-                  blocks if any(pol._blocks for pol in policies) else None)
+                             % (name, " and ".join("%s (split_dim %d)" % (list(b), d)
+                                                   for b, d in sorted(given))))
+        return list(given.pop()[0]) if given else None
+    dims = {pol.blocks_dim for pol in policies if pol._blocks}
+    if len(dims) > 1:
+        raise ValueError("policy.combine: policies split logical blocks along different dims "
+                         "(split_dim %s); combine policies that agree" % sorted(dims))
+    out = Policy(granule, row_dims if any(pol._row_dims for pol in policies) else None,
+                 blocks if any(pol._blocks for pol in policies) else None,
+                 blocks_dim=dims.pop() if dims else 0)
+    out._parts = tuple(policies)
+    return out
 
 
 def shampoo(max_preconditioner_dim=1024):
@@ -124,7 +188,7 @@ def is_matrix(name, p):
     return p.dim() >= 2
 
 
-def muon(whole=False, matrix=is_matrix, split=None):
+def muon(whole=False, matrix=is_matrix, split=None, split_dim=0):
     """Muon. whole=False: any row boundary (granule 1); a matrix cut across ranks
     is gathered to its root rank each step. whole=True: the planner keeps every
     Muon matrix on one rank (granule "whole"; a 3-D expert stack a whole expert
@@ -132,18 +196,36 @@ def muon(whole=False, matrix=is_matrix, split=None):
     Ragged, a 3-D expert stack has rows of its last dim, so a boundary may cut an
     expert; whole, a row is one expert.
 
-    split: the logical blocks Muon orthogonalises apart, as a dict {name: row
-    counts} or a function (name, parameter) -> row counts or None. The plan keeps
-    every block whole (boundaries at block edges when the blocks are equal, else
-    none inside a matrix: block_granule_rows) and carries the blocks to the
-    shards, where Muon takes them as the parameter's split_sizes when its group
-    gives none: each rank orthogonalises its blocks where they lie and the step
-    moves nothing for them."""
+    split: the logical blocks Muon orthogonalises apart, as a dict {name: counts}
+    or a function (name, parameter) -> counts or None. Names are those the model's
+    named_parameters() gives, or those the module each fully_shard call shards
+    gives (both are found, at any nesting of calls); a dict key that names no
+    matrix is an error when an optimizer is built over the parameters. split_dim
+    0 (default): the counts are rows of each matrix (heads of an nn.Linear's
+    [out, in] weight, a fused QKV's q, k, v); 1: columns (GPT-2's Conv1D stores
+    c_attn.weight as [in, 3 * in]: its heads are column blocks). The plan keeps
+    every block whole (row blocks: boundaries at block edges when the blocks are
+    equal, else none inside a matrix: block_granule_rows; column blocks span
+    every row, so their matrix is kept whole) and carries the blocks to the
+    shards, where Muon takes them as the parameter's split_sizes (and split_dim)
+    when its group gives none: each rank orthogonalises its blocks where they
+    lie and the step moves nothing for them."""
+    if split_dim not in (0, 1) or isinstance(split_dim, bool):
+        raise ValueError("policy.muon: split_dim must be 0 (rows) or 1 (columns), got %r"
+                         % (split_dim,))
+    table = split if isinstance(split, dict) else None
+
     def split_of(name, p):
-        if split is None or not matrix(name, p) or p.dim() < 2:
+        if split is None:
             return None
-        s = split.get(name) if isinstance(split, dict) else split(name, p)
-        return None if s is None else [int(x) for x in s]
+        s = pol._lookup(table, name) if table is not None else split(name, p)
+        if s is None:
+            return None
+        if not matrix(name, p) or p.dim() < 2:
+            raise ValueError("policy.muon: split names '%s' of shape %s, which is not a Muon "
+                             "matrix (split only 2-D weights and 3-D expert stacks)"
+                             % (name, tuple(p.shape)))
+        return [int(x) for x in s]
 
     def row_dims(name, p):
         if split_of(name, p) is not None and p.dim() == 3:
@@ -153,8 +235,10 @@ def muon(whole=False, matrix=is_matrix, split=None):
     def granule(name, p):
         s = split_of(name, p)
         if s is not None:
-            return _C.block_granule_rows(name, list(p.shape), row_dims(name, p), s)
+            return _C.block_granule_rows(name, list(p.shape), row_dims(name, p), s, split_dim)
         if not whole or not matrix(name, p):
             return 1
         return 1 if p.dim() == 3 else WHOLE
-    return Policy(granule, row_dims, split_of if split is not None else None)
+    pol = Policy(granule, row_dims, split_of if split is not None else None, blocks_dim=split_dim,
+                 keys=table.keys() if table is not None else ())
+    return pol

@@ -21,23 +21,27 @@ def orthogonalise(g, steps=5):
     return x.T if tall else x
 
 
-def matrices(t, split=None):
+def matrices(t, split=None, dim=0):
     """Views of the matrices of a full tensor (2-D: itself; 3-D: each expert; else
-    (dim0, rest)), each cut into blocks of `split` rows where given."""
+    (dim0, rest)), each cut into blocks of `split` rows (dim 0) or columns (dim 1)
+    where given."""
     whole = [t[e] for e in range(t.shape[0])] if t.dim() == 3 else [t.view(t.shape[0], -1)]
     if split is None:
         return whole
-    return [b for m in whole for b in torch.split(m, list(split), dim=0)]
+    return [b for m in whole for b in torch.split(m, list(split), dim=dim)]
 
 
 class ReferenceMuon:
     """params: name -> float64 tensor (updated in place); muon: the names Muon takes;
-    splits: name -> row counts of its logical blocks (each its own matrix)."""
+    splits: name -> row counts of its logical blocks (each its own matrix), or
+    columns where split_dims[name] is 1. A parameter without a gradient (None) is
+    skipped, as torch's optimizers skip it."""
 
     def __init__(self, params, muon, lr=0.02, momentum=0.95, nesterov=True, weight_decay=0.0,
                  adjust_lr="original", aux_lr=3e-4, betas=(0.9, 0.95), eps=1e-10, aux_wd=0.0,
-                 splits=None, momentum_dtype=None):
+                 splits=None, momentum_dtype=None, split_dims=None):
         self.p, self.muon, self.splits = params, set(muon), dict(splits or {})
+        self.split_dims = dict(split_dims or {})
         self.momentum_dtype = momentum_dtype  # (the momentum stored rounded to it, through fp32)
         self.hp = dict(lr=lr, momentum=momentum, nesterov=nesterov, wd=weight_decay,
                        adjust=adjust_lr, aux_lr=aux_lr, betas=betas, eps=eps, aux_wd=aux_wd)
@@ -49,6 +53,8 @@ class ReferenceMuon:
         h = self.hp
         self.t += 1
         for n, w in self.p.items():
+            if grads.get(n) is None:
+                continue
             g = grads[n].double()
             if n in self.muon:
                 beta = h["momentum"]
@@ -57,8 +63,8 @@ class ReferenceMuon:
                 self.m[n] = m if self.momentum_dtype is None \
                     else m.float().to(self.momentum_dtype).double()
                 lr = h["lr"] * lr_scale
-                split = self.splits.get(n)
-                for um, wm in zip(matrices(u, split), matrices(w, split)):
+                split, dim = self.splits.get(n), self.split_dims.get(n, 0)
+                for um, wm in zip(matrices(u, split, dim), matrices(w, split, dim)):
                     r, c = um.shape
                     scale = math.sqrt(max(1.0, r / c)) if h["adjust"] == "original" \
                         else 0.2 * math.sqrt(max(r, c))

@@ -36,13 +36,6 @@ def lr_set_later(lr):
     opt.step()
 
 
-def replaced():
-    model = nn.Linear(4, 4)
-    before = list(model.parameters())
-    rfsdp.fully_shard(model)
-    return rfsdp.optim.AdamW(before)
-
-
 def mixed(dtype):
     rfsdp.fully_shard(nn.Linear(4, 4), mp_policy=rfsdp.MixedPrecisionPolicy(param_dtype=dtype))
 
@@ -95,7 +88,6 @@ CASES = [
     ("meta parameter", lambda: rfsdp.optim.Shampoo([p(3, device="meta")]), ValueError,
      "Shampoo: parameter 'param 0' must be a contiguous float32, bfloat16 or float16 tensor on "
      "the CPU or a CUDA device; got Float tensor on meta"),
-    ("replaced parameters", replaced, ValueError, "was replaced by fully_shard"),
     ("gradient of another shape",
      lambda: step_with_grad(rfsdp.optim.AdamW, torch.zeros(4, 4), reshape_to=(3, 4)),
      ValueError, "AdamW: the gradient of parameter 'param 0' must be a contiguous float32 tensor "

@@ -158,13 +158,13 @@ def test_split_blocks_equal_the_float64_muon_that_splits_by_hand(world):
 
 def test_a_wrong_split_is_an_error_naming_the_parameter():
     w = nn.Parameter(torch.randn(12, 4))
-    with pytest.raises(ValueError, match="'param 0'.*split_sizes sum to 10 rows, its matrices have 12"):
+    with pytest.raises(ValueError, match="'param 0'.*sum to 10 rows, its matrix has 12"):
         rfsdp.optim.Muon([dict(params=[w], split_sizes=[4, 6])])
-    with pytest.raises(ValueError, match="split_sizes must be positive"):
+    with pytest.raises(ValueError, match="must be positive row counts"):
         rfsdp.optim.Muon([dict(params=[w], split_sizes=[12, 0])])
     e = nn.Parameter(torch.randn(2, 6, 4))  # a stack splits each expert's rows
     rfsdp.optim.Muon([dict(params=[e], split_sizes=[2, 4])])
-    with pytest.raises(ValueError, match="each expert's rows"):
+    with pytest.raises(ValueError, match="sum to 12 rows, its experts have 6"):
         rfsdp.optim.Muon([dict(params=[e], split_sizes=[4, 8])])
 
 
@@ -190,8 +190,9 @@ def test_the_plan_carries_the_blocks_and_a_group_that_disagrees_is_an_error(one_
     for n, s in split.items():
         assert list(rfsdp.fsdp.dtensor.info_of(n, named[n]).shard.blocks) == s, n
     assert list(rfsdp.fsdp.dtensor.info_of("bias", named["bias"]).shard.blocks) == []
-    with pytest.raises(ValueError, match="'qkv': its group's split_sizes \\[16, 16, 16\\] differ "
-                                         "from the logical blocks its plan keeps whole, \\[32, 8, 8\\]"):
+    with pytest.raises(ValueError, match="'qkv': its group's split_sizes \\[16, 16, 16\\] \\(split_dim "
+                                         "0\\) differ from the logical blocks its plan keeps "
+                                         "whole, \\[32, 8, 8\\]"):
         rfsdp.optim.Muon([dict(params=[named["qkv"]], split_sizes=[16, 16, 16])])
     # Policies that give one parameter different blocks do not combine.
     a = rfsdp.policy.muon(split={"w": [4, 4]})
@@ -203,11 +204,11 @@ def test_the_plan_carries_the_blocks_and_a_group_that_disagrees_is_an_error(one_
 def test_a_granule_that_would_cut_a_block_is_refused_by_the_planner():
     # (the blocks' own granule is 8 rows; 4 would put a boundary inside a block)
     with pytest.raises(ValueError, match="inside one of its logical blocks; use 8"):
-        rfsdp._C.plan_specs([("w", [16, 4], 4, 1, 4, [8, 8])], 2)
+        rfsdp._C.plan_specs([("w", [16, 4], 4, 1, 4, [8, 8], 0)], 2)
     assert rfsdp._C.block_granule_rows("w", [48, 16], 1, [32, 8, 8]) == "whole"
     assert rfsdp._C.block_granule_rows("e", [2, 12, 16], 2, [4, 8]) == 12
     assert rfsdp._C.block_granule_rows("h", [32, 16], 1, [8] * 4) == 8
-    rfsdp._C.plan_specs([("w", [16, 4], 16, 1, 4, [8, 8]), ("v", [16, 4], 8, 1, 4, [8, 8])], 2)
+    rfsdp._C.plan_specs([("w", [16, 4], 16, 1, 4, [8, 8], 0), ("v", [16, 4], 8, 1, 4, [8, 8], 0)], 2)
 
 
 def test_a_checkpoint_saved_with_another_split_is_refused_naming_both(one_rank, tmp_path):

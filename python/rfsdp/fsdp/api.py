@@ -297,6 +297,45 @@ def _describe(module, call, entries, pol, mp, reshard_after_forward, planner):
     return lines
 
 
+def _inner_units(module, pol):
+    """Every unit of an inner fully_shard call below `module`, with the names
+    `module` gives its parameters (the model's named_parameters() at the
+    outermost call: the shards take them, so errors name parameters as the model
+    does) and, where this call's policy is the one the unit was planned with and
+    finds logical blocks (Muon's split) under those names that the unit's plan
+    lacks, the names to plan it again with (None: no replan): a policy keyed by
+    the model's names works under the bottom-up pattern. Also the lines that all
+    ranks must agree on (a replan is collective)."""
+    out, lines = [], []
+    for prefix, m in module.named_modules():
+        u = getattr(m, "_rfsdp_unit", None)
+        if m is module or not u:
+            continue
+        names = [prefix + "." + n for n in u.local_names]
+        policy_names = list(u.policy_names)
+        replan = False
+        if u.policy is pol and getattr(pol, "_blocks", None) is not None:
+            for i, (name, up) in enumerate(zip(names, u.params)):
+                meta = torch.empty(up.sharded._rfsdp_shard.global_shape, device="meta")
+                want = pol.blocks(name, meta)
+                if want is None:
+                    continue
+                want, have = (tuple(want), pol.blocks_dim), u.planned_blocks[i]
+                if have is None:
+                    policy_names[i], replan = name, True
+                elif have != want:
+                    raise ValueError(
+                        "fully_shard: the policy gives parameter '%s' the logical blocks %s "
+                        "(split_dim %d) under that name and %s (split_dim %d) under '%s': give "
+                        "one of them" % (name, list(want[0]), want[1], list(have[0]), have[1],
+                                         u.policy_names[i]))
+        if replan:
+            lines.append("plan again the unit of '%s' for the blocks of %s" % (
+                prefix, [n for n, o in zip(policy_names, u.policy_names) if n != o]))
+        out.append((u, names, policy_names if replan else None))
+    return out, lines
+
+
 def _agree(module, comms, lines):
     """One small collective per group: every rank's lines must be equal; if not,
     every rank raises a ValueError naming the first difference and the ranks."""
@@ -357,9 +396,10 @@ def fully_shard(module: nn.Module, *, mesh=None, process_group=None, replicate_g
     module._rfsdp_call = call
     comm = make_comm(pg)  # kept by the unit: rfsdp closes it at exit (see _comm)
     replicate_comm = make_comm(rg) if rg is not None and rg.size() > 1 else None
+    inner_units, replan_lines = _inner_units(module, pol)
     _agree(module, (comm, replicate_comm),
            _describe(module, call, entries, pol, mp_policy, reshard_after_forward, planner)
-           + ["communication %r" % (comm_policy,)])
+           + ["communication %r" % (comm_policy,)] + replan_lines)
     if len(devices) > 1:
         raise ValueError("fully_shard: the parameters of this module live on different devices (%s); "
                          "move the module to one device first" % sorted(str(d) for d in devices))
@@ -377,6 +417,10 @@ def fully_shard(module: nn.Module, *, mesh=None, process_group=None, replicate_g
                              "weights: convert the module with .float() first (compute in bf16 "
                              "or fp16 with mp_policy=MixedPrecisionPolicy(param_dtype=...))"
                              % (uses[0][2], p.dtype))
+    for u, names, policy_names in inner_units:
+        if policy_names is not None:
+            u.replan(policy_names)
+        u.rename(names)
     mp = mp_policy
     if mp is None:  # GPUs compute in bfloat16 and reduce in float32 by default
         mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16) if device.type == "cuda" \

@@ -120,13 +120,33 @@ def shard_info(param: torch.Tensor) -> Optional[ShardInfo]:
     return getattr(param, "_rfsdp_shard", None)
 
 
+_REPLACEMENTS = [0]
+
+
+def replacements() -> int:
+    """How many times fully_shard replaced parameters in this process: an optimizer
+    looks for parameters it holds that were replaced (and follows them to their
+    shards) only when this changed."""
+    return _REPLACEMENTS[0]
+
+
+def _replace(old, new, name):
+    """old, a parameter the module held, is now `new` (its shard): an optimizer
+    built before (FSDP2's docs say after; accelerate switches param_groups
+    itself) follows it there at its next step, never stepping the orphan."""
+    old._rfsdp_replaced = name
+    old._rfsdp_replaced_by = new
+    _REPLACEMENTS[0] += 1
+
+
 class UnitParam:
     """One parameter of a unit (FSDP2's FSDPParam): its shard (the parameter the
     model holds between passes), its full parameter (a view of the gathered
     buffer, held during forward and backward), and the views of its gradient in
     the full gradient buffer and in the local slice. The views are stable objects
     (the buffers' memory comes and goes under them), made once here, so a
-    backward asks the C++ unit nothing per parameter."""
+    backward asks the C++ unit nothing per parameter. The full parameter's
+    requires_grad follows the shard's (Unit.follow_requires_grad)."""
 
     def __init__(self, unit, i, requires_grad, pg, rg):
         self.sharded = nn.Parameter(unit.local_param(i), requires_grad=requires_grad)
@@ -135,6 +155,7 @@ class UnitParam:
         self.full_grad = unit.full_grad(i).data
         self.local_grad = unit.local_grad(i)
         self.grad = ShardGrad.of(self.local_grad, pg)  # the shard's .grad once reduced
+        self.hooked = False  # the full parameter's post-accumulate-grad hook is registered
 
 
 class Unit:
@@ -149,23 +170,18 @@ class Unit:
         self.forward_prefetch = None   # units to prefetch at this forward (None: the schedule's)
         self.backward_prefetch = None  # units to prefetch at this backward (None: the schedule's)
         self.process_group = pg
-        params = [uses[0][0]._parameters[uses[0][1]] for uses in entries]
-        dtype_bytes = torch.empty((), dtype=mp.param_dtype).element_size()
-        specs = []
-        for uses, p in zip(entries, params):
-            fqn = uses[0][2]
-            g = pol.granule(fqn, p)
-            specs.append((fqn, list(p.shape), 0 if g == policy_mod.WHOLE else g,
-                          pol.row_dims(fqn, p) if p.dim() > 0 else 1, dtype_bytes,
-                          pol.blocks(fqn, p) or []))
-        self.plan = _C.plan_specs(specs, pg.size(), 16, planner.max_buffers,
-                                  planner.collective_cost_bytes)
+        self.replicate_group = rg
+        self.policy = pol
+        self.mp = mp
+        self.planner = planner
+        self.device = device
+        self.comm_policy = comm_policy
         self.comm = comm  # kept: rfsdp closes it at exit (see _comm)
         self.replicate_comm = replicate_comm
-        # agree=False: fully_shard agreed on all of this (and more) already.
-        self.unit = _C.FSDPUnit(self.comm, self.plan, str(mp.param_dtype).replace("torch.", ""),
-                                str(mp.reduce_dtype).replace("torch.", ""), self.replicate_comm,
-                                str(device), False, comm_policy)
+        # Each parameter's name in the module this call shards (fixed), and the
+        # names the policy was asked under (an outer call's may replace them: replan).
+        self.local_names = [uses[0][2] for uses in entries]
+        params = [uses[0][0]._parameters[uses[0][1]] for uses in entries]
         # Every rank starts from the values of the shard group's rank 0: one all-reduce
         # of its values and zeros elsewhere (exact; one collective for the whole unit);
         # under HSDP, replica 0's then go to the other replicas (one broadcast).
@@ -177,23 +193,9 @@ class Unit:
         if self.replicate_comm is not None:
             dist.broadcast(flat, src=dist.get_global_rank(rg, 0), group=rg)
         full = [t.view(p.shape) for t, p in zip(flat.split([p.numel() for p in params]), params)]
-        self.unit.shard(full)
-        self.params = []
-        for i, (uses, p) in enumerate(zip(entries, params)):
-            up = UnitParam(self.unit, i, p.requires_grad, pg,
-                           rg if self.replicate_comm is not None else None)
-            p._rfsdp_replaced = uses[0][2]  # an optimizer built on the old parameter is an error
-            if up.full.requires_grad:
-                up.full.register_post_accumulate_grad_hook(self._grad_landed)
-            self.params.append(up)
-        # (the same objects, as lists: what the hooks swap into the modules)
-        self.sharded = [up.sharded for up in self.params]
-        self.full = [up.full for up in self.params]
-        self._use(self.sharded)
+        self._lay_out(full, [p.requires_grad for p in params], list(self.local_names), params)
         self.state = TrainingState.IDLE
         self.cast_to = mp.param_dtype if mp.cast_forward_inputs and mp.param_dtype != torch.float32 else None
-        # Units missing a gradient this backward reduce at the end of backward.
-        self.grads_expected = sum(fp.requires_grad for fp in self.full)
         self.grads_waiting = 0
         self.grads_done = False  # this backward's gradients are all in (reducing, or kept)
         self.grads_kept = False  # the full gradient buffer holds unreduced gradients (sync off)
@@ -201,6 +203,83 @@ class Unit:
         self.pending = None     # handle of a prefetch all-gather not yet waited on
         self.schedule = None    # the Schedule of the outermost fully_shard call above
         self.recomputing = False  # this forward runs inside backward (checkpointing)
+
+    def _lay_out(self, full, requires_grad, names, replaced):
+        """Plans the unit (the policy asked under `names`), shards the full values
+        `full` (every rank's alike) into it and puts the shards into the modules;
+        `replaced`: the parameters they replace (marked for optimizers built before)."""
+        pg, rg = self.process_group, self.replicate_group
+        dtype_bytes = torch.empty((), dtype=self.mp.param_dtype).element_size()
+        specs, self.planned_blocks = [], []
+        pol = self.policy
+        for name, t in zip(names, full):
+            g = pol.granule(name, t)
+            blocks = pol.blocks(name, t)
+            self.planned_blocks.append(None if blocks is None else (tuple(blocks), pol.blocks_dim))
+            specs.append((name, list(t.shape), 0 if g == policy_mod.WHOLE else g,
+                          pol.row_dims(name, t) if t.dim() > 0 else 1, dtype_bytes,
+                          blocks or [], pol.blocks_dim if blocks else 0))
+        self.policy_names = list(names)
+        self.plan = _C.plan_specs(specs, pg.size(), 16, self.planner.max_buffers,
+                                  self.planner.collective_cost_bytes)
+        # agree=False: fully_shard agreed on all of this (and more) already.
+        self.unit = _C.FSDPUnit(self.comm, self.plan, str(self.mp.param_dtype).replace("torch.", ""),
+                                str(self.mp.reduce_dtype).replace("torch.", ""),
+                                self.replicate_comm, str(self.device), False, self.comm_policy)
+        self.unit.shard(full)
+        self.params = []
+        for i, (uses, old) in enumerate(zip(self.entries, replaced)):
+            up = UnitParam(self.unit, i, requires_grad[i], pg,
+                           rg if self.replicate_comm is not None else None)
+            up.sharded._rfsdp_policy = pol  # (the optimizers check its names were all matched)
+            _replace(old, up.sharded, uses[0][2])
+            self.params.append(up)
+        # (the same objects, as lists: what the hooks swap into the modules)
+        self.sharded = [up.sharded for up in self.params]
+        self.full = [up.full for up in self.params]
+        self._requires_grad = None
+        self.follow_requires_grad()
+        self._use(self.sharded)
+
+    def rename(self, names):
+        """The shards' names become `names` (an outer fully_shard call's: what its
+        module calls them), so errors name parameters as the model does."""
+        for up, name in zip(self.params, names):
+            info = up.sharded._rfsdp_shard
+            if info.name != name:
+                info.shard = info.shard.renamed(name)
+
+    def replan(self, names):
+        """Plans the unit again with the policy asked under `names` (an outer call
+        found logical blocks under them that the inner names missed): every
+        parameter gathered (one all-gather), laid out anew and sharded; the old
+        shards are marked replaced. Collective; only between steps."""
+        from .state_dict import gather_rows
+        if self.state is not TrainingState.IDLE or self.unit.unsharded() or self.pending is not None:
+            raise RuntimeError("fully_shard: a unit can be planned again only between steps")
+        full = gather_rows([(up.sharded, up.sharded._rfsdp_shard) for up in self.params],
+                           self.process_group)
+        self._lay_out([t.detach().clone() for t in full],
+                      [up.sharded.requires_grad for up in self.params], names, self.sharded)
+
+    def follow_requires_grad(self):
+        """requires_grad set on the shards after sharding (freezing or unfreezing
+        layers: fine-tuning schedules, LoRA-style recipes) reaches the full
+        parameters that forward and backward use, as FSDP2 follows it: a frozen
+        parameter gets no new gradient (the reduce-scatter leaves its shard's
+        gradient as it was), an unfrozen one gets them again. Run before each
+        forward (cheap when nothing changed)."""
+        now = [sp.requires_grad for sp in self.sharded]
+        if now == self._requires_grad:
+            return
+        for up, rg in zip(self.params, now):
+            if up.full.requires_grad != rg:
+                up.full.requires_grad_(rg)
+            if rg and not up.hooked:
+                up.full.register_post_accumulate_grad_hook(self._grad_landed)
+                up.hooked = True
+        self._requires_grad = now
+        self.grads_expected = sum(now)  # (units missing one reduce at the end of backward)
 
     # -- nn.Module's conversions (model.to(), .float(), to_empty(), ...) -----
     def check_conversion(self, fn, what):
@@ -305,6 +384,7 @@ class Unit:
         # nothing, and keep the parameters gathered for the backward that follows.
         self.recomputing = self.in_backward()
         if not self.recomputing:
+            self.follow_requires_grad()
             self.state = TrainingState.FORWARD
             if self.schedule is not None:
                 self.schedule.forward_started(self)
@@ -376,9 +456,10 @@ class Unit:
         self.grads_kept = False
         # The optimizer's zero_grad set .grad to None: tell the unit (it owns "zeroed"),
         # so the reduce-scatter writes straight into the local gradient slice instead
-        # of adding a scratch copy. Shards zeroed one by one are zeroed in place.
+        # of adding a scratch copy. Shards zeroed one by one are zeroed in place. A
+        # frozen shard still holding a gradient keeps it (its rows reduce zeros, added).
         trained = [sp for sp in self.sharded if sp.requires_grad]
-        if trained and all(sp.grad is None for sp in trained):
+        if trained and all(sp.grad is None for sp in self.sharded):
             self.unit.zero_grad()
         else:
             for up in self.params:

@@ -1,0 +1,86 @@
+"""An optimizer built before rfsdp.fully_shard (FSDP2's docs say after; people
+write it before) follows the parameters fully_shard replaced to their shards at
+its next step, and trains exactly as one built after, on 1 and 2 ranks; one that
+stepped the whole parameters before is refused, naming the parameter. The
+replaced parameters are never stepped."""
+import os
+import sys
+
+import pytest
+import torch
+from torch import nn
+
+import rfsdp
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from models import Net, data, optimizer  # noqa: E402
+from ranks import run_ranks  # noqa: E402
+
+NAMES = ("AdamW", "AdamW8bit", "Muon", "Shampoo", "SOAP")
+
+
+def train(name, seed, before):
+    torch.manual_seed(seed)
+    model = Net()
+    originals = [p.detach().clone() for p in model.parameters()]
+    old = list(model.parameters())
+    opt = optimizer(name, model.parameters()) if before else None
+    for b in model.blocks:
+        rfsdp.fully_shard(b)
+    rfsdp.fully_shard(model)
+    if not before:
+        opt = optimizer(name, model.parameters())
+    losses = []
+    xs, ys = data(seed)
+    for x, y in zip(xs, ys):
+        loss = nn.functional.mse_loss(model(x), y)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    orphans_unchanged = all(torch.equal(a, b.detach()) for a, b in zip(originals, old))
+    bound = all(any(p is q for g in opt.param_groups for q in g["params"])
+                for p in model.parameters())
+    full = rfsdp.full_parameters(model)
+    moved = all(not torch.equal(full[n], a) for n, a in zip(full, originals))
+    return losses, full, orphans_unchanged, bound, moved
+
+
+def _ranks(rank, world, seed):
+    return {(name, before): train(name, seed, before) for name in NAMES
+            for before in (False, True)}
+
+
+@pytest.mark.parametrize("world", [1, 2])
+def test_an_optimizer_built_before_sharding_trains_as_one_built_after(world):
+    for results in run_ranks(_ranks, world, 3, timeout=300):
+        for name in NAMES:
+            after, before = results[name, False], results[name, True]
+            assert before[3], "%s: the optimizer steps the model's shards" % name
+            assert before[2], "%s: the replaced parameters are not stepped" % name
+            assert before[0] == after[0], name
+            assert before[4], "%s: every parameter moved" % name
+            for n in after[1]:
+                assert torch.equal(before[1][n], after[1][n]), (name, n)
+
+
+def test_an_optimizer_that_stepped_before_sharding_is_refused_naming_the_parameter(one_rank):
+    model = Net()
+    opt = optimizer("AdamW", model.parameters())
+    x, y = data(0)
+    nn.functional.mse_loss(model(x[0]), y[0]).backward()
+    opt.step()
+    rfsdp.fully_shard(model)
+    with pytest.raises(ValueError, match="'embed.weight' was sharded by fully_shard after this "
+                                         "optimizer stepped it"):
+        opt.step()
+
+
+def test_a_list_of_parameters_made_before_sharding_is_followed_too(one_rank):
+    """params = list(model.parameters()) before fully_shard, the optimizer after."""
+    model = Net()
+    params = list(model.parameters())
+    rfsdp.fully_shard(model)
+    opt = optimizer("AdamW", params)
+    bound = [p for g in opt.param_groups for p in g["params"]]
+    assert len(bound) == len(params) and all(a is b for a, b in zip(bound, model.parameters()))
