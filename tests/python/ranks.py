@@ -44,3 +44,53 @@ def run_ranks(fn, world, *args, timeout=600):
                                    % (getattr(fn, "__name__", fn), world, timeout))
         return [torch.load(os.path.join(folder, "result%d.pt" % r), weights_only=False)
                 for r in range(world)]
+
+
+def torchrun(script, args, nproc=2, nnodes=1, env=None, timeout=600):
+    """Runs `script args` under torchrun on this machine: nproc processes on each of
+    nnodes simulated nodes (one torchrun each, a c10d rendezvous on a free local
+    port: what a multi-node launch does), one thread each. Returns the
+    CompletedProcess of node 0 after every node finished; raises, with every
+    node's stderr tail, if one failed or ran past `timeout` seconds."""
+    import socket
+    import subprocess
+    import sys
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = dict(os.environ, OMP_NUM_THREADS="1", **(env or {}))
+    if nnodes == 1:
+        launch = [["--standalone"]]
+    else:
+        launch = [["--nnodes", str(nnodes), "--node_rank", str(i), "--rdzv-backend", "c10d",
+                   "--rdzv-endpoint", "127.0.0.1:%d" % port, "--rdzv-id", "rfsdp-test"]
+                  for i in range(nnodes)]
+    with tempfile.TemporaryDirectory() as folder:
+        # (output to files: a chatty rank never blocks on a pipe nobody reads)
+        files = [(open(os.path.join(folder, "out%d" % i), "w+"),
+                  open(os.path.join(folder, "err%d" % i), "w+")) for i in range(len(launch))]
+        procs = [subprocess.Popen([sys.executable, "-m", "torch.distributed.run", *flags,
+                                   "--nproc_per_node", str(nproc), script, *map(str, args)],
+                                  env=env, stdout=out, stderr=err, text=True)
+                 for flags, (out, err) in zip(launch, files)]
+        deadline = time.monotonic() + timeout
+        try:
+            for p in procs:
+                p.wait(timeout=max(1, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            for p in procs:
+                p.kill()
+            raise TimeoutError("torchrun %s: still running after %d s" % (script, timeout))
+        texts = []
+        for out, err in files:
+            out.seek(0)
+            err.seek(0)
+            texts.append((out.read(), err.read()))
+            out.close()
+            err.close()
+    failed = [(i, p.returncode, err[-3000:]) for i, (p, (_, err)) in enumerate(zip(procs, texts))
+              if p.returncode != 0]
+    if failed:
+        raise RuntimeError("torchrun %s failed: %s" % (script, "; ".join(
+            "node %d exited %d:\n%s" % f for f in failed)))
+    return subprocess.CompletedProcess(procs[0].args, 0, texts[0][0], texts[0][1])

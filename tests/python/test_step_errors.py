@@ -42,8 +42,8 @@ def same_state(a, b):
 def failing_optimizer(case, model):
     """(optimizer, steps within which it fails, the state to corrupt on one rank).
     Shampoo: NaN left factors make its roots there fail, three times in a row by the
-    fourth root update. Muon: a NaN momentum in one rank's piece of a matrix gives
-    that matrix's root a non-finite Newton-Schulz result."""
+    fourth root update. Muon: a NaN momentum in one rank's piece of a matrix makes
+    that rank's update non-finite (and the matrix's root's Newton-Schulz result)."""
     if case == "shampoo":
         return rfsdp.optim.Shampoo(model.parameters(), lr=1e-2, max_preconditioner_dim=8,
                                    precondition_frequency=1, start_preconditioning_step=1,
@@ -124,6 +124,32 @@ def bad_gradient_worker(rank, world, seed):
 
 
 
+def key_error_worker(rank, world, seed):
+    """One rank's param group lost a key (any exception type, not only the four
+    the agreement used to catch): every rank raises it at once."""
+    torch.manual_seed(seed)
+    model = Net()
+    shard(model)
+    opt = rfsdp.optim.AdamW(model.parameters(), lr=1e-2, timeout_seconds=TIMEOUT)
+    xs, ys = data(seed)
+    nn.functional.mse_loss(model(xs[0]), ys[0]).backward()
+    if rank == world - 1:
+        lr = opt.param_groups[0].pop("lr")
+    before = snapshot(model, opt)
+    t0 = time.time()
+    try:
+        opt.step()
+        error = None
+    except ValueError as e:
+        error = str(e)
+    seconds = time.time() - t0
+    unchanged = same_state(before, snapshot(model, opt))
+    if rank == world - 1:
+        opt.param_groups[0]["lr"] = lr
+    opt.step()  # the ranks step on together
+    return {"error": error, "seconds": seconds, "unchanged": unchanged}
+
+
 def check_agreed(got, world, *fragments):
     for r, g in enumerate(got):
         assert g["error"] is not None, "rank %d took the step" % r
@@ -145,8 +171,10 @@ def test_a_shampoo_root_failure_on_one_rank_stops_every_rank(world):
 @pytest.mark.parametrize("world", [2, 3])
 def test_a_muon_root_failure_on_one_rank_stops_every_rank(world):
     got = run_ranks(worker, world, "muon", int(torch.randint(0, 2 ** 30, ()).item()))
-    check_agreed(got, world, "Muon step: the Newton-Schulz result of matrix 0 of", "is not finite",
-                 "(on rank ")
+    # (the failing rank's NaN momentum is its own finding: it outranks what the
+    # matrix's root computed from it)
+    check_agreed(got, world, "Muon step: the momentum of parameter", "overflowed",
+                 "(on rank %d" % (world - 1))
 
 
 def test_a_bad_gradient_on_one_rank_is_a_value_error_on_every_rank():
@@ -155,6 +183,48 @@ def test_a_bad_gradient_on_one_rank_is_a_value_error_on_every_rank():
                  "must be a contiguous float32 tensor of 28 elements on cpu (the parameter's "
                  "device); got a non-contiguous tensor of 28 Float elements on cpu",
                  "(on rank 1)")
+
+
+def desync_worker(rank, world, seed):
+    """Rank 1 catches an exception of its own code mid-step and goes on to the next
+    batch: its next collective is not rank 0's. Every rfsdp collective checks in
+    first, so both ranks raise the same error, naming what each was doing."""
+    torch.manual_seed(seed)
+    model = Net()
+    shard(model)
+    opt = rfsdp.optim.AdamW(model.parameters(), lr=1e-2, timeout_seconds=TIMEOUT)
+    xs, ys = data(seed)
+    t0, error = time.time(), None
+    try:
+        for step in range(4):
+            loss = nn.functional.mse_loss(model(xs[step]), ys[step])
+            if rank == 1 and step == 1:
+                try:
+                    raise RuntimeError("a bad batch")
+                except RuntimeError:
+                    continue  # one rank skips the rest of this step
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+    except RuntimeError as e:
+        error = str(e)
+    return {"error": error, "seconds": time.time() - t0}
+
+
+def test_a_rank_that_skips_part_of_a_step_is_an_error_on_every_rank():
+    got = run_ranks(desync_worker, 2, int(torch.randint(0, 2 ** 30, ()).item()))
+    for r, g in enumerate(got):
+        assert g["error"] is not None, "rank %d went on" % r
+        assert g["seconds"] < TIMEOUT / 3, "rank %d waited %.1f s" % (r, g["seconds"])
+        for f in ("collectives out of step on a group of 2 ranks: rank 0 is at its collective #",
+                  "rank 1 is at its collective #", "A rank skipped part of a step"):
+            assert f in g["error"], g["error"]
+    assert got[0]["error"] == got[1]["error"]
+
+
+def test_a_key_error_on_one_rank_is_every_ranks_error_at_once():
+    got = run_ranks(key_error_worker, 2, int(torch.randint(0, 2 ** 30, ()).item()))
+    check_agreed(got, 2, "AdamW step: KeyError: 'lr'", "(on rank 1)")
 
 
 # ---- before the first step: fully_shard agrees ---------------------------------------------

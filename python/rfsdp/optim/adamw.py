@@ -1,6 +1,6 @@
 """AdamW and AdamW8bit over the C++ optimizers (optimizers/adamw)."""
 from .. import _C
-from .base import _OverCpp, _shard_spec
+from .base import _OverCpp
 
 
 def _adamw_options(g):
@@ -24,7 +24,7 @@ class AdamW(_OverCpp):
         return _C.AdamW(specs, self.comm)
 
     def _parts(self, params):
-        self._impl = self._make([_shard_spec(i, p) for i, p in enumerate(params)])
+        self._impl = self._make(self._specs(params))
         return [(self._impl, list(range(len(params))), _adamw_options)]
 
 

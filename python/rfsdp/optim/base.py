@@ -10,27 +10,78 @@ from .. import _C
 from .._comm import make_comm
 from ..fsdp.dtensor import info_of, is_dtensor, local
 from ..fsdp.state_dict import Pieces, dcp_caller_options
+from ..fsdp.unit import replacements
 from ..state_layout import default_group, dcp_value, full_tensors, state_entries
 
 
-def _check_params(optimizer_name, params):
-    for group in params:
-        for p in group["params"]:
-            replaced = getattr(p, "_rfsdp_replaced", None)
-            if replaced is not None:
+def _follow_replaced(optimizer, stepped):
+    """Puts, into optimizer.param_groups, the shard of every parameter that
+    rfsdp.fully_shard replaced after the optimizer was built (or that it was
+    given from a list made before sharding): the optimizer steps the shards, as
+    accelerate's switch of param_groups does, never the orphans. A parameter that
+    already stepped is refused (its state is of the whole tensor). Returns
+    whether any was replaced."""
+    changed = False
+    for g in optimizer.param_groups:
+        ps = g["params"]
+        for k, p in enumerate(ps):
+            new = p
+            while getattr(new, "_rfsdp_replaced_by", None) is not None:
+                new = new._rfsdp_replaced_by
+            if new is p:
+                continue
+            if id(p) in stepped:
                 raise ValueError(
-                    "%s: parameter '%s' was replaced by fully_shard; build the optimizer after "
-                    "fully_shard, from model.parameters()" % (optimizer_name, replaced))
+                    "%s: parameter '%s' was sharded by fully_shard after this optimizer stepped "
+                    "it, and its state is of the whole tensor: build the optimizer after "
+                    "fully_shard (or load its state with rfsdp.checkpoint, which reshards)"
+                    % (type(optimizer).__name__, p._rfsdp_replaced))
+            ps[k] = new
+            optimizer.state.pop(p, None)  # (an empty entry torch's defaultdict made)
+            changed = True
+    return changed
 
 
-def _shard_spec(i, p):
+def _param_names(param_groups):
+    """Each parameter's name, in order: the group's param_names (torch.optim takes
+    model.named_parameters() since 2.x), else its shard's (fully_shard names it as
+    the module of the outermost call does: the model's name), else None."""
+    out = []
+    for g in param_groups:
+        given = g.get("param_names")
+        for k, p in enumerate(g["params"]):
+            name = given[k] if given is not None and k < len(given) else None
+            if name is None:
+                info = getattr(p, "_rfsdp_shard", None)
+                name = info.name if info is not None else None
+            out.append(name)
+    return out
+
+
+def _shard_spec(i, p, name=None):
     """What the C++ optimizers take for a parameter: (its shard descriptor, this
     rank's tensor): fully_shard's shard, an FSDP2 DTensor's local rows (see
-    fsdp/dtensor.py), or a plain tensor as its own whole shard."""
-    info = info_of("param %d" % i, p)
+    fsdp/dtensor.py), or a plain tensor as its own whole shard; named `name`
+    (what errors call it) where known, else 'param i'."""
+    name = name or "param %d" % i
+    info = info_of(name, p)
     if info is None:
-        return (_C.TensorShard.whole("param %d" % i, list(p.shape)), p.data)
-    return (info.shard, local(p.data))
+        return (_C.TensorShard.whole(name, list(p.shape)), p.data)
+    shard = info.shard if info.name == name else info.shard.renamed(name)
+    return (shard, local(p.data))
+
+
+def _check_policies(optimizer_name, params):
+    """The plan policies of fully_shard's parameters: a name one of them was given
+    (rfsdp.policy.muon(split={name: ...})) that matched no parameter is an error
+    here, once sharding is done (a typo would leave matrices unsplit)."""
+    seen = {}
+    for p in params:
+        pol = getattr(p, "_rfsdp_policy", None)
+        if pol is not None and hasattr(pol, "check_matched"):
+            seen.setdefault(id(pol), pol)
+    for pol in seen.values():
+        pol.check_matched("%s (the plan policy of its parameters)" % optimizer_name)
 
 
 def _tensor_keys(params):
@@ -73,16 +124,34 @@ def _run_closure(closure):
 
 def _agreed(impl, prepare):
     """Runs prepare() (this rank's part of a step before its first collective). If
-    it raises, this rank runs the step's collectives with the error (impl's
+    it raises (any Exception: a KeyError of a param group that lost a key as much
+    as a ValueError), this rank runs the step's collectives with the error (impl's
     step_refused), as the other ranks' impl.step() runs them, so every rank
     raises the same error at once (naming this rank) instead of waiting for this
-    one in a collective."""
+    one in a collective until the timeout."""
     try:
         prepare()
-    except (ValueError, TypeError, RuntimeError, IndexError) as e:
+    except Exception as e:  # noqa: BLE001 (every rank must hear of it)
         impl.step_refused("%s: %s" % (type(e).__name__, e),
-                          isinstance(e, (ValueError, TypeError, IndexError)))
+                          isinstance(e, (ValueError, TypeError, IndexError, KeyError)))
         raise  # not reached: the step raised
+
+
+def _same_entries(cur, published):
+    """Whether a published state dict still holds what was published in it."""
+    return len(cur) == len(published) and all(cur.get(k) is v for k, v in published.items())
+
+
+def _step_value(v, p):
+    """A step count written into a state (a tensor or a number): a whole number >= 0."""
+    try:
+        x = float(v)
+    except (TypeError, ValueError, RuntimeError):
+        x = float("nan")
+    if not (x >= 0 and x == int(x)):
+        raise ValueError("optimizer state of a parameter of shape %s: 'step' must be a whole "
+                         "number >= 0, got %r" % (tuple(p.shape), v))
+    return int(x)
 
 
 class _Part:
@@ -96,6 +165,10 @@ class _Part:
         self.groups = sorted(set(groups))
         self.sent = {}
         self.has_step = [impl.state_has_step(k) for k in range(len(idx))]
+        # The published "step" of each parameter: a 0-D view of this (torch's float32
+        # step), so one read finds the counts a user wrote (opt.state[p]["step"].fill_(0)).
+        self.steps = torch.zeros(len(idx))
+        self.steps_written = [0.0] * len(idx)
 
 
 class _OverCpp(torch.optim.Optimizer):
@@ -125,11 +198,14 @@ class _OverCpp(torch.optim.Optimizer):
     def check_saved_groups(self, groups):
         """Raises ValueError, naming the key and both values, where a saved param
         group (state_dict's or a checkpoint's, in this optimizer's group order)
-        holds another value of a key that shapes this optimizer (_fixed_group_keys)."""
+        holds another value of a key that shapes this optimizer (_fixed_group_keys;
+        a key a group was saved without has its default)."""
+        def value(v):
+            return list(v) if isinstance(v, (list, tuple)) else v
         for k, (saved, now) in enumerate(zip(groups, self.param_groups)):
             for key in self._fixed_group_keys:
-                a, b = saved.get(key), now.get(key)
-                a, b = (None if a is None else list(a)), (None if b is None else list(b))
+                a = value(saved.get(key, self.defaults.get(key)))
+                b = value(now.get(key, self.defaults.get(key)))
                 if a != b:
                     raise ValueError("%s: param group %d was saved with %s=%r, this optimizer has "
                                      "%r: build it with the saved value" % (type(self).__name__, k,
@@ -153,17 +229,33 @@ class _OverCpp(torch.optim.Optimizer):
         """{id(parameter): its param group}."""
         return {id(p): g for g in self.param_groups for p in g["params"]}
 
+    def _specs(self, params):
+        """The C++ optimizers' (shard, tensor) of these parameters (the bound ones),
+        each named as the model names it where known (_param_names)."""
+        names = self._names if len(self._names) == len(params) else [None] * len(params)
+        return [_shard_spec(i, p, n) for i, (p, n) in enumerate(zip(params, names))]
+
     def _bind(self, force=False):
+        stepped = getattr(self, "_stepped", set())
+        generation = replacements()
+        if generation != getattr(self, "_replacements_seen", None):
+            # (only when fully_shard replaced parameters since: O(1) per step otherwise)
+            self._replacements_seen = generation
+            _follow_replaced(self, stepped)
         params = self._all_params()
         old = getattr(self, "_bound_params", None)
         if not force and old is not None and len(old) == len(params) and \
                 all(a is b for a, b in zip(old, params)):
             return
-        _check_params(type(self).__name__, self.param_groups)
-        stepped = getattr(self, "_stepped", set())
+        if old is None:
+            _check_policies(type(self).__name__, params)
+        else:  # (what a user did to self.state applies before the state is carried over)
+            self._follow_state()
+            stepped = self._stepped
         kept = {id(p): self._state_of(p) for p in (old or []) if id(p) in stepped}
         group_index = {id(p): k for k, g in enumerate(self.param_groups) for p in g["params"]}
         self._bound_params = params
+        self._names = _param_names(self.param_groups)
         self._bound_keys = _tensor_keys(params)
         self._where = {}
         self._part_list = []
@@ -177,7 +269,7 @@ class _OverCpp(torch.optim.Optimizer):
             self._part_list.append(part)
         self._send_options()
         self._stepped = set()
-        self._published = {}  # id(p) -> the dict self.state[p] holds (its tensors are live)
+        self._published = {}  # id(p) -> (the dict self.state[p] holds, its entries as published)
         for p in params:
             if id(p) in kept:
                 self._load_state_of(p, kept[id(p)])
@@ -185,7 +277,8 @@ class _OverCpp(torch.optim.Optimizer):
 
     def _follow_params(self):
         """Binds the parameters as they are now (before a step): the list (a group
-        added, param_groups switched), and each parameter's tensor."""
+        added, param_groups switched, fully_shard's shards for the parameters it
+        replaced) and each parameter's tensor."""
         self._bind()
         keys = _tensor_keys(self._bound_params)
         if keys == self._bound_keys:
@@ -199,6 +292,82 @@ class _OverCpp(torch.optim.Optimizer):
             part, k = self._where[id(params[i])]
             part.impl.set_param(k, local(params[i].data))
         self._bound_keys = keys
+
+    def _follow_state(self, params=None):
+        """self.state as torch.optim's users treat it, followed before a step (and
+        before the state is read): a parameter whose entry was removed or emptied
+        (opt.state.clear(), opt.state = defaultdict(dict), a load of a state dict
+        without it) starts over from zero, as in torch's optimizers; an entry set
+        to another dict loads its values; a "step" written (fill_, or another
+        tensor) sets the step count; a state tensor replaced by another of its
+        shape is copied in; any other write (a name added or removed, another
+        shape) is an error, never ignored."""
+        state = self.state
+        for p in (self._bound_params if params is None else params):
+            if id(p) not in self._stepped:
+                continue
+            cur = state.get(p)
+            mine = self._published.get(id(p))
+            if mine is not None and cur is mine[0]:
+                if not _same_entries(cur, mine[1]):
+                    self._take_writes(p, cur, mine[1])
+                continue
+            if not cur:
+                self._reset(p)
+            else:  # another dict: its values are this parameter's state now
+                self._load_state_of(p, cur)
+                self._publish_one(p)
+        for part in self._part_list:  # steps written into the published views
+            if any(part.has_step):
+                now = part.steps.tolist()
+                if now != part.steps_written:
+                    params_now = self._bound_params
+                    for k, (a, b) in enumerate(zip(now, part.steps_written)):
+                        if a != b and id(params_now[part.idx[k]]) in self._stepped:
+                            part.impl.set_step_count(k, _step_value(a, params_now[part.idx[k]]))
+                    part.steps_written = now
+
+    def _take_writes(self, p, cur, published):
+        """Entries of p's published state that a user replaced: copied into the live
+        tensors where they can be, else an error naming them (nothing changed)."""
+        part, k = self._where[id(p)]
+        what = "%s: opt.state[p] of parameter '%s'" % (type(self).__name__,
+                                                        self._names[part.idx[k]] or
+                                                        "param %d" % part.idx[k])
+        if set(cur) != set(published):
+            raise ValueError("%s has the entries %s; this optimizer keeps %s: a name added or "
+                             "removed cannot be followed (clear the whole entry to start its "
+                             "state over)" % (what, sorted(cur), sorted(published)))
+        for name, live in published.items():
+            new = cur[name]
+            if new is live:
+                continue
+            if name == "step":
+                part.impl.set_step_count(k, _step_value(new, p))
+                continue
+            if not torch.is_tensor(new) or tuple(new.shape) != tuple(live.shape):
+                raise ValueError("%s['%s'] was set to %s; it must be a tensor of shape %s (or write "
+                                 "into the tensor in place)" % (
+                                     what, name, "a tensor of shape %s" % (tuple(new.shape),)
+                                     if torch.is_tensor(new) else type(new).__name__,
+                                     tuple(live.shape)))
+        for name, live in published.items():
+            new = cur[name]
+            if new is not live and name != "step":
+                with torch.no_grad():
+                    live.copy_(new)
+            cur[name] = live
+        if "step" in published:
+            cur["step"] = published["step"]
+            part.steps_written[k] = None  # (re-read at the next publish)
+
+    def _reset(self, p):
+        """p's state starts over (as at construction, step 0), unpublished until it
+        steps again: what clearing torch's optimizer state does."""
+        part, k = self._where[id(p)]
+        part.impl.reset_state(k)
+        self._stepped.discard(id(p))
+        self._published.pop(id(p), None)
 
     def _send_options(self):
         """Every group's options to the C++ optimizers holding its parameters, where
@@ -229,7 +398,9 @@ class _OverCpp(torch.optim.Optimizer):
             st["step"] = torch.tensor(float(part.impl.step_count(k)))
         return st
 
-    def _load_state_of(self, p, st):
+    def _check_state_of(self, p, st):
+        """Raises ValueError (nothing changed) unless st can be p's state:
+        every name this optimizer keeps, each of its shape."""
         part, k = self._where[id(p)]
         for name, t in part.impl.state(k).items():
             if name not in st:
@@ -241,53 +412,64 @@ class _OverCpp(torch.optim.Optimizer):
                 raise ValueError("%s.load_state_dict: '%s' of a parameter has shape %s, this "
                                  "optimizer keeps %s (another world size or block setting?)"
                                  % (type(self).__name__, name, tuple(src.shape), tuple(t.shape)))
+        if part.has_step[k] and "step" in st:
+            _step_value(st["step"], p)
+
+    def _load_state_of(self, p, st):
+        self._check_state_of(p, st)
+        part, k = self._where[id(p)]
+        for name, t in part.impl.state(k).items():
             # torch's load_state_dict casts every state tensor to the parameter's dtype
             # (8-bit codes arrive as float32 holding 0..255): the copy casts them back exactly.
-            t.copy_(src)
+            t.copy_(st[name])
         if part.has_step[k]:
-            part.impl.set_step_count(k, int(st["step"]))
+            part.impl.set_step_count(k, _step_value(st["step"], p) if "step" in st else 0)
         self._stepped.add(id(p))
         self._published.pop(id(p), None)
 
     def _publish(self):
         """self.state[p] for every parameter that stepped: made once (its tensors are
-        the C++ optimizer's own), then only its "step" follows the C++ count (one
-        call per C++ optimizer for all of them)."""
+        the C++ optimizer's own, its "step" a view of the part's counts), then only
+        the counts follow the C++ ones (one copy per C++ optimizer for all)."""
         params = self._bound_params
         for part in self._part_list:
-            counts = part.impl.step_counts() if any(part.has_step) else None
+            if any(part.has_step):
+                counts = [float(c) for c in part.impl.step_counts()]
+                part.steps.copy_(torch.tensor(counts))
+                part.steps_written = counts
             for k, i in enumerate(part.idx):
                 p = params[i]
                 if id(p) not in self._stepped:
                     continue
                 st = self._published.get(id(p))
-                if st is None or self.state.get(p) is not st:  # new, or replaced by a load
+                if st is None or self.state.get(p) is not st[0]:  # new, or replaced by a load
                     self._publish_one(p)
-                elif part.has_step[k]:
-                    st["step"].fill_(float(counts[k]))
 
     def _publish_one(self, p):
-        st = self._state_of(p)
-        self._published[id(p)] = st
+        part, k = self._where[id(p)]
+        st = dict(part.impl.state(k))
+        if part.has_step[k]:
+            st["step"] = part.steps[k]
+            part.steps[k] = float(part.impl.step_count(k))
+            part.steps_written[k] = float(part.impl.step_count(k))
+        self._published[id(p)] = (st, dict(st))
         self.state[p] = st
 
     def _bind_for(self, p):
         """_bind() for a call about parameter p alone: nothing to do where p is bound
         now (its state is current whatever else changed), so the checkpoint
-        protocol's per-parameter calls stay O(1) each."""
+        protocol's per-parameter calls stay O(1) each; p's state as self.state
+        says (_follow_state)."""
         where = getattr(self, "_where", None)
         hit = where.get(id(p)) if where is not None else None
         if hit is None or self._bound_params[hit[0].idx[hit[1]]] is not p:
             self._bind()
+        self._follow_state([p])
 
-    def _grads_of(self, idx, zeros_for=()):
-        """The gradients of params[idx] (None: no step), zeros set where a parameter
-        in zeros_for (indices into params) has none: a rank without a gradient
-        still takes part in the collectives."""
+    def _grads_of(self, idx):
+        """The gradients of params[idx] (None: no step; Muon's C++ takes part in its
+        collectives with zeros, and skips a matrix no rank has a gradient for)."""
         params = self._bound_params
-        for i in zeros_for:
-            if params[i].grad is None:
-                params[i].grad = torch.zeros_like(params[i])
         return [None if params[i].grad is None else local(params[i].grad) for i in idx]
 
     @torch.no_grad()
@@ -305,19 +487,15 @@ class _OverCpp(torch.optim.Optimizer):
         self._follow_params()
 
         def prepare():
+            self._follow_state()
             self._send_options()
             for part in self._part_list:
-                part.impl.set_grads(self._grads_of(part.idx, self._needs_grads(part)))
+                part.impl.set_grads(self._grads_of(part.idx))
         _agreed(self._part_list[0].impl, prepare)
         for part in self._part_list:
             part.impl.step()
         self._stepped.update(id(p) for p in self._bound_params if p.grad is not None)
         self._publish()
-
-    def _needs_grads(self, part):
-        """Indices (into the bound parameters) of part's parameters that need a
-        gradient every step (zeros are given where one has none): Muon's matrices."""
-        return ()
 
     # ---- the checkpoint protocol ----
 
@@ -400,9 +578,12 @@ class _OverCpp(torch.optim.Optimizer):
         the full tensors (gathered; collective). Collective the first time after
         the parameters are bound where tiles or codes need placing."""
         self._bind()
+        self._follow_state()
         self._publish()
         sd = super().state_dict()
-        sd["state"] = {k: dict(v) for k, v in sd["state"].items()}  # (torch's are the live dicts)
+        # (torch's are the live dicts; a step is a view of the part's counts: its own copy)
+        sd["state"] = {k: {n: t.clone() if n == "step" else t for n, t in v.items()}
+                       for k, v in sd["state"].items()}
         settings = self._settings_json()
         for g in sd["param_groups"]:
             g["rfsdp_settings"] = settings
@@ -422,7 +603,7 @@ class _OverCpp(torch.optim.Optimizer):
         """This rank's tensor of parameter i's state `name` from a state dict's value:
         a DTensor's or our pieces' local tensor, a tensor of this rank's shape as it
         is, or (a full state dict) this rank's pieces of a tensor of the global shape,
-        written into the live state."""
+        as a new tensor (the live state is as it was after)."""
         if is_dtensor(v):
             return v._local_tensor
         if isinstance(v, Pieces):
@@ -433,17 +614,35 @@ class _OverCpp(torch.optim.Optimizer):
         e = layout.get((i, name))
         if e is None or e.pieces is None or not torch.is_tensor(v) or tuple(v.shape) != e.shape:
             return v
+        # (the pieces are views of the live tensor: written there, copied out, restored)
+        live = dict(self._state_of(self._bound_params[i]))[name]
         with torch.no_grad():
-            for o, s, t in e.pieces:
-                t.copy_(v[tuple(slice(a, a + n) for a, n in zip(o, s))].reshape(t.shape))
-        return dict(self._state_of(self._bound_params[i]))[name]
+            kept = live.clone()
+            try:
+                for o, s, t in e.pieces:
+                    t.copy_(v[tuple(slice(a, a + n) for a, n in zip(o, s))].reshape(t.shape))
+                return live.clone()
+            finally:
+                live.copy_(kept)
 
     def load_state_dict(self, state_dict):
         """torch's format (state_dict()'s: a DCP-loaded one, a full one of
         get_optimizer_state_dict(full_state_dict=True) through set_optimizer_state_dict,
         or local tensors of this layout). States saved with other settings are
-        refused. Collective where full tensors need this rank's pieces placed."""
+        refused. A parameter the state dict holds no state for starts over (as
+        torch's load does). Whole or not at all: everything is checked before
+        anything changes (groups, settings, every state's names and shapes).
+        Collective where full tensors need this rank's pieces placed."""
         groups = state_dict["param_groups"]
+        if len(groups) != len(self.param_groups):
+            raise ValueError("%s.load_state_dict: the state dict has %d param groups, this optimizer "
+                             "%d. Nothing was loaded" % (type(self).__name__, len(groups),
+                                                         len(self.param_groups)))
+        for k, (g, now) in enumerate(zip(groups, self.param_groups)):
+            if len(g["params"]) != len(now["params"]):
+                raise ValueError("%s.load_state_dict: param group %d of the state dict has %d "
+                                 "parameters, this optimizer's %d. Nothing was loaded"
+                                 % (type(self).__name__, k, len(g["params"]), len(now["params"])))
         self.check_saved_groups(groups)
         saved_settings = {g["rfsdp_settings"] for g in groups if "rfsdp_settings" in g}
         if saved_settings and saved_settings != {self._settings_json()}:
@@ -455,6 +654,23 @@ class _OverCpp(torch.optim.Optimizer):
                 % (type(self).__name__, sorted(saved_settings)[0], self._settings_json()))
         saved = state_dict["state"]
         ids = [i for g in groups for i in g["params"]]
+        self._bind()
+        params = self._all_params()
+        full = any(info_of("param", p) is not None and torch.is_tensor(v) and v.dim() > 0
+                   and not is_dtensor(v) and not isinstance(v, Pieces)
+                   for pid, p in zip(ids, params) for v in (saved.get(pid) or {}).values())
+        layout = self._state_layout() if full else {}
+        # Every state as this rank keeps it, checked, before anything changes.
+        local_states = []
+        for i, (pid, p) in enumerate(zip(ids, params)):
+            st = saved.get(pid)
+            if st:
+                st = {name: self._local_value(i, name, v, layout) for name, v in st.items()}
+                try:
+                    self._check_state_of(p, st)
+                except ValueError as e:
+                    raise ValueError("%s. Nothing was loaded" % e) from None
+            local_states.append(st)
         # torch's load casts floating states to the parameter's dtype (a bfloat16
         # parameter's float32 moments would lose bits) and cannot take DCP's pieces:
         # it loads the groups alone, the C++ states take the values (each copy
@@ -465,14 +681,9 @@ class _OverCpp(torch.optim.Optimizer):
              for k, v in g.items() if k != "rfsdp_settings"}
             for g, now in zip(groups, self.param_groups)]})
         self._bind()
-        params = self._all_params()
-        full = any(info_of("param", p) is not None and torch.is_tensor(v) and v.dim() > 0
-                   and not is_dtensor(v) and not isinstance(v, Pieces)
-                   for pid, p in zip(ids, params) for v in (saved.get(pid) or {}).values())
-        layout = self._state_layout() if full else {}
-        for i, (pid, p) in enumerate(zip(ids, params)):
-            st = saved.get(pid)
+        for p, st in zip(self._all_params(), local_states):
             if st:
-                self._load_state_of(p, {name: self._local_value(i, name, v, layout)
-                                        for name, v in st.items()})
+                self._load_state_of(p, st)
+            elif id(p) in self._stepped:
+                self._reset(p)  # no saved state: it starts over, as in torch
         self._publish()

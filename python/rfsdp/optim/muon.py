@@ -5,7 +5,7 @@ import torch
 
 from .. import _C
 from ..policy import is_matrix
-from .base import _OverCpp, _shard_spec
+from .base import _OverCpp
 
 
 class Muon(_OverCpp):
@@ -28,8 +28,16 @@ class Muon(_OverCpp):
     (row counts along dim 0, summing to the rows; a 3-D stack: each expert's rows)
     makes every block its own matrix for Newton–Schulz and adjust_lr: heads are
     [head_dim] * n_heads, a grouped-query fused QKV [n_q * head_dim] +
-    [n_kv * head_dim] * 2 (as dion's split_sizes). A block one rank holds whole is
-    orthogonalised there and moves nothing. ns_dtype: Newton–Schulz
+    [n_kv * head_dim] * 2 (as dion's split_sizes). A group's split_dim=1 makes
+    split_sizes count columns instead (GPT-2's Conv1D stores c_attn.weight as
+    [in, 3 * in]: its heads are [head_dim] * 3 * n_heads column blocks); each
+    column block is orthogonalised alone and scaled by adjust_lr on its own
+    shape as stored (rows x block columns: "original" gives max(1, in /
+    head_dim)^0.5 there, where the same head of an nn.Linear's [out, in] weight
+    gets 1; "match_rms_adamw" is symmetric). A block one rank holds whole is
+    orthogonalised there and moves nothing; column blocks span every row, so a
+    matrix whose rows ranks cut goes whole to its root (plan it whole with
+    rfsdp.policy.muon(split=..., split_dim=1)). ns_dtype: Newton–Schulz
     compute dtype (default: bfloat16 for parameters on a GPU, float32 on the CPU).
     ns_coefficients: Newton–Schulz's (a, b, c), in torch.optim.Muon's form (one
     tuple for every iteration; default Keller Jordan's quintic (3.4445, -4.775,
@@ -88,7 +96,8 @@ class Muon(_OverCpp):
         # use_muon None (a group that does not say): matrices Muon, the rest AdamW
         super().__init__(groups, dict(lr=lr, momentum=momentum, nesterov=nesterov,
                                       ns_steps=ns_steps, weight_decay=weight_decay,
-                                      adjust_lr=adjust_lr, use_muon=None, split_sizes=None))
+                                      adjust_lr=adjust_lr, use_muon=None, split_sizes=None,
+                                      split_dim=0))
         auto = sum(1 for g in self.param_groups if g["use_muon"] is None
                    for p in g["params"] if not _takes_muon(g, p))
         if auto:
@@ -112,20 +121,18 @@ class Muon(_OverCpp):
         # One C++ optimizer over both parts: one step, one agreement all-reduce
         # (NaN/Inf gradients and Newton-Schulz failures), so neither changes alone.
         self._splits = self._group_splits()
-        self.layout = _C.Muon([_shard_spec(i, p) for i, p in enumerate(params)],
+        self.layout = _C.Muon(self._specs(params),
                               [group_of[id(p)]["ns_steps"] for p in params], self.config,
                               self.comm, use_muon=use,
                               split_sizes=[list(group_of[id(p)]["split_sizes"] or ()) if u else []
-                                           for p, u in zip(params, use)])
-        self._muon_idx = [i for i, u in enumerate(use) if u]
+                                           for p, u in zip(params, use)],
+                              split_dims=[_split_dim(group_of[id(p)]) if u else 0
+                                          for p, u in zip(params, use)])
         return [(self.layout, list(range(len(params))), _muon_options)]
 
-    def _needs_grads(self, part):
-        return self._muon_idx
-
     def _group_splits(self):
-        return [None if g.get("split_sizes") is None else tuple(g["split_sizes"])
-                for g in self.param_groups]
+        return [(None if g.get("split_sizes") is None else tuple(g["split_sizes"]),
+                 g.get("split_dim", 0)) for g in self.param_groups]
 
     def _follow_params(self):
         """As the base's, and a group whose split_sizes changed rebuilds the C++
@@ -135,7 +142,15 @@ class Muon(_OverCpp):
         super()._follow_params()
 
     # Group keys a checkpoint may not change: they shape the layout, not the state.
-    _fixed_group_keys = ("split_sizes",)
+    _fixed_group_keys = ("split_sizes", "split_dim")
+
+
+def _split_dim(group):
+    d = group.get("split_dim", 0)
+    if isinstance(d, bool) or d not in (0, 1):
+        raise ValueError("Muon: a group's split_dim must be 0 (split_sizes count rows) or 1 "
+                         "(columns: GPT-2's Conv1D weights, stored [in, out]), got %r" % (d,))
+    return d
 
 
 def _takes_muon(group, p):

@@ -2,7 +2,7 @@
 import torch
 
 from .. import _C
-from .base import _OverCpp, _shard_spec
+from .base import _OverCpp
 
 
 def _shampoo_options(g):
@@ -89,7 +89,7 @@ class Shampoo(_Tiled):
 
     def _parts(self, params):
         group_of = self._group_of()
-        self._impl = _C.Shampoo([_shard_spec(i, p) for i, p in enumerate(params)],
+        self._impl = _C.Shampoo(self._specs(params),
                                 [bool(group_of[id(p)]["use_shampoo"]) for p in params],
                                 self.config, self.comm)
         return [(self._impl, list(range(len(params))), _shampoo_options)]

@@ -2,7 +2,6 @@
 import torch
 
 from .. import _C
-from .base import _shard_spec
 from .shampoo import _Tiled
 
 
@@ -67,7 +66,7 @@ class SOAP(_Tiled):
 
     def _parts(self, params):
         group_of = self._group_of()
-        self._impl = _C.SOAP([_shard_spec(i, p) for i, p in enumerate(params)],
+        self._impl = _C.SOAP(self._specs(params),
                              [bool(group_of[id(p)]["use_soap"]) for p in params], self.config,
                              self.comm)
         return [(self._impl, list(range(len(params))), _soap_options)]
