@@ -6,6 +6,7 @@
 #include <dirent.h>
 
 #include <fstream>
+#include <limits>
 #include <map>
 #include <random>
 #include <sstream>
@@ -403,8 +404,8 @@ TEST(Planner, BadInput) {
   t.name = "w";
   t.shape = {4, 4};
   expect_plan_error({}, 2, "empty");
-  expect_plan_error({t}, 0, "world size must be >= 1");
-  expect_plan_error({t}, -3, "world size must be >= 1");
+  expect_plan_error({t}, 0, "world size must be between 1 and 16777216");
+  expect_plan_error({t}, -3, "world size must be between 1 and 16777216");
   expect_plan_error({t, t}, 2, "'w': duplicate");
   auto bad = t;
   bad.shape = {4, -1};
@@ -416,8 +417,8 @@ TEST(Planner, BadInput) {
   bad.row_dims = 5;
   expect_plan_error({bad}, 2, "'w': row_dims 5 is out of range");
   for (const auto& [buffers, cost, words] :
-       {std::make_tuple(0, int64_t{0}, "planner: max_buffers must be >= 1, got 0"),
-        std::make_tuple(2, int64_t{-1}, "planner: collective_cost_bytes must be >= 0, got -1")}) {
+       {std::make_tuple(0, int64_t{0}, "planner: max_buffers must be between 1 and 64"),
+        std::make_tuple(2, int64_t{-1}, "planner: collective_cost_bytes must be between 0 and")}) {
     PlannerOptions o;
     o.max_buffers = buffers;
     o.collective_cost_bytes = cost;
@@ -428,6 +429,70 @@ TEST(Planner, BadInput) {
       EXPECT_NE(std::string(e.what()).find(words), std::string::npos) << e.what();
     }
   }
+}
+
+// Absurd sizes: refused naming the value and the limit (planner.h), never a
+// search that spins (m = 2^62 ran forever), an S from an overflowed m x S (m = 2^60
+// gave S = 1028) or an option cut to int (4294967297 buffers became 1).
+TEST(Planner, AbsurdSizesAreRefusedNamingTheLimit) {
+  TensorSpec t = spec("w", {4, 4}, 1);
+  for (int64_t m : {kMaxWorldSize + 1, int64_t{1} << 60, int64_t{1} << 62,
+                    std::numeric_limits<int64_t>::max()}) {
+    expect_plan_error({t}, m, "world size must be between 1 and 16777216 (2^24: the planner's "
+                              "limit), got " + std::to_string(m));
+  }
+  // At the limit it plans: one row (a granule) per rank on the first 4 ranks.
+  const Plan at_limit = plan_unit({t}, kMaxWorldSize);
+  validate_plan(at_limit);
+  EXPECT_EQ(at_limit.shard_elems, 4);
+  for (const auto& [buffers, cost, words] :
+       {std::make_tuple(int64_t{4294967297}, int64_t{0},
+                        "planner: max_buffers must be between 1 and 64 (the planner's limit; it "
+                        "forms at most 7), got 4294967297"),
+        std::make_tuple(int64_t{65}, int64_t{0}, "max_buffers must be between 1 and 64"),
+        std::make_tuple(int64_t{2}, (int64_t{1} << 50) + 1,
+                        "planner: collective_cost_bytes must be between 0 and 1125899906842624 "
+                        "(2^50: the planner's limit), got 1125899906842625")}) {
+    PlannerOptions o;
+    o.max_buffers = buffers;
+    o.collective_cost_bytes = cost;
+    try {
+      plan_unit({t}, 2, 16, o);
+      ADD_FAILURE() << "accepted: " << words;
+    } catch (const std::invalid_argument& e) {
+      EXPECT_NE(std::string(e.what()).find(words), std::string::npos) << e.what();
+    }
+  }
+  for (int64_t align : {int64_t{0}, (int64_t{1} << 20) + 1, int64_t{1} << 40}) {
+    try {
+      plan_unit({t}, 2, align);
+      ADD_FAILURE() << "accepted align_bytes " << align;
+    } catch (const std::invalid_argument& e) {
+      EXPECT_NE(std::string(e.what()).find("align_bytes must be between 1 and 1048576 (2^20: the "
+                                           "planner's limit), got " + std::to_string(align)),
+                std::string::npos) << e.what();
+    }
+  }
+  TensorSpec wide = t;
+  wide.elem_bytes = int64_t{1} << 40;
+  expect_plan_error({wide}, 2, "'w': dtype_bytes must be between 1 and 1024, got 1099511627776");
+  // m x elements x dtype_bytes up to 2^60 plans (one row of 2^17 elements a rank) ...
+  TensorSpec big = spec("big", {int64_t{1} << 17, int64_t{1} << 17}, 1);
+  const Plan largest = plan_unit({big}, kMaxWorldSize);
+  validate_plan(largest);
+  EXPECT_EQ(largest.shard_elems, int64_t{1} << 17);
+  // ... one more row (aligned: 4 more elements) is refused, as is a sum past int64.
+  big.shape[0] += 1;
+  expect_plan_error({big}, kMaxWorldSize,
+                    "the unit is too large for world size 16777216: world size x 17180000256 "
+                    "elements");
+  std::vector<TensorSpec> huge;
+  for (int k = 0; k < 32; ++k) {  // 2^58 elements each
+    huge.push_back(spec("h" + std::to_string(k), {int64_t{1} << 29, int64_t{1} << 29}, 1));
+    huge.back().elem_bytes = 1;
+  }
+  expect_plan_error(huge, 1, "world size x more than 2^63 elements");
+  EXPECT_THROW(structural_lower_bound(huge, 1), std::invalid_argument);  // (the bounds check too)
 }
 
 }  // namespace
