@@ -453,8 +453,12 @@ def verify(path):
     returns the marker. Raises CheckpointError naming the first bad file."""
     marker_path = os.path.join(path, MARKER)
     if not os.path.isfile(marker_path):
-        raise CheckpointError("checkpoint %s: no %s (not an rfsdp checkpoint, or its save did not "
-                              "finish)" % (path, MARKER))
+        raise CheckpointError(
+            "checkpoint %s: no %s, so its files cannot be checked (not an rfsdp checkpoint, or its "
+            "save did not finish); nothing was loaded. A DCP folder that torch wrote (dcp.save, "
+            "FSDP2) loads a model unchecked with load(..., check_files=False); for an rfsdp save "
+            "that did not finish, load the one before it (rfsdp.checkpoint.latest(root) finds the "
+            "newest complete one)" % (path, MARKER))
     try:
         with open(marker_path, "rb") as f:
             marker = json.loads(f.read().decode("utf-8"))
@@ -464,7 +468,10 @@ def verify(path):
                 and k not in ("", ".", "..") for k, v in files.items()):
             raise ValueError("'files' is not a map of file names to SHA-256 sums")
     except (ValueError, KeyError, TypeError) as e:  # UnicodeDecodeError is a ValueError
-        raise CheckpointError("checkpoint %s: %s is unreadable (%s)" % (path, MARKER, e)) from None
+        raise CheckpointError(
+            "checkpoint %s: %s is unreadable (%s), so its files cannot be checked; nothing was "
+            "loaded. Load the checkpoint before it (or, for the model alone and at your own risk, "
+            "load(..., check_files=False))" % (path, MARKER, e)) from None
     if marker.get("format") not in READS:
         raise CheckpointError("checkpoint %s: format %r, this rfsdp reads %s"
                               % (path, marker.get("format"), ", ".join(map(str, READS))))
@@ -526,10 +533,15 @@ def _requantized(path, sd, fqn, p, saved, optimizer):
 
 
 def load(path, model, optimizer=None, *, process_group=None, check_files=True, requantize=False):
-    """Loads a checkpoint saved at any world size (or a DCP checkpoint of a plain
-    or FSDP2 model: {"model": state_dict}) into model (and optimizer); returns
-    the `extra` saved with it (None for others). Collective. Nothing changes
-    unless everything was read. requantize=True: an AdamW8bit checkpoint loads
+    """Loads a checkpoint saved at any world size into model (and optimizer);
+    returns the `extra` saved with it (None for others). Collective: every rank
+    calls it. Nothing changes unless everything was read. The files are
+    checked first against the SHA-256 sums in the folder's rfsdp.json: a folder
+    without it, or with a damaged one, is refused. check_files=False loads a
+    model without checking its files: how a DCP checkpoint of a plain or FSDP2
+    model ({"model": state_dict}, written by torch's dcp.save, with no rfsdp.json)
+    loads; an optimizer's state loads only from rfsdp's own checkpoints, always
+    checked. requantize=True: an AdamW8bit checkpoint loads
     into an AdamW8bit with another block or min_8bit_size, a Muon one into a Muon
     with another momentum_dtype, momentum_block or momentum_map, a Shampoo or SOAP
     one into one with another basis_dtype, basis_block or basis_map (SOAP: or
@@ -541,7 +553,7 @@ def load(path, model, optimizer=None, *, process_group=None, check_files=True, r
     def inspect():
         _recover(path)
         saved, fmt = None, FORMAT
-        if (check_files and os.path.exists(os.path.join(path, MARKER))) or optimizer is not None:
+        if check_files or optimizer is not None:
             marker = verify(path)  # (only rfsdp's own checkpoints hold optimizer states)
             saved, fmt = marker.get("optimizer"), marker["format"]
             if optimizer is not None and saved is not None:

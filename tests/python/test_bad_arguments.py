@@ -184,7 +184,10 @@ CASES = [
      ValueError, "keep_last must be >= 1"),
     ("load a folder that is not a checkpoint",
      lambda: rfsdp.checkpoint.load("/nonexistent/x", nn.Linear(2, 2)), rfsdp.checkpoint.CheckpointError,
-     "no .metadata"),
+     "checkpoint /nonexistent/x: no rfsdp.json, so its files cannot be checked"),
+    ("load an unchecked folder that is not a checkpoint",
+     lambda: rfsdp.checkpoint.load("/nonexistent/x", nn.Linear(2, 2), check_files=False),
+     rfsdp.checkpoint.CheckpointError, "no .metadata"),
 ]
 
 
