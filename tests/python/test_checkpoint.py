@@ -419,6 +419,44 @@ def test_damaged_marker_is_a_clear_error_never_another_exception(tmp_path):
     assert refused > 300, "seed %d" % seed
 
 
+def one_rank_worker(rank, world, d, what):
+    """Every rank saves; then rank 0 alone saves (or loads), as DDP code does,
+    over a group of its own (its abandoned collective must not hold the harness's
+    last barrier), with a short timeout."""
+    import torch.distributed as dist
+    model = one_model()
+    ckpt.save(os.path.join(d, "ck"), model)
+    alone = dist.new_group([0, 1])
+    out = None
+    if rank == 0:
+        try:
+            if what == "save":
+                ckpt.save(os.path.join(d, "ck2"), model, process_group=alone, timeout_seconds=2)
+            else:
+                ckpt.load(os.path.join(d, "ck"), model, process_group=alone, timeout_seconds=2)
+            out = "no error"
+        except ckpt.CheckpointError as e:
+            out = str(e)
+    dist.barrier()
+    return out
+
+
+@pytest.mark.parametrize("what", ["save", "load"])
+def test_save_or_load_on_one_rank_is_an_error(what):
+    """checkpoint.save on rank 0 only (a DDP habit) waited in torch's collectives for
+    their 30-minute default: now rank 0 raises after timeout_seconds (the harness
+    fails the test if a rank is still waiting after 60 s)."""
+    with tempfile.TemporaryDirectory() as d:
+        got = run_ranks(one_rank_worker, 2, d, what, timeout=60)[0]
+        assert got.startswith("checkpoint.%s of %s: %s is collective: call it on every rank"
+                              % (what, os.path.join(d, "ck2" if what == "save" else "ck"), what)), got
+        assert "every rank (each rank writes and reads its own shards: rank 0 alone, as DDP code " \
+            "often calls it, waits for the others), and not all did within 2 s: all_reduce did " \
+            "not complete on rank 0 of 2" in got, got
+        assert got.endswith("; nothing was %s" % ("written" if what == "save" else "loaded")), got
+        assert not os.path.exists(os.path.join(d, "ck2")), "a lonely save wrote"
+
+
 def requant_worker(rank, world, d):
     torch.manual_seed(5)
     model = Net()
