@@ -12,7 +12,8 @@ class PlannerOptions:
     max_buffers flat buffers, each with its own collective, chosen by the bytes a
     rank receives in a gather (m x S x dtype bytes) plus collective_cost_bytes
     (latency x bandwidth) per buffer; one buffer whenever it is as good.
-    max_buffers=1: always one buffer."""
+    max_buffers=1: always one buffer. Limits (the planner's, checked in C++):
+    max_buffers 1..64, collective_cost_bytes 0..2^50."""
     max_buffers: int = 4
     collective_cost_bytes: int = 1 << 20
 
@@ -42,7 +43,9 @@ def plan(tensors, world_size, align_bytes=16, options=None):
     {"name", "shape", "granule_rows": int | "whole", "row_dims" (default 1),
     "dtype_bytes"}. Returns a Plan (S, buffers, buffer_of, offsets in each
     tensor's buffer, shard(i, rank)); Plan.to_json() prints what
-    `rfsdp-plan --json` prints. Bad input raises ValueError naming the tensor."""
+    `rfsdp-plan --json` prints. Bad input raises ValueError naming the tensor or
+    the value and the planner's limit (world_size 1..2^24, align_bytes 1..2^20,
+    dtype_bytes 1..1024, world_size x the unit's bytes within 2^60)."""
     o = options if options is not None else PlannerOptions()
     return _C.plan_json(json.dumps(list(tensors)), _int64("rfsdp.plan", "world_size", world_size),
                         _int64("rfsdp.plan", "align_bytes", align_bytes),
