@@ -3,6 +3,7 @@
 
 #include <cstdint>
 #include <numeric>
+#include <optional>
 
 namespace rfsdp {
 
@@ -16,6 +17,18 @@ inline int64_t lcm_capped(int64_t a, int64_t b, int64_t cap) {
   if (a_over_g > cap / b) return cap;
   const int64_t l = a_over_g * b;
   return l > cap ? cap : l;
+}
+
+// a * b and a + b, or nothing where the result does not fit int64.
+inline std::optional<int64_t> mul_checked(int64_t a, int64_t b) {
+  int64_t r;
+  if (__builtin_mul_overflow(a, b, &r)) return std::nullopt;
+  return r;
+}
+inline std::optional<int64_t> add_checked(int64_t a, int64_t b) {
+  int64_t r;
+  if (__builtin_add_overflow(a, b, &r)) return std::nullopt;
+  return r;
 }
 
 }  // namespace rfsdp

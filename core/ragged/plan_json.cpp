@@ -1,6 +1,8 @@
 #include "core/ragged/plan_json.h"
 
 #include <nlohmann/json.hpp>
+
+#include <limits>
 #include <stdexcept>
 
 namespace rfsdp {
@@ -10,8 +12,10 @@ namespace {
 using json = nlohmann::json;
 
 int64_t require_int(const json& v, const std::string& where) {
-  if (!v.is_number_integer()) {
-    throw std::invalid_argument(where + " must be an integer, got " + v.dump());
+  // (JSON integers above 2^63 - 1 parse as unsigned: get<int64_t> would wrap them)
+  if (!v.is_number_integer() ||
+      (v.is_number_unsigned() && v.get<uint64_t>() > uint64_t{std::numeric_limits<int64_t>::max()})) {
+    throw std::invalid_argument(where + " must be an integer in [-2^63, 2^63), got " + v.dump());
   }
   return v.get<int64_t>();
 }
@@ -38,7 +42,14 @@ TensorSpec tensor_from_json(const json& e, size_t index) {
   for (const json& d : e["shape"]) t.shape.push_back(require_int(d, who + "shape entries"));
   if (!e.contains("dtype_bytes")) throw std::invalid_argument(who + "needs \"dtype_bytes\"");
   t.elem_bytes = require_int(e["dtype_bytes"], who + "dtype_bytes");
-  if (e.contains("row_dims")) t.row_dims = static_cast<int>(require_int(e["row_dims"], who + "row_dims"));
+  if (e.contains("row_dims")) {
+    const int64_t r = require_int(e["row_dims"], who + "row_dims");
+    // (check_tensor_spec checks the range; a cast to int would wrap 2^32 + 1 into it)
+    if (r < std::numeric_limits<int>::min() || r > std::numeric_limits<int>::max()) {
+      throw std::invalid_argument(who + "row_dims " + std::to_string(r) + " is out of range");
+    }
+    t.row_dims = static_cast<int>(r);
+  }
   if (!e.contains("granule_rows")) {
     throw std::invalid_argument(who + "needs \"granule_rows\": a positive integer or \"whole\"");
   }
@@ -46,7 +57,7 @@ TensorSpec tensor_from_json(const json& e, size_t index) {
   if (g.is_string() && g.get<std::string>() == "whole") {
     t.granule_rows = kWholeTensor;
   } else if (g.is_number_integer()) {
-    t.granule_rows = g.get<int64_t>();
+    t.granule_rows = require_int(g, who + "granule_rows");
   } else {
     throw std::invalid_argument(who + "granule_rows must be a positive integer or \"whole\", got " +
                                 g.dump());

@@ -195,12 +195,42 @@ Unit describe_unit(const std::vector<TensorSpec>& tensors, int64_t world_size, i
 
 namespace {
 
+// Throws std::invalid_argument unless lo <= v <= hi, naming the value and the limits.
+void check_range(const std::string& what, int64_t v, int64_t lo, int64_t hi, const char* why) {
+  if (v < lo || v > hi) {
+    throw std::invalid_argument(what + " must be between " + std::to_string(lo) + " and " +
+                                std::to_string(hi) + " (" + why + "), got " + std::to_string(v));
+  }
+}
+
+// The caller's unit and sizes, checked against the limits (planner.h): after this,
+// no product or sum the search forms overflows int64.
+void check_inputs(const std::vector<TensorSpec>& tensors, int64_t world_size, int64_t align_bytes) {
+  check_unit_specs(tensors);
+  check_range("world size", world_size, 1, kMaxWorldSize, "2^24: the planner's limit");
+  check_range("align_bytes", align_bytes, 1, kMaxAlignBytes, "2^20: the planner's limit");
+  const int64_t eb = tensors.front().elem_bytes;
+  const int64_t A = align_elems_for(align_bytes, eb);
+  // The largest S any plan may take: every tensor on one rank, each aligned.
+  std::optional<int64_t> s_max = 0;
+  for (const TensorSpec& t : tensors) {
+    if (s_max) s_max = add_checked(*s_max, round_up(t.numel(), A));
+  }
+  std::optional<int64_t> bytes = s_max ? mul_checked(*s_max, eb) : std::nullopt;
+  if (bytes) bytes = mul_checked(*bytes, world_size);
+  if (!bytes || *bytes > kMaxGatherBytes) {
+    throw std::invalid_argument(
+        "the unit is too large for world size " + std::to_string(world_size) + ": world size x " +
+        (s_max ? std::to_string(*s_max) : std::string("more than 2^63")) +
+        " elements (its tensors, each rounded up to the alignment) x " + std::to_string(eb) +
+        " bytes exceeds 2^60 bytes, the planner's limit (a gathered buffer's offsets are int64); "
+        "split the unit or plan fewer ranks");
+  }
+}
+
 // The caller's unit, checked (bad input throws), described.
 Unit checked_unit(const std::vector<TensorSpec>& tensors, int64_t world_size, int64_t align_bytes) {
-  check_unit_specs(tensors);
-  if (world_size < 1) {
-    throw std::invalid_argument("world size must be >= 1, got " + std::to_string(world_size));
-  }
+  check_inputs(tensors, world_size, align_bytes);
   return describe_unit(tensors, world_size,
                        align_elems_for(align_bytes, tensors.front().elem_bytes));
 }
@@ -426,7 +456,7 @@ Plan plan_buffers(const std::vector<TensorSpec>& tensors, const Plan& single,
     std::vector<Key> blocks;
   };
   std::vector<Candidate> candidates;
-  const int kmax = std::max(1, options.max_buffers);
+  const int kmax = static_cast<int>(options.max_buffers);  // (checked: 1..kMaxBuffers)
   for_each_partition(q, kmax, [&](const std::vector<int>& block) {
     const int blocks = 1 + *std::max_element(block.begin(), block.end());
     std::vector<uint32_t> masks(blocks, 0);
@@ -483,6 +513,13 @@ Plan plan_buffers(const std::vector<TensorSpec>& tensors, const Plan& single,
 
 }  // namespace
 
+void check_planner_options(const PlannerOptions& options) {
+  check_range("planner: max_buffers", options.max_buffers, 1, kMaxBuffers,
+              "the planner's limit; it forms at most 7");
+  check_range("planner: collective_cost_bytes", options.collective_cost_bytes, 0,
+              kMaxCollectiveCostBytes, "2^50: the planner's limit");
+}
+
 int64_t any_buffers_lower_bound(const std::vector<TensorSpec>& tensors, int64_t world_size,
                                 int64_t align_bytes) {
   return checked_unit(tensors, world_size, align_bytes).s_bound;
@@ -491,18 +528,8 @@ int64_t any_buffers_lower_bound(const std::vector<TensorSpec>& tensors, int64_t 
 Plan plan_unit(const std::vector<TensorSpec>& tensors, int64_t world_size, int64_t align_bytes,
                const PlannerOptions& options) {
   const auto t0 = std::chrono::steady_clock::now();
-  if (world_size < 1) {
-    throw std::invalid_argument("world size must be >= 1, got " + std::to_string(world_size));
-  }
-  if (options.max_buffers < 1) {
-    throw std::invalid_argument("planner: max_buffers must be >= 1, got " +
-                                std::to_string(options.max_buffers));
-  }
-  if (options.collective_cost_bytes < 0) {
-    throw std::invalid_argument("planner: collective_cost_bytes must be >= 0, got " +
-                                std::to_string(options.collective_cost_bytes));
-  }
-  check_unit_specs(tensors);
+  check_planner_options(options);
+  check_inputs(tensors, world_size, align_bytes);
   Plan plan = plan_one_buffer(tensors, world_size, align_bytes, options);
   if (options.max_buffers > 1 && plan.shard_elems > plan.lower_bound_shard_elems()) {
     plan = plan_buffers(tensors, plan, options);

@@ -1,4 +1,5 @@
 // rfsdp-plan: plan one unit from a JSON list of tensors (file or stdin).
+#include <cerrno>
 #include <cstdio>
 #include <cstdlib>
 #include <fstream>
@@ -22,8 +23,10 @@ const char* kUsage =
     "                   [--intra-latency-us U] [--inter-latency-us V] [--hbm-gbps H]] | --version\n"
     "  FILE: JSON list of tensors [{\"name\", \"shape\", \"granule_rows\": int | \"whole\",\n"
     "        \"row_dims\" (default 1), \"dtype_bytes\"}]; stdin when absent or \"-\".\n"
-    "  K: at most this many buffers (collectives) per unit (default 4; 1: one buffer);\n"
-    "  C: a collective's fixed cost as bytes received (latency x bandwidth; default 1 MiB).\n"
+    "  M: 1 .. 2^24 ranks; A: alignment, 1 .. 2^20 bytes (default 16);\n"
+    "  K: at most this many buffers (collectives) per unit, 1 .. 64 (default 4; 1: one buffer);\n"
+    "  C: a collective's fixed cost as bytes received (latency x bandwidth; default 1 MiB),\n"
+    "     0 .. 2^50. A unit must keep M x its elements x dtype_bytes within 2^60 bytes.\n"
     "  --report: a training step of L such units (default 1) at M GPUs, rfsdp beside FSDP2:\n"
     "        bytes per rank under each communication policy, FSDP2's copies, a modelled\n"
     "        time from the links (defaults: H200 nodes of 8, NVLink 450 GB/s a GPU,\n"
@@ -32,9 +35,14 @@ const char* kUsage =
 int64_t parse_int(const std::string& flag, const char* text) {
   if (text == nullptr) throw std::invalid_argument(flag + " needs a value");
   char* end = nullptr;
+  errno = 0;
   const long long v = std::strtoll(text, &end, 10);
   if (end == text || *end != '\0') {
     throw std::invalid_argument(flag + " takes an integer, got '" + text + "'");
+  }
+  if (errno == ERANGE) {  // strtoll clamped it
+    throw std::invalid_argument(flag + " takes a 64-bit integer (at most 2^63 - 1), got '" +
+                                text + "'");
   }
   return v;
 }
@@ -183,17 +191,12 @@ int main(int argc, char** argv) {
       if (a == "--world-size") {
         world_size = parse_int(a, i + 1 < argc ? argv[++i] : nullptr);
         have_world_size = true;
-      } else if (a == "--align-bytes") {
+      } else if (a == "--align-bytes") {  // (this and the next two: plan_unit checks the limits)
         align_bytes = parse_int(a, i + 1 < argc ? argv[++i] : nullptr);
-        if (align_bytes < 1) throw std::invalid_argument("--align-bytes must be positive");
       } else if (a == "--max-buffers") {
-        options.max_buffers = static_cast<int>(parse_int(a, i + 1 < argc ? argv[++i] : nullptr));
-        if (options.max_buffers < 1) throw std::invalid_argument("--max-buffers must be >= 1");
+        options.max_buffers = parse_int(a, i + 1 < argc ? argv[++i] : nullptr);
       } else if (a == "--collective-cost-bytes") {
         options.collective_cost_bytes = parse_int(a, i + 1 < argc ? argv[++i] : nullptr);
-        if (options.collective_cost_bytes < 0) {
-          throw std::invalid_argument("--collective-cost-bytes must be >= 0");
-        }
       } else if (a == "--weight-block") {
         weight_block = parse_int(a, i + 1 < argc ? argv[++i] : nullptr);
         if (weight_block < 1) throw std::invalid_argument("--weight-block must be positive");

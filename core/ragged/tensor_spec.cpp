@@ -123,8 +123,9 @@ void check_tensor_spec(const TensorSpec& t) {
       }
     }
   }
-  if (t.elem_bytes < 1) {
-    throw std::invalid_argument(who + "dtype_bytes must be positive, got " +
+  if (t.elem_bytes < 1 || t.elem_bytes > kMaxElemBytes) {
+    throw std::invalid_argument(who + "dtype_bytes must be between 1 and " +
+                                std::to_string(kMaxElemBytes) + ", got " +
                                 std::to_string(t.elem_bytes));
   }
   // Guard the element count against int64 overflow (buffers are addressed in int64).

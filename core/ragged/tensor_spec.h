@@ -12,6 +12,10 @@ namespace rfsdp {
 // tensor's row count means the same; kWholeTensor is its canonical spelling.
 constexpr int64_t kWholeTensor = std::numeric_limits<int64_t>::max();
 
+// The largest element size a spec may give (complex128 is 16 bytes): keeps the
+// alignment's lcm with it, and the planner's byte counts, inside int64.
+constexpr int64_t kMaxElemBytes = 1024;
+
 struct TensorSpec {
   std::string name;
   std::vector<int64_t> shape;
@@ -43,7 +47,7 @@ struct TensorSpec {
 
 // Throws std::invalid_argument naming the tensor when the spec is malformed:
 // a zero or negative dim, row_dims out of range, a granule that is not a
-// positive integer, a non-positive element size.
+// positive integer, an element size outside [1, kMaxElemBytes].
 void check_tensor_spec(const TensorSpec& t);
 
 // Checks a whole unit: non-empty, every spec valid, names unique, one element

@@ -25,15 +25,12 @@ quant::AdamWHyper hyper(const AdamWOptions& o, int64_t step) {
 }  // namespace
 
 void AdamW::check_options(const AdamWOptions& o) const {
-  if (!(o.lr >= 0) || !(o.eps > 0) || !(o.beta1 >= 0 && o.beta1 < 1) ||
-      !(o.beta2 >= 0 && o.beta2 < 1) || !(o.weight_decay >= 0)) {
-    throw std::invalid_argument(std::string(name()) +
-                                ": need lr >= 0, eps > 0, 0 <= betas < 1, weight_decay >= 0; got "
-                                "lr=" + std::to_string(o.lr) + ", eps=" + std::to_string(o.eps) +
-                                ", betas=(" + std::to_string(o.beta1) + ", " +
-                                std::to_string(o.beta2) + "), weight_decay=" +
-                                std::to_string(o.weight_decay));
-  }
+  const std::string who = name();
+  check_option(who, "lr", o.lr, o.lr >= 0, ">= 0");
+  check_option(who, "betas[0]", o.beta1, o.beta1 >= 0 && o.beta1 < 1, "in [0, 1)");
+  check_option(who, "betas[1]", o.beta2, o.beta2 >= 0 && o.beta2 < 1, "in [0, 1)");
+  check_option(who, "eps", o.eps, o.eps > 0, "> 0");
+  check_option(who, "weight_decay", o.weight_decay, o.weight_decay >= 0, ">= 0");
 }
 
 AdamW::AdamW(std::vector<ParamShard> params, AdamWOptions options, std::shared_ptr<Comm> comm)

@@ -8,6 +8,12 @@
 namespace rfsdp {
 
 void check_grad(const char* optimizer, const ParamShard& p, const at::Tensor& grad) {
+  if (grad.defined() && grad.layout() != at::kStrided) {  // (is_contiguous() is false there)
+    throw std::invalid_argument(std::string(optimizer) + ": the gradient of parameter '" + p.name +
+                                "' is a " + c10::str(grad.layout()) +
+                                " tensor: sparse gradients are not supported (nn.Embedding and "
+                                "nn.EmbeddingBag make them with sparse=True: use sparse=False)");
+  }
   if (grad.defined() &&
       ((grad.scalar_type() != at::kFloat && grad.scalar_type() != p.param.scalar_type()) ||
        !grad.is_contiguous() || grad.device() != p.param.device() ||

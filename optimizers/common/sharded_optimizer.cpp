@@ -1,8 +1,13 @@
 #include "optimizers/common/sharded_optimizer.h"
 
 #include <algorithm>
+#include <cmath>
+#include <cstdio>
+#include <cstdlib>
 
 #include <stdexcept>
+
+#include "core/ragged/tensor_spec.h"
 
 namespace rfsdp {
 
@@ -30,6 +35,13 @@ void check_param(const char* name, const ParamShard& p, const at::Tensor& param)
                                 c10::toString(param.scalar_type()) + " tensor on " +
                                 param.device().str()));
   }
+  if (p.row_len == 0) {  // (0 rows are fine: a rank's empty shard is one)
+    throw std::invalid_argument(
+        std::string(name) + ": parameter '" + p.name + "' has 0 elements (shape " +
+        shape_to_string(p.shape) + "): the optimizers keep state by rows, and its rows are "
+        "empty; leave it out of the optimizer (it has nothing to update: torch.optim's step "
+        "skips it)");
+  }
   if (p.row_len < 1 || p.row_begin < 0 || p.row_begin > p.row_end || p.row_end > p.full_rows ||
       param.numel() != p.numel()) {
     throw std::invalid_argument(who + "holds " + std::to_string(param.numel()) +
@@ -41,6 +53,24 @@ void check_param(const char* name, const ParamShard& p, const at::Tensor& param)
 }
 
 }  // namespace
+
+std::string number_text(double v) {
+  char text[32];
+  for (int digits = 6; digits <= 17; ++digits) {  // the fewest that read back as v
+    std::snprintf(text, sizeof text, "%.*g", digits, v);
+    if (std::strtod(text, nullptr) == v) break;
+  }
+  return text;
+}
+
+void check_option(const std::string& who, const std::string& name, double v, bool ok,
+                  const std::string& rule) {
+  if (!std::isfinite(v) || !ok) {
+    throw std::invalid_argument(who + ": " + name + " must be " +
+                                (std::isfinite(v) ? "" : "finite and ") + rule + ", got " +
+                                number_text(v));
+  }
+}
 
 ShardedOptimizer::ShardedOptimizer(const char* name, std::vector<ParamShard> params,
                                    std::shared_ptr<Comm> comm, bool check_finite)

@@ -143,6 +143,16 @@ class ShardedOptimizer {
   void run_step_in_fp32(StepGate& gate, const std::vector<size_t>& stepping);
 };
 
+// A number as the options' errors print it: the shortest text that reads back as
+// v (1e-08, 0.999, 0.9999999, inf, nan), where std::to_string printed 1e-8 as 0.000000.
+std::string number_text(double v);
+
+// The options checks' one rule: throws std::invalid_argument "<who>: <name> must be
+// <rule>, got <v>" unless v is finite and ok (an inf or NaN hyperparameter passes
+// comparisons such as lr >= 0, and turned the parameters to inf).
+void check_option(const std::string& who, const std::string& name, double v, bool ok,
+                  const std::string& rule);
+
 // A ShardedOptimizer whose groups each hold one Options (the hyperparameters a
 // scheduler may change); Derived checks them (check_options).
 template <class Options>

@@ -686,17 +686,13 @@ std::vector<StateLayout> Muon::state_layout(size_t i) const {
 }
 
 void Muon::check_options(const MuonHyper& h) const {
-  if (!(h.lr >= 0) || !(h.momentum >= 0 && h.momentum < 1) || !(h.weight_decay >= 0)) {
-    throw std::invalid_argument("Muon: need lr >= 0, 0 <= momentum < 1, weight_decay >= 0; got lr=" +
-                                std::to_string(h.lr) + ", momentum=" + std::to_string(h.momentum) +
-                                ", weight_decay=" + std::to_string(h.weight_decay));
-  }
-  if (!(h.adam_beta1 >= 0 && h.adam_beta1 < 1) || !(h.adam_beta2 >= 0 && h.adam_beta2 < 1) ||
-      !(h.adam_eps > 0)) {
-    throw std::invalid_argument("Muon: the AdamW part (use_muon=False groups) needs 0 <= betas < 1 "
-                                "and eps > 0; got betas=(" + std::to_string(h.adam_beta1) + ", " +
-                                std::to_string(h.adam_beta2) + "), eps=" + std::to_string(h.adam_eps));
-  }
+  check_option("Muon", "lr", h.lr, h.lr >= 0, ">= 0");
+  check_option("Muon", "momentum", h.momentum, h.momentum >= 0 && h.momentum < 1, "in [0, 1)");
+  check_option("Muon", "weight_decay", h.weight_decay, h.weight_decay >= 0, ">= 0");
+  const std::string adam = "Muon: the AdamW part (use_muon=False groups)";
+  check_option(adam, "betas[0]", h.adam_beta1, h.adam_beta1 >= 0 && h.adam_beta1 < 1, "in [0, 1)");
+  check_option(adam, "betas[1]", h.adam_beta2, h.adam_beta2 >= 0 && h.adam_beta2 < 1, "in [0, 1)");
+  check_option(adam, "eps", h.adam_eps, h.adam_eps > 0, "> 0");
 }
 
 void Muon::check_replicated_grads(const std::vector<at::Tensor>& grads) const {

@@ -32,19 +32,20 @@ void check_config(const ShampooConfig& c) {
   }
   if (!(c.rank_rtol < 1)) {  // NaN, or every eigenvalue dropped
     throw std::invalid_argument("Shampoo: rank_rtol must be in [0, 1) (None: n * eps(float32) for "
-                                "an n x n factor), got " + std::to_string(c.rank_rtol));
+                                "an n x n factor), got " + number_text(c.rank_rtol));
   }
   c.basis.check("Shampoo");
 }
 
 void Shampoo::check_options(const ShampooOptions& o) const {
-  if (!(o.lr >= 0) || !(o.beta1 >= 0 && o.beta1 < 1) || !(o.beta2 >= 0 && o.beta2 <= 1) ||
-      !(o.epsilon >= 0) || !(o.grafting_beta2 >= 0 && o.grafting_beta2 < 1) ||
-      !(o.grafting_epsilon > 0) || !(o.weight_decay >= 0)) {
-    throw std::invalid_argument(
-        "Shampoo: need lr >= 0, 0 <= beta1 < 1, 0 <= beta2 <= 1, epsilon >= 0, "
-        "0 <= grafting_beta2 < 1, grafting_epsilon > 0, weight_decay >= 0");
-  }
+  check_option("Shampoo", "lr", o.lr, o.lr >= 0, ">= 0");
+  check_option("Shampoo", "betas[0]", o.beta1, o.beta1 >= 0 && o.beta1 < 1, "in [0, 1)");
+  check_option("Shampoo", "betas[1]", o.beta2, o.beta2 >= 0 && o.beta2 <= 1, "in [0, 1]");
+  check_option("Shampoo", "epsilon", o.epsilon, o.epsilon >= 0, ">= 0");
+  check_option("Shampoo", "grafting_beta2", o.grafting_beta2,
+               o.grafting_beta2 >= 0 && o.grafting_beta2 < 1, "in [0, 1)");
+  check_option("Shampoo", "grafting_epsilon", o.grafting_epsilon, o.grafting_epsilon > 0, "> 0");
+  check_option("Shampoo", "weight_decay", o.weight_decay, o.weight_decay >= 0, ">= 0");
   if (config_.rank_deficient == RankDeficient::Shift && !(o.epsilon > 0)) {
     throw std::invalid_argument(
         "Shampoo: rank_deficient=\"shift\" lifts the smallest eigenvalue of every factor to "

@@ -24,16 +24,13 @@ at::Tensor basis_view(const at::Tensor& flat, int64_t offset, int64_t n) {
 }  // namespace
 
 void SOAP::check_options(const SOAPOptions& o) const {
-  const double bs = o.shampoo_beta < 0 ? o.beta2 : o.shampoo_beta;
-  if (!(o.lr >= 0) || !(o.beta1 >= 0 && o.beta1 < 1) || !(o.beta2 >= 0 && o.beta2 < 1) ||
-      !(bs >= 0 && bs < 1) || !(o.eps > 0) || !(o.weight_decay >= 0)) {
-    throw std::invalid_argument(
-        "SOAP: need lr >= 0, 0 <= betas < 1, 0 <= shampoo_beta < 1 (negative: betas[1]), "
-        "eps > 0, weight_decay >= 0; got lr=" + std::to_string(o.lr) + ", betas=(" +
-        std::to_string(o.beta1) + ", " + std::to_string(o.beta2) + "), shampoo_beta=" +
-        std::to_string(o.shampoo_beta) + ", eps=" + std::to_string(o.eps) +
-        ", weight_decay=" + std::to_string(o.weight_decay));
-  }
+  check_option("SOAP", "lr", o.lr, o.lr >= 0, ">= 0");
+  check_option("SOAP", "betas[0]", o.beta1, o.beta1 >= 0 && o.beta1 < 1, "in [0, 1)");
+  check_option("SOAP", "betas[1]", o.beta2, o.beta2 >= 0 && o.beta2 < 1, "in [0, 1)");
+  check_option("SOAP", "shampoo_beta", o.shampoo_beta, o.shampoo_beta < 1,
+               "in [0, 1) (negative: betas[1])");
+  check_option("SOAP", "eps", o.eps, o.eps > 0, "> 0");
+  check_option("SOAP", "weight_decay", o.weight_decay, o.weight_decay >= 0, ">= 0");
 }
 
 void check_config(const SOAPConfig& c) {

@@ -13,7 +13,7 @@ namespace rfsdp_bind {
 namespace {
 
 // The planner's options from Python (plan_unit checks them).
-rfsdp::PlannerOptions planner_options(int max_buffers, int64_t collective_cost_bytes) {
+rfsdp::PlannerOptions planner_options(int64_t max_buffers, int64_t collective_cost_bytes) {
   rfsdp::PlannerOptions o;
   o.max_buffers = max_buffers;
   o.collective_cost_bytes = collective_cost_bytes;
@@ -24,7 +24,7 @@ rfsdp::PlannerOptions planner_options(int max_buffers, int64_t collective_cost_b
 // blocks, blocks_dim)].
 rfsdp::Plan plan_specs(const std::vector<std::tuple<std::string, std::vector<int64_t>, int64_t, int,
                                                     int64_t, std::vector<int64_t>, int>>& specs,
-                       int64_t world_size, int64_t align_bytes, int max_buffers,
+                       int64_t world_size, int64_t align_bytes, int64_t max_buffers,
                        int64_t collective_cost_bytes) {
   std::vector<rfsdp::TensorSpec> ts;
   for (const auto& [name, shape, g, row_dims, bytes, blocks, blocks_dim] : specs) {
@@ -145,6 +145,11 @@ void bind_core(py::module_& m) {
           return py::make_tuple(t.rows(), t.row_elems());
         }, py::arg("shape"), py::arg("row_dims") = 1);
 
+  // rfsdp.PlannerOptions' range check: the planner's own (one home for its limits).
+  m.def("check_planner_options", [](int64_t max_buffers, int64_t collective_cost_bytes) {
+          rfsdp::check_planner_options(planner_options(max_buffers, collective_cost_bytes));
+        }, py::arg("max_buffers"), py::arg("collective_cost_bytes"));
+
   m.def("plan_specs", &plan_specs, py::arg("specs"), py::arg("world_size"),
         py::arg("align_bytes") = 16, py::arg("max_buffers") = rfsdp::PlannerOptions{}.max_buffers,
         py::arg("collective_cost_bytes") = rfsdp::PlannerOptions{}.collective_cost_bytes);
@@ -202,8 +207,8 @@ void bind_core(py::module_& m) {
       .def("to_json", [](const rfsdp::Plan& p) { return rfsdp::plan_to_json(p); });
 
   m.def("plan_json",
-        [](const std::string& unit_json, int64_t world_size, int64_t align_bytes, int max_buffers,
-           int64_t collective_cost_bytes) {
+        [](const std::string& unit_json, int64_t world_size, int64_t align_bytes,
+           int64_t max_buffers, int64_t collective_cost_bytes) {
           return rfsdp::plan_unit(rfsdp::unit_from_json(unit_json), world_size, align_bytes,
                                   planner_options(max_buffers, collective_cost_bytes));
         },

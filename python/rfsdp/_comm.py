@@ -29,6 +29,21 @@ def make_comm(process_group, timeout_seconds=300.0):
     return comm
 
 
+def check_in(comm, what, timeout_seconds, lines=(), every="every rank"):
+    """Every rank of comm's group has reached `what` (each with the same lines): one
+    small all-reduce under comm's timeout, before a collective operation's first
+    collective of torch's (whose group may wait 30 minutes). Else, on this rank, a
+    RuntimeError "<what> is collective: call it on <every>, and not all did within
+    <timeout> s: <the Comm's cause: a timeout or a closed peer>" (a rank that was never
+    called cannot say so), or the ValueError of a line that differs, on every rank.
+    On an NCCL group the group's own watchdog times the wait out."""
+    try:
+        _C.agree_lines(comm, [what] + list(lines), what)
+    except RuntimeError as e:
+        raise RuntimeError("%s is collective: call it on %s, and not all did within %g s: %s"
+                           % (what, every, timeout_seconds, e)) from e
+
+
 @atexit.register
 def _close_all():
     comms = list(_live)

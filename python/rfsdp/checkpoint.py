@@ -53,12 +53,15 @@ import torch.distributed.checkpoint.metadata as dcp_metadata
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.metadata import StorageMeta
 
+from ._comm import check_in, make_comm
 from .fsdp.state_dict import Pieces as _Pieces
 from .state_layout import Entry, LayoutError, default_group, param_entry, state_entries
 
 FORMAT = 2          # 2: `extra` in torch's weights-only format (1: a plain pickle)
 READS = (1, 2)
 MARKER = "rfsdp.json"
+# How long save and load wait for every rank to call them (the optimizers' default).
+DEFAULT_TIMEOUT_SECONDS = 300.0
 STEP_DIR = re.compile(r"^step_(\d+)$")
 
 
@@ -372,6 +375,29 @@ def _every_rank(pg, fn):
     return result
 
 
+def _all_called(pg, what, path, timeout_seconds):
+    """Every rank of pg called checkpoint.<what> (save or load) of the same folder,
+    within timeout_seconds: checked before the first of DCP's collectives, which wait
+    on the group's own timeout (torch's default: 30 minutes). Else a CheckpointError
+    on this rank (a rank not called cannot say so) or, where ranks name other
+    folders, on every rank."""
+    if pg is None or pg.size() == 1:
+        return
+    comm = make_comm(pg, timeout_seconds)
+    try:
+        check_in(comm, what, timeout_seconds, lines=[path],
+                 every="every rank (each rank writes and reads its own shards: rank 0 alone, as "
+                       "DDP code often calls it, waits for the others)")
+    except RuntimeError as e:
+        raise CheckpointError("checkpoint.%s of %s: %s; nothing was %s"
+                              % (what, path, e, "written" if what == "save" else "loaded")) from None
+    except ValueError as e:
+        raise CheckpointError("checkpoint.%s: %s; every rank must name the same folder"
+                              % (what, e)) from None
+    finally:
+        comm.close()
+
+
 def _failed(what, path, e):
     """One message for a save or load that failed in the file system or in DCP (the
     same on every rank: DCP and _agree hand every rank the same exception)."""
@@ -395,9 +421,11 @@ def _recover(path):
         os.rename(old, path)
 
 
-def save(path, model, optimizer=None, *, extra=None, process_group=None):
+def save(path, model, optimizer=None, *, extra=None, process_group=None,
+         timeout_seconds=DEFAULT_TIMEOUT_SECONDS):
     """Saves model (and optimizer) into the folder `path`, replacing a checkpoint
-    there only once the new one is complete. Collective: every rank calls it.
+    there only once the new one is complete. Collective: every rank calls it
+    (timeout_seconds: how long a rank waits for the others to call it).
     extra: plain values (dicts, lists, numbers, strings, tensors: a data position, a
     scheduler's state_dict), returned by load; stored in torch's weights-only
     format, so that loading never runs code. Errors are the same on every rank; a
@@ -405,6 +433,7 @@ def save(path, model, optimizer=None, *, extra=None, process_group=None):
     the checkpoint there before as it was."""
     pg = default_group(process_group)
     path = os.path.abspath(path)
+    _all_called(pg, "save", path, timeout_seconds)
     tmp = path + ".partial"
 
     def prepare():  # everything that could fail on one rank alone, before any file changes
@@ -453,8 +482,12 @@ def verify(path):
     returns the marker. Raises CheckpointError naming the first bad file."""
     marker_path = os.path.join(path, MARKER)
     if not os.path.isfile(marker_path):
-        raise CheckpointError("checkpoint %s: no %s (not an rfsdp checkpoint, or its save did not "
-                              "finish)" % (path, MARKER))
+        raise CheckpointError(
+            "checkpoint %s: no %s, so its files cannot be checked (not an rfsdp checkpoint, or its "
+            "save did not finish); nothing was loaded. A DCP folder that torch wrote (dcp.save, "
+            "FSDP2) loads a model unchecked with load(..., check_files=False); for an rfsdp save "
+            "that did not finish, load the one before it (rfsdp.checkpoint.latest(root) finds the "
+            "newest complete one)" % (path, MARKER))
     try:
         with open(marker_path, "rb") as f:
             marker = json.loads(f.read().decode("utf-8"))
@@ -464,7 +497,10 @@ def verify(path):
                 and k not in ("", ".", "..") for k, v in files.items()):
             raise ValueError("'files' is not a map of file names to SHA-256 sums")
     except (ValueError, KeyError, TypeError) as e:  # UnicodeDecodeError is a ValueError
-        raise CheckpointError("checkpoint %s: %s is unreadable (%s)" % (path, MARKER, e)) from None
+        raise CheckpointError(
+            "checkpoint %s: %s is unreadable (%s), so its files cannot be checked; nothing was "
+            "loaded. Load the checkpoint before it (or, for the model alone and at your own risk, "
+            "load(..., check_files=False))" % (path, MARKER, e)) from None
     if marker.get("format") not in READS:
         raise CheckpointError("checkpoint %s: format %r, this rfsdp reads %s"
                               % (path, marker.get("format"), ", ".join(map(str, READS))))
@@ -525,11 +561,18 @@ def _requantized(path, sd, fqn, p, saved, optimizer):
         raise CheckpointError("checkpoint %s: %s" % (path, e)) from None
 
 
-def load(path, model, optimizer=None, *, process_group=None, check_files=True, requantize=False):
-    """Loads a checkpoint saved at any world size (or a DCP checkpoint of a plain
-    or FSDP2 model: {"model": state_dict}) into model (and optimizer); returns
-    the `extra` saved with it (None for others). Collective. Nothing changes
-    unless everything was read. requantize=True: an AdamW8bit checkpoint loads
+def load(path, model, optimizer=None, *, process_group=None, check_files=True, requantize=False,
+         timeout_seconds=DEFAULT_TIMEOUT_SECONDS):
+    """Loads a checkpoint saved at any world size into model (and optimizer);
+    returns the `extra` saved with it (None for others). Collective: every rank
+    calls it (timeout_seconds: how long a rank waits for the others to call it).
+    Nothing changes unless everything was read. The files are checked first
+    against the SHA-256 sums in the folder's rfsdp.json: a folder
+    without it, or with a damaged one, is refused. check_files=False loads a
+    model without checking its files: how a DCP checkpoint of a plain or FSDP2
+    model ({"model": state_dict}, written by torch's dcp.save, with no rfsdp.json)
+    loads; an optimizer's state loads only from rfsdp's own checkpoints, always
+    checked. requantize=True: an AdamW8bit checkpoint loads
     into an AdamW8bit with another block or min_8bit_size, a Muon one into a Muon
     with another momentum_dtype, momentum_block or momentum_map, a Shampoo or SOAP
     one into one with another basis_dtype, basis_block or basis_map (SOAP: or
@@ -537,11 +580,12 @@ def load(path, model, optimizer=None, *, process_group=None, check_files=True, r
     within one code of each."""
     pg = default_group(process_group)
     path = os.path.abspath(path)
+    _all_called(pg, "load", path, timeout_seconds)
 
     def inspect():
         _recover(path)
         saved, fmt = None, FORMAT
-        if (check_files and os.path.exists(os.path.join(path, MARKER))) or optimizer is not None:
+        if check_files or optimizer is not None:
             marker = verify(path)  # (only rfsdp's own checkpoints hold optimizer states)
             saved, fmt = marker.get("optimizer"), marker["format"]
             if optimizer is not None and saved is not None:
@@ -638,7 +682,8 @@ def latest(root):
     return os.path.join(root, steps[-1][1]) if steps else None
 
 
-def save_step(root, step, model, optimizer=None, *, keep_last=None, extra=None, process_group=None):
+def save_step(root, step, model, optimizer=None, *, keep_last=None, extra=None, process_group=None,
+              timeout_seconds=DEFAULT_TIMEOUT_SECONDS):
     """save() into root/step_<step>; then, once it is complete, removes all but
     the keep_last newest complete checkpoints."""
     if keep_last is not None and (isinstance(keep_last, bool) or not isinstance(keep_last, int)
@@ -646,7 +691,8 @@ def save_step(root, step, model, optimizer=None, *, keep_last=None, extra=None, 
         raise ValueError("save_step: keep_last must be >= 1 (or None: keep all), got %r"
                          % (keep_last,))
     pg = default_group(process_group)
-    path = save(step_path(root, step), model, optimizer, extra=extra, process_group=pg)
+    path = save(step_path(root, step), model, optimizer, extra=extra, process_group=pg,
+                timeout_seconds=timeout_seconds)
     if keep_last is not None:
         def prune():
             steps = sorted((int(m.group(1)), d) for d in os.listdir(root)

@@ -6,6 +6,7 @@
 #include <dirent.h>
 
 #include <fstream>
+#include <limits>
 #include <map>
 #include <random>
 #include <sstream>
@@ -387,9 +388,10 @@ TEST(Planner, ZooUnitsPlanValidly) {
 
 // ---- (4) bad input: one-line errors naming the tensor ----
 
-void expect_plan_error(const std::vector<TensorSpec>& unit, int64_t m, const std::string& needle) {
+void expect_plan_error(const std::vector<TensorSpec>& unit, int64_t m, const std::string& needle,
+                       int64_t align_bytes = 16, const PlannerOptions& options = {}) {
   try {
-    plan_unit(unit, m);
+    plan_unit(unit, m, align_bytes, options);
     FAIL() << "no error; expected " << needle;
   } catch (const std::invalid_argument& e) {
     const std::string msg = e.what();
@@ -398,13 +400,20 @@ void expect_plan_error(const std::vector<TensorSpec>& unit, int64_t m, const std
   }
 }
 
+PlannerOptions options(int64_t max_buffers, int64_t collective_cost_bytes) {
+  PlannerOptions o;
+  o.max_buffers = max_buffers;
+  o.collective_cost_bytes = collective_cost_bytes;
+  return o;
+}
+
 TEST(Planner, BadInput) {
   TensorSpec t;
   t.name = "w";
   t.shape = {4, 4};
   expect_plan_error({}, 2, "empty");
-  expect_plan_error({t}, 0, "world size must be >= 1");
-  expect_plan_error({t}, -3, "world size must be >= 1");
+  expect_plan_error({t}, 0, "world size must be between 1 and 16777216");
+  expect_plan_error({t}, -3, "world size must be between 1 and 16777216");
   expect_plan_error({t, t}, 2, "'w': duplicate");
   auto bad = t;
   bad.shape = {4, -1};
@@ -415,19 +424,56 @@ TEST(Planner, BadInput) {
   bad = t;
   bad.row_dims = 5;
   expect_plan_error({bad}, 2, "'w': row_dims 5 is out of range");
-  for (const auto& [buffers, cost, words] :
-       {std::make_tuple(0, int64_t{0}, "planner: max_buffers must be >= 1, got 0"),
-        std::make_tuple(2, int64_t{-1}, "planner: collective_cost_bytes must be >= 0, got -1")}) {
-    PlannerOptions o;
-    o.max_buffers = buffers;
-    o.collective_cost_bytes = cost;
-    try {
-      plan_unit({t}, 2, 16, o);
-      ADD_FAILURE() << "accepted: " << words;
-    } catch (const std::invalid_argument& e) {
-      EXPECT_NE(std::string(e.what()).find(words), std::string::npos) << e.what();
-    }
+  expect_plan_error({t}, 2, "planner: max_buffers must be between 1 and 64", 16, options(0, 0));
+  expect_plan_error({t}, 2, "planner: collective_cost_bytes must be between 0 and", 16,
+                    options(2, -1));
+}
+
+// Absurd sizes: refused naming the value and the limit (planner.h), never a
+// search that spins (m = 2^62 ran forever), an S from an overflowed m x S (m = 2^60
+// gave S = 1028) or an option cut to int (4294967297 buffers became 1).
+TEST(Planner, AbsurdSizesAreRefusedNamingTheLimit) {
+  TensorSpec t = spec("w", {4, 4}, 1);
+  for (int64_t m : {kMaxWorldSize + 1, int64_t{1} << 60, int64_t{1} << 62,
+                    std::numeric_limits<int64_t>::max()}) {
+    expect_plan_error({t}, m, "world size must be between 1 and 16777216 (2^24: the planner's "
+                              "limit), got " + std::to_string(m));
   }
+  // At the limit it plans: one row (a granule) per rank on the first 4 ranks.
+  const Plan at_limit = plan_unit({t}, kMaxWorldSize);
+  validate_plan(at_limit);
+  EXPECT_EQ(at_limit.shard_elems, 4);
+  expect_plan_error({t}, 2, "planner: max_buffers must be between 1 and 64 (the planner's limit; "
+                           "it forms at most 7), got 4294967297", 16, options(4294967297, 0));
+  expect_plan_error({t}, 2, "max_buffers must be between 1 and 64 (the planner's limit; it "
+                           "forms at most 7), got 65", 16, options(65, 0));
+  expect_plan_error({t}, 2, "planner: collective_cost_bytes must be between 0 and 1125899906842624 "
+                           "(2^50: the planner's limit), got 1125899906842625", 16,
+                    options(2, (int64_t{1} << 50) + 1));
+  for (int64_t align : {int64_t{0}, (int64_t{1} << 20) + 1, int64_t{1} << 40}) {
+    expect_plan_error({t}, 2, "align_bytes must be between 1 and 1048576 (2^20: the planner's "
+                              "limit), got " + std::to_string(align), align);
+  }
+  TensorSpec wide = t;
+  wide.elem_bytes = int64_t{1} << 40;
+  expect_plan_error({wide}, 2, "'w': dtype_bytes must be between 1 and 1024, got 1099511627776");
+  // m x elements x dtype_bytes up to 2^60 plans (one row of 2^17 elements a rank) ...
+  TensorSpec big = spec("big", {int64_t{1} << 17, int64_t{1} << 17}, 1);
+  const Plan largest = plan_unit({big}, kMaxWorldSize);
+  validate_plan(largest);
+  EXPECT_EQ(largest.shard_elems, int64_t{1} << 17);
+  // ... one more row (aligned: 4 more elements) is refused, as is a sum past int64.
+  big.shape[0] += 1;
+  expect_plan_error({big}, kMaxWorldSize,
+                    "the unit is too large for world size 16777216: world size x 17180000256 "
+                    "elements");
+  std::vector<TensorSpec> huge;
+  for (int k = 0; k < 32; ++k) {  // 2^58 elements each
+    huge.push_back(spec("h" + std::to_string(k), {int64_t{1} << 29, int64_t{1} << 29}, 1));
+    huge.back().elem_bytes = 1;
+  }
+  expect_plan_error(huge, 1, "world size x more than 2^63 elements");
+  EXPECT_THROW(structural_lower_bound(huge, 1), std::invalid_argument);  // (the bounds check too)
 }
 
 }  // namespace

@@ -37,15 +37,23 @@ def job_args(steps, save_every, seed, out):
             "--final-checkpoint", os.path.join(out, "final")]
 
 
-def torchrun(script, args, restarts, env):
+def torchrun(script, args, restarts, env, log):
+    """Starts the job; every rank's output (torchrun's too) goes into the file `log`
+    as it runs. (A pipe read only once the job ended filled up at 64 KiB and blocked
+    the ranks' prints: a long chaos run hung.)"""
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
            "--max-restarts", str(restarts), script] + args
     # torch's rendezvous shares its TCPStore with init_process_group by default, and a
     # restarted group may then read the dead attempt's Gloo addresses ("Connection
     # refused"; pytorch/pytorch#135712): a store of its own per attempt avoids it.
     env = dict(os.environ, TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1", **env)
-    return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            env=env)
+    with open(log, "w") as out:
+        return subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env)
+
+
+def read_text(path):
+    with open(path, errors="replace") as f:
+        return f.read()
 
 
 def make_plan(kills, save_every, rng):
@@ -83,13 +91,15 @@ def read_json(path):
         return None
 
 
-def drive(proc, chaos_dir, plan, timeout):
-    """Runs the external kills of the plan while the job runs; returns its output."""
+def drive(proc, chaos_dir, plan, timeout, log):
+    """Runs the external kills of the plan while the job runs; returns its output
+    (the file `log` torchrun() wrote it to)."""
     deadline = time.time() + timeout
     while proc.poll() is None:
         if time.time() > deadline:
             proc.kill()
-            raise RuntimeError("the chaos run did not finish in %d s" % timeout)
+            raise RuntimeError("the chaos run did not finish in %d s; its output so far:\n%s"
+                               % (timeout, read_text(log)[-4000:]))
         k = next((k for k in range(len(plan))
                   if not os.path.exists(os.path.join(chaos_dir, "done_%d" % k))), None)
         if k is not None and plan[k]["event"] == "external":
@@ -105,7 +115,7 @@ def drive(proc, chaos_dir, plan, timeout):
                 except ProcessLookupError:
                     pass
         time.sleep(0.05)
-    return proc.stdout.read()
+    return read_text(log)
 
 
 def final_states(folder):
@@ -134,11 +144,16 @@ def run_chaos(kills, steps, save_every, seed, workdir, timeout=1200, log=print):
     ref_dir = os.path.join(workdir, "ref")
     os.makedirs(ref_dir)
     t0 = time.time()
-    ref = torchrun(JOB, job_args(steps, save_every, seed, ref_dir), 0, {})
-    ref_out = ref.communicate(timeout=timeout)[0]
+    ref_log = os.path.join(ref_dir, "output.log")
+    ref = torchrun(JOB, job_args(steps, save_every, seed, ref_dir), 0, {}, ref_log)
+    try:
+        ref.wait(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        ref.kill()
+        raise
     ref_seconds = time.time() - t0
     if ref.returncode != 0:
-        raise RuntimeError("the uninterrupted run failed:\n" + ref_out[-4000:])
+        raise RuntimeError("the uninterrupted run failed:\n" + read_text(ref_log)[-4000:])
     # The chaos run.
     chaos_dir = os.path.join(workdir, "chaos")
     os.makedirs(chaos_dir)
@@ -149,15 +164,14 @@ def run_chaos(kills, steps, save_every, seed, workdir, timeout=1200, log=print):
         "--checkpoint-dir", os.path.join(chaos_dir, "ck"), "--save-every", str(save_every),
         "--resume"]
     t0 = time.time()
-    proc = torchrun(WORKER, args, kills + 2, {"CHAOS_DIR": chaos_dir})
-    out = drive(proc, chaos_dir, plan, timeout)
+    chaos_log = os.path.join(chaos_dir, "output.log")
+    proc = torchrun(WORKER, args, kills + 2, {"CHAOS_DIR": chaos_dir}, chaos_log)
+    out = drive(proc, chaos_dir, plan, timeout, chaos_log)
     chaos_seconds = time.time() - t0
     done = [read_json(os.path.join(chaos_dir, "done_%d" % k)) for k in range(len(plan))]
     for k, d in enumerate(done):
         log("kill %2d: %-11s rank %d  (restart %s, after %s steps of that attempt)"
             % (k, plan[k]["event"], plan[k]["rank"], d and d["attempt"], d and d["steps"]))
-    with open(os.path.join(chaos_dir, "output.log"), "w") as f:
-        f.write(out)
     last = read_json(os.path.join(chaos_dir, "progress_0"))
     restarts = last["attempt"] if last else None  # the last attempt's restart count
     report = dict(kills=sum(d is not None for d in done), planned=len(plan), restarts=restarts,

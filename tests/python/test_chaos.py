@@ -11,7 +11,30 @@ import sys
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import chaos  # noqa: E402
 from chaos import run_chaos  # noqa: E402
+
+CHATTY = '''
+import os
+line = "rank %s says %s\\n" % (os.environ["RANK"], "x" * 90)
+for _ in range(2000):  # 200 KiB a rank: past a pipe's 64 KiB
+    print(line, end="", flush=True)
+print("rank %s done" % os.environ["RANK"], flush=True)
+'''
+
+
+def test_the_driver_reads_the_output_while_the_job_runs(tmp_path):
+    """The driver's output capture under a job that prints 400 KiB: when it read a
+    pipe only after the job ended, the ranks blocked at 64 KiB and the run hung
+    until the driver's timeout."""
+    script = tmp_path / "chatty.py"
+    script.write_text(CHATTY)
+    log = str(tmp_path / "output.log")
+    proc = chaos.torchrun(str(script), [], 0, {}, log)
+    out = chaos.drive(proc, str(tmp_path), [], 60, log)
+    assert proc.returncode == 0, out[-2000:]
+    for r in range(2):
+        assert out.count("rank %d says" % r) == 2000 and "rank %d done" % r in out, out[-2000:]
 
 
 def test_seven_kills_lose_nothing(tmp_path):

@@ -167,7 +167,9 @@ def interop_worker(rank, world, d, kind):
         torch.manual_seed(8)  # other initial values, so a no-op load would show
         model = Net()
         rfsdp.fully_shard(model, policy=rfsdp.policy.muon())
-        ckpt.load(os.path.join(d, kind), model)
+        with pytest.raises(ckpt.CheckpointError, match="no rfsdp.json, so its files cannot be checked"):
+            ckpt.load(os.path.join(d, kind), model)  # torch writes no marker: asked for by name
+        ckpt.load(os.path.join(d, kind), model, check_files=False)
         return rfsdp.full_parameters(model)
 
 
@@ -320,6 +322,63 @@ def test_model_only_and_missing_tensor(tmp_path):
         assert torch.equal(p, dict(m.named_parameters())[n].detach()), n
 
 
+def flip_a_weight_byte(path, weight):
+    """Flips an exponent bit of weight's first float32 where a .distcp file holds
+    it, as damage on disk would."""
+    want = weight.detach().contiguous().numpy().tobytes()
+    for name in sorted(f for f in os.listdir(path) if f.endswith(".distcp")):
+        with open(os.path.join(path, name), "r+b") as f:
+            data = f.read()
+            at = data.find(want)
+            if at >= 0:
+                f.seek(at + 3)  # the high byte (little-endian)
+                f.write(bytes([data[at + 3] ^ 0x40]))
+                return
+    raise AssertionError("the weight's bytes are in no .distcp file")
+
+
+def test_model_only_load_checks_the_files_unless_asked_by_name(tmp_path):
+    """Without its marker a model-only load read damaged files without a word (a
+    flipped byte loaded as a weight of ~1e37): now the folder is refused, naming it
+    and the way out, unless the caller asks for an unchecked load by name."""
+    m = one_model()
+    path = ckpt.save(tmp_path / "ck", m)
+    flip_a_weight_byte(path, m.inp.weight)
+    target = one_model(seed=3)
+    before = params_of(target)
+    with pytest.raises(ckpt.CheckpointError, match=r"file __0_0\.distcp is damaged"):
+        ckpt.load(path, target)  # the marker's sums catch it
+    os.remove(os.path.join(path, ckpt.MARKER))
+    with pytest.raises(ckpt.CheckpointError) as e:
+        ckpt.load(path, target)
+    assert str(e.value).startswith("checkpoint %s: no rfsdp.json, so its files cannot be checked"
+                                   % path), str(e.value)
+    assert "load(..., check_files=False)" in str(e.value) and "latest(root)" in str(e.value)
+    for n, p in params_of(target).items():
+        assert torch.equal(p, before[n]), n
+    ckpt.load(path, target, check_files=False)  # asked by name: read as it is, damage included
+    got, want = target.inp.weight.detach(), m.inp.weight.detach()
+    assert torch.equal(got.flatten()[1:], want.flatten()[1:])
+    assert got.flatten()[0] != want.flatten()[0]
+    with open(os.path.join(path, ckpt.MARKER), "w") as f:  # a damaged marker
+        f.write('{"format": 2, "files": ')
+    with pytest.raises(ckpt.CheckpointError, match=r"rfsdp\.json is unreadable .*, so its files "
+                                                   r"cannot be checked; nothing was loaded"):
+        ckpt.load(path, target)
+
+
+def test_a_missing_key_is_named(tmp_path):
+    """A checkpoint without a key the model has (here torch's own, unchecked, and
+    rfsdp's): the load names it."""
+    saved = nn.Sequential(nn.Linear(3, 4), nn.Linear(4, 2, bias=False))
+    dcp.save({"model": saved.state_dict()}, checkpoint_id=str(tmp_path / "torch"))
+    ckpt.save(tmp_path / "ours", saved)
+    for folder, unchecked in (("torch", True), ("ours", False)):
+        target = nn.Sequential(nn.Linear(3, 4), nn.Linear(4, 2))
+        with pytest.raises(ckpt.CheckpointError, match=r"has no tensor 'model\.1\.bias'"):
+            ckpt.load(tmp_path / folder, target, check_files=not unchecked)
+
+
 def test_damaged_marker_is_a_clear_error_never_another_exception(tmp_path):
     """A random-property test of the marker reader: rfsdp.json mutated hundreds of
     ways (bytes replaced by JSON's characters, slices dropped or repeated, cut
@@ -358,6 +417,44 @@ def test_damaged_marker_is_a_clear_error_never_another_exception(tmp_path):
         except Exception as e:  # noqa: BLE001
             pytest.fail("seed %d: %r for marker %r" % (seed, e, bytes(text)))
     assert refused > 300, "seed %d" % seed
+
+
+def one_rank_worker(rank, world, d, what):
+    """Every rank saves; then rank 0 alone saves (or loads), as DDP code does,
+    over a group of its own (its abandoned collective must not hold the harness's
+    last barrier), with a short timeout."""
+    import torch.distributed as dist
+    model = one_model()
+    ckpt.save(os.path.join(d, "ck"), model)
+    alone = dist.new_group([0, 1])
+    out = None
+    if rank == 0:
+        try:
+            if what == "save":
+                ckpt.save(os.path.join(d, "ck2"), model, process_group=alone, timeout_seconds=2)
+            else:
+                ckpt.load(os.path.join(d, "ck"), model, process_group=alone, timeout_seconds=2)
+            out = "no error"
+        except ckpt.CheckpointError as e:
+            out = str(e)
+    dist.barrier()
+    return out
+
+
+@pytest.mark.parametrize("what", ["save", "load"])
+def test_save_or_load_on_one_rank_is_an_error(what):
+    """checkpoint.save on rank 0 only (a DDP habit) waited in torch's collectives for
+    their 30-minute default: now rank 0 raises after timeout_seconds (the harness
+    fails the test if a rank is still waiting after 60 s)."""
+    with tempfile.TemporaryDirectory() as d:
+        got = run_ranks(one_rank_worker, 2, d, what, timeout=60)[0]
+        assert got.startswith("checkpoint.%s of %s: %s is collective: call it on every rank"
+                              % (what, os.path.join(d, "ck2" if what == "save" else "ck"), what)), got
+        assert "every rank (each rank writes and reads its own shards: rank 0 alone, as DDP code " \
+            "often calls it, waits for the others), and not all did within 2 s: all_reduce did " \
+            "not complete on rank 0 of 2" in got, got
+        assert got.endswith("; nothing was %s" % ("written" if what == "save" else "loaded")), got
+        assert not os.path.exists(os.path.join(d, "ck2")), "a lonely save wrote"
 
 
 def requant_worker(rank, world, d):

@@ -41,8 +41,14 @@ def test_several_buffers_from_python():
             start = sum(two.buffers[:two.buffer_of[i]])  # the tensor's buffer in the slice
             assert start <= local and local + n <= start + two.buffers[two.buffer_of[i]]
         assert covered == list(range(rows))
-    for bad in [dict(max_buffers=0), dict(collective_cost_bytes=-1), dict(max_buffers=True)]:
-        with pytest.raises(ValueError, match="PlannerOptions"):
+    for bad, words in [(dict(max_buffers=0), "max_buffers must be between 1 and 64"),
+                       (dict(collective_cost_bytes=-1), "collective_cost_bytes must be between 0"),
+                       (dict(max_buffers=True), "max_buffers must be an integer"),
+                       (dict(max_buffers=2 ** 32 + 1), "max_buffers must be between 1 and 64 "
+                                                       r"\(the planner's limit; it forms at most "
+                                                       r"7\), got 4294967297"),
+                       (dict(collective_cost_bytes=2 ** 64), "fits 64 bits")]:
+        with pytest.raises(ValueError, match="PlannerOptions: .*" + words):
             rfsdp.PlannerOptions(**bad)
 
 
@@ -63,6 +69,11 @@ def test_shard_rows_tile_each_tensor():
     ([{"name": "w", "shape": [4], "granule_rows": "most", "dtype_bytes": 2}], 2, "'w': granule_rows"),
     ([{"name": "w", "shape": [4], "granule_rows": 1, "dtype_bytes": 2}], 0, "world size"),
     ([], 2, "empty"),
+    # the planner's limits, checked in C++ (the CLI's same messages: test_rfsdp_plan_cli.py)
+    ([{"name": "w", "shape": [4], "granule_rows": 1, "dtype_bytes": 2}], 2 ** 62,
+     r"world size must be between 1 and 16777216 \(2\^24: the planner's limit\), got %d" % 2 ** 62),
+    ([{"name": "w", "shape": [4], "granule_rows": 1, "dtype_bytes": 2}], 2 ** 64,
+     r"rfsdp.plan: world_size must be an integer that fits 64 bits, got %d" % 2 ** 64),
 ])
 def test_errors_are_value_errors_naming_the_problem(tensors, world, needle):
     with pytest.raises(ValueError, match=needle):

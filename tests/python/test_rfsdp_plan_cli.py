@@ -88,9 +88,12 @@ def test_table_output_for_a_zoo_unit(plan_bin, zoo_dir):
     assert "lower bound" in r.stdout and "mlp.down_proj.weight" in r.stdout
 
 
+UNIT = '[{"name":"w","shape":[4],"granule_rows":1,"dtype_bytes":2}]'
+
+
 @pytest.mark.parametrize("args,stdin,needle", [
     (["--world-size", "0"], '[{"name":"w","shape":[4],"granule_rows":1,"dtype_bytes":2}]',
-     "world size must be >= 1"),
+     "world size must be between 1 and 16777216 (2^24: the planner's limit), got 0"),
     (["--world-size", "2"], "[]", "empty"),
     (["--world-size", "2"], '[{"name":"w","shape":[4,0],"granule_rows":1,"dtype_bytes":2}]',
      "'w': dim 1 is 0"),
@@ -105,9 +108,29 @@ def test_table_output_for_a_zoo_unit(plan_bin, zoo_dir):
     (["--world-size", "x"], "[]", "takes an integer"),
     (["--world-size", "2", "--bogus"], "[]", "unknown option"),
     (["/nonexistent.json", "--world-size", "2"], None, "cannot read"),
-    (["--world-size", "2", "--max-buffers", "0"], "[]", "--max-buffers must be >= 1"),
+    (["--world-size", "2", "--max-buffers", "0"], "[]", "max_buffers must be between 1 and 64"),
     (["--world-size", "2", "--collective-cost-bytes", "-1"], "[]",
-     "--collective-cost-bytes must be >= 0"),
+     "collective_cost_bytes must be between 0 and 1125899906842624 (2^50"),
+    # absurd sizes (issue 52): 2^62 spun forever, 2^60 gave S = 1028 (m x S overflowed),
+    # 4294967297 buffers became 1, 99999999999999999999 was clamped by strtoll
+    (["--world-size", str(2 ** 62)], UNIT,
+     "world size must be between 1 and 16777216 (2^24: the planner's limit), got %d" % 2 ** 62),
+    (["--world-size", str(2 ** 60)], UNIT, "world size must be between 1 and 16777216"),
+    (["--world-size", "2", "--max-buffers", "4294967297"], UNIT,
+     "max_buffers must be between 1 and 64 (the planner's limit; it forms at most 7), "
+     "got 4294967297"),
+    (["--world-size", "99999999999999999999"], UNIT,
+     "--world-size takes a 64-bit integer (at most 2^63 - 1), got '99999999999999999999'"),
+    (["--world-size", "2", "--align-bytes", str(2 ** 40)], UNIT,
+     "align_bytes must be between 1 and 1048576 (2^20: the planner's limit), got %d" % 2 ** 40),
+    (["--world-size", str(2 ** 24)],
+     '[{"name":"w","shape":[1048576,1048576],"granule_rows":1,"dtype_bytes":4}]',
+     "the unit is too large for world size 16777216"),
+    (["--world-size", "2"], '[{"name":"w","shape":[4],"granule_rows":1,'
+                            '"dtype_bytes":18446744073709551615}]',
+     "'w': dtype_bytes must be an integer in [-2^63, 2^63), got 18446744073709551615"),
+    (["--world-size", "2"], '[{"name":"w","shape":[4],"granule_rows":1,"row_dims":4294967297,'
+                            '"dtype_bytes":2}]', "'w': row_dims 4294967297 is out of range"),
 ])
 def test_bad_input_is_one_line_and_nonzero(plan_bin, args, stdin, needle):
     r = run(plan_bin, args, stdin=stdin)

@@ -141,7 +141,7 @@ def test_bad_settings_are_clear_errors():
         rfsdp.optim.Shampoo(p, max_preconditioner_dim=0)
     with pytest.raises(ValueError, match="factor_dtype"):
         rfsdp.optim.Shampoo(p, factor_dtype=torch.float16)
-    with pytest.raises(ValueError, match="need lr >= 0"):
+    with pytest.raises(ValueError, match=r"Shampoo: betas\[0\] must be in \[0, 1\), got 1$"):
         rfsdp.optim.Shampoo(p, betas=(1.0, 0.9))
 
 

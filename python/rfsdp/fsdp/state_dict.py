@@ -24,8 +24,7 @@ import torch.distributed as dist
 from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, MetadataIndex, TensorProperties
 from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, WriteItemType
 
-from .. import _C
-from .._comm import make_comm
+from .._comm import check_in, make_comm
 from .unit import shard_info
 
 KINDS = ("sharded", "full")
@@ -257,13 +256,9 @@ def _check_in(unit, settings, what):
     if comm is None or unit._state_dict_timeout != settings.timeout_s:
         comm = unit._state_dict_comm = make_comm(pg, settings.timeout_s)
         unit._state_dict_timeout = settings.timeout_s
-    try:
-        _C.agree_lines(comm, [what], what)
-    except RuntimeError as e:
-        raise RuntimeError(
-            "%s is collective: every rank of the shard group must call it (a full state dict "
-            "gathers through every rank, rank0_only too), and not all did within %g s: %s"
-            % (what, settings.timeout_s, e)) from e
+    check_in(comm, what, settings.timeout_s,
+             every="every rank of the shard group (a full state dict gathers through every "
+                   "rank, rank0_only too)")
 
 
 def _post_state_dict(module, state_dict, prefix, local_metadata):

@@ -114,6 +114,20 @@ def _default_comm(process_group, timeout_seconds, param_groups):
     return None if process_group is None else make_comm(process_group, timeout_seconds)
 
 
+def _check_betas(optimizer_name, group):
+    """A group's betas as the C++ options take them, a pair of numbers; else a
+    ValueError saying so (pybind11's own was "incompatible constructor arguments")."""
+    betas = group.get("betas")
+    if betas is None:
+        return
+    try:
+        ok = len(betas) == 2 and all(isinstance(float(b), float) for b in betas)
+    except (TypeError, ValueError):
+        ok = False
+    if not ok:
+        raise ValueError("%s: betas must be a pair (beta1, beta2), got %r" % (optimizer_name, betas))
+
+
 def _run_closure(closure):
     """torch.optim's contract: step(closure) re-evaluates the loss with grad enabled."""
     if closure is None:
@@ -375,6 +389,7 @@ class _OverCpp(torch.optim.Optimizer):
         ValueError naming it, and the group keeps its previous options)."""
         for part in self._part_list:
             for k in part.groups:
+                _check_betas(type(self).__name__, self.param_groups[k])
                 opts = part.options(self.param_groups[k])
                 if part.sent.get(k) != opts:
                     part.impl.set_group_options(k, opts)
