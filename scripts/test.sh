@@ -5,6 +5,7 @@
 #   bash scripts/test.sh                      # both suites
 #   bash scripts/test.sh cpp -R Muon          # ctest only, arguments forwarded
 #   bash scripts/test.sh py -k fsdp2 -x       # pytest only, arguments forwarded
+#   bash scripts/test.sh py tests/python/test_habits.py   # those files only
 set -euo pipefail
 cd "$(dirname "$0")/.."
 suite=all
@@ -22,6 +23,11 @@ if [ "$suite" != py ]; then
   ctest --test-dir "$BUILD_DIR" --output-on-failure -j 2 "$@"
 fi
 if [ "$suite" != cpp ]; then
+  # Every Python test, or the files / test ids given (bash scripts/test.sh py tests/python/x.py).
+  targets=(tests/python)
+  for a in "$@"; do
+    case "$a" in tests/*|*.py|*::*) targets=() ;; esac
+  done
   # (--durations: the 20 slowest tests, to keep the suite inside its time)
-  RFSDP_BUILD_DIR="$BUILD_DIR" "$PY" -m pytest -q --durations=20 tests/python "$@"
+  RFSDP_BUILD_DIR="$BUILD_DIR" "$PY" -m pytest -q --durations=20 "${targets[@]}" "$@"
 fi

@@ -1,6 +1,7 @@
 """The base of rfsdp.optim's optimizers: _OverCpp, the torch.optim.Optimizer over
 C++ optimizers (binding, groups, steps, state and the checkpoint protocol), and
 the helpers every optimizer module shares."""
+import collections
 import json
 
 import torch
@@ -151,6 +152,38 @@ def _agreed(impl, prepare):
         raise  # not reached: the step raised
 
 
+class _Flag:
+    __slots__ = ("dirty",)
+
+    def __init__(self):
+        self.dirty = True
+
+
+def _flagging(cls):
+    """cls whose mutating methods set the instance's _flag dirty: how the optimizer
+    knows opt.state, or a state dict it published, was written without scanning
+    every parameter's each step (writes into the tensors need no flag)."""
+    def wrap(name):
+        base = getattr(cls, name)
+
+        def method(self, *args, **kwargs):
+            flag = self.__dict__.get("_flag")
+            if flag is not None:
+                flag.dirty = True
+            return base(self, *args, **kwargs)
+        method.__name__ = name
+        return method
+    names = ("__setitem__", "__delitem__", "clear", "pop", "popitem", "setdefault", "update",
+             "__ior__")
+    out = type(cls.__name__, (cls,), {n: wrap(n) for n in names})
+    out.__module__, out.__qualname__ = __name__, "_Watched" + cls.__name__
+    return out
+
+
+_WatchedState = _flagging(collections.defaultdict)   # opt.state
+_WatchedEntry = _flagging(dict)                      # opt.state[p]
+
+
 def _same_entries(cur, published):
     """Whether a published state dict still holds what was published in it."""
     return len(cur) == len(published) and all(cur.get(k) is v for k, v in published.items())
@@ -284,6 +317,8 @@ class _OverCpp(torch.optim.Optimizer):
         self._send_options()
         self._stepped = set()
         self._published = {}  # id(p) -> (the dict self.state[p] holds, its entries as published)
+        self._state_flag = getattr(self, "_state_flag", None) or _Flag()
+        self._watched_state = None  # the self.state _follow_state last scanned
         for p in params:
             if id(p) in kept:
                 self._load_state_of(p, kept[id(p)])
@@ -316,21 +351,32 @@ class _OverCpp(torch.optim.Optimizer):
         tensor) sets the step count; a state tensor replaced by another of its
         shape is copied in; any other write (a name added or removed, another
         shape) is an error, never ignored."""
-        state = self.state
-        for p in (self._bound_params if params is None else params):
-            if id(p) not in self._stepped:
-                continue
-            cur = state.get(p)
-            mine = self._published.get(id(p))
-            if mine is not None and cur is mine[0]:
-                if not _same_entries(cur, mine[1]):
-                    self._take_writes(p, cur, mine[1])
-                continue
-            if not cur:
-                self._reset(p)
-            else:  # another dict: its values are this parameter's state now
-                self._load_state_of(p, cur)
-                self._publish_one(p)
+        state, flag = self.state, self._state_flag
+        # (nothing written into self.state or a published entry since the last look:
+        # nothing to scan; self.state replaced: every parameter's looked at)
+        if params is not None or state is not self._watched_state or flag.dirty:
+            for p in (self._bound_params if params is None else params):
+                if id(p) not in self._stepped:
+                    continue
+                cur = state.get(p)
+                mine = self._published.get(id(p))
+                if mine is not None and cur is mine[0]:
+                    if not _same_entries(cur, mine[1]):
+                        self._take_writes(p, cur, mine[1])
+                    continue
+                if not cur:
+                    self._reset(p)
+                else:  # another dict: its values are this parameter's state now
+                    self._load_state_of(p, cur)
+                    self._publish_one(p)
+            if params is None:
+                if not isinstance(self.state, _WatchedState):
+                    watched = _WatchedState(dict)
+                    dict.update(watched, self.state)
+                    watched._flag = flag
+                    self.state = watched
+                self._watched_state = self.state
+                flag.dirty = False
         for part in self._part_list:  # steps written into the published views
             if any(part.has_step):
                 now = part.steps.tolist()
@@ -370,10 +416,11 @@ class _OverCpp(torch.optim.Optimizer):
             if new is not live and name != "step":
                 with torch.no_grad():
                     live.copy_(new)
-            cur[name] = live
+            dict.__setitem__(cur, name, live)
         if "step" in published:
-            cur["step"] = published["step"]
-            part.steps_written[k] = None  # (re-read at the next publish)
+            count = float(part.impl.step_count(k))
+            part.steps[k] = count
+            part.steps_written[k] = count
 
     def _reset(self, p):
         """p's state starts over (as at construction, step 0), unpublished until it
@@ -462,13 +509,17 @@ class _OverCpp(torch.optim.Optimizer):
 
     def _publish_one(self, p):
         part, k = self._where[id(p)]
-        st = dict(part.impl.state(k))
+        st = _WatchedEntry(part.impl.state(k))
         if part.has_step[k]:
-            st["step"] = part.steps[k]
+            dict.__setitem__(st, "step", part.steps[k])
             part.steps[k] = float(part.impl.step_count(k))
             part.steps_written[k] = float(part.impl.step_count(k))
+        st._flag = self._state_flag
         self._published[id(p)] = (st, dict(st))
-        self.state[p] = st
+        if isinstance(self.state, dict):
+            dict.__setitem__(self.state, p, st)  # (our own write: no flag)
+        else:
+            self.state[p] = st
 
     def _bind_for(self, p):
         """_bind() for a call about parameter p alone: nothing to do where p is bound
