@@ -399,8 +399,13 @@ void muon_step_from_updates(Comm* comm, const MuonLayout& layout,
       if (!direct(k)) ahead[mats[k].param] = 0;
     }
   }
+  // (one process: a parameter without a gradient is known here already, and skipped
+  // before its update and Newton–Schulz; across ranks the gate's count decides)
+  const auto skipped_here = [&](size_t i) {
+    return group == nullptr && grad_ranks != nullptr && (*grad_ranks)[i] == 0;
+  };
   for (size_t i = 0; i < P; ++i) {
-    if (!ahead[i]) continue;
+    if (!ahead[i] || skipped_here(i)) continue;
     make_update(i);
     if (gate.failed()) continue;
     std::vector<std::pair<size_t, at::Tensor>> mine;

@@ -84,3 +84,53 @@ def test_a_list_of_parameters_made_before_sharding_is_followed_too(one_rank):
     opt = optimizer("AdamW", params)
     bound = [p for g in opt.param_groups for p in g["params"]]
     assert len(bound) == len(params) and all(a is b for a, b in zip(bound, model.parameters()))
+
+
+def _hsdp_before(rank, world):
+    """Built before fully_shard over a (replicate 2, shard 1) mesh: its group follows
+    the shards' (the shard group, as one built after takes), and it trains as one
+    process."""
+    from torch.distributed.device_mesh import init_device_mesh
+    torch.manual_seed(2)
+    model = Net()
+    opt = optimizer("Muon", model.parameters())
+    mesh = init_device_mesh("cpu", (2, 1), mesh_dim_names=("replicate", "shard"))
+    for b in model.blocks:
+        rfsdp.fully_shard(b, mesh=mesh)
+    rfsdp.fully_shard(model, mesh=mesh)
+    xs, ys = data(2)
+    for x, y in zip(xs, ys):
+        loss = nn.functional.mse_loss(model(x), y)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    return opt.comm.size(), rfsdp.full_parameters(model)
+
+
+def test_under_hsdp_its_group_follows_the_shards():
+    torch.manual_seed(2)
+    model = Net()
+    opt = optimizer("Muon", model.parameters())
+    xs, ys = data(2)
+    for x, y in zip(xs, ys):
+        loss = nn.functional.mse_loss(model(x), y)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    for size, full in run_ranks(_hsdp_before, 2, timeout=300):
+        assert size == 1
+        for n, p in model.named_parameters():
+            torch.testing.assert_close(full[n], p.detach(), rtol=0, atol=1e-5, msg=n)
+
+
+def test_a_split_typo_is_refused_when_an_optimizer_built_before_binds_the_shards(one_rank):
+    model = Net()
+    opt = optimizer("Muon", model.parameters())
+    pol = rfsdp.policy.muon(split={"blocks.0.fc.weigth": [12, 12]})
+    for b in model.blocks:
+        rfsdp.fully_shard(b, policy=pol)
+    rfsdp.fully_shard(model, policy=pol)
+    x, y = data(0)
+    nn.functional.mse_loss(model(x[0]), y[0]).backward()
+    with pytest.raises(ValueError, match="'blocks.0.fc.weigth' \\(nearest: 'blocks.0.fc.weight'"):
+        opt.step()

@@ -210,3 +210,35 @@ def test_a_write_that_cannot_be_honoured_is_an_error(write, match):
         opt.step()
     for a, p in zip(before, model.parameters()):
         assert torch.equal(a, p)
+
+
+def replace_steps(opt, name, model, make):
+    for st in opt.state.values():
+        if "step" in st:
+            st["step"] = torch.tensor(1.0)  # (another tensor, not a write into the published one)
+    return opt
+
+
+def clear_entries(opt, name, model, make):
+    for st in list(opt.state.values()):
+        st.clear()  # each entry emptied in place
+    return opt
+
+
+def move_state(opt, name, model, make):
+    """The state moved into a new optimizer entry by entry (parameters not stepped there)."""
+    new = make(name, model.parameters())
+    for p, st in opt.state.items():
+        new.state[p] = {k: v.clone() for k, v in st.items()}
+    return new
+
+
+@pytest.mark.parametrize("change", [replace_steps, clear_entries, move_state],
+                         ids=["step replaced", "entries emptied", "state moved"])
+def test_other_writes_are_followed_as_torch_adamw_follows_them(change):
+    want = run("AdamW", 8, change, make=torch_adamw)
+    got = run("AdamW", 8, change)
+    for n in want:
+        torch.testing.assert_close(got[n], want[n], rtol=0, atol=1e-6, msg=n)
+    plain = run("AdamW", 8, make=torch_adamw)
+    assert any(not torch.equal(plain[n], want[n]) for n in want) or change is move_state

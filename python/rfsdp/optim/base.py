@@ -34,12 +34,21 @@ def _follow_replaced(optimizer, stepped):
             if id(p) in stepped:
                 raise ValueError(
                     "%s: parameter '%s' was sharded by fully_shard after this optimizer stepped "
-                    "it, and its state is of the whole tensor: build the optimizer after "
-                    "fully_shard (or load its state with rfsdp.checkpoint, which reshards)"
-                    % (type(optimizer).__name__, p._rfsdp_replaced))
+                    "it (or loaded a state for it), and its state is of the whole tensor: build "
+                    "the optimizer after fully_shard (or load its state with rfsdp.checkpoint, "
+                    "which reshards)" % (type(optimizer).__name__, p._rfsdp_replaced))
             ps[k] = new
             optimizer.state.pop(p, None)  # (an empty entry torch's defaultdict made)
             changed = True
+    if changed:
+        seen = set()
+        for p in (p for g in optimizer.param_groups for p in g["params"]):
+            if id(p) in seen:
+                raise ValueError("%s: parameter '%s' is in its param groups twice now that "
+                                 "fully_shard's shard took the replaced parameter's place (it was "
+                                 "added again with add_param_group?)"
+                                 % (type(optimizer).__name__, p._rfsdp_shard.name))
+            seen.add(id(p))
     return changed
 
 
@@ -72,17 +81,19 @@ def _shard_spec(i, p, name=None):
     return (shard, local(p.data))
 
 
-def _check_policies(optimizer_name, params):
-    """The plan policies of fully_shard's parameters: a name one of them was given
-    (rfsdp.policy.muon(split={name: ...})) that matched no parameter is an error
-    here, once sharding is done (a typo would leave matrices unsplit)."""
+def _check_policies(optimizer_name, params, checked):
+    """The plan policies of fully_shard's parameters, those not in `checked` (ids):
+    a name one of them was given (rfsdp.policy.muon(split={name: ...})) that
+    matched no parameter is an error here, once sharding is done (a typo would
+    leave matrices unsplit). Returns the ids checked now and before."""
     seen = {}
     for p in params:
         pol = getattr(p, "_rfsdp_policy", None)
-        if pol is not None and hasattr(pol, "check_matched"):
+        if pol is not None and id(pol) not in checked and hasattr(pol, "check_matched"):
             seen.setdefault(id(pol), pol)
     for pol in seen.values():
         pol.check_matched("%s (the plan policy of its parameters)" % optimizer_name)
+    return set(checked) | set(seen)
 
 
 def _tensor_keys(params):
@@ -261,6 +272,7 @@ class _OverCpp(torch.optim.Optimizer):
     def _set_groups(self, process_group, timeout_seconds):
         """self.comm, the ranks the C++ optimizers agree over (_default_comm), and
         self._group, those a state dict is placed over (state_layout.default_group)."""
+        self._given_group, self._timeout_seconds = process_group, timeout_seconds
         self.comm = _default_comm(process_group, timeout_seconds, self.param_groups)
         self._group = default_group(process_group)
 
@@ -288,15 +300,18 @@ class _OverCpp(torch.optim.Optimizer):
         if generation != getattr(self, "_replacements_seen", None):
             # (only when fully_shard replaced parameters since: O(1) per step otherwise)
             self._replacements_seen = generation
-            _follow_replaced(self, stepped)
+            if _follow_replaced(self, stepped) and getattr(self, "_given_group", None) is None \
+                    and hasattr(self, "comm"):
+                # the shards' group, as for an optimizer built after (HSDP: the shard group)
+                self._set_groups(None, self._timeout_seconds)
         params = self._all_params()
         old = getattr(self, "_bound_params", None)
         if not force and old is not None and len(old) == len(params) and \
                 all(a is b for a, b in zip(old, params)):
             return
-        if old is None:
-            _check_policies(type(self).__name__, params)
-        else:  # (what a user did to self.state applies before the state is carried over)
+        self._policies_checked = _check_policies(type(self).__name__, params,
+                                                 getattr(self, "_policies_checked", set()))
+        if old is not None:  # (what a user did to self.state applies before the state is carried over)
             self._follow_state()
             stepped = self._stepped
         kept = {id(p): self._state_of(p) for p in (old or []) if id(p) in stepped}
@@ -356,19 +371,23 @@ class _OverCpp(torch.optim.Optimizer):
         # nothing to scan; self.state replaced: every parameter's looked at)
         if params is not None or state is not self._watched_state or flag.dirty:
             for p in (self._bound_params if params is None else params):
-                if id(p) not in self._stepped:
-                    continue
                 cur = state.get(p)
+                if id(p) not in self._stepped:
+                    if cur:  # a state given to a parameter that has not stepped: loaded
+                        self._load_state_of(p, cur)
+                        self._publish_one(p)
+                    continue
+                if not cur:  # removed, replaced by {} or emptied in place
+                    self._reset(p)
+                    continue
                 mine = self._published.get(id(p))
                 if mine is not None and cur is mine[0]:
                     if not _same_entries(cur, mine[1]):
                         self._take_writes(p, cur, mine[1])
                     continue
-                if not cur:
-                    self._reset(p)
-                else:  # another dict: its values are this parameter's state now
-                    self._load_state_of(p, cur)
-                    self._publish_one(p)
+                # another dict: its values are this parameter's state now
+                self._load_state_of(p, cur)
+                self._publish_one(p)
             if params is None:
                 if not isinstance(self.state, _WatchedState):
                     watched = _WatchedState(dict)
@@ -377,6 +396,15 @@ class _OverCpp(torch.optim.Optimizer):
                     self.state = watched
                 self._watched_state = self.state
                 flag.dirty = False
+        if params is not None:  # (the checkpoint protocol's calls: these parameters' steps)
+            for p in params:
+                part, k = self._where[id(p)]
+                if part.has_step[k] and id(p) in self._stepped:
+                    now = float(part.steps[k])
+                    if now != part.steps_written[k]:
+                        part.impl.set_step_count(k, _step_value(now, p))
+                        part.steps_written[k] = now
+            return
         for part in self._part_list:  # steps written into the published views
             if any(part.has_step):
                 now = part.steps.tolist()
@@ -418,9 +446,8 @@ class _OverCpp(torch.optim.Optimizer):
                     live.copy_(new)
             dict.__setitem__(cur, name, live)
         if "step" in published:
-            count = float(part.impl.step_count(k))
-            part.steps[k] = count
-            part.steps_written[k] = count
+            part.steps[k] = float(part.impl.step_count(k))
+            part.steps_written[k] = float(part.steps[k])
 
     def _reset(self, p):
         """p's state starts over (as at construction, step 0), unpublished until it
@@ -496,9 +523,8 @@ class _OverCpp(torch.optim.Optimizer):
         params = self._bound_params
         for part in self._part_list:
             if any(part.has_step):
-                counts = [float(c) for c in part.impl.step_counts()]
-                part.steps.copy_(torch.tensor(counts))
-                part.steps_written = counts
+                part.steps.copy_(torch.tensor([float(c) for c in part.impl.step_counts()]))
+                part.steps_written = part.steps.tolist()  # (as float32 holds them)
             for k, i in enumerate(part.idx):
                 p = params[i]
                 if id(p) not in self._stepped:
@@ -513,7 +539,7 @@ class _OverCpp(torch.optim.Optimizer):
         if part.has_step[k]:
             dict.__setitem__(st, "step", part.steps[k])
             part.steps[k] = float(part.impl.step_count(k))
-            part.steps_written[k] = float(part.impl.step_count(k))
+            part.steps_written[k] = float(part.steps[k])
         st._flag = self._state_flag
         self._published[id(p)] = (st, dict(st))
         if isinstance(self.state, dict):
