@@ -182,8 +182,8 @@ void Comm::check_in(const char* op, int64_t numel, at::ScalarType dtype) {
   at::Tensor all = at::empty({size_ * 4}, at::kLong);
   c10d::AllgatherOptions opts;
   opts.timeout = timeout_;
-  make_handle({group()._allgather_base(all, mine, opts)}, nullptr,
-              std::string(op) + " (its check-in)", at::Tensor()).wait();
+  // (a peer that never comes: "<op> did not complete", as the collective itself would say)
+  make_handle({group()._allgather_base(all, mine, opts)}, nullptr, op, at::Tensor()).wait();
   const int64_t* a = all.data_ptr<int64_t>();
   bool same = true;
   for (int r = 1; r < size_ && same; ++r) same = std::equal(a, a + 4, a + 4 * r);
