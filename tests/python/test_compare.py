@@ -337,3 +337,86 @@ def test_importing_compare_needs_no_matplotlib():
             "print(rfsdp.compare.analysis.plots({}, {}, '.'))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0 and out.stdout.strip() == "[]", out.stderr[-2000:]
+
+
+# --- coordinate descent ---------------------------------------------------------------
+
+def _fake_trainer(loss, calls):
+    """A trainer for sweep.run that writes each run's record from loss(point, budget,
+    seed) (None: diverged) instead of training."""
+    def train(cfg, out, runs):
+        calls.append(len(runs))
+        for run in runs:
+            v = loss(run["point"], run["budget"], run["seed"])
+            rec = dict(key=run["key"], file=run["file"], optimizer=run["optimizer"],
+                       names=run["names"], point=run["point"], budget=run["budget"],
+                       seed=run["seed"], steps=run["steps"], error=None,
+                       diverged=v is None, diverged_step=3 if v is None else None,
+                       diverged_reason="constructed" if v is None else None, val_loss=v,
+                       train_loss=v, tokens_per_s=1000.0, step_ms=1.0,
+                       state_bytes_per_rank=[8, 8], peak_mib_per_rank=[1.0, 1.0],
+                       machine=dict(cpu="test CPU"), params=1000)
+            with open(os.path.join(out, "runs", run["file"]), "w") as f:
+                json.dump(rec, f)
+    return train
+
+
+def test_coordinate_descent_finds_the_best_of_a_separable_grid_with_fewer_runs(tmp_path):
+    lrs = [1e-3, 2e-3, 4e-3, 8e-3, 1.6e-2, 3.2e-2]
+    wds = [0.0, 0.05, 0.1, 0.2]
+    b1s = [0.8, 0.9, 0.95]
+    cfg = _config(search="coordinate", seeds=[0, 1], budgets_tokens=[65536, 131072, 262144],
+                  optimizers={"adamw": {"optimizer": "adamw", "lr": lrs, "weight_decay": wds,
+                                        "betas": [[b, 0.999] for b in b1s]}})
+
+    def loss(point, budget, seed):
+        if point["lr"] == 3.2e-2:
+            return None  # diverges
+        best_lr = 8e-3 if budget < 262144 else 4e-3
+        return (TRUE(budget) + 0.01 * math.log2(point["lr"] / best_lr) ** 2
+                + (point["weight_decay"] - 0.05) ** 2 + (point["betas"][0] - 0.9) ** 2
+                + 0.001 * seed)
+    calls = []
+    path = tmp_path / "c.json"
+    path.write_text(json.dumps(cfg))
+    lines = []
+    from rfsdp.compare.sweep import run as sweep_run
+    res = sweep_run(str(path), str(tmp_path), echo=lines.append,
+                    trainer=_fake_trainer(loss, calls))
+    trained = len(os.listdir(tmp_path / "runs"))
+    full = len(C.expand(cfg))
+    assert trained < full / 2, (trained, full)  # measured: 66 of 432, in 4 rounds
+    assert len(calls) >= 3  # rounds: start, then each axis
+    for b in cfg["budgets_tokens"]:
+        best = res["optimizers"]["adamw"]["best"][str(b)]
+        assert (best["lr"], best["weight_decay"], best["betas"]) == (
+            8e-3 if b < 262144 else 4e-3, 0.05, [0.9, 0.999]), best
+        assert res["optimizers"]["adamw"]["descent"][str(b)]["ended"]
+    assert res["missing"] == [] and res["law"] is not None
+    assert any("coordinate descent, round 1" in l for l in lines)
+    # Run again: nothing to train, the same answer.
+    calls.clear()
+    sweep_run(str(path), str(tmp_path), echo=lambda *a: None, trainer=_fake_trainer(loss, calls))
+    assert calls == []
+
+
+def test_coordinate_descent_mid_way_reports_what_it_needs(tmp_path):
+    cfg = _config(search="coordinate", seeds=[0], budgets_tokens=[65536, 131072, 262144],
+                  optimizers={"adamw": {"optimizer": "adamw", "lr": [1e-3, 2e-3, 4e-3],
+                                        "weight_decay": [0.0, 0.1], "start": {"lr": 1e-3}}})
+    from rfsdp.compare.search import coordinate_state, start_point
+    assert start_point(cfg["optimizers"]["adamw"]) == {"lr": 1e-3, "weight_decay": 0.0}
+    os.makedirs(tmp_path / "runs")
+    C.save(cfg, str(tmp_path))
+    state, need = coordinate_state(cfg, {})
+    assert len(need) == 3 and all(r["point"] == {"lr": 1e-3, "weight_decay": 0.0} for r in need)
+    lines = []
+    res = compare.report(str(tmp_path), echo=lines.append, plot=False)
+    assert len(res["missing"]) == 3  # the start points only, not the whole grid
+    assert any("not ended" in l for l in lines)
+    # shards split the descents
+    s1, _ = coordinate_state(cfg, {}, 0, 2)
+    s2, _ = coordinate_state(cfg, {}, 1, 2)
+    assert sorted(s1) + sorted(s2) != [] and not set(s1) & set(s2) and len(s1) + len(s2) == 3
+    with pytest.raises(C.ConfigError, match="start"):
+        _config(optimizers={"adamw": {"optimizer": "adamw", "lr": [1e-3], "start": {"lr": 5.0}}})

@@ -56,6 +56,10 @@ def _num(v):
     return json.dumps(v, separators=(",", ":")) if isinstance(v, (list, dict)) else str(v)
 
 
+def _tokens(n):
+    return "%.3gM" % (n / 1e6) if n >= 1e6 else "%.3gK" % (n / 1e3) if n >= 1e3 else str(n)
+
+
 def _finite(x):
     return None if x is None or not math.isfinite(x) else x
 
@@ -98,6 +102,11 @@ def analyse(cfg, runs):
     names = list(cfg["optimizers"])
     budgets = cfg["budgets_tokens"]
     missing, optimizers = {}, {}
+    descents = needed = None
+    if cfg["search"] == "coordinate":  # only what the descents need is missing
+        from .search import coordinate_state
+        descents, need = coordinate_state(cfg, runs)
+        needed = {r["key"] for r in need}
     for name in names:
         spec = cfg["optimizers"][name]
         expected = C.runs_of(cfg, name)
@@ -107,6 +116,8 @@ def analyse(cfg, runs):
             rec = runs.get(key)
             point = json.loads(pj)
             if rec is None:
+                if needed is not None and key not in needed:
+                    continue  # a point the descent has not asked for
                 f = C.run_file(spec["optimizer"], b, s, key)
                 if f in missing:  # a run several names share: listed once
                     missing[f]["names"].append(name)
@@ -190,8 +201,25 @@ def analyse(cfg, runs):
             wall[b]["throughput_ratio"] = ratio
         o["token_speedup"] = tok
         o["wallclock_speedup"] = wall
+        if descents is not None:
+            o["descent"] = {str(b): dict(ended=d["done"], point=d["point"],
+                                         visited=len(d["visited"]))
+                            for (n, b), d in descents.items() if n == name}
     machines = sorted({m for o in optimizers.values() for e in o["best"].values()
                        for m in e["machines"]})
+    params = max([r.get("params") or 0 for r in runs.values()] or [0])
+    caveat = ("scale: a model of %.2fM parameters, budgets of %s to %s tokens (%.2g to %.2g tokens "
+              "per parameter; Chinchilla is about 20), %d seed%s%s. The published speedups "
+              "(Muon, SOAP, Kron about 1.4x at 0.1B falling to 1.1x at 1.2B, 1-8x Chinchilla: "
+              "Wen et al. 2509.02046; Muon about 1.4x, Shampoo about 1.3x from 190M to 1.4B: "
+              "2512.05620) are for models and budgets hundreds to thousands of times larger; "
+              "read these as what this protocol measures here, not as those numbers."
+              % (params / 1e6, _tokens(budgets[0]), _tokens(budgets[-1]),
+                 budgets[0] / params if params else float("nan"),
+                 budgets[-1] / params if params else float("nan"), len(cfg["seeds"]),
+                 "" if len(cfg["seeds"]) == 1 else "s",
+                 ": no spread over seeds, so differences within the seed-to-seed noise (not "
+                 "measured) mean nothing" if len(cfg["seeds"]) == 1 else ""))
     return dict(
         baseline=base_name,
         law=None if law is None else dict(alpha=law.alpha, B=law.B, beta=law.beta,
@@ -205,7 +233,7 @@ def analyse(cfg, runs):
                  "against seed s of the baseline, through the law fitted to the seed-averaged "
                  "best baseline points, re-centred at each budget through the baseline's loss); "
                  "not a confidence interval",
-        seeds=cfg["seeds"], budgets_tokens=budgets)
+        seeds=cfg["seeds"], budgets_tokens=budgets, params=params, caveat=caveat)
 
 
 def _sp(d):
@@ -284,7 +312,13 @@ def table(res, cfg):
     if len(res["machines"]) > 1:
         lines.append("WARNING: the best runs come from several CPUs/GPUs (%s): wall-clock "
                      "speedups compare machines, not optimizers" % "; ".join(res["machines"]))
+    unended = [(n, b) for n, o in res["optimizers"].items()
+               for b, d in (o.get("descent") or {}).items() if not d["ended"]]
+    if unended:
+        lines.append("coordinate descents not ended (their best is provisional): "
+                     + ", ".join("%s at %s" % nb for nb in unended))
     lines.append("speedup intervals: " + res["interval"])
+    lines.append("caveat: " + res["caveat"])
     return lines
 
 

@@ -10,7 +10,8 @@
               "min_lr_fraction": 0.0}}
 Optional: "val_tokens" (65536: the held-out tokens every run is scored on),
 "device" ("cpu" | "cuda"), "threads_per_rank" (1), "clip" (1.0; 0: none),
-"divergence_window" (10)."""
+"divergence_window" (10), "search" ("grid": every point; "coordinate": coordinate
+descent from each entry's "start" point, rfsdp.compare.search)."""
 import hashlib
 import itertools
 import json
@@ -22,7 +23,7 @@ from .optimizers import allowed_keywords, parse_name
 REQUIRED = ["model", "data", "ranks", "batch_tokens", "budgets_tokens", "seeds", "baseline",
             "optimizers", "schedule"]
 OPTIONAL = dict(val_tokens=65536, device="cpu", threads_per_rank=1, clip=1.0,
-                divergence_window=10)
+                divergence_window=10, search="grid")
 # What a run's key holds besides its optimizer point: a run is the same run (and
 # trained once) whenever these, the optimizer kind, its hyperparameters, the budget
 # and the seed are, whatever name the optimizer has in the config.
@@ -93,6 +94,9 @@ def check(cfg):
     if not seeds or any(isinstance(s, bool) or not isinstance(s, int) for s in seeds) \
             or len(set(seeds)) != len(seeds):
         raise ConfigError("config: seeds must be distinct integers, got %r" % (seeds,))
+    if cfg["search"] not in ("grid", "coordinate"):
+        raise ConfigError("config: search must be 'grid' or 'coordinate', got %r"
+                          % (cfg["search"],))
     if cfg["device"] not in ("cpu", "cuda"):
         raise ConfigError("config: device must be 'cpu' or 'cuda', got %r" % (cfg["device"],))
     sched = cfg["schedule"]
@@ -117,13 +121,18 @@ def check(cfg):
         except ValueError as e:
             raise ConfigError("config: optimizer %r: %s" % (name, e))
         allowed = allowed_keywords(spec["optimizer"])
-        unknown = [k for k in spec if k != "optimizer" and k not in allowed]
+        unknown = [k for k in spec if k not in ("optimizer", "start") and k not in allowed]
         if unknown:
             raise ConfigError("config: optimizer %r (%s) takes no %s (it takes: %s)"
                               % (name, spec["optimizer"], ", ".join(map(repr, unknown)),
                                  ", ".join(allowed)))
+        start = spec.get("start", {})
+        if not isinstance(start, dict) or any(k not in spec or k in ("optimizer", "start")
+                                              or v not in spec[k] for k, v in start.items()):
+            raise ConfigError("config: optimizer %r: \"start\" must map swept keywords to "
+                              "values of their grids, got %r" % (name, start))
         for k, v in spec.items():
-            if k == "optimizer":
+            if k in ("optimizer", "start"):
                 continue
             if not isinstance(v, list) or not v:
                 raise ConfigError("config: optimizer %r: %r must be a non-empty list of values "
@@ -143,7 +152,7 @@ def check(cfg):
 def axes(spec):
     """The swept hyperparameters of an optimizer's entry, in a fixed order: lr, then
     weight_decay, then the rest by name."""
-    keys = [k for k in spec if k != "optimizer"]
+    keys = [k for k in spec if k not in ("optimizer", "start")]
     return sorted(keys, key=lambda k: (k != "lr", k != "weight_decay", k))
 
 

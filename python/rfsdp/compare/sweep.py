@@ -64,31 +64,17 @@ def launch(cfg, out, runs, offset, total, elapsed_before, tokens_before, echo=pr
     return code, list(tail)
 
 
-def run(config_path, out, shard="1/1", report=True, echo=print, max_failures=None):
-    """Trains what DIR lacks of this machine's share of the config's runs; returns
-    the report's results (or None with report=False)."""
-    cfg = C.load(config_path)
-    index, count = C.parse_shard(shard)
-    os.makedirs(os.path.join(out, "runs"), exist_ok=True)
-    old = os.path.join(out, "config.json")
-    if os.path.exists(old):
-        with open(old) as f:
-            prev = json.load(f)
-        if prev != cfg:
-            echo("[compare] %s held another config: replaced (runs are keyed by what trains "
-                 "them, so those still asked for are kept)" % old)
-    C.save(cfg, out)
-    runs = C.expand(cfg)
-    mine = C.shard(runs, index, count)
-    todo = [r for r in mine if not _done(out, r)]
-    echo("[compare] %d runs in the sweep%s; %d already in %s; %d to train"
-         % (len(runs), " (%d in shard %s)" % (len(mine), shard) if count > 1 else "",
-            len(mine) - len(todo), os.path.join(out, "runs"), len(todo)))
-    t0 = time.time()
-    failures = 0
-    tokens = 0
+def _train(cfg, out, todo, echo, trainer=None, max_failures=None, t0=None):
+    """Trains the runs in todo (those not yet in out), in order, under torchrun (or
+    with trainer(cfg, out, runs): tests); a run whose worker died is recorded as
+    failed and the rest go on. Returns how many failed."""
+    todo = [r for r in todo if not _done(out, r)]
+    if trainer is not None:
+        trainer(cfg, out, todo)
+        return 0
+    t0 = time.time() if t0 is None else t0
+    failures = tokens = offset = 0
     total = len(todo)
-    offset = 0
     while todo:
         code, tail = launch(cfg, out, todo, offset, total, time.time() - t0, tokens, echo=echo)
         finished = [r for r in todo if _done(out, r)]
@@ -96,7 +82,6 @@ def run(config_path, out, shard="1/1", report=True, echo=print, max_failures=Non
         rest = [r for r in todo if not _done(out, r)]
         offset += len(todo) - len(rest)
         if code == 0 or not rest:
-            todo = rest
             if code != 0:
                 echo("[compare] the worker exited with code %d after its last run" % code)
             break
@@ -113,6 +98,54 @@ def run(config_path, out, shard="1/1", report=True, echo=print, max_failures=Non
         if max_failures is not None and failures >= max_failures:
             echo("[compare] %d failures: stopping (%d runs left untrained)" % (failures, len(todo)))
             break
+    return failures
+
+
+def run(config_path, out, shard="1/1", report=True, echo=print, max_failures=None,
+        trainer=None):
+    """Trains what DIR lacks of this machine's share of the config's runs (grid: every
+    point; coordinate: what the descents need, round after round); returns the
+    report's results (or None with report=False)."""
+    cfg = C.load(config_path)
+    index, count = C.parse_shard(shard)
+    os.makedirs(os.path.join(out, "runs"), exist_ok=True)
+    old = os.path.join(out, "config.json")
+    if os.path.exists(old):
+        with open(old) as f:
+            prev = json.load(f)
+        if prev != cfg:
+            echo("[compare] %s held another config: replaced (runs are keyed by what trains "
+                 "them, so those still asked for are kept)" % old)
+    C.save(cfg, out)
+    t0 = time.time()
+    if cfg["search"] == "grid":
+        runs = C.expand(cfg)
+        mine = C.shard(runs, index, count)
+        todo = [r for r in mine if not _done(out, r)]
+        echo("[compare] %d runs in the sweep%s; %d already in %s; %d to train"
+             % (len(runs), " (%d in shard %s)" % (len(mine), shard) if count > 1 else "",
+                len(mine) - len(todo), os.path.join(out, "runs"), len(todo)))
+        _train(cfg, out, todo, echo, trainer, max_failures, t0)
+    else:
+        from .analysis import _load_runs
+        from .search import coordinate_state
+        rounds = 0
+        while True:
+            state, need = coordinate_state(cfg, _load_runs(out), index, count)
+            ended = sum(1 for d in state.values() if d["done"])
+            if not need:
+                echo("[compare] coordinate descent: %d descents%s ended after %d round(s) here"
+                     % (len(state), " (shard %s)" % shard if count > 1 else "", rounds))
+                break
+            rounds += 1
+            echo("[compare] coordinate descent, round %d: %d of %d descents%s ended; %d runs "
+                 "to train" % (rounds, ended, len(state),
+                               " (shard %s)" % shard if count > 1 else "", len(need)))
+            before = len(_load_runs(out))
+            _train(cfg, out, need, echo, trainer, max_failures, t0)
+            if len(_load_runs(out)) == before:
+                echo("[compare] coordinate descent: a round trained nothing; stopping")
+                break
     echo("[compare] trained in %s" % _fmt(time.time() - t0))
     if not report:
         return None

@@ -210,6 +210,7 @@ def train_run(cfg, run, train, val, rank, world, device):
     rec["step_ms"] = 1e3 * train_s / len(step_s) if step_s else None
     rec["step_ms_median"] = 1e3 * statistics.median(step_s) if step_s else None
     rec["run_seconds"] = time.time() - t_start
+    rec["loadavg_end"] = list(os.getloadavg())  # (what else ran: timings mean little under load)
     per_rank = _all_gather_floats([state, _peak_mib(device)], device)
     rec["state_bytes_per_rank"] = [int(r[0]) for r in per_rank]
     rec["peak_mib_per_rank"] = [round(r[1], 1) for r in per_rank]
