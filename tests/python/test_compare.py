@@ -420,3 +420,29 @@ def test_coordinate_descent_mid_way_reports_what_it_needs(tmp_path):
     assert sorted(s1) + sorted(s2) != [] and not set(s1) & set(s2) and len(s1) + len(s2) == 3
     with pytest.raises(C.ConfigError, match="start"):
         _config(optimizers={"adamw": {"optimizer": "adamw", "lr": [1e-3], "start": {"lr": 5.0}}})
+
+
+def test_grid_resume_and_shards_train_each_run_once(tmp_path):
+    cfg = _config(seeds=[0], budgets_tokens=[65536, 131072, 262144])
+    path = tmp_path / "c.json"
+    path.write_text(json.dumps(cfg))
+    from rfsdp.compare.sweep import run as sweep_run
+    trained = []
+
+    def trainer(cfg, out, runs):
+        trained.append([r["file"] for r in runs])
+        _fake_trainer(lambda p, b, s: _loss("muon" if "lr" in p and p["lr"] >= 0.01 else
+                                            "adamw", p, b, s), [])(cfg, out, runs)
+    quiet = lambda *a: None  # noqa: E731
+    sweep_run(str(path), str(tmp_path), shard="1/2", echo=quiet, trainer=trainer, report=False)
+    sweep_run(str(path), str(tmp_path), shard="2/2", echo=quiet, trainer=trainer, report=False)
+    every = [r["file"] for r in C.expand(C.load(str(path)))]
+    assert sorted(trained[0] + trained[1]) == sorted(every) and not set(trained[0]) & set(
+        trained[1])
+    sweep_run(str(path), str(tmp_path), echo=quiet, trainer=trainer, report=False)
+    assert trained[2] == []  # all there: nothing trains
+    os.remove(tmp_path / "runs" / every[4])
+    lines = []
+    res = sweep_run(str(path), str(tmp_path), echo=lines.append, trainer=trainer)
+    assert trained[3] == [every[4]] and res["missing"] == []
+    assert any("20 already in" in l and "1 to train" in l for l in lines)
