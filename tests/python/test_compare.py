@@ -52,6 +52,19 @@ def test_fit_refuses_what_cannot_carry_a_law():
         fit_law(BUDGETS[:4], [2.0, 2.1, 2.2, 2.3])
 
 
+def test_fit_says_when_the_points_do_not_bend_like_the_law():
+    """Losses that fall faster at the larger budgets (early in training: the main
+    job's AdamW at 128K, 256K, 512K tokens fell 0.13 then 0.32) fit no power law with
+    beta >= 0: beta is held at 0 and the law says so; a true law's points say nothing."""
+    D = [131072, 262144, 524288]
+    law = fit_law(D, [2.5754, 2.4479, 2.1279])
+    assert law.beta == 0.0 and law.alpha > 0 and law.notes and "floor" in law.notes[0]
+    assert max(abs(r) for r in law.residuals) > 0.03
+    free = fit_law(D, [2.5754, 2.4479, 2.1279], beta_min=None)
+    assert free.beta < 0 and any("end of its search range" in n for n in free.notes)
+    assert fit_law(BUDGETS, [TRUE(d) for d in BUDGETS]).notes == []
+
+
 def test_token_speedup_on_constructed_points():
     D = BUDGETS[2]
     # A challenger reaching at D what the law reaches at 2 D: 2x, re-centred or not.

@@ -222,9 +222,7 @@ def analyse(cfg, runs):
                  "measured) mean nothing" if len(cfg["seeds"]) == 1 else ""))
     return dict(
         baseline=base_name,
-        law=None if law is None else dict(alpha=law.alpha, B=law.B, beta=law.beta,
-                                          budgets=law.budgets, losses=law.losses,
-                                          residuals=law.residuals),
+        law=None if law is None else law.to_dict(),
         law_error=law_error,
         optimizers=optimizers,
         missing=list(missing.values()),
@@ -256,6 +254,9 @@ def table(res, cfg):
                      % (base, law["beta"], law["alpha"], law["B"]))
         lines.append("  residuals (observed - law): " + ", ".join(
             "D=%d: %+.4f" % (d, r) for d, r in zip(law["budgets"], law["residuals"])))
+        for note in law.get("notes") or []:
+            lines.append("  WARNING: %s; the speedups below convert loss gaps into tokens at "
+                         "this fit's average rate, not along a fitted power law" % note)
     else:
         lines.append("no law for %s: %s; no speedups" % (base, res["law_error"]))
     head = ("%-10s %-14s %-34s %-16s %-26s %-26s %9s %11s" % (

@@ -28,6 +28,7 @@ class Law:
         self.alpha, self.B, self.beta = float(alpha), float(B), float(beta)
         self.budgets, self.losses = list(budgets), list(losses)
         self.residuals = list(residuals)
+        self.notes = []
 
     def __call__(self, budget):
         return self.beta + self.alpha * float(budget) ** (-self.B)
@@ -41,7 +42,7 @@ class Law:
 
     def to_dict(self):
         return dict(alpha=self.alpha, B=self.B, beta=self.beta, budgets=self.budgets,
-                    losses=self.losses, residuals=self.residuals)
+                    losses=self.losses, residuals=self.residuals, notes=self.notes)
 
     @classmethod
     def from_dict(cls, d):
@@ -52,8 +53,9 @@ class Law:
         return "Law(L(D) = %.6g + %.6g * D^-%.6g)" % (self.beta, self.alpha, self.B)
 
 
-def _linear_fit(x, y):
-    """Least squares y = beta + alpha x: (beta, alpha, sum of squared residuals)."""
+def _linear_fit(x, y, beta_min=None):
+    """Least squares y = beta + alpha x, beta >= beta_min when given: (beta, alpha,
+    sum of squared residuals)."""
     n = len(x)
     mx, my = sum(x) / n, sum(y) / n
     sxx = sum((a - mx) ** 2 for a in x)
@@ -61,15 +63,24 @@ def _linear_fit(x, y):
         return my, 0.0, sum((b - my) ** 2 for b in y)
     alpha = sum((a - mx) * (b - my) for a, b in zip(x, y)) / sxx
     beta = my - alpha * mx
+    if beta_min is not None and beta < beta_min:  # held at the floor: alpha alone
+        beta = beta_min
+        alpha = sum(a * (b - beta) for a, b in zip(x, y)) / sum(a * a for a in x)
     return beta, alpha, sum((b - beta - alpha * a) ** 2 for a, b in zip(x, y))
 
 
-def fit_law(budgets, losses, B_range=(1e-3, 4.0)):
+def fit_law(budgets, losses, B_range=(1e-3, 4.0), beta_min=0.0):
     """Fits L(D) = beta + alpha * D**(-B) to (budget, loss) points: at least 3
-    distinct budgets; least squares in the loss. For each B the best beta and
-    alpha are linear least squares; B minimises what is left (a log-spaced scan of
-    B_range, then golden-section refinement to rounding). Exact points give the law
-    back to rounding.
+    distinct budgets; least squares in the loss, beta >= beta_min (a cross-entropy
+    never falls below 0; None: unbounded). For each B the best beta and alpha are
+    linear least squares; B minimises what is left (a log-spaced scan of B_range,
+    then golden-section refinement to rounding). Exact points give the law back to
+    rounding.
+
+    law.notes says where the points do not look like the law: beta held at its
+    floor, or B at an end of B_range. Both happen when the losses fall faster at
+    the larger budgets (early in training, before the power-law regime): the law
+    then only averages the exchange rate between loss and tokens over the budgets.
 
     Raises ValueError when the points cannot carry a decreasing law: fewer than 3
     budgets, or losses that do not fall with the budget (the best alpha <= 0)."""
@@ -88,7 +99,7 @@ def fit_law(budgets, losses, B_range=(1e-3, 4.0)):
     r = [d / d0 for d in D]
 
     def profile(B):
-        return _linear_fit([x ** (-B) for x in r], L)
+        return _linear_fit([x ** (-B) for x in r], L, beta_min)
 
     lo, hi = math.log(B_range[0]), math.log(B_range[1])
     grid = [math.exp(lo + (hi - lo) * i / 400) for i in range(401)]
@@ -117,6 +128,12 @@ def fit_law(budgets, losses, B_range=(1e-3, 4.0)):
     alpha = alpha_s * d0 ** B  # alpha_s * (D / d0)^-B == alpha * D^-B
     law = Law(alpha, B, beta, D, L)
     law.residuals = [l - law(d) for d, l in pts]
+    if beta_min is not None and beta <= beta_min:
+        law.notes.append("beta held at its floor %g (unbounded, the fit wanted a lower one): the "
+                         "losses do not bend like a power law over these budgets" % beta_min)
+    if B <= B_range[0] * 1.05 or B >= B_range[1] / 1.05:
+        law.notes.append("B = %.3g at an end of its search range %s: the losses do not bend like "
+                         "a power law over these budgets" % (B, list(B_range)))
     return law
 
 
