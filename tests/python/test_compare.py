@@ -95,6 +95,17 @@ def test_wallclock_speedup_on_constructed_points():
     assert wallclock_speedup(TRUE, TRUE(D), D, 2000.0, 1000.0, baseline_loss=TRUE(D)) == 2.0
 
 
+def test_interpolated_speedup_reads_the_baseline_points_without_a_law():
+    pts = [(d, 3.0 - 0.2 * math.log2(d / 65536)) for d in (65536, 131072, 262144, 524288)]
+    # a loss the baseline reaches at 3x the budget (between its 2x and 4x points)
+    got = R.interpolated_speedup(pts, 3.0 - 0.2 * math.log2(3.0), 65536)
+    assert got["bound"] is None and got["value"] == pytest.approx(3.0, rel=1e-12)
+    same = R.interpolated_speedup(pts, pts[1][1], 131072)
+    assert same["bound"] is None and same["value"] == pytest.approx(1.0, rel=1e-12)
+    assert R.interpolated_speedup(pts, 2.0, 131072) == dict(value=4.0, bound="at least")
+    assert R.interpolated_speedup(pts, 3.5, 131072) == dict(value=0.5, bound="at most")
+
+
 # --- the report on constructed runs --------------------------------------------------
 
 LRS = [1e-3, 2e-3, 4e-3, 8e-3]
@@ -179,6 +190,11 @@ def test_report_on_constructed_runs(tmp_path):
         wall = res["optimizers"]["muon"]["wallclock_speedup"][str(b)]
         assert wall["value"] == pytest.approx(tok["value"] * 750.0 / 1000.0, rel=1e-9)
         assert wall["low"] == pytest.approx(min(s0 * 0.8, s1 * 0.7), rel=1e-6)
+        ip = res["optimizers"]["muon"]["interpolated_speedup"][str(b)]
+        if b < cfg["budgets_tokens"][-1]:  # inside the baseline's points: about 1.5
+            assert ip["bound"] is None and ip["value"] == pytest.approx(1.5, rel=0.05)
+        else:
+            assert ip == dict(value=1.0, bound="at least")
         # the same optimizer under two names: 1, exactly
         again = res["optimizers"]["adamw_again"]
         for key in ("token_speedup", "wallclock_speedup"):

@@ -21,13 +21,13 @@ import it when drawn)."""
 from .law import Law, fit_law, token_speedup, wallclock_speedup
 
 
-def run(config, out, shard="1/1", report=True, echo=print):
+def run(config, out, shard="1/1", report=True, echo=None):
     """Trains what `out` lacks of the config's runs (this shard's), then reports."""
     from .sweep import run as _run
     return _run(config, out, shard=shard, report=report, echo=echo)
 
 
-def report(out, echo=print, plot=True):
+def report(out, echo=None, plot=True):
     """The report of the runs in `out`: table, results.json, plots; returns the results."""
     from .analysis import report as _report
     return _report(out, echo=echo, plot=plot)

@@ -77,6 +77,23 @@ def per_seed_json(d):
     return {str(k): _finite(v) for k, v in d.items()}
 
 
+def interpolated_speedup(points, loss, budget):
+    """A cross-check of the law's token speedup that assumes no law: the budget at
+    which the baseline's measured best points reach `loss`, linear in log budget
+    between the two that bracket it, over `budget`. Beyond them, a bound:
+    dict(value, bound) with bound None, "at least" (the loss is below the baseline's
+    at its largest budget: value = largest budget / budget) or "at most"."""
+    pts = sorted((int(d), float(l)) for d, l in points)
+    for (d1, l1), (d2, l2) in zip(pts, pts[1:]):
+        if min(l1, l2) <= loss <= max(l1, l2) and l1 != l2:
+            t = (l1 - loss) / (l1 - l2)
+            return dict(value=math.exp(math.log(d1) + t * (math.log(d2) - math.log(d1)))
+                        / budget, bound=None)
+    if loss < min(l for _, l in pts):
+        return dict(value=pts[-1][0] / budget, bound="at least")
+    return dict(value=pts[0][0] / budget, bound="at most")
+
+
 def edges(spec, point):
     """Messages for each swept axis whose best value is the first or last of its
     grid (sorted): the best may lie beyond it."""
@@ -183,8 +200,10 @@ def analyse(cfg, runs):
         except ValueError as e:
             law_error = str(e)
     for name, o in optimizers.items():
-        tok, wall = {}, {}
+        tok, wall, interp = {}, {}, {}
         for b, e in o["best"].items():
+            if pts:
+                interp[b] = interpolated_speedup(pts, e["val_loss"], int(b))
             be = base.get(b)
             if law is None or be is None:
                 continue
@@ -201,6 +220,7 @@ def analyse(cfg, runs):
             wall[b]["throughput_ratio"] = ratio
         o["token_speedup"] = tok
         o["wallclock_speedup"] = wall
+        o["interpolated_speedup"] = interp
         if descents is not None:
             o["descent"] = {str(b): dict(ended=d["done"], point=d["point"],
                                          visited=len(d["visited"]))
@@ -259,8 +279,8 @@ def table(res, cfg):
                          "this fit's average rate, not along a fitted power law" % note)
     else:
         lines.append("no law for %s: %s; no speedups" % (base, res["law_error"]))
-    head = ("%-10s %-14s %-34s %-16s %-26s %-26s %9s %11s" % (
-        "budget", "optimizer", "best point", "val loss (n)", "token speedup [range]",
+    head = ("%-10s %-14s %-26s %-16s %-24s %-9s %-24s %9s %11s" % (
+        "budget", "optimizer", "best point", "val loss (n)", "token speedup [range]", "interp.",
         "wall-clock speedup [range]", "tokens/s", "state/rank"))
     lines += ["", head, "-" * len(head)]
     notes = []
@@ -275,9 +295,12 @@ def table(res, cfg):
             wall = "1 (baseline)" if name == base and law else _sp(
                 o["wallclock_speedup"].get(str(b)))
             flag = " *" if e["edge"] or e["incomplete"] else ""
-            lines.append("%-10d %-14s %-34s %-16s %-26s %-26s %9.0f %9.2f MiB%s" % (
-                b, name, _fmt_point(e["point"])[:34], "%.4f (%d)" % (e["val_loss"], len(e["seeds"])),
-                tok, wall, e["tokens_per_s"], e["state_bytes_per_rank"] / MiB, flag))
+            ip = o.get("interpolated_speedup", {}).get(str(b))
+            ip = "-" if not ip or name == base else "%s%.2f" % (
+                {"at least": ">", "at most": "<"}.get(ip["bound"], ""), ip["value"])
+            lines.append("%-10d %-14s %-26s %-16s %-24s %-9s %-24s %9.0f %7.2f MiB%s" % (
+                b, name, _fmt_point(e["point"])[:26], "%.4f (%d)" % (e["val_loss"], len(e["seeds"])),
+                tok, ip, wall, e["tokens_per_s"], e["state_bytes_per_rank"] / MiB, flag))
             for m in e["edge"]:
                 notes.append("* %s at budget %d: %s" % (name, b, m))
             if e["incomplete"]:
@@ -319,6 +342,9 @@ def table(res, cfg):
         lines.append("coordinate descents not ended (their best is provisional): "
                      + ", ".join("%s at %s" % nb for nb in unended))
     lines.append("speedup intervals: " + res["interval"])
+    lines.append("interp.: the budget at which %s's measured best points reach the loss, linear "
+                 "in log budget between the two that bracket it, over the budget (no law; > and "
+                 "<: beyond its largest or smallest budget)" % base)
     lines.append("caveat: " + res["caveat"])
     return lines
 
@@ -440,9 +466,11 @@ def plots(res, cfg, out):
     return paths
 
 
-def report(out, echo=print, plot=True):
+def report(out, echo=None, plot=True):
     """Reads DIR, prints the table, writes DIR/results.json (and the PNGs); returns
     the results."""
+    if echo is None:
+        from .sweep import say as echo
     path = os.path.join(out, "config.json")
     if not os.path.exists(path):
         raise SystemExit("report: %s has no config.json (made by `run`)" % out)

@@ -15,6 +15,12 @@ import time
 from . import config as C
 
 
+def say(line):
+    """The default echo: a line on stdout, flushed (progress lines reach a log file
+    as they happen)."""
+    print(line, flush=True)
+
+
 def _done(out, run):
     return os.path.exists(os.path.join(out, "runs", run["file"]))
 
@@ -29,9 +35,10 @@ def _failure_record(cfg, run, reason):
                 finished_at=time.strftime("%Y-%m-%dT%H:%M:%S"))
 
 
-def launch(cfg, out, runs, offset, total, elapsed_before, tokens_before, echo=print,
+def launch(cfg, out, runs, offset, total, elapsed_before, tokens_before, echo=None,
            timeout_s=600):
     """One torchrun of the worker over `runs`; returns (exit code, last output lines)."""
+    echo = echo or say
     fd, todo = tempfile.mkstemp(prefix="todo-", suffix=".json", dir=out)
     with os.fdopen(fd, "w") as f:
         json.dump(dict(config=cfg, runs=runs, offset=offset, total=total,
@@ -101,11 +108,12 @@ def _train(cfg, out, todo, echo, trainer=None, max_failures=None, t0=None):
     return failures
 
 
-def run(config_path, out, shard="1/1", report=True, echo=print, max_failures=None,
+def run(config_path, out, shard="1/1", report=True, echo=None, max_failures=None,
         trainer=None):
     """Trains what DIR lacks of this machine's share of the config's runs (grid: every
     point; coordinate: what the descents need, round after round); returns the
     report's results (or None with report=False)."""
+    echo = echo or say
     cfg = C.load(config_path)
     index, count = C.parse_shard(shard)
     os.makedirs(os.path.join(out, "runs"), exist_ok=True)
