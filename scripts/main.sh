@@ -5,8 +5,9 @@
 # 256K, 512K tokens, each its own WSD schedule) x 1 seed, every point a real run
 # under torchrun on 2 processes, fully sharded with rfsdp; then AdamW's
 # loss-vs-budget law, the token and wall-clock speedups, the state bytes per rank
-# and the plots (about 8 minutes on 2 cores); then the planner report for the
-# model zoo. Set-up as scripts/setup.sh, plus fortunes.
+# and the plots (5 minutes on 2 cores of an AMD EPYC, family 26 model 2; longer on
+# older CPUs); then the planner report for the model zoo. Set-up as
+# scripts/setup.sh, plus fortunes.
 # Extra arguments go to `rfsdp-compare run` (e.g. --shard 1/2). The full sweep
 # (6 optimizers, 2 seeds): python -m rfsdp.compare run examples/compare_sweep.json --out DIR
 # (README.md); the one-run-per-optimizer job: examples/train_gpt.py --compare.

@@ -355,6 +355,7 @@ def plots(res, cfg, out):
         import matplotlib
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
+        import matplotlib.ticker  # noqa: F401
     except ImportError:
         return []
     paths = []
@@ -451,6 +452,10 @@ def plots(res, cfg, out):
                 ax.scatter(sorted(bad), [max(top or [0]) * 1.01] * len(bad), marker="x",
                            color="C%d" % j)
         ax.set_xscale("log")
+        ax.xaxis.set_minor_formatter(matplotlib.ticker.NullFormatter())
+        ax.set_xticks(sorted({r["point"]["lr"] for r in o["runs"]}))
+        ax.xaxis.set_major_formatter(matplotlib.ticker.FuncFormatter(lambda x, _: "%g" % x))
+        ax.tick_params(axis="x", labelsize=7)
         ax.set_title("%s (%s)" % (n, o["optimizer"]), fontsize=10)
         ax.set_xlabel("learning rate")
         ax.set_ylabel("validation loss")
