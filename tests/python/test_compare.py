@@ -475,3 +475,34 @@ def test_grid_resume_and_shards_train_each_run_once(tmp_path):
     res = sweep_run(str(path), str(tmp_path), echo=lines.append, trainer=trainer)
     assert trained[3] == [every[4]] and res["missing"] == []
     assert any("20 already in" in l and "1 to train" in l for l in lines)
+
+
+def test_runs_per_launch_splits_the_launches_and_a_crash_fails_one_run(tmp_path, monkeypatch):
+    """runs_per_launch N: one torchrun per N runs (a fresh process keeps one run's
+    memory from the next); a launch that dies fails the run it held, and the rest of
+    that launch's runs and the later launches still train."""
+    from rfsdp.compare import sweep
+    cfg = _config(seeds=[0], budgets_tokens=[65536, 131072, 262144], runs_per_launch=4)
+    runs = C.expand(cfg)
+    launches = []
+
+    def fake_launch(cfg, out, batch, offset, total, *a, **k):
+        launches.append([r["file"] for r in batch])
+        for i, r in enumerate(batch):
+            if len(launches) == 2 and i == 1:  # the second launch dies in its second run
+                return 3, ["boom"]
+            _fake_trainer(lambda p, b, s: 2.0, [])(cfg, out, [r])
+        return 0, []
+    monkeypatch.setattr(sweep, "launch", fake_launch)
+    os.makedirs(tmp_path / "runs")
+    lines = []
+    failures = sweep._train(cfg, str(tmp_path), runs, lines.append)
+    assert failures == 1 and [len(b) for b in launches[:2]] == [4, 4]
+    assert launches[2][:2] == launches[1][2:]  # the rest of the dead launch, first
+    assert all(len(b) <= 4 for b in launches)
+    recs = [json.load(open(tmp_path / "runs" / r["file"])) for r in runs]
+    assert [r["file"] for r in recs if r["error"]] == [launches[1][1]]
+    assert "exited with code 3" in next(r["error"] for r in recs if r["error"])
+    assert sum(len(b) for b in launches) == len(runs) + 2  # the dead launch's last 2 again
+    # the default: every run in one launch on CPUs, one per launch on GPUs
+    assert _config()["runs_per_launch"] == 0 and _config(device="cuda")["runs_per_launch"] == 1

@@ -82,16 +82,23 @@ def _train(cfg, out, todo, echo, trainer=None, max_failures=None, t0=None):
     t0 = time.time() if t0 is None else t0
     failures = tokens = offset = 0
     total = len(todo)
+    per = cfg.get("runs_per_launch") or 0
     while todo:
-        code, tail = launch(cfg, out, todo, offset, total, time.time() - t0, tokens, echo=echo)
-        finished = [r for r in todo if _done(out, r)]
+        batch = todo[:per] if per else todo
+        code, tail = launch(cfg, out, batch, offset, total, time.time() - t0, tokens, echo=echo)
+        finished = [r for r in batch if _done(out, r)]
         tokens += sum(r["budget"] for r in finished)
-        rest = [r for r in todo if not _done(out, r)]
-        offset += len(todo) - len(rest)
+        rest = [r for r in batch if not _done(out, r)]
+        offset += len(batch) - len(rest)
         if code == 0 or not rest:
             if code != 0:
                 echo("[compare] the worker exited with code %d after its last run" % code)
-            break
+            elif rest:
+                echo("[compare] the worker ended without %d of its runs (see the report's "
+                     "missing runs)" % len(rest))
+            todo = todo[len(batch):]
+            continue
+        todo = rest + todo[len(batch):]
         # The worker died in the first run it had not finished: recorded as failed.
         failures += 1
         bad = rest[0]
@@ -101,7 +108,7 @@ def _train(cfg, out, todo, echo, trainer=None, max_failures=None, t0=None):
         write_json(os.path.join(out, "runs", bad["file"]), _failure_record(cfg, bad, reason))
         echo("[compare] run %d of %d FAILED: %s" % (offset + 1, total, reason))
         offset += 1
-        todo = rest[1:]
+        todo = todo[1:]  # (bad is todo[0])
         if max_failures is not None and failures >= max_failures:
             echo("[compare] %d failures: stopping (%d runs left untrained)" % (failures, len(todo)))
             break
