@@ -12,7 +12,7 @@ Optional: "val_tokens" (65536: the held-out tokens every run is scored on),
 "device" ("cpu" | "cuda"), "threads_per_rank" (1), "clip" (1.0; 0: none),
 "divergence_window" (10), "search" ("grid": every point; "coordinate": coordinate
 descent from each entry's "start" point, rfsdp.compare.search), "runs_per_launch"
-(runs per torchrun: 0, all of them, on CPUs; 1 with "device": "cuda")."""
+(runs per torchrun; 0: all of them in one)."""
 import hashlib
 import itertools
 import json
@@ -60,9 +60,7 @@ def check(cfg):
                                                                   ", ".join(REQUIRED)))
     for k, v in OPTIONAL.items():
         cfg.setdefault(k, v)
-    # rfsdp's sharded models are not all freed when dropped (an open issue): on a GPU
-    # a fresh process per run keeps one run's memory from the next.
-    cfg.setdefault("runs_per_launch", 1 if cfg["device"] == "cuda" else 0)
+    cfg.setdefault("runs_per_launch", 0)
     if isinstance(cfg["runs_per_launch"], bool) or not isinstance(cfg["runs_per_launch"], int) \
             or cfg["runs_per_launch"] < 0:
         raise ConfigError("config: runs_per_launch must be an integer >= 0 (0: every run in "
