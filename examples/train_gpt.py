@@ -10,7 +10,6 @@ validation loss, tokens/s, peak memory and optimizer-state bytes per rank) and a
 PNG of the loss curves against steps and against wall-clock seconds, with the
 validation losses as points."""
 import argparse
-import glob
 import math
 import os
 import resource
@@ -22,78 +21,23 @@ from torch import nn
 
 import rfsdp
 
-OPTIMIZERS = ["adamw", "adamw8bit", "muon", "shampoo", "soap"]
-# Low-bit state variants, named optimizer:variant (--optimizers muon,muon:int8):
-# the optimizer's own settings with these changed.
-VARIANTS = {
-    "muon": {"bf16": dict(momentum_dtype=torch.bfloat16), "int8": dict(momentum_dtype="int8"),
-             "int8-linear": dict(momentum_dtype="int8", momentum_map="linear"),
-             "heads": {}},  # per-head Q, K and V (split_sizes; the plan keeps heads whole)
-    "shampoo": {"bf16": dict(factor_dtype=torch.bfloat16), "int8-bases": dict(basis_dtype="int8"),
-                "int4-bases": dict(basis_dtype="int4")},
-    "soap": {"bf16": dict(factor_dtype=torch.bfloat16, basis_dtype=torch.bfloat16),
-             "int8": dict(state_dtype="int8"), "int8-bases": dict(basis_dtype="int8"),
-             "int4-bases": dict(basis_dtype="int4")},
-}
+# The model, the data and the optimizers (names, ":variant" low-bit states, the
+# settings of each, the policy each needs) live in the package, shared with
+# rfsdp.compare (python -m rfsdp.compare: sweeps per optimizer and budget).
+from rfsdp.compare.gpt import FORTUNES, GPT, Block, batches as _batches, load_text  # noqa: F401,E402
+from rfsdp.compare.optimizers import OPTIMIZERS, VARIANTS, make_optimizer  # noqa: E402
+
 # How the collectives carry the data (--comm, --grad-comm: each run once per choice,
 # same data and seed): the weights' all-gather in the compute dtype or as block codes,
 # the gradients' reduce in fp32 or in bf16 summed in fp32.
 WEIGHT_COMMS = {"full": None, "int8": "int8", "float8": "float8_e4m3fn"}
 GRAD_COMMS = {"fp32": None, "bf16": torch.bfloat16}
 SHAMPOO_DIM = 256  # max_preconditioner_dim: tiles of at most 256 x 256
-FORTUNES = "/usr/share/games/fortunes"
 DEVICE = torch.device("cpu")  # main() sets it (--device)
 
 
-def load_text(path=None):
-    """Debian's fortunes (all files), or the file at path."""
-    files = [path] if path else sorted(f for f in glob.glob(os.path.join(FORTUNES, "*"))
-                                       if os.path.isfile(f) and not f.endswith((".dat", ".u8")))
-    if not files:
-        raise SystemExit("no text under %s: install the Debian package 'fortunes'" % FORTUNES)
-    data = b"".join(open(f, "rb").read() for f in files)
-    return torch.frombuffer(bytearray(data), dtype=torch.uint8).long()
-
-
-class Block(nn.Module):
-    def __init__(self, d, heads):
-        super().__init__()
-        self.ln1, self.ln2 = nn.LayerNorm(d), nn.LayerNorm(d)
-        self.qkv, self.proj = nn.Linear(d, 3 * d), nn.Linear(d, d)
-        self.fc, self.out = nn.Linear(d, 4 * d), nn.Linear(4 * d, d)
-        self.heads = heads
-
-    def forward(self, x):
-        b, t, d = x.shape
-        q, k, v = self.qkv(self.ln1(x)).split(d, dim=2)
-        q, k, v = (z.view(b, t, self.heads, d // self.heads).transpose(1, 2) for z in (q, k, v))
-        att = (q @ k.transpose(-2, -1)) / math.sqrt(d // self.heads)
-        mask = torch.ones(t, t, dtype=torch.bool, device=x.device).triu(1)
-        att = att.masked_fill(mask, float("-inf")).softmax(-1)
-        x = x + self.proj((att @ v).transpose(1, 2).reshape(b, t, d))
-        return x + self.out(torch.nn.functional.gelu(self.fc(self.ln2(x))))
-
-
-class GPT(nn.Module):
-    def __init__(self, d, layers, heads, ctx):
-        super().__init__()
-        self.tok, self.pos = nn.Embedding(256, d), nn.Embedding(ctx, d)
-        self.blocks = nn.ModuleList(Block(d, heads) for _ in range(layers))
-        self.ln, self.head = nn.LayerNorm(d), nn.Linear(d, 256, bias=False)
-
-    def forward(self, idx):
-        x = self.tok(idx) + self.pos(torch.arange(idx.shape[1], device=idx.device))
-        for b in self.blocks:
-            x = b(x)
-        return self.head(self.ln(x))
-
-
 def batches(data, batch, ctx, gen):
-    while True:
-        i = torch.randint(0, data.numel() - ctx - 1, (batch,), generator=gen)
-        x = torch.stack([data[j:j + ctx] for j in i])
-        y = torch.stack([data[j + 1:j + ctx + 1] for j in i])
-        yield x.to(DEVICE), y.to(DEVICE)
+    return _batches(data, batch, ctx, gen, DEVICE)
 
 
 def mean_over_ranks(v):
@@ -130,42 +74,17 @@ def run(label, args, train, val, rank, world):
         rfsdp.fully_shard(b, policy=pol, comm_policy=cp)
     rfsdp.fully_shard(model, policy=pol, comm_policy=cp)
     units = rfsdp.fsdp.units(model)
-    low_bit = VARIANTS.get(base, {}).get(variant, {})
     if base == "muon":
         # The blocks' matrices take Muon; embeddings, head, norms and biases AdamW.
         # Weight decay per step (lr * wd) equal to the AdamW runs'.
-        matrices = [p for b in model.blocks for p in b.parameters() if p.dim() == 2]
-        qkv = [b.qkv.weight for b in model.blocks] if per_head else []
-        ids = {id(p) for p in matrices}
-        rest = [p for p in model.parameters() if id(p) not in ids]
-        split = [dict(params=qkv, use_muon=True, split_sizes=per_head)] if per_head else []
-        opt = rfsdp.optim.Muon(split + [dict(params=[p for p in matrices if all(p is not q for q in qkv)],
-                                             use_muon=True),
-                                        dict(params=rest, use_muon=False, lr=args.lr,
-                                             betas=(0.9, 0.999), eps=1e-8, weight_decay=0.1)],
-                               lr=args.muon_lr, momentum=0.95,
-                               weight_decay=0.1 * args.lr / args.muon_lr, **low_bit)
+        opt = make_optimizer(name, model, args.muon_lr, weight_decay=0.1 * args.lr / args.muon_lr,
+                             adam_lr=args.lr)
     elif base == "shampoo":
-        # Adam grafting: the update has AdamW's size, so AdamW's learning rate and
-        # weight decay; every matrix (embeddings and head included) preconditioned.
-        opt = rfsdp.optim.Shampoo(model.parameters(), lr=args.lr, betas=(0.9, 0.999),
-                                  epsilon=1e-10, weight_decay=0.1,
-                                  max_preconditioner_dim=SHAMPOO_DIM,
-                                  precondition_frequency=args.precondition_frequency,
-                                  start_preconditioning_step=args.precondition_frequency,
-                                  **dict(dict(factor_dtype=getattr(torch, args.factor_dtype)),
-                                         **low_bit))
-    elif base == "soap":
-        # Adam in Shampoo's eigenbasis, on the same tiles (the plan keeps them whole);
-        # AdamW's learning rate and weight decay, SOAP's refresh frequency. Betas (0.9,
-        # 0.99): with SOAP's (0.95, 0.95) this run ends at validation loss 2.797, with
-        # these at 2.640 (AMD EPYC, 150 steps).
-        opt = rfsdp.optim.SOAP(model.parameters(), lr=args.lr, betas=(0.9, 0.99),
-                               weight_decay=0.1, max_preconditioner_dim=SHAMPOO_DIM,
-                               precondition_frequency=10, **low_bit)
-    else:
-        opt_cls = {"adamw": rfsdp.optim.AdamW, "adamw8bit": rfsdp.optim.AdamW8bit}[base]
-        opt = opt_cls(model.parameters(), lr=args.lr, weight_decay=0.1)
+        opt = make_optimizer(name, model, args.lr,
+                             precondition_frequency=args.precondition_frequency,
+                             factor_dtype=getattr(torch, args.factor_dtype))
+    else:  # AdamW, AdamW8bit, SOAP: lr and weight decay 0.1 (rfsdp.compare.optimizers.DEFAULTS)
+        opt = make_optimizer(name, model, args.lr)
     sched = torch.optim.lr_scheduler.LambdaLR(
         opt, lambda s: min(1.0, (s + 1) / 20) * 0.5 * (1 + math.cos(math.pi * min(s, args.steps) / args.steps)))
     gen = torch.Generator().manual_seed(args.seed * 1000 + rank)  # each rank its own batches

@@ -15,6 +15,7 @@ With gradient sync off (set_requires_gradient_sync(False)) a backward adds into
 the unit's full gradient buffer and reduces nothing; the next synced backward
 adds to it and reduce-scatters the sum once."""
 import enum
+import weakref
 from dataclasses import dataclass
 from typing import Optional
 
@@ -26,6 +27,20 @@ from .. import _C
 from .. import policy as policy_mod
 from . import trees
 from .grad_norm import ShardGrad
+
+
+def _weak_hook(method):
+    """A hook that calls a bound method through a weak reference. A full parameter's
+    hook is kept by C++ (its tensor is shared with the unit's buffers), where Python's
+    garbage collector cannot see the cycle tensor -> hook -> unit -> tensor: a strong
+    bound method kept every sharded model alive after its last reference went."""
+    ref = weakref.WeakMethod(method)
+
+    def hook(*args):
+        m = ref()
+        if m is not None:
+            return m(*args)
+    return hook
 
 
 class ShardInfo:
@@ -276,7 +291,7 @@ class Unit:
             if up.full.requires_grad != rg:
                 up.full.requires_grad_(rg)
             if rg and not up.hooked:
-                up.full.register_post_accumulate_grad_hook(self._grad_landed)
+                up.full.register_post_accumulate_grad_hook(_weak_hook(self._grad_landed))
                 up.hooked = True
         self._requires_grad = now
         self.grads_expected = sum(now)  # (units missing one reduce at the end of backward)
