@@ -25,10 +25,14 @@ struct ShardRange {
 // size S_b and its own collective. A rank's slice is its S_b elements of every
 // buffer, one after another (S = sum of S_b); the gathered memory is buffer 0's
 // m x S_0 elements, then buffer 1's, and so on. Every constraint holds per buffer.
+// Every tensor's offset in its buffer is a multiple of this many bytes unless a
+// caller asks otherwise (16: a vector load's width, and what FSDP2 pads to).
+constexpr int64_t kDefaultAlignBytes = 16;
+
 struct Plan {
   int64_t world_size = 1;
   int64_t shard_elems = 0;  // S: one rank's slice, every buffer together
-  int64_t align_bytes = 16;
+  int64_t align_bytes = kDefaultAlignBytes;
   int64_t elem_bytes = 4;
   std::vector<TensorSpec> tensors;  // in the caller's order
   std::vector<int64_t> offsets;     // element offset of tensors[i] in its buffer

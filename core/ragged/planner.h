@@ -58,14 +58,14 @@ struct PlannerOptions {
 // tensor needs, and is a multiple of the granule of every tensor long enough
 // (n > 2S) to contain two rank boundaries. A plan with this S is optimal.
 int64_t structural_lower_bound(const std::vector<TensorSpec>& tensors, int64_t world_size,
-                               int64_t align_bytes = 16);
+                               int64_t align_bytes = kDefaultAlignBytes);
 
 // A lower bound on S for any plan, of any number of buffers: ceil(sum n / m)
 // (aligned), and the largest min(n, granule) over the tensors: a tensor is
 // either whole on one rank or cut into whole granules, so some buffer's S_b
 // holds one of them. Looser than structural_lower_bound, which holds for one buffer.
 int64_t any_buffers_lower_bound(const std::vector<TensorSpec>& tensors, int64_t world_size,
-                                int64_t align_bytes = 16);
+                                int64_t align_bytes = kDefaultAlignBytes);
 
 // Throws std::invalid_argument unless options are within the limits above.
 void check_planner_options(const PlannerOptions& options);
@@ -76,6 +76,6 @@ void check_planner_options(const PlannerOptions& options);
 // too large for its world size (kMaxGatherBytes).
 // The plan may hold several buffers (options.max_buffers).
 Plan plan_unit(const std::vector<TensorSpec>& tensors, int64_t world_size,
-               int64_t align_bytes = 16, const PlannerOptions& options = {});
+               int64_t align_bytes = kDefaultAlignBytes, const PlannerOptions& options = {});
 
 }  // namespace rfsdp

@@ -16,21 +16,32 @@
 
 namespace {
 
-const char* kUsage =
-    "usage: rfsdp-plan [FILE] --world-size M [--align-bytes A] [--max-buffers K]\n"
-    "                  [--collective-cost-bytes C] [--weight-block B] [--json]\n"
-    "                  [--report [--layers L] [--node-size N] [--intra-gbps X] [--inter-gbps Y]\n"
-    "                   [--intra-latency-us U] [--inter-latency-us V] [--hbm-gbps H]] | --version\n"
-    "  FILE: JSON list of tensors [{\"name\", \"shape\", \"granule_rows\": int | \"whole\",\n"
-    "        \"row_dims\" (default 1), \"dtype_bytes\"}]; stdin when absent or \"-\".\n"
-    "  M: 1 .. 2^24 ranks; A: alignment, 1 .. 2^20 bytes (default 16);\n"
-    "  K: at most this many buffers (collectives) per unit, 1 .. 64 (default 4; 1: one buffer);\n"
-    "  C: a collective's fixed cost as bytes received (latency x bandwidth; default 1 MiB),\n"
-    "     0 .. 2^50. A unit must keep M x its elements x dtype_bytes within 2^60 bytes.\n"
-    "  --report: a training step of L such units (default 1) at M GPUs, rfsdp beside FSDP2:\n"
-    "        bytes per rank under each communication policy, FSDP2's copies, a modelled\n"
-    "        time from the links (defaults: H200 nodes of 8, NVLink 450 GB/s a GPU,\n"
-    "        400 Gb/s NICs); its assumptions are printed with it.\n";
+// The defaults and limits printed are the planner's own (core/ragged/planner.h).
+std::string usage() {
+  const rfsdp::PlannerOptions defaults;
+  const auto log2 = [](int64_t v) { return "2^" + std::to_string(63 - __builtin_clzll(v)); };
+  return "usage: rfsdp-plan [FILE] --world-size M [--align-bytes A] [--max-buffers K]\n"
+         "                  [--collective-cost-bytes C] [--weight-block B] [--json]\n"
+         "                  [--report [--layers L] [--node-size N] [--intra-gbps X] [--inter-gbps Y]\n"
+         "                   [--intra-latency-us U] [--inter-latency-us V] [--hbm-gbps H]] | --version\n"
+         "  FILE: JSON list of tensors [{\"name\", \"shape\", \"granule_rows\": int | \"whole\",\n"
+         "        \"row_dims\" (default 1), \"dtype_bytes\"}]; stdin when absent or \"-\".\n"
+         "  M: 1 .. " + log2(rfsdp::kMaxWorldSize) + " ranks; A: alignment, 1 .. " +
+         log2(rfsdp::kMaxAlignBytes) + " bytes (default " + std::to_string(rfsdp::kDefaultAlignBytes) +
+         ");\n"
+         "  K: at most this many buffers (collectives) per unit, 1 .. " +
+         std::to_string(rfsdp::kMaxBuffers) + " (default " + std::to_string(defaults.max_buffers) +
+         "; 1: one buffer);\n"
+         "  C: a collective's fixed cost as bytes received (latency x bandwidth; default " +
+         std::to_string(defaults.collective_cost_bytes) + "),\n"
+         "     0 .. " + log2(rfsdp::kMaxCollectiveCostBytes) +
+         ". A unit must keep M x its elements x dtype_bytes within " + log2(rfsdp::kMaxGatherBytes) +
+         " bytes.\n"
+         "  --report: a training step of L such units (default 1) at M GPUs, rfsdp beside FSDP2:\n"
+         "        bytes per rank under each communication policy, FSDP2's copies, a modelled\n"
+         "        time from the links (defaults: H200 nodes of 8, NVLink 450 GB/s a GPU,\n"
+         "        400 Gb/s NICs); its assumptions are printed with it.\n";
+}
 
 int64_t parse_int(const std::string& flag, const char* text) {
   if (text == nullptr) throw std::invalid_argument(flag + " needs a value");
@@ -169,7 +180,7 @@ void print_report(const rfsdp::Plan& plan, int64_t block, int64_t layers,
 int main(int argc, char** argv) {
   try {
     std::string path;
-    int64_t world_size = 0, align_bytes = 16;
+    int64_t world_size = 0, align_bytes = rfsdp::kDefaultAlignBytes;
     bool have_world_size = false;
     bool as_json = false;
     int64_t weight_block = 256;  // the weights' code blocks in the bytes table
@@ -224,7 +235,7 @@ int main(int argc, char** argv) {
         std::cout << "rfsdp-plan (RaggedFSDP) " << RFSDP_VERSION << "\n";
         return 0;
       } else if (a == "-h" || a == "--help") {
-        std::cout << kUsage;
+        std::cout << usage();
         return 0;
       } else if (!a.empty() && a[0] == '-' && a != "-") {
         throw std::invalid_argument("unknown option '" + a + "' (see --help)");

@@ -12,11 +12,34 @@ namespace rfsdp_bind {
 
 namespace {
 
-// The planner's options from Python (plan_unit checks them).
-rfsdp::PlannerOptions planner_options(int64_t max_buffers, int64_t collective_cost_bytes) {
+// An integer argument as the planner takes it: a Python int (numpy's too, not a
+// bool) that fits int64, else a ValueError naming it; the planner checks its range.
+int64_t int64_arg(const char* who, const char* name, const py::object& v) {
+  if (!py::isinstance<py::bool_>(v) && PyIndex_Check(v.ptr())) {
+    int overflow = 0;
+    const py::object i = py::reinterpret_steal<py::object>(PyNumber_Index(v.ptr()));
+    if (i) {
+      const long long x = PyLong_AsLongLongAndOverflow(i.ptr(), &overflow);
+      if (!overflow && !(x == -1 && PyErr_Occurred())) return x;
+    }
+    PyErr_Clear();
+  }
+  throw std::invalid_argument(std::string(who) + ": " + name +
+                              " must be an integer that fits 64 bits, got " +
+                              py::repr(v).cast<std::string>());
+}
+
+rfsdp::PlannerOptions planner_options(const py::object& max_buffers,
+                                      const py::object& collective_cost_bytes) {
   rfsdp::PlannerOptions o;
-  o.max_buffers = max_buffers;
-  o.collective_cost_bytes = collective_cost_bytes;
+  o.max_buffers = int64_arg("PlannerOptions", "max_buffers", max_buffers);
+  o.collective_cost_bytes = int64_arg("PlannerOptions", "collective_cost_bytes",
+                                      collective_cost_bytes);
+  try {
+    rfsdp::check_planner_options(o);
+  } catch (const std::invalid_argument& e) {
+    throw std::invalid_argument(std::string("PlannerOptions: ") + e.what());
+  }
   return o;
 }
 
@@ -24,8 +47,8 @@ rfsdp::PlannerOptions planner_options(int64_t max_buffers, int64_t collective_co
 // blocks, blocks_dim)].
 rfsdp::Plan plan_specs(const std::vector<std::tuple<std::string, std::vector<int64_t>, int64_t, int,
                                                     int64_t, std::vector<int64_t>, int>>& specs,
-                       int64_t world_size, int64_t align_bytes, int64_t max_buffers,
-                       int64_t collective_cost_bytes) {
+                       int64_t world_size, int64_t align_bytes,
+                       const rfsdp::PlannerOptions& options) {
   std::vector<rfsdp::TensorSpec> ts;
   for (const auto& [name, shape, g, row_dims, bytes, blocks, blocks_dim] : specs) {
     rfsdp::TensorSpec t;
@@ -38,8 +61,7 @@ rfsdp::Plan plan_specs(const std::vector<std::tuple<std::string, std::vector<int
     t.blocks_dim = blocks_dim;
     ts.push_back(t);
   }
-  return rfsdp::plan_unit(ts, world_size, align_bytes,
-                          planner_options(max_buffers, collective_cost_bytes));
+  return rfsdp::plan_unit(ts, world_size, align_bytes, options);
 }
 
 // A Comm over a torch.distributed group, with a timeout in seconds as Python
@@ -145,14 +167,37 @@ void bind_core(py::module_& m) {
           return py::make_tuple(t.rows(), t.row_elems());
         }, py::arg("shape"), py::arg("row_dims") = 1);
 
-  // rfsdp.PlannerOptions' range check: the planner's own (one home for its limits).
-  m.def("check_planner_options", [](int64_t max_buffers, int64_t collective_cost_bytes) {
-          rfsdp::check_planner_options(planner_options(max_buffers, collective_cost_bytes));
-        }, py::arg("max_buffers"), py::arg("collective_cost_bytes"));
+  const rfsdp::PlannerOptions defaults;
+  py::class_<rfsdp::PlannerOptions>(m, "PlannerOptions", R"(How a unit may be laid out: in up to
+max_buffers flat buffers, each with its own collective, chosen by the bytes a rank receives
+in a gather (m x S x dtype bytes) plus collective_cost_bytes (latency x bandwidth) per
+buffer; one buffer whenever it is as good. max_buffers=1: always one buffer. The defaults
+and limits are the planner's (core/ragged/planner.h): a ValueError names a value outside them.)")
+      .def(py::init(&planner_options), py::kw_only(),
+           py::arg("max_buffers") = defaults.max_buffers,
+           py::arg("collective_cost_bytes") = defaults.collective_cost_bytes)
+      .def_readonly("max_buffers", &rfsdp::PlannerOptions::max_buffers)
+      .def_readonly("collective_cost_bytes", &rfsdp::PlannerOptions::collective_cost_bytes)
+      .def("__eq__", [](const rfsdp::PlannerOptions& a, const py::object& b) {
+        if (!py::isinstance<rfsdp::PlannerOptions>(b)) return false;
+        const auto& o = b.cast<const rfsdp::PlannerOptions&>();
+        return a.max_buffers == o.max_buffers && a.collective_cost_bytes == o.collective_cost_bytes;
+      })
+      .def("__hash__", [](const rfsdp::PlannerOptions& o) {
+        return py::hash(py::make_tuple(o.max_buffers, o.collective_cost_bytes));
+      })
+      .def("__repr__", [](const rfsdp::PlannerOptions& o) {
+        return "PlannerOptions(max_buffers=" + std::to_string(o.max_buffers) +
+               ", collective_cost_bytes=" + std::to_string(o.collective_cost_bytes) + ")";
+      })
+      .def(py::pickle(
+          [](const rfsdp::PlannerOptions& o) {
+            return py::make_tuple(o.max_buffers, o.collective_cost_bytes);
+          },
+          [](const py::tuple& t) { return planner_options(t[0], t[1]); }));
 
   m.def("plan_specs", &plan_specs, py::arg("specs"), py::arg("world_size"),
-        py::arg("align_bytes") = 16, py::arg("max_buffers") = rfsdp::PlannerOptions{}.max_buffers,
-        py::arg("collective_cost_bytes") = rfsdp::PlannerOptions{}.collective_cost_bytes);
+        py::arg("align_bytes") = rfsdp::kDefaultAlignBytes, py::arg("options") = defaults);
 
   // Errors from the library are std::invalid_argument -> ValueError (pybind11's default).
   py::class_<rfsdp::Plan>(m, "Plan")
@@ -206,16 +251,16 @@ void bind_core(py::module_& m) {
            "(row_begin, row_end, local_offset, numel) of tensor i on a rank")
       .def("to_json", [](const rfsdp::Plan& p) { return rfsdp::plan_to_json(p); });
 
+  // rfsdp.plan: world_size and align_bytes as any Python integer (numpy's too).
   m.def("plan_json",
-        [](const std::string& unit_json, int64_t world_size, int64_t align_bytes,
-           int64_t max_buffers, int64_t collective_cost_bytes) {
-          return rfsdp::plan_unit(rfsdp::unit_from_json(unit_json), world_size, align_bytes,
-                                  planner_options(max_buffers, collective_cost_bytes));
+        [](const std::string& unit_json, const py::object& world_size, const py::object& align_bytes,
+           const rfsdp::PlannerOptions& options) {
+          return rfsdp::plan_unit(rfsdp::unit_from_json(unit_json),
+                                  int64_arg("rfsdp.plan", "world_size", world_size),
+                                  int64_arg("rfsdp.plan", "align_bytes", align_bytes), options);
         },
-        py::arg("unit_json"), py::arg("world_size"), py::arg("align_bytes") = 16,
-        py::arg("max_buffers") = rfsdp::PlannerOptions{}.max_buffers,
-        py::arg("collective_cost_bytes") = rfsdp::PlannerOptions{}.collective_cost_bytes);
-
+        py::arg("unit_json"), py::arg("world_size"),
+        py::arg("align_bytes") = rfsdp::kDefaultAlignBytes, py::arg("options") = defaults);
 }
 
 }  // namespace rfsdp_bind

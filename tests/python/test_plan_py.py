@@ -94,3 +94,28 @@ def test_row_geometry_is_the_planners():
                         "dtype_bytes": 4}], world_size=2)  # rows of the first 2 dims
     begin, end, _, numel = plan.shard(0, 1)
     assert numel == (end - begin) * 5
+
+
+def test_planner_options_defaults_are_the_clis(plan_cli, zoo_dir):
+    """rfsdp.PlannerOptions is the C++ struct: its defaults are those rfsdp-plan
+    uses when given no flags (the same plan), and it compares, hashes, pickles
+    and prints as a value."""
+    import pickle
+    path = os.path.join(zoo_dir, "llama3_8b.block.json")
+    with open(path) as f:
+        unit = json.load(f)
+    cli = subprocess.run([plan_cli, path, "--world-size", "1024", "--json"],
+                         capture_output=True, text=True, check=True)
+    want = json.loads(cli.stdout)
+    got = json.loads(rfsdp.plan(unit, world_size=1024, options=rfsdp.PlannerOptions()).to_json())
+    want.pop("plan_seconds"), got.pop("plan_seconds")
+    assert got == want and got["align_bytes"] == 16
+    o = rfsdp.PlannerOptions(max_buffers=2, collective_cost_bytes=5)
+    assert (o.max_buffers, o.collective_cost_bytes) == (2, 5)
+    assert o == rfsdp.PlannerOptions(max_buffers=2, collective_cost_bytes=5) != rfsdp.PlannerOptions()
+    assert hash(o) == hash(pickle.loads(pickle.dumps(o))) and pickle.loads(pickle.dumps(o)) == o
+    assert repr(o) == "PlannerOptions(max_buffers=2, collective_cost_bytes=5)"
+    np = pytest.importorskip("numpy")
+    assert rfsdp.PlannerOptions(max_buffers=np.int64(3)).max_buffers == 3
+    with pytest.raises(ValueError, match="rfsdp.plan: world_size must be an integer"):
+        rfsdp.plan(unit, world_size=2.0)

@@ -235,8 +235,7 @@ class Unit:
                           pol.row_dims(name, t) if t.dim() > 0 else 1, dtype_bytes,
                           blocks or [], pol.blocks_dim if blocks else 0))
         self.policy_names = list(names)
-        self.plan = _C.plan_specs(specs, pg.size(), 16, self.planner.max_buffers,
-                                  self.planner.collective_cost_bytes)
+        self.plan = _C.plan_specs(specs, pg.size(), options=self.planner)
         # agree=False: fully_shard agreed on all of this (and more) already.
         self.unit = _C.FSDPUnit(self.comm, self.plan, str(self.mp.param_dtype).replace("torch.", ""),
                                 str(self.mp.reduce_dtype).replace("torch.", ""),
