@@ -140,7 +140,9 @@ int run(const Args& a) {
     rfsdp::AdamWOptions adamw;
     adamw.lr = a.lr;
     adamw.weight_decay = 0.0;
-    opt = std::make_unique<rfsdp::AdamW8bit>(shards, adamw, block, 4096, shard_comm);
+    rfsdp::AdamW8bitConfig config;
+    config.block = block;
+    opt = std::make_unique<rfsdp::AdamW8bit>(shards, adamw, config, shard_comm);
   } else {
     std::vector<bool> use_muon;
     std::vector<size_t> group_of;

@@ -96,16 +96,16 @@ std::vector<StateLayout> AdamW::state_layout(size_t) const {
   return {StateLayout::rows("exp_avg"), StateLayout::rows("exp_avg_sq")};
 }
 
-AdamW8bit::AdamW8bit(std::vector<ParamShard> params, AdamWOptions options,
-                     quant::BlockShape block, int64_t min_8bit_size, std::shared_ptr<Comm> comm)
-    : AdamW(params, options, std::move(comm), small_tensors(params, min_8bit_size)),
-      block_(block) {
+AdamW8bit::AdamW8bit(std::vector<ParamShard> params, AdamWOptions options, AdamW8bitConfig config,
+                     std::shared_ptr<Comm> comm)
+    : AdamW(params, options, std::move(comm), small_tensors(params, config.min_8bit_size)),
+      block_(config.block) {
   block_.check();
   code1_ = quant::Codec(quant::dynamic_map(true));
   code2_ = quant::Codec(quant::dynamic_map(false), /*keep_nonzero=*/true);  // v: see CodeLut
   for (size_t i = 0; i < params_.size(); ++i) {
     const ParamShard& p = params_[i];
-    const bool eight = p.full_numel() >= min_8bit_size;
+    const bool eight = p.full_numel() >= config.min_8bit_size;
     eight_bit_.push_back(eight);
     q_.push_back({});
     if (eight) {

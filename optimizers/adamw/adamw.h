@@ -77,9 +77,8 @@ class AdamW8bit : public AdamW {
  public:
   // Tensors with fewer than min_8bit_size elements (full tensor, never the
   // shard) keep fp32 moments, as bitsandbytes does.
-  AdamW8bit(std::vector<ParamShard> params, AdamWOptions options = {},
-            quant::BlockShape block = quant::BlockShape::blocks(256),
-            int64_t min_8bit_size = 4096, std::shared_ptr<Comm> comm = nullptr);
+  AdamW8bit(std::vector<ParamShard> params, AdamWOptions options = {}, AdamW8bitConfig config = {},
+            std::shared_ptr<Comm> comm = nullptr);
   bool is_8bit(size_t i) const { return eight_bit_.at(i); }
   const char* name() const override { return "AdamW8bit"; }
   at::Tensor exp_avg(size_t i) const override;

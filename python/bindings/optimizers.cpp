@@ -240,14 +240,19 @@ void bind_optimizers(py::module_& m) {
   // checkpoint keeps them (a saved one builds the config again), requantizable:
   // the settings requantized_state moves between.
   py::class_<rfsdp::AdamW8bitConfig>(m, "AdamW8bitConfig")
+      // None: the C++ default (AdamW8bitConfig's, the one place it is written).
       .def(py::init([](const py::object& block, const py::object& min_8bit_size) {
              rfsdp::AdamW8bitConfig c;
-             c.block = block_shape(py::isinstance<py::list>(block) ? py::tuple(block) : block);
+             if (!block.is_none()) {
+               c.block = block_shape(py::isinstance<py::list>(block) ? py::tuple(block) : block);
+             }
              c.block.check();
-             c.min_8bit_size = int_arg(min_8bit_size, "AdamW8bit", "min_8bit_size");
+             if (!min_8bit_size.is_none()) {
+               c.min_8bit_size = int_arg(min_8bit_size, "AdamW8bit", "min_8bit_size");
+             }
              return c;
            }),
-           py::kw_only(), py::arg("block") = 256, py::arg("min_8bit_size") = 4096)
+           py::kw_only(), py::arg("block") = py::none(), py::arg("min_8bit_size") = py::none())
       .def("settings", [](const rfsdp::AdamW8bitConfig& c) {
              py::dict d;
              if (c.block.is_tile()) {
@@ -266,8 +271,7 @@ void bind_optimizers(py::module_& m) {
                        std::shared_ptr<rfsdp::Comm> comm, bool check_finite) {
              rfsdp::AdamWOptions o;
              o.check_finite = check_finite;
-             return std::make_shared<rfsdp::AdamW8bit>(shards_of(params), o, config.block,
-                                                       config.min_8bit_size, std::move(comm));
+             return std::make_shared<rfsdp::AdamW8bit>(shards_of(params), o, config, std::move(comm));
            }),
            py::arg("params"), py::arg("config"), py::arg("comm"), py::arg("check_finite") = true)
       .def("requantized_state", &rfsdp::AdamW8bit::requantized_state, py::arg("i"),

@@ -116,9 +116,12 @@ def adamw():
     return Policy(lambda name, p: 1)
 
 
-def blockwise_8bit(block=256):
+def blockwise_8bit(block=None):
     """8-bit block-wise optimizer states: every shard starts on a block edge.
-    block: int (1-D blocks of B elements: B / gcd(B, row length) rows) or (rows, cols) tiles."""
+    block: int (1-D blocks of B elements: B / gcd(B, row length) rows) or (rows, cols)
+    tiles; None: AdamW8bit's default block."""
+    if block is None:
+        block = _C.AdamW8bitConfig().settings()["block"]
     blk = block if isinstance(block, int) else tuple(int(b) for b in block)
 
     def granule(name, p, row_dims):

@@ -26,6 +26,14 @@ using testing::fresh_seed;
 using testing::nearest_code;
 using testing::seeded_randn;
 
+// AdamW8bit's config of these blocks (min_8bit_size: tensors smaller keep fp32 moments).
+AdamW8bitConfig blocks8(quant::BlockShape block, int64_t min_8bit_size = AdamW8bitConfig{}.min_8bit_size) {
+  AdamW8bitConfig c;
+  c.block = block;
+  c.min_8bit_size = min_8bit_size;
+  return c;
+}
+
 // Whole tensors of these shapes, random (seeded) with zero gradients: p, g hold them.
 std::vector<ParamShard> whole_params(const std::vector<std::vector<int64_t>>& shapes, uint64_t seed,
                                      std::vector<at::Tensor>* p, std::vector<at::Tensor>* g) {
@@ -228,7 +236,7 @@ std::vector<at::Tensor> run_8bit(const std::vector<Tensor8>& ts, quant::BlockSha
     }
     AdamWOptions o;
     o.lr = 1e-2;
-    opts.push_back(std::make_unique<AdamW8bit>(shards, o, block));
+    opts.push_back(std::make_unique<AdamW8bit>(shards, o, blocks8(block)));
   }
   for (int step = 0; step < steps; ++step) {
     for (size_t i = 0; i < ts.size(); ++i) {
@@ -280,7 +288,7 @@ TEST(AdamW8bit, StatePrecisionFollowsTheFullTensorSize) {
   for (int64_t n : {5000, 3000}) {
     at::Tensor p = at::zeros({n / 4}), g = at::zeros({n / 4});
     ParamShard s(TensorShard::rows_of("t", {n}, 1, 0, n / 4), p, g);
-    AdamW8bit opt({s}, {}, quant::BlockShape::blocks(250));
+    AdamW8bit opt({s}, {}, blocks8(quant::BlockShape::blocks(250)));
     EXPECT_EQ(opt.is_8bit(0), n >= 4096);
   }
 }
@@ -320,7 +328,7 @@ TEST(AdamW8bit, OnTheShardsOfAnFsdpUnit) {
       const at::Tensor grad = testing::seeded_randn({300, 40}, seed, 1);
       unit.shard({full});
       const ShardRange range = unit.shard_range(0);
-      AdamW8bit opt(param_shards(unit), {}, quant::BlockShape::blocks(256), 4096, comm);
+      AdamW8bit opt(param_shards(unit), {}, blocks8(quant::BlockShape::blocks(256), 4096), comm);
       EXPECT_EQ(opt.shared_blocks(), granule == 1 ? 1 : 0);
       at::Tensor whole_p = full.clone(), whole_g = grad.clone();
       AdamW8bit whole({whole_param("w", whole_p, whole_g)});
@@ -371,7 +379,7 @@ TEST(AdamW8bit, BlocksThatShardsCutAreAgreedAndEqualOneDeviceBitForBit) {
       }
       AdamWOptions o;
       o.lr = 1e-2;
-      AdamW8bit whole(whole_shards, o, block, 1);
+      AdamW8bit whole(whole_shards, o, blocks8(block, 1));
       const int steps = 4;
       std::vector<std::vector<std::vector<at::Tensor>>> want(steps);  // [step][tensor] p, q1, a1, q2, a2
       auto grad_of = [&](size_t i, int step) {
@@ -410,8 +418,8 @@ TEST(AdamW8bit, BlocksThatShardsCutAreAgreedAndEqualOneDeviceBitForBit) {
           lg.push_back(at::zeros_like(p.back()));
           local_shards.push_back(whole_param(ts[i].name, lp.back(), lg.back()));
         }
-        AdamW8bit opt(shards, o, block, 1, comm);
-        AdamW8bit shard_local(local_shards, o, block, 1);
+        AdamW8bit opt(shards, o, blocks8(block, 1), comm);
+        AdamW8bit shard_local(local_shards, o, blocks8(block, 1));
         for (int step = 0; step < steps; ++step) {
           for (size_t i = 0; i < ts.size(); ++i) {
             const auto [b, e] = mine[i];
@@ -461,7 +469,7 @@ TEST(AdamW8bit, SharedBlockWithAGradientOnOnlySomeRanksIsAnErrorEverywhere) {
     at::Tensor p = at::randn({e - b, 40}), g = at::randn({e - b, 40});
     AdamW8bit opt({ParamShard(TensorShard::rows_of("w", {300, 40}, 1, b, e, rows), p,
                               c.rank() == 1 ? at::Tensor() : g)},
-                  {}, quant::BlockShape::blocks(256), 4096, comm);
+                  {}, blocks8(quant::BlockShape::blocks(256), 4096), comm);
     const at::Tensor before = p.clone(), q1 = opt.state(0)[0].second.clone();
     try {
       opt.step();

@@ -123,8 +123,10 @@ std::vector<Variant> variants() {
                [adam](auto comm, auto ps) { return std::make_unique<AdamW>(std::move(ps), adam, comm); },
                true});
   auto adamw8 = [adam](auto comm, auto ps) {
-    return std::make_unique<AdamW8bit>(std::move(ps), adam, quant::BlockShape::blocks(kBlock),
-                                       kMin8bit, comm);
+    AdamW8bitConfig config;
+    config.block = quant::BlockShape::blocks(kBlock);
+    config.min_8bit_size = kMin8bit;
+    return std::make_unique<AdamW8bit>(std::move(ps), adam, config, comm);
   };
   v.push_back({"AdamW8bit", Layout::Planned, eight_bit_granule, false, adamw8, true});
   v.push_back({"AdamW8bitSharedBlocks", Layout::Planned, {}, false, adamw8, true});

@@ -66,7 +66,9 @@ int main() {
   at::Tensor w = at::zeros({64, 64});
   const at::Tensor target = at::randn({64, 64});
   rfsdp::ParamShard shard = rfsdp::whole_param("w", w, at::zeros({64, 64}));
-  rfsdp::AdamW8bit opt({shard}, {1e-2f, 0.9f, 0.999f, 1e-8f, 0.0f}, rfsdp::quant::BlockShape::blocks(256), 1);
+  rfsdp::AdamW8bitConfig config;
+  config.min_8bit_size = 1;
+  rfsdp::AdamW8bit opt({shard}, {1e-2f, 0.9f, 0.999f, 1e-8f, 0.0f}, config);
   const double first = (w - target).pow(2).mean().item<double>();
   // 300 steps: the loss is then about 1 % of the first (at 200 steps it was 4-5 %, too
   // near the 5 % bound: 1 run in about 30 failed on AMD EPYC).

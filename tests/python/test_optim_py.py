@@ -74,3 +74,18 @@ def test_loaded_optimizer_steps_on_like_the_original(cls):
             rfsdp.optim.AdamW8bit([nn.Parameter(torch.zeros(3, 4))]).state_dict() |
             {"state": {0: {"step": torch.tensor(1.0), "exp_avg": torch.zeros(3, 4),
                            "exp_avg_sq": torch.zeros(3, 4)}}})
+
+
+def test_8bit_defaults_are_stated_once():
+    """AdamW8bit's and policy.blockwise_8bit's block and min_8bit_size default to
+    the C++ AdamW8bitConfig's (256, 4096): the policy plans the blocks the
+    optimizer keeps, with no number written twice."""
+    p = torch.nn.Parameter(torch.randn(48, 40))
+    opt = rfsdp.optim.AdamW8bit([p])
+    assert opt.config.settings() == {"block": 256, "min_8bit_size": 4096}
+    pol, explicit = rfsdp.policy.blockwise_8bit(), rfsdp.policy.blockwise_8bit(256)
+    for shape in [(48, 40), (7, 3), (1000,), (5, 6, 7)]:
+        t = torch.empty(shape)
+        assert pol.granule("w", t) == explicit.granule("w", t)
+    assert rfsdp.policy.blockwise_8bit().granule("w", torch.empty(48, 40)) \
+        != rfsdp.policy.blockwise_8bit(128).granule("w", torch.empty(48, 40))

@@ -30,9 +30,10 @@ class AdamW(_OverCpp):
 
 class AdamW8bit(AdamW):
     """AdamW with both moments as 8-bit block-wise codes (bitsandbytes' dynamic
-    maps, one fp32 absmax per block). block: 256 (1-D blocks) or (32, 32) tiles.
-    Tensors with fewer than min_8bit_size elements (the full tensor's size)
-    keep fp32 moments. Blocks are the global tensor's, so codes and scales do not
+    maps, one fp32 absmax per block). block: an int (1-D blocks of that many
+    elements) or (rows, cols) tiles; None: 256. Tensors with fewer than
+    min_8bit_size elements (the full tensor's size; None: 4096) keep fp32
+    moments (the defaults are the C++ AdamW8bitConfig's). Blocks are the global tensor's, so codes and scales do not
     depend on the world size: a block that a shard boundary cuts (FSDP2's
     torch.chunk rows, or a plan without rfsdp.policy.blockwise_8bit(block)) is
     shared by its ranks, which agree its scale in one small all-reduce a step
@@ -42,10 +43,11 @@ class AdamW8bit(AdamW):
     _config_class = _C.AdamW8bitConfig
 
     def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=1e-2,
-                 block=256, min_8bit_size=4096, process_group=None, timeout_seconds=300.0,
+                 block=None, min_8bit_size=None, process_group=None, timeout_seconds=300.0,
                  rounding="nearest"):
-        self.config = _C.AdamW8bitConfig(block=block if isinstance(block, int) else tuple(block),
-                                         min_8bit_size=min_8bit_size)
+        self.config = _C.AdamW8bitConfig(
+            block=block if block is None or isinstance(block, int) else tuple(block),
+            min_8bit_size=min_8bit_size)
         super().__init__(params, lr, betas, eps, weight_decay, process_group, timeout_seconds,
                          rounding)
 
