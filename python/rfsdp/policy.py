@@ -245,3 +245,67 @@ def muon(whole=False, matrix=is_matrix, split=None, split_dim=0):
     pol = Policy(granule, row_dims, split_of if split is not None else None, blocks_dim=split_dim,
                  keys=table.keys() if table is not None else ())
     return pol
+
+
+def of(optimizer):
+    """The sharding policy an rfsdp optimizer's state asks for, from the optimizer's
+    own settings, so a block size, a tile or a split is stated once:
+
+        opt = rfsdp.optim.AdamW8bit(model.parameters(), block=(32, 32))
+        rfsdp.fully_shard(model, policy=rfsdp.policy.of(opt))   # opt follows the shards
+
+    Per parameter of the optimizer (its groups as they are now): AdamW8bit, its
+    blocks where the tensor is large enough to be coded (min_8bit_size); Muon, the
+    group's split_sizes and split_dim as logical blocks and, with 8-bit momentum,
+    its momentum_block (Muon's AdamW part: any row); Shampoo and SOAP, whole tiles
+    of max_preconditioner_dim where the group preconditions; AdamW: any row.
+    Parameters the optimizer does not hold: any row. The optimizer must be built on
+    the parameters before they are sharded (it follows them to their shards)."""
+    from . import optim
+    from .fsdp.unit import shard_info
+    group_of = {id(p): g for g in optimizer.param_groups for p in g["params"]}
+    if any(shard_info(p) is not None for g in optimizer.param_groups for p in g["params"]):
+        raise ValueError("rfsdp.policy.of: the optimizer holds sharded parameters already; build "
+                         "it on the model's parameters before rfsdp.fully_shard (it follows them "
+                         "to their shards) and pass policy.of(opt) to fully_shard")
+    settings = optimizer.config.settings() if hasattr(optimizer, "config") else {}
+
+    def held(p, key=None):
+        g = group_of.get(id(p))
+        return g is not None and (key is None or g[key])
+
+    if isinstance(optimizer, optim.AdamW8bit):
+        eight = blockwise_8bit(settings["block"])
+        return Policy(lambda name, p, rd: eight.granule(name, p, rd)
+                      if held(p) and p.numel() >= settings["min_8bit_size"] else 1)
+    if isinstance(optimizer, optim.AdamW):
+        return adamw()
+    if isinstance(optimizer, (optim.Shampoo, optim.SOAP)):
+        key = "use_shampoo" if isinstance(optimizer, optim.Shampoo) else "use_soap"
+        tiles = shampoo(settings["max_preconditioner_dim"])
+        return Policy(lambda name, p: tiles.granule(name, p) if held(p, key) else 1,
+                      lambda name, p: tiles.row_dims(name, p) if held(p, key) else 1)
+    if isinstance(optimizer, optim.Muon):
+        from .optim.muon import _split_dim, _takes_muon
+        takes = [g for g in optimizer.param_groups
+                 if any(_takes_muon(g, p) for p in g["params"])]
+        dims = {_split_dim(g) for g in takes if g["split_sizes"] is not None}
+        if len(dims) > 1:
+            raise ValueError("rfsdp.policy.of: Muon's groups split along rows and columns "
+                             "(split_dim 0 and 1); a plan carries blocks along one dim")
+
+        def split(name, p):
+            g = group_of.get(id(p))
+            if g is None or not _takes_muon(g, p) or g["split_sizes"] is None:
+                return None
+            return list(g["split_sizes"])
+        matrices = muon(matrix=lambda name, p: held(p) and _takes_muon(group_of[id(p)], p),
+                        split=split, split_dim=dims.pop() if dims else 0)
+        if settings["momentum_dtype"] != "int8":
+            return matrices
+        eight = blockwise_8bit(settings["momentum_block"])
+        return combine(matrices, Policy(
+            lambda name, p, rd: eight.granule(name, p, rd)
+            if held(p) and _takes_muon(group_of[id(p)], p) else 1))
+    raise ValueError("rfsdp.policy.of: %s is not an rfsdp optimizer (AdamW, AdamW8bit, Muon, "
+                     "Shampoo, SOAP)" % type(optimizer).__name__)

@@ -208,7 +208,8 @@ class Unit:
         if self.replicate_comm is not None:
             dist.broadcast(flat, src=dist.get_global_rank(rg, 0), group=rg)
         full = [t.view(p.shape) for t, p in zip(flat.split([p.numel() for p in params]), params)]
-        self._lay_out(full, [p.requires_grad for p in params], list(self.local_names), params)
+        self._lay_out(full, [p.requires_grad for p in params], list(self.local_names), params,
+                      asked=params)
         self.state = TrainingState.IDLE
         self.cast_to = mp.param_dtype if mp.cast_forward_inputs and mp.param_dtype != torch.float32 else None
         self.grads_waiting = 0
@@ -219,15 +220,18 @@ class Unit:
         self.schedule = None    # the Schedule of the outermost fully_shard call above
         self.recomputing = False  # this forward runs inside backward (checkpointing)
 
-    def _lay_out(self, full, requires_grad, names, replaced):
-        """Plans the unit (the policy asked under `names`), shards the full values
-        `full` (every rank's alike) into it and puts the shards into the modules;
-        `replaced`: the parameters they replace (marked for optimizers built before)."""
+    def _lay_out(self, full, requires_grad, names, replaced, asked=None):
+        """Plans the unit (the policy asked under `names` about the tensors `asked`,
+        default `full`: the model's own parameters when it is first sharded, so a
+        policy may know them by identity, as rfsdp.policy.of does), shards the full
+        values `full` (every rank's alike) into it and puts the shards into the
+        modules; `replaced`: the parameters they replace (marked for optimizers built
+        before)."""
         pg, rg = self.process_group, self.replicate_group
         dtype_bytes = torch.empty((), dtype=self.mp.param_dtype).element_size()
         specs, self.planned_blocks = [], []
         pol = self.policy
-        for name, t in zip(names, full):
+        for name, t in zip(names, full if asked is None else asked):
             g = pol.granule(name, t)
             blocks = pol.blocks(name, t)
             self.planned_blocks.append(None if blocks is None else (tuple(blocks), pol.blocks_dim))
