@@ -840,8 +840,8 @@ def muon_worker(args):
     full = rfsdp.full_parameters(model)
     for i, p in enumerate(pt):
         worst = max(worst, (full["w.%d" % i] - p.detach()).abs().max().item())
-    out = dict(step_ms=median_ms(times[2:]), moved=opt.layout.gather_send_elems(),
-               imbalance=opt.layout.flop_imbalance(), worst=worst)
+    out = dict(step_ms=median_ms(times[2:]), moved=opt._impl.gather_send_elems(),
+               imbalance=opt._impl.flop_imbalance(), worst=worst)
     rows = [None] * dist.get_world_size()
     dist.all_gather_object(rows, out)
     if dist.get_rank() == 0:

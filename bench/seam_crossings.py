@@ -1,15 +1,19 @@
-"""Python -> C++ crossings (calls into rfsdp._C) per optimizer step, per
-fully_shard unit, for each optimizer: what the seam between rfsdp.optim and the
-C++ optimizers costs. One process (a one-rank Gloo group); a model of `units`
-blocks of `per_unit` parameters each, two parameter groups (an LR scheduler
-changes the first group's lr every step, as a warm-up would).
+"""Python -> C++ crossings (calls into rfsdp._C, objects built there included)
+per optimizer step, per fully_shard unit, and per checkpoint load, for each
+optimizer: what the seam between rfsdp.optim and the C++ optimizers costs. One
+process (a one-rank Gloo group); a model of `units` blocks of `per_unit`
+parameters each, two parameter groups (an LR scheduler changes the first
+group's lr every step, as a warm-up would).
 
     python bench/seam_crossings.py [--units 8] [--steps 5]
 
-Prints a table: crossings per step, per unit and per parameter, and the
-microseconds one step spends in Python and C++ (median)."""
+Prints a table: crossings per step, per unit and per parameter, the
+microseconds one step spends in Python and C++ (median), and the crossings of
+one rfsdp.checkpoint.load and of one load_state_dict(state_dict()) (the load
+alone) after the steps."""
 import argparse
 import os
+import shutil
 import statistics
 import tempfile
 import time
@@ -52,9 +56,9 @@ def optimizer(name, model):
 
 
 class Counter:
-    """Counts calls into rfsdp._C: its functions and its classes' methods are
-    wrapped, so every call counts however it is made (sys.setprofile would miss
-    calls made with *args)."""
+    """Counts calls into rfsdp._C: its functions, its classes' methods and
+    constructors, and their comparisons are wrapped, so every call counts however
+    it is made (sys.setprofile would miss calls made with *args)."""
 
     def __init__(self):
         self.n = 0
@@ -66,10 +70,20 @@ class Counter:
                 continue
             if isinstance(obj, type):
                 for attr, f in list(vars(obj).items()):  # its own methods (a base's once)
-                    if not attr.startswith("_") and callable(f) and not isinstance(f, type):
+                    counted = not attr.startswith("_") or attr in ("__init__", "__eq__", "__ne__")
+                    if counted and callable(f) and not isinstance(f, type):
                         setattr(obj, attr, self._wrap(getattr(obj, attr)))
             elif callable(obj):
                 setattr(_C, name, self._wrap(obj))
+
+    def counting(self, fn):
+        """fn()'s crossings."""
+        self.n, self.on = 0, True
+        try:
+            fn()
+        finally:
+            self.on = False
+        return self.n
 
     def _wrap(self, f):
         def counted(*args, **kwargs):
@@ -92,8 +106,9 @@ def main():
     torch.manual_seed(0)
     print("rfsdp from %s" % os.path.dirname(rfsdp.__file__))
     counter = Counter()
-    print("%-10s %8s %10s %10s %14s %14s" % ("optimizer", "params", "per step", "per unit",
-                                             "per parameter", "step us (med)"))
+    print("%-10s %8s %10s %10s %14s %14s %16s %16s" % (
+        "optimizer", "params", "per step", "per unit", "per parameter", "step us (med)",
+        "checkpoint.load", "load_state_dict"))
     for name in ("adamw", "adamw8bit", "muon", "shampoo"):
         model = model_of(args.units, args.dim)
         opt = optimizer(name, model)
@@ -105,10 +120,7 @@ def main():
         for k in range(2 * args.steps):  # counted steps, then timed ones (no profiler)
             model(x).square().mean().backward()
             if k < args.steps:
-                counter.n, counter.on = 0, True
-                opt.step()
-                counter.on = False
-                counts.append(counter.n)
+                counts.append(counter.counting(opt.step))
             else:
                 t0 = time.perf_counter()
                 opt.step()
@@ -117,9 +129,15 @@ def main():
             opt.zero_grad()
         per_step = statistics.median(counts)
         us = statistics.median(times) * 1e6
-        print("%-10s %8d %10d %10.1f %14.2f %14.0f" % (name, n_params, per_step,
-                                                      per_step / (args.units + 1),
-                                                      per_step / n_params, us))
+        path = os.path.join(d, name)
+        rfsdp.checkpoint.save(path, model, opt)
+        per_load = counter.counting(lambda: rfsdp.checkpoint.load(path, model, opt))
+        shutil.rmtree(path)
+        sd = opt.state_dict()
+        per_sd_load = counter.counting(lambda: opt.load_state_dict(sd))
+        print("%-10s %8d %10d %10.1f %14.2f %14.0f %16d %16d" % (
+            name, n_params, per_step, per_step / (args.units + 1), per_step / n_params, us,
+            per_load, per_sd_load))
     dist.destroy_process_group()
 
 

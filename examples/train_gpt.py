@@ -163,12 +163,12 @@ def run(label, args, train, val, rank, world):
         rfsdp.checkpoint.save(os.path.join(args.final_checkpoint, name), model, opt)
     note = ""
     if base == "muon":  # how the roots balance Newton–Schulz, and what a step moves
-        moved = torch.tensor([float(opt.layout.gather_send_elems())], device=DEVICE)
+        moved = torch.tensor([float(opt._impl.gather_send_elems())], device=DEVICE)
         dist.all_reduce(moved, op=dist.ReduceOp.MAX)
-        mats = opt.layout.matrices()
+        mats = opt._impl.matrices()
         note = ("%d matrices, %.1f GFLOP of Newton-Schulz a step (all ranks), max/mean per rank "
                 "%.3f; gather moves at most %.2f MiB per rank per step (and the scatter as much back)"
-                % (len(mats), sum(m["flops"] for m in mats) / 1e9, opt.layout.flop_imbalance(),
+                % (len(mats), sum(m["flops"] for m in mats) / 1e9, opt._impl.flop_imbalance(),
                    moved.item() * 4 / 2 ** 20))
     if base == "shampoo":
         note = ("%d tiles, %.2f MiB of factors and roots per rank, %.1f s in roots (of %.1f s), "

@@ -25,22 +25,14 @@ checkpoint whole. load() checks the files and every tensor's name, shape and
 dtype before it reads, reads into fresh tensors, and only then copies into the
 model and optimizer: a bad checkpoint changes nothing.
 
-Loading never runs code from the files. DCP reads its .metadata with a plain
-pickle.load and its non-tensor values with torch.load(weights_only=False), so a
-crafted checkpoint could run anything (the SHA-256 sums are no defence: whoever
-writes the folder recomputes them). rfsdp reads .metadata through an unpickler
-that knows only DCP's metadata classes, torch sizes, dtypes and layouts
-(SafeFileSystemReader), non-tensor values with torch's weights-only unpickler
-(SafeLoadPlanner), and `extra` in torch's weights-only format; anything else is
-refused (UnsafeCheckpointError) before it is built. dcp_load(state_dict, path) reads
-any DCP checkpoint (an FSDP2 one too) the same way."""
-import enum
-import functools
+Loading never runs code from the files: they are read by rfsdp.dcp's safe
+reader (DCP's .metadata and non-tensor values, refused with
+UnsafeCheckpointError where they name anything else), and `extra` in torch's
+weights-only format."""
 import hashlib
 import io
 import json
 import os
-import pathlib
 import pickle
 import re
 import shutil
@@ -48,14 +40,12 @@ import shutil
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-import torch.distributed.checkpoint.filesystem as dcp_filesystem
-import torch.distributed.checkpoint.metadata as dcp_metadata
-from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
-from torch.distributed.checkpoint.metadata import StorageMeta
 
 from ._comm import check_in, make_comm
-from .fsdp.state_dict import Pieces as _Pieces
-from .state_layout import Entry, LayoutError, default_group, param_entry, state_entries
+from .dcp.layout import default_group, param_entry, state_entries
+from .dcp.pieces import Entry, LayoutError, Pieces
+from .dcp.reader import (CheckpointError, RestrictedUnpickler, failure, read, read_metadata,
+                         weights_only_load, why_refused)
 
 FORMAT = 2          # 2: `extra` in torch's weights-only format (1: a plain pickle)
 READS = (1, 2)
@@ -63,162 +53,6 @@ MARKER = "rfsdp.json"
 # How long save and load wait for every rank to call them (the optimizers' default).
 DEFAULT_TIMEOUT_SECONDS = 300.0
 STEP_DIR = re.compile(r"^step_(\d+)$")
-
-
-class CheckpointError(ValueError):
-    """A checkpoint that cannot be loaded into this model and optimizer (nothing was changed)."""
-
-
-class UnsafeCheckpointError(CheckpointError):
-    """A checkpoint whose files name code or objects that loading would build (a
-    crafted or foreign pickle): refused before anything was built."""
-
-
-# ---- reading without running code ---------------------------------------------------------
-
-@functools.lru_cache(maxsize=None)
-def _dcp_classes():
-    """{(module, name): object} a DCP .metadata pickle may name: the metadata
-    dataclasses, the storage info, torch sizes, dtypes and the layout decoder,
-    paths, and plain containers."""
-    allowed = {}
-    for mod in (dcp_metadata, dcp_filesystem):
-        for name in dir(mod):
-            obj = getattr(mod, name)
-            if isinstance(obj, type) and getattr(obj, "__module__", None) == mod.__name__ and \
-                    (hasattr(obj, "__dataclass_fields__") or issubclass(obj, enum.Enum)):
-                allowed[(mod.__name__, name)] = obj
-    for name in dir(torch):
-        obj = getattr(torch, name, None)
-        if isinstance(obj, (torch.dtype, torch.layout, torch.memory_format)):
-            allowed[("torch", name)] = obj
-    allowed[("torch", "Size")] = torch.Size
-    allowed[("torch.serialization", "_get_layout")] = torch.serialization._get_layout
-    allowed[("pathlib", "PosixPath")] = pathlib.PosixPath
-    allowed[("pathlib", "WindowsPath")] = pathlib.WindowsPath
-    allowed[("collections", "OrderedDict")] = __import__("collections").OrderedDict
-    allowed[("builtins", "getattr")] = _enum_member
-    return allowed
-
-
-def _enum_member(cls, name):
-    """pickle's getattr(enum class, member): for allowed enums' members only (a free
-    getattr would reach any object's attributes, and from there anything)."""
-    if isinstance(cls, type) and issubclass(cls, enum.Enum) and name in cls.__members__:
-        return cls.__members__[name]
-    raise UnsafeCheckpointError("getattr(%r, %r) is not an enum member" % (cls, name))
-
-
-class _RestrictedUnpickler(pickle.Unpickler):
-    """An unpickler that builds only the objects in `allowed` (and plain values)."""
-
-    def __init__(self, f, allowed, where):
-        super().__init__(f)
-        self.allowed, self.where = allowed, where
-
-    def find_class(self, module, name):
-        obj = self.allowed.get((module, name))
-        if obj is None:
-            raise UnsafeCheckpointError(
-                "%s names %s.%s, which it never holds when written by DCP or rfsdp: refused "
-                "(loading it could run code); nothing was loaded" % (self.where, module, name))
-        return obj
-
-    def persistent_load(self, pid):
-        raise UnsafeCheckpointError("%s holds a persistent reference: refused" % self.where)
-
-
-def read_metadata(path):
-    """A DCP checkpoint folder's Metadata, read through the restricted unpickler
-    (UnsafeCheckpointError for anything but DCP's metadata)."""
-    where = "checkpoint %s: .metadata" % path
-    with open(os.path.join(path, ".metadata"), "rb") as f:
-        try:
-            md = _RestrictedUnpickler(f, _dcp_classes(), where).load()
-        except UnsafeCheckpointError:
-            raise
-        except Exception as e:  # noqa: BLE001 (a damaged or foreign file)
-            raise CheckpointError("%s is unreadable (%s: %s)" % (where, type(e).__name__, e)) from None
-    if not isinstance(md, dcp_metadata.Metadata):
-        raise UnsafeCheckpointError("%s holds a %s, not DCP metadata: refused"
-                                    % (where, type(md).__name__))
-    return md
-
-
-class SafeFileSystemReader(dcp.FileSystemReader):
-    """dcp.FileSystemReader whose .metadata is read by read_metadata (no code runs;
-    a file naming anything else is refused before DCP touches it)."""
-
-    def read_metadata(self, *args, **kwargs):
-        if kwargs.get("rank") is not None:  # per-rank metadata files: not written by rfsdp
-            raise CheckpointError("SafeFileSystemReader: per-rank metadata is not supported")
-        md = read_metadata(str(self.path))
-        if getattr(md, "storage_meta", None) is None:
-            md.storage_meta = StorageMeta()
-        md.storage_meta.load_id = getattr(self, "load_id", None)
-        return md
-
-
-def dcp_load(state_dict, path, *, process_group=None, planner=None):
-    """dcp.load(state_dict) from the folder `path` without running code from it: its
-    .metadata checked first (UnsafeCheckpointError naming what it refused: inside
-    dcp.load the reader's errors are caught and replaced by DCP's own), then read by
-    SafeFileSystemReader, non-tensor values by SafeLoadPlanner (or `planner`). For
-    any DCP checkpoint: a plain model's, an FSDP2 model's, rfsdp's."""
-    path = os.path.abspath(str(path))
-    read_metadata(path)
-    _read(state_dict, path, default_group(process_group), planner)
-
-
-def _read(state_dict, path, pg, planner=None):
-    """dcp.load through SafeFileSystemReader and SafeLoadPlanner (or planner). DCP
-    hands every rank the same failures: a refusal of rfsdp's is raised as it is,
-    anything else as one CheckpointError."""
-    try:
-        dcp.load(state_dict, storage_reader=SafeFileSystemReader(path),
-                 planner=planner if planner is not None else SafeLoadPlanner(), process_group=pg,
-                 no_dist=pg is None)
-    except dcp.api.CheckpointException as e:
-        inner = _unwrap(e)
-        raise inner if inner is not None else _failed("load", path, e) from None
-
-
-def _why_refused(e):
-    """The line of torch's weights-only error that says what it refused."""
-    lines = [x.strip() for x in str(e).splitlines() if x.strip()]
-    return next((x for x in lines if "GLOBAL" in x or "Unsupported" in x), lines[0] if lines else "")
-
-
-def _weights_only_load(data, where):
-    try:
-        return torch.load(io.BytesIO(data) if isinstance(data, bytes) else data, weights_only=True)
-    except pickle.UnpicklingError as e:
-        raise UnsafeCheckpointError("%s: refused by torch's weights-only unpickler (%s); "
-                                    "nothing was loaded" % (where, _why_refused(e))) from None
-
-
-def _unwrap(e):
-    """The CheckpointError inside DCP's CheckpointException (the one a rank raised),
-    else None."""
-    for exc, _ in getattr(e, "failures", {}).values():
-        if isinstance(exc, CheckpointError):
-            return exc
-    return None
-
-
-class SafeLoadPlanner(DefaultLoadPlanner):
-    """DCP's default load planner, with non-tensor values read by torch's
-    weights-only unpickler (plain values, tensors) instead of
-    torch.load(weights_only=False)."""
-
-    def load_bytes(self, read_item, value):
-        fqn = read_item.dest_index.fqn
-        obj = _weights_only_load(value, "checkpoint value '%s'" % fqn)
-        if self.flatten_state_dict:
-            from torch.distributed.checkpoint._nested_dict import set_element  # noqa: PLC0415
-            set_element(self.original_state_dict, self.mappings[fqn], obj)
-        else:
-            self.state_dict[fqn] = obj
 
 
 def _encode_extra(extra):
@@ -232,16 +66,16 @@ def _encode_extra(extra):
     except pickle.UnpicklingError as e:
         raise ValueError("checkpoint.save: extra must hold plain values (dict, list, tuple, str, "
                          "int, float, bool, None, tensors): a checkpoint never runs code on load, "
-                         "and this one would need to (%s)" % _why_refused(e)) from None
+                         "and this one would need to (%s)" % why_refused(e)) from None
     return data
 
 
 def _decode_extra(data, path, fmt):
     if fmt >= 2:
-        return _weights_only_load(data, "checkpoint %s: extra" % path)
+        return weights_only_load(data, "checkpoint %s: extra" % path)
     # Format 1 pickled extra with pickle.dumps: plain values need no globals.
-    return _RestrictedUnpickler(io.BytesIO(data), {}, "checkpoint %s: extra (saved by an older "
-                                "rfsdp)" % path).load()
+    return RestrictedUnpickler(io.BytesIO(data), {}, "checkpoint %s: extra (saved by an older "
+                               "rfsdp)" % path).load()
 
 
 # ---- the pieces a rank holds ------------------------------------------------------------
@@ -271,10 +105,10 @@ def _flat(nested):
 
 
 def _state_dict(entries):
-    """The DCP state_dict of the entries: _Pieces (what this rank reads and what it
+    """The DCP state_dict of the entries: Pieces (what this rank reads and what it
     writes), or the tensor where replicated."""
     return {e.key: e.tensor if e.pieces is None else
-            _Pieces(e.shape, e.dtype, e.pieces, writes=e.written()) for e in entries}
+            Pieces(e.shape, e.dtype, e.pieces, writes=e.written()) for e in entries}
 
 
 # ---- what a model and an optimizer hold ---------------------------------------------------
@@ -398,21 +232,6 @@ def _all_called(pg, what, path, timeout_seconds):
         comm.close()
 
 
-def _failed(what, path, e):
-    """One message for a save or load that failed in the file system or in DCP (the
-    same on every rank: DCP and _agree hand every rank the same exception)."""
-    if isinstance(e, dcp.api.CheckpointException):
-        why = "; ".join("rank %d: %s: %s" % (r, type(x[0]).__name__, x[0])
-                        for r, x in sorted(e.failures.items()))
-    else:
-        why = "%s: %s" % (type(e).__name__, e)
-    if what == "load":
-        return CheckpointError("checkpoint.load of %s failed (%s); nothing was loaded" % (path, why))
-    return CheckpointError(
-        "checkpoint.%s of %s failed (%s); a read-only or full file system? Nothing was replaced: "
-        "the checkpoint there before, if any, is whole and loadable" % (what, path, why))
-
-
 def _recover(path):
     """A save that died between moving the old checkpoint aside and moving the new
     one in left only <path>.old: it is the checkpoint at path."""
@@ -473,7 +292,7 @@ def save(path, model, optimizer=None, *, extra=None, process_group=None,
                  process_group=pg, no_dist=pg is None)
         _agree(pg, seal)
     except (OSError, dcp.api.CheckpointException) as e:
-        raise _failed("save", path, e) from None
+        raise failure("save", path, e) from None
     return path
 
 
@@ -621,7 +440,7 @@ def load(path, model, optimizer=None, *, process_group=None, check_files=True, r
     if has_extra:
         sd["extra"] = None
     nested = _nest(sd)
-    _read(nested, path, pg)
+    read(nested, path, pg)
     sd = _flat(nested)
     if optimizer is not None:
         if not requant:
@@ -649,13 +468,13 @@ def load(path, model, optimizer=None, *, process_group=None, check_files=True, r
                 for live, (_, _, t) in zip(e.live, e.pieces):
                     live.copy_(t.reshape(live.shape))
     if optimizer is not None:
-        read = {e.key: e for e in entries}
+        loaded = {e.key: e for e in entries}
         for fqn, p in _fqns(model, optimizer):
             if requant:
                 st = new_states[fqn]
             else:
                 st = optimizer.sharded_state(p)  # the live tensors, now holding the loaded values
-                step = read.get("optim.%s.step" % fqn)
+                step = loaded.get("optim.%s.step" % fqn)
                 if step is not None:
                     st["step"] = step.tensor
             optimizer.load_sharded_state(p, st)

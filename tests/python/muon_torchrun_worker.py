@@ -83,11 +83,11 @@ def main():
     xs, ys = data(args.seed)
     losses = train_on_slices(model, opt, xs, ys, rank, world)
     params = rfsdp.full_parameters(model)
-    moved = torch.tensor([float(opt.layout.gather_send_elems())])
+    moved = torch.tensor([float(opt._impl.gather_send_elems())])
     dist.all_reduce(moved)
     if rank == 0:
         torch.save({"losses": losses, "params": params, "moved": moved.item(),
-                    "imbalance": opt.layout.flop_imbalance()}, args.out)
+                    "imbalance": opt._impl.flop_imbalance()}, args.out)
     dist.barrier()
     os._exit(0)  # (torch's Gloo threads may abort a normal exit: see rfsdp._comm)
 

@@ -77,13 +77,13 @@ def test_a_crafted_metadata_is_refused_before_dcp_reads_it(tmp_path):
     reseal(path)
     fresh, fresh_opt = model_and_optimizer(seed=1)
     before = [p.detach().clone() for p in fresh.parameters()]
-    with pytest.raises(ckpt.UnsafeCheckpointError, match=r"\.metadata names posix\.system"):
+    with pytest.raises(rfsdp.dcp.UnsafeCheckpointError, match=r"\.metadata names posix\.system"):
         ckpt.load(path, fresh, fresh_opt)
-    with pytest.raises(ckpt.UnsafeCheckpointError, match="posix.system"):
-        ckpt.dcp_load({"model": fresh.state_dict()}, path)
+    with pytest.raises(rfsdp.dcp.UnsafeCheckpointError, match="posix.system"):
+        rfsdp.dcp.load({"model": fresh.state_dict()}, path)
     # The reader alone inside dcp.load: DCP replaces its error by its own, but refuses.
     with pytest.raises(BaseException, match="metadata is None"):
-        dcp.load({"model": fresh.state_dict()}, storage_reader=ckpt.SafeFileSystemReader(path),
+        dcp.load({"model": fresh.state_dict()}, storage_reader=rfsdp.dcp.SafeFileSystemReader(path),
                  no_dist=True)
     assert not ran.exists(), "the payload ran"
     assert all(torch.equal(a, b) for a, b in zip(before, fresh.parameters()))
@@ -122,14 +122,14 @@ def test_a_crafted_extra_is_refused_and_runs_nothing(tmp_path, how):
     assert not ran.exists()
     fresh, fresh_opt = model_and_optimizer(seed=1)
     before = [p.detach().clone() for p in fresh.parameters()]
-    with pytest.raises(ckpt.UnsafeCheckpointError, match=want):
+    with pytest.raises(rfsdp.dcp.UnsafeCheckpointError, match=want):
         ckpt.load(path, fresh, fresh_opt)
     assert not ran.exists(), "the payload ran"
     assert all(torch.equal(a, b) for a, b in zip(before, fresh.parameters())), "the model changed"
     if how == "dcp_value":  # the control: DCP's default planner runs it
         sd = {"extra": None}
         with contextlib.suppress(Exception):
-            dcp.load(sd, storage_reader=ckpt.SafeFileSystemReader(path), no_dist=True)
+            dcp.load(sd, storage_reader=rfsdp.dcp.SafeFileSystemReader(path), no_dist=True)
         assert ran.exists(), "the crafted value is not an attack: this test proves nothing"
 
 

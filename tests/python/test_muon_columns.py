@@ -76,7 +76,7 @@ def train(seed, shard=None, group_split=True, adjust_lr="original"):
         model(g).backward()
         opt.step()
     full = {n: t.detach().clone() for n, t in _full(model).items()}
-    return full, opt.layout.matrices()
+    return full, opt._impl.matrices()
 
 
 def _full(model):
@@ -174,7 +174,7 @@ def _gpt2_train(rank, world, seed, shard):
         loss.backward()
         opt.step()
         losses.append(loss.item())
-    col = sorted({tuple(m["col_blocks"]) for m in opt.layout.matrices() if m["col_blocks"]})
+    col = sorted({tuple(m["col_blocks"]) for m in opt._impl.matrices() if m["col_blocks"]})
     full = rfsdp.full_parameters(model) if shard else \
         {n: p.detach().clone() for n, p in model.named_parameters()}
     return losses, full, col

@@ -66,7 +66,7 @@ def run(seed, policy, steps=STEPS, mesh=None, group_split=True, **muon):
         opt.zero_grad()
     full = rfsdp.full_parameters(model)
     assert {n: tuple(t.shape) for n, t in full.items()} == {n: tuple(s) for n, s in full_shapes.items()}
-    return full, opt.layout.gather_send_elems(), len(opt.layout.matrices())
+    return full, opt._impl.gather_send_elems(), len(opt._impl.matrices())
 
 
 def run_fsdp2(seed, world):
@@ -85,7 +85,7 @@ def run_fsdp2(seed, world):
         opt.step()
         opt.zero_grad()
     return ({n: p.full_tensor() for n, p in model.named_parameters()},
-            opt.layout.gather_send_elems(), len(opt.layout.matrices()))
+            opt._impl.gather_send_elems(), len(opt._impl.matrices()))
 
 
 def worker(rank, world, seed):
@@ -179,7 +179,7 @@ def test_a_state_dict_with_another_split_is_refused_and_a_changed_split_is_follo
         b.load_state_dict(a.state_dict())
     a.param_groups[0]["split_sizes"] = [6, 6]  # followed at the next step: the layout is rebuilt
     a.step()
-    assert [m["rows"] for m in a.layout.matrices()] == [6, 6]
+    assert [m["rows"] for m in a._impl.matrices()] == [6, 6]
 
 
 def test_the_plan_carries_the_blocks_and_a_group_that_disagrees_is_an_error(one_rank):

@@ -76,7 +76,7 @@ def _train(rank, world, seed, keys, steps=3):
         opt.zero_grad()
         loss.backward()
         opt.step()
-    return (planned, len(opt.layout.matrices()), names,
+    return (planned, len(opt._impl.matrices()), names,
             {n: t.clone() for n, t in rfsdp.full_parameters(model).items()})
 
 

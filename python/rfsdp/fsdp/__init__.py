@@ -2,14 +2,13 @@
 of one concern each (as FSDP2 splits it): api (fully_shard, FSDPModule, helpers),
 unit (one call's parameters: shards, hooks, gradients), schedule (prefetch order),
 trees (tensors in inputs and outputs), grad_norm (global norms of sharded
-gradients), state_dict (full and sharded state dicts)."""
+gradients), state_dict (a model's full and sharded state dicts; the pieces and
+their gathering are rfsdp.dcp's)."""
 from .api import (FSDPModule, UnshardHandle, clip_grad_norm_, full_parameters, fully_shard,
                   global_numel, set_prefetch, units)
 from .grad_norm import PartialNorm, ShardGrad
-from .state_dict import ShardedRows, get_state_dict_type, set_state_dict_type
 from .unit import DataState, MixedPrecisionPolicy, ShardInfo, TrainingState, shard_info
 
 __all__ = ["FSDPModule", "UnshardHandle", "clip_grad_norm_", "full_parameters", "fully_shard",
-           "global_numel", "set_prefetch", "units", "PartialNorm", "ShardGrad", "ShardedRows",
-           "get_state_dict_type", "set_state_dict_type", "DataState", "MixedPrecisionPolicy",
-           "ShardInfo", "TrainingState", "shard_info"]
+           "global_numel", "set_prefetch", "units", "PartialNorm", "ShardGrad", "DataState",
+           "MixedPrecisionPolicy", "ShardInfo", "TrainingState", "shard_info"]

@@ -20,6 +20,7 @@ from torch import nn
 from .. import _C
 from .. import policy as policy_mod
 from .._comm import make_comm
+from ..dcp.gather import full_rows
 from ..planning import PlannerOptions
 from . import state_dict as state_dict_mod
 from .schedule import Schedule
@@ -499,6 +500,6 @@ def full_parameters(model: nn.Module, process_group=None) -> dict:
         pg = process_group or info.process_group or dist.group.WORLD
         by_group.setdefault(pg, []).append((name, p, info))
     for pg, items in by_group.items():
-        full = state_dict_mod.gather_rows([(p, info) for _, p, info in items], pg)
+        full = full_rows([(p, info) for _, p, info in items], pg)
         out.update((name, t) for (name, _, _), t in zip(items, full))
     return {name: out[name] for name, _ in model.named_parameters()}

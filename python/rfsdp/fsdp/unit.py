@@ -272,10 +272,10 @@ class Unit:
         found logical blocks under them that the inner names missed): every
         parameter gathered (one all-gather), laid out anew and sharded; the old
         shards are marked replaced. Collective; only between steps."""
-        from .state_dict import gather_rows
+        from ..dcp.gather import full_rows
         if self.state is not TrainingState.IDLE or self.unit.unsharded() or self.pending is not None:
             raise RuntimeError("fully_shard: a unit can be planned again only between steps")
-        full = gather_rows([(up.sharded, up.sharded._rfsdp_shard) for up in self.params],
+        full = full_rows([(up.sharded, up.sharded._rfsdp_shard) for up in self.params],
                            self.process_group)
         self._lay_out([t.detach().clone() for t in full],
                       [up.sharded.requires_grad for up in self.params], names, self.sharded)

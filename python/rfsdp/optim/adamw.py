@@ -3,10 +3,6 @@ from .. import _C
 from .base import _OverCpp
 
 
-def _adamw_options(g):
-    return _C.AdamWOptions(lr=g["lr"], betas=g["betas"], eps=g["eps"],
-                           weight_decay=g["weight_decay"])
-
 class AdamW(_OverCpp):
     """torch.optim.AdamW's update over shards (or plain tensors). Collective: the
     NaN/Inf check agrees across process_group's ranks (default: the shard group of
@@ -20,12 +16,13 @@ class AdamW(_OverCpp):
         self._set_groups(process_group, timeout_seconds)
         self._bind()
 
-    def _make(self, specs):
-        return _C.AdamW(specs, self.comm)
+    _options_class = _C.AdamWOptions
 
-    def _parts(self, params):
-        self._impl = self._make(self._specs(params))
-        return [(self._impl, list(range(len(params))), _adamw_options)]
+    def _group_options(self, g):
+        return dict(lr=g["lr"], betas=g["betas"], eps=g["eps"], weight_decay=g["weight_decay"])
+
+    def _make_impl(self, params):
+        return _C.AdamW(self._specs(params), self.comm)
 
 
 class AdamW8bit(AdamW):
@@ -51,8 +48,8 @@ class AdamW8bit(AdamW):
         super().__init__(params, lr, betas, eps, weight_decay, process_group, timeout_seconds,
                          rounding)
 
-    def _make(self, specs):
-        return _C.AdamW8bit(specs, self.config, self.comm)
+    def _make_impl(self, params):
+        return _C.AdamW8bit(self._specs(params), self.config, self.comm)
 
     def shared_blocks(self):
         """Blocks this rank shares with other ranks (a shard boundary cuts them):

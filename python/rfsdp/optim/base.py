@@ -1,6 +1,7 @@
 """The base of rfsdp.optim's optimizers: _OverCpp, the torch.optim.Optimizer over
-C++ optimizers (binding, groups, steps, state and the checkpoint protocol), and
-the helpers every optimizer module shares."""
+one C++ optimizer (binding, groups, steps, state and the checkpoint protocol), and
+the helpers every optimizer module shares. torch's state-dict format of the
+states is rfsdp.dcp's (optim_state)."""
 import collections
 import json
 
@@ -9,10 +10,11 @@ import torch.distributed as dist
 
 from .. import _C
 from .._comm import make_comm
-from ..fsdp.dtensor import info_of, is_dtensor, local
-from ..fsdp.state_dict import Pieces, dcp_caller_options
+from ..dcp import optim_state
+from ..dcp.layout import default_group
+from ..dcp.state_dict_type import state_dict_type
+from ..fsdp.dtensor import info_of, local
 from ..fsdp.unit import replacements
-from ..state_layout import default_group, dcp_value, full_tensors, state_entries
 
 
 def _follow_replaced(optimizer, stepped):
@@ -212,46 +214,41 @@ def _step_value(v, p):
     return int(x)
 
 
-class _Part:
-    """One C++ optimizer over some of the parameters: their indices, options(group)
-    (a group's hyperparameters as the C++ options object its set_group_options
-    takes, checked there), the groups
-    it holds and the options it was last sent."""
-
-    def __init__(self, impl, idx, options, groups):
-        self.impl, self.idx, self.options = impl, idx, options
-        self.groups = sorted(set(groups))
-        self.sent = {}
-        self.has_step = [impl.state_has_step(k) for k in range(len(idx))]
-        # The published "step" of each parameter: a 0-D view of this (torch's float32
-        # step), so one read finds the counts a user wrote (opt.state[p]["step"].fill_(0)).
-        self.steps = torch.zeros(len(idx))
-        self.steps_written = [0.0] * len(idx)
+def _plain(v):
+    """A group's option as a plain value to compare (a tensor lr: its number)."""
+    if torch.is_tensor(v):
+        return v.item()
+    if isinstance(v, (list, tuple)):
+        return tuple(_plain(x) for x in v)
+    return v
 
 
 class _OverCpp(torch.optim.Optimizer):
-    """The C++ optimizer(s) over param_groups' parameters: built at construction
-    (shards and options are checked then, in C++), rebuilt with the state carried
-    over when a group is added. Each C++ optimizer knows every parameter's group;
-    a group's options cross to it only when they change (an LR scheduler), and a
-    step's gradients cross in one call. self.state[p] is torch's format and holds
-    the C++ tensors themselves: {"step": counted steps, name: tensor, ...},
-    present once p stepped.
+    """One C++ optimizer over param_groups' parameters (self._impl): built at
+    construction (shards and options are checked then, in C++), rebuilt with the
+    state carried over when a group is added. It knows every parameter's group; a
+    group's options cross to it only when they change (an LR scheduler: compared
+    here as plain values), and a step's gradients cross in one call.
+    self.state[p] is torch's format and holds the C++ tensors themselves:
+    {"step": counted steps, name: tensor, ...}, present once p stepped.
 
     Like torch.optim, each step works on the tensors the parameters hold then:
     a parameter whose storage was replaced since it was bound (model.to(),
     load_state_dict(assign=True) with swapped tensors, p.data = ...) is rebound,
     and its dtype may change between float32, bfloat16 and float16 (states stay
-    float32); one moved to another device rebuilds the C++ optimizers there, the
+    float32); one moved to another device rebuilds the C++ optimizer there, the
     state copied over.
 
     The checkpoint protocol (what rfsdp.checkpoint uses): settings(),
-    sharded_state(p) and load_sharded_state(p, state)."""
+    sharded_state(p) and load_sharded_state(p, state). state_dict() is sharded
+    or full as rfsdp.set_state_dict_type(optimizer, kind) says."""
 
     rounding = "nearest"  # how steps write bfloat16 / float16 parameters back
-    # Param-group keys that shape the C++ optimizers beyond their state: a state
+    # Param-group keys that shape the C++ optimizer beyond its state: a state
     # dict or checkpoint saved with other values of them is refused.
     _fixed_group_keys = ()
+    # The C++ options class of a group's hyperparameters, built from _group_options(group).
+    _options_class = None
 
     def check_saved_groups(self, groups):
         """Raises ValueError, naming the key and both values, where a saved param
@@ -270,15 +267,18 @@ class _OverCpp(torch.optim.Optimizer):
                                                                            key, a, b))
 
     def _set_groups(self, process_group, timeout_seconds):
-        """self.comm, the ranks the C++ optimizers agree over (_default_comm), and
-        self._group, those a state dict is placed over (state_layout.default_group)."""
+        """self.comm, the ranks the C++ optimizer agrees over (_default_comm), and
+        self._group, those a state dict is placed over (dcp.layout.default_group)."""
         self._given_group, self._timeout_seconds = process_group, timeout_seconds
         self.comm = _default_comm(process_group, timeout_seconds, self.param_groups)
         self._group = default_group(process_group)
 
-    def _parts(self, params):
-        """[(C++ optimizer, [indices into params], options(group))] for these
-        parameters."""
+    def _make_impl(self, params):
+        """The C++ optimizer over these parameters (in this order)."""
+        raise NotImplementedError
+
+    def _group_options(self, group):
+        """A group's hyperparameters as _options_class takes them: {name: value}."""
         raise NotImplementedError
 
     def _all_params(self):
@@ -289,7 +289,7 @@ class _OverCpp(torch.optim.Optimizer):
         return {id(p): g for g in self.param_groups for p in g["params"]}
 
     def _specs(self, params):
-        """The C++ optimizers' (shard, tensor) of these parameters (the bound ones),
+        """The C++ optimizer's (shard, tensor) of these parameters (the bound ones),
         each named as the model names it where known (_param_names)."""
         names = self._names if len(self._names) == len(params) else [None] * len(params)
         return [_shard_spec(i, p, n) for i, (p, n) in enumerate(zip(params, names))]
@@ -315,20 +315,19 @@ class _OverCpp(torch.optim.Optimizer):
             self._follow_state()
             stepped = self._stepped
         kept = {id(p): self._state_of(p) for p in (old or []) if id(p) in stepped}
-        group_index = {id(p): k for k, g in enumerate(self.param_groups) for p in g["params"]}
         self._bound_params = params
         self._names = _param_names(self.param_groups)
         self._bound_keys = _tensor_keys(params)
-        self._where = {}
-        self._part_list = []
-        for n, (impl, idx, options) in enumerate(self._parts(params)):
-            groups = [group_index[id(params[i])] for i in idx]
-            impl.set_groups(groups)
-            impl.set_rounding(self.rounding, n)  # n: each part's own noise
-            part = _Part(impl, idx, options, groups)
-            for k, i in enumerate(idx):
-                self._where[id(params[i])] = (part, k)
-            self._part_list.append(part)
+        self._index = {id(p): k for k, p in enumerate(params)}
+        self._impl = impl = self._make_impl(params)
+        impl.set_groups([k for k, g in enumerate(self.param_groups) for _ in g["params"]])
+        impl.set_rounding(self.rounding, 0)
+        self._has_step = [impl.state_has_step(k) for k in range(len(params))]
+        # The published "step" of each parameter: a 0-D view of this (torch's float32
+        # step), so one read finds the counts a user wrote (opt.state[p]["step"].fill_(0)).
+        self._steps = torch.zeros(len(params))
+        self._steps_written = [0.0] * len(params)
+        self._sent = {}  # group index -> the options last sent, as plain values
         self._send_options()
         self._stepped = set()
         self._published = {}  # id(p) -> (the dict self.state[p] holds, its entries as published)
@@ -353,8 +352,7 @@ class _OverCpp(torch.optim.Optimizer):
             self._bind(force=True)
             return
         for i in changed:
-            part, k = self._where[id(params[i])]
-            part.impl.set_param(k, local(params[i].data))
+            self._impl.set_param(i, local(params[i].data))
         self._bound_keys = keys
 
     def _follow_state(self, params=None):
@@ -396,32 +394,30 @@ class _OverCpp(torch.optim.Optimizer):
                     self.state = watched
                 self._watched_state = self.state
                 flag.dirty = False
-        if params is not None:  # (the checkpoint protocol's calls: these parameters' steps)
-            for p in params:
-                part, k = self._where[id(p)]
-                if part.has_step[k] and id(p) in self._stepped:
-                    now = float(part.steps[k])
-                    if now != part.steps_written[k]:
-                        part.impl.set_step_count(k, _step_value(now, p))
-                        part.steps_written[k] = now
+        # steps written into the published views (the checkpoint protocol's calls:
+        # these parameters' alone)
+        if not any(self._has_step):
             return
-        for part in self._part_list:  # steps written into the published views
-            if any(part.has_step):
-                now = part.steps.tolist()
-                if now != part.steps_written:
-                    params_now = self._bound_params
-                    for k, (a, b) in enumerate(zip(now, part.steps_written)):
-                        if a != b and id(params_now[part.idx[k]]) in self._stepped:
-                            part.impl.set_step_count(k, _step_value(a, params_now[part.idx[k]]))
-                    part.steps_written = now
+        if params is None:
+            now = self._steps.tolist()
+            if now == self._steps_written:
+                return
+            ks = range(len(now))
+        else:
+            ks = [self._index[id(p)] for p in params]
+            now = {k: float(self._steps[k]) for k in ks}
+        for k in ks:
+            p = self._bound_params[k]
+            if self._has_step[k] and now[k] != self._steps_written[k] and id(p) in self._stepped:
+                self._impl.set_step_count(k, _step_value(now[k], p))
+                self._steps_written[k] = now[k]
 
     def _take_writes(self, p, cur, published):
         """Entries of p's published state that a user replaced: copied into the live
         tensors where they can be, else an error naming them (nothing changed)."""
-        part, k = self._where[id(p)]
+        k = self._index[id(p)]
         what = "%s: opt.state[p] of parameter '%s'" % (type(self).__name__,
-                                                        self._names[part.idx[k]] or
-                                                        "param %d" % part.idx[k])
+                                                        self._names[k] or "param %d" % k)
         if set(cur) != set(published):
             raise ValueError("%s has the entries %s; this optimizer keeps %s: a name added or "
                              "removed cannot be followed (clear the whole entry to start its "
@@ -431,7 +427,7 @@ class _OverCpp(torch.optim.Optimizer):
             if new is live:
                 continue
             if name == "step":
-                part.impl.set_step_count(k, _step_value(new, p))
+                self._impl.set_step_count(k, _step_value(new, p))
                 continue
             if not torch.is_tensor(new) or tuple(new.shape) != tuple(live.shape):
                 raise ValueError("%s['%s'] was set to %s; it must be a tensor of shape %s (or write "
@@ -446,34 +442,35 @@ class _OverCpp(torch.optim.Optimizer):
                     live.copy_(new)
             dict.__setitem__(cur, name, live)
         if "step" in published:
-            part.steps[k] = float(part.impl.step_count(k))
-            part.steps_written[k] = float(part.steps[k])
+            self._steps[k] = float(self._impl.step_count(k))
+            self._steps_written[k] = float(self._steps[k])
 
     def _reset(self, p):
         """p's state starts over (as at construction, step 0), unpublished until it
         steps again: what clearing torch's optimizer state does."""
-        part, k = self._where[id(p)]
-        part.impl.reset_state(k)
+        self._impl.reset_state(self._index[id(p)])
         self._stepped.discard(id(p))
         self._published.pop(id(p), None)
 
     def _send_options(self):
-        """Every group's options to the C++ optimizers holding its parameters, where
-        they changed since they were last sent (C++ checks them: a bad value is a
-        ValueError naming it, and the group keeps its previous options)."""
-        for part in self._part_list:
-            for k in part.groups:
-                _check_betas(type(self).__name__, self.param_groups[k])
-                opts = part.options(self.param_groups[k])
-                if part.sent.get(k) != opts:
-                    part.impl.set_group_options(k, opts)
-                    part.sent[k] = opts
+        """Every group's options to the C++ optimizer, where they changed since they
+        were last sent (compared as plain values: nothing crosses otherwise; C++
+        checks them: a bad value is a ValueError naming it, and the group keeps its
+        previous options)."""
+        for k, g in enumerate(self.param_groups):
+            if not g["params"]:
+                continue  # (a group without parameters: the C++ optimizer has none of it)
+            _check_betas(type(self).__name__, g)
+            values = {n: _plain(v) for n, v in self._group_options(g).items()}
+            if self._sent.get(k) != values:
+                self._impl.set_group_options(k, self._options_class(**values))
+                self._sent[k] = values
 
     def state_bytes(self):
-        """Bytes of this rank's optimizer state: every tensor its C++ optimizers
-        keep (codes and scales where quantised)."""
+        """Bytes of this rank's optimizer state: every tensor its C++ optimizer
+        keeps (codes and scales where quantised)."""
         self._bind()
-        return sum(part.impl.state_bytes() for part in self._part_list)
+        return self._impl.state_bytes()
 
     def add_param_group(self, param_group):
         super().add_param_group(param_group)
@@ -481,17 +478,20 @@ class _OverCpp(torch.optim.Optimizer):
             self._bind()
 
     def _state_of(self, p):
-        part, k = self._where[id(p)]
-        st = dict(part.impl.state(k))
-        if part.has_step[k]:
-            st["step"] = torch.tensor(float(part.impl.step_count(k)))
+        k = self._index[id(p)]
+        st = dict(self._impl.state(k))
+        if self._has_step[k]:
+            st["step"] = torch.tensor(float(self._impl.step_count(k)))
         return st
+
+    def _layout_of(self, p):
+        return self._impl.state_layout(self._index[id(p)])
 
     def _check_state_of(self, p, st):
         """Raises ValueError (nothing changed) unless st can be p's state:
         every name this optimizer keeps, each of its shape."""
-        part, k = self._where[id(p)]
-        for name, t in part.impl.state(k).items():
+        k = self._index[id(p)]
+        for name, t in self._impl.state(k).items():
             if name not in st:
                 raise ValueError("%s.load_state_dict: the state of a parameter of shape %s lacks "
                                  "'%s' (saved by another optimizer or with other settings?)"
@@ -501,45 +501,42 @@ class _OverCpp(torch.optim.Optimizer):
                 raise ValueError("%s.load_state_dict: '%s' of a parameter has shape %s, this "
                                  "optimizer keeps %s (another world size or block setting?)"
                                  % (type(self).__name__, name, tuple(src.shape), tuple(t.shape)))
-        if part.has_step[k] and "step" in st:
+        if self._has_step[k] and "step" in st:
             _step_value(st["step"], p)
 
     def _load_state_of(self, p, st):
         self._check_state_of(p, st)
-        part, k = self._where[id(p)]
-        for name, t in part.impl.state(k).items():
+        k = self._index[id(p)]
+        for name, t in self._impl.state(k).items():
             # torch's load_state_dict casts every state tensor to the parameter's dtype
             # (8-bit codes arrive as float32 holding 0..255): the copy casts them back exactly.
             t.copy_(st[name])
-        if part.has_step[k]:
-            part.impl.set_step_count(k, _step_value(st["step"], p) if "step" in st else 0)
+        if self._has_step[k]:
+            self._impl.set_step_count(k, _step_value(st["step"], p) if "step" in st else 0)
         self._stepped.add(id(p))
         self._published.pop(id(p), None)
 
     def _publish(self):
         """self.state[p] for every parameter that stepped: made once (its tensors are
-        the C++ optimizer's own, its "step" a view of the part's counts), then only
-        the counts follow the C++ ones (one copy per C++ optimizer for all)."""
-        params = self._bound_params
-        for part in self._part_list:
-            if any(part.has_step):
-                part.steps.copy_(torch.tensor([float(c) for c in part.impl.step_counts()]))
-                part.steps_written = part.steps.tolist()  # (as float32 holds them)
-            for k, i in enumerate(part.idx):
-                p = params[i]
-                if id(p) not in self._stepped:
-                    continue
-                st = self._published.get(id(p))
-                if st is None or self.state.get(p) is not st[0]:  # new, or replaced by a load
-                    self._publish_one(p)
+        the C++ optimizer's own, its "step" a view of the counts), then only the
+        counts follow the C++ ones (one copy for all)."""
+        if any(self._has_step):
+            self._steps.copy_(torch.tensor([float(c) for c in self._impl.step_counts()]))
+            self._steps_written = self._steps.tolist()  # (as float32 holds them)
+        for p in self._bound_params:
+            if id(p) not in self._stepped:
+                continue
+            st = self._published.get(id(p))
+            if st is None or self.state.get(p) is not st[0]:  # new, or replaced by a load
+                self._publish_one(p)
 
     def _publish_one(self, p):
-        part, k = self._where[id(p)]
-        st = _WatchedEntry(part.impl.state(k))
-        if part.has_step[k]:
-            dict.__setitem__(st, "step", part.steps[k])
-            part.steps[k] = float(part.impl.step_count(k))
-            part.steps_written[k] = float(part.steps[k])
+        k = self._index[id(p)]
+        st = _WatchedEntry(self._impl.state(k))
+        if self._has_step[k]:
+            dict.__setitem__(st, "step", self._steps[k])
+            self._steps[k] = float(self._impl.step_count(k))
+            self._steps_written[k] = float(self._steps[k])
         st._flag = self._state_flag
         self._published[id(p)] = (st, dict(st))
         if isinstance(self.state, dict):
@@ -552,17 +549,10 @@ class _OverCpp(torch.optim.Optimizer):
         now (its state is current whatever else changed), so the checkpoint
         protocol's per-parameter calls stay O(1) each; p's state as self.state
         says (_follow_state)."""
-        where = getattr(self, "_where", None)
-        hit = where.get(id(p)) if where is not None else None
-        if hit is None or self._bound_params[hit[0].idx[hit[1]]] is not p:
+        k = getattr(self, "_index", {}).get(id(p))
+        if k is None or self._bound_params[k] is not p:
             self._bind()
         self._follow_state([p])
-
-    def _grads_of(self, idx):
-        """The gradients of params[idx] (None: no step; Muon's C++ takes part in its
-        collectives with zeros, and skips a matrix no rank has a gradient for)."""
-        params = self._bound_params
-        return [None if params[i].grad is None else local(params[i].grad) for i in idx]
 
     @torch.no_grad()
     def step(self, closure=None):
@@ -573,19 +563,19 @@ class _OverCpp(torch.optim.Optimizer):
         return loss
 
     def _step_all(self):
-        """One step of every part: options where they changed, each part's
-        gradients in one call (C++ checks them), then the step (NaN/Inf, any
-        error: every rank raises before anything changes)."""
+        """One step: options where they changed, the gradients in one call (C++
+        checks them; None: no step, and Muon's C++ takes part in its collectives
+        with zeros), then the step (NaN/Inf, any error: every rank raises before
+        anything changes)."""
         self._follow_params()
 
         def prepare():
             self._follow_state()
             self._send_options()
-            for part in self._part_list:
-                part.impl.set_grads(self._grads_of(part.idx))
-        _agreed(self._part_list[0].impl, prepare)
-        for part in self._part_list:
-            part.impl.step()
+            self._impl.set_grads([None if p.grad is None else local(p.grad)
+                                  for p in self._bound_params])
+        _agreed(self._impl, prepare)
+        self._impl.step()
         self._stepped.update(id(p) for p in self._bound_params if p.grad is not None)
         self._publish()
 
@@ -616,20 +606,19 @@ class _OverCpp(torch.optim.Optimizer):
         this rank's part encoded as this optimizer keeps it (within one code of
         the saved values), by the C++ optimizer. For load_sharded_state."""
         self._bind_for(p)
-        part, k = self._where[id(p)]
+        k = self._index[id(p)]
         saved = self._config_class(**{n: v for n, v in saved_settings.items() if n != "type"})
-        out = part.impl.requantized_state(k, saved, {n: t for n, t in full.items() if n != "step"})
-        if part.has_step[k] and "step" in full:
+        out = self._impl.requantized_state(k, saved, {n: t for n, t in full.items() if n != "step"})
+        if self._has_step[k] and "step" in full:
             out["step"] = full["step"]
         return out
 
     def state_layout(self, p):
         """Where each of p's state tensors lies in the global tensor a checkpoint
         keeps, as its C++ optimizer describes it: {name: ("rows", 0, 0, 0) or
-        ("sequence", global size, offset, shared)} (state_layout.py)."""
+        ("sequence", global size, offset, shared)} (rfsdp.dcp.layout)."""
         self._bind_for(p)
-        part, k = self._where[id(p)]
-        return part.impl.state_layout(k)
+        return self._layout_of(p)
 
     def sharded_state(self, p):
         """Parameter p's state on this rank, by name: the live tensors (a load writes
@@ -649,73 +638,30 @@ class _OverCpp(torch.optim.Optimizer):
     def _settings_json(self):
         return json.dumps(self.settings(), sort_keys=True)
 
-    def _state_layout(self):
-        """{(parameter index, state name): state_layout.Entry} of every parameter's state."""
-        entries = {}
-        for i, p in enumerate(self._bound_params):
-            part, k = self._where[id(p)]
-            for e in state_entries(str(i), p, self._state_of(p), part.impl.state_layout(k)):
-                entries[(i, e.key.split(".", 1)[1])] = e
-        return entries
-
     def state_dict(self):
         """torch's format: {"state": {index: {name: tensor}}, "param_groups": [...]},
         each group also holding the settings that shape the states
         ("rfsdp_settings": a load into other settings is refused). Sharded
-        parameters' states are their global tensors as DCP sees them: a DTensor
-        like an FSDP2 parameter's (as torch's optimizers give), else the pieces this
-        rank holds of a tensor of the global shape (rfsdp's parameters, block
-        scales, tiles); so dcp.save of it, or of get_optimizer_state_dict's, writes
-        every rank's part. Under get_optimizer_state_dict(full_state_dict=True):
-        the full tensors (gathered; collective). Collective the first time after
-        the parameters are bound where tiles or codes need placing."""
+        parameters' states as rfsdp.set_state_dict_type(optimizer, kind) says:
+        "sharded" (the default) their global tensors as DCP sees them, a DTensor
+        like an FSDP2 parameter's (as torch's optimizers give), else the pieces
+        this rank holds of a tensor of the global shape (rfsdp's parameters, block
+        scales, tiles), so dcp.save of it, or of get_optimizer_state_dict's,
+        writes every rank's part; "full" the full tensors (gathered: collective).
+        Collective the first time after the parameters are bound where tiles or
+        codes need placing."""
         self._bind()
         self._follow_state()
         self._publish()
         sd = super().state_dict()
-        # (torch's are the live dicts; a step is a view of the part's counts: its own copy)
+        # (torch's are the live dicts; a step is a view of the counts: its own copy)
         sd["state"] = {k: {n: t.clone() if n == "step" else t for n, t in v.items()}
                        for k, v in sd["state"].items()}
         settings = self._settings_json()
         for g in sd["param_groups"]:
             g["rfsdp_settings"] = settings
-        if all(info_of("param", p) is None for p in self._bound_params):
-            return sd  # plain (replicated) parameters: plain tensors, as torch's
-        full = dcp_caller_options("_get_optim_state_dict")
-        layout = self._state_layout()
-        gathered = full_tensors(list(layout.values()), self._group) if full and full[0] else None
-        for i, st in sd["state"].items():
-            for name, t in st.items():
-                e = layout.get((i, name))
-                if e is not None:
-                    st[name] = gathered[e.key] if gathered is not None else dcp_value(e, t)
-        return sd
-
-    def _local_value(self, i, name, v, layout):
-        """This rank's tensor of parameter i's state `name` from a state dict's value:
-        a DTensor's or our pieces' local tensor, a tensor of this rank's shape as it
-        is, or (a full state dict) this rank's pieces of a tensor of the global shape,
-        as a new tensor (the live state is as it was after)."""
-        if is_dtensor(v):
-            return v._local_tensor
-        if isinstance(v, Pieces):
-            if not hasattr(v, "local"):
-                raise ValueError("%s.load_state_dict: state '%s' is a %s without its local tensor"
-                                 % (type(self).__name__, name, type(v).__name__))
-            return v.local
-        e = layout.get((i, name))
-        if e is None or e.pieces is None or not torch.is_tensor(v) or tuple(v.shape) != e.shape:
-            return v
-        # (the pieces are views of the live tensor: written there, copied out, restored)
-        live = dict(self._state_of(self._bound_params[i]))[name]
-        with torch.no_grad():
-            kept = live.clone()
-            try:
-                for o, s, t in e.pieces:
-                    t.copy_(v[tuple(slice(a, a + n) for a, n in zip(o, s))].reshape(t.shape))
-                return live.clone()
-            finally:
-                live.copy_(kept)
+        return optim_state.place(sd, self._bound_params, self._state_of, self._layout_of,
+                                 state_dict_type(self), self._group)
 
     def load_state_dict(self, state_dict):
         """torch's format (state_dict()'s: a DCP-loaded one, a full one of
@@ -723,8 +669,7 @@ class _OverCpp(torch.optim.Optimizer):
         or local tensors of this layout). States saved with other settings are
         refused. A parameter the state dict holds no state for starts over (as
         torch's load does). Whole or not at all: everything is checked before
-        anything changes (groups, settings, every state's names and shapes).
-        Collective where full tensors need this rank's pieces placed."""
+        anything changes (groups, settings, every state's names and shapes)."""
         groups = state_dict["param_groups"]
         if len(groups) != len(self.param_groups):
             raise ValueError("%s.load_state_dict: the state dict has %d param groups, this optimizer "
@@ -745,24 +690,18 @@ class _OverCpp(torch.optim.Optimizer):
                 "rfsdp.checkpoint.load(..., requantize=True). Nothing was loaded"
                 % (type(self).__name__, sorted(saved_settings)[0], self._settings_json()))
         saved = state_dict["state"]
-        ids = [i for g in groups for i in g["params"]]
         self._bind()
         params = self._all_params()
-        full = any(info_of("param", p) is not None and torch.is_tensor(v) and v.dim() > 0
-                   and not is_dtensor(v) and not isinstance(v, Pieces)
-                   for pid, p in zip(ids, params) for v in (saved.get(pid) or {}).values())
-        layout = self._state_layout() if full else {}
         # Every state as this rank keeps it, checked, before anything changes.
-        local_states = []
-        for i, (pid, p) in enumerate(zip(ids, params)):
-            st = saved.get(pid)
+        local_states = optim_state.local_states([saved.get(i) for g in groups for i in g["params"]],
+                                                params, self._state_of, self._layout_of,
+                                                type(self).__name__)
+        for p, st in zip(params, local_states):
             if st:
-                st = {name: self._local_value(i, name, v, layout) for name, v in st.items()}
                 try:
                     self._check_state_of(p, st)
                 except ValueError as e:
                     raise ValueError("%s. Nothing was loaded" % e) from None
-            local_states.append(st)
         # torch's load casts floating states to the parameter's dtype (a bfloat16
         # parameter's float32 moments would lose bits) and cannot take DCP's pieces:
         # it loads the groups alone, the C++ states take the values (each copy

@@ -115,20 +115,26 @@ class Muon(_OverCpp):
         self._set_groups(process_group, timeout_seconds)
         self._bind()
 
-    def _parts(self, params):
+    _options_class = _C.MuonOptions
+
+    def _group_options(self, g):
+        return dict(lr=g["lr"], momentum=g["momentum"], weight_decay=g["weight_decay"],
+                    nesterov=bool(g["nesterov"]), adjust_lr=g["adjust_lr"],
+                    betas=g.get("betas", self.AUX_DEFAULTS["betas"]),
+                    eps=g.get("eps", self.AUX_DEFAULTS["eps"]))
+
+    def _make_impl(self, params):
         group_of = self._group_of()
         use = [_takes_muon(group_of[id(p)], p) for p in params]
         # One C++ optimizer over both parts: one step, one agreement all-reduce
         # (NaN/Inf gradients and Newton-Schulz failures), so neither changes alone.
         self._splits = self._group_splits()
-        self.layout = _C.Muon(self._specs(params),
-                              [group_of[id(p)]["ns_steps"] for p in params], self.config,
-                              self.comm, use_muon=use,
-                              split_sizes=[list(group_of[id(p)]["split_sizes"] or ()) if u else []
-                                           for p, u in zip(params, use)],
-                              split_dims=[_split_dim(group_of[id(p)]) if u else 0
-                                          for p, u in zip(params, use)])
-        return [(self.layout, list(range(len(params))), _muon_options)]
+        return _C.Muon(self._specs(params), [group_of[id(p)]["ns_steps"] for p in params],
+                       self.config, self.comm, use_muon=use,
+                       split_sizes=[list(group_of[id(p)]["split_sizes"] or ()) if u else []
+                                    for p, u in zip(params, use)],
+                       split_dims=[_split_dim(group_of[id(p)]) if u else 0
+                                   for p, u in zip(params, use)])
 
     def _group_splits(self):
         return [(None if g.get("split_sizes") is None else tuple(g["split_sizes"]),
@@ -157,10 +163,3 @@ def _takes_muon(group, p):
     """use_muon True: Muon; False: AdamW; None (not said): Muon for matrices."""
     u = group["use_muon"]
     return is_matrix(None, p) if u is None else bool(u)
-
-
-def _muon_options(g):
-    return _C.MuonOptions(lr=g["lr"], momentum=g["momentum"], weight_decay=g["weight_decay"],
-                          nesterov=bool(g["nesterov"]), adjust_lr=g["adjust_lr"],
-                          betas=g.get("betas", Muon.AUX_DEFAULTS["betas"]),
-                          eps=g.get("eps", Muon.AUX_DEFAULTS["eps"]))

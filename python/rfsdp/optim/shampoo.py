@@ -5,12 +5,6 @@ from .. import _C
 from .base import _OverCpp
 
 
-def _shampoo_options(g):
-    return _C.ShampooOptions(lr=g["lr"], betas=g["betas"], epsilon=g["epsilon"],
-                             grafting_beta2=g["grafting_beta2"],
-                             grafting_epsilon=g["grafting_epsilon"], weight_decay=g["weight_decay"])
-
-
 class _Tiled(_OverCpp):
     """Shampoo's and SOAP's shared face: their tiles."""
 
@@ -87,9 +81,14 @@ class Shampoo(_Tiled):
         self._set_groups(process_group, timeout_seconds)
         self._bind()
 
-    def _parts(self, params):
+    _options_class = _C.ShampooOptions
+
+    def _group_options(self, g):
+        return dict(lr=g["lr"], betas=g["betas"], epsilon=g["epsilon"],
+                    grafting_beta2=g["grafting_beta2"], grafting_epsilon=g["grafting_epsilon"],
+                    weight_decay=g["weight_decay"])
+
+    def _make_impl(self, params):
         group_of = self._group_of()
-        self._impl = _C.Shampoo(self._specs(params),
-                                [bool(group_of[id(p)]["use_shampoo"]) for p in params],
-                                self.config, self.comm)
-        return [(self._impl, list(range(len(params))), _shampoo_options)]
+        return _C.Shampoo(self._specs(params), [bool(group_of[id(p)]["use_shampoo"]) for p in params],
+                          self.config, self.comm)

@@ -5,11 +5,6 @@ from .. import _C
 from .shampoo import _Tiled
 
 
-def _soap_options(g):
-    return _C.SOAPOptions(lr=g["lr"], betas=g["betas"], shampoo_beta=g["shampoo_beta"],
-                          eps=g["eps"], weight_decay=g["weight_decay"])
-
-
 class SOAP(_Tiled):
     """SOAP (Vyas et al. 2024): Adam in the eigenbasis of Shampoo's factors, over
     ragged shards. Tiles are Shampoo's (at most max_preconditioner_dim rows and
@@ -64,10 +59,14 @@ class SOAP(_Tiled):
         self._set_groups(process_group, timeout_seconds)
         self._bind()
 
-    def _parts(self, params):
+    _options_class = _C.SOAPOptions
+
+    def _group_options(self, g):
+        return dict(lr=g["lr"], betas=g["betas"], shampoo_beta=g["shampoo_beta"], eps=g["eps"],
+                    weight_decay=g["weight_decay"])
+
+    def _make_impl(self, params):
         group_of = self._group_of()
-        self._impl = _C.SOAP(self._specs(params),
-                             [bool(group_of[id(p)]["use_soap"]) for p in params], self.config,
-                             self.comm)
-        return [(self._impl, list(range(len(params))), _soap_options)]
+        return _C.SOAP(self._specs(params), [bool(group_of[id(p)]["use_soap"]) for p in params],
+                       self.config, self.comm)
 
