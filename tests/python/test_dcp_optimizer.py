@@ -2,8 +2,7 @@
 take them, with rfsdp's optimizers on models sharded by torch's FSDP2 and by
 rfsdp.fully_shard: get_optimizer_state_dict / set_optimizer_state_dict with
 dcp.save / dcp.load (sharded), and with full_state_dict=True (cpu_offload on the
-way out, after rfsdp.set_state_dict_type(opt, "full"); every rank's file on the
-way in, or broadcast from rank 0).
+way out; every rank's file on the way in, or broadcast from rank 0).
 
 Saved on 2 ranks after 3 steps; loaded on 2 ranks (the run continued 3 steps must
 equal the uninterrupted one bit for bit) and on 4 (the optimizer state read back
@@ -72,10 +71,8 @@ def worker(rank, world, seed, d, phase):
             dcp.save({"model": get_model_state_dict(model),
                       "optim": get_optimizer_state_dict(model, opt)}, checkpoint_id=case + "_ck")
             o = options(full_state_dict=True, cpu_offload=True)
-            rfsdp.set_state_dict_type(opt, "full")
             full = {"model": get_model_state_dict(model, options=o),
                     "optim": get_optimizer_state_dict(model, opt, options=o)}
-            rfsdp.set_state_dict_type(opt, "sharded")
             if rank == 0:
                 torch.save(full, case + "_full.pt")
             train(model, opt, seed, rank, world, STEPS)
@@ -95,7 +92,6 @@ def worker(rank, world, seed, d, phase):
                 set_model_state_dict(model, sd["model"], options=o)
                 set_optimizer_state_dict(model, opt, sd["optim"], options=o)
             o = options(full_state_dict=True, cpu_offload=True)
-            rfsdp.set_state_dict_type(opt, "full")
             out[(name, kind, how, "state")] = get_optimizer_state_dict(model, opt, options=o)
             train(model, opt, seed, rank, world, STEPS)
             out[(name, kind, how)] = full_params(model)

@@ -27,10 +27,9 @@ def set_state_dict_type(target, kind: str, *, cpu_offload: bool = True, rank0_on
     states as DCP places them: this rank's part, with the global shape) or
     "full" (tensors of the global shapes; cpu_offload: on the CPU; rank0_only: on
     rank 0, the other ranks' dicts lack them). A full state dict is collective; a
-    model's rank left alone in it fails after timeout_s seconds.
-    torch.distributed.checkpoint's get_optimizer_state_dict(full_state_dict=True)
-    of an rfsdp optimizer asks its state_dict(): set "full" first (and "sharded"
-    after)."""
+    model's rank left alone in it fails after timeout_s seconds. Unset, torch's
+    get_model_state_dict / get_optimizer_state_dict give what their options ask
+    (state_dict_type below)."""
     settings = StateDictType(kind, cpu_offload, rank0_only, timeout_s)
     if isinstance(target, torch.optim.Optimizer):
         if not hasattr(target, "sharded_state"):
@@ -49,8 +48,37 @@ def set_state_dict_type(target, kind: str, *, cpu_offload: bool = True, rank0_on
 
 def get_state_dict_type(target) -> str:
     """The kind set_state_dict_type set on a model or optimizer ("sharded" unless set)."""
-    return state_dict_type(target).kind
+    return (getattr(target, "_rfsdp_state_dict", None) or DEFAULT).kind
+
+
+# The torch.distributed.checkpoint.state_dict functions that ask a model's and an
+# optimizer's state_dict() with their options in a local named `info`.
+_TORCH_CALLERS = {"model": "_get_model_state_dict", "optimizer": "_get_optim_state_dict"}
 
 
 def state_dict_type(target) -> StateDictType:
-    return getattr(target, "_rfsdp_state_dict", None) or DEFAULT
+    """What target.state_dict() returns now: the kind set_state_dict_type set;
+    else, inside torch's get_model_state_dict / get_optimizer_state_dict with
+    full_state_dict=True, "full" (cpu_offload and rank 0 only as its cpu_offload
+    says, as torch does for FSDP2); else "sharded". torch passes its options to
+    neither a model's state_dict() nor an optimizer's and has no hook for tensors
+    that are not DTensors, so this is the one place rfsdp reads its caller's frames
+    (without it, torch's full optimizer state dict would hold sharded pieces)."""
+    explicit = getattr(target, "_rfsdp_state_dict", None)
+    if explicit is not None:
+        return explicit
+    caller = _TORCH_CALLERS["optimizer" if isinstance(target, torch.optim.Optimizer) else "model"]
+    import sys
+    f = sys._getframe(1)
+    for _ in range(12):
+        if f is None:
+            break
+        if f.f_code.co_name == caller and \
+                f.f_globals.get("__name__") == "torch.distributed.checkpoint.state_dict":
+            info = f.f_locals.get("info")
+            if info is not None and info.full_state_dict:
+                return StateDictType("full", bool(info.cpu_offload), bool(info.cpu_offload),
+                                     DEFAULT.timeout_s)
+            break
+        f = f.f_back
+    return DEFAULT

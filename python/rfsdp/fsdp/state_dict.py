@@ -25,35 +25,9 @@ import torch.distributed as dist
 from .._comm import check_in, make_comm
 from ..dcp.gather import full_rows
 from ..dcp.pieces import Pieces, ShardedRows
-from ..dcp.state_dict_type import DEFAULT, StateDictType, state_dict_type
+from ..dcp.pieces import _rebuild_sharded_rows  # noqa: F401 (ShardedRows pickled before rfsdp.dcp name it here)
+from ..dcp.state_dict_type import state_dict_type
 from .unit import shard_info
-
-
-def _dcp_caller_options():
-    """(full_state_dict, cpu_offload) of the torch.distributed.checkpoint.state_dict
-    get_model_state_dict call that called the state_dict() asking, else None:
-    torch has no hook for state dicts that are neither FSDP1's nor DTensors."""
-    import sys
-    f = sys._getframe(2)
-    for _ in range(8):
-        if f is None:
-            return None
-        if f.f_code.co_name == "_get_model_state_dict" and \
-                f.f_globals.get("__name__") == "torch.distributed.checkpoint.state_dict":
-            info = f.f_locals.get("info")
-            return None if info is None else (bool(info.full_state_dict), bool(info.cpu_offload))
-        f = f.f_back
-    return None
-
-
-def _settings_of(module):
-    explicit = getattr(module, "_rfsdp_state_dict", None)
-    if explicit is not None:
-        return explicit
-    dcp_options = _dcp_caller_options()
-    if dcp_options is not None and dcp_options[0]:
-        return StateDictType("full", dcp_options[1], dcp_options[1], DEFAULT.timeout_s)
-    return state_dict_type(module)
 
 
 def _keys(module, prefix):
@@ -79,7 +53,7 @@ def _check_in(unit, settings, what):
 
 
 def _post_state_dict(module, state_dict, prefix, local_metadata):
-    settings = _settings_of(module)
+    settings = state_dict_type(module)
     items = _keys(module, prefix)
     if settings.kind == "sharded":
         for keys, sp in items:
