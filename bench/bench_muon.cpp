@@ -59,7 +59,7 @@ Result run(const std::string& variant, int64_t d, int layers, int world, int ite
         std::vector<double> times;
         double imbalance = 1;
         if (variant != "gather-all") {
-          rfsdp::Muon muon(cp, shards);
+          rfsdp::Muon muon(shards, {}, {}, cp);
           imbalance = muon.layout().flop_imbalance();
           muon.step();  // warm-up
           comm.reset_stats();

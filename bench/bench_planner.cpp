@@ -46,7 +46,7 @@
 #include "core/ragged/planner.h"
 #include "core/ragged/step_model.h"
 #include "optimizers/common/tiles.h"
-#include "optimizers/muon/muon.h"
+#include "optimizers/muon/layout.h"
 #include "quant/blockwise/block_layout.h"
 
 namespace {

@@ -32,6 +32,7 @@ inline std::vector<ParamShard> random_shards(const Plan& plan, int layers, int r
       p.full_rows = t.rows();
       p.row_len = t.row_elems();
       p.row_begin = r.row_begin;
+      p.row_end = r.row_end;
       const int64_t rows = r.row_end - r.row_begin;
       p.param = at::randn({rows, p.row_len}) * 0.02;
       p.grad = at::randn({rows, p.row_len});

@@ -151,10 +151,11 @@ int run(const Args& a) {
       group_of.push_back(s.shape.size() == 2 ? 0 : 1);
     }
     rfsdp::MuonOptions mo;
-    mo.hyper.lr = a.lr;
-    auto muon = std::make_unique<rfsdp::Muon>(shard_comm, shards, mo, std::vector<int>{}, use_muon);
+    mo.lr = a.lr;
+    auto muon = std::make_unique<rfsdp::Muon>(shards, mo, rfsdp::MuonConfig{}, shard_comm,
+                                              std::vector<int>{}, use_muon);
     muon->set_groups(group_of);
-    rfsdp::MuonHyper rest = mo.hyper;  // the AdamW part's group
+    rfsdp::MuonOptions rest = mo;  // the AdamW part's group
     rest.lr = 3e-3;
     rest.adam_beta1 = 0.9;
     rest.adam_beta2 = 0.999;

@@ -141,16 +141,16 @@ void bind_optimizers(py::module_& m) {
              return std::tie(a.lr, a.beta1, a.beta2, a.eps, a.weight_decay) ==
                     std::tie(b.lr, b.beta1, b.beta2, b.eps, b.weight_decay);
            }, py::is_operator());
-  py::class_<rfsdp::MuonHyper>(m, "MuonOptions")
+  py::class_<rfsdp::MuonOptions>(m, "MuonOptions")
       .def(py::init([](double lr, double momentum, double weight_decay, bool nesterov,
                        const std::string& adjust_lr, Betas betas, double eps) {
-             return rfsdp::MuonHyper{lr, momentum, weight_decay, nesterov,
-                                     rfsdp::parse_muon_adjust_lr(adjust_lr), betas.first,
-                                     betas.second, eps};
+             return rfsdp::MuonOptions{lr, momentum, weight_decay, nesterov,
+                                       rfsdp::parse_muon_adjust_lr(adjust_lr), betas.first,
+                                       betas.second, eps};
            }),
            py::kw_only(), py::arg("lr"), py::arg("momentum"), py::arg("weight_decay"),
            py::arg("nesterov"), py::arg("adjust_lr"), py::arg("betas"), py::arg("eps"))
-      .def("__eq__", [](const rfsdp::MuonHyper& a, const rfsdp::MuonHyper& b) {
+      .def("__eq__", [](const rfsdp::MuonOptions& a, const rfsdp::MuonOptions& b) {
              return std::tie(a.lr, a.momentum, a.weight_decay, a.nesterov, a.adjust_lr, a.adam_beta1,
                              a.adam_beta2, a.adam_eps) ==
                     std::tie(b.lr, b.momentum, b.weight_decay, b.nesterov, b.adjust_lr, b.adam_beta1,
@@ -284,11 +284,11 @@ void bind_optimizers(py::module_& m) {
            })
       .def("shared_blocks", &rfsdp::AdamW8bit::shared_blocks);
 
-  py::class_<rfsdp::MuonOptions>(m, "MuonConfig")
+  py::class_<rfsdp::MuonConfig>(m, "MuonConfig")
       .def(py::init([](const py::object& ns_dtype, const py::object& momentum_dtype,
                        const py::object& momentum_block, const std::string& momentum_map,
                        const py::object& ns_coefficients) {
-             rfsdp::MuonOptions o;
+             rfsdp::MuonConfig o;
              o.ns_coefficients = ns_coefficients_arg(ns_coefficients);
              o.ns_dtype = dtype_arg(ns_dtype, "Muon", "ns_dtype", "torch.float32 or torch.bfloat16");
              o.momentum_dtype = dtype_arg(momentum_dtype, "Muon", "momentum_dtype",
@@ -302,7 +302,7 @@ void bind_optimizers(py::module_& m) {
            py::kw_only(), py::arg("ns_dtype") = py::none(), py::arg("momentum_dtype") = py::none(),
            py::arg("momentum_block") = 256, py::arg("momentum_map") = "dynamic",
            py::arg("ns_coefficients") = py::none())
-      .def("settings", [](const rfsdp::MuonOptions& o) {
+      .def("settings", [](const rfsdp::MuonConfig& o) {
              py::dict d(py::arg("ns_dtype") = dtype_name(o.ns_dtype),
                         py::arg("momentum_dtype") = dtype_name(o.momentum_dtype),
                         py::arg("momentum_block") = o.momentum_block,
@@ -311,21 +311,22 @@ void bind_optimizers(py::module_& m) {
              return d;
            })
       .def_property_readonly_static("requantizable", [](const py::object&) {
-             return rfsdp::MuonOptions::requantizable();
+             return rfsdp::MuonConfig::requantizable();
            });
   // Muon over one process group: roots chosen at construction (collective), then steps.
   py::class_<rfsdp::Muon, rfsdp::ShardedOptimizer, std::shared_ptr<rfsdp::Muon>>(m, "Muon")
       .def(py::init([](const std::vector<ShardOf>& params, const std::vector<int>& ns_steps,
-                       const rfsdp::MuonOptions& config, std::shared_ptr<rfsdp::Comm> comm,
+                       const rfsdp::MuonConfig& config, std::shared_ptr<rfsdp::Comm> comm,
                        const std::vector<bool>& use_muon,
                        const std::vector<std::vector<int64_t>>& split_sizes, bool check_finite,
                        const std::vector<int>& split_dims) {
-             rfsdp::MuonOptions o = config;
-             o.check_finite = check_finite;
+             rfsdp::MuonConfig c = config;
+             c.check_finite = check_finite;
              auto shards = shards_of(params);
              py::gil_scoped_release release;  // collective
-             return std::make_shared<rfsdp::Muon>(std::move(comm), std::move(shards), o, ns_steps,
-                                                  use_muon, split_sizes, split_dims);
+             return std::make_shared<rfsdp::Muon>(std::move(shards), rfsdp::MuonOptions{}, c,
+                                                  std::move(comm), ns_steps, use_muon, split_sizes,
+                                                  split_dims);
            }),
            py::arg("params"), py::arg("ns_steps"), py::arg("config"), py::arg("comm"),
            py::arg("use_muon") = std::vector<bool>{},

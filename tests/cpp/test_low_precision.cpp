@@ -67,8 +67,8 @@ TEST(LowPrecision, AStepIsTheFloat32StepRoundedToNearest) {
     AdamW b({whole_param("w", twin, at::Tensor())});
     at::Tensor mlow = seeded_randn({6, 9}, seed, 9).to(dt);
     at::Tensor mtwin = mlow.to(at::kFloat);
-    Muon ma(nullptr, {whole_param("m", mlow, at::Tensor())});
-    Muon mb(nullptr, {whole_param("m", mtwin, at::Tensor())});
+    Muon ma({whole_param("m", mlow, at::Tensor())});
+    Muon mb({whole_param("m", mtwin, at::Tensor())});
     for (int step = 0; step < 4; ++step) {
       const at::Tensor g = seeded_randn({6, 9}, seed, 1 + step).to(dt);
       twin.copy_(low);

@@ -87,7 +87,7 @@ int64_t tile_granule(const TensorSpec& t) {
 std::vector<int64_t> qkv_heads() { return std::vector<int64_t>(12, 8); }
 
 std::unique_ptr<ShardedOptimizer> make_muon(std::shared_ptr<Comm> comm, std::vector<ParamShard> ps,
-                                            MuonOptions o, bool per_block) {
+                                            MuonOptions o, MuonConfig c, bool per_block) {
   std::vector<bool> use;
   std::vector<std::vector<int64_t>> split(ps.size());
   for (size_t i = 0; i < ps.size(); ++i) {
@@ -96,8 +96,8 @@ std::unique_ptr<ShardedOptimizer> make_muon(std::shared_ptr<Comm> comm, std::vec
     // FSDP2's chunk rows name them.
     if (per_block && ps[i].name == "qkv" && ps[i].blocks.empty()) split[i] = qkv_heads();
   }
-  return std::make_unique<Muon>(std::move(comm), std::move(ps), o, std::vector<int>{}, use,
-                                std::move(split));
+  return std::make_unique<Muon>(std::move(ps), o, std::move(c), std::move(comm), std::vector<int>{},
+                                use, std::move(split));
 }
 
 ShampooConfig shampoo_config() {
@@ -133,18 +133,19 @@ std::vector<Variant> variants() {
   v.push_back({"AdamW8bitFsdp2Chunks", Layout::Chunks, {}, false, adamw8, true});
 
   MuonOptions muon;
-  muon.hyper.lr = 1e-2;
+  muon.lr = 1e-2;
   v.push_back({"Muon", Layout::Planned, {}, false,
-               [muon](auto comm, auto ps) { return make_muon(comm, std::move(ps), muon, false); }});
+               [muon](auto comm, auto ps) { return make_muon(comm, std::move(ps), muon, {}, false); }});
   v.push_back({"MuonPerHead", Layout::Planned, {}, true,
-               [muon](auto comm, auto ps) { return make_muon(comm, std::move(ps), muon, true); }});
+               [muon](auto comm, auto ps) { return make_muon(comm, std::move(ps), muon, {}, true); }});
   v.push_back({"MuonPerHeadFsdp2Chunks", Layout::Chunks, {}, true,
-               [muon](auto comm, auto ps) { return make_muon(comm, std::move(ps), muon, true); }});
-  MuonOptions muon8 = muon;
+               [muon](auto comm, auto ps) { return make_muon(comm, std::move(ps), muon, {}, true); }});
+  MuonConfig muon8;
   muon8.momentum_dtype = at::kByte;
   muon8.momentum_block = kBlock;
-  v.push_back({"Muon8bitMomentum", Layout::Planned, eight_bit_granule, false,
-               [muon8](auto comm, auto ps) { return make_muon(comm, std::move(ps), muon8, false); }});
+  v.push_back({"Muon8bitMomentum", Layout::Planned, eight_bit_granule, false, [muon, muon8](auto comm, auto ps) {
+                 return make_muon(comm, std::move(ps), muon, muon8, false);
+               }});
 
   ShampooOptions sh;
   sh.lr = 1e-2;

@@ -90,7 +90,7 @@ at::Tensor ref_orthogonalise(at::Tensor g, int steps) {
   return tall ? x.t() : x;
 }
 
-void ref_step(at::Tensor& w, at::Tensor& m, const at::Tensor& g, const MuonHyper& h) {
+void ref_step(at::Tensor& w, at::Tensor& m, const at::Tensor& g, const MuonOptions& h) {
   m = h.momentum * m + (1 - h.momentum) * g;
   at::Tensor u = h.nesterov ? (1 - h.momentum) * g + h.momentum * m : m;
   std::vector<at::Tensor> mats;  // views of u and w, one per matrix
@@ -117,7 +117,7 @@ at::Tensor rows_view(const at::Tensor& full, const Shape& s) {
 struct Config {
   int world;
   bool whole;
-  MuonHyper hyper;
+  MuonOptions options;
   bool batch = false;  // batched Newton–Schulz for equal shapes on a root
   // Every other tensor replicated (each rank holds it whole, equal gradients: DDP),
   // the rest cut as `whole` says.
@@ -141,7 +141,7 @@ void run_against_reference(const Config& cfg) {
     m.push_back(at::zeros_like(init[t]));
   }
   for (int step = 0; step < kSteps; ++step) {
-    for (size_t t = 0; t < kShapes.size(); ++t) ref_step(w[t], m[t], grad_at(step, t), cfg.hyper);
+    for (size_t t = 0; t < kShapes.size(); ++t) ref_step(w[t], m[t], grad_at(step, t), cfg.options);
   }
   std::mutex mu;
   std::map<int, std::string> failures;
@@ -170,10 +170,9 @@ void run_against_reference(const Config& cfg) {
       p.grad = at::zeros_like(p.param);
       shards.push_back(p);
     }
-    MuonOptions opt;
-    opt.hyper = cfg.hyper;
-    opt.batch_newton_schulz = cfg.batch;
-    Muon muon(std::shared_ptr<Comm>(&comm, [](Comm*) {}), shards, opt);
+    MuonConfig config;
+    config.batch_newton_schulz = cfg.batch;
+    Muon muon(shards, cfg.options, config, std::shared_ptr<Comm>(&comm, [](Comm*) {}));
     if (cfg.whole) EXPECT_EQ(muon.layout().gather_send_elems(), 0);
     if (cfg.replicated && cfg.world > 1) {
       // a replicated matrix: nothing gathered; its root sends it whole to the others
@@ -215,30 +214,30 @@ void run_against_reference(const Config& cfg) {
 class MuonRanks : public ::testing::TestWithParam<int> {};
 
 TEST_P(MuonRanks, RaggedShardsMatchSingleDeviceReference) {
-  run_against_reference({GetParam(), false, MuonHyper{0.02, 0.95, 0.01, true, MuonAdjustLr::Original}});
+  run_against_reference({GetParam(), false, MuonOptions{0.02, 0.95, 0.01, true, MuonAdjustLr::Original}});
 }
 
 TEST_P(MuonRanks, NoNesterovMatchRmsAdamWMatchesReference) {
   run_against_reference(
-      {GetParam(), false, MuonHyper{0.01, 0.9, 0.1, false, MuonAdjustLr::MatchRmsAdamW}});
+      {GetParam(), false, MuonOptions{0.01, 0.9, 0.1, false, MuonAdjustLr::MatchRmsAdamW}});
 }
 
 TEST_P(MuonRanks, WholeMatricesMoveNothingAndMatchReference) {
-  run_against_reference({GetParam(), true, MuonHyper{0.02, 0.95, 0.0, true, MuonAdjustLr::Original}});
+  run_against_reference({GetParam(), true, MuonOptions{0.02, 0.95, 0.0, true, MuonAdjustLr::Original}});
 }
 
 TEST_P(MuonRanks, BatchedNewtonSchulzMatchesReference) {
   run_against_reference(
-      {GetParam(), false, MuonHyper{0.02, 0.95, 0.01, true, MuonAdjustLr::Original}, true});
+      {GetParam(), false, MuonOptions{0.02, 0.95, 0.01, true, MuonAdjustLr::Original}, true});
   run_against_reference(
-      {GetParam(), true, MuonHyper{0.02, 0.95, 0.01, true, MuonAdjustLr::Original}, true});
+      {GetParam(), true, MuonOptions{0.02, 0.95, 0.01, true, MuonAdjustLr::Original}, true});
 }
 
 TEST_P(MuonRanks, ReplicatedTensorsStepAsOneDeviceOnEveryRank) {
   run_against_reference(
-      {GetParam(), false, MuonHyper{0.02, 0.95, 0.01, true, MuonAdjustLr::Original}, false, true});
+      {GetParam(), false, MuonOptions{0.02, 0.95, 0.01, true, MuonAdjustLr::Original}, false, true});
   run_against_reference(
-      {GetParam(), true, MuonHyper{0.02, 0.95, 0.0, true, MuonAdjustLr::Original}, true, true});
+      {GetParam(), true, MuonOptions{0.02, 0.95, 0.0, true, MuonAdjustLr::Original}, true, true});
 }
 
 INSTANTIATE_TEST_SUITE_P(Worlds, MuonRanks, ::testing::Values(1, 2, 3, 4, 8, 16, 32));
@@ -344,7 +343,7 @@ TEST(MuonLayout, BalancesEqualSharedMatricesAcrossRanks) {
 TEST(Muon, RefusesVectorsNamingThem) {
   ParamShard p = whole_param("ln.weight", at::zeros({7}), at::zeros({7}));
   try {
-    Muon muon(nullptr, {p});
+    Muon muon({p});
     FAIL() << "a 1-D parameter was accepted";
   } catch (const std::invalid_argument& e) {
     EXPECT_NE(std::string(e.what()).find("'ln.weight'"), std::string::npos) << e.what();
@@ -386,7 +385,7 @@ TEST(Muon, RangesFromTheShardsNeedOnlyAnAgreedHash) {
     shards.emplace_back(TensorShard::rows_of("w", {8, 6}, 1, b, e, rows), at::zeros({e - b, 6}));
     shards.emplace_back(TensorShard::rows_of("v", {8, 6}, 1, b, e, rows), at::zeros({e - b, 6}));
     comm.reset_stats();
-    Muon muon(std::shared_ptr<Comm>(&comm, [](Comm*) {}), shards);
+    Muon muon(shards, {}, {}, std::shared_ptr<Comm>(&comm, [](Comm*) {}));
     EXPECT_EQ(comm.stats().collectives, 1);
     EXPECT_EQ(comm.stats().bytes_sent, 3 * 8) << "one 64-bit hash per rank";
     // The layout equals the gathered one: every rank's pieces as the plan says.
@@ -397,7 +396,7 @@ TEST(Muon, RangesFromTheShardsNeedOnlyAnAgreedHash) {
     }
     // Rank 2 builds Muon with other Newton-Schulz steps: every rank fails, naming it.
     std::vector<int> steps = {5, comm.rank() == 2 ? 3 : 5};
-    Muon other(std::shared_ptr<Comm>(&comm, [](Comm*) {}), shards, {}, steps);
+    Muon other(shards, {}, {}, std::shared_ptr<Comm>(&comm, [](Comm*) {}), steps);
   });
   expect_every_rank_refused(errors, "Muon's parameters");
   expect_every_rank_refused(errors, "ns_steps 3");
@@ -421,7 +420,7 @@ std::vector<std::exception_ptr> step_with_rank1_spoiled(
     ParamShard p = shard_of(comm.rank());
     const at::Tensor before = p.param.clone();
     if (comm.rank() == 1) spoil(p.grad);
-    Muon muon(std::shared_ptr<Comm>(&comm, [](Comm*) {}), {p});
+    Muon muon({p}, {}, {}, std::shared_ptr<Comm>(&comm, [](Comm*) {}));
     try {
       muon.step();
     } catch (...) {
@@ -476,9 +475,9 @@ TEST_P(MuonGate, ARootFailureOnOneRanksMatrixStopsEveryRankAtOnceAndALaterStepWo
       shards.emplace_back(TensorShard::rows_of(name, {rows, cols}, 1, b, e),
                           seeded_randn({rows, cols}, seed, name[0]).narrow(0, b, e - b).clone());
     }
-    MuonOptions o;
+    MuonConfig o;
     o.check_finite = false;
-    Muon muon(std::shared_ptr<Comm>(&comm, [](Comm*) {}), shards, o);
+    Muon muon(shards, {}, o, std::shared_ptr<Comm>(&comm, [](Comm*) {}));
     const int root = muon.layout().matrices()[0].root;
     auto give = [&](int step, bool nan) {
       for (size_t i = 0; i < 2; ++i) {
@@ -545,7 +544,7 @@ struct LowBitRun {
   std::vector<std::vector<at::Tensor>> m_before, p_before, p_after, codes, absmax;
 };
 
-LowBitRun run_low_bit(int world, uint64_t seed, at::ScalarType dtype, int steps, const MuonHyper& h) {
+LowBitRun run_low_bit(int world, uint64_t seed, at::ScalarType dtype, int steps, const MuonOptions& h) {
   std::mt19937_64 rng(seed + world);
   std::vector<std::vector<int64_t>> cuts;  // at block edges
   for (const Shape& s : kBlockShapes) {
@@ -581,11 +580,10 @@ LowBitRun run_low_bit(int world, uint64_t seed, at::ScalarType dtype, int steps,
       p.grad = at::zeros_like(p.param);
       shards.push_back(p);
     }
-    MuonOptions o;
-    o.hyper = h;
+    MuonConfig o;
     o.momentum_dtype = dtype;
     o.momentum_block = kBlock;
-    Muon muon(std::shared_ptr<Comm>(&comm, [](Comm*) {}), shards, o);
+    Muon muon(shards, h, o, std::shared_ptr<Comm>(&comm, [](Comm*) {}));
     for (int k = 0; k < steps; ++k) {
       auto put = [&](std::vector<at::Tensor>& dst, size_t t, const at::Tensor& x) {
         const int64_t e0 = shards[t].row_begin * shards[t].row_len;
@@ -617,7 +615,7 @@ TEST(MuonLowBit, EightBitMomentumEqualsTheFloat64QuantisedAlgorithmOnAnyWorld) {
   const uint64_t seed = fresh_seed();
   SCOPED_TRACE("seed " + std::to_string(seed));
   constexpr int kSteps = 6;
-  MuonHyper h;
+  MuonOptions h;
   h.lr = 0.02;
   h.momentum = 0.9;
   h.weight_decay = 0.01;
@@ -663,7 +661,7 @@ TEST(MuonLowBit, EightBitMomentumOnTheDeviceGenericPathEqualsTheCpuKernels) {
   // 1, 2 and 4 ranks.
   const uint64_t seed = fresh_seed();
   SCOPED_TRACE("seed " + std::to_string(seed));
-  MuonHyper h;
+  MuonOptions h;
   h.lr = 0.02;
   h.momentum = 0.9;
   h.weight_decay = 0.01;
@@ -688,7 +686,7 @@ TEST(MuonLowBit, EightBitMomentumOnTheDeviceGenericPathEqualsTheCpuKernels) {
 TEST(MuonLowBit, Bf16MomentumIsTheRoundedFloat64Update) {
   const uint64_t seed = fresh_seed();
   SCOPED_TRACE("seed " + std::to_string(seed));
-  MuonHyper h;
+  MuonOptions h;
   h.momentum = 0.95;
   const LowBitRun run = run_low_bit(2, seed, at::kBFloat16, 4, h);
   for (int k = 0; k + 1 < 4; ++k) {
@@ -705,7 +703,7 @@ TEST(MuonLowBit, Bf16MomentumIsTheRoundedFloat64Update) {
 }
 
 TEST(MuonLowBit, ShardsThatCutABlockAndBadSettingsAreClearErrors) {
-  MuonOptions o;
+  MuonConfig o;
   o.momentum_dtype = at::kByte;
   o.momentum_block = 64;
   // Rows [0, 3) and [3, 24) of 24 x 40: a cut at element 120, inside a block of 64.
@@ -713,7 +711,7 @@ TEST(MuonLowBit, ShardsThatCutABlockAndBadSettingsAreClearErrors) {
     const int64_t b = comm.rank() == 0 ? 0 : 3, e = comm.rank() == 0 ? 3 : 24;
     ParamShard cut(TensorShard::rows_of("w", {24, 40}, 1, b, e), at::zeros({e - b, 40}));
     try {
-      Muon m(std::shared_ptr<Comm>(&comm, [](Comm*) {}), {cut}, o);
+      Muon m({cut}, {}, o, std::shared_ptr<Comm>(&comm, [](Comm*) {}));
       ADD_FAILURE() << "a cut block was accepted";
     } catch (const std::invalid_argument& err) {
       EXPECT_NE(std::string(err.what()).find("'w'"), std::string::npos) << err.what();
@@ -721,10 +719,10 @@ TEST(MuonLowBit, ShardsThatCutABlockAndBadSettingsAreClearErrors) {
     }
   });
   o.momentum_map = "cubic";
-  EXPECT_THROW(Muon(nullptr, {whole_param("w", at::zeros({4, 4}), {})}, o), std::invalid_argument);
+  EXPECT_THROW(Muon({whole_param("w", at::zeros({4, 4}), {})}, {}, o), std::invalid_argument);
   o.momentum_map = "dynamic";
   o.momentum_dtype = at::kHalf;
-  EXPECT_THROW(Muon(nullptr, {whole_param("w", at::zeros({4, 4}), {})}, o), std::invalid_argument);
+  EXPECT_THROW(Muon({whole_param("w", at::zeros({4, 4}), {})}, {}, o), std::invalid_argument);
 }
 
 TEST(NewtonSchulz, SingularValuesNearOneInFloat32AndBf16) {
@@ -779,7 +777,7 @@ TEST(Muon, WithItsAdamWPartOneStepIsTwoAllToAllsAndOneAgreement) {
     }
     shards.emplace_back(TensorShard::rows_of("bias", {8}, 1, b, e, every), at::randn({e - b}),
                         at::randn({e - b}));
-    Muon muon(std::shared_ptr<Comm>(&comm, [](Comm*) {}), shards, {}, {}, {true, true, false});
+    Muon muon(shards, {}, {}, std::shared_ptr<Comm>(&comm, [](Comm*) {}), {}, {true, true, false});
     const at::Tensor bias = shards[2].param.clone();
     comm.reset_stats();
     muon.step();
