@@ -6,6 +6,11 @@
 
 namespace rfsdp {
 
+std::pair<at::Tensor, at::Tensor> eigh_in_fp64(const at::Tensor& a) {
+  const auto [l, q] = at::linalg_eigh(a.to(at::kDouble));
+  return {l.to(at::kFloat), q.to(at::kFloat)};
+}
+
 std::vector<bool> eigh_with_retry(const std::vector<at::Tensor>& a, const EighAccept& accept,
                                   int64_t* retries) {
   const size_t n = a.size();

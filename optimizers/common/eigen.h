@@ -26,6 +26,11 @@ using EighAccept = std::function<std::vector<bool>(const std::vector<size_t>& ks
 std::vector<bool> eigh_with_retry(const std::vector<at::Tensor>& a, const EighAccept& accept,
                                   int64_t* retries);
 
+// The eigendecomposition A = Q diag(l) Q^T (l ascending) of one symmetric
+// matrix computed in fp64, returned in fp32 as (l, Q): a stored inverse root
+// taken apart exactly enough to be coded (Shampoo's requantisation).
+std::pair<at::Tensor, at::Tensor> eigh_in_fp64(const at::Tensor& a);
+
 // What the inverse root does with the eigenvalues l of A = L / bc + eps I, which
 // are >= eps in exact arithmetic but, for a rank-deficient factor (a tile whose
 // gradients span fewer than its rows: rare tokens, zero rows, low-rank

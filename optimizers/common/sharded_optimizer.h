@@ -2,7 +2,8 @@
 // gradients (checked once, here), parameter groups with one set of options
 // each, per-parameter step counts, the step gate every rank passes before a
 // step changes anything, and its state by name (what a checkpoint saves).
-// AdamW, AdamW8bit, Muon and Shampoo derive from it; Python binds it once.
+// AdamW, AdamW8bit and Muon derive from it, Shampoo and SOAP through TiledOptimizer;
+// Python binds it once.
 #pragma once
 
 #include <ATen/ATen.h>
@@ -153,21 +154,22 @@ std::string number_text(double v);
 void check_option(const std::string& who, const std::string& name, double v, bool ok,
                   const std::string& rule);
 
-// A ShardedOptimizer whose groups each hold one Options (the hyperparameters a
-// scheduler may change); Derived checks them (check_options).
-template <class Options>
-class GroupedOptimizer : public ShardedOptimizer {
+// A ShardedOptimizer (or a Base that derives from it: TiledOptimizer) whose
+// groups each hold one Options (the hyperparameters a scheduler may change);
+// Derived checks them (check_options).
+template <class Options, class Base = ShardedOptimizer>
+class GroupedOptimizer : public Base {
  public:
   GroupedOptimizer(const char* name, std::vector<ParamShard> params, std::shared_ptr<Comm> comm,
                    bool check_finite, const Options& defaults)
-      : ShardedOptimizer(name, std::move(params), std::move(comm), check_finite),
+      : Base(name, std::move(params), std::move(comm), check_finite),
         groups_{defaults} {}
   const Options& group_options(size_t g) const { return groups_.at(g); }
   void set_group_options(size_t g, const Options& o) {
     check_options(o);
     groups_.at(g) = o;
   }
-  const Options& options_of(size_t i) const { return groups_[group_of_.at(i)]; }
+  const Options& options_of(size_t i) const { return groups_[this->group_of_.at(i)]; }
 
  protected:
   // Throws std::invalid_argument, naming what is wrong, unless o can be stepped with.

@@ -40,11 +40,8 @@
 #include <vector>
 
 #include "core/comm/comm.h"
-#include "optimizers/common/cut_rows.h"
 #include "optimizers/common/eigen.h"
-#include "optimizers/common/owner_exchange.h"
-#include "optimizers/common/sharded_optimizer.h"
-#include "optimizers/common/tiles.h"
+#include "optimizers/common/tiled_optimizer.h"
 #include "quant/blockwise/lowbit.h"
 
 namespace rfsdp {
@@ -55,36 +52,27 @@ struct ShampooOptions {
   double grafting_beta2 = 0.999, grafting_epsilon = 1e-8, weight_decay = 0.0;
 };
 
-// Settings that shape the state: one per optimizer.
-struct ShampooConfig {
-  int64_t max_preconditioner_dim = 1024;
-  int precondition_frequency = 20;
+// Settings that shape the state: one per optimizer. factor_dtype stores L, R
+// and the packed roots.
+struct ShampooConfig : TiledConfig {
+  ShampooConfig() : TiledConfig(/*default_frequency=*/20) {}
   int start_preconditioning_step = 20;
   bool use_bias_correction = true;
-  at::ScalarType factor_dtype = at::kFloat;  // of L, R and the roots (compute: fp32)
-  bool check_finite = true;                   // NaN/Inf gradients: every rank throws
   RankDeficient rank_deficient = RankDeficient::Shift;
   // PseudoInverse's threshold relative to l_max; < 0: n * eps(float32) for an n x n
   // factor (torch.linalg.matrix_rank's default tolerance).
   double rank_rtol = -1.0;
-  // basis coded (8 or 4 bits): each root A^-1/4 = Q diag(s) Q^T kept as Q's
-  // block-wise codes (LowbitSquares: blocks of the n x n eigenvector matrix, row
-  // by row, one fp32 absmax each; "linear_square" is the 4-bit Shampoo paper's
-  // map) and s in fp32 (the rule's l^-1/4, 0 where it drops l). Every step that
-  // preconditions rebuilds the root from Q dequantised and rectified by Björck
-  // steps. Not coded: packed roots in factor_dtype.
-  quant::LowBitFormat basis;
-  // The settings (as Python names them) requantized_state moves between.
-  static std::vector<std::string> requantizable() {
-    return {"basis_dtype", "basis_block", "basis_map", "bjorck_iterations"};
-  }
+  // basis coded: each root A^-1/4 = Q diag(s) Q^T kept as Q's codes ("linear_square"
+  // is the 4-bit Shampoo paper's map) and s in fp32 (the rule's l^-1/4, 0 where it
+  // drops l). Every step that preconditions rebuilds the root from Q dequantised
+  // and rectified. Not coded: packed roots in factor_dtype.
 };
 
 // Throws std::invalid_argument, naming the setting as Python names it, unless c
 // is usable.
 void check_config(const ShampooConfig& c);
 
-class Shampoo : public GroupedOptimizer<ShampooOptions> {
+class Shampoo : public GroupedOptimizer<ShampooOptions, TiledOptimizer> {
  public:
   // precondition[i] false: parameter i takes Adam's direction alone (1-D
   // parameters always do). comm: the ranks that agree on NaN/Inf gradients.
@@ -94,46 +82,34 @@ class Shampoo : public GroupedOptimizer<ShampooOptions> {
 
   const char* name() const override { return "Shampoo"; }
   const ShampooConfig& config() const { return config_; }
-  // The tensors the step updates for parameter i, by name: exp_avg (M),
-  // exp_avg_sq (V), and for a preconditioned one factor_left, factor_right,
-  // root_left, root_right (its tiles' matrices, packed upper triangles in tile
-  // order), or with quantised bases root_left_basis_codes, root_left_basis_absmax,
-  // root_left_eigenvalues (s, n per tile) and their root_right_ twins; and
-  // root_failures (failures in a row, per tile).
-  std::vector<std::pair<std::string, at::Tensor>> state(size_t i) const override;
-  std::vector<StateLayout> state_layout(size_t i) const override;
+  // state(i) by name: exp_avg (M), exp_avg_sq (V), and for a preconditioned
+  // parameter factor_left, factor_right, root_left, root_right (its tiles'
+  // matrices, packed upper triangles in tile order), or with quantised bases
+  // root_left_basis_codes, root_left_basis_absmax, root_left_eigenvalues (s, n
+  // per tile) and their root_right_ twins; and root_failures (failures in a
+  // row, per tile). requantized_state: each root of this rank's tiles as the
+  // saved optimizer used it (Q decoded and rectified, with its s; or the packed
+  // root, whose eigh gives Q and s), then stored as this one keeps it; every
+  // other state this rank's part.
 
-  // Parameter i's state as this optimizer keeps it, from a checkpoint's whole
-  // state of it saved by a Shampoo with the root storage of `saved` (its basis
-  // format): each root of this rank's tiles as the saved optimizer used it (Q
-  // decoded and rectified, with its s; or the packed root, whose eigh gives Q and
-  // s), then stored as this one keeps it; every other state this rank's part.
-  NamedState requantized_state(size_t i, const ShampooConfig& saved, const NamedState& full) const;
-  const std::vector<Tile>& tiles() const { return tiles_; }
-  // Rows of tiles that shard boundaries cut (over all ranks).
-  const std::vector<CutTileRow>& cut_rows() const { return cut_; }
-  bool preconditioned(size_t i) const { return precondition_.at(i); }
   // Tile j (of parameter i's tiles) of its inverse root on one side, full fp32,
   // as a step uses it (rebuilt from its codes and s where quantised).
   at::Tensor root(size_t i, size_t j, bool left) const;
-  // Measurements for benches: seconds spent computing roots, root computations
-  // retried in fp64, bytes of factors and roots (codes, scales and s where
-  // quantised), root flops (about 9 b^3 per b x b eigendecomposition and root)
-  // per step that computes them.
+  // Measurements for benches: seconds spent computing roots, bytes of factors
+  // and roots (codes, scales and s where quantised), root flops (about 9 b^3 per
+  // b x b eigendecomposition and root) per step that computes them.
   double root_seconds() const { return root_seconds_; }
-  int64_t fp64_retries() const { return fp64_retries_; }
   int64_t factor_bytes() const;
   double root_flops() const;
 
  private:
   struct ParamState {
     at::Tensor m, v;                          // fp32, the shard's shape
-    at::Tensor left, right, root_l, root_r;   // flat factor storage (factor_dtype)
+    at::Tensor root_l, root_r;                // packed roots (factor_dtype)
     quant::LowbitSquares q_l, q_r;            // or (basis coded) the roots' Q codes, by tile,
     at::Tensor s_l, s_r;                      // and their s (fp32, n per tile)
     std::vector<int64_t> sl, sr;              // each tile's offsets in s_l, s_r
     at::Tensor failures;                      // int64, per tile
-    std::vector<size_t> tiles;                // indices into tiles_
   };
   // A tile's new inverse root on one side, undefined where it failed: packed, or
   // (quantised bases) its Q and s.
@@ -141,38 +117,51 @@ class Shampoo : public GroupedOptimizer<ShampooOptions> {
     at::Tensor packed, q, s;
     bool defined() const { return packed.defined() || q.defined(); }
   };
+  const TiledConfig& tiled_config() const override { return config_; }
   void check_options(const ShampooOptions& o) const override;
-  void run_step(StepGate& gate, const std::vector<size_t>& stepping) override;
-  // Parameter i's state as at construction (its tiles set): zero moments and
-  // factors, identity roots.
-  void clear_state(size_t i) override;
+  // Zero moments, identity roots.
+  void clear_moments_and_preconditioner(size_t i) override;
+  std::vector<std::pair<std::string, at::Tensor>> moments_state(size_t i) const override;
+  std::vector<std::pair<std::string, at::Tensor>> preconditioner_state(size_t i) const override;
+  void own_layout(size_t i, const TileRange& r, std::vector<StateLayout>* out) const override;
+  NamedState requantized_own(size_t i, const quant::LowBitFormat& saved, const NamedState& full,
+                             const TileRange& r) const override;
+
+  // The step: the roots are due at t % precondition_frequency == 0; prepare
+  // computes the due tiles' factors and their roots before the gate; begin
+  // updates the moments, the factors and the roots, and the direction D (P on
+  // whole tiles); a cut row's tiles are preconditioned at its owner (M^ and D
+  // travel, D comes back); finish applies the update.
+  bool amortises(size_t i) const override;
+  void prepare(const std::vector<size_t>& stepping) override;
+  void begin(size_t i) override;
+  void finish(size_t i) override;
+  bool tiles_step(size_t i) const override;
+  CutRowFields cut_row_fields() const override;
+  at::Tensor cut_row_result(const at::Tensor& gathered) const override;
+  void cut_tile_step(size_t i, size_t j, const at::Tensor& gathered, const at::Tensor& result) override;
+  // P = L^-1/4 M^ R^-1/4 scaled to |D| in tile j of parameter i (d: D's tile, in place).
+  void precondition_tile(size_t i, size_t j, at::Tensor d, const at::Tensor& m_hat) const;
   // Tile k of parameter i's factors L, R after this step's gradient, written to
   // l_out, r_out (packed, the factor dtype): the state's own views (in place), or
   // new tensors (the state is then left as it is).
   void update_factors(size_t i, size_t k, const at::Tensor& l_out, const at::Tensor& r_out) const;
   // The roots of the due parameters' tiles from the factors this step would
-  // store (new_left, new_right: packed, by tile), into new_roots (packed, by tile;
-  // a side undefined where its root failed). Changes no state; throws where a tile has
-  // now failed three times in a row (the gate then stops every rank).
-  void compute_roots(const std::vector<size_t>& due, const std::vector<at::Tensor>& new_left,
-                     const std::vector<at::Tensor>& new_right,
-                     std::vector<std::pair<NewRoot, NewRoot>>* new_roots);
+  // store (new_left_, new_right_: packed, by tile), into new_roots_ (packed, by
+  // tile; a side undefined where its root failed). Changes no state; throws where
+  // a tile has now failed three times in a row (the gate then stops every rank).
+  void compute_roots(const std::vector<size_t>& due);
   // Stores r as tile j's (of parameter i's tiles) root on one side.
   void store_root(size_t i, size_t j, bool left, const NewRoot& r);
-  // The gradient of tile k of parameter i (a view: the shard's, or a shared row's).
-  at::Tensor grad_tile(size_t i, const Tile& t) const;
 
   ShampooConfig config_;
-  std::vector<bool> precondition_;
   std::vector<ParamState> state_;
-  std::vector<Tile> tiles_;
-  // Cut rows of tiles, their exchange (one unit per row, in order) and, at
-  // their owner, this step's gradient of the row (flat, rows x cols).
-  std::vector<CutTileRow> cut_;
-  OwnerExchange exchange_;
-  std::vector<at::Tensor> cut_g_;
+  // This step's: by tile, the due tiles' new factors and roots (prepare); by
+  // parameter, M^ and the update D (begin).
+  std::vector<at::Tensor> new_left_, new_right_;
+  std::vector<std::pair<NewRoot, NewRoot>> new_roots_;
+  std::vector<at::Tensor> m_hat_, update_;
   double root_seconds_ = 0.0;
-  int64_t fp64_retries_ = 0;
 };
 
 }  // namespace rfsdp

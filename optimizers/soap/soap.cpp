@@ -1,7 +1,5 @@
 #include "optimizers/soap/soap.h"
 
-#include <ATen/core/grad_mode.h>
-
 #include <cmath>
 #include <map>
 #include <stdexcept>
@@ -34,16 +32,7 @@ void SOAP::check_options(const SOAPOptions& o) const {
 }
 
 void check_config(const SOAPConfig& c) {
-  for (const auto& [name, v] : {std::pair<const char*, int64_t>{"max_preconditioner_dim", c.max_preconditioner_dim},
-                                {"precondition_frequency", c.precondition_frequency}}) {
-    if (v < 1) {
-      throw std::invalid_argument(std::string("SOAP: ") + name + " must be a positive integer, got " +
-                                  std::to_string(v));
-    }
-  }
-  if (c.factor_dtype != at::kFloat && c.factor_dtype != at::kBFloat16) {
-    throw std::invalid_argument("SOAP: factor_dtype must be torch.float32 or torch.bfloat16");
-  }
+  check_tiled_config("SOAP", c);
   if (!c.basis.coded() && c.basis_dtype != at::kFloat && c.basis_dtype != at::kBFloat16) {
     throw std::invalid_argument("SOAP: basis_dtype must be torch.float32, torch.bfloat16, \"int8\" "
                                 "or \"int4\"");
@@ -51,7 +40,6 @@ void check_config(const SOAPConfig& c) {
   if (c.state_dtype != at::kFloat && c.state_dtype != at::kByte) {
     throw std::invalid_argument("SOAP: state_dtype must be torch.float32 or \"int8\" (8-bit codes)");
   }
-  c.basis.check("SOAP");
 }
 
 SOAP::SOAP(std::vector<ParamShard> params, SOAPOptions options, SOAPConfig config,
@@ -65,35 +53,11 @@ SOAP::SOAP(std::vector<ParamShard> params, SOAPOptions options, SOAPConfig confi
     code_v_ = quant::Codec(quant::dynamic_map(false), /*keep_nonzero=*/true);  // v: see CodeLut
   }
   check_options(options);
-  const size_t n = params_.size();
-  if (!precondition.empty() && precondition.size() != n) {
-    throw std::invalid_argument("SOAP: " + std::to_string(precondition.size()) +
-                                " precondition flags for " + std::to_string(n) + " parameters");
-  }
-  const int rank = comm_ ? comm_->rank() : 0;
-  for (size_t i = 0; i < n; ++i) {
-    const ParamShard& p = params_[i];
-    precondition_.push_back((precondition.empty() || precondition[i]) && p.shape.size() >= 2);
-    ParamState s;
-    if (precondition_[i]) {
-      int64_t ql = 0, qr = 0, arow = 0;
-      for (const Tile& t : matrix_tiles("SOAP", p, i, config_.max_preconditioner_dim, rank, &cut_)) {
-        s.tiles.push_back(tiles_.size());
-        tiles_.push_back(t);
-        s.ql.push_back(ql);
-        s.qr.push_back(qr);
-        ql += t.rows * t.rows;
-        qr += t.cols * t.cols;
-        if (eight_bit(i)) s.arow.push_back(arow), arow += t.rows;
-      }
-    }
-    state_.push_back(std::move(s));
-    SOAP::clear_state(i);  // (allocates it)
-  }
-  exchange_ = cut_exchange("SOAP", cut_, params_, comm_.get());
+  state_.resize(params_.size());
+  set_up_tiles(precondition);
 }
 
-void SOAP::clear_state(size_t i) {
+void SOAP::clear_moments_and_preconditioner(size_t i) {
   const ParamShard& p = params_[i];
   ParamState& s = state_[i];
   if (!eight_bit(i)) {
@@ -101,21 +65,23 @@ void SOAP::clear_state(size_t i) {
     s.v = at::zeros(p.param.sizes(), state_options(i));
   }
   if (!precondition_[i]) return;
-  int64_t left = 0, right = 0, ql = 0, qr = 0, rows_total = 0;
+  int64_t ql = 0, qr = 0, rows_total = 0;
   std::vector<int64_t> rows, cols;
-  for (size_t k : s.tiles) {
+  s.ql.clear();
+  s.qr.clear();
+  s.arow.clear();
+  for (size_t k : tiles_of(i)) {
     const Tile& t = tiles_[k];
     rows.push_back(t.rows);
     cols.push_back(t.cols);
-    left += packed_size(t.rows);
-    right += packed_size(t.cols);
+    s.ql.push_back(ql);
+    s.qr.push_back(qr);
+    s.arow.push_back(rows_total);
     ql += t.rows * t.rows;
     qr += t.cols * t.cols;
     rows_total += t.rows;
   }
   const auto on = at::TensorOptions().device(p.param.device());  // states live with the shard
-  s.left = at::zeros({left}, on.dtype(config_.factor_dtype));
-  s.right = at::zeros({right}, on.dtype(config_.factor_dtype));
   if (config_.basis.coded()) {
     s.lq_left = quant::LowbitSquares(rows, config_.basis, on);
     s.lq_right = quant::LowbitSquares(cols, config_.basis, on);
@@ -134,7 +100,7 @@ void SOAP::clear_state(size_t i) {
 at::Tensor SOAP::basis(size_t i, size_t j, bool left) const {
   const ParamState& s = state_[i];
   if (config_.basis.bits) return (left ? s.lq_left : s.lq_right).orthogonal(j);
-  const Tile& tl = tiles_[s.tiles[j]];
+  const Tile& tl = tiles_[tiles_of(i)[j]];
   const int64_t n = left ? tl.rows : tl.cols;
   return basis_view(left ? s.q_left : s.q_right, left ? s.ql[j] : s.qr[j], n).to(at::kFloat);
 }
@@ -145,7 +111,7 @@ void SOAP::store_basis(size_t i, size_t j, bool left, const at::Tensor& q) {
     (left ? s.lq_left : s.lq_right).store(j, q);
     return;
   }
-  const Tile& tl = tiles_[s.tiles[j]];
+  const Tile& tl = tiles_[tiles_of(i)[j]];
   const int64_t n = left ? tl.rows : tl.cols;
   basis_view(left ? s.q_left : s.q_right, left ? s.ql[j] : s.qr[j], n).copy_(q);
 }
@@ -155,7 +121,7 @@ void SOAP::store_basis(size_t i, size_t j, bool left, const at::Tensor& q) {
 void SOAP::decode_tile(size_t i, size_t j, bool second, const at::Tensor& codes,
                        const at::Tensor& out) const {
   const ParamState& s = state_[i];
-  const Tile& tl = tiles_[s.tiles[j]];
+  const Tile& tl = tiles_[tiles_of(i)[j]];
   const at::Tensor& absmax = second ? s.va : s.ma;
   at::Tensor x = at::empty({tl.rows, tl.cols}, absmax.options());
   quant::dequantize(tile_view(codes, tl).contiguous(), absmax.narrow(0, s.arow[j], tl.rows),
@@ -167,7 +133,7 @@ void SOAP::decode_tile(size_t i, size_t j, bool second, const at::Tensor& codes,
 void SOAP::encode_tile(size_t i, size_t j, bool second, const at::Tensor& flat,
                        const at::Tensor& codes) {
   ParamState& s = state_[i];
-  const Tile& tl = tiles_[s.tiles[j]];
+  const Tile& tl = tiles_[tiles_of(i)[j]];
   at::Tensor q = at::empty({tl.rows, tl.cols}, codes.options().dtype(at::kByte));
   // (the moments' values are checked with the step's)
   quant::quantize(tile_view(flat, tl).contiguous(),
@@ -177,13 +143,6 @@ void SOAP::encode_tile(size_t i, size_t j, bool second, const at::Tensor& flat,
   tile_view(codes, tl).copy_(q);
 }
 
-bool SOAP::has_cut_rows(size_t i) const {
-  for (const CutTileRow& row : cut_) {
-    if (row.param == i) return true;
-  }
-  return false;
-}
-
 // The shard's whole tiles; the rows of cut tiles stay 0 (their owner decodes them).
 at::Tensor SOAP::decode(size_t i, bool second) const {
   const ParamState& s = state_[i];
@@ -191,17 +150,19 @@ at::Tensor SOAP::decode(size_t i, bool second) const {
   const auto opts = (second ? s.va : s.ma).options();
   // (without cut rows the tiles cover the shard: nothing to clear)
   at::Tensor out = has_cut_rows(i) ? at::zeros({codes.numel()}, opts) : at::empty({codes.numel()}, opts);
-  for (size_t j = 0; j < s.tiles.size(); ++j) {
-    if (tiles_[s.tiles[j]].cut < 0) decode_tile(i, j, second, codes, out);
+  const std::vector<size_t>& tiles = tiles_of(i);
+  for (size_t j = 0; j < tiles.size(); ++j) {
+    if (tiles_[tiles[j]].cut < 0) decode_tile(i, j, second, codes, out);
   }
   return out;
 }
 
 void SOAP::encode(size_t i, bool second, const at::Tensor& flat) {
-  ParamState& s = state_[i];
+  const ParamState& s = state_[i];
   const at::Tensor codes = (second ? s.vq : s.mq).view({-1});
-  for (size_t j = 0; j < s.tiles.size(); ++j) {
-    if (tiles_[s.tiles[j]].cut < 0) encode_tile(i, j, second, flat, codes);
+  const std::vector<size_t>& tiles = tiles_of(i);
+  for (size_t j = 0; j < tiles.size(); ++j) {
+    if (tiles_[tiles[j]].cut < 0) encode_tile(i, j, second, flat, codes);
   }
 }
 
@@ -218,7 +179,20 @@ std::pair<at::Tensor, at::Tensor> SOAP::moments(size_t i) const {
   return {state_.at(i).m, state_.at(i).v};
 }
 
-void SOAP::prepare(const std::vector<size_t>& stepping, std::vector<TileUpdate>* up) {
+bool SOAP::amortises(size_t i) const {
+  const int64_t t = param_steps_[i];
+  return precondition_[i] && (t == 1 || (t - 1) % config_.precondition_frequency == 0);
+}
+
+bool SOAP::tiles_step(size_t i) const { return precondition_[i] && param_steps_[i] >= 2; }
+
+void SOAP::prepare(const std::vector<size_t>& stepping) {
+  up_.assign(tiles_.size(), {});
+  const size_t P = params_.size();
+  ms_.assign(P, at::Tensor());
+  vs_.assign(P, at::Tensor());
+  ns_.assign(P, at::Tensor());
+  std::vector<TileUpdate>* up = &up_;
   // Factors first (every stepping tile), then, batched by size, the first bases
   // by eigh and the refreshed ones by one power step and QR.
   struct Job {
@@ -229,19 +203,20 @@ void SOAP::prepare(const std::vector<size_t>& stepping, std::vector<TileUpdate>*
   std::map<int64_t, std::vector<Job>> first, refresh;
   for (size_t i : stepping) {
     if (!precondition_[i]) continue;
-    const ParamState& s = state_[i];
     const double bs = shampoo_beta(options_of(i));
     const int64_t t = param_steps_[i];
     const bool refreshes = t >= 2 && (t - 1) % config_.precondition_frequency == 0;
-    const at::Tensor g = params_[i].grad.view({-1});
-    for (size_t j = 0; j < s.tiles.size(); ++j) {
-      const size_t k = s.tiles[j];
+    const std::vector<size_t>& tiles = tiles_of(i);
+    for (size_t j = 0; j < tiles.size(); ++j) {
+      const size_t k = tiles[j];
       const Tile& tl = tiles_[k];
       // (a copy: aligned alike on any ranks, so BLAS rounds alike; Shampoo's)
-      const at::Tensor gt = tile_view(tl.cut >= 0 ? cut_g_[tl.cut] : g, tl).clone();
+      const at::Tensor gt = grad_tile(i, tl).clone();
       TileUpdate& u = (*up)[k];
-      u.l = unpack_symmetric(s.left, tl.left_offset, tl.rows).mul_(bs).add_(at::mm(gt, gt.t()), 1 - bs);
-      u.r = unpack_symmetric(s.right, tl.right_offset, tl.cols).mul_(bs).add_(at::mm(gt.t(), gt), 1 - bs);
+      u.l = unpack_symmetric(factors(i, true), tl.left_offset, tl.rows)
+                .mul_(bs).add_(at::mm(gt, gt.t()), 1 - bs);
+      u.r = unpack_symmetric(factors(i, false), tl.right_offset, tl.cols)
+                .mul_(bs).add_(at::mm(gt.t(), gt), 1 - bs);
       if (refreshes) u.used_l = basis(i, j, true), u.used_r = basis(i, j, false);
       for (bool left : {true, false}) {
         const int64_t d = left ? tl.rows : tl.cols;
@@ -287,129 +262,99 @@ void SOAP::prepare(const std::vector<size_t>& stepping, std::vector<TileUpdate>*
   }
 }
 
-void SOAP::run_step(StepGate& gate, const std::vector<size_t>& stepping) {
-  at::NoGradGuard no_grad;
-  cut_g_ = gather_cut_grads(exchange_, cut_, params_, stepping, comm_.get(), gate);
-  std::vector<TileUpdate> up(tiles_.size());
-  for (size_t i : stepping) {  // no eigh or QR of NaN gradients
-    const int64_t t = param_steps_[i];
-    if (precondition_[i] && (t == 1 || (t - 1) % config_.precondition_frequency == 0)) {
-      gate.check_device_now();
-      break;
+void SOAP::tile_step(size_t i, size_t j, const at::Tensor& g, const at::Tensor& m, const at::Tensor& v,
+                     const at::Tensor& n) const {
+  const SOAPOptions& o = options_of(i);
+  const size_t k = tiles_of(i)[j];
+  const Tile& tl = tiles_[k];
+  const TileUpdate& u = up_[k];
+  const at::Tensor ql = u.used_l.defined() ? u.used_l : basis(i, j, true);
+  const at::Tensor qr = u.used_r.defined() ? u.used_r : basis(i, j, false);
+  const at::Tensor gp = at::mm(at::mm(ql.t(), tile_view(g, tl)), qr);
+  at::Tensor vt = tile_view(v, tl);
+  vt.mul_(o.beta2).addcmul_(gp, gp, 1 - o.beta2);
+  const at::Tensor mp = at::mm(at::mm(ql.t(), tile_view(m, tl)), qr);
+  tile_view(n, tl).copy_(at::mm(at::mm(ql, mp / (vt.sqrt() + o.eps)), qr.t()));
+}
+
+void SOAP::permute_v(size_t k, const at::Tensor& v) const {
+  const TileUpdate& u = up_[k];
+  if (!u.order_l.defined()) return;  // a refresh: v follows its basis' new column order
+  at::Tensor vt = tile_view(v, tiles_[k]);
+  vt.copy_(vt.index_select(0, u.order_l).index_select(1, u.order_r));
+}
+
+void SOAP::begin(size_t i) {
+  const SOAPOptions& o = options_of(i);
+  if (param_steps_[i] < 2) return;
+  const at::Tensor g = params_[i].grad.view({-1});
+  ms_[i] = eight_bit(i) ? decode(i, false) : state_[i].m.view({-1});
+  vs_[i] = eight_bit(i) ? decode(i, true) : state_[i].v.view({-1});
+  ms_[i].mul_(o.beta1).add_(g, 1 - o.beta1);
+  if (precondition_[i]) {
+    ns_[i] = at::empty_like(g);
+    const std::vector<size_t>& tiles = tiles_of(i);
+    for (size_t j = 0; j < tiles.size(); ++j) {
+      if (tiles_[tiles[j]].cut < 0) tile_step(i, j, g, ms_[i], vs_[i], ns_[i]);
     }
-  }
-  if (!gate.failed()) gate.guard([&] { prepare(stepping, &up); });
-  gate.agree();  // every rank can take the step: from here on it changes state
-  // Tile j of parameter i: v updated in its eigenbasis, n = Q_L ((Q_L^T m Q_R) /
-  // (sqrt(v) + eps)) Q_R^T; and (a refresh) v permuted to its basis' new order,
-  // once the step has used it. g, m, v, n: flat, laid out as the tile's shard or cut row.
-  auto tile_step = [&](size_t i, size_t j, const at::Tensor& g, const at::Tensor& m,
-                       const at::Tensor& v, const at::Tensor& n) {
-    const SOAPOptions& o = options_of(i);
-    const size_t k = state_[i].tiles[j];
-    const Tile& tl = tiles_[k];
-    const at::Tensor ql = up[k].used_l.defined() ? up[k].used_l : basis(i, j, true);
-    const at::Tensor qr = up[k].used_r.defined() ? up[k].used_r : basis(i, j, false);
-    const at::Tensor gp = at::mm(at::mm(ql.t(), tile_view(g, tl)), qr);
-    at::Tensor vt = tile_view(v, tl);
-    vt.mul_(o.beta2).addcmul_(gp, gp, 1 - o.beta2);
-    const at::Tensor mp = at::mm(at::mm(ql.t(), tile_view(m, tl)), qr);
-    tile_view(n, tl).copy_(at::mm(at::mm(ql, mp / (vt.sqrt() + o.eps)), qr.t()));
-  };
-  auto permute_v = [&](size_t k, const at::Tensor& v) {
-    const TileUpdate& u = up[k];
-    if (!u.order_l.defined()) return;  // a refresh: v follows its basis' new column order
-    at::Tensor vt = tile_view(v, tiles_[k]);
-    vt.copy_(vt.index_select(0, u.order_l).index_select(1, u.order_r));
-  };
-  // Per parameter: (begin) the moments and the direction n (t >= 2), tile by
-  // tile where the tile is whole here (8-bit: decoded first); (finish) the
-  // parameter, the factors, the bases, v's refresh permutation (8-bit: encoded).
-  // A parameter without cut rows finishes at once (its temporaries freed before
-  // the next); one with cut rows after the cut rows' exchange.
-  const size_t P = params_.size();
-  std::vector<at::Tensor> ms(P), vs(P), ns(P);
-  auto begin = [&](size_t i) {
-    const SOAPOptions& o = options_of(i);
-    ParamState& s = state_[i];
-    if (param_steps_[i] < 2) return;
-    const at::Tensor g = params_[i].grad.view({-1});
-    ms[i] = eight_bit(i) ? decode(i, false) : s.m.view({-1});
-    vs[i] = eight_bit(i) ? decode(i, true) : s.v.view({-1});
-    ms[i].mul_(o.beta1).add_(g, 1 - o.beta1);
-    if (precondition_[i]) {
-      ns[i] = at::empty_like(g);
-      for (size_t j = 0; j < s.tiles.size(); ++j) {
-        if (tiles_[s.tiles[j]].cut < 0) tile_step(i, j, g, ms[i], vs[i], ns[i]);
-      }
-    } else {
-      vs[i].mul_(o.beta2).addcmul_(g, g, 1 - o.beta2);
-      ns[i] = ms[i] / (vs[i].sqrt() + o.eps);
-    }
-  };
-  auto finish = [&](size_t i) {
-    const SOAPOptions& o = options_of(i);
-    ParamState& s = state_[i];
-    const int64_t t = param_steps_[i];
-    if (t >= 2) {
-      const int64_t steps = t - 1;
-      const double step =
-          config_.correct_bias
-              ? o.lr * std::sqrt(1 - std::pow(o.beta2, static_cast<double>(steps))) /
-                    (1 - std::pow(o.beta1, static_cast<double>(steps)))
-              : o.lr;
-      params_[i].param.view({-1}).add_(ns[i], -step).mul_(1 - o.lr * o.weight_decay);
-    }
-    if (precondition_[i]) {
-      for (size_t j = 0; j < s.tiles.size(); ++j) {
-        const size_t k = s.tiles[j];
-        const Tile& tl = tiles_[k];
-        const TileUpdate& u = up[k];
-        s.left.narrow(0, tl.left_offset, packed_size(tl.rows)).copy_(pack_symmetric(u.l));
-        s.right.narrow(0, tl.right_offset, packed_size(tl.cols)).copy_(pack_symmetric(u.r));
-        if (u.q_l.defined()) store_basis(i, j, true, u.q_l);
-        if (u.q_r.defined()) store_basis(i, j, false, u.q_r);
-        if (tl.cut < 0 && vs[i].defined()) permute_v(k, vs[i]);
-      }
-      if (eight_bit(i) && t >= 2) {  // (v permuted in fp32 first: the same codes as permuting codes and scales)
-        encode(i, false, ms[i]);
-        encode(i, true, vs[i]);
-      }
-    }
-    ms[i] = vs[i] = ns[i] = at::Tensor();
-  };
-  std::vector<bool> has_cut(P, false);
-  for (const CutTileRow& row : cut_) has_cut[row.param] = true;
-  for (size_t i : stepping) {
-    begin(i);
-    if (!has_cut[i]) finish(i);
-  }
-  if (cut_.empty()) return;
-  if (state_dtype_8bit_) {
-    step_cut_rows_8bit(stepping, has_cut, tile_step, permute_v, ns);
   } else {
-    // Cut rows: their m and v to the owner, which steps its tiles of them and
-    // sends every holder its rows of v and n back.
-    const std::vector<at::Tensor> mv = exchange_.gather(comm_.get(), {ms, vs});
-    std::vector<at::Tensor> vn(cut_.size());
-    for (size_t j = 0; j < cut_.size(); ++j) {
-      if (exchange_.owns(j)) vn[j] = at::stack({mv[j][1], at::zeros_like(mv[j][1])});
-    }
-    for (size_t i : stepping) {
-      if (!precondition_[i] || param_steps_[i] < 2) continue;
-      const ParamState& s = state_[i];
-      for (size_t j = 0; j < s.tiles.size(); ++j) {
-        const size_t k = s.tiles[j];
-        const int64_t c = tiles_[k].cut;
-        if (c < 0) continue;
-        tile_step(i, j, cut_g_[c], mv[c][0], vn[c][0], vn[c][1]);
-        permute_v(k, vn[c][0]);
-      }
-    }
-    exchange_.scatter(comm_.get(), vn, {vs, ns});
+    vs_[i].mul_(o.beta2).addcmul_(g, g, 1 - o.beta2);
+    ns_[i] = ms_[i] / (vs_[i].sqrt() + o.eps);
   }
-  for (size_t i : stepping) {
-    if (has_cut[i]) finish(i);
+}
+
+void SOAP::finish(size_t i) {
+  const SOAPOptions& o = options_of(i);
+  const int64_t t = param_steps_[i];
+  if (t >= 2) {
+    const int64_t steps = t - 1;
+    const double step =
+        config_.correct_bias
+            ? o.lr * std::sqrt(1 - std::pow(o.beta2, static_cast<double>(steps))) /
+                  (1 - std::pow(o.beta1, static_cast<double>(steps)))
+            : o.lr;
+    params_[i].param.view({-1}).add_(ns_[i], -step).mul_(1 - o.lr * o.weight_decay);
+  }
+  if (precondition_[i]) {
+    const std::vector<size_t>& tiles = tiles_of(i);
+    for (size_t j = 0; j < tiles.size(); ++j) {
+      const size_t k = tiles[j];
+      const Tile& tl = tiles_[k];
+      TileUpdate& u = up_[k];
+      factor(i, k, true).copy_(pack_symmetric(u.l));
+      factor(i, k, false).copy_(pack_symmetric(u.r));
+      if (u.q_l.defined()) store_basis(i, j, true, u.q_l);
+      if (u.q_r.defined()) store_basis(i, j, false, u.q_r);
+      if (tl.cut < 0 && vs_[i].defined()) permute_v(k, vs_[i]);
+      u = TileUpdate();
+    }
+    if (eight_bit(i) && t >= 2) {  // (v permuted in fp32 first: the same codes as permuting codes and scales)
+      encode(i, false, ms_[i]);
+      encode(i, true, vs_[i]);
+    }
+  }
+  ms_[i] = vs_[i] = ns_[i] = at::Tensor();
+}
+
+// The cut rows' m and v to their owner, which steps its tiles of them and sends
+// every holder its rows of v and n back.
+TiledOptimizer::CutRowFields SOAP::cut_row_fields() const { return {{ms_, vs_}, {vs_, ns_}}; }
+
+at::Tensor SOAP::cut_row_result(const at::Tensor& gathered) const {
+  return at::stack({gathered[1], at::zeros_like(gathered[1])});  // v, n
+}
+
+void SOAP::cut_tile_step(size_t i, size_t j, const at::Tensor& gathered, const at::Tensor& result) {
+  const size_t k = tiles_of(i)[j];
+  tile_step(i, j, cut_g_[tiles_[k].cut], gathered[0], result[0], result[1]);
+  permute_v(k, result[0]);
+}
+
+void SOAP::step_cut_rows(const std::vector<size_t>& stepping) {
+  if (state_dtype_8bit_) {
+    step_cut_rows_8bit(stepping);
+  } else {
+    TiledOptimizer::step_cut_rows(stepping);
   }
 }
 
@@ -430,17 +375,14 @@ at::Tensor code_of(const at::Tensor& packed, bool second) {
 }
 }  // namespace
 
-void SOAP::step_cut_rows_8bit(const std::vector<size_t>& stepping, const std::vector<bool>& has_cut,
-                              const TileStepFn& tile_step,
-                              const std::function<void(size_t, const at::Tensor&)>& permute_v,
-                              const std::vector<at::Tensor>& ns) {
+void SOAP::step_cut_rows_8bit(const std::vector<size_t>& stepping) {
   const size_t P = params_.size();
   // This rank's pieces of the cut rows of parameters that step (element ranges of
   // its flat shard): their codes packed travel, the new ones land there.
   std::vector<at::Tensor> codes(P);
   for (size_t i : stepping) {  // (only the pieces travel: the rest stays unset)
     const at::Tensor& mq = state_[i].mq;
-    if (has_cut[i] && param_steps_[i] >= 2) codes[i] = at::empty({mq.numel()}, mq.options().dtype(at::kFloat));
+    if (has_cut_rows(i) && param_steps_[i] >= 2) codes[i] = at::empty({mq.numel()}, mq.options().dtype(at::kFloat));
   }
   std::vector<std::pair<size_t, OwnerExchange::Range>> pieces;  // (parameter, {offset, length})
   for (size_t c = 0; c < cut_.size(); ++c) {
@@ -467,10 +409,10 @@ void SOAP::step_cut_rows_8bit(const std::vector<size_t>& stepping, const std::ve
   for (size_t i : stepping) {
     if (!codes[i].defined()) continue;  // (no cut rows, or no moments yet)
     const SOAPOptions& o = options_of(i);
-    const ParamState& s = state_[i];
+    const std::vector<size_t>& tiles = tiles_of(i);
     std::map<int64_t, Row> rows;
-    for (size_t j = 0; j < s.tiles.size(); ++j) {
-      const int64_t c = tiles_[s.tiles[j]].cut;
+    for (size_t j = 0; j < tiles.size(); ++j) {
+      const int64_t c = tiles_[tiles[j]].cut;
       if (c < 0) continue;
       Row& r = rows[c];
       if (!r.m.defined()) {
@@ -483,8 +425,8 @@ void SOAP::step_cut_rows_8bit(const std::vector<size_t>& stepping, const std::ve
       decode_tile(i, j, true, r.qv, r.v);
     }
     for (auto& [c, r] : rows) r.m.mul_(o.beta1).add_(cut_g_[c], 1 - o.beta1);
-    for (size_t j = 0; j < s.tiles.size(); ++j) {
-      const size_t k = s.tiles[j];
+    for (size_t j = 0; j < tiles.size(); ++j) {
+      const size_t k = tiles[j];
       const int64_t c = tiles_[k].cut;
       if (c < 0) continue;
       Row& r = rows[c];
@@ -495,42 +437,37 @@ void SOAP::step_cut_rows_8bit(const std::vector<size_t>& stepping, const std::ve
     }
     for (auto& [c, r] : rows) back[c][0].copy_(pack_codes(r.qm, r.qv));
   }
-  exchange_.scatter(comm_.get(), back, {codes, ns});
+  exchange_.scatter(comm_.get(), back, {codes, ns_});
   for (const auto& [i, r] : pieces) {
     piece_of(state_[i].mq, r).copy_(code_of(piece_of(codes[i], r), false));
     piece_of(state_[i].vq, r).copy_(code_of(piece_of(codes[i], r), true));
   }
 }
 
-std::vector<std::pair<std::string, at::Tensor>> SOAP::state(size_t i) const {
+std::vector<std::pair<std::string, at::Tensor>> SOAP::moments_state(size_t i) const {
   const ParamState& s = state_.at(i);
-  std::vector<std::pair<std::string, at::Tensor>> out;
   if (eight_bit(i)) {
-    out = {{"exp_avg_codes", s.mq}, {"exp_avg_absmax", s.ma},
-           {"exp_avg_sq_codes", s.vq}, {"exp_avg_sq_absmax", s.va}};
-  } else {
-    out = {{"exp_avg", s.m}, {"exp_avg_sq", s.v}};
+    return {{"exp_avg_codes", s.mq}, {"exp_avg_absmax", s.ma},
+            {"exp_avg_sq_codes", s.vq}, {"exp_avg_sq_absmax", s.va}};
   }
-  if (precondition_[i]) {
-    out.insert(out.end(), {{"factor_left", s.left}, {"factor_right", s.right}});
-    if (config_.basis.bits) {
-      out.insert(out.end(), {{"basis_left_codes", s.lq_left.codes()},
-                             {"basis_left_absmax", s.lq_left.absmax()},
-                             {"basis_right_codes", s.lq_right.codes()},
-                             {"basis_right_absmax", s.lq_right.absmax()}});
-    } else {
-      out.insert(out.end(), {{"basis_left", s.q_left}, {"basis_right", s.q_right}});
-    }
-  }
-  return out;
+  return {{"exp_avg", s.m}, {"exp_avg_sq", s.v}};
 }
 
-NamedState SOAP::requantized_state(size_t i, const SOAPConfig& saved_config,
-                                   const NamedState& full) const {
-  if (!precondition_.at(i)) return saved_as_kept(i, full, {"exp_avg", "exp_avg_sq"});  // Adam alone
+std::vector<std::pair<std::string, at::Tensor>> SOAP::preconditioner_state(size_t i) const {
+  const ParamState& s = state_.at(i);
+  if (config_.basis.bits) {
+    return {{"basis_left_codes", s.lq_left.codes()}, {"basis_left_absmax", s.lq_left.absmax()},
+            {"basis_right_codes", s.lq_right.codes()}, {"basis_right_absmax", s.lq_right.absmax()}};
+  }
+  return {{"basis_left", s.q_left}, {"basis_right", s.q_right}};
+}
+
+// m and v decoded or encoded where the saved state_dtype differs; the bases as
+// this one keeps them.
+NamedState SOAP::requantized_own(size_t i, const quant::LowBitFormat& saved_basis,
+                                 const NamedState& full, const TileRange& r) const {
   const ParamShard& p = params_.at(i);
-  const TileRange r = tile_range(p, config_.max_preconditioner_dim);
-  NamedState out = saved_as_kept(i, full, {"factor_left", "factor_right"});  // as saved
+  NamedState out;
   const bool saved_8bit = full.count("exp_avg_codes") > 0, live_8bit = eight_bit(i);
   const int64_t e0 = p.row_begin * p.row_len;
   for (const bool second : {false, true}) {
@@ -573,34 +510,26 @@ NamedState SOAP::requantized_state(size_t i, const SOAPConfig& saved_config,
   }
   for (bool left : {true, false}) {
     const std::string side = left ? "basis_left" : "basis_right";
-    encode_squares(decode_squares(full, side, r, left, saved_config.basis, name(), p), side,
+    encode_squares(decode_squares(full, side, r, left, saved_basis, name(), p), side,
                    config_.basis, config_.basis_dtype, &out);
   }
   return out;
 }
 
-std::vector<StateLayout> SOAP::state_layout(size_t i) const {
-  const bool eight = eight_bit(i);
-  std::vector<StateLayout> out;
-  TileRange r;
-  if (precondition_.at(i)) r = tile_range(params_.at(i), config_.max_preconditioner_dim);
+void SOAP::own_layout(size_t i, const TileRange& r, std::vector<StateLayout>* out) const {
   for (const char* moment : {"exp_avg", "exp_avg_sq"}) {
     const std::string name(moment);
-    if (!eight) {
-      out.push_back(StateLayout::rows(name));
+    if (!eight_bit(i)) {
+      out->push_back(StateLayout::rows(name));
       continue;
     }
-    out.push_back(StateLayout::rows(name + "_codes"));  // one scale per tile row
-    out.push_back(tile_sequence(name + "_absmax", r, [](const Tile& t) { return t.rows; }));
+    out->push_back(StateLayout::rows(name + "_codes"));  // one scale per tile row
+    out->push_back(tile_sequence(name + "_absmax", r, [](const Tile& t) { return t.rows; }));
   }
-  if (!precondition_.at(i)) return out;
+  if (!precondition_[i]) return;
   for (bool left : {true, false}) {
-    const auto n = [left](const Tile& t) { return left ? t.rows : t.cols; };
-    const std::string side = left ? "left" : "right";
-    out.push_back(tile_sequence("factor_" + side, r, [&](const Tile& t) { return packed_size(n(t)); }));
-    square_tiles_layout("basis_" + side, r, left, config_.basis, &out);
+    square_tiles_layout(left ? "basis_left" : "basis_right", r, left, config_.basis, out);
   }
-  return out;
 }
 
 }  // namespace rfsdp

@@ -31,20 +31,16 @@
 
 #include <ATen/ATen.h>
 
-#include <functional>
 #include <memory>
 #include <string>
 #include <utility>
 #include <vector>
 
 #include "core/comm/comm.h"
-#include "optimizers/common/cut_rows.h"
 #include "optimizers/common/eigen.h"
-#include "optimizers/common/owner_exchange.h"
-#include "optimizers/common/sharded_optimizer.h"
-#include "optimizers/common/tiles.h"
-#include "quant/blockwise/state_ops.h"
+#include "optimizers/common/tiled_optimizer.h"
 #include "quant/blockwise/lowbit.h"
+#include "quant/blockwise/state_ops.h"
 
 namespace rfsdp {
 
@@ -55,16 +51,13 @@ struct SOAPOptions {
   double eps = 1e-8, weight_decay = 0.01;
 };
 
-// Settings that shape the state: one per optimizer.
-struct SOAPConfig {
-  int64_t max_preconditioner_dim = 1024;
-  int precondition_frequency = 10;
+// Settings that shape the state: one per optimizer. factor_dtype stores L, R;
+// every step computes in fp32 from them, and a refresh and a first basis use the
+// fp32 factors of this step before they are stored.
+struct SOAPConfig : TiledConfig {
+  SOAPConfig() : TiledConfig(/*default_frequency=*/10) {}
   bool correct_bias = true;
-  bool check_finite = true;  // NaN/Inf gradients: every rank throws
-  // Storage of L, R (factor_dtype) and Q_L, Q_R (basis_dtype): float32 or
-  // bfloat16. Every step computes in fp32 from them; a refresh and a first basis
-  // use the fp32 factors of this step before they are stored.
-  at::ScalarType factor_dtype = at::kFloat;
+  // Storage of Q_L, Q_R where basis is not coded: float32 or bfloat16.
   at::ScalarType basis_dtype = at::kFloat;
   // m and v of preconditioned parameters: float32, or at::kByte: 8-bit codes
   // (bitsandbytes' dynamic maps, signed for m, unsigned for v), one block per
@@ -77,14 +70,12 @@ struct SOAPConfig {
   // order) while each holder keeps its rows' codes; 1-D parameters and
   // use_soap=False groups keep fp32 moments.
   at::ScalarType state_dtype = at::kFloat;
-  // basis coded (8 or 4 bits): Q_L, Q_R as block-wise codes instead
-  // (LowbitSquares: blocks of a tile's n x n basis, row by row, one fp32 absmax
-  // each), dequantised and rectified by Björck steps wherever a step uses them
-  // (the refresh's power step included). Not coded: basis_dtype.
-  quant::LowBitFormat basis;
-  // The settings (as Python names them) requantized_state moves between.
+  // basis coded: Q_L, Q_R as block-wise codes (the refresh's power step uses
+  // them decoded and rectified too).
   static std::vector<std::string> requantizable() {
-    return {"basis_dtype", "basis_block", "basis_map", "bjorck_iterations", "state_dtype"};
+    auto names = TiledConfig::requantizable();
+    names.push_back("state_dtype");
+    return names;
   }
 };
 
@@ -92,7 +83,7 @@ struct SOAPConfig {
 // is usable.
 void check_config(const SOAPConfig& c);
 
-class SOAP : public GroupedOptimizer<SOAPOptions> {
+class SOAP : public GroupedOptimizer<SOAPOptions, TiledOptimizer> {
  public:
   // precondition[i] false: parameter i takes Adam (with SOAP's first-step skip
   // and weight decay); 1-D parameters always do. comm: the ranks that step together.
@@ -101,40 +92,28 @@ class SOAP : public GroupedOptimizer<SOAPOptions> {
 
   const char* name() const override { return "SOAP"; }
   const SOAPConfig& config() const { return config_; }
-  // exp_avg (m), exp_avg_sq (v, in the eigenbasis), or with 8-bit moments
-  // exp_avg_codes, exp_avg_absmax, exp_avg_sq_codes, exp_avg_sq_absmax (codes
-  // in the shard's shape, one absmax per tile row in tile order); for a preconditioned
-  // parameter, factor_left, factor_right (its tiles' L, R: packed upper
-  // triangles in tile order) and basis_left, basis_right (Q_L, Q_R: n x n row by
-  // row, in tile order).
-  std::vector<std::pair<std::string, at::Tensor>> state(size_t i) const override;
-  std::vector<StateLayout> state_layout(size_t i) const override;
-  // Parameter i's state as this optimizer keeps it, from a checkpoint's whole
-  // state of it saved by a SOAP with the storage of `saved` (basis format or
-  // dtype, state_dtype): each basis of this rank's tiles as the saved optimizer
-  // used it (decoded and rectified where coded) and m and v decoded, then stored
-  // as this one keeps them; the factors this rank's part as saved.
-  NamedState requantized_state(size_t i, const SOAPConfig& saved, const NamedState& full) const;
-  const std::vector<Tile>& tiles() const { return tiles_; }
+  // state(i) by name: exp_avg (m), exp_avg_sq (v, in the eigenbasis), or with
+  // 8-bit moments exp_avg_codes, exp_avg_absmax, exp_avg_sq_codes,
+  // exp_avg_sq_absmax (codes in the shard's shape, one absmax per tile row in
+  // tile order); for a preconditioned parameter, factor_left, factor_right and
+  // basis_left, basis_right (Q_L, Q_R: n x n row by row, in tile order).
+  // requantized_state: each basis of this rank's tiles as the saved optimizer
+  // used it (decoded and rectified where coded) and m and v decoded, then
+  // stored as this one keeps them; the factors this rank's part as saved.
+
   // Tile j (of parameter i's tiles) of its basis on one side, as a step uses it:
   // fp32 (a copy when stored in bf16; dequantised and rectified when quantised).
   at::Tensor basis(size_t i, size_t j, bool left) const;
   // Parameter i's m and v in fp32 (decoded where they are stored in 8 bits).
   std::pair<at::Tensor, at::Tensor> moments(size_t i) const;
-  bool preconditioned(size_t i) const { return precondition_.at(i); }
-  // Rows of tiles that shard boundaries cut (over all ranks).
-  const std::vector<CutTileRow>& cut_rows() const { return cut_; }
-  int64_t fp64_retries() const { return fp64_retries_; }
 
  private:
   struct ParamState {
     at::Tensor m, v;                 // fp32, the shard's shape (undefined when 8-bit)
     at::Tensor mq, vq, ma, va;       // 8-bit: codes (the shard's shape), absmax per tile row
     std::vector<int64_t> arow;       // 8-bit: each tile's first row in ma, va
-    at::Tensor left, right;          // packed factors (factor_dtype)
     at::Tensor q_left, q_right;      // bases, n x n each, flat (basis_dtype)
     quant::LowbitSquares lq_left, lq_right;  // or (basis coded) their codes, by tile
-    std::vector<size_t> tiles;       // indices into tiles_
     std::vector<int64_t> ql, qr;     // each tile's offsets in q_left, q_right
   };
   // What a step computes for a tile before the gate: its new factors (full fp32)
@@ -143,19 +122,42 @@ class SOAP : public GroupedOptimizer<SOAPOptions> {
   struct TileUpdate {
     at::Tensor l, r, q_l, q_r, order_l, order_r, used_l, used_r;
   };
+  const TiledConfig& tiled_config() const override { return config_; }
   void check_options(const SOAPOptions& o) const override;
-  void run_step(StepGate& gate, const std::vector<size_t>& stepping) override;
-  // Parameter i's state as at construction (its tiles set): every moment,
-  // factor and basis zero (the first step computes the bases).
-  void clear_state(size_t i) override;
-  // The new factors of every stepping tile, and its new bases where due.
-  void prepare(const std::vector<size_t>& stepping, std::vector<TileUpdate>* up);
+  // Every moment and basis zero (the first step computes the bases).
+  void clear_moments_and_preconditioner(size_t i) override;
+  std::vector<std::pair<std::string, at::Tensor>> moments_state(size_t i) const override;
+  std::vector<std::pair<std::string, at::Tensor>> preconditioner_state(size_t i) const override;
+  void own_layout(size_t i, const TileRange& r, std::vector<StateLayout>* out) const override;
+  NamedState requantized_own(size_t i, const quant::LowBitFormat& saved, const NamedState& full,
+                             const TileRange& r) const override;
+
+  // The step: bases are due at t = 1 (first) and t - 1 % precondition_frequency
+  // == 0 (refresh); prepare computes every stepping tile's new factors and the
+  // due bases before the gate; begin (t >= 2) updates m and v and the direction
+  // n of whole tiles (8-bit: decoded first); a cut row's tiles step at its
+  // owner (m and v travel, v and n come back; 8-bit: step_cut_rows); finish
+  // applies the update and stores the factors, the bases and v's refresh
+  // permutation (8-bit: encoded).
+  bool amortises(size_t i) const override;
+  void prepare(const std::vector<size_t>& stepping) override;
+  void begin(size_t i) override;
+  void finish(size_t i) override;
+  bool tiles_step(size_t i) const override;
+  void step_cut_rows(const std::vector<size_t>& stepping) override;
+  CutRowFields cut_row_fields() const override;
+  at::Tensor cut_row_result(const at::Tensor& gathered) const override;
+  void cut_tile_step(size_t i, size_t j, const at::Tensor& gathered, const at::Tensor& result) override;
+  // Tile j of parameter i: v updated in its eigenbasis, n = Q_L ((Q_L^T m Q_R) /
+  // (sqrt(v) + eps)) Q_R^T. g, m, v, n: flat, laid out as the tile's shard or cut row.
+  void tile_step(size_t i, size_t j, const at::Tensor& g, const at::Tensor& m, const at::Tensor& v,
+                 const at::Tensor& n) const;
+  // (A refresh) v of tile k permuted to its basis' new order, once the step has used it.
+  void permute_v(size_t k, const at::Tensor& v) const;
   double shampoo_beta(const SOAPOptions& o) const { return o.shampoo_beta < 0 ? o.beta2 : o.shampoo_beta; }
   // Stores q (fp32, n x n) as that basis.
   void store_basis(size_t i, size_t j, bool left, const at::Tensor& q);
   bool eight_bit(size_t i) const { return state_dtype_8bit_ && precondition_[i]; }
-  // Some row of parameter i's tiles is cut by shard boundaries (on any rank).
-  bool has_cut_rows(size_t i) const;
   // 8-bit moments of parameter i: decoded into a flat fp32 tensor, or encoded
   // from one (its whole tiles; the rows of cut tiles are their owner's to code).
   at::Tensor decode(size_t i, bool second) const;
@@ -164,24 +166,14 @@ class SOAP : public GroupedOptimizer<SOAPOptions> {
   // out (fp32, alike), and back (the tile's scales set).
   void decode_tile(size_t i, size_t j, bool second, const at::Tensor& codes, const at::Tensor& out) const;
   void encode_tile(size_t i, size_t j, bool second, const at::Tensor& flat, const at::Tensor& codes);
-  // tile_step(i, j, g, m, v, n): tile j of parameter i's step on flat tensors laid out as its rows.
-  using TileStepFn = std::function<void(size_t, size_t, const at::Tensor&, const at::Tensor&,
-                                        const at::Tensor&, const at::Tensor&)>;
-  // The cut rows' step with 8-bit moments (run_step's end; ns: the directions).
-  void step_cut_rows_8bit(const std::vector<size_t>& stepping, const std::vector<bool>& has_cut,
-                          const TileStepFn& tile_step,
-                          const std::function<void(size_t, const at::Tensor&)>& permute_v,
-                          const std::vector<at::Tensor>& ns);
+  // The cut rows' step with 8-bit moments (their codes travel).
+  void step_cut_rows_8bit(const std::vector<size_t>& stepping);
 
   SOAPConfig config_;
-  std::vector<bool> precondition_;
   std::vector<ParamState> state_;
-  std::vector<Tile> tiles_;
-  // Cut rows of tiles, their exchange, and at their owner this step's gradient of the row (flat).
-  std::vector<CutTileRow> cut_;
-  OwnerExchange exchange_;
-  std::vector<at::Tensor> cut_g_;
-  int64_t fp64_retries_ = 0;
+  // This step's: by tile, prepare's results; by parameter, m, v and n (begin).
+  std::vector<TileUpdate> up_;
+  std::vector<at::Tensor> ms_, vs_, ns_;
   bool state_dtype_8bit_ = false;
   quant::Codec code_m_, code_v_;  // 8-bit: signed, unsigned maps
 };

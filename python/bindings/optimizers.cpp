@@ -108,6 +108,22 @@ void put_basis(py::dict& d, const rfsdp::quant::LowBitFormat& f) {
   d["bjorck_iterations"] = f.bjorck_iterations;
 }
 
+// The settings Shampoo and SOAP share (TiledConfig) from Python's arguments but
+// the basis (basis_format: each reads basis_dtype its own way), and as
+// settings() keeps them.
+void set_tiled(rfsdp::TiledConfig& c, const char* who, const py::object& max_dim,
+               const py::object& frequency, const py::object& factor_dtype) {
+  c.max_preconditioner_dim = int_arg(max_dim, who, "max_preconditioner_dim");
+  c.precondition_frequency = int_arg(frequency, who, "precondition_frequency");
+  c.factor_dtype = dtype_arg(factor_dtype, who, "factor_dtype", "torch.float32 or torch.bfloat16");
+}
+
+py::dict tiled_settings(const rfsdp::TiledConfig& c) {
+  return py::dict(py::arg("max_preconditioner_dim") = c.max_preconditioner_dim,
+                  py::arg("precondition_frequency") = c.precondition_frequency,
+                  py::arg("factor_dtype") = dtype_name(c.factor_dtype));
+}
+
 // An optimizer's parameter from Python: its shard descriptor and this rank's tensor.
 using ShardOf = std::pair<rfsdp::TensorShard, at::Tensor>;
 
@@ -121,6 +137,29 @@ py::dict named(const std::vector<std::pair<std::string, at::Tensor>>& tensors) {
   py::dict d;
   for (const auto& [name, t] : tensors) d[py::str(name)] = t;
   return d;
+}
+
+// A tiled optimizer (Shampoo, SOAP) with what both bind alike: construction,
+// requantisation, group options and the tiles' counts.
+template <class Optimizer, class Options, class Config>
+py::class_<Optimizer, rfsdp::ShardedOptimizer, std::shared_ptr<Optimizer>> bind_tiled(py::module_& m,
+                                                                                      const char* name) {
+  return py::class_<Optimizer, rfsdp::ShardedOptimizer, std::shared_ptr<Optimizer>>(m, name)
+      .def(py::init([](const std::vector<ShardOf>& params, const std::vector<bool>& precondition,
+                       const Config& config, std::shared_ptr<rfsdp::Comm> comm) {
+             return std::make_shared<Optimizer>(shards_of(params), Options{}, config, std::move(comm),
+                                                precondition);
+           }),
+           py::arg("params"), py::arg("precondition"), py::arg("config"), py::arg("comm"))
+      .def("requantized_state",
+           [](const Optimizer& o, size_t i, const Config& saved, const rfsdp::NamedState& full) {
+             return o.requantized_state(i, saved, full);
+           },
+           py::arg("i"), py::arg("saved"), py::arg("full"))
+      .def("set_group_options", &Optimizer::set_group_options)
+      .def("num_tiles", [](const Optimizer& o) { return o.tiles().size(); })
+      .def("shared_tile_rows", [](const Optimizer& o) { return o.cut_rows().size(); })
+      .def("fp64_retries", &Optimizer::fp64_retries);
 }
 
 }  // namespace
@@ -348,6 +387,7 @@ void bind_optimizers(py::module_& m) {
       .def("flop_imbalance", [](const rfsdp::Muon& o) { return o.layout().flop_imbalance(); })
       .def("gather_send_elems", [](const rfsdp::Muon& o) { return o.layout().gather_send_elems(); });
 
+  const rfsdp::ShampooConfig shampoo;  // (the defaults)
   py::class_<rfsdp::ShampooConfig>(m, "ShampooConfig")
       .def(py::init([](const py::object& max_dim, const py::object& frequency, const py::object& start,
                        bool bias_correction, const py::object& factor_dtype,
@@ -356,12 +396,9 @@ void bind_optimizers(py::module_& m) {
                        const std::string& basis_map, const py::object& bjorck_iterations) {
              const char* who = "Shampoo";
              rfsdp::ShampooConfig c;
-             c.max_preconditioner_dim = int_arg(max_dim, who, "max_preconditioner_dim");
-             c.precondition_frequency = int_arg(frequency, who, "precondition_frequency");
+             set_tiled(c, who, max_dim, frequency, factor_dtype);
              c.start_preconditioning_step = int_arg(start, who, "start_preconditioning_step");
              c.use_bias_correction = bias_correction;
-             c.factor_dtype = dtype_arg(factor_dtype, who, "factor_dtype",
-                                        "torch.float32 or torch.bfloat16");
              c.rank_deficient = rfsdp::parse_rank_deficient(rank_deficient);
              // (-1: None, as settings() keeps it)
              c.rank_rtol = rank_rtol.is_none() ? -1.0 : rank_rtol.cast<double>();
@@ -381,20 +418,20 @@ void bind_optimizers(py::module_& m) {
              rfsdp::check_config(c);
              return c;
            }),
-           py::kw_only(), py::arg("max_preconditioner_dim") = 1024,
-           py::arg("precondition_frequency") = 20, py::arg("start_preconditioning_step") = 20,
-           py::arg("use_bias_correction") = true, py::arg("factor_dtype") = py::none(),
-           py::arg("rank_deficient") = "shift", py::arg("rank_rtol") = py::none(),
-           py::arg("basis_dtype") = py::none(), py::arg("basis_block") = 64,
-           py::arg("basis_map") = "linear_square", py::arg("bjorck_iterations") = 1)
+           py::kw_only(), py::arg("max_preconditioner_dim") = shampoo.max_preconditioner_dim,
+           py::arg("precondition_frequency") = shampoo.precondition_frequency,
+           py::arg("start_preconditioning_step") = shampoo.start_preconditioning_step,
+           py::arg("use_bias_correction") = shampoo.use_bias_correction, py::arg("factor_dtype") = py::none(),
+           py::arg("rank_deficient") = rfsdp::to_string(shampoo.rank_deficient),
+           py::arg("rank_rtol") = py::none(), py::arg("basis_dtype") = py::none(),
+           py::arg("basis_block") = shampoo.basis.block, py::arg("basis_map") = shampoo.basis.map,
+           py::arg("bjorck_iterations") = shampoo.basis.bjorck_iterations)
       .def("settings", [](const rfsdp::ShampooConfig& c) {
-             py::dict d(py::arg("max_preconditioner_dim") = c.max_preconditioner_dim,
-                        py::arg("precondition_frequency") = c.precondition_frequency,
-                        py::arg("start_preconditioning_step") = c.start_preconditioning_step,
-                        py::arg("use_bias_correction") = c.use_bias_correction,
-                        py::arg("factor_dtype") = dtype_name(c.factor_dtype),
-                        py::arg("rank_deficient") = rfsdp::to_string(c.rank_deficient),
-                        py::arg("rank_rtol") = c.rank_rtol);
+             py::dict d = tiled_settings(c);
+             d["start_preconditioning_step"] = c.start_preconditioning_step;
+             d["use_bias_correction"] = c.use_bias_correction;
+             d["rank_deficient"] = rfsdp::to_string(c.rank_deficient);
+             d["rank_rtol"] = c.rank_rtol;
              if (c.basis.coded()) {  // (packed roots: the settings they had before basis_dtype)
                d["basis_dtype"] = c.basis.bits == 8 ? "int8" : "int4";
                put_basis(d, c.basis);
@@ -405,21 +442,10 @@ void bind_optimizers(py::module_& m) {
              return rfsdp::ShampooConfig::requantizable();
            });
   // Shampoo: each rank's tiles are its own (no communication but the NaN flag).
-  py::class_<rfsdp::Shampoo, rfsdp::ShardedOptimizer, std::shared_ptr<rfsdp::Shampoo>>(m, "Shampoo")
-      .def(py::init([](const std::vector<ShardOf>& params, const std::vector<bool>& precondition,
-                       const rfsdp::ShampooConfig& config, std::shared_ptr<rfsdp::Comm> comm) {
-             return std::make_shared<rfsdp::Shampoo>(shards_of(params), rfsdp::ShampooOptions{},
-                                                     config, std::move(comm), precondition);
-           }),
-           py::arg("params"), py::arg("precondition"), py::arg("config"), py::arg("comm"))
-      .def("requantized_state", &rfsdp::Shampoo::requantized_state, py::arg("i"), py::arg("saved"),
-           py::arg("full"))
-      .def("set_group_options", &rfsdp::Shampoo::set_group_options)
-      .def("num_tiles", [](const rfsdp::Shampoo& o) { return o.tiles().size(); })
-      .def("shared_tile_rows", [](const rfsdp::Shampoo& o) { return o.cut_rows().size(); })
+  bind_tiled<rfsdp::Shampoo, rfsdp::ShampooOptions, rfsdp::ShampooConfig>(m, "Shampoo")
       .def("factor_bytes", &rfsdp::Shampoo::factor_bytes)
-      .def("root_seconds", &rfsdp::Shampoo::root_seconds)
-      .def("fp64_retries", &rfsdp::Shampoo::fp64_retries);
+      .def("root_seconds", &rfsdp::Shampoo::root_seconds);
+  const rfsdp::SOAPConfig soap;  // (the defaults)
   py::class_<rfsdp::SOAPConfig>(m, "SOAPConfig")
       .def(py::init([](const py::object& max_dim, const py::object& frequency, bool correct_bias,
                        const py::object& factor_dtype, const py::object& basis_dtype,
@@ -427,11 +453,8 @@ void bind_optimizers(py::module_& m) {
                        const std::string& basis_map, const py::object& bjorck_iterations) {
              const char* who = "SOAP";
              rfsdp::SOAPConfig c;
-             c.max_preconditioner_dim = int_arg(max_dim, who, "max_preconditioner_dim");
-             c.precondition_frequency = int_arg(frequency, who, "precondition_frequency");
+             set_tiled(c, who, max_dim, frequency, factor_dtype);
              c.correct_bias = correct_bias;
-             c.factor_dtype = dtype_arg(factor_dtype, who, "factor_dtype",
-                                        "torch.float32 or torch.bfloat16");
              int bits = 0;
              c.basis_dtype = dtype_arg(basis_dtype, who, "basis_dtype",
                                        "torch.float32, torch.bfloat16, \"int8\" or \"int4\"",
@@ -443,38 +466,25 @@ void bind_optimizers(py::module_& m) {
              rfsdp::check_config(c);
              return c;
            }),
-           py::kw_only(), py::arg("max_preconditioner_dim") = 1024,
-           py::arg("precondition_frequency") = 10, py::arg("correct_bias") = true,
-           py::arg("factor_dtype") = py::none(), py::arg("basis_dtype") = py::none(),
-           py::arg("state_dtype") = py::none(), py::arg("basis_block") = 64,
-           py::arg("basis_map") = "linear_square", py::arg("bjorck_iterations") = 1)
+           py::kw_only(), py::arg("max_preconditioner_dim") = soap.max_preconditioner_dim,
+           py::arg("precondition_frequency") = soap.precondition_frequency,
+           py::arg("correct_bias") = soap.correct_bias, py::arg("factor_dtype") = py::none(),
+           py::arg("basis_dtype") = py::none(), py::arg("state_dtype") = py::none(),
+           py::arg("basis_block") = soap.basis.block, py::arg("basis_map") = soap.basis.map,
+           py::arg("bjorck_iterations") = soap.basis.bjorck_iterations)
       .def("settings", [](const rfsdp::SOAPConfig& c) {
-             py::dict d(py::arg("max_preconditioner_dim") = c.max_preconditioner_dim,
-                        py::arg("precondition_frequency") = c.precondition_frequency,
-                        py::arg("correct_bias") = c.correct_bias,
-                        py::arg("factor_dtype") = dtype_name(c.factor_dtype),
-                        py::arg("basis_dtype") = c.basis.coded() ? (c.basis.bits == 8 ? "int8" : "int4")
-                                                                 : dtype_name(c.basis_dtype),
-                        py::arg("state_dtype") = dtype_name(c.state_dtype));
+             py::dict d = tiled_settings(c);
+             d["correct_bias"] = c.correct_bias;
+             d["basis_dtype"] = c.basis.coded() ? (c.basis.bits == 8 ? "int8" : "int4")
+                                                : dtype_name(c.basis_dtype);
+             d["state_dtype"] = dtype_name(c.state_dtype);
              put_basis(d, c.basis);
              return d;
            })
       .def_property_readonly_static("requantizable", [](const py::object&) {
              return rfsdp::SOAPConfig::requantizable();
            });
-  py::class_<rfsdp::SOAP, rfsdp::ShardedOptimizer, std::shared_ptr<rfsdp::SOAP>>(m, "SOAP")
-      .def(py::init([](const std::vector<ShardOf>& params, const std::vector<bool>& precondition,
-                       const rfsdp::SOAPConfig& config, std::shared_ptr<rfsdp::Comm> comm) {
-             return std::make_shared<rfsdp::SOAP>(shards_of(params), rfsdp::SOAPOptions{}, config,
-                                                  std::move(comm), precondition);
-           }),
-           py::arg("params"), py::arg("precondition"), py::arg("config"), py::arg("comm"))
-      .def("requantized_state", &rfsdp::SOAP::requantized_state, py::arg("i"), py::arg("saved"),
-           py::arg("full"))
-      .def("set_group_options", &rfsdp::SOAP::set_group_options)
-      .def("num_tiles", [](const rfsdp::SOAP& o) { return o.tiles().size(); })
-      .def("shared_tile_rows", [](const rfsdp::SOAP& o) { return o.cut_rows().size(); })
-      .def("fp64_retries", &rfsdp::SOAP::fp64_retries);
+  bind_tiled<rfsdp::SOAP, rfsdp::SOAPOptions, rfsdp::SOAPConfig>(m, "SOAP");
   m.def("shampoo_granule_rows", &rfsdp::tile_granule_rows, py::arg("shape"),
         py::arg("row_dims"), py::arg("max_preconditioner_dim"));
 
