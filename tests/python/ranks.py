@@ -52,6 +52,25 @@ def run_ranks(fn, world, *args, timeout=600):
                 for r in range(world)]
 
 
+def raised(fn, *args, **kw):
+    """What fn(*args, **kw) raised, in a form a rank's result carries back: (the
+    names of the exception's classes, its message); None if it raised nothing."""
+    try:
+        fn(*args, **kw)
+    except Exception as e:  # noqa: BLE001
+        return [c.__name__ for c in type(e).__mro__], str(e)
+    return None
+
+
+def assert_raised(got, cls, match):
+    """got (from raised()) is a cls whose message matches the regular expression
+    `match` (pytest.raises' test, on a rank's result)."""
+    import re
+    assert got is not None, "nothing raised; expected %s matching %r" % (cls.__name__, match)
+    names, message = got
+    assert cls.__name__ in names and re.search(match, message), (names[0], message)
+
+
 def _start_torchrun(script, args, nproc, restarts, env, flags, stdout, stderr):
     env = dict(os.environ, OMP_NUM_THREADS="1", **(env or {}))
     if restarts:
