@@ -53,22 +53,17 @@ def ranks(request):
     return run_ranks(_ranks, request.param, 3, timeout=300)
 
 
+# (train()'s key: the claim about an optimizer built before fully_shard)
+CLAIMS = {"bound": "it steps the model's shards",
+          "orphans unchanged": "the parameters fully_shard replaced are not stepped",
+          "moved": "it moves every parameter"}
+
+
+@pytest.mark.parametrize("claim", CLAIMS)
 @pytest.mark.parametrize("name", NAMES)
-def test_an_optimizer_built_before_sharding_steps_the_models_shards(ranks, name):
+def test_an_optimizer_built_before_sharding_binds_the_shards(ranks, name, claim):
     for results in ranks:
-        assert results[name, True]["bound"]
-
-
-@pytest.mark.parametrize("name", NAMES)
-def test_the_parameters_fully_shard_replaced_are_not_stepped(ranks, name):
-    for results in ranks:
-        assert results[name, True]["orphans unchanged"]
-
-
-@pytest.mark.parametrize("name", NAMES)
-def test_an_optimizer_built_before_sharding_moves_every_parameter(ranks, name):
-    for results in ranks:
-        assert results[name, True]["moved"]
+        assert results[name, True][claim], "%s: %s" % (name, CLAIMS[claim])
 
 
 @pytest.mark.parametrize("name", NAMES)
