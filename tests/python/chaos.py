@@ -22,6 +22,8 @@ import time
 
 import torch
 
+from ranks import start_torchrun  # (this script's folder is on sys.path)
+
 HERE = os.path.dirname(os.path.abspath(__file__))
 JOB = os.path.join(HERE, "..", "..", "examples", "train_gpt.py")
 WORKER = os.path.join(HERE, "chaos_job.py")
@@ -35,20 +37,6 @@ def job_args(steps, save_every, seed, out):
             "--precondition-frequency", "2", "--val-every", "100000", "--val-batches", "1",
             "--log-every", "1", "--plot", os.path.join(out, "loss.png"),
             "--final-checkpoint", os.path.join(out, "final")]
-
-
-def torchrun(script, args, restarts, env, log):
-    """Starts the job; every rank's output (torchrun's too) goes into the file `log`
-    as it runs. (A pipe read only once the job ended filled up at 64 KiB and blocked
-    the ranks' prints: a long chaos run hung.)"""
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-           "--max-restarts", str(restarts), script] + args
-    # torch's rendezvous shares its TCPStore with init_process_group by default, and a
-    # restarted group may then read the dead attempt's Gloo addresses ("Connection
-    # refused"; pytorch/pytorch#135712): a store of its own per attempt avoids it.
-    env = dict(os.environ, TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1", **env)
-    with open(log, "w") as out:
-        return subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env)
 
 
 def read_text(path):
@@ -93,7 +81,7 @@ def read_json(path):
 
 def drive(proc, chaos_dir, plan, timeout, log):
     """Runs the external kills of the plan while the job runs; returns its output
-    (the file `log` torchrun() wrote it to)."""
+    (the file `log` start_torchrun wrote it to)."""
     deadline = time.time() + timeout
     while proc.poll() is None:
         if time.time() > deadline:
@@ -145,7 +133,7 @@ def run_chaos(kills, steps, save_every, seed, workdir, timeout=1200, log=print):
     os.makedirs(ref_dir)
     t0 = time.time()
     ref_log = os.path.join(ref_dir, "output.log")
-    ref = torchrun(JOB, job_args(steps, save_every, seed, ref_dir), 0, {}, ref_log)
+    ref = start_torchrun(JOB, job_args(steps, save_every, seed, ref_dir), ref_log)
     try:
         ref.wait(timeout=timeout)
     except subprocess.TimeoutExpired:
@@ -165,7 +153,8 @@ def run_chaos(kills, steps, save_every, seed, workdir, timeout=1200, log=print):
         "--resume"]
     t0 = time.time()
     chaos_log = os.path.join(chaos_dir, "output.log")
-    proc = torchrun(WORKER, args, kills + 2, {"CHAOS_DIR": chaos_dir}, chaos_log)
+    proc = start_torchrun(WORKER, args, chaos_log, restarts=kills + 2,
+                         env={"CHAOS_DIR": chaos_dir})
     out = drive(proc, chaos_dir, plan, timeout, chaos_log)
     chaos_seconds = time.time() - t0
     done = [read_json(os.path.join(chaos_dir, "done_%d" % k)) for k in range(len(plan))]

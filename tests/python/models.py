@@ -1,6 +1,11 @@
 """The models and data the Python tests share (one definition each): a small
 residual MLP (an embedding, blocks of Linear + LayerNorm, a head), its batches,
-and its unsharded training with torch.optim.AdamW (the reference)."""
+and its unsharded training with torch.optim.AdamW (the reference); the same shape
+with a 3-D expert stack in each block (the Muon tests'); a tiny byte language
+model (rfsdp.compare's "callable" configs)."""
+import math
+import os
+
 import torch
 from torch import nn
 
@@ -38,18 +43,14 @@ def data(seed):
 
 
 def reference(seed):
+    """Net trained unsharded by torch.optim.AdamW, gradients clipped at CLIP: (each
+    step's loss, the parameters)."""
+    from slice_training import train_reference
     torch.manual_seed(seed)
     model = Net()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.05)
-    xs, ys = data(seed)
-    losses = []
-    for x, y in zip(xs, ys):
-        loss = nn.functional.mse_loss(model(x), y)
-        opt.zero_grad()
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP)
-        opt.step()
-        losses.append(loss.item())
+    losses = train_reference(model, opt, *data(seed), before_step=lambda: torch.nn.utils.
+                             clip_grad_norm_(model.parameters(), CLIP))
     return losses, {k: v.detach().clone() for k, v in model.state_dict().items()}
 
 
@@ -98,3 +99,82 @@ def full_params(model):
         return rfsdp.full_parameters(model)
     return {n: (p.full_tensor() if hasattr(p, "full_tensor") else p).detach().clone()
             for n, p in model.named_parameters()}
+
+
+# ---- blocks with a 3-D expert stack: what Muon takes, several matrices a parameter ----------
+
+EXPERT_STEPS = 8
+EXPERT_BATCH = 12
+
+
+class Experts(nn.Module):
+    def __init__(self, d, e=3):
+        super().__init__()
+        self.w = nn.Parameter(torch.randn(e, d, d) / math.sqrt(d))
+
+    def forward(self, x):
+        return sum(x @ self.w[i] for i in range(self.w.shape[0])) / self.w.shape[0]
+
+
+class ExpertBlock(nn.Module):
+    def __init__(self, d):
+        super().__init__()
+        self.norm = nn.LayerNorm(d)
+        self.fc = nn.Linear(d, d)
+        self.experts = Experts(d)
+
+    def forward(self, x):
+        return x + self.experts(torch.tanh(self.fc(self.norm(x))))
+
+
+class ExpertNet(nn.Module):
+    """An embedding, blocks of LayerNorm, Linear and an [E, H, I] expert stack, a head."""
+
+    def __init__(self, d=12, depth=2):
+        super().__init__()
+        self.embed = nn.Linear(7, d)
+        self.blocks = nn.ModuleList(ExpertBlock(d) for _ in range(depth))
+        self.head = nn.Linear(d, 5)
+
+    def forward(self, x):
+        h = self.embed(x)
+        for b in self.blocks:
+            h = b(h)
+        return self.head(h)
+
+
+def is_expert_muon(name, p):
+    """ExpertNet's parameters that Muon takes: the blocks' matrices and expert stacks."""
+    return name.startswith("blocks.") and p.dim() >= 2
+
+
+def expert_data(seed):
+    g = torch.Generator().manual_seed(seed)
+    return (torch.randn(EXPERT_STEPS, EXPERT_BATCH, 7, generator=g),
+            torch.randn(EXPERT_STEPS, EXPERT_BATCH, 5, generator=g))
+
+
+# ---- a tiny byte language model, for rfsdp.compare's "callable" configs --------------------
+
+class TinyLM(nn.Module):
+    """Embedding, one hidden layer, head: tokens [B, T] -> logits [B, T, 256]."""
+
+    def __init__(self, ctx, width=16):
+        super().__init__()
+        self.tok = nn.Embedding(256, width)
+        self.fc = nn.Linear(width, 2 * width)
+        self.mix = nn.Linear(2 * width, width)
+        self.head = nn.Linear(width, 256, bias=False)
+
+    def forward(self, idx):
+        return self.head(self.mix(torch.nn.functional.gelu(self.fc(self.tok(idx)))))
+
+
+def crash_once_lm(ctx, width=16, marker=None):
+    """TinyLM, but the first build under seed 1 kills rank 1 (a hard crash: the
+    worker process dies); the marker file remembers it happened."""
+    if (torch.initial_seed() == 1 and os.environ.get("RANK") == "1" and marker
+            and not os.path.exists(marker)):
+        open(marker, "w").close()
+        os._exit(3)
+    return TinyLM(ctx, width)

@@ -1,10 +1,13 @@
 """The loop the multi-rank tests share: every rank trains on its slice of each
 batch, so the ranks together see the whole batch the unsharded reference sees;
-and, for tests that give gradients, each rank's rows of a full gradient."""
+the reference itself (one process, plain torch, the whole batch) and the one
+comparison of a run with it; and, for tests that give gradients, each rank's
+rows of a full gradient."""
 import os
 import sys
 import tempfile
 
+import torch
 import torch.distributed as dist
 from torch import nn
 
@@ -56,3 +59,42 @@ def train_on_slices(model, opt, xs, ys, rank, world, loss_of=None, before_step=N
             dist.all_reduce(t)
         losses.append(t.item() / world)
     return losses
+
+
+def train_reference(model, opt, xs, ys, as_ranks=1, loss_of=None, before_step=None):
+    """The reference run of train_on_slices: one process, one BLAS thread (as each
+    rank), each step on the whole batch. as_ranks > 1: the gradient summed slice by
+    slice, each slice's loss divided by as_ranks, the sum that many ranks' average
+    makes (each term halved exactly where as_ranks is 2), so a run on that many
+    ranks compares bit for bit. Returns each step's loss (the slices' mean)."""
+    per = xs.shape[1] // as_ranks
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    losses = []
+    try:
+        for x, y in zip(xs, ys):
+            opt.zero_grad()
+            total = 0.0
+            for k in range(as_ranks):
+                xb, yb = x[k * per:(k + 1) * per], y[k * per:(k + 1) * per]
+                loss = loss_of(model, xb, yb) if loss_of else nn.functional.mse_loss(model(xb), yb)
+                (loss / as_ranks).backward()
+                total += loss.item()
+            if before_step:
+                before_step()
+            opt.step()
+            losses.append(total / as_ranks)
+    finally:
+        torch.set_num_threads(threads)
+    return losses
+
+
+def assert_trains_like(reference, got, rtol=0, atol=0, what=""):
+    """got {name: tensor} is reference's: the same names, each tensor of its dtype
+    and shape and within rtol, atol of it (0, 0: bit for bit); the message names
+    the tensor, `what` and how far apart."""
+    assert set(got) == set(reference), "%s: names %s here, %s in the reference" % (
+        what, sorted(got), sorted(reference))
+    for n, want in reference.items():
+        torch.testing.assert_close(got[n], want, rtol=rtol, atol=atol, equal_nan=False,
+                                   msg=lambda m: "%s, %s: %s" % (what, n, m))

@@ -15,7 +15,7 @@ from torch.utils.checkpoint import checkpoint
 import rfsdp
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from slice_training import train_on_slices  # noqa: E402
+from slice_training import assert_trains_like, train_on_slices  # noqa: E402
 from models import CLIP, Net, data, reference  # noqa: E402
 from ranks import run_ranks  # noqa: E402
 
@@ -54,9 +54,7 @@ def test_checkpointed_blocks_train_like_unsharded(use_reentrant, reshard):
     ref_losses, ref_params = reference(seed)
     got = run_ranks(worker, WORLD, seed, use_reentrant, reshard)[0]
     assert got["losses"] == pytest.approx(ref_losses, rel=1e-5, abs=1e-6), "seed %d" % seed
-    for name, ref in ref_params.items():
-        torch.testing.assert_close(got["params"][name], ref, rtol=1e-5, atol=1e-5,
-                                   msg=lambda m: "%s (seed %d): %s" % (name, seed, m))
+    assert_trains_like(ref_params, got["params"], 1e-5, 1e-5, "seed %d" % seed)
 
 
 def unsharded_and_sharded(prepare=None):

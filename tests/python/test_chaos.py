@@ -13,6 +13,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import chaos  # noqa: E402
 from chaos import run_chaos  # noqa: E402
+from ranks import start_torchrun  # noqa: E402
 
 CHATTY = '''
 import os
@@ -30,7 +31,7 @@ def test_the_driver_reads_the_output_while_the_job_runs(tmp_path):
     script = tmp_path / "chatty.py"
     script.write_text(CHATTY)
     log = str(tmp_path / "output.log")
-    proc = chaos.torchrun(str(script), [], 0, {}, log)
+    proc = start_torchrun(str(script), [], log)
     out = chaos.drive(proc, str(tmp_path), [], 60, log)
     assert proc.returncode == 0, out[-2000:]
     for r in range(2):

@@ -23,6 +23,7 @@ from rfsdp.fsdp.api import units
 
 sys.path.insert(0, os.path.dirname(__file__))
 from ranks import run_ranks  # noqa: E402
+from slice_training import assert_trains_like  # noqa: E402
 
 BLOCK = 64
 CODE_MAX = {"int8": 127.0, "float8_e4m3fn": 448.0}
@@ -251,20 +252,47 @@ def test_bad_policies_are_clear_errors():
 
 
 def worker_checkpoint(rank, world, path, save_fmt, load_fmt):
+    """Trained and saved under weights=save_fmt, loaded into another model under
+    weights=load_fmt (and bf16 gradients): the parameters (whole) and this rank's
+    optimizer state of each, and the target's parameters before the load."""
+    def opt_state(opt):  # this rank's state tensors, by parameter index and name
+        ps = [p for g in opt.param_groups for p in g["params"]]
+        return {"%d.%s" % (k, n): t.clone() for k, p in enumerate(ps)
+                for n, t in opt.state[p].items()}
     m = net(3)
     rfsdp.fully_shard(m, comm_policy=rfsdp.CommPolicy(weights=save_fmt) if save_fmt else None)
     opt = rfsdp.optim.AdamW(m.parameters(), lr=1e-2)
     m(batch(3, rank)).sum().backward()
     opt.step()
     rfsdp.checkpoint.save(path, m, opt)
-    before = rfsdp.full_parameters(m)
     m2 = net(4)
     rfsdp.fully_shard(m2, comm_policy=rfsdp.CommPolicy(weights=load_fmt, gradients=torch.bfloat16))
     opt2 = rfsdp.optim.AdamW(m2.parameters(), lr=1e-2)
+    target = rfsdp.full_parameters(m2)
     rfsdp.checkpoint.load(path, m2, opt2)
-    after = rfsdp.full_parameters(m2)
-    return all(torch.equal(before[n], after[n]) for n in before)
+    return {"saved": rfsdp.full_parameters(m), "loaded": rfsdp.full_parameters(m2),
+            "target": target, "saved_state": opt_state(opt), "loaded_state": opt_state(opt2)}
 
 
-def test_a_checkpoint_loads_under_any_comm_policy(tmp_path):
-    assert all(run_ranks(worker_checkpoint, 2, str(tmp_path / "ck"), "int8", "float8_e4m3fn"))
+@pytest.fixture(scope="module")
+def policy_checkpoint(tmp_path_factory):
+    """Saved under int8 weights, loaded under float8_e4m3fn weights: every rank's."""
+    path = str(tmp_path_factory.mktemp("comm_policy") / "ck")
+    return run_ranks(worker_checkpoint, 2, path, "int8", "float8_e4m3fn")
+
+
+def test_a_checkpoint_loads_its_parameters_under_any_comm_policy(policy_checkpoint):
+    for rank, r in enumerate(policy_checkpoint):
+        assert_trains_like(r["saved"], r["loaded"], what="rank %d" % rank)
+
+
+def test_a_checkpoint_loads_its_optimizer_state_under_any_comm_policy(policy_checkpoint):
+    for rank, r in enumerate(policy_checkpoint):
+        assert r["saved_state"], "no optimizer state saved"
+        assert_trains_like(r["saved_state"], r["loaded_state"], what="rank %d" % rank)
+
+
+def test_the_checkpoint_loaded_into_a_model_of_other_values(policy_checkpoint):
+    """(So the comparisons above can fail.)"""
+    r = policy_checkpoint[0]
+    assert all(not torch.equal(r["target"][n], r["saved"][n]) for n in r["saved"])

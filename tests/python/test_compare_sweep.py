@@ -96,7 +96,7 @@ def test_a_callable_model_and_a_crashed_worker(tmp_path, monkeypatch):
     with the next run and finishes."""
     monkeypatch.setenv("PYTHONPATH", HERE + os.pathsep + os.environ.get("PYTHONPATH", ""))
     marker = str(tmp_path / "crashed")
-    cfg = {"model": {"kind": "callable", "factory": "compare_models:crash_once_lm", "ctx": 16,
+    cfg = {"model": {"kind": "callable", "factory": "models:crash_once_lm", "ctx": 16,
                      "width": 16, "marker": marker},
            "data": "fortunes", "ranks": 2, "batch_tokens": 128,
            "budgets_tokens": [256, 512, 1024], "seeds": [0, 1], "val_tokens": 1024,

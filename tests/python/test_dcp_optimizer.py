@@ -10,17 +10,16 @@ whole must equal the saved one bit for bit, every tensor: codes, scales, tiles,
 step counts). And a state saved with other settings is refused."""
 import os
 import sys
-import tempfile
 
 import pytest
 import torch
-from torch import nn
 
 import rfsdp
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from models import Net, data, fsdp2, full_params, optimizer  # noqa: E402
 from ranks import run_ranks  # noqa: E402
+from slice_training import assert_trains_like, train_on_slices  # noqa: E402
 
 CASES = [(name, kind) for name in ("AdamW", "AdamW8bit", "Muon", "Shampoo", "SOAP")
          for kind in ("fsdp2", "rfsdp")]
@@ -42,13 +41,7 @@ def sharded(name, kind, world, seed):
 
 def train(model, opt, seed, rank, world, first):
     xs, ys = data(seed)
-    per = xs.shape[1] // world
-    for x, y in list(zip(xs, ys))[first:first + STEPS]:
-        loss = nn.functional.mse_loss(model(x[rank * per:(rank + 1) * per]),
-                                      y[rank * per:(rank + 1) * per])
-        opt.zero_grad()
-        loss.backward()
-        opt.step()
+    train_on_slices(model, opt, xs[first:first + STEPS], ys[first:first + STEPS], rank, world)
 
 
 def options(**kw):
@@ -99,36 +92,55 @@ def worker(rank, world, seed, d, phase):
 
 
 def assert_equal_states(got, want, what):
+    """Every tensor of every parameter's state bit for bit (dtype and shape too), and
+    the param_groups."""
     assert set(got["state"]) == set(want["state"]), what
     for fqn, st in want["state"].items():
-        assert set(got["state"][fqn]) == set(st), (what, fqn)
-        for k, t in st.items():
-            g = got["state"][fqn][k]
-            assert g.dtype == t.dtype and g.shape == t.shape, (what, fqn, k)
-            assert torch.equal(g, t), "%s: %s.%s differs by %g" % (
-                what, fqn, k, (g.double() - t.double()).abs().max().item())
-    for a, b in zip(got["param_groups"], want["param_groups"]):
-        assert a == b, what
+        assert_trains_like(st, got["state"][fqn], what="%s: %s" % (what, fqn))
+    assert got["param_groups"] == want["param_groups"], what
 
 
-def test_torch_dcp_optimizer_state_resumes_exactly_at_any_world_size():
-    seed = int(torch.randint(0, 2 ** 30, ()).item())
-    with tempfile.TemporaryDirectory() as d:
-        saved = run_ranks(worker, 2, seed, d, "save")[0]
-        loaded = {world: run_ranks(worker, world, seed, d, "load")[0] for world in (2, 4)}
-        fulls = {c: torch.load("%s/%s_%s_full.pt" % (d, *c), weights_only=False)["optim"]
-                 for c in CASES}
-        for world in (2, 4):
-            got = loaded[world]
-            for name, kind in CASES:
-                want = fulls[(name, kind)]
-                assert want["state"], (name, kind)
-                for how in ("dcp", "full"):
-                    what = "seed %d: %s on %s, %s, 2 -> %d ranks" % (seed, name, kind, how, world)
-                    assert_equal_states(got[(name, kind, how, "state")], want, what)
-                    if world == 2:  # same ranks, same sums: the uninterrupted run, bit for bit
-                        for n, t in saved[(name, kind)].items():
-                            assert torch.equal(got[(name, kind, how)][n], t), (what, n)
+@pytest.fixture(scope="module")
+def seed():
+    return int(torch.randint(0, 2 ** 30, ()).item())
+
+
+@pytest.fixture(scope="module")
+def runs(seed, tmp_path_factory):
+    """Saved on 2 ranks (rank 0's results), loaded on 2 and on 4 ({world: rank 0's
+    results}), the full state dicts saved ({case: optimizer state}): once for the
+    module."""
+    d = str(tmp_path_factory.mktemp("dcp_optimizer"))
+    saved = run_ranks(worker, 2, seed, d, "save")[0]
+    loaded = {world: run_ranks(worker, world, seed, d, "load")[0] for world in (2, 4)}
+    fulls = {c: torch.load("%s/%s_%s_full.pt" % (d, *c), weights_only=False)["optim"]
+             for c in CASES}
+    return saved, loaded, fulls
+
+
+@pytest.mark.parametrize("name,kind", CASES)
+def test_the_saved_optimizer_state_is_not_empty(runs, name, kind):
+    _, _, fulls = runs
+    assert fulls[(name, kind)]["state"], (name, kind)
+
+
+@pytest.mark.parametrize("how", ["dcp", "full"])
+@pytest.mark.parametrize("name,kind", CASES)
+@pytest.mark.parametrize("world", [2, 4])
+def test_the_state_read_back_at_any_world_size_equals_the_saved(runs, seed, world, name, kind,
+                                                               how):
+    _, loaded, fulls = runs
+    assert_equal_states(loaded[world][(name, kind, how, "state")], fulls[(name, kind)],
+                        "seed %d: %s on %s, %s, 2 -> %d ranks" % (seed, name, kind, how, world))
+
+
+@pytest.mark.parametrize("how", ["dcp", "full"])
+@pytest.mark.parametrize("name,kind", CASES)
+def test_a_resume_on_the_same_ranks_continues_bit_for_bit(runs, seed, name, kind, how):
+    """Same ranks, same sums: the uninterrupted run, bit for bit."""
+    saved, loaded, _ = runs
+    assert_trains_like(saved[(name, kind)], loaded[2][(name, kind, how)],
+                       what="seed %d: %s on %s, %s, 2 -> 2 ranks" % (seed, name, kind, how))
 
 
 def test_a_state_saved_with_other_settings_is_refused():

@@ -8,7 +8,6 @@ import dataclasses
 import math
 import os
 import sys
-import tempfile
 from typing import NamedTuple
 
 import pytest
@@ -20,8 +19,8 @@ import rfsdp
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from models import CLIP, Net, data  # noqa: E402
-from slice_training import train_on_slices  # noqa: E402
-from ranks import run_ranks  # noqa: E402
+from slice_training import assert_trains_like, train_on_slices, train_reference  # noqa: E402
+from ranks import assert_raised, raised, run_ranks  # noqa: E402
 
 WORLD = 2
 MICRO = 4
@@ -51,7 +50,10 @@ def clip_run(model, xs, ys, rank, world):
         grads = [p.grad for p in model.parameters()]
         infs.append(float(torch.nn.utils.get_total_norm(grads, math.inf)))
         norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP)))
-    train_on_slices(model, opt, xs, ys, rank, world, before_step=clip)
+    if world == 1:
+        train_reference(model, opt, xs, ys, before_step=clip)
+    else:
+        train_on_slices(model, opt, xs, ys, rank, world, before_step=clip)
     return norms, infs
 
 
@@ -120,7 +122,13 @@ class PairBlock(nn.Module):
         return self.fc(pair.x) * pair.scale
 
 
+def state(model):
+    return {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
 def worker(rank, world, seed, d):
+    """Every habit on the sharded model; what each gave (values, types, shapes,
+    what it raised), by claim, for the tests below to judge one at a time."""
     from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict,
                                                          set_model_state_dict)
     import torch.distributed.checkpoint as dcp
@@ -129,9 +137,9 @@ def worker(rank, world, seed, d):
 
     # -- clipping with torch's function ------------------------------------------------
     model = sharded_net(seed)
-    assert isinstance(model, rfsdp.FSDPModule) and type(model).__name__ == "Net"
+    out["module_type"] = (isinstance(model, rfsdp.FSDPModule), type(model).__name__)
     out["norms"], out["infs"] = clip_run(model, xs, ys, rank, WORLD)
-    assert all(isinstance(p.grad, rfsdp.ShardGrad) for p in model.parameters())
+    out["grad_types"] = sorted({type(p.grad).__name__ for p in model.parameters()})
     out["params"] = rfsdp.full_parameters(model)
     out["numel_local"] = sum(p.numel() for p in model.parameters())
     out["numel_global"] = rfsdp.global_numel(model)
@@ -140,29 +148,22 @@ def worker(rank, world, seed, d):
     out["rfsdp_clip"] = (type(norm), norm.dim(), norm.dtype, norm.item())
 
     # -- state dicts ---------------------------------------------------------------------
-    full = out["params"]
     sd = model.state_dict()
-    assert set(sd) == set(full)
-    for k, v in sd.items():
-        assert isinstance(v, rfsdp.ShardedRows) and tuple(v.shape) == tuple(full[k].shape), k
-        torch.testing.assert_close(v.full_tensor(), full[k], rtol=0, atol=0)
+    out["sharded_sd"] = {k: (type(v).__name__, tuple(v.shape), v.full_tensor())
+                         for k, v in sd.items()}
     path = os.path.join(d, "sd%d.pt" % rank)
     torch.save(sd, path)
-    back = torch.load(path, weights_only=True)
-    for k, v in back.items():
-        assert isinstance(v, rfsdp.ShardedRows) and torch.equal(v.local, sd[k].local), k
-    with pytest.raises(RuntimeError, match="sharded state-dict entry"):
-        sd["head.weight"] + 1
-    got = get_model_state_dict(model)  # DCP's default: sharded
-    assert all(isinstance(v, rfsdp.ShardedRows) for v in got.values())
+    out["saved_sd"] = {k: (type(v).__name__, torch.equal(v.local, sd[k].local))
+                       for k, v in torch.load(path, weights_only=True).items()}
+    out["sd_arithmetic"] = raised(lambda: sd["head.weight"] + 1)
+    out["dcp_sharded_types"] = sorted({type(v).__name__
+                                       for v in get_model_state_dict(model).values()})
     got = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True,
                                                                 cpu_offload=True))
-    out["dcp_full_keys"] = sorted(got)
-    for k, v in got.items():
-        assert type(v) is torch.Tensor and torch.equal(v, full[k]), k
+    out["dcp_full"] = {k: (type(v) is torch.Tensor, v) for k, v in got.items()}
     rfsdp.set_state_dict_type(model, "full", rank0_only=False)
-    for k, v in model.state_dict().items():
-        assert type(v) is torch.Tensor and torch.equal(v, full[k]), k
+    out["full_every_rank"] = {k: (type(v) is torch.Tensor, v)
+                              for k, v in model.state_dict().items()}
     rfsdp.set_state_dict_type(model, "full")  # rank0_only
     out["full_keys"] = sorted(model.state_dict())
     rfsdp.set_state_dict_type(model, "sharded")
@@ -184,8 +185,7 @@ def worker(rank, world, seed, d):
     fresh4.load_state_dict(target)
     out["dcp_roundtrip"] = rfsdp.full_parameters(fresh4)
     bad = {k: v.local for k, v in model.state_dict().items()}
-    with pytest.raises(ValueError, match="global shape"):
-        sharded_net(seed).load_state_dict(bad)
+    out["local_rows_load"] = raised(sharded_net(seed).load_state_dict, bad)
 
     # -- gradient accumulation with sync off; explicit prefetch; unshard / reshard ---------
     out["accum"] = accumulate_run(sharded_net(seed), xs, ys, rank, WORLD, True)
@@ -199,18 +199,19 @@ def worker(rank, world, seed, d):
     train_on_slices(m, opt, xs, ys, rank, WORLD)
     out["explicit_prefetch"] = rfsdp.full_parameters(m)
     b = m.blocks[0]
-    local_shape = tuple(b.fc.weight.shape)
+    shapes = [tuple(b.fc.weight.shape)]  # sharded, unshard(), reshard(), unshard(async_op)
     b.unshard()
-    out["unsharded_shape"] = tuple(b.fc.weight.shape)
+    shapes.append(tuple(b.fc.weight.shape))
     b.reshard()
-    assert tuple(b.fc.weight.shape) == local_shape
+    shapes.append(tuple(b.fc.weight.shape))
     handle = b.unshard(async_op=True)
     handle.wait()
-    assert tuple(b.fc.weight.shape) == (24, 24) and b._rfsdp_unit.unit.unsharded()
+    shapes.append(tuple(b.fc.weight.shape))
+    unsharded = [b._rfsdp_unit.unit.unsharded()]
     b.reshard()
-    assert not b._rfsdp_unit.unit.unsharded()
-    with pytest.raises(NotImplementedError, match="set_requires_gradient_sync"):
-        m.set_requires_all_reduce(False)
+    unsharded.append(b._rfsdp_unit.unit.unsharded())
+    out["unshard_shapes"], out["unsharded"] = shapes, unsharded
+    out["requires_all_reduce"] = raised(m.set_requires_all_reduce, False)
 
     # -- dataclass outputs, namedtuple inputs ----------------------------------------------
     torch.manual_seed(seed)
@@ -240,15 +241,11 @@ def worker(rank, world, seed, d):
     rfsdp.fully_shard(lonely, process_group=alone_pg)
     rfsdp.set_state_dict_type(lonely, "full", timeout_s=3)
     if rank == 0:
-        try:
-            lonely.state_dict()
-            out["alone"] = "no error"
-        except RuntimeError as e:
-            out["alone"] = str(e)
+        out["alone"] = raised(lonely.state_dict)
     dist.barrier()
     # (run_ranks ends each process with os._exit: the lonely group's abandoned
     # collective does not hold the exit)
-    return out if rank == 0 else None
+    return out
 
 
 def reference(seed):
@@ -257,12 +254,11 @@ def reference(seed):
     out["norms"], out["infs"] = clip_run(plain_net(seed), xs, ys, 0, 1)
     m = plain_net(seed)
     clip_run(m, xs, ys, 0, 1)
-    out["params"] = {k: v.detach().clone() for k, v in m.state_dict().items()}
+    out["params"] = state(m)
     out["accum"] = accumulate_run(plain_net(seed), xs, ys, 0, 1, False)
     m = plain_net(seed)
-    opt = torch.optim.AdamW(m.parameters(), lr=1e-2, weight_decay=0.05)
-    train_on_slices(m, opt, xs, ys, 0, 1)
-    out["plain_train"] = {k: v.detach().clone() for k, v in m.state_dict().items()}
+    train_reference(m, torch.optim.AdamW(m.parameters(), lr=1e-2, weight_decay=0.05), xs, ys)
+    out["plain_train"] = state(m)
     out["ref7"] = plain_net(seed + 7).state_dict()
     torch.manual_seed(seed)
     dn = DataclassNet()
@@ -273,39 +269,154 @@ def reference(seed):
         (dn(x[s, :4]) / 8 + dn(x[s, 4:]) / 8).backward()  # each rank's half, as sharded
         opt.step()
         opt.zero_grad()
-    out["dataclass"] = {k: v.detach().clone() for k, v in dn.state_dict().items()}
+    out["dataclass"] = state(dn)
     return out
 
 
-def close(got, want, seed, what, rtol=1e-5, atol=1e-6):
-    assert set(got) == set(want), what
-    for k in want:
-        torch.testing.assert_close(got[k], want[k], rtol=rtol, atol=atol,
-                                   msg=lambda m: "%s %s (seed %d): %s" % (what, k, seed, m))
+# ---- the claims, one a test, over one run of the ranks -------------------------------------
+
+@pytest.fixture(scope="module")
+def seed():
+    return int(torch.randint(0, 2 ** 30, ()).item())
 
 
-def test_fsdp2_habits_match_the_unsharded_model():
-    seed = int(torch.randint(0, 2 ** 30, ()).item())
-    with tempfile.TemporaryDirectory() as d:
-        got = run_ranks(worker, WORLD, seed, d)[0]
-    want = reference(seed)
+@pytest.fixture(scope="module")
+def ranks(seed, tmp_path_factory):
+    """Every rank's results (the habits run once for the module)."""
+    return run_ranks(worker, WORLD, seed, str(tmp_path_factory.mktemp("fsdp2_face")))
+
+
+@pytest.fixture(scope="module")
+def got(ranks):
+    return ranks[0]
+
+
+@pytest.fixture(scope="module")
+def want(seed):
+    return reference(seed)
+
+
+def test_fully_shard_keeps_the_class_and_adds_fsdp_module(ranks):
+    for r in ranks:
+        assert r["module_type"] == (True, "Net")
+
+
+def test_gradients_are_shard_grads_after_backward(ranks):
+    for r in ranks:
+        assert r["grad_types"] == ["ShardGrad"]
+
+
+def test_torchs_clip_grad_norm_returns_the_unsharded_norms(got, want, seed):
     assert got["norms"] == pytest.approx(want["norms"], rel=1e-5), seed
-    assert got["infs"] == pytest.approx(want["infs"], rel=1e-6), seed
     assert min(want["norms"]) > CLIP  # every step clipped: the norm decides the step
+
+
+def test_torchs_get_total_norm_gives_the_unsharded_inf_norms(got, want, seed):
+    assert got["infs"] == pytest.approx(want["infs"], rel=1e-6), seed
+
+
+def test_rfsdp_clip_grad_norm_is_a_0d_float32_tensor_as_torchs(got):
     assert got["rfsdp_clip"][:3] == (torch.Tensor, 0, torch.float32), got["rfsdp_clip"]
+
+
+def test_rfsdp_clip_grad_norm_equals_the_modules_method(got):
     assert got["rfsdp_clip"][3] == pytest.approx(got["model_clip"], rel=1e-6)
-    close(got["params"], want["params"], seed, "clip")
+
+
+def test_global_numel_counts_every_element_and_each_rank_holds_part(got, seed):
     n_global = sum(p.numel() for p in plain_net(seed).parameters())
     assert got["numel_global"] == n_global and got["numel_local"] < n_global
-    assert got["full_keys"] == sorted(want["params"]) and got["dcp_full_keys"] == sorted(want["params"])
-    close(got["loaded_full"], want["ref7"], seed, "load full", 0, 0)
-    close(got["dcp_loaded_full"], want["ref7"], seed, "set_model_state_dict", 0, 0)
-    close(got["loaded_sharded"], got["params"], seed, "load sharded", 0, 0)
-    close(got["dcp_roundtrip"], got["params"], seed, "dcp round trip", 0, 0)
-    close(got["accum"], want["accum"], seed, "accumulation")
-    close(got["accum_kept"], want["accum"], seed, "accumulation, kept gathered")
-    close(got["explicit_prefetch"], want["plain_train"], seed, "explicit prefetch")
-    assert got["unsharded_shape"] == (24, 24)
-    close(got["dataclass"], want["dataclass"], seed, "dataclass outputs")
+
+
+# case: (got's key, the reference's key (None: got's own "params", the trained model),
+#        rtol, atol)
+RUNS = {"clip_grad_norm_ training": ("params", "params", 1e-5, 1e-6),
+        "load of a full state dict": ("loaded_full", "ref7", 0, 0),
+        "set_model_state_dict (full)": ("dcp_loaded_full", "ref7", 0, 0),
+        "load of a sharded state dict": ("loaded_sharded", None, 0, 0),
+        "dcp.save / dcp.load round trip": ("dcp_roundtrip", None, 0, 0),
+        "accumulation, gradient sync off": ("accum", "accum", 1e-5, 1e-6),
+        "accumulation, kept gathered": ("accum_kept", "accum", 1e-5, 1e-6),
+        "explicit prefetch": ("explicit_prefetch", "plain_train", 1e-5, 1e-6),
+        "dataclass outputs": ("dataclass", "dataclass", 1e-5, 1e-6)}
+
+
+@pytest.mark.parametrize("case", RUNS)
+def test_parameters_equal_the_unsharded_models(got, want, seed, case):
+    key, ref, rtol, atol = RUNS[case]
+    reference_params = want[ref] if ref else got["params"]
+    assert_trains_like(reference_params, got[key], rtol, atol, "%s (seed %d)" % (case, seed))
+
+
+def test_the_sharded_state_dict_holds_sharded_rows_of_the_global_shapes(ranks, got):
+    for r in ranks:
+        assert set(r["sharded_sd"]) == set(got["params"])
+        for k, (kind, shape, full) in r["sharded_sd"].items():
+            assert kind == "ShardedRows" and shape == tuple(got["params"][k].shape), k
+            torch.testing.assert_close(full, got["params"][k], rtol=0, atol=0)
+
+
+def test_the_sharded_state_dict_round_trips_through_torch_save(ranks, got):
+    for r in ranks:
+        assert set(r["saved_sd"]) == set(got["params"])
+        assert all(v == ("ShardedRows", True) for v in r["saved_sd"].values()), r["saved_sd"]
+
+
+def test_arithmetic_on_a_sharded_entry_is_an_error(ranks):
+    for r in ranks:
+        assert_raised(r["sd_arithmetic"], RuntimeError, "sharded state-dict entry")
+
+
+def test_dcps_get_model_state_dict_is_sharded_by_default(ranks):
+    for r in ranks:
+        assert r["dcp_sharded_types"] == ["ShardedRows"]
+
+
+def check_full(full, got, want, what):
+    """full: {name: (a plain tensor?, the tensor)}: the unsharded model's names, the
+    trained model's values (rfsdp.full_parameters), bit for bit."""
+    assert sorted(full) == sorted(want["params"]), what
+    for k, (plain, t) in full.items():
+        assert plain and torch.equal(t, got["params"][k]), (what, k)
+
+
+def test_dcps_full_state_dict_holds_plain_whole_tensors_on_rank_0(got, want):
+    """get_model_state_dict(full_state_dict=True, cpu_offload=True): rank 0's."""
+    check_full(got["dcp_full"], got, want, "rank 0")
+
+
+def test_a_full_state_dict_on_every_rank_holds_plain_whole_tensors(ranks, got, want):
+    """set_state_dict_type("full", rank0_only=False)."""
+    for rank, r in enumerate(ranks):
+        check_full(r["full_every_rank"], got, want, "rank %d" % rank)
+
+
+def test_a_rank0_only_full_state_dict_has_every_key_on_rank_0(got, want):
+    assert got["full_keys"] == sorted(want["params"])
+
+
+def test_loading_local_rows_as_a_full_state_dict_is_refused(ranks):
+    for r in ranks:
+        assert_raised(r["local_rows_load"], ValueError, "global shape")
+
+
+def test_unshard_and_reshard_change_the_shapes_and_the_units_state(ranks):
+    for r in ranks:
+        local = r["unshard_shapes"][0]
+        assert local != (24, 24)
+        assert r["unshard_shapes"] == [local, (24, 24), local, (24, 24)]
+        assert r["unsharded"] == [True, False]
+
+
+def test_set_requires_all_reduce_points_to_set_requires_gradient_sync(ranks):
+    for r in ranks:
+        assert_raised(r["requires_all_reduce"], NotImplementedError, "set_requires_gradient_sync")
+
+
+def test_namedtuple_inputs_are_cast_and_keep_their_type(got):
     assert got["pair_seen"] == ("Pair", torch.bfloat16, torch.bfloat16) and got["pair_grad"]
-    assert "collective" in got["alone"] and "did not complete" in got["alone"], got["alone"]
+
+
+def test_a_collective_state_dict_on_one_rank_alone_is_an_error(got):
+    assert_raised(got["alone"], RuntimeError, "collective")
+    assert "did not complete" in got["alone"][1], got["alone"]

@@ -13,7 +13,7 @@ import rfsdp
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from models import CLIP, STEPS, Block, Net, data, reference  # noqa: E402,F401
-from slice_training import train_on_slices  # noqa: E402
+from slice_training import assert_trains_like, train_on_slices  # noqa: E402
 from ranks import run_ranks  # noqa: E402
 
 HANG_SECONDS = 60
@@ -70,9 +70,7 @@ def test_matches_unsharded_torch_adamw(world, reshard):
     ref_losses, ref_params = reference(seed)
     got = run_ranks(worker, world, seed, reshard, timeout=HANG_SECONDS)[0]
     assert got["losses"] == pytest.approx(ref_losses, rel=1e-5, abs=1e-6), "seed %d" % seed
-    for name, ref in ref_params.items():
-        torch.testing.assert_close(got["params"][name], ref, rtol=1e-5, atol=1e-5,
-                                   msg=lambda m: "%s (seed %d): %s" % (name, seed, m))
+    assert_trains_like(ref_params, got["params"], 1e-5, 1e-5, "seed %d" % seed)
     # Prefetch: from the second step on, the next unit's gather has started before
     # it is needed (with reshard_after_forward=False everything stays gathered).
     per_step = len(got["fwd"]) // STEPS

@@ -4,6 +4,8 @@ there), and bench/gpu_bench.py --rehearse runs every line with tiny sizes. The G
 machine is lent only at times and its minutes are few; without this the GPU tests
 are skipped in every run here and rot unseen (an API renamed, a helper's arguments
 changed) until a GPU run fails on them. What a GPU computes is tested only there."""
+import collections
+import math
 import os
 import subprocess
 import sys
@@ -34,6 +36,12 @@ def test_the_gpu_bench_runs_with_the_cpu_standing_in_for_the_gpu(tmp_path):
     r = subprocess.run([sys.executable, os.path.join(ROOT, "bench", "gpu_bench.py"), "--rehearse",
                         "--out", out], capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, "gpu_bench.py --rehearse failed:\n" + (r.stdout + r.stderr)[-8000:]
-    rows = [line.split(" | ")[0].lstrip("| ") for line in open(out) if line.startswith("| ")]
-    for section in ("8-bit", "Newton–Schulz", "GPT step", "overlap"):
-        assert section in rows, "no %s row in the table:\n%s" % (section, open(out).read())
+    table = open(out).read()
+    rows = [[c.strip() for c in line.strip().strip("|").split("|")]
+            for line in table.splitlines() if line.startswith("| ")][1:]  # (the header)
+    # every line of each section: 3 kernels x 2 block layouts, 2 shapes, 4 GPT setups, 1
+    sections = collections.Counter(r[0] for r in rows)
+    assert sections == {"8-bit": 6, "Newton–Schulz": 2, "GPT step": 4, "overlap": 1}, table
+    for r in rows:  # (the figures mean nothing here, but each is a number)
+        assert len(r) == 6 and math.isfinite(float(r[4])), r
+        assert math.isfinite(float(r[2].split()[0])), r

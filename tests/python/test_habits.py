@@ -15,15 +15,9 @@ sys.path.insert(0, HERE)
 import habits_worker  # noqa: E402
 from models import Net, data, optimizer  # noqa: E402
 from ranks import torchrun  # noqa: E402
+from slice_training import assert_trains_like  # noqa: E402
 
 WORKER = os.path.join(HERE, "habits_worker.py")
-
-
-def _close(got, want, atol, what):
-    assert set(got) == set(want)
-    for n in want:
-        torch.testing.assert_close(got[n], want[n], rtol=0, atol=atol,
-                                   msg=lambda m: "%s, %s: %s" % (what, n, m))
 
 
 @pytest.mark.parametrize("name", ["Muon", "AdamW8bit"])
@@ -36,14 +30,14 @@ def test_lightning_ddp_with_an_rfsdp_optimizer_equals_one_process(name, tmp_path
     start = (torch.manual_seed(habits_worker.SEED), Net())[1].state_dict()
     assert all(not torch.equal(want[n], start[n]) for n in want), "the run moves every parameter"
     # two ranks average their halves' gradients: rounding apart from one process
-    _close(got, want, 2e-6, "Lightning DDP %s" % name)
+    assert_trains_like(want, got, 0, 2e-6, "Lightning DDP %s" % name)
 
 
 def test_a_multi_node_launch_under_hsdp_equals_one_process(tmp_path):
     habits_worker.plain("AdamW", tmp_path / "one.pt")
     torchrun(WORKER, ["hsdp", tmp_path / "two.pt"], nproc=1, nnodes=2, timeout=300)
-    _close(torch.load(tmp_path / "two.pt"), torch.load(tmp_path / "one.pt"), 1e-6,
-           "2 nodes, HSDP")
+    assert_trains_like(torch.load(tmp_path / "one.pt"), torch.load(tmp_path / "two.pt"), 0, 1e-6,
+                       "2 nodes, HSDP")
 
 
 def _compiled_run(where):
@@ -79,4 +73,4 @@ def test_torch_compile_of_sharded_blocks_equals_eager(one_rank, where):
     eager = _compiled_run(None)
     got = _compiled_run(where)
     assert got[0] == pytest.approx(eager[0], rel=1e-6, abs=1e-7)
-    _close(got[1], eager[1], 1e-6, "compiled %s" % where)
+    assert_trains_like(eager[1], got[1], 0, 1e-6, "compiled %s" % where)

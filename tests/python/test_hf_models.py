@@ -7,7 +7,6 @@ into an unsharded model and into rfsdp at another world size (1 rank);
 generate() on the sharded model gives the unsharded model's tokens."""
 import os
 import sys
-import tempfile
 
 import pytest
 import torch
@@ -17,6 +16,7 @@ import rfsdp
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from ranks import run_ranks  # noqa: E402
+from slice_training import assert_trains_like, train_on_slices, train_reference  # noqa: E402
 
 transformers = pytest.importorskip("transformers")
 
@@ -44,25 +44,21 @@ def shard(model, pg=None):
     return model
 
 
+def hf_loss(model, x, y):
+    return model(input_ids=x, labels=y).loss
+
+
 def train(model, ids, rank, world, checkpointing=None):
+    """STEPS steps of torch AdamW, the batch ids[s] split over the ranks (world 1:
+    the reference); each step's loss."""
     if checkpointing is not None:
         model.gradient_checkpointing_enable(
             gradient_checkpointing_kwargs={"use_reentrant": checkpointing})
     model.train()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    per = ids.shape[1] // world
-    losses = []
-    for s in range(STEPS):
-        batch = ids[s, rank * per:(rank + 1) * per]
-        loss = model(input_ids=batch, labels=batch).loss
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        t = loss.detach().clone()
-        if world > 1:
-            dist.all_reduce(t)
-        losses.append(t.item() / world)
-    return losses
+    if world == 1:
+        return train_reference(model, opt, ids, ids, loss_of=hf_loss)
+    return train_on_slices(model, opt, ids, ids, rank, world, loss_of=hf_loss)
 
 
 def params_of(model):
@@ -121,21 +117,48 @@ def reference(seed):
     return out
 
 
-def test_transformers_models_train_save_and_load_like_one_process():
-    seed = int(torch.randint(0, 2 ** 30, ()).item())
-    with tempfile.TemporaryDirectory() as d:
-        got = run_ranks(worker, WORLD, seed, d)[0]
-    want = reference(seed)
-    for reentrant in (True, False):
-        (got_losses, got_params), (want_losses, want_params) = got["moe", reentrant], want["moe", reentrant]
-        assert got_losses == pytest.approx(want_losses, rel=1e-5), (reentrant, seed)
-        assert set(got_params) == set(want_params)
-        for k in want_params:
-            torch.testing.assert_close(got_params[k], want_params[k], rtol=1e-4, atol=1e-5,
-                                       msg=lambda m: "%s, reentrant %s (seed %d): %s"
-                                       % (k, reentrant, seed, m))
+@pytest.fixture(scope="module")
+def seed():
+    return int(torch.randint(0, 2 ** 30, ()).item())
+
+
+@pytest.fixture(scope="module")
+def got(seed, tmp_path_factory):
+    """Rank 0's results: the models trained, saved and loaded once for the module."""
+    return run_ranks(worker, WORLD, seed, str(tmp_path_factory.mktemp("hf")))[0]
+
+
+@pytest.fixture(scope="module")
+def want(seed):
+    return reference(seed)
+
+
+@pytest.mark.parametrize("reentrant", [True, False])
+def test_qwen3_moe_with_checkpointing_has_the_one_process_losses(got, want, seed, reentrant):
+    assert got["moe", reentrant][0] == pytest.approx(want["moe", reentrant][0], rel=1e-5), seed
+
+
+@pytest.mark.parametrize("reentrant", [True, False])
+def test_qwen3_moe_with_checkpointing_trains_like_one_process(got, want, seed, reentrant):
+    assert_trains_like(want["moe", reentrant][1], got["moe", reentrant][1], rtol=1e-4, atol=1e-5,
+                       what="reentrant %s (seed %d)" % (reentrant, seed))
+
+
+def test_llama_with_tied_embeddings_has_the_one_process_losses(got, want, seed):
     assert got["llama_losses"] == pytest.approx(want["llama_losses"], rel=1e-5), seed
+
+
+def test_save_pretrained_from_rfsdp_loads_into_an_unsharded_model(got):
     torch.testing.assert_close(got["plain_logits"], got["llama_logits"], rtol=1e-5, atol=1e-5)
-    assert torch.equal(got["generated"], got["plain_generated"]), seed
-    assert got["generated"].shape[1] == 10
+
+
+def test_save_pretrained_from_rfsdp_loads_into_rfsdp_at_another_world_size(got):
     torch.testing.assert_close(got["one_rank_logits"], got["llama_logits"], rtol=1e-5, atol=1e-5)
+
+
+def test_generate_on_the_sharded_model_gives_the_unsharded_models_tokens(got, seed):
+    assert torch.equal(got["generated"], got["plain_generated"]), seed
+
+
+def test_generate_on_the_sharded_model_makes_the_tokens_asked(got):
+    assert got["generated"].shape[1] == 10  # the prompt's 4, 6 new

@@ -19,9 +19,9 @@ import rfsdp
 import rfsdp.checkpoint as ckpt
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import muon_torchrun_worker as model_zoo  # noqa: E402  (its Net: LayerNorm, Linear, [E, H, I])
+from models import ExpertNet, expert_data, is_expert_muon  # noqa: E402
 import muon_reference  # noqa: E402
-from slice_training import train_on_slices  # noqa: E402
+from slice_training import assert_trains_like, train_on_slices, train_reference  # noqa: E402
 from ranks import run_ranks  # noqa: E402
 
 WORLD, CLIP, BLOCK = 4, 0.5, 16
@@ -38,8 +38,8 @@ def optimizer(name, model):
         return rfsdp.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.05)
     if name == "adamw8bit":
         return rfsdp.optim.AdamW8bit(model.parameters(), lr=1e-2, block=BLOCK, min_8bit_size=64)
-    muon = [p for n, p in model.named_parameters() if model_zoo.is_muon(n, p)]
-    aux = [p for n, p in model.named_parameters() if not model_zoo.is_muon(n, p)]
+    muon = [p for n, p in model.named_parameters() if is_expert_muon(n, p)]
+    aux = [p for n, p in model.named_parameters() if not is_expert_muon(n, p)]
     return rfsdp.optim.Muon([dict(params=muon), dict(params=aux, use_muon=False, lr=3e-3)],
                             lr=0.02, weight_decay=0.01)
 
@@ -50,7 +50,7 @@ SEVERAL = rfsdp.PlannerOptions(collective_cost_bytes=0)
 
 def sharded(name, seed, **groups):
     torch.manual_seed(seed)
-    model = model_zoo.Net()
+    model = ExpertNet()
     for b in model.blocks:
         rfsdp.fully_shard(b, policy=policy(name), planner=SEVERAL, **groups)
     rfsdp.fully_shard(model, policy=policy(name), planner=SEVERAL, **groups)
@@ -60,7 +60,7 @@ def sharded(name, seed, **groups):
 def worker(rank, world, shard_size, seed, d):
     mesh = init_device_mesh("cpu", (WORLD // shard_size, shard_size),
                             mesh_dim_names=("replicate", "shard"))
-    xs, ys = model_zoo.data(seed)
+    xs, ys = expert_data(seed)
     out = {}
     for name in NAMES:
         model = sharded(name, seed, mesh=mesh)
@@ -93,25 +93,19 @@ def worker(rank, world, shard_size, seed, d):
 def reference(name, seed):
     """The unsharded model on the whole batch, on one process."""
     torch.manual_seed(seed)
-    model = model_zoo.Net()
-    xs, ys = model_zoo.data(seed)
+    model = ExpertNet()
+    xs, ys = expert_data(seed)
     if name == "muon":
         return muon_reference.train(
-            model, [n for n, p in model.named_parameters() if model_zoo.is_muon(n, p)], xs, ys,
+            model, [n for n, p in model.named_parameters() if is_expert_muon(n, p)], xs, ys,
             lr=0.02, weight_decay=0.01, aux_lr=3e-3)
     if name == "adamw":
         opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.05)
     else:
         opt = rfsdp.optim.AdamW8bit(model.parameters(), lr=1e-2, block=BLOCK, min_8bit_size=64)
-    losses = []
-    for x, y in zip(xs, ys):
-        model.zero_grad()
-        loss = nn.functional.mse_loss(model(x), y)
-        loss.backward()
-        losses.append(loss.item())
-        if name == "adamw":
-            torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP)
-        opt.step()
+    clip = (lambda: torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP)) \
+        if name == "adamw" else None
+    losses = train_reference(model, opt, xs, ys, before_step=clip)
     return losses, {n: p.detach().double() for n, p in model.named_parameters()}
 
 
@@ -144,9 +138,8 @@ def test_hsdp_trains_like_one_device(shard_size):
             continue
         assert got[name]["losses"] == pytest.approx(ref_losses, rel=1e-5, abs=1e-6), \
             "%s (seed %d)" % (name, seed)
-        for n, want in ref_params.items():
-            torch.testing.assert_close(got[name]["params"][n].double(), want, rtol=1e-5, atol=1e-5,
-                                       msg=lambda m: "%s %s (seed %d): %s" % (name, n, seed, m))
+        assert_trains_like(ref_params, {n: t.double() for n, t in got[name]["params"].items()},
+                           1e-5, 1e-5, "%s (seed %d)" % (name, seed))
     if shard_size == 4:  # the planner did take several buffers somewhere
         assert any(k > 1 for name in NAMES for k in got[name]["buffers"]), \
             {name: got[name]["buffers"] for name in NAMES}

@@ -2,7 +2,6 @@
 (muon_reference.py): one process on plain tensors, and 2 ranks under torchrun on
 a fully sharded model (ragged shards, and the whole-matrix policy)."""
 import os
-import subprocess
 import sys
 import tempfile
 
@@ -16,7 +15,8 @@ from muon_reference import ReferenceMuon
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
-import muon_torchrun_worker as worker  # noqa: E402
+from models import ExpertNet, expert_data, is_expert_muon  # noqa: E402
+from ranks import torchrun  # noqa: E402
 
 SHAPES = {"tall": (19, 7), "wide": (5, 23), "experts": (3, 6, 4), "conv": (4, 3, 2, 2), "bias": (9,)}
 
@@ -106,9 +106,9 @@ def test_gradient_checked_in_its_update_names_the_cause():
 
 def reference_training(seed):
     torch.manual_seed(seed)
-    model = worker.Net()
-    muon_names = [n for n, p in model.named_parameters() if worker.is_muon(n, p)]
-    xs, ys = worker.data(seed)
+    model = ExpertNet()
+    muon_names = [n for n, p in model.named_parameters() if is_expert_muon(n, p)]
+    xs, ys = expert_data(seed)
     return muon_reference.train(model, muon_names, xs, ys, lr=0.02, weight_decay=0.01,
                                 aux_lr=3e-3)
 
@@ -118,11 +118,8 @@ def test_two_ranks_torchrun_match_reference(whole):
     seed = int(torch.randint(0, 2 ** 30, ()).item())
     with tempfile.TemporaryDirectory() as d:
         out = os.path.join(d, "out.pt")
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node",
-               "2", os.path.join(HERE, "muon_torchrun_worker.py"), "--seed", str(seed),
-               "--out", out] + (["--whole"] if whole else [])
-        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
-        assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+        torchrun(os.path.join(HERE, "muon_torchrun_worker.py"),
+                 ["--seed", seed, "--out", out] + (["--whole"] if whole else []), timeout=300)
         got = torch.load(out)
     ref_losses, ref_params = reference_training(seed)
     assert got["losses"] == pytest.approx(ref_losses, rel=1e-4, abs=1e-6), "seed %d" % seed

@@ -15,11 +15,14 @@ import rfsdp
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from models import Net, data, optimizer  # noqa: E402
 from ranks import run_ranks  # noqa: E402
+from slice_training import assert_trains_like, train_on_slices, train_reference  # noqa: E402
 
 NAMES = ("AdamW", "AdamW8bit", "Muon", "Shampoo", "SOAP")
 
 
 def train(name, seed, before):
+    """Net trained by `name` built before (or after) fully_shard, every rank on the
+    whole batch: what the claims below read."""
     torch.manual_seed(seed)
     model = Net()
     originals = [p.detach().clone() for p in model.parameters()]
@@ -30,20 +33,13 @@ def train(name, seed, before):
     rfsdp.fully_shard(model)
     if not before:
         opt = optimizer(name, model.parameters())
-    losses = []
-    xs, ys = data(seed)
-    for x, y in zip(xs, ys):
-        loss = nn.functional.mse_loss(model(x), y)
-        opt.zero_grad()
-        loss.backward()
-        opt.step()
-        losses.append(loss.item())
-    orphans_unchanged = all(torch.equal(a, b.detach()) for a, b in zip(originals, old))
-    bound = all(any(p is q for g in opt.param_groups for q in g["params"])
-                for p in model.parameters())
+    losses = train_on_slices(model, opt, *data(seed), 0, 1)
     full = rfsdp.full_parameters(model)
-    moved = all(not torch.equal(full[n], a) for n, a in zip(full, originals))
-    return losses, full, orphans_unchanged, bound, moved
+    return {"losses": losses, "params": full,
+            "orphans unchanged": all(torch.equal(a, b.detach()) for a, b in zip(originals, old)),
+            "bound": all(any(p is q for g in opt.param_groups for q in g["params"])
+                         for p in model.parameters()),
+            "moved": all(not torch.equal(full[n], a) for n, a in zip(full, originals))}
 
 
 def _ranks(rank, world, seed):
@@ -51,17 +47,36 @@ def _ranks(rank, world, seed):
             for before in (False, True)}
 
 
-@pytest.mark.parametrize("world", [1, 2])
-def test_an_optimizer_built_before_sharding_trains_as_one_built_after(world):
-    for results in run_ranks(_ranks, world, 3, timeout=300):
-        for name in NAMES:
-            after, before = results[name, False], results[name, True]
-            assert before[3], "%s: the optimizer steps the model's shards" % name
-            assert before[2], "%s: the replaced parameters are not stepped" % name
-            assert before[0] == after[0], name
-            assert before[4], "%s: every parameter moved" % name
-            for n in after[1]:
-                assert torch.equal(before[1][n], after[1][n]), (name, n)
+@pytest.fixture(scope="module", params=[1, 2], ids=["1 rank", "2 ranks"])
+def ranks(request):
+    """Every rank's runs, on 1 and on 2 ranks: once for the module."""
+    return run_ranks(_ranks, request.param, 3, timeout=300)
+
+
+# (train()'s key: the claim about an optimizer built before fully_shard)
+CLAIMS = {"bound": "it steps the model's shards",
+          "orphans unchanged": "the parameters fully_shard replaced are not stepped",
+          "moved": "it moves every parameter"}
+
+
+@pytest.mark.parametrize("claim", CLAIMS)
+@pytest.mark.parametrize("name", NAMES)
+def test_an_optimizer_built_before_sharding_binds_the_shards(ranks, name, claim):
+    for results in ranks:
+        assert results[name, True][claim], "%s: %s" % (name, CLAIMS[claim])
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_an_optimizer_built_before_sharding_has_the_losses_of_one_built_after(ranks, name):
+    for results in ranks:
+        assert results[name, True]["losses"] == results[name, False]["losses"]
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_an_optimizer_built_before_sharding_trains_as_one_built_after(ranks, name):
+    for rank, results in enumerate(ranks):
+        assert_trains_like(results[name, False]["params"], results[name, True]["params"],
+                           what="%s, rank %d" % (name, rank))
 
 
 def test_an_optimizer_that_stepped_before_sharding_is_refused_naming_the_parameter(one_rank):
@@ -98,29 +113,17 @@ def _hsdp_before(rank, world):
     for b in model.blocks:
         rfsdp.fully_shard(b, mesh=mesh)
     rfsdp.fully_shard(model, mesh=mesh)
-    xs, ys = data(2)
-    for x, y in zip(xs, ys):
-        loss = nn.functional.mse_loss(model(x), y)
-        opt.zero_grad()
-        loss.backward()
-        opt.step()
+    train_on_slices(model, opt, *data(2), 0, 1)  # (every rank the whole batch)
     return opt.comm.size(), rfsdp.full_parameters(model)
 
 
 def test_under_hsdp_its_group_follows_the_shards():
     torch.manual_seed(2)
     model = Net()
-    opt = optimizer("Muon", model.parameters())
-    xs, ys = data(2)
-    for x, y in zip(xs, ys):
-        loss = nn.functional.mse_loss(model(x), y)
-        opt.zero_grad()
-        loss.backward()
-        opt.step()
+    train_reference(model, optimizer("Muon", model.parameters()), *data(2))
     for size, full in run_ranks(_hsdp_before, 2, timeout=300):
         assert size == 1
-        for n, p in model.named_parameters():
-            torch.testing.assert_close(full[n], p.detach(), rtol=0, atol=1e-5, msg=n)
+        assert_trains_like({n: p.detach() for n, p in model.named_parameters()}, full, 0, 1e-5)
 
 
 def test_a_split_typo_is_refused_when_an_optimizer_built_before_binds_the_shards(one_rank):

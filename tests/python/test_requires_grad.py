@@ -14,6 +14,7 @@ from torch import nn
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from models import Net, data, fsdp2, optimizer  # noqa: E402
 from ranks import run_ranks  # noqa: E402
+from slice_training import assert_trains_like  # noqa: E402
 
 
 def schedule(model, step):
@@ -92,10 +93,10 @@ def results():
 
 
 def _close(a, b, what, atol=1e-6):
+    """Step by step, a's parameters b's."""
+    assert len(a) == len(b), what
     for step, (x, y) in enumerate(zip(a, b)):
-        for n in x:
-            torch.testing.assert_close(x[n], y[n], rtol=0, atol=atol,
-                                       msg=lambda m: "%s, step %d, %s: %s" % (what, step, n, m))
+        assert_trains_like(y, x, 0, atol, "%s, step %d" % (what, step))
 
 
 @pytest.mark.parametrize("set_to_none", [True, False])

@@ -14,7 +14,7 @@ from torch import nn
 import rfsdp
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from slice_training import train_on_slices  # noqa: E402
+from slice_training import assert_trains_like, train_on_slices, train_reference  # noqa: E402
 from ranks import run_ranks  # noqa: E402
 
 B, STEPS, WORLD = 8, 12, 2
@@ -56,9 +56,6 @@ def data(seed):
     return torch.randn(STEPS, 8, 19, generator=g), torch.randn(STEPS, 8, 3, generator=g)
 
 
-def train(model, opt, seed, rank=0, world=1):
-    xs, ys = data(seed)
-    return train_on_slices(model, opt, xs, ys, rank, world)
 
 
 def worker(rank, world, seed):
@@ -66,7 +63,7 @@ def worker(rank, world, seed):
     model = Net()
     rfsdp.fully_shard(model, policy=rfsdp.policy.shampoo(B))
     opt = make(model)
-    losses = train(model, opt, seed, rank, WORLD)
+    losses = train_on_slices(model, opt, *data(seed), rank, WORLD)
     return {"losses": losses, "params": rfsdp.full_parameters(model)}
 
 
@@ -74,12 +71,11 @@ def test_two_ranks_equal_the_unsharded_model():
     seed = int(torch.randint(0, 2 ** 30, ()).item())
     torch.manual_seed(seed)
     ref = Net()
-    ref_losses = train(ref, make(ref), seed)
+    ref_losses = train_reference(ref, make(ref), *data(seed))
     got = run_ranks(worker, WORLD, seed)[0]
     assert got["losses"] == pytest.approx(ref_losses, rel=1e-4, abs=1e-6), "seed %d" % seed
-    for n, p in ref.named_parameters():
-        torch.testing.assert_close(got["params"][n], p.detach(), rtol=1e-4, atol=1e-5,
-                                   msg=lambda m: "%s (seed %d): %s" % (n, seed, m))
+    assert_trains_like({n: p.detach() for n, p in ref.named_parameters()}, got["params"], 1e-4,
+                       1e-5, "seed %d" % seed)
 
 
 def test_plain_tensors_groups_and_state_dict_round_trip():

@@ -14,7 +14,7 @@ from torch import nn
 import rfsdp
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from slice_training import train_on_slices  # noqa: E402
+from slice_training import train_on_slices, train_reference  # noqa: E402
 from models import Block  # noqa: E402
 from ranks import run_ranks  # noqa: E402
 
@@ -67,14 +67,9 @@ def loss_of(model, tokens):
 def reference(name, seed):
     torch.manual_seed(seed)
     model = TiedLM()
-    opt = make_optimizer(name, model)
-    losses = []
-    for tokens in data(seed):
-        loss = loss_of(model, tokens)
-        opt.zero_grad()
-        loss.backward()
-        opt.step()
-        losses.append(loss.item())
+    tokens = data(seed)
+    losses = train_reference(model, make_optimizer(name, model), tokens, tokens,
+                             loss_of=lambda m, t, _: loss_of(m, t))
     return losses, {n: p.detach().clone() for n, p in model.named_parameters()}
 
 

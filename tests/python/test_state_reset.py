@@ -18,6 +18,7 @@ from torch import nn
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from models import OPTIMIZERS, Net, data, fsdp2, optimizer  # noqa: E402
 from ranks import run_ranks  # noqa: E402
+from slice_training import assert_trains_like  # noqa: E402
 
 AT = 3  # the step before which the state is reset (of models.STEPS = 6)
 
@@ -114,18 +115,12 @@ def results():
 PATHS = ("one process", "rfsdp", "fsdp2")
 
 
-def _equal(a, b, what):
-    for n in a:
-        assert torch.equal(a[n], b[n]), "%s: %s differs by %g" % (what, n,
-                                                                  (a[n] - b[n]).abs().max().item())
-
-
 @pytest.mark.parametrize("path", PATHS)
 @pytest.mark.parametrize("way", list(RESETS))
 @pytest.mark.parametrize("name", OPTIMIZERS)
 def test_a_reset_equals_a_new_optimizer(results, path, way, name):
     r = results[path]
-    _equal(r[name, way], r[name, "new optimizer"], "%s %s %s" % (path, name, way))
+    assert_trains_like(r[name, "new optimizer"], r[name, way], what="%s %s %s" % (path, name, way))
 
 
 @pytest.mark.parametrize("path", PATHS)
@@ -142,7 +137,7 @@ def test_a_reset_changes_the_run(results, path, name):
 def test_a_step_written_equals_a_state_dict_loaded_with_it(results, path, name):
     """(Muon's matrices keep no step, as torch.optim.Muon's: its AdamW part does.)"""
     r = results[path]
-    _equal(r[name, "write steps"], r[name, "load steps"], "%s %s" % (path, name))
+    assert_trains_like(r[name, "load steps"], r[name, "write steps"], what="%s %s" % (path, name))
     assert any(not torch.equal(r[name, "none"][n], r[name, "write steps"][n])
                for n in r[name, "none"])
 
@@ -156,8 +151,7 @@ def test_adamw_resets_as_torch_adamw_does(way):
     change = RESETS.get(way, write_steps)
     want = run("AdamW", 5, change, make=torch_adamw)
     got = run("AdamW", 5, change)
-    for n in want:
-        torch.testing.assert_close(got[n], want[n], rtol=0, atol=1e-6, msg=n)
+    assert_trains_like(want, got, 0, 1e-6)
     # torch's own reset is what the tests above call a new optimizer
     fresh = run("AdamW", 5, new_optimizer, make=torch_adamw)
     if way != "write steps":
@@ -171,8 +165,7 @@ def test_removing_one_parameters_state_resets_it_alone_as_torch_does():
         return opt
     want = run("AdamW", 6, pop_first, make=torch_adamw)
     got = run("AdamW", 6, pop_first)
-    for n in want:
-        torch.testing.assert_close(got[n], want[n], rtol=0, atol=1e-6, msg=n)
+    assert_trains_like(want, got, 0, 1e-6)
 
 
 def _stepped(name="AdamW8bit"):
@@ -238,7 +231,6 @@ def move_state(opt, name, model, make):
 def test_other_writes_are_followed_as_torch_adamw_follows_them(change):
     want = run("AdamW", 8, change, make=torch_adamw)
     got = run("AdamW", 8, change)
-    for n in want:
-        torch.testing.assert_close(got[n], want[n], rtol=0, atol=1e-6, msg=n)
+    assert_trains_like(want, got, 0, 1e-6)
     plain = run("AdamW", 8, make=torch_adamw)
     assert any(not torch.equal(plain[n], want[n]) for n in want) or change is move_state

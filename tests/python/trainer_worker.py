@@ -19,9 +19,7 @@ import sys
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from models import full_params  # noqa: E402
-
-OPTIMIZERS = ("AdamW", "AdamW8bit", "Muon", "Shampoo", "SOAP")
+from models import OPTIMIZERS, full_params  # noqa: E402
 
 
 def make(model_dir):
