@@ -17,9 +17,7 @@
 #include "optimizers/common/step_gate.h"
 #include "optimizers/common/lpt.h"
 #include "optimizers/common/matrices.h"
-#include "quant/blockwise/blockwise.h"
-#include "quant/blockwise/code_maps.h"
-#include "quant/blockwise/state_ops.h"
+#include "quant/ops.h"
 
 namespace rfsdp {
 

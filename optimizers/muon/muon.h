@@ -25,8 +25,7 @@
 #include "core/comm/comm.h"
 #include "optimizers/common/owner_exchange.h"
 #include "optimizers/common/sharded_optimizer.h"
-#include "quant/blockwise/block_layout.h"
-#include "quant/blockwise/state_ops.h"
+#include "quant/ops.h"
 
 namespace rfsdp {
 

@@ -45,7 +45,7 @@
 #include "optimizers/common/owner_exchange.h"
 #include "optimizers/common/sharded_optimizer.h"
 #include "optimizers/common/tiles.h"
-#include "quant/blockwise/lowbit.h"
+#include "quant/ops.h"
 
 namespace rfsdp {
 

@@ -43,8 +43,7 @@
 #include "optimizers/common/owner_exchange.h"
 #include "optimizers/common/sharded_optimizer.h"
 #include "optimizers/common/tiles.h"
-#include "quant/blockwise/state_ops.h"
-#include "quant/blockwise/lowbit.h"
+#include "quant/ops.h"
 
 namespace rfsdp {
 
@@ -72,7 +71,7 @@ struct SOAPConfig {
   // and columns, moves whole blocks or stays inside one: codes move with their
   // scales, nothing is requantised by it). Each step decodes a parameter's
   // moments, updates them in fp32 and encodes them once it is done (on any
-  // device: quant/blockwise/state_ops.h). A tile row that shard boundaries cut
+  // device: quant/ops/state_ops.h). A tile row that shard boundaries cut
   // (FSDP2's chunk rows) is coded by its owner, which keeps its scales (tile
   // order) while each holder keeps its rows' codes; 1-D parameters and
   // use_soap=False groups keep fp32 moments.
