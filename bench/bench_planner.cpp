@@ -47,7 +47,7 @@
 #include "core/ragged/step_model.h"
 #include "optimizers/common/tiles.h"
 #include "optimizers/muon/layout.h"
-#include "quant/blockwise/block_layout.h"
+#include "quant/ops.h"
 
 namespace {
 

@@ -12,12 +12,12 @@
 #include <string>
 #include <vector>
 
-#include "quant/blockwise/blockwise.h"
-#include "quant/blockwise/code_maps.h"
-#include "quant/blockwise/cpu_kernels.h"
-#include "quant/blockwise/device_path.h"
-#include "quant/blockwise/lowbit.h"
-#include "quant/blockwise/state_ops.h"
+#include "quant/formats/code_maps.h"
+#include "quant/kernels/cpu/kernels.h"
+#include "quant/ops/blockwise.h"
+#include "quant/ops/device_path.h"
+#include "quant/ops/lowbit.h"
+#include "quant/ops/state_ops.h"
 
 #include <ATen/ops/_fused_adamw_ops.h>
 
@@ -191,7 +191,7 @@ int main(int argc, char** argv) {
   }
 
   // Every path side by side on the 8-bit states' operations (1-D blocks of 256), through
-  // the entry points the optimizers call (quant/blockwise/state_ops.h): each kernel set
+  // the entry points the optimizers call (quant/ops/state_ops.h): each kernel set
   // this CPU runs and the device-generic ATen path (what a device without kernels runs;
   // the same bits). Ratios: memcpy of the bytes an operation moves over its time (1 = at
   // memcpy speed), and torch's fused fp32 AdamW step (torch.optim.AdamW(fused=True), 28 B

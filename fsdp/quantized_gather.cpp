@@ -7,8 +7,7 @@
 #include <string>
 
 #include "core/ragged/int_math.h"
-#include "quant/blockwise/absmax_codes.h"
-#include "quant/blockwise/device_path.h"
+#include "quant/ops.h"
 
 namespace rfsdp {
 

@@ -47,9 +47,9 @@ class QuantizedGather {
   // written into out (n elements of the compute dtype).
   static void decode_piece(const at::Tensor& codes, const at::Tensor& scales, int64_t block,
                            const CommPolicy& policy, const at::Tensor& out);
-  // CPU tensors take quant/blockwise/absmax_codes' kernels unless the generic
+  // CPU tensors take quant/ops/absmax_codes' kernels unless the generic
   // path (ATen operations, what other devices run; bit for bit the same) is
-  // chosen (quant/blockwise/device_path.h).
+  // chosen (quant/ops/device_path.h).
 
  private:
   struct Piece {           // one tensor's rows on this rank

@@ -22,7 +22,7 @@
 #include <rfsdp/optimizers/adamw/adamw.h>
 #include <rfsdp/optimizers/common/param_shard.h>
 #include <rfsdp/optimizers/muon/muon.h>
-#include <rfsdp/quant/blockwise/block_layout.h>
+#include <rfsdp/quant/ops.h>
 #include <rfsdp/rfsdp_version.h>
 
 #include <cmath>

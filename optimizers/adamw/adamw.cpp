@@ -9,9 +9,7 @@
 #include <utility>
 
 #include "optimizers/common/adamw_step.h"
-#include "quant/blockwise/blockwise.h"
-#include "quant/blockwise/code_maps.h"
-#include "quant/blockwise/state_ops.h"
+#include "quant/ops.h"
 
 namespace rfsdp {
 

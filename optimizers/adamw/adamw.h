@@ -16,8 +16,7 @@
 #include <vector>
 
 #include "optimizers/common/sharded_optimizer.h"
-#include "quant/blockwise/block_layout.h"
-#include "quant/blockwise/state_ops.h"
+#include "quant/ops.h"
 
 namespace rfsdp {
 

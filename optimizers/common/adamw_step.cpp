@@ -4,7 +4,7 @@
 #include <string>
 #include <tuple>
 
-#include "quant/blockwise/cpu_kernels.h"
+#include "quant/ops.h"
 
 namespace rfsdp {
 

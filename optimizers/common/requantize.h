@@ -13,7 +13,7 @@
 
 #include "core/ragged/tensor_shard.h"
 #include "optimizers/common/state_layout.h"
-#include "quant/blockwise/lowbit.h"
+#include "quant/ops.h"
 
 namespace rfsdp {
 

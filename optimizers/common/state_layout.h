@@ -10,7 +10,7 @@
 
 #include "core/ragged/tensor_shard.h"
 #include "optimizers/common/tiles.h"
-#include "quant/blockwise/lowbit.h"
+#include "quant/ops.h"
 
 namespace rfsdp {
 

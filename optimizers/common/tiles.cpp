@@ -8,7 +8,7 @@
 #include <tuple>
 
 #include "optimizers/common/matrices.h"
-#include "quant/blockwise/device_path.h"
+#include "quant/ops.h"
 
 namespace rfsdp {
 
@@ -134,7 +134,7 @@ const TriangleIndex& triangle_index(int64_t n, const at::Device& device) {
 
 // Row i of the upper triangle, columns [i, n), follows rows 0..i-1: plain copies
 // at memory speed on the CPU (an index_select/index_copy pair cost 30% of a step);
-// elsewhere (and on the device-generic path, quant/blockwise/device_path.h) index ops.
+// elsewhere (and on the device-generic path, quant/ops/device_path.h) index ops.
 at::Tensor pack_symmetric(const at::Tensor& full) {
   const at::Tensor f = full.to(at::kFloat).contiguous();
   const int64_t n = f.size(0);

@@ -10,9 +10,7 @@
 #include "optimizers/common/finite.h"
 #include "optimizers/common/step_gate.h"
 #include "optimizers/muon/step.h"
-#include "quant/blockwise/blockwise.h"
-#include "quant/blockwise/code_maps.h"
-#include "quant/blockwise/state_ops.h"
+#include "quant/ops.h"
 
 namespace rfsdp {
 

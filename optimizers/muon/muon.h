@@ -24,8 +24,7 @@
 #include "optimizers/common/sharded_optimizer.h"
 #include "optimizers/muon/layout.h"
 #include "optimizers/muon/newton_schulz.h"
-#include "quant/blockwise/block_layout.h"
-#include "quant/blockwise/state_ops.h"
+#include "quant/ops.h"
 
 namespace rfsdp {
 

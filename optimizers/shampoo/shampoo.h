@@ -42,7 +42,7 @@
 #include "core/comm/comm.h"
 #include "optimizers/common/eigen.h"
 #include "optimizers/common/tiled_optimizer.h"
-#include "quant/blockwise/lowbit.h"
+#include "quant/ops.h"
 
 namespace rfsdp {
 

@@ -5,10 +5,7 @@
 #include <stdexcept>
 
 #include "optimizers/common/step_gate.h"
-#include "quant/blockwise/blockwise.h"
-#include "quant/blockwise/code_maps.h"
-#include "quant/blockwise/cpu_kernels.h"
-#include "quant/blockwise/lowbit.h"
+#include "quant/ops.h"
 
 namespace rfsdp {
 

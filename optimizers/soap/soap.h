@@ -39,8 +39,7 @@
 #include "core/comm/comm.h"
 #include "optimizers/common/eigen.h"
 #include "optimizers/common/tiled_optimizer.h"
-#include "quant/blockwise/lowbit.h"
-#include "quant/blockwise/state_ops.h"
+#include "quant/ops.h"
 
 namespace rfsdp {
 
@@ -65,7 +64,7 @@ struct SOAPConfig : TiledConfig {
   // and columns, moves whole blocks or stays inside one: codes move with their
   // scales, nothing is requantised by it). Each step decodes a parameter's
   // moments, updates them in fp32 and encodes them once it is done (on any
-  // device: quant/blockwise/state_ops.h). A tile row that shard boundaries cut
+  // device: quant/ops/state_ops.h). A tile row that shard boundaries cut
   // (FSDP2's chunk rows) is coded by its owner, which keeps its scales (tile
   // order) while each holder keeps its rows' codes; 1-D parameters and
   // use_soap=False groups keep fp32 moments.

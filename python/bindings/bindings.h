@@ -8,7 +8,7 @@
 #include <torch/extension.h>
 
 #include "core/comm/comm.h"
-#include "quant/blockwise/block_layout.h"
+#include "quant/ops.h"
 
 namespace rfsdp_bind {
 

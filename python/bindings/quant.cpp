@@ -1,13 +1,7 @@
 // rfsdp._C: quant/ (block quantisation: maps, codes, kernels).
 #include "python/bindings/bindings.h"
 
-#include "quant/blockwise/blockwise.h"
-#include "quant/blockwise/code_lut.h"
-#include "quant/blockwise/code_maps.h"
-#include "quant/blockwise/cuda_ops.h"
-#include "quant/blockwise/device_path.h"
-#include "quant/blockwise/lowbit.h"
-#include "quant/blockwise/state_ops.h"
+#include "quant/ops.h"
 
 namespace rfsdp_bind {
 
@@ -33,7 +27,7 @@ void bind_quant(py::module_& m) {
     TORCH_CHECK(row_len > 0 && n % row_len == 0, "row_len ", row_len, " does not divide ", n);
     const rfsdp::quant::BlockLayout L(shape, n / row_len, row_len);
     const rfsdp::quant::AdamWHyper h{float(lr), float(b1), float(b2), float(eps), float(wd), step};
-    // (on the path the tensors' device and the switch choose: quant/blockwise/state_ops.h)
+    // (on the path the tensors' device and the switch choose: quant/ops/state_ops.h)
     rfsdp::quant::adamw8bit_step(p, g, q1, a1, q2, a2, L, rfsdp::quant::Codec(code1),
                                  rfsdp::quant::Codec(code2, /*keep_nonzero=*/true), h);
   });

@@ -6,7 +6,7 @@
 
 #include <vector>
 
-#include "quant/blockwise/cpu_kernels.h"
+#include "quant/kernels/cpu/kernels.h"
 
 namespace rfsdp::testing {
 

@@ -14,8 +14,7 @@
 #include "core/ragged/planner.h"
 #include "fsdp/fsdp_unit.h"
 #include "optimizers/adamw/adamw.h"
-#include "quant/blockwise/code_maps.h"
-#include "quant/blockwise/device_path.h"
+#include "quant/ops.h"
 #include "tests/cpp/quant_isas.h"
 #include "tests/cpp/test_util.h"
 

@@ -11,8 +11,7 @@
 #include "core/ragged/planner.h"
 #include "core/ragged/step_model.h"
 #include "fsdp/fsdp_unit.h"
-#include "quant/blockwise/block_layout.h"
-#include "quant/blockwise/device_path.h"
+#include "quant/ops.h"
 #include "tests/cpp/test_util.h"
 #include "tests/support/local_ranks.h"
 

@@ -1,4 +1,4 @@
-// The device-generic path (quant/blockwise/generic_ops.h: ATen operations, what a
+// The device-generic path (quant/kernels/aten/generic_ops.h: ATen operations, what a
 // device without kernels runs) against the CPU kernels, through the entry points
 // the optimizers call (state_ops.h), bit for bit: codes, absmax, parameters,
 // dequantised values, updates, on 1-D blocks and tiles with partial edges, every
@@ -11,9 +11,7 @@
 #include <random>
 #include <vector>
 
-#include "quant/blockwise/code_maps.h"
-#include "quant/blockwise/device_path.h"
-#include "quant/blockwise/state_ops.h"
+#include "quant/ops.h"
 #include "tests/cpp/quant_isas.h"
 #include "tests/cpp/test_util.h"
 

@@ -26,7 +26,7 @@
 #include "optimizers/muon/muon.h"
 #include "optimizers/shampoo/shampoo.h"
 #include "optimizers/soap/soap.h"
-#include "quant/blockwise/block_layout.h"
+#include "quant/ops.h"
 #include "tests/cpp/test_util.h"
 #include "tests/support/local_ranks.h"
 

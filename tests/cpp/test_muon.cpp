@@ -14,8 +14,7 @@
 #include "tests/support/local_ranks.h"
 #include "optimizers/muon/muon.h"
 #include "tests/cpp/test_util.h"
-#include "quant/blockwise/code_maps.h"
-#include "quant/blockwise/device_path.h"
+#include "quant/ops.h"
 #include "optimizers/common/param_shard.h"
 
 namespace rfsdp {
@@ -656,7 +655,7 @@ TEST(MuonLowBit, EightBitMomentumEqualsTheFloat64QuantisedAlgorithmOnAnyWorld) {
 }
 
 TEST(MuonLowBit, EightBitMomentumOnTheDeviceGenericPathEqualsTheCpuKernels) {
-  // What a GPU runs (ATen operations: quant/blockwise/generic_ops.h), here on the
+  // What a GPU runs (ATen operations: quant/kernels/aten/generic_ops.h), here on the
   // CPU: momenta, codes, scales and parameters bit for bit the CPU kernels' run, on
   // 1, 2 and 4 ranks.
   const uint64_t seed = fresh_seed();

@@ -8,9 +8,9 @@
 #include <limits>
 #include <random>
 
-#include "quant/blockwise/blockwise.h"
-#include "quant/blockwise/code_maps.h"
-#include "quant/blockwise/cpu_kernels.h"
+#include "quant/formats/code_maps.h"
+#include "quant/kernels/cpu/kernels.h"
+#include "quant/ops/blockwise.h"
 #include "tests/cpp/quant_isas.h"
 #include "tests/cpp/test_util.h"
 

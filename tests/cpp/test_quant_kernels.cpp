@@ -14,11 +14,11 @@
 #include <stdexcept>
 #include <vector>
 
-#include "quant/blockwise/code_index.h"
-#include "quant/blockwise/code_maps.h"
-#include "quant/blockwise/cpu_kernels.h"
-#include "quant/blockwise/cpu_kernels_avx2.h"
-#include "quant/blockwise/cpu_kernels_avx512.h"
+#include "quant/formats/code_index.h"
+#include "quant/formats/code_maps.h"
+#include "quant/kernels/cpu/avx2.h"
+#include "quant/kernels/cpu/avx512.h"
+#include "quant/kernels/cpu/kernels.h"
 #include "tests/cpp/quant_isas.h"
 #include "tests/cpp/test_util.h"
 

@@ -14,8 +14,7 @@
 #include "tests/support/local_ranks.h"
 #include "core/ragged/planner.h"
 #include "optimizers/shampoo/shampoo.h"
-#include "quant/blockwise/device_path.h"
-#include "quant/blockwise/lowbit.h"
+#include "quant/ops.h"
 #include "tests/cpp/test_util.h"
 #include "tests/cpp/tiled_test_util.h"
 

@@ -16,9 +16,7 @@
 
 #include "core/ragged/planner.h"
 #include "optimizers/soap/soap.h"
-#include "quant/blockwise/code_maps.h"
-#include "quant/blockwise/device_path.h"
-#include "quant/blockwise/lowbit.h"
+#include "quant/ops.h"
 #include "tests/cpp/test_util.h"
 #include "tests/cpp/tiled_test_util.h"
 #include "tests/support/local_ranks.h"
@@ -691,7 +689,7 @@ TEST(SOAPLowBit, CodesAndScalesDoNotDependOnTheRanks) {
 
 TEST(SOAPLowBit, DeviceGenericPathEqualsTheCpuKernels) {
   // 8-bit m and v (and 8-bit bases) on the device-generic path (what a GPU runs,
-  // quant/blockwise/generic_ops.h) on the CPU: every tile's codes and scales after
+  // quant/kernels/aten/generic_ops.h) on the CPU: every tile's codes and scales after
   // every step bit for bit the CPU kernels', on 1, 2 and 4 ranks.
   const uint64_t seed = fresh_seed();
   SCOPED_TRACE("seed " + std::to_string(seed));

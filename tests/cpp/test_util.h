@@ -14,7 +14,7 @@
 #include <string>
 #include <vector>
 
-#include "quant/blockwise/lowbit.h"
+#include "quant/ops.h"
 
 namespace rfsdp::testing {
 

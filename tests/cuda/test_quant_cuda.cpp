@@ -7,9 +7,9 @@
 #include <random>
 #include <vector>
 
-#include "quant/blockwise/code_maps.h"
-#include "quant/blockwise/cpu_kernels.h"
-#include "quant/blockwise/cuda_kernels.h"
+#include "quant/formats/code_maps.h"
+#include "quant/kernels/cpu/kernels.h"
+#include "quant/kernels/cuda/kernels.h"
 
 using namespace rfsdp::quant;
 

@@ -4,8 +4,7 @@
 // whole tensor. Exits non-zero on any mismatch.
 #include <rfsdp/core/ragged/planner.h>
 #include <rfsdp/optimizers/adamw/adamw.h>
-#include <rfsdp/quant/blockwise/blockwise.h>
-#include <rfsdp/quant/blockwise/code_maps.h>
+#include <rfsdp/quant/ops.h>
 #include <rfsdp/rfsdp_version.h>
 
 #include <cmath>
