@@ -30,7 +30,11 @@ def test_crash_restart_resume_equals_an_uninterrupted_run():
                                              "--save-every", "4", "--resume",
                                              "--crash-at-step", "10",
                                              "--save-final", os.path.join(d, "got")],
-                       restarts=1, timeout=300)
+                       restarts=1, timeout=300,
+                       # torchrun looks every 0.1 s and stops the survivor when it sees the
+                       # dead rank: 2 s lets the survivor say why first on a loaded machine
+                       # (it needs 0.1-0.4 s; CI under load lost that race once)
+                       env={"PET_MONITOR_INTERVAL": "2"})
         out = run.stdout + run.stderr
         assert "resumed from" in out and "(step 8)" in out, out[-4000:]
         # the surviving rank said what happened, at once (not after the 300 s timeout)
