@@ -6,6 +6,8 @@
 #include <cstdlib>
 #include <cstring>
 #include <iostream>
+#include <iterator>
+#include <memory>
 #include <mutex>
 #include <numeric>
 #include <stdexcept>
@@ -24,18 +26,23 @@ const char* const kCheckedOps[] = {"all_gather_flat", "reduce_scatter_flat", "al
                                    "all_reduce", "broadcast", "barrier"};
 
 // Each process group's count of checked collectives, shared by every Comm over
-// it (FSDP units and optimizers keep their own Comms over one group); a group
-// made later at the address of one that is gone starts from 0.
+// it (FSDP units and optimizers keep their own Comms over one group). Held
+// weakly: a Comm holds its group, so while a count lives its group does and no
+// other group can have its address; once every Comm over a group is gone, its
+// count goes with it. (Holding the group itself weakly kept every group's object
+// alive past its last user: Gloo's threads outlived what they used.)
 std::shared_ptr<std::atomic<int64_t>> sequence_of(const c10::intrusive_ptr<c10d::ProcessGroup>& pg) {
-  using Entry = std::pair<c10::weak_intrusive_ptr<c10d::ProcessGroup>,
-                          std::shared_ptr<std::atomic<int64_t>>>;
   static std::mutex mu;
-  static std::unordered_map<const c10d::ProcessGroup*, Entry> groups;
+  static std::unordered_map<const c10d::ProcessGroup*, std::weak_ptr<std::atomic<int64_t>>> groups;
   std::lock_guard<std::mutex> lock(mu);
-  auto it = groups.find(pg.get());
-  if (it != groups.end() && !it->second.first.expired()) return it->second.second;
+  if (auto it = groups.find(pg.get()); it != groups.end()) {
+    if (auto count = it->second.lock()) return count;
+  }
+  for (auto it = groups.begin(); it != groups.end();) {
+    it = it->second.expired() ? groups.erase(it) : std::next(it);
+  }
   auto count = std::make_shared<std::atomic<int64_t>>(0);
-  groups.insert_or_assign(pg.get(), Entry(c10::weak_intrusive_ptr<c10d::ProcessGroup>(pg), count));
+  groups[pg.get()] = count;
   return count;
 }
 
