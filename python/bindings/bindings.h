@@ -14,6 +14,26 @@ namespace rfsdp_bind {
 
 namespace py = pybind11;
 
+// An integer argument: a Python int (numpy's too; a bool is not one) that fits
+// int64, else an std::invalid_argument (Python's ValueError) "<who>: <arg> must
+// be <must>, got <repr>". Its range is the library's to check (check_config).
+inline constexpr const char* kPositive = "a positive integer";
+inline constexpr const char* kFits64 = "an integer that fits 64 bits";
+inline int64_t int_arg(const py::object& v, const char* who, const char* arg,
+                       const char* must = kPositive) {
+  if (!py::isinstance<py::bool_>(v) && PyIndex_Check(v.ptr())) {
+    int overflow = 0;
+    const py::object i = py::reinterpret_steal<py::object>(PyNumber_Index(v.ptr()));
+    if (i) {
+      const long long x = PyLong_AsLongLongAndOverflow(i.ptr(), &overflow);
+      if (!overflow && !(x == -1 && PyErr_Occurred())) return x;
+    }
+    PyErr_Clear();
+  }
+  throw std::invalid_argument(std::string(who) + ": " + arg + " must be " + must + ", got " +
+                              py::repr(v).cast<std::string>());
+}
+
 inline rfsdp::quant::BlockShape block_shape(const py::object& block) {
   if (py::isinstance<py::int_>(block)) return rfsdp::quant::BlockShape::blocks(block.cast<int64_t>());
   auto t = block.cast<std::pair<int64_t, int64_t>>();

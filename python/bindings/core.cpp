@@ -12,29 +12,12 @@ namespace rfsdp_bind {
 
 namespace {
 
-// An integer argument as the planner takes it: a Python int (numpy's too, not a
-// bool) that fits int64, else a ValueError naming it; the planner checks its range.
-int64_t int64_arg(const char* who, const char* name, const py::object& v) {
-  if (!py::isinstance<py::bool_>(v) && PyIndex_Check(v.ptr())) {
-    int overflow = 0;
-    const py::object i = py::reinterpret_steal<py::object>(PyNumber_Index(v.ptr()));
-    if (i) {
-      const long long x = PyLong_AsLongLongAndOverflow(i.ptr(), &overflow);
-      if (!overflow && !(x == -1 && PyErr_Occurred())) return x;
-    }
-    PyErr_Clear();
-  }
-  throw std::invalid_argument(std::string(who) + ": " + name +
-                              " must be an integer that fits 64 bits, got " +
-                              py::repr(v).cast<std::string>());
-}
-
 rfsdp::PlannerOptions planner_options(const py::object& max_buffers,
                                       const py::object& collective_cost_bytes) {
   rfsdp::PlannerOptions o;
-  o.max_buffers = int64_arg("PlannerOptions", "max_buffers", max_buffers);
-  o.collective_cost_bytes = int64_arg("PlannerOptions", "collective_cost_bytes",
-                                      collective_cost_bytes);
+  o.max_buffers = int_arg(max_buffers, "PlannerOptions", "max_buffers", kFits64);
+  o.collective_cost_bytes = int_arg(collective_cost_bytes, "PlannerOptions",
+                                    "collective_cost_bytes", kFits64);
   try {
     rfsdp::check_planner_options(o);
   } catch (const std::invalid_argument& e) {
@@ -256,8 +239,8 @@ and limits are the planner's (core/ragged/planner.h): a ValueError names a value
         [](const std::string& unit_json, const py::object& world_size, const py::object& align_bytes,
            const rfsdp::PlannerOptions& options) {
           return rfsdp::plan_unit(rfsdp::unit_from_json(unit_json),
-                                  int64_arg("rfsdp.plan", "world_size", world_size),
-                                  int64_arg("rfsdp.plan", "align_bytes", align_bytes), options);
+                                  int_arg(world_size, "rfsdp.plan", "world_size", kFits64),
+                                  int_arg(align_bytes, "rfsdp.plan", "align_bytes", kFits64), options);
         },
         py::arg("unit_json"), py::arg("world_size"),
         py::arg("align_bytes") = rfsdp::kDefaultAlignBytes, py::arg("options") = defaults);

@@ -18,15 +18,6 @@ namespace {
 // error naming the argument (`who`: the optimizer). The values' checks are the
 // library's (check_config).
 
-// An integer setting (a bool is not one).
-int64_t int_arg(const py::object& v, const char* who, const char* arg) {
-  if (py::isinstance<py::bool_>(v) || !py::isinstance<py::int_>(v)) {
-    throw std::invalid_argument(std::string(who) + ": " + arg + " must be a positive integer, got " +
-                                py::repr(v).cast<std::string>());
-  }
-  return v.cast<int64_t>();
-}
-
 // A storage dtype: a torch.dtype, its name as a checkpoint keeps it ("float32"),
 // or one of the code names: "int8" (at::kByte) and, where `bits` is given,
 // "int4" (bits 4; bits 8 for "int8"). None: `none`.
