@@ -263,6 +263,10 @@ def test_checkpoint_moves_between_formats(saved_fmt, load_fmt, tmp_path):
                                  state_format=load_fmt)
     with pytest.raises(rfsdp.checkpoint.CheckpointError, match="requantize=True"):
         rfsdp.checkpoint.load(path, model2, opt2)
+    # torch's state_dict carries the settings too: a load into the other format is refused
+    # (as for another block) and names the requantising load
+    with pytest.raises(ValueError, match="state_format.*requantize=True|requantize=True"):
+        opt2.load_state_dict(opt.state_dict())
     rfsdp.checkpoint.load(path, model2, opt2, requantize=True)
     got = opt2.sharded_state(model2.weight)
     load_code = load_fmt or "dynamic"

@@ -22,7 +22,20 @@ namespace rfsdp::quant::cpu::avx2 {
 namespace {
 constexpr int kW = 8;
 typedef float VF __attribute__((vector_size(4 * kW)));
+typedef uint32_t VU __attribute__((vector_size(4 * kW)));
 inline VF vsqrt(VF x) { return _mm256_sqrt_ps(x); }
+inline VU load_codes(const uint8_t* q) {
+  return (VU)_mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(q)));
+}
+// Each 128-bit lane's four low bytes to its bottom (vpshufb), the two lanes' words side by side.
+inline void store_codes(uint8_t* q, VU c) {
+  const __m256i low = _mm256_setr_epi8(0, 4, 8, 12, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1,
+                                       0, 4, 8, 12, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1);
+  const __m256i t = _mm256_shuffle_epi8((__m256i)c, low);
+  const uint64_t v = static_cast<uint32_t>(_mm256_cvtsi256_si32(t)) |
+                     static_cast<uint64_t>(static_cast<uint32_t>(_mm256_extract_epi32(t, 4))) << 32;
+  std::memcpy(q, &v, 8);
+}
 #include "quant/kernels/cpu/fp8_blocks.inc"
 }  // namespace
 

@@ -22,7 +22,14 @@ namespace rfsdp::quant::cpu::avx512 {
 namespace {
 constexpr int kW = 16;
 typedef float VF __attribute__((vector_size(4 * kW)));
+typedef uint32_t VU __attribute__((vector_size(4 * kW)));
 inline VF vsqrt(VF x) { return _mm512_sqrt_ps(x); }
+inline VU load_codes(const uint8_t* q) {
+  return (VU)_mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(q)));
+}
+inline void store_codes(uint8_t* q, VU c) {
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(q), _mm512_cvtepi32_epi8((__m512i)c));
+}
 #include "quant/kernels/cpu/fp8_blocks.inc"
 }  // namespace
 
