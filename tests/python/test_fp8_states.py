@@ -330,3 +330,24 @@ def test_muon_fp8_momentum_is_the_cast_of_the_fp32_momentum_and_generic_equals_k
     q, a = rfsdp.quant.quantize_blockwise(m, 64, code=FP8)
     assert torch.equal(st["momentum_absmax"].reshape(-1), a), seed
     assert torch.equal(st["momentum_codes"].reshape(-1), q), seed
+
+
+def test_muon_checkpoint_moves_from_the_dynamic_map_to_float8_codes(tmp_path):
+    seed = int(torch.randint(0, 2 ** 30, ()).item())
+    model = nn.Linear(64, 48, bias=False)
+    opt = rfsdp.optim.Muon(model.parameters(), lr=0.02, momentum_dtype="int8", momentum_block=64)
+    train(opt, list(model.parameters()), seed, 2)
+    path = str(tmp_path / "ckpt")
+    rfsdp.checkpoint.save(path, model, opt)
+    saved = {k: t.clone() for k, t in opt.sharded_state(model.weight).items()}
+    model2 = nn.Linear(64, 48, bias=False)
+    opt2 = rfsdp.optim.Muon(model2.parameters(), lr=0.02, momentum_dtype="int8",
+                            momentum_block=64, momentum_map=FP8)
+    rfsdp.checkpoint.load(path, model2, opt2, requantize=True)
+    got = opt2.sharded_state(model2.weight)
+    x = rfsdp.quant.dequantize_blockwise(saved["momentum_codes"].reshape(-1),
+                                         saved["momentum_absmax"].reshape(-1), 64)
+    q, a = rfsdp.quant.quantize_blockwise(x, 64, code=FP8)
+    assert torch.equal(got["momentum_codes"].reshape(-1), q), seed
+    assert torch.equal(got["momentum_absmax"].reshape(-1), a), seed
+    train(opt2, list(model2.parameters()), seed + 1, 1)
