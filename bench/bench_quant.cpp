@@ -194,12 +194,15 @@ int main(int argc, char** argv) {
   // the entry points the optimizers call (quant/ops/state_ops.h): each kernel set
   // this CPU runs and the device-generic ATen path (what a device without kernels runs;
   // the same bits). Ratios: memcpy of the bytes an operation moves over its time (1 = at
-  // memcpy speed), and torch's fused fp32 AdamW step (torch.optim.AdamW(fused=True), 28 B
-  // a parameter) over the AdamW8bit step (16 B a parameter): >= 1 is as fast or faster.
-  std::printf("\n%-7s %-9s | %8s %6s | %8s %6s | %8s %8s %7s | %8s %6s\n", "elems", "path",
-              "quant ms", "xmemcp", "deq ms", "xmemcp", "adam8 ms", "torch ms", "t/t8", "mom8 ms",
-              "xmemcp");
-  for (int64_t mi : {int64_t{4}, int64_t{16}}) {
+  // memcpy speed), and t8/t: the AdamW8bit step's time (16 B a parameter) over torch's
+  // fused fp32 AdamW step's (torch.optim.AdamW(fused=True), 28 B a parameter), timed
+  // beside it: below 1 is faster (0.57 the bytes' floor).
+  // Each path with both state formats (format "dyn": the dynamic maps; "fp8":
+  // float8_e4m3fn codes, quant/formats/fp8_e4m3.h), 1M (in cache), 4M and 16M.
+  std::printf("\n%-7s %-9s %-4s | %8s %6s | %8s %6s | %8s %8s %7s | %8s %6s\n", "elems", "path",
+              "fmt", "quant ms", "xmemcp", "deq ms", "xmemcp", "adam8 ms", "torch ms", "t8/t",
+              "mom8 ms", "xmemcp");
+  for (int64_t mi : {int64_t{1}, int64_t{4}, int64_t{16}}) {
     if (mi > max_m) break;
     const int64_t n = mi << 20;
     const BlockLayout L(BlockShape::blocks(256), 1, n);
@@ -222,9 +225,6 @@ int main(int argc, char** argv) {
     const double mq = memcpy_s(n * 5 / 2), mm = memcpy_s(n * 10 / 2);
     at::Tensor tp = at::randn({n}), tm = at::zeros({n}), tv = at::zeros({n});
     const at::Tensor steps = at::full({}, 1.0);
-    const double tt = median_seconds(reps, [&] {
-      at::_fused_adamw_({tp}, {g}, {tm}, {tv}, {}, {steps}, 1e-3, 0.9, 0.999, 0.01, 1e-8, false, false);
-    });
     struct Path {
       const char* name;
       cpu::Isa isa;
@@ -233,20 +233,34 @@ int main(int argc, char** argv) {
     std::vector<Path> paths;
     for (cpu::Isa isa : isas) paths.push_back({cpu::isa_name(isa), isa, false});
     if (wanted("generic")) paths.push_back({"generic", cpu::active_isa(), true});
+    const Codec f1 = Codec::float8_e4m3(false), f2 = Codec::float8_e4m3(true);
     for (const Path& path : paths) {
       cpu::use_isa(path.isa);
       use_device_generic_path(path.generic);
-      const double tq = median_seconds(reps, [&] { quantize(x, L, k1, q, a); });
-      const double td = median_seconds(reps, [&] { dequantize(q, a, L, k1, out); });
-      const double t8 = median_seconds(reps, [&] {
-        adamw8bit_step(p, g, q1, a1, q2, a2, L, k1, k2, {1e-3f, 0.9f, 0.999f, 1e-8f, 0.01f, 1});
-      });
-      const double tm8 = median_seconds(reps, [&] {
-        momentum8bit_step(g, qm, am, L, k1, 0.95f, true, qm2, am2, u);
-      });
-      std::printf("%-7s %-9s | %8.2f %6.2f | %8.2f %6.2f | %8.2f %8.2f %7.2f | %8.2f %6.2f\n",
-                  (std::to_string(mi) + "M").c_str(), path.name, tq * 1e3, mq / tq, td * 1e3,
-                  mq / td, t8 * 1e3, tt * 1e3, tt / t8, tm8 * 1e3, mm / tm8);
+      for (int fp8 = 0; fp8 < 2; ++fp8) {
+        const Codec& c1 = fp8 ? f1 : k1;
+        const Codec& c2 = fp8 ? f2 : k2;
+        if (fp8) {  // states that decode: the codes of real moments
+          quantize(x * 1e-3, L, c1, q1, a1);
+          quantize(x.square() * 1e-6, L, c2, q2, a2);
+          quantize(x, L, c1, qm, am);
+        }
+        const double tq = median_seconds(reps, [&] { quantize(x, L, c1, q, a); });
+        const double td = median_seconds(reps, [&] { dequantize(q, a, L, c1, out); });
+        const double t8 = median_seconds(reps, [&] {
+          adamw8bit_step(p, g, q1, a1, q2, a2, L, c1, c2, {1e-3f, 0.9f, 0.999f, 1e-8f, 0.01f, 1});
+        });
+        const double tm8 = median_seconds(reps, [&] {
+          momentum8bit_step(g, qm, am, L, c1, 0.95f, true, qm2, am2, u);
+        });
+        // torch's fused step again beside each row (the machine may be shared)
+        const double ttr = median_seconds(reps, [&] {
+          at::_fused_adamw_({tp}, {g}, {tm}, {tv}, {}, {steps}, 1e-3, 0.9, 0.999, 0.01, 1e-8, false, false);
+        });
+        std::printf("%-7s %-9s %-4s | %8.2f %6.2f | %8.2f %6.2f | %8.2f %8.2f %7.2f | %8.2f %6.2f\n",
+                    (std::to_string(mi) + "M").c_str(), path.name, fp8 ? "fp8" : "dyn", tq * 1e3,
+                    mq / tq, td * 1e3, mq / td, t8 * 1e3, ttr * 1e3, t8 / ttr, tm8 * 1e3, mm / tm8);
+      }
     }
     use_device_generic_path(false);
   }

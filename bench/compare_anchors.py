@@ -870,6 +870,9 @@ def eight_bit_optimizers(lr=LR, min_8bit_size=4096):
         "rfsdp AdamW8bit": (lambda ps: rfsdp.optim.AdamW8bit(ps, lr=lr, betas=BETAS, eps=EPS,
                                                              weight_decay=WD, block=256,
                                                              min_8bit_size=min_8bit_size), ""),
+        "rfsdp AdamW8bit fp8": (lambda ps: rfsdp.optim.AdamW8bit(
+            ps, lr=lr, betas=BETAS, eps=EPS, weight_decay=WD, block=256,
+            min_8bit_size=min_8bit_size, state_format="float8_e4m3fn"), "float8_e4m3fn codes"),
     }
     try:
         import bitsandbytes as bnb
@@ -887,6 +890,14 @@ def eight_bit_optimizers(lr=LR, min_8bit_size=4096):
             "torchao " + torchao.__version__)
     except Exception as e:  # noqa: BLE001
         opts["torchao AdamW8bit"] = (None, "not available: %s" % str(e).split("\n")[0][:60])
+    try:
+        import torchao
+        from torchao.optim import AdamWFp8 as AoAdamWFp8
+        opts["torchao AdamWFp8"] = (
+            lambda ps: AoAdamWFp8(ps, lr=lr, betas=BETAS, eps=EPS, weight_decay=WD, block_size=256),
+            "torchao " + torchao.__version__)
+    except Exception as e:  # noqa: BLE001
+        opts["torchao AdamWFp8"] = (None, "not available: %s" % str(e).split("\n")[0][:60])
     return opts
 
 
@@ -982,8 +993,11 @@ def quantizers():
     dequantize_blockwise.out, torchao takes none)."""
     anchors_on_path()
     out = {"rfsdp": ((lambda x: rfsdp.quant.quantize_blockwise(x, block=256)),
-                     (lambda st, o: rfsdp.quant.dequantize_blockwise(*st, block=256, out=o))), }
-    notes = {"rfsdp": ""}
+                     (lambda st, o: rfsdp.quant.dequantize_blockwise(*st, block=256, out=o))),
+           "rfsdp fp8": ((lambda x: rfsdp.quant.quantize_blockwise(x, block=256, code="float8_e4m3fn")),
+                         (lambda st, o: rfsdp.quant.dequantize_blockwise(*st, block=256, out=o,
+                                                                         code="float8_e4m3fn")))}
+    notes = {"rfsdp": "", "rfsdp fp8": "float8_e4m3fn codes"}
     try:
         import bitsandbytes.functional as bnbf
         import bitsandbytes as bnb

@@ -97,10 +97,11 @@ std::vector<StateLayout> AdamW::state_layout(size_t) const {
 AdamW8bit::AdamW8bit(std::vector<ParamShard> params, AdamWOptions options, AdamW8bitConfig config,
                      std::shared_ptr<Comm> comm)
     : AdamW(params, options, std::move(comm), small_tensors(params, config.min_8bit_size)),
-      block_(config.block) {
+      block_(config.block),
+      format_(config.state_format) {
   block_.check();
-  code1_ = quant::Codec(quant::dynamic_map(true));
-  code2_ = quant::Codec(quant::dynamic_map(false), /*keep_nonzero=*/true);  // v: see CodeLut
+  code1_ = quant::Codec::of(format_, /*is_signed=*/true);
+  code2_ = quant::Codec::of(format_, /*is_signed=*/false);  // v keep_nonzero: see CodeLut
   for (size_t i = 0; i < params_.size(); ++i) {
     const ParamShard& p = params_[i];
     const bool eight = p.full_numel() >= config.min_8bit_size;
@@ -120,8 +121,8 @@ AdamW8bit::AdamW8bit(std::vector<ParamShard> params, AdamWOptions options, AdamW
       int64_t blocks = 0;
       for (const Region& r : q.regions) blocks += r.layout.num_blocks;
       const auto dev = state_options(i);
-      q.q1 = at::full({p.param.numel()}, code1_.lut().nearest(0.0f), dev.dtype(at::kByte));
-      q.q2 = at::full({p.param.numel()}, code2_.lut().nearest(0.0f), dev.dtype(at::kByte));
+      q.q1 = at::full({p.param.numel()}, code1_.zero_code(), dev.dtype(at::kByte));
+      q.q2 = at::full({p.param.numel()}, code2_.zero_code(), dev.dtype(at::kByte));
       q.absmax1 = at::zeros({blocks}, dev);
       q.absmax2 = at::zeros({blocks}, dev);
     }
@@ -134,8 +135,8 @@ void AdamW8bit::clear_state(size_t i) {
     return;
   }
   Quantized8& q = q_[i];  // zero codes decode to the maps' values nearest 0
-  q.q1.fill_(code1_.lut().nearest(0.0f));
-  q.q2.fill_(code2_.lut().nearest(0.0f));
+  q.q1.fill_(code1_.zero_code());
+  q.q2.fill_(code2_.zero_code());
   q.absmax1.zero_();
   q.absmax2.zero_();
 }
@@ -345,13 +346,13 @@ NamedState AdamW8bit::requantized_state(size_t i, const AdamW8bitConfig& saved_c
   const struct { const char *codes, *scales, *moment; bool is_signed; } moments[] = {
       {"q1", "absmax1", "exp_avg", true}, {"q2", "absmax2", "exp_avg_sq", false}};
   for (const auto& m : moments) {
-    const at::Tensor code = quant::dynamic_map(m.is_signed);
     // The whole tensor, rows as the optimizer sees them (they decide the blocks).
     at::Tensor whole;
     if (full.count(m.codes)) {
       whole = quant::dequantize_blockwise({saved(full, m.codes, name(), p).reshape(-1),
                                            saved(full, m.scales, name(), p).reshape(-1)},
-                                          code, saved_config.block, p.row_len);
+                                          quant::Codec::of(saved_config.state_format, m.is_signed),
+                                          saved_config.block, p.row_len);
     } else {
       whole = saved(full, m.moment, name(), p).to(at::kFloat);
     }
@@ -360,8 +361,8 @@ NamedState AdamW8bit::requantized_state(size_t i, const AdamW8bitConfig& saved_c
       out[m.moment] = rows_here(p, whole).view(p.param.sizes());
       continue;
     }
-    const quant::Quantized q = quant::quantize_blockwise(whole, code, block_, p.row_len,
-                                                         /*keep_nonzero=*/!m.is_signed);
+    const quant::Quantized q = quant::quantize_blockwise(
+        whole, m.is_signed ? code1_ : code2_, block_, p.row_len);
     out[m.codes] = rows_here(p, q.codes);
     out[m.scales] = q.absmax.reshape(-1).narrow(0, q_[i].span.first, q_[i].absmax1.numel()).clone();
   }

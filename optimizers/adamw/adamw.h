@@ -68,8 +68,13 @@ struct AdamW8bitConfig {
   quant::BlockShape block = quant::BlockShape::blocks(256);
   // Tensors with fewer elements (the full tensor's) keep fp32 moments.
   int64_t min_8bit_size = 4096;
+  // How both moments are coded: the dynamic maps (bitsandbytes' numerics) or
+  // float8_e4m3fn codes (quant/formats/fp8_e4m3.h; same blocks, same absmax).
+  quant::StateFormat state_format = quant::StateFormat::kDynamic;
   // The settings (as Python names them) requantized_state moves between.
-  static std::vector<std::string> requantizable() { return {"block", "min_8bit_size"}; }
+  static std::vector<std::string> requantizable() {
+    return {"block", "min_8bit_size", "state_format"};
+  }
 };
 
 class AdamW8bit : public AdamW {
@@ -85,6 +90,7 @@ class AdamW8bit : public AdamW {
   std::vector<std::pair<std::string, at::Tensor>> state(size_t i) const override;
   std::vector<StateLayout> state_layout(size_t i) const override;
   const quant::BlockShape& block() const { return block_; }
+  quant::StateFormat state_format() const { return format_; }
  protected:
   void clear_state(size_t i) override;
 
@@ -131,9 +137,10 @@ class AdamW8bit : public AdamW {
   int64_t agreed_entries_ = 0;        // shared blocks over all ranks and parameters
   std::vector<size_t> shared_owner_;  // each agreed entry's parameter
   quant::BlockShape block_;
+  quant::StateFormat format_;
   std::vector<bool> eight_bit_;
   std::vector<Quantized8> q_;
-  quant::Codec code1_, code2_;  // m: signed dynamic map; v: unsigned, keep_nonzero
+  quant::Codec code1_, code2_;  // m: signed; v: unsigned, keep_nonzero (in format_)
 };
 
 }  // namespace rfsdp

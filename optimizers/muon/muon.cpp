@@ -79,6 +79,13 @@ std::vector<size_t> muon_indices(size_t n, const std::vector<bool>& use_muon) {
   return out;
 }
 
+// The 8-bit momentum's code: a signed code map ("dynamic", "linear"), or
+// float8_e4m3fn codes (quant/formats/fp8_e4m3.h).
+quant::Codec momentum_codec(const std::string& map) {
+  if (map == "float8_e4m3fn") return quant::Codec::float8_e4m3(/*keep_nonzero=*/false);
+  return quant::Codec(quant::code_map(map, /*is_signed=*/true));
+}
+
 }  // namespace
 
 void check_config(const MuonConfig& c) {
@@ -90,9 +97,10 @@ void check_config(const MuonConfig& c) {
     throw std::invalid_argument("Muon: momentum_dtype must be torch.float32, torch.bfloat16 or "
                                 "\"int8\" (8-bit block-wise codes)");
   }
-  if (c.momentum_map != "dynamic" && c.momentum_map != "linear") {
-    throw std::invalid_argument("Muon: momentum_map must be \"dynamic\" or \"linear\", got \"" +
-                                c.momentum_map + "\"");
+  if (c.momentum_map != "dynamic" && c.momentum_map != "linear" &&
+      c.momentum_map != "float8_e4m3fn") {
+    throw std::invalid_argument("Muon: momentum_map must be \"dynamic\", \"linear\" or "
+                                "\"float8_e4m3fn\", got \"" + c.momentum_map + "\"");
   }
   if (c.momentum_block < 1) {
     throw std::invalid_argument("Muon: momentum_block must be a positive integer, got " +
@@ -118,7 +126,7 @@ Muon::Muon(std::vector<ParamShard> params, MuonOptions options, MuonConfig confi
     config_.ns_coefficients.check_steps("Muon: parameter '" + layout_.shards()[k].name + "'",
                                          layout_.ns_steps(k));
   }
-  if (eight_bit()) code_ = quant::Codec(quant::code_map(config_.momentum_map, /*is_signed=*/true));
+  if (eight_bit()) code_ = momentum_codec(config_.momentum_map);
   const size_t P = params_.size();
   in_muon_.assign(P, -1);
   for (size_t k = 0; k < muon_.size(); ++k) in_muon_[muon_[k]] = static_cast<int64_t>(k);
@@ -140,7 +148,7 @@ Muon::Muon(std::vector<ParamShard> params, MuonOptions options, MuonConfig confi
     quant::check_whole_blocks(quant::BlockShape::blocks(config_.momentum_block), p.name,
                               p.full_rows, p.row_len, p.row_begin, p.rows());
     // zero codes decode to the map's value nearest 0: store its code
-    momenta_[i] = at::full(p.param.sizes(), code_.lut().nearest(0.0f), p.param.options().dtype(at::kByte));
+    momenta_[i] = at::full(p.param.sizes(), code_.zero_code(), p.param.options().dtype(at::kByte));
     absmax_[i] = at::zeros({block_layout(i).num_blocks}, p.param.options().dtype(at::kFloat));
   }
 }
@@ -152,7 +160,7 @@ void Muon::clear_state(size_t i) {
   } else if (!eight_bit()) {
     momenta_[i].zero_();
   } else {  // zero codes decode to the map's value nearest 0
-    momenta_[i].fill_(code_.lut().nearest(0.0f));
+    momenta_[i].fill_(code_.zero_code());
     absmax_[i].zero_();
   }
 }
@@ -190,7 +198,7 @@ NamedState Muon::requantized_state(size_t i, const MuonConfig& saved_config,
     whole = quant::dequantize_blockwise(
         {saved(full, "momentum_codes", name(), p).reshape(-1),
          saved(full, "momentum_absmax", name(), p).reshape(-1)},
-        quant::code_map(saved_config.momentum_map, true),
+        momentum_codec(saved_config.momentum_map),
         quant::BlockShape::blocks(saved_config.momentum_block));
   } else {
     whole = saved(full, "momentum_buffer", name(), p).reshape(-1).to(at::kFloat);
@@ -201,7 +209,7 @@ NamedState Muon::requantized_state(size_t i, const MuonConfig& saved_config,
   }
   const int64_t block = config_.momentum_block;
   const quant::Quantized q = quant::quantize_blockwise(
-      whole.contiguous(), quant::code_map(config_.momentum_map, true), quant::BlockShape::blocks(block));
+      whole.contiguous(), code_, quant::BlockShape::blocks(block));
   out["momentum_codes"] = rows_here(p, q.codes).view(p.param.sizes());
   out["momentum_absmax"] = q.absmax.reshape(-1)
                                .narrow(0, p.row_begin * p.row_len / block, absmax_.at(i).numel())

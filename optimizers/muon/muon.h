@@ -57,7 +57,8 @@ struct MuonConfig {
   // The momentum's storage: float32; bfloat16 (updated in fp32, stored rounded);
   // or at::kByte, 8-bit block-wise codes: blocks of momentum_block elements of
   // the global (flattened) tensor, one fp32 absmax each, the code map
-  // momentum_map ("dynamic": bitsandbytes' signed dynamic map, or "linear"), the
+  // momentum_map ("dynamic": bitsandbytes' signed dynamic map, "linear", or
+  // "float8_e4m3fn": e4m3 codes of momentum * 448 / absmax, quant/formats/fp8_e4m3.h), the
   // update computed from the fp32 momentum before it is encoded. 8-bit needs
   // shards of whole blocks (plan with rfsdp.policy.blockwise_8bit(block)) and
   // runs on the CPU.

@@ -271,8 +271,17 @@ void bind_optimizers(py::module_& m) {
   // the settings requantized_state moves between.
   py::class_<rfsdp::AdamW8bitConfig>(m, "AdamW8bitConfig")
       // None: the C++ default (AdamW8bitConfig's, the one place it is written).
-      .def(py::init([](const py::object& block, const py::object& min_8bit_size) {
+      .def(py::init([](const py::object& block, const py::object& min_8bit_size,
+                       const py::object& state_format) {
              rfsdp::AdamW8bitConfig c;
+             if (!state_format.is_none()) {
+               if (!py::isinstance<py::str>(state_format)) {
+                 throw py::value_error("AdamW8bit: state_format must be \"dynamic\" or "
+                                       "\"float8_e4m3fn\", got " +
+                                       py::repr(state_format).cast<std::string>());
+               }
+               c.state_format = rfsdp::quant::state_format(state_format.cast<std::string>());
+             }
              if (!block.is_none()) {
                c.block = block_shape(py::isinstance<py::list>(block) ? py::tuple(block) : block);
              }
@@ -282,7 +291,8 @@ void bind_optimizers(py::module_& m) {
              }
              return c;
            }),
-           py::kw_only(), py::arg("block") = py::none(), py::arg("min_8bit_size") = py::none())
+           py::kw_only(), py::arg("block") = py::none(), py::arg("min_8bit_size") = py::none(),
+           py::arg("state_format") = py::none())
       .def("settings", [](const rfsdp::AdamW8bitConfig& c) {
              py::dict d;
              if (c.block.is_tile()) {
@@ -291,6 +301,11 @@ void bind_optimizers(py::module_& m) {
                d["block"] = c.block.block;
              }
              d["min_8bit_size"] = c.min_8bit_size;
+             // Only where not the default: checkpoints saved before the setting
+             // existed (dynamic maps) keep loading as they are.
+             if (c.state_format != rfsdp::quant::StateFormat::kDynamic) {
+               d["state_format"] = rfsdp::quant::state_format_name(c.state_format);
+             }
              return d;
            })
       .def_property_readonly_static("requantizable", [](const py::object&) {

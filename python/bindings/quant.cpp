@@ -18,19 +18,46 @@ void bind_quant(py::module_& m) {
   // The state steps alone, on the tensors' device (tests check them element by
   // element; benches time them). The AdamW8bit step rounds v as the optimizer
   // does (keep_nonzero: see CodeLut).
+  // state_format "float8_e4m3fn": the codes are e4m3 (code1, code2 unused).
   m.def("adamw8bit_step", [](at::Tensor p, at::Tensor g, at::Tensor q1, at::Tensor a1, at::Tensor q2,
                              at::Tensor a2, const py::object& block, int64_t row_len,
                              const at::Tensor& code1, const at::Tensor& code2, double lr, double b1,
-                             double b2, double eps, double wd, int64_t step) {
+                             double b2, double eps, double wd, int64_t step,
+                             const std::string& state_format) {
     const auto shape = block_shape(block);
     const int64_t n = p.numel();
     TORCH_CHECK(row_len > 0 && n % row_len == 0, "row_len ", row_len, " does not divide ", n);
     const rfsdp::quant::BlockLayout L(shape, n / row_len, row_len);
     const rfsdp::quant::AdamWHyper h{float(lr), float(b1), float(b2), float(eps), float(wd), step};
     // (on the path the tensors' device and the switch choose: quant/ops/state_ops.h)
+    if (rfsdp::quant::state_format(state_format) == rfsdp::quant::StateFormat::kFloat8E4M3) {
+      rfsdp::quant::adamw8bit_step(p, g, q1, a1, q2, a2, L, rfsdp::quant::Codec::float8_e4m3(false),
+                                   rfsdp::quant::Codec::float8_e4m3(true), h);
+      return;
+    }
     rfsdp::quant::adamw8bit_step(p, g, q1, a1, q2, a2, L, rfsdp::quant::Codec(code1),
                                  rfsdp::quant::Codec(code2, /*keep_nonzero=*/true), h);
-  });
+  }, py::arg("p"), py::arg("g"), py::arg("q1"), py::arg("a1"), py::arg("q2"), py::arg("a2"),
+     py::arg("block"), py::arg("row_len"), py::arg("code1"), py::arg("code2"), py::arg("lr"),
+     py::arg("b1"), py::arg("b2"), py::arg("eps"), py::arg("wd"), py::arg("step"),
+     py::arg("state_format") = "dynamic");
+  m.def("quantize_blockwise_fp8",
+        [](const at::Tensor& x, const py::object& block, int64_t row_len, bool keep_nonzero) {
+          const auto q = rfsdp::quant::quantize_blockwise(
+              x, rfsdp::quant::Codec::float8_e4m3(keep_nonzero), block_shape(block), row_len);
+          return py::make_tuple(q.codes, q.absmax);
+        },
+        py::arg("x"), py::arg("block"), py::arg("row_len") = -1, py::arg("keep_nonzero") = false);
+  m.def("dequantize_blockwise_fp8",
+        [](const at::Tensor& codes, const at::Tensor& absmax, const py::object& block,
+           int64_t row_len, std::optional<at::Tensor> out) {
+          return rfsdp::quant::dequantize_blockwise({codes, absmax},
+                                                    rfsdp::quant::Codec::float8_e4m3(false),
+                                                    block_shape(block), row_len,
+                                                    out ? *out : at::Tensor());
+        },
+        py::arg("codes"), py::arg("absmax"), py::arg("block"), py::arg("row_len") = -1,
+        py::arg("out") = py::none());
   m.def("momentum8bit_step", [](const at::Tensor& g, const at::Tensor& q, const at::Tensor& absmax,
                                 int64_t block, const at::Tensor& code, double beta, bool nesterov,
                                 const at::Tensor& q_out, const at::Tensor& absmax_out,

@@ -14,11 +14,15 @@ def _code(code, signed):
 
 
 def quantize_blockwise(x, block=256, code="dynamic", signed=True, keep_nonzero=False):
-    """-> (codes uint8 of x's shape, absmax float32 per block). block: an int
+    """-> (codes uint8 of x's shape, absmax float32 per block). code: a map's name
+    ("dynamic", "linear"), 256 values, or "float8_e4m3fn" (codes are the e4m3 bits
+    of x * 448 / absmax, rounded as torch's cast; signed is then unused). block: an int
     (1-D blocks of the flattened tensor) or a pair (tiles of x seen as rows x
     its last dim). keep_nonzero (unsigned codes): a value above 0 never takes
     the code 0, as the 8-bit optimizers store second moments (a v stored as 0
     beside a non-zero first moment would turn m / (sqrt(v) + eps) into m / eps)."""
+    if isinstance(code, str) and code == "float8_e4m3fn":
+        return _C.quantize_blockwise_fp8(x, block, keep_nonzero=keep_nonzero)
     return _C.quantize_blockwise(x, _code(code, signed), block, keep_nonzero=keep_nonzero)
 
 
@@ -26,7 +30,10 @@ def dequantize_blockwise(codes, absmax, block=256, code="dynamic", signed=True, 
                          out=None):
     """-> float32 values (codes' shape, or `shape`); into `out` (float32, contiguous,
     as many elements) when given, so repeated calls reuse one buffer."""
-    res = _C.dequantize_blockwise(codes, absmax, _code(code, signed), block, out=out)
+    if isinstance(code, str) and code == "float8_e4m3fn":
+        res = _C.dequantize_blockwise_fp8(codes, absmax, block, out=out)
+    else:
+        res = _C.dequantize_blockwise(codes, absmax, _code(code, signed), block, out=out)
     return res.reshape(shape) if shape is not None else res
 
 

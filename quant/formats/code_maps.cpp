@@ -40,6 +40,17 @@ at::Tensor code_map(const std::string& name, bool is_signed) {
   throw std::invalid_argument("unknown code map '" + name + "': use \"dynamic\" or \"linear\"");
 }
 
+StateFormat state_format(const std::string& name) {
+  if (name == "dynamic") return StateFormat::kDynamic;
+  if (name == "float8_e4m3fn") return StateFormat::kFloat8E4M3;
+  throw std::invalid_argument("unknown 8-bit state format '" + name +
+                              "': use \"dynamic\" or \"float8_e4m3fn\"");
+}
+
+const char* state_format_name(StateFormat f) {
+  return f == StateFormat::kFloat8E4M3 ? "float8_e4m3fn" : "dynamic";
+}
+
 std::shared_ptr<const cpu::CodeLut> code_lut(const at::Tensor& code, bool keep_nonzero) {
   if (code.numel() != 256 || code.scalar_type() != at::kFloat) {
     throw std::invalid_argument("a code map must be 256 float32 values, got " +

@@ -18,6 +18,13 @@ at::Tensor linear_map(bool is_signed);
 // "dynamic" or "linear"; throws for another name.
 at::Tensor code_map(const std::string& name, bool is_signed);
 
+// How an optimizer's 8-bit states are coded: the dynamic map (code_lut.h; the
+// default, bitsandbytes' numerics) or float8_e4m3fn (fp8_e4m3.h). Names as
+// Python spells them: "dynamic", "float8_e4m3fn".
+enum class StateFormat { kDynamic, kFloat8E4M3 };
+StateFormat state_format(const std::string& name);  // throws for another name
+const char* state_format_name(StateFormat f);
+
 // The nearest-code table of a code, built once per distinct code (and
 // keep_nonzero: see CodeLut) and shared.
 std::shared_ptr<const cpu::CodeLut> code_lut(const at::Tensor& code, bool keep_nonzero = false);

@@ -56,18 +56,28 @@ void check_same_device(const at::Tensor& t, const at::Tensor& ref, const char* w
 
 Quantized quantize_blockwise(const at::Tensor& x_in, const at::Tensor& code, BlockShape shape,
                              int64_t row_len, bool keep_nonzero) {
+  return quantize_blockwise(x_in, Codec(code, keep_nonzero), shape, row_len);
+}
+
+Quantized quantize_blockwise(const at::Tensor& x_in, const Codec& code, BlockShape shape,
+                             int64_t row_len) {
   check_tensor(x_in, at::kFloat, "quantize_blockwise input");
   const at::Tensor x = x_in.contiguous();
   const BlockLayout L = layout_of(x, shape, row_len);
   Quantized q{at::empty(x.sizes(), x.options().dtype(at::kByte)),
               at::empty({L.num_blocks}, x.options())};
-  if (!quant::quantize(x, L, Codec(code, keep_nonzero), q.codes, q.absmax)) {
+  if (!quant::quantize(x, L, code, q.codes, q.absmax)) {
     throw std::invalid_argument("quantize_blockwise: the input holds NaN or Inf values");
   }
   return q;
 }
 
 at::Tensor dequantize_blockwise(const Quantized& q, const at::Tensor& code, BlockShape shape,
+                                int64_t row_len, const at::Tensor& out_in) {
+  return dequantize_blockwise(q, Codec(code.to(at::kCPU, at::kFloat)), shape, row_len, out_in);
+}
+
+at::Tensor dequantize_blockwise(const Quantized& q, const Codec& code, BlockShape shape,
                                 int64_t row_len, const at::Tensor& out_in) {
   check_tensor(q.codes, at::kByte, "dequantize_blockwise codes");
   check_tensor(q.absmax, at::kFloat, "dequantize_blockwise absmax");
@@ -92,7 +102,7 @@ at::Tensor dequantize_blockwise(const Quantized& q, const at::Tensor& code, Bloc
   } else {
     out = at::empty(codes.sizes(), codes.options().dtype(at::kFloat));
   }
-  quant::dequantize(codes, q.absmax.contiguous(), L, Codec(code.to(at::kCPU, at::kFloat)), out);
+  quant::dequantize(codes, q.absmax.contiguous(), L, code, out);
   return out;
 }
 

@@ -25,6 +25,14 @@ Quantized quantize_blockwise(const at::Tensor& x, const at::Tensor& code, BlockS
 at::Tensor dequantize_blockwise(const Quantized& q, const at::Tensor& code, BlockShape shape,
                                 int64_t row_len = -1, const at::Tensor& out = {});
 
+// The same with a Codec (state_ops.h): a code map or the float8_e4m3fn format
+// (its keep_nonzero as the Codec holds it).
+class Codec;
+Quantized quantize_blockwise(const at::Tensor& x, const Codec& code, BlockShape shape,
+                             int64_t row_len = -1);
+at::Tensor dequantize_blockwise(const Quantized& q, const Codec& code, BlockShape shape,
+                                int64_t row_len = -1, const at::Tensor& out = {});
+
 // The layout of x's blocks (checks the arguments).
 BlockLayout layout_of(const at::Tensor& x, BlockShape shape, int64_t row_len);
 

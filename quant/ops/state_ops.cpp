@@ -11,10 +11,39 @@
 
 namespace rfsdp::quant {
 
-Codec::Codec(const at::Tensor& code, bool keep_nonzero) : lut_(code_lut(code, keep_nonzero)) {}
+Codec::Codec(const at::Tensor& code, bool keep_nonzero)
+    : lut_(code_lut(code, keep_nonzero)), keep_nonzero_(keep_nonzero) {}
+
+Codec Codec::float8_e4m3(bool keep_nonzero) {
+  Codec c;
+  c.fp8_ = true;
+  c.keep_nonzero_ = keep_nonzero;
+  return c;
+}
+
+Codec Codec::of(StateFormat f, bool is_signed) {
+  if (f == StateFormat::kFloat8E4M3) return float8_e4m3(/*keep_nonzero=*/!is_signed);
+  return Codec(dynamic_map(is_signed), /*keep_nonzero=*/!is_signed);
+}
+
+const cpu::CodeLut& Codec::lut() const {
+  if (!lut_) throw std::logic_error("Codec::lut: this code has no table (float8_e4m3fn or none)");
+  return *lut_;
+}
+
+uint8_t Codec::zero_code() const { return fp8_ ? uint8_t{0} : lut().nearest(0.0f); }
 
 const generic::DeviceCode& Codec::on(at::Device device) const {
   std::lock_guard<std::mutex> lock(on_->mu);
+  if (fp8_) {
+    if (on_->codes.empty()) {
+      generic::DeviceCode c;
+      c.fp8 = true;
+      c.keep_nonzero = keep_nonzero_;
+      on_->codes.emplace_back(device, c);
+    }
+    return on_->codes.front().second;  // (no tensors: one for every device)
+  }
   for (const auto& [d, c] : on_->codes) {
     if (d == device) return c;
   }
@@ -59,10 +88,18 @@ bool quantize(const at::Tensor& x, const BlockLayout& L, const Codec& code, cons
                         {&absmax, at::kFloat, L.num_blocks, "absmax"}});
   switch (path_of(x, true)) {
     case Path::kCpuKernels:
+      if (code.fp8()) {
+        return cpu::quantize_fp8(x.data_ptr<float>(), L, code.keep_nonzero(),
+                                 q.data_ptr<uint8_t>(), absmax.data_ptr<float>());
+      }
       return cpu::quantize(x.data_ptr<float>(), L, code.lut(), q.data_ptr<uint8_t>(),
                            absmax.data_ptr<float>());
     case Path::kCudaKernels:
       if (check_finite && !at::isfinite(x).all().item<bool>()) return false;
+      if (code.fp8()) {
+        cuda_ops::quantize_fp8(x.view(-1), L, code.keep_nonzero(), q.view(-1), absmax);
+        return true;
+      }
       cuda_ops::quantize(x.view(-1), L, code.on(x.device()).values, code.lut(), q.view(-1), absmax);
       return true;
     case Path::kGeneric:
@@ -78,9 +115,14 @@ void dequantize(const at::Tensor& q, const at::Tensor& absmax, const BlockLayout
                           {&out, at::kFloat, L.numel, "the output"}});
   switch (path_of(q, true)) {
     case Path::kCpuKernels:
+      if (code.fp8()) {
+        return cpu::dequantize_fp8(q.data_ptr<uint8_t>(), absmax.data_ptr<float>(), L,
+                                   out.data_ptr<float>());
+      }
       return cpu::dequantize(q.data_ptr<uint8_t>(), absmax.data_ptr<float>(), L, code.lut(),
                              out.data_ptr<float>());
     case Path::kCudaKernels:
+      if (code.fp8()) return cuda_ops::dequantize_fp8(q.view(-1), absmax, L, out.view(-1));
       return cuda_ops::dequantize(q.view(-1), absmax, L, code.on(q.device()).values, out.view(-1));
     case Path::kGeneric:
       return generic::dequantize(q, absmax, L, code.on(q.device()), out);
@@ -97,6 +139,12 @@ void check_step(const char* op, const at::Tensor& param, const at::Tensor& grad,
                     {&q2, at::kByte, L.numel, "the second moment's codes"},
                     {&absmax2, at::kFloat, L.num_blocks, "the second moment's absmax"}});
 }
+void check_formats(const char* op, const Codec& code1, const Codec& code2) {
+  if (code1.fp8() != code2.fp8()) {
+    throw std::invalid_argument(std::string(op) + ": both moments take one format (the dynamic "
+                                "map or float8_e4m3fn), got one of each");
+  }
+}
 }  // namespace
 
 void adamw8bit_step(const at::Tensor& param, const at::Tensor& grad, const at::Tensor& q1,
@@ -104,13 +152,23 @@ void adamw8bit_step(const at::Tensor& param, const at::Tensor& grad, const at::T
                     const BlockLayout& L, const Codec& code1, const Codec& code2,
                     const AdamWHyper& h) {
   check_step("adamw8bit_step", param, grad, q1, absmax1, q2, absmax2, L);
+  check_formats("adamw8bit_step", code1, code2);
   switch (path_of(param, true)) {
     case Path::kCpuKernels:
+      if (code1.fp8()) {
+        return cpu::adamw_fp8_step(param.data_ptr<float>(), grad.data_ptr<float>(),
+                                   q1.data_ptr<uint8_t>(), absmax1.data_ptr<float>(),
+                                   q2.data_ptr<uint8_t>(), absmax2.data_ptr<float>(), L, h);
+      }
       return cpu::adamw8bit_step(param.data_ptr<float>(), grad.data_ptr<float>(),
                                  q1.data_ptr<uint8_t>(), absmax1.data_ptr<float>(),
                                  q2.data_ptr<uint8_t>(), absmax2.data_ptr<float>(), L, code1.lut(),
                                  code2.lut(), h);
     case Path::kCudaKernels:
+      if (code1.fp8()) {
+        return cuda_ops::adamw_fp8_step(param.view(-1), grad.view(-1), q1.view(-1), absmax1,
+                                        q2.view(-1), absmax2, L, h);
+      }
       return cuda_ops::adamw8bit_step(param.view(-1), grad.view(-1), q1.view(-1), absmax1,
                                       q2.view(-1), absmax2, L, code1.on(param.device()).values,
                                       code1.lut(), code2.on(param.device()).values, code2.lut(), h);
@@ -125,6 +183,7 @@ SharedStep adamw8bit_begin(const at::Tensor& param, const at::Tensor& grad, cons
                            const at::Tensor& absmax2, const BlockLayout& L, const Codec& code1,
                            const Codec& code2, const AdamWHyper& h) {
   check_step("adamw8bit_begin", param, grad, q1, absmax1, q2, absmax2, L);
+  check_formats("adamw8bit_begin", code1, code2);
   SharedStep s;
   const Path path = path_of(param, true);
   if (path == Path::kGeneric) {
@@ -135,11 +194,23 @@ SharedStep adamw8bit_begin(const at::Tensor& param, const at::Tensor& grad, cons
   s.scratch = at::empty({2 * L.num_blocks * L.max_block_elems()}, param.options());
   s.moments.amax1 = at::empty({L.num_blocks}, param.options());
   s.moments.amax2 = at::empty({L.num_blocks}, param.options());
+  if (path == Path::kCudaKernels && code1.fp8()) {
+    cuda_ops::adamw_fp8_begin(param.view(-1), grad.view(-1), q1.view(-1), absmax1, q2.view(-1),
+                              absmax2, L, h, s.scratch, s.moments.amax1, s.moments.amax2);
+    return s;
+  }
   if (path == Path::kCudaKernels) {
     cuda_ops::adamw8bit_begin(param.view(-1), grad.view(-1), q1.view(-1), absmax1, q2.view(-1),
                               absmax2, L, code1.on(param.device()).values,
                               code2.on(param.device()).values, h, s.scratch, s.moments.amax1,
                               s.moments.amax2);
+    return s;
+  }
+  if (code1.fp8()) {
+    cpu::adamw_fp8_begin(param.data_ptr<float>(), grad.data_ptr<float>(), q1.data_ptr<uint8_t>(),
+                         absmax1.data_ptr<float>(), q2.data_ptr<uint8_t>(),
+                         absmax2.data_ptr<float>(), L, h, s.scratch.data_ptr<float>(),
+                         s.moments.amax1.data_ptr<float>(), s.moments.amax2.data_ptr<float>());
     return s;
   }
   cpu::adamw8bit_begin(param.data_ptr<float>(), grad.data_ptr<float>(), q1.data_ptr<uint8_t>(),
@@ -159,14 +230,25 @@ void adamw8bit_end(const SharedStep& s, const at::Tensor& agreed1, const at::Ten
                               {&absmax1, at::kFloat, L.num_blocks, "the first moment's absmax"},
                               {&q2, at::kByte, L.numel, "the second moment's codes"},
                               {&absmax2, at::kFloat, L.num_blocks, "the second moment's absmax"}});
+  check_formats("adamw8bit_end", code1, code2);
   if (!s.scratch.defined()) {  // begun on the generic path
     return generic::adamw8bit_end(s.moments, agreed1, agreed2, L, code1.on(q1.device()),
                                   code2.on(q1.device()), q1, absmax1, q2, absmax2);
+  }
+  if (s.scratch.is_cuda() && code1.fp8()) {
+    return cuda_ops::adamw_fp8_end(s.scratch, L, agreed1, agreed2, q1.view(-1), absmax1,
+                                   q2.view(-1), absmax2);
   }
   if (s.scratch.is_cuda()) {
     return cuda_ops::adamw8bit_end(s.scratch, L, code1.on(q1.device()).values, code1.lut(),
                                    code2.on(q1.device()).values, code2.lut(), agreed1, agreed2,
                                    q1.view(-1), absmax1, q2.view(-1), absmax2);
+  }
+  if (code1.fp8()) {
+    return cpu::adamw_fp8_end(s.scratch.data_ptr<float>(), L, agreed1.data_ptr<float>(),
+                              agreed2.data_ptr<float>(), q1.data_ptr<uint8_t>(),
+                              absmax1.data_ptr<float>(), q2.data_ptr<uint8_t>(),
+                              absmax2.data_ptr<float>());
   }
   cpu::adamw8bit_end(s.scratch.data_ptr<float>(), L, code1.lut(), code2.lut(),
                      agreed1.data_ptr<float>(), agreed2.data_ptr<float>(), q1.data_ptr<uint8_t>(),
@@ -185,6 +267,12 @@ void momentum8bit_step(const at::Tensor& grad, const at::Tensor& q, const at::Te
   if (path_of(grad, false) == Path::kGeneric) {
     generic::momentum8bit_step(grad, q, absmax, L, code.on(grad.device()), beta, nesterov, q_out,
                                absmax_out, u);
+    return;
+  }
+  if (code.fp8()) {
+    cpu::momentum_fp8_step(grad.data_ptr<float>(), q.data_ptr<uint8_t>(), absmax.data_ptr<float>(),
+                           L, beta, nesterov, q_out.data_ptr<uint8_t>(),
+                           absmax_out.data_ptr<float>(), u.data_ptr<float>());
     return;
   }
   cpu::momentum8bit_step(grad.data_ptr<float>(), q.data_ptr<uint8_t>(), absmax.data_ptr<float>(),

@@ -20,24 +20,35 @@
 
 #include "quant/formats/block_layout.h"
 #include "quant/formats/code_lut.h"
+#include "quant/formats/code_maps.h"
 #include "quant/kernels/adamw_update.h"
 #include "quant/kernels/aten/generic_ops.h"
 
 namespace rfsdp::quant {
 
-// One code map for every path: the CPU table and, per device, its values and
-// midpoints (made on first use there).
+// One code for every path: a code map (the CPU table and, per device, its
+// values and midpoints, made on first use there), or the float8_e4m3fn format
+// (formats/fp8_e4m3.h: arithmetic, no table).
 class Codec {
  public:
   Codec() = default;
   // code: 256 sorted fp32 values; keep_nonzero: CodeLut's rounding of v.
   Codec(const at::Tensor& code, bool keep_nonzero = false);
-  bool defined() const { return lut_ != nullptr; }
-  const cpu::CodeLut& lut() const { return *lut_; }
+  // float8_e4m3fn codes; keep_nonzero: a value above 0 never takes code 0.
+  static Codec float8_e4m3(bool keep_nonzero);
+  // An optimizer state's code in format f: signed (Adam's m, momentum) or not
+  // (Adam's v: keep_nonzero).
+  static Codec of(StateFormat f, bool is_signed);
+  bool defined() const { return lut_ != nullptr || fp8_; }
+  bool fp8() const { return fp8_; }
+  bool keep_nonzero() const { return keep_nonzero_; }
+  const cpu::CodeLut& lut() const;  // a code map's (throws for float8)
+  uint8_t zero_code() const;        // the code of 0 (a fresh state's)
   const generic::DeviceCode& on(at::Device device) const;
 
  private:
   std::shared_ptr<const cpu::CodeLut> lut_;
+  bool fp8_ = false, keep_nonzero_ = false;
   struct OnDevices {
     std::mutex mu;
     std::deque<std::pair<at::Device, generic::DeviceCode>> codes;  // (stable references)

@@ -122,17 +122,18 @@ def test_8bit_state_steps_on_the_gpu_equal_the_cpu_kernels_bit_for_bit(block, pa
             assert torch.equal(x, y), "momentum %s differs (%s, %s, seed %d)" % (name, block, path, seed)
 
 
+@pytest.mark.parametrize("fmt", [None, "float8_e4m3fn"])
 @pytest.mark.parametrize("path", ["kernels", "generic"])
 @pytest.mark.parametrize("block", [256, (32, 32)], ids=str)
-def test_adamw8bit_on_the_gpu_equals_the_cpu_bit_for_bit(block, path):
+def test_adamw8bit_on_the_gpu_equals_the_cpu_bit_for_bit(block, path, fmt):
     seed = fresh_seed()
     g = torch.Generator().manual_seed(seed)
     shapes = [(96, 64), (64, 160), (40,)]  # the 1-D one keeps fp32 moments (small)
     init = [torch.randn(s, generator=g) for s in shapes]
     p_cpu = [nn.Parameter(t.clone()) for t in init]
     p_gpu = [nn.Parameter(t.to(GPU)) for t in init]
-    o_cpu = rfsdp.optim.AdamW8bit(p_cpu, lr=1e-3, block=block, min_8bit_size=1000)
-    o_gpu = rfsdp.optim.AdamW8bit(p_gpu, lr=1e-3, block=block, min_8bit_size=1000)
+    o_cpu = rfsdp.optim.AdamW8bit(p_cpu, lr=1e-3, block=block, min_8bit_size=1000, state_format=fmt)
+    o_gpu = rfsdp.optim.AdamW8bit(p_gpu, lr=1e-3, block=block, min_8bit_size=1000, state_format=fmt)
     for _ in range(10):
         grads = [1e-2 * torch.randn(s, generator=g) for s in shapes]
         for a, b, gr in zip(p_cpu, p_gpu, grads):
@@ -146,8 +147,9 @@ def test_adamw8bit_on_the_gpu_equals_the_cpu_bit_for_bit(block, path):
                 assert torch.equal(o_gpu.state[b][name].cpu(), x), "%s of param %d (%s)" % (name, k, path)
 
 
+@pytest.mark.parametrize("momentum_map", ["dynamic", "float8_e4m3fn"])
 @pytest.mark.parametrize("path", ["kernels", "generic"])
-def test_8bit_muon_momentum_on_the_gpu_equals_the_cpu(path):
+def test_8bit_muon_momentum_on_the_gpu_equals_the_cpu(path, momentum_map):
     # The momentum depends on the gradients alone: its codes and scales equal the
     # CPU's bit for bit; the parameters (Newton–Schulz in fp32 by cuBLAS) within 1e-5.
     seed = fresh_seed()
@@ -156,7 +158,8 @@ def test_8bit_muon_momentum_on_the_gpu_equals_the_cpu(path):
     init = [torch.randn(s, generator=g) for s in shapes]
     p_cpu = [nn.Parameter(t.clone()) for t in init]
     p_gpu = [nn.Parameter(t.to(GPU)) for t in init]
-    kw = dict(lr=0.02, momentum_dtype="int8", momentum_block=64, ns_dtype=torch.float32)
+    kw = dict(lr=0.02, momentum_dtype="int8", momentum_block=64, ns_dtype=torch.float32,
+              momentum_map=momentum_map)
     o_cpu, o_gpu = rfsdp.optim.Muon(p_cpu, **kw), rfsdp.optim.Muon(p_gpu, **kw)
     for _ in range(5):
         for a, b in zip(p_cpu, p_gpu):

@@ -35,16 +35,20 @@ class AdamW8bit(AdamW):
     torch.chunk rows, or a plan without rfsdp.policy.blockwise_8bit(block)) is
     shared by its ranks, which agree its scale in one small all-reduce a step
     (for all such blocks). Plans made with that policy hold whole blocks: no
-    all-reduce. On a GPU, shards must hold whole blocks."""
+    all-reduce. On a GPU, shards must hold whole blocks. state_format: "dynamic"
+    (None: the default, bitsandbytes' maps) or "float8_e4m3fn" (codes are e4m3
+    bit patterns of the value times 448 / absmax, decoded and encoded by
+    arithmetic; v never rounds a value above 0 to 0). rfsdp.checkpoint.load(...,
+    requantize=True) moves a checkpoint between formats."""
 
     _config_class = _C.AdamW8bitConfig
 
     def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=1e-2,
                  block=None, min_8bit_size=None, process_group=None, timeout_seconds=300.0,
-                 rounding="nearest"):
+                 rounding="nearest", state_format=None):
         self.config = _C.AdamW8bitConfig(
             block=block if block is None or isinstance(block, int) else tuple(block),
-            min_8bit_size=min_8bit_size)
+            min_8bit_size=min_8bit_size, state_format=state_format)
         super().__init__(params, lr, betas, eps, weight_decay, process_group, timeout_seconds,
                          rounding)
 

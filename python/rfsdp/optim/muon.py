@@ -51,7 +51,8 @@ class Muon(_OverCpp):
     in fp32, stored rounded); or "int8": 8-bit block-wise codes, blocks of
     momentum_block elements of the global (flattened) tensor with one fp32 absmax
     each and the signed code map momentum_map ("dynamic": bitsandbytes' dynamic
-    map, "linear": 256 even steps in [-1, 1]), dequantised, updated and encoded in
+    map, "linear": 256 even steps in [-1, 1], "float8_e4m3fn": e4m3 codes of the
+    momentum times 448 / absmax, by arithmetic), dequantised, updated and encoded in
     one pass on the owning shard; the update is taken from the fp32 momentum
     before it is encoded, and what is gathered to the roots is unchanged. Codes
     and scales do not depend on the world size; "int8" needs shards of whole

@@ -1,7 +1,10 @@
 #include "quant/kernels/aten/generic_ops.h"
 
+#include <cfloat>
 #include <cmath>
 #include <vector>
+
+#include "quant/formats/fp8_e4m3.h"
 
 namespace rfsdp::quant::generic {
 
@@ -89,9 +92,24 @@ class Blocked {
   at::Tensor ids_;
 };
 
+// The float8_e4m3fn codes of x under absmax per block (fp8_e4m3.h): torch's cast
+// of x * (448 / absmax), that factor held below +inf and 0 where the absmax is 0;
+// keep_nonzero: code 1 where a value above 0 casts to 0.
+void encode_fp8(const at::Tensor& x, const Blocked& blocks, const at::Tensor& absmax,
+                const DeviceCode& code, const at::Tensor& q) {
+  const at::Tensor r = at::where(absmax > 0,
+                                 at::full_like(absmax, fp8::kMax).div_(absmax).clamp_max_(FLT_MAX),
+                                 at::zeros_like(absmax));
+  const at::Tensor y = blocks.times(x, r);
+  at::Tensor c = y.to(at::kFloat8_e4m3fn).view(at::kByte);
+  if (code.keep_nonzero) c = at::where(c.eq(0).logical_and_(y > 0), at::ones_like(c), c);
+  q.copy_(c);
+}
+
 // The codes of x under absmax per block: x * (1 / absmax), or 0 where the absmax is 0.
 void encode(const at::Tensor& x, const Blocked& blocks, const at::Tensor& absmax,
             const DeviceCode& code, const at::Tensor& q) {
+  if (code.fp8) return encode_fp8(x, blocks, absmax, code, q);
   const at::Tensor scale =
       at::where(absmax > 0, at::ones_like(absmax).div_(absmax), at::zeros_like(absmax));
   q.copy_(at::bucketize(blocks.times(x, scale), code.mids, /*out_int32=*/true, /*right=*/false));
@@ -99,6 +117,9 @@ void encode(const at::Tensor& x, const Blocked& blocks, const at::Tensor& absmax
 
 at::Tensor decode(const at::Tensor& q, const at::Tensor& absmax, const Blocked& blocks,
                   const DeviceCode& code) {
+  if (code.fp8) {  // torch's float8_e4m3fn values times absmax / 448
+    return blocks.times(q.view(at::kFloat8_e4m3fn).to(at::kFloat), absmax / fp8::kMax);
+  }
   return blocks.times(code.values.index_select(0, q.to(at::kLong)), absmax);
 }
 

@@ -19,9 +19,12 @@
 namespace rfsdp::quant::generic {
 
 // A code's 256 values and its 255 finite midpoints (the CodeLut's, so the
-// rounding is the kernels': keep_nonzero included) on a device.
+// rounding is the kernels': keep_nonzero included) on a device; or, fp8 set,
+// the float8_e4m3fn format (formats/fp8_e4m3.h: torch's own cast and its
+// inverse, no tensors).
 struct DeviceCode {
   at::Tensor values, mids;
+  bool fp8 = false, keep_nonzero = false;
 };
 DeviceCode device_code(const cpu::CodeLut& lut, at::Device device);
 

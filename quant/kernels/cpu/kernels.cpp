@@ -14,6 +14,7 @@
 
 #include "quant/kernels/cpu/avx2.h"
 #include "quant/kernels/cpu/avx512.h"
+#include "quant/kernels/cpu/fp8.h"
 #include "quant/kernels/cpu/portable.h"
 
 namespace rfsdp::quant::cpu {
@@ -169,6 +170,73 @@ bool momentum8bit_step(const float* grad, const uint8_t* q, const float* absmax,
                                       u, b0, b1, buf.data(), &bad);
         break;
     }
+    if (task_bad) bad.store(true, std::memory_order_relaxed);
+  });
+  return !bad.load();
+}
+
+// The float8 kernels of the set in use (they need no code index).
+static const Fp8Kernels& fp8_set() {
+  switch (active_isa()) {
+    case Isa::kAvx512: return avx512::fp8_kernels();
+    case Isa::kAvx2: return avx2::fp8_kernels();
+    case Isa::kPortable: break;
+  }
+  return portable::fp8_kernels();
+}
+
+bool quantize_fp8(const float* x, const BlockLayout& L, bool keep_nonzero, uint8_t* q,
+                  float* absmax) {
+  std::atomic<bool> bad{false};
+  const Fp8Kernels& k = fp8_set();
+  at::parallel_for(0, L.num_blocks, grain(L), [&](int64_t b0, int64_t b1) {
+    bool task_bad = false;
+    k.quantize(x, L, keep_nonzero, q, absmax, b0, b1, &task_bad);
+    if (task_bad) bad.store(true, std::memory_order_relaxed);
+  });
+  return !bad.load();
+}
+
+void dequantize_fp8(const uint8_t* q, const float* absmax, const BlockLayout& L, float* out) {
+  const Fp8Kernels& k = fp8_set();
+  at::parallel_for(0, L.num_blocks, grain(L),
+                   [&](int64_t b0, int64_t b1) { k.dequantize(q, absmax, L, out, b0, b1); });
+}
+
+void adamw_fp8_step(float* param, const float* grad, uint8_t* q1, float* absmax1, uint8_t* q2,
+                    float* absmax2, const BlockLayout& L, const AdamWHyper& h) {
+  const AdamWCoeffs c = adamw_coeffs(h);
+  const Fp8Kernels& k = fp8_set();
+  at::parallel_for(0, L.num_blocks, grain(L), [&](int64_t b0, int64_t b1) {
+    std::vector<float> buf(2 * L.max_block_elems());  // this task's block of m and of v
+    k.adamw(param, grad, q1, absmax1, q2, absmax2, L, c, b0, b1, buf.data(),
+            buf.data() + L.max_block_elems());
+  });
+}
+
+void adamw_fp8_begin(float* param, const float* grad, const uint8_t* q1, const float* absmax1,
+                     const uint8_t* q2, const float* absmax2, const BlockLayout& L,
+                     const AdamWHyper& h, float* scratch, float* amax1, float* amax2) {
+  fp8_set().adamw_begin(param, grad, q1, absmax1, q2, absmax2, L, adamw_coeffs(h), 0,
+                        L.num_blocks, scratch, amax1, amax2);
+}
+
+void adamw_fp8_end(const float* scratch, const BlockLayout& L, const float* agreed1,
+                   const float* agreed2, uint8_t* q1, float* absmax1, uint8_t* q2,
+                   float* absmax2) {
+  fp8_set().adamw_end(scratch, L, agreed1, agreed2, q1, absmax1, q2, absmax2, 0, L.num_blocks);
+}
+
+bool momentum_fp8_step(const float* grad, const uint8_t* q, const float* absmax,
+                       const BlockLayout& L, float beta, bool nesterov, uint8_t* q_out,
+                       float* absmax_out, float* u) {
+  std::atomic<bool> bad{false};
+  const Fp8Kernels& k = fp8_set();
+  at::parallel_for(0, L.num_blocks, grain(L), [&](int64_t b0, int64_t b1) {
+    std::vector<float> buf(L.max_block_elems());  // this task's block of m
+    bool task_bad = false;
+    k.momentum(grad, q, absmax, L, beta, nesterov, q_out, absmax_out, u, b0, b1, buf.data(),
+               &task_bad);
     if (task_bad) bad.store(true, std::memory_order_relaxed);
   });
   return !bad.load();

@@ -64,6 +64,24 @@ bool momentum8bit_step(const float* grad, const uint8_t* q, const float* absmax,
                        const BlockLayout& layout, const CodeLut& lut, float beta, bool nesterov,
                        uint8_t* q_out, float* absmax_out, float* u);
 
+// The same entry points for the float8_e4m3fn format (formats/fp8_e4m3.h; the
+// kernels: cpu/fp8.h), on the kernel set in use. AdamW's m is signed, its v
+// keep_nonzero; scratch, amax and agreed as for the dynamic map.
+bool quantize_fp8(const float* x, const BlockLayout& layout, bool keep_nonzero, uint8_t* q,
+                  float* absmax);
+void dequantize_fp8(const uint8_t* q, const float* absmax, const BlockLayout& layout, float* out);
+void adamw_fp8_step(float* param, const float* grad, uint8_t* q1, float* absmax1, uint8_t* q2,
+                    float* absmax2, const BlockLayout& layout, const AdamWHyper& h);
+void adamw_fp8_begin(float* param, const float* grad, const uint8_t* q1, const float* absmax1,
+                     const uint8_t* q2, const float* absmax2, const BlockLayout& layout,
+                     const AdamWHyper& h, float* scratch, float* amax1, float* amax2);
+void adamw_fp8_end(const float* scratch, const BlockLayout& layout, const float* agreed1,
+                   const float* agreed2, uint8_t* q1, float* absmax1, uint8_t* q2,
+                   float* absmax2);
+bool momentum_fp8_step(const float* grad, const uint8_t* q, const float* absmax,
+                       const BlockLayout& layout, float beta, bool nesterov, uint8_t* q_out,
+                       float* absmax_out, float* u);
+
 // One AdamW step with fp32 moments (the baseline), torch.optim.AdamW's formula.
 void adamw32_step(float* param, const float* grad, float* m, float* v, int64_t n,
                   const AdamWHyper& h);

@@ -3,6 +3,8 @@
 #include <cmath>
 #include <type_traits>
 
+#include "quant/formats/fp8_e4m3.h"
+
 namespace rfsdp::quant::cuda {
 
 namespace {
@@ -276,6 +278,135 @@ __global__ void adamw8bit_end_kernel(const float* __restrict scratch, BlockLayou
   }
 }
 
+// The float8_e4m3fn format (formats/fp8_e4m3.h): codes by arithmetic, no
+// shared table; otherwise as the kernels above (one quantisation block per
+// thread block, the same element order and block maxima).
+template <int kItems>
+__global__ void quantize_fp8_kernel(const float* __restrict x, BlockLayout L, bool keep_nonzero,
+                                    uint8_t* __restrict q, float* __restrict absmax) {
+  __shared__ float scratch[32];
+  for (int64_t blk = blockIdx.x; blk < L.num_blocks; blk += gridDim.x) {
+    const BlockLayout::Block b = L.block(blk);
+    const int count = static_cast<int>(b.count);
+    float v[kItems];
+    float amax = 0.0f;
+#pragma unroll
+    for (int i = 0; i < kItems; ++i) {
+      const int k = threadIdx.x + i * kThreads;
+      v[i] = k < count ? x[element(b, L.row_len, k)] : 0.0f;
+      amax = fmaxf(amax, fabsf(v[i]));
+    }
+    amax = block_max(amax, scratch);
+    const float r = fp8::encode_scale(amax);
+#pragma unroll
+    for (int i = 0; i < kItems; ++i) {
+      const int k = threadIdx.x + i * kThreads;
+      if (k < count) q[element(b, L.row_len, k)] = fp8::encode(__fmul_rn(v[i], r), keep_nonzero);
+    }
+    if (threadIdx.x == 0) absmax[blk] = amax;
+  }
+}
+
+__global__ void dequantize_fp8_kernel(const uint8_t* __restrict q, const float* __restrict absmax,
+                                      BlockLayout L, float* __restrict out) {
+  for (int64_t blk = blockIdx.x; blk < L.num_blocks; blk += gridDim.x) {
+    const BlockLayout::Block b = L.block(blk);
+    const int count = static_cast<int>(b.count);
+    const float s = fp8::decode_scale(absmax[blk]);
+    for (int k = threadIdx.x; k < count; k += kThreads) {
+      const int64_t e = element(b, L.row_len, k);
+      out[e] = __fmul_rn(fp8::decode(q[e]), s);
+    }
+  }
+}
+
+// The fused step (whole blocks: agreed null) or its first half (cut blocks:
+// the new moments into scratch, this rank's maxima into amax1_out, amax2_out);
+// adamw_fp8_end_kernel is the second half.
+template <int kItems>
+__global__ void adamw_fp8_kernel(float* __restrict p, const float* __restrict g,
+                                 uint8_t* __restrict q1, float* __restrict absmax1,
+                                 uint8_t* __restrict q2, float* __restrict absmax2, BlockLayout L,
+                                 AdamWCoeffs c, float* __restrict scratch,
+                                 float* __restrict amax1_out, float* __restrict amax2_out) {
+  __shared__ float scratch_max[32];
+  const int64_t w = L.max_block_elems();
+  for (int64_t blk = blockIdx.x; blk < L.num_blocks; blk += gridDim.x) {
+    const BlockLayout::Block b = L.block(blk);
+    const int count = static_cast<int>(b.count);
+    const float s1 = fp8::decode_scale(absmax1[blk]), s2 = fp8::decode_scale(absmax2[blk]);
+    float m[kItems], v[kItems];
+    float amax1 = 0.0f, amax2 = 0.0f;
+#pragma unroll
+    for (int i = 0; i < kItems; ++i) {
+      const int k = threadIdx.x + i * kThreads;
+      m[i] = v[i] = 0.0f;
+      if (k < count) {
+        const int64_t e = element(b, L.row_len, k);
+        m[i] = __fmul_rn(fp8::decode(q1[e]), s1);
+        v[i] = __fmul_rn(fp8::decode(q2[e]), s2);
+        float pe = p[e];
+        adamw_update(pe, m[i], v[i], g[e], c);
+        p[e] = pe;
+        if (scratch) {
+          scratch[2 * blk * w + k] = m[i];
+          scratch[(2 * blk + 1) * w + k] = v[i];
+        }
+        amax1 = fmaxf(amax1, fabsf(m[i]));
+        amax2 = fmaxf(amax2, v[i]);
+      }
+    }
+    // Every thread read this block's absmax above; block_max's barriers order
+    // those reads before thread 0 writes the new ones below.
+    amax1 = block_max(amax1, scratch_max);
+    amax2 = block_max(amax2, scratch_max);
+    if (scratch) {
+      if (threadIdx.x == 0) {
+        amax1_out[blk] = amax1;
+        amax2_out[blk] = amax2;
+      }
+      continue;
+    }
+    const float r1 = fp8::encode_scale(amax1), r2 = fp8::encode_scale(amax2);
+#pragma unroll
+    for (int i = 0; i < kItems; ++i) {
+      const int k = threadIdx.x + i * kThreads;
+      if (k < count) {
+        const int64_t e = element(b, L.row_len, k);
+        q1[e] = fp8::encode(__fmul_rn(m[i], r1), false);
+        q2[e] = fp8::encode(__fmul_rn(v[i], r2), true);
+      }
+    }
+    if (threadIdx.x == 0) {
+      absmax1[blk] = amax1;
+      absmax2[blk] = amax2;
+    }
+  }
+}
+
+__global__ void adamw_fp8_end_kernel(const float* __restrict scratch, BlockLayout L,
+                                     const float* __restrict agreed1,
+                                     const float* __restrict agreed2, uint8_t* __restrict q1,
+                                     float* __restrict absmax1, uint8_t* __restrict q2,
+                                     float* __restrict absmax2) {
+  const int64_t w = L.max_block_elems();
+  for (int64_t blk = blockIdx.x; blk < L.num_blocks; blk += gridDim.x) {
+    const BlockLayout::Block b = L.block(blk);
+    const int count = static_cast<int>(b.count);
+    const float a1 = agreed1[blk], a2 = agreed2[blk];
+    const float r1 = fp8::encode_scale(a1), r2 = fp8::encode_scale(a2);
+    for (int k = threadIdx.x; k < count; k += kThreads) {
+      const int64_t e = element(b, L.row_len, k);
+      q1[e] = fp8::encode(__fmul_rn(scratch[2 * blk * w + k], r1), false);
+      q2[e] = fp8::encode(__fmul_rn(scratch[(2 * blk + 1) * w + k], r2), true);
+    }
+    if (threadIdx.x == 0) {
+      absmax1[blk] = a1;
+      absmax2[blk] = a2;
+    }
+  }
+}
+
 // Thread blocks to launch: enough to fill the GPU a few times over (8 resident
 // blocks of 256 threads per multiprocessor), never more than there are
 // quantisation blocks.
@@ -356,6 +487,64 @@ cudaError_t adamw8bit_end(const float* scratch, const BlockLayout& L, const floa
         scratch, L, code1, index_arg(rounding1), code2, index_arg(rounding2), agreed1, agreed2,
         q1, absmax1, q2, absmax2);
   });
+  return cudaGetLastError();
+}
+
+cudaError_t quantize_fp8(const float* x, const BlockLayout& L, bool keep_nonzero, uint8_t* q,
+                         float* absmax, cudaStream_t stream) {
+  if (cudaError_t e = check_layout(L); e != cudaSuccess) return e;
+  if (L.num_blocks == 0) return cudaSuccess;
+  with_items(L.max_block_elems(), [&](auto items) {
+    quantize_fp8_kernel<decltype(items)::value><<<grid_for(L), kThreads, 0, stream>>>(
+        x, L, keep_nonzero, q, absmax);
+  });
+  return cudaGetLastError();
+}
+
+cudaError_t dequantize_fp8(const uint8_t* q, const float* absmax, const BlockLayout& L,
+                           float* out, cudaStream_t stream) {
+  if (cudaError_t e = check_layout(L); e != cudaSuccess) return e;
+  if (L.num_blocks == 0) return cudaSuccess;
+  dequantize_fp8_kernel<<<grid_for(L), kThreads, 0, stream>>>(q, absmax, L, out);
+  return cudaGetLastError();
+}
+
+cudaError_t adamw_fp8_step(float* param, const float* grad, uint8_t* q1, float* absmax1,
+                           uint8_t* q2, float* absmax2, const BlockLayout& L, const AdamWHyper& h,
+                           cudaStream_t stream) {
+  if (cudaError_t e = check_layout(L); e != cudaSuccess) return e;
+  if (L.num_blocks == 0) return cudaSuccess;
+  const AdamWCoeffs c = adamw_coeffs(h);
+  with_items(L.max_block_elems(), [&](auto items) {
+    adamw_fp8_kernel<decltype(items)::value><<<grid_for(L), kThreads, 0, stream>>>(
+        param, grad, q1, absmax1, q2, absmax2, L, c, nullptr, nullptr, nullptr);
+  });
+  return cudaGetLastError();
+}
+
+cudaError_t adamw_fp8_begin(float* param, const float* grad, const uint8_t* q1,
+                            const float* absmax1, const uint8_t* q2, const float* absmax2,
+                            const BlockLayout& L, const AdamWHyper& h, float* scratch,
+                            float* amax1, float* amax2, cudaStream_t stream) {
+  if (cudaError_t e = check_layout(L); e != cudaSuccess) return e;
+  if (L.num_blocks == 0) return cudaSuccess;
+  const AdamWCoeffs c = adamw_coeffs(h);
+  // (the kernel writes no code nor absmax when given scratch)
+  with_items(L.max_block_elems(), [&](auto items) {
+    adamw_fp8_kernel<decltype(items)::value><<<grid_for(L), kThreads, 0, stream>>>(
+        param, grad, const_cast<uint8_t*>(q1), const_cast<float*>(absmax1),
+        const_cast<uint8_t*>(q2), const_cast<float*>(absmax2), L, c, scratch, amax1, amax2);
+  });
+  return cudaGetLastError();
+}
+
+cudaError_t adamw_fp8_end(const float* scratch, const BlockLayout& L, const float* agreed1,
+                          const float* agreed2, uint8_t* q1, float* absmax1, uint8_t* q2,
+                          float* absmax2, cudaStream_t stream) {
+  if (cudaError_t e = check_layout(L); e != cudaSuccess) return e;
+  if (L.num_blocks == 0) return cudaSuccess;
+  adamw_fp8_end_kernel<<<grid_for(L), kThreads, 0, stream>>>(scratch, L, agreed1, agreed2, q1,
+                                                             absmax1, q2, absmax2);
   return cudaGetLastError();
 }
 

@@ -54,4 +54,21 @@ cudaError_t adamw8bit_end(const float* scratch, const BlockLayout& layout, const
                           const float* agreed1, const float* agreed2, uint8_t* q1, float* absmax1,
                           uint8_t* q2, float* absmax2, cudaStream_t stream);
 
+// The same operations for the float8_e4m3fn format (formats/fp8_e4m3.h):
+// AdamW's m signed, v keep_nonzero.
+cudaError_t quantize_fp8(const float* x, const BlockLayout& layout, bool keep_nonzero, uint8_t* q,
+                         float* absmax, cudaStream_t stream);
+cudaError_t dequantize_fp8(const uint8_t* q, const float* absmax, const BlockLayout& layout,
+                           float* out, cudaStream_t stream);
+cudaError_t adamw_fp8_step(float* param, const float* grad, uint8_t* q1, float* absmax1,
+                           uint8_t* q2, float* absmax2, const BlockLayout& layout,
+                           const AdamWHyper& h, cudaStream_t stream);
+cudaError_t adamw_fp8_begin(float* param, const float* grad, const uint8_t* q1,
+                            const float* absmax1, const uint8_t* q2, const float* absmax2,
+                            const BlockLayout& layout, const AdamWHyper& h, float* scratch,
+                            float* amax1, float* amax2, cudaStream_t stream);
+cudaError_t adamw_fp8_end(const float* scratch, const BlockLayout& layout, const float* agreed1,
+                          const float* agreed2, uint8_t* q1, float* absmax1, uint8_t* q2,
+                          float* absmax2, cudaStream_t stream);
+
 }  // namespace rfsdp::quant::cuda

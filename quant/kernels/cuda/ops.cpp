@@ -170,6 +170,102 @@ void adamw8bit_end(const at::Tensor& scratch, const BlockLayout& L, const at::Te
            "adamw8bit_end");
 }
 
+// The float8 operations: the same checks (the code tensors aside).
+void quantize_fp8(const at::Tensor& x, const BlockLayout& L, bool keep_nonzero,
+                  const at::Tensor& q, const at::Tensor& absmax) {
+  check_gpu(x, "quantize input");
+  const at::Device d = x.device();
+  check(x, at::kFloat, L.numel, d, "quantize input");
+  check(q, at::kByte, L.numel, d, "quantize codes");
+  check(absmax, at::kFloat, L.num_blocks, d, "quantize absmax");
+  if (L.numel == 0) return;
+  c10::DeviceGuard guard(d);
+  launched(cuda::quantize_fp8(x.data_ptr<float>(), L, keep_nonzero, q.data_ptr<uint8_t>(),
+                              absmax.data_ptr<float>(), current_stream(d)),
+           "quantize (float8_e4m3fn)");
+}
+
+void dequantize_fp8(const at::Tensor& q, const at::Tensor& absmax, const BlockLayout& L,
+                    const at::Tensor& out) {
+  check_gpu(q, "dequantize codes");
+  const at::Device d = q.device();
+  check(q, at::kByte, L.numel, d, "dequantize codes");
+  check(absmax, at::kFloat, L.num_blocks, d, "dequantize absmax");
+  check(out, at::kFloat, L.numel, d, "dequantize out");
+  if (L.numel == 0) return;
+  c10::DeviceGuard guard(d);
+  launched(cuda::dequantize_fp8(q.data_ptr<uint8_t>(), absmax.data_ptr<float>(), L,
+                                out.data_ptr<float>(), current_stream(d)),
+           "dequantize (float8_e4m3fn)");
+}
+
+namespace {
+void check_fp8_step(const at::Tensor& p, const at::Tensor& g, const at::Tensor& q1,
+                    const at::Tensor& a1, const at::Tensor& q2, const at::Tensor& a2,
+                    const BlockLayout& L, const std::string& op) {
+  check_gpu(p, (op + " param").c_str());
+  const at::Device d = p.device();
+  check(p, at::kFloat, L.numel, d, (op + " param").c_str());
+  check(g, at::kFloat, L.numel, d, (op + " grad").c_str());
+  check(q1, at::kByte, L.numel, d, (op + " q1").c_str());
+  check(q2, at::kByte, L.numel, d, (op + " q2").c_str());
+  check(a1, at::kFloat, L.num_blocks, d, (op + " absmax1").c_str());
+  check(a2, at::kFloat, L.num_blocks, d, (op + " absmax2").c_str());
+}
+}  // namespace
+
+void adamw_fp8_step(const at::Tensor& p, const at::Tensor& g, const at::Tensor& q1,
+                    const at::Tensor& a1, const at::Tensor& q2, const at::Tensor& a2,
+                    const BlockLayout& L, const AdamWHyper& h) {
+  check_fp8_step(p, g, q1, a1, q2, a2, L, "adamw8bit (float8_e4m3fn)");
+  const at::Device d = p.device();
+  if (L.numel == 0) return;
+  c10::DeviceGuard guard(d);
+  launched(cuda::adamw_fp8_step(p.data_ptr<float>(), g.data_ptr<float>(), q1.data_ptr<uint8_t>(),
+                                a1.data_ptr<float>(), q2.data_ptr<uint8_t>(), a2.data_ptr<float>(),
+                                L, h, current_stream(d)),
+           "adamw8bit_step (float8_e4m3fn)");
+}
+
+void adamw_fp8_begin(const at::Tensor& p, const at::Tensor& g, const at::Tensor& q1,
+                     const at::Tensor& a1, const at::Tensor& q2, const at::Tensor& a2,
+                     const BlockLayout& L, const AdamWHyper& h, const at::Tensor& scratch,
+                     const at::Tensor& amax1, const at::Tensor& amax2) {
+  check_fp8_step(p, g, q1, a1, q2, a2, L, "adamw8bit_begin (float8_e4m3fn)");
+  const at::Device d = p.device();
+  check(scratch, at::kFloat, 2 * L.num_blocks * L.max_block_elems(), d, "adamw8bit_begin scratch");
+  check(amax1, at::kFloat, L.num_blocks, d, "adamw8bit_begin amax1");
+  check(amax2, at::kFloat, L.num_blocks, d, "adamw8bit_begin amax2");
+  if (L.numel == 0) return;
+  c10::DeviceGuard guard(d);
+  launched(cuda::adamw_fp8_begin(p.data_ptr<float>(), g.data_ptr<float>(), q1.data_ptr<uint8_t>(),
+                                 a1.data_ptr<float>(), q2.data_ptr<uint8_t>(), a2.data_ptr<float>(),
+                                 L, h, scratch.data_ptr<float>(), amax1.data_ptr<float>(),
+                                 amax2.data_ptr<float>(), current_stream(d)),
+           "adamw8bit_begin (float8_e4m3fn)");
+}
+
+void adamw_fp8_end(const at::Tensor& scratch, const BlockLayout& L, const at::Tensor& agreed1,
+                   const at::Tensor& agreed2, const at::Tensor& q1, const at::Tensor& a1,
+                   const at::Tensor& q2, const at::Tensor& a2) {
+  check_gpu(scratch, "adamw8bit_end scratch");
+  const at::Device d = scratch.device();
+  check(scratch, at::kFloat, 2 * L.num_blocks * L.max_block_elems(), d, "adamw8bit_end scratch");
+  check(agreed1, at::kFloat, L.num_blocks, d, "adamw8bit_end agreed1");
+  check(agreed2, at::kFloat, L.num_blocks, d, "adamw8bit_end agreed2");
+  check(q1, at::kByte, L.numel, d, "adamw8bit_end q1");
+  check(q2, at::kByte, L.numel, d, "adamw8bit_end q2");
+  check(a1, at::kFloat, L.num_blocks, d, "adamw8bit_end absmax1");
+  check(a2, at::kFloat, L.num_blocks, d, "adamw8bit_end absmax2");
+  if (L.numel == 0) return;
+  c10::DeviceGuard guard(d);
+  launched(cuda::adamw_fp8_end(scratch.data_ptr<float>(), L, agreed1.data_ptr<float>(),
+                               agreed2.data_ptr<float>(), q1.data_ptr<uint8_t>(),
+                               a1.data_ptr<float>(), q2.data_ptr<uint8_t>(), a2.data_ptr<float>(),
+                               current_stream(d)),
+           "adamw8bit_end (float8_e4m3fn)");
+}
+
 #else  // no nvcc at build time
 
 namespace {
@@ -204,6 +300,27 @@ void adamw8bit_begin(const at::Tensor&, const at::Tensor&, const at::Tensor&, co
 }
 void adamw8bit_end(const at::Tensor&, const BlockLayout&, const at::Tensor&, const cpu::CodeLut&,
                    const at::Tensor&, const cpu::CodeLut&, const at::Tensor&, const at::Tensor&,
+                   const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&) {
+  none("adamw8bit_end");
+}
+
+void quantize_fp8(const at::Tensor&, const BlockLayout&, bool, const at::Tensor&,
+                  const at::Tensor&) {
+  none("quantize");
+}
+void dequantize_fp8(const at::Tensor&, const at::Tensor&, const BlockLayout&, const at::Tensor&) {
+  none("dequantize");
+}
+void adamw_fp8_step(const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
+                    const at::Tensor&, const at::Tensor&, const BlockLayout&, const AdamWHyper&) {
+  none("adamw8bit_step");
+}
+void adamw_fp8_begin(const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
+                     const at::Tensor&, const at::Tensor&, const BlockLayout&, const AdamWHyper&,
+                     const at::Tensor&, const at::Tensor&, const at::Tensor&) {
+  none("adamw8bit_begin");
+}
+void adamw_fp8_end(const at::Tensor&, const BlockLayout&, const at::Tensor&, const at::Tensor&,
                    const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&) {
   none("adamw8bit_end");
 }

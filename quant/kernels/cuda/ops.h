@@ -36,4 +36,20 @@ void adamw8bit_end(const at::Tensor& scratch, const BlockLayout& layout, const a
                    const at::Tensor& agreed1, const at::Tensor& agreed2, const at::Tensor& q1,
                    const at::Tensor& absmax1, const at::Tensor& q2, const at::Tensor& absmax2);
 
+// The float8_e4m3fn format (formats/fp8_e4m3.h; no code tensors).
+void quantize_fp8(const at::Tensor& x, const BlockLayout& layout, bool keep_nonzero,
+                  const at::Tensor& q, const at::Tensor& absmax);
+void dequantize_fp8(const at::Tensor& q, const at::Tensor& absmax, const BlockLayout& layout,
+                    const at::Tensor& out);
+void adamw_fp8_step(const at::Tensor& param, const at::Tensor& grad, const at::Tensor& q1,
+                    const at::Tensor& absmax1, const at::Tensor& q2, const at::Tensor& absmax2,
+                    const BlockLayout& layout, const AdamWHyper& h);
+void adamw_fp8_begin(const at::Tensor& param, const at::Tensor& grad, const at::Tensor& q1,
+                     const at::Tensor& absmax1, const at::Tensor& q2, const at::Tensor& absmax2,
+                     const BlockLayout& layout, const AdamWHyper& h, const at::Tensor& scratch,
+                     const at::Tensor& amax1, const at::Tensor& amax2);
+void adamw_fp8_end(const at::Tensor& scratch, const BlockLayout& layout, const at::Tensor& agreed1,
+                   const at::Tensor& agreed2, const at::Tensor& q1, const at::Tensor& absmax1,
+                   const at::Tensor& q2, const at::Tensor& absmax2);
+
 }  // namespace rfsdp::quant::cuda_ops

@@ -1,0 +1,61 @@
+// The avx2 kernels of the float8_e4m3fn format (cpu/fp8.h): cpu/fp8_blocks.inc
+// with 8 floats a vector, compiled for avx2,fma.
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+
+#include "quant/formats/absmax_bits.h"
+#include "quant/formats/fp8_e4m3.h"
+#include "quant/kernels/cpu/fp8.h"
+
+// GCC only: the region below uses #pragma GCC target (clang takes the stub).
+#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
+#include <immintrin.h>
+
+// Only the code below is compiled for avx2; the headers above keep the
+// baseline target, so no inline function they define is emitted with it.
+#pragma GCC push_options
+#pragma GCC target("avx2,fma")
+
+namespace rfsdp::quant::cpu::avx2 {
+
+namespace {
+constexpr int kW = 8;
+typedef float VF __attribute__((vector_size(4 * kW)));
+typedef uint32_t VU __attribute__((vector_size(4 * kW)));
+inline VF vsqrt(VF x) { return _mm256_sqrt_ps(x); }
+inline VU load_codes(const uint8_t* q) {
+  return (VU)_mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(q)));
+}
+// Each 128-bit lane's four low bytes to its bottom (vpshufb), the two lanes' words side by side.
+inline void store_codes(uint8_t* q, VU c) {
+  const __m256i low = _mm256_setr_epi8(0, 4, 8, 12, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1,
+                                       0, 4, 8, 12, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1);
+  const __m256i t = _mm256_shuffle_epi8((__m256i)c, low);
+  const uint64_t v = static_cast<uint32_t>(_mm256_cvtsi256_si32(t)) |
+                     static_cast<uint64_t>(static_cast<uint32_t>(_mm256_extract_epi32(t, 4))) << 32;
+  std::memcpy(q, &v, 8);
+}
+#include "quant/kernels/cpu/fp8_blocks.inc"
+}  // namespace
+
+const Fp8Kernels& fp8_kernels() {
+  static const Fp8Kernels k{quantize, dequantize, adamw, adamw_begin, adamw_end, momentum};
+  return k;
+}
+
+}  // namespace rfsdp::quant::cpu::avx2
+
+#pragma GCC pop_options
+
+#else  // not x86-64 GCC: avx2::supported() is false, so this is never reached
+
+#include <stdexcept>
+
+namespace rfsdp::quant::cpu::avx2 {
+const Fp8Kernels& fp8_kernels() {
+  throw std::logic_error("the avx2 float8 kernels are not built for this compiler or CPU");
+}
+}  // namespace rfsdp::quant::cpu::avx2
+
+#endif

@@ -1,0 +1,55 @@
+// The avx512 kernels of the float8_e4m3fn format (cpu/fp8.h): cpu/fp8_blocks.inc
+// with 16 floats a vector, compiled for avx512f,avx512bw,avx512dq,avx512vl.
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+
+#include "quant/formats/absmax_bits.h"
+#include "quant/formats/fp8_e4m3.h"
+#include "quant/kernels/cpu/fp8.h"
+
+// GCC only: the region below uses #pragma GCC target (clang takes the stub).
+#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
+#include <immintrin.h>
+
+// Only the code below is compiled for avx512; the headers above keep the
+// baseline target, so no inline function they define is emitted with it.
+#pragma GCC push_options
+#pragma GCC target("avx512f,avx512bw,avx512dq,avx512vl")
+
+namespace rfsdp::quant::cpu::avx512 {
+
+namespace {
+constexpr int kW = 16;
+typedef float VF __attribute__((vector_size(4 * kW)));
+typedef uint32_t VU __attribute__((vector_size(4 * kW)));
+inline VF vsqrt(VF x) { return _mm512_sqrt_ps(x); }
+inline VU load_codes(const uint8_t* q) {
+  return (VU)_mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(q)));
+}
+inline void store_codes(uint8_t* q, VU c) {
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(q), _mm512_cvtepi32_epi8((__m512i)c));
+}
+#include "quant/kernels/cpu/fp8_blocks.inc"
+}  // namespace
+
+const Fp8Kernels& fp8_kernels() {
+  static const Fp8Kernels k{quantize, dequantize, adamw, adamw_begin, adamw_end, momentum};
+  return k;
+}
+
+}  // namespace rfsdp::quant::cpu::avx512
+
+#pragma GCC pop_options
+
+#else  // not x86-64 GCC: avx512::supported() is false, so this is never reached
+
+#include <stdexcept>
+
+namespace rfsdp::quant::cpu::avx512 {
+const Fp8Kernels& fp8_kernels() {
+  throw std::logic_error("the avx512 float8 kernels are not built for this compiler or CPU");
+}
+}  // namespace rfsdp::quant::cpu::avx512
+
+#endif
