@@ -5,6 +5,7 @@ across ranks (their norms summed in one all-reduce), on torch's FSDP2 (Shard(0)
 chunks) and with replicated (DDP) parameters; bf16 parameters; Hyperball keeping
 every matrix's norm over many steps; the radius and NorMuon's v through
 state_dict and rfsdp.checkpoint (2 ranks -> 1); weight decay with Hyperball refused."""
+import copy
 import math
 import os
 import sys
@@ -21,9 +22,9 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from muon_reference import matrices, orthogonalise  # noqa: E402
 from ranks import run_ranks  # noqa: E402
 
-# name: shape; SPLITS: the groups' split_sizes and split_dim: a grouped-query
+# name: shape (w more than half of them: every plan cuts it); SPLITS: the groups' split_sizes and split_dim: a grouped-query
 # fused QKV (row blocks) and a Conv1D-style [in, 3 in] (column blocks).
-SHAPES = {"w": (24, 16), "qkv": (48, 16), "experts": (2, 12, 16), "conv": (16, 48), "bias": (16,)}
+SHAPES = {"w": (160, 16), "qkv": (48, 16), "experts": (2, 12, 16), "conv": (16, 48), "bias": (16,)}
 SPLITS = {"qkv": ((32, 8, 8), 0), "conv": ((16, 16, 16), 1)}
 STEPS = 3
 MUON = dict(lr=0.02, momentum=0.95)
@@ -262,7 +263,7 @@ def test_state_dict_round_trip_continues_exactly(kind):
     opt = optimizer(kind, dict(model.named_parameters()))
     train(model, opt, grads[:STEPS])
     saved_params = {n: p.detach().clone() for n, p in model.named_parameters()}
-    saved = opt.state_dict()
+    saved = copy.deepcopy(opt.state_dict())  # (its tensors are the optimizer's own)
     names = set(saved["state"][0])
     assert "hyperball_radius" in names and (kind != "normuonh" or "normuon_v" in set(saved["state"][1]))
     train(model, opt, grads[STEPS:])
