@@ -166,8 +166,7 @@ def make_optimizer(name, model, lr, **given):
         rest = [p for p in model.parameters() if id(p) not in ids]
         # (Hyperball is the matrices': the AdamW group keeps its weight decay)
         aux = dict(params=rest, use_muon=False, lr=kw.pop("adam_lr"), betas=kw.pop("adam_betas"),
-                   eps=kw.pop("adam_eps"), weight_decay=kw.pop("adam_weight_decay"),
-                   hyperball=False)
+                   eps=kw.pop("adam_eps"), weight_decay=kw.pop("adam_weight_decay"))
         split = [dict(params=qkv, use_muon=True, split_sizes=per_head)] if per_head else []
         groups = split + [dict(params=[p for p in matrices if all(p is not q for q in qkv)],
                                use_muon=True), aux]

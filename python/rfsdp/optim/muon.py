@@ -65,7 +65,8 @@ class Muon(_OverCpp):
     before lr (Newton–Schulz's output with adjust_lr's scale; its split_sizes
     blocks and experts together: norms are per parameter), u = d / (|d|_F + 1e-8),
     W <- W - lr R u, W <- R W / (|W|_F + 1e-8). weight_decay must be 0 in such a
-    group (an error otherwise). A parameter ranks cut (rows on several ranks)
+    group (an error otherwise); use_muon=False groups take no Hyperball (their
+    weight decay stays; hyperball=True there is an error). A parameter ranks cut (rows on several ranks)
     needs |W|^2, <W, d> and |d|^2 summed across them: one float64 all-reduce a
     step for every such parameter (normalise_bytes() says how many bytes this
     rank sent); one held whole needs none.
@@ -106,6 +107,11 @@ class Muon(_OverCpp):
             if g.get("use_muon") is not None and not g["use_muon"]:
                 for k, v in self.AUX_DEFAULTS.items():
                     g.setdefault(k, v)
+                if g.get("hyperball"):
+                    raise ValueError("%s: hyperball applies to Muon's matrices; a use_muon=False "
+                                     "group takes AdamW (rfsdp.optim.AdamW(hyperball=True) is "
+                                     "AdamH)" % type(self).__name__)
+                g["hyperball"] = False  # (the optimizer's hyperball=True is its matrices')
         # use_muon None (a group that does not say): matrices Muon, the rest AdamW
         super().__init__(groups, dict(lr=lr, momentum=momentum, nesterov=nesterov,
                                       ns_steps=ns_steps, weight_decay=weight_decay,
