@@ -67,6 +67,15 @@ def worker(rank, world, folder, args, out):
             t = torch.tensor([statistics.median(times[2:]), float(sent)], dtype=torch.float64)
             dist.all_reduce(t, op=dist.ReduceOp.MAX)
             rows.append((plan, kind, t[0].item() * 1e3, int(t[1].item())))
+    # The extra all-reduce alone: 4 float64 (one cut parameter's sums), as the step runs it.
+    t4 = torch.zeros(4, dtype=torch.float64)
+    ar = []
+    for _ in range(200):
+        dist.barrier()
+        t0 = time.perf_counter()
+        dist.all_reduce(t4)
+        ar.append(time.perf_counter() - t0)
+    rows.append(("-", "all_reduce(4 x f64)", statistics.median(ar) * 1e3, 32))
     if rank == 0:
         torch.save(rows, out)
     dist.barrier()

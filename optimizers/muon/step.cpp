@@ -4,6 +4,7 @@
 
 #include <algorithm>
 #include <map>
+#include <stdexcept>
 #include <string>
 #include <tuple>
 #include <utility>
@@ -214,7 +215,11 @@ void muon_step_from_updates(Comm* comm, const MuonLayout& layout, const NsRun& n
     const TensorShard& s = layout.shards()[mat.param];
     const int64_t e0 = s.row_begin * s.row_len, e1 = s.row_end * s.row_len;
     const int64_t b = std::max(mat.offset, e0), e = std::min(mat.offset + mat.rows * mat.cols, e1);
-    if (e > b && finish) {  // (pieces are whole rows of the matrix: shards cut between rows)
+    if (e > b && finish) {
+      if ((b - mat.offset) % mat.cols != 0 || (e - b) % mat.cols != 0) {  // (rows of cols elements)
+        throw std::logic_error("Muon: a shard of '" + s.name + "' cuts a row of its matrices, "
+                               "which NorMuon and Hyperball take whole");
+      }
       const int64_t n = (e - b) / mat.cols;
       piece(k, o[mat.param].narrow(0, b - e0, e - b).view({n, mat.cols}), (b - mat.offset) / mat.cols,
             params[mat.param].view(-1).narrow(0, b - e0, e - b).view({n, mat.cols}));
