@@ -125,8 +125,9 @@ void AdamW::step_with_hyperball(const std::vector<size_t>& stepping) {
     cut[3 * q] = cut[3 * q + 1] = cut[3 * q + 2] =
         group != nullptr && steps[i] && cut_across_ranks(params_[i], false);
     if (!steps[i]) continue;
-    const at::Tensor w = params_[i].param.to(at::kDouble), z = minus_d[i].to(at::kDouble);
-    parts.push_back(at::stack({(w * w).sum(), (w * z).sum(), (z * z).sum()}));
+    const at::Tensor& w = params_[i].param;
+    parts.push_back(at::stack({sum_of_products(w, w), sum_of_products(w, minus_d[i]),
+                               sum_of_products(minus_d[i], minus_d[i])}));
   }
   if (!parts.empty()) {
     const at::Tensor all = at::cat(parts).cpu();

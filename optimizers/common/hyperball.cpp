@@ -43,6 +43,12 @@ int64_t sum_cut_slots(Comm* comm, std::vector<double>* sums, const std::vector<c
   return static_cast<int64_t>(slots.size() * sizeof(double));
 }
 
+at::Tensor sum_of_products(const at::Tensor& a, const at::Tensor& b) {
+  const auto fp32 = [](const at::Tensor& t) { return t.scalar_type() == at::kFloat ? t : t.to(at::kFloat); };
+  const at::Tensor x = fp32(a);
+  return (x.is_same(b) ? x.square() : x * fp32(b)).sum(at::kDouble);
+}
+
 HyperballScale hyperball_scale(double lr, double radius, double ww, double wd, double dd) {
   HyperballScale h;
   h.a = lr * radius / (std::sqrt(std::max(dd, 0.0)) + 1e-8);

@@ -5,6 +5,8 @@
 // sums of every parameter that ranks cut.
 #pragma once
 
+#include <ATen/ATen.h>
+
 #include <cstdint>
 #include <vector>
 
@@ -27,6 +29,10 @@ int first_holder(const TensorShard& shard);
 // all of them; nothing where none is cut or comm is null). Returns the bytes this
 // rank sent into the all-reduce (its input's size).
 int64_t sum_cut_slots(Comm* comm, std::vector<double>* sums, const std::vector<char>& cut);
+
+// sum(a * b) accumulated in float64 (a 0-D tensor on a's device, read with the
+// others at once): the products rounded to fp32 (2^-24 relative each), the sum not.
+at::Tensor sum_of_products(const at::Tensor& a, const at::Tensor& b);
 
 // One parameter's step from its global sums: |W|^2 (ww), <W, d> (wd) and |d|^2
 // (dd), d the direction before the learning rate. W_new = s (W - a d) with

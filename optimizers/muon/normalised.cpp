@@ -16,11 +16,6 @@ namespace rfsdp {
 
 namespace {
 
-// sum(a * b) in float64, a 0-D tensor on a's device (read with the others at once).
-at::Tensor dot64(const at::Tensor& a, const at::Tensor& b) {
-  return (a.to(at::kDouble) * b.to(at::kDouble)).sum();
-}
-
 // w <- (w (1 - decay) - alpha d) * s, in fp32 for a low-precision w.
 void update_rows(at::Tensor w, const at::Tensor& d, double decay, double alpha, double s) {
   at::Tensor x = w.scalar_type() == at::kFloat ? w : w.to(at::kFloat);
@@ -78,20 +73,20 @@ void Muon::apply_normalised(std::vector<MuonPiece>& pieces, const std::vector<Mu
       const int64_t first = (m.offset / m.cols + pc.row0 - p.row_begin * p.row_len / m.cols) * nb;
       v = normuon_v_[i].narrow(0, first, rows * nb).view({rows, nb});
     }
-    if (h.hyperball) add(k, dot64(pc.w, pc.w));
+    if (h.hyperball) add(k, sum_of_products(pc.w, pc.w));
     int64_t c0 = 0;
     for (int64_t b = 0; b < nb; ++b) {
       const int64_t w = m.col_blocks.empty() ? m.cols : m.col_blocks[b];
       at::Tensor ob = pc.o.narrow(1, c0, w);
       const size_t slot = unit[pc.matrix] + 3 * b;
       if (normuon) {
-        add(slot, dot64(ob, ob));
+        add(slot, sum_of_products(ob, ob));
         at::Tensor vb = v.select(1, b);
         vb.lerp_(ob.square().mean(1), 1.0 - h.normuon_beta2);
         ob.div_((vb.sqrt() + h.normuon_eps).unsqueeze(1));
       }
-      add(slot + 1, dot64(ob, ob));
-      if (h.hyperball) add(slot + 2, dot64(pc.w.narrow(1, c0, w), ob));
+      add(slot + 1, sum_of_products(ob, ob));
+      if (h.hyperball) add(slot + 2, sum_of_products(pc.w.narrow(1, c0, w), ob));
       c0 += w;
     }
   }
