@@ -24,7 +24,8 @@ from ranks import run_ranks  # noqa: E402
 
 # name: shape (w more than half of them: every plan cuts it); SPLITS: the groups' split_sizes and split_dim: a grouped-query
 # fused QKV (row blocks) and a Conv1D-style [in, 3 in] (column blocks).
-SHAPES = {"w": (160, 16), "qkv": (48, 16), "experts": (2, 12, 16), "conv": (16, 48), "bias": (16,)}
+SHAPES = {"w": (160, 16), "qkv": (48, 16), "experts": (2, 12, 16), "conv": (16, 48),
+          "bias": (16,)}
 SPLITS = {"qkv": ((32, 8, 8), 0), "conv": ((16, 16, 16), 1)}
 STEPS = 3
 MUON = dict(lr=0.02, momentum=0.95)
