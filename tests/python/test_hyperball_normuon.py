@@ -358,3 +358,16 @@ def test_weight_decay_with_hyperball_is_refused(kind):
         else:
             cls = rfsdp.optim.NorMuon if kind.startswith("normuon") else rfsdp.optim.Muon
             cls([dict(params=[named["w"]])], weight_decay=0.1, hyperball=True)
+
+
+def test_hyperball_in_a_use_muon_false_group_is_refused_and_such_groups_keep_their_decay():
+    model = Grads(0)
+    named = dict(model.named_parameters())
+    with pytest.raises(ValueError, match="hyperball applies to Muon's matrices"):
+        rfsdp.optim.Muon([dict(params=[named["w"]]),
+                          dict(params=[named["bias"]], use_muon=False, hyperball=True)])
+    # the optimizer's hyperball=True is its matrices': the AdamW group's decay stays
+    opt = rfsdp.optim.Muon([dict(params=[named["w"]]),
+                            dict(params=[named["bias"]], use_muon=False, weight_decay=0.1)],
+                           hyperball=True)
+    assert [g["hyperball"] for g in opt.param_groups] == [True, False]
