@@ -7,6 +7,8 @@
 
 #include <algorithm>
 #include <cmath>
+#include <utility>
+#include <vector>
 
 #include "optimizers/common/hyperball.h"
 #include "optimizers/muon/muon.h"
@@ -52,8 +54,13 @@ void Muon::apply_normalised(std::vector<MuonPiece>& pieces, const std::vector<Mu
                    cut_across_ranks(layout_.shards()[k], layout_.replicated(k));
     cut[k] = param_cut[k] && options[k].hyperball;
   }
-  for (size_t j = 0; j < mats.size(); ++j) {
-    for (int64_t b = 0; b < 3 * blocks(mats[j]); ++b) cut[unit[j] + b] = param_cut[mats[j].param];
+  for (size_t j = 0; j < mats.size(); ++j) {  // (only the sums the step reads travel)
+    const size_t k = mats[j].param;
+    for (int64_t b = 0; b < blocks(mats[j]); ++b) {
+      cut[unit[j] + 3 * b] = param_cut[k] && normuon;
+      cut[unit[j] + 3 * b + 1] = param_cut[k];
+      cut[unit[j] + 3 * b + 2] = param_cut[k] && options[k].hyperball;
+    }
   }
   // 1. NorMuon's rows (v updated: the gate has agreed), and the local sums.
   std::vector<at::Tensor> parts;
@@ -106,14 +113,14 @@ void Muon::apply_normalised(std::vector<MuonPiece>& pieces, const std::vector<Mu
     return std::sqrt(s[0]) / std::max(std::sqrt(s[1]), 1e-8);
   };
   std::vector<HyperballScale> ball(M);
-  std::vector<double> wd(M, 0.0), dd(M, 0.0);
+  std::vector<std::pair<double, double>> wd_dd(M, {0.0, 0.0});  // <W, d>, |d|^2
   for (size_t j = 0; j < mats.size(); ++j) {
     const size_t k = mats[j].param;
     if (!options[k].hyperball) continue;
     for (int64_t b = 0; b < blocks(mats[j]); ++b) {
       const double c = rescale(j, b);
-      dd[k] += c * c * sums[unit[j] + 3 * b + 1];
-      wd[k] += c * sums[unit[j] + 3 * b + 2];
+      wd_dd[k].first += c * sums[unit[j] + 3 * b + 2];
+      wd_dd[k].second += c * c * sums[unit[j] + 3 * b + 1];
     }
   }
   for (size_t k = 0; k < M; ++k) {
@@ -127,7 +134,7 @@ void Muon::apply_normalised(std::vector<MuonPiece>& pieces, const std::vector<Mu
       if (radius == 0.0) radius = std::sqrt(sums[k]);  // the first step: its norm now
     }
     radius_[i].fill_(radius);
-    ball[k] = hyperball_scale(h.lr, radius, sums[k], wd[k], dd[k]);
+    ball[k] = hyperball_scale(h.lr, radius, sums[k], wd_dd[k].first, wd_dd[k].second);
   }
   // 4. The update: W <- s (W - a c N) (Hyperball), or W (1 - lr wd) - lr c N.
   for (MuonPiece& pc : pieces) {
