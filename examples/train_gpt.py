@@ -25,7 +25,7 @@ import rfsdp
 # settings of each, the policy each needs) live in the package, shared with
 # rfsdp.compare (python -m rfsdp.compare: sweeps per optimizer and budget).
 from rfsdp.compare.gpt import FORTUNES, GPT, Block, batches as _batches, load_text  # noqa: F401,E402
-from rfsdp.compare.optimizers import OPTIMIZERS, VARIANTS, make_optimizer  # noqa: E402
+from rfsdp.compare.optimizers import MUON_LIKE, OPTIMIZERS, VARIANTS, make_optimizer  # noqa: E402
 
 # How the collectives carry the data (--comm, --grad-comm: each run once per choice,
 # same data and seed): the weights' all-gather in the compute dtype or as block codes,
@@ -74,7 +74,7 @@ def run(label, args, train, val, rank, world):
         rfsdp.fully_shard(b, policy=pol, comm_policy=cp)
     rfsdp.fully_shard(model, policy=pol, comm_policy=cp)
     units = rfsdp.fsdp.units(model)
-    if base == "muon":
+    if base in MUON_LIKE:
         # The blocks' matrices take Muon; embeddings, head, norms and biases AdamW.
         # Weight decay per step (lr * wd) equal to the AdamW runs'.
         opt = make_optimizer(name, model, args.muon_lr, weight_decay=0.1 * args.lr / args.muon_lr,
@@ -162,7 +162,7 @@ def run(label, args, train, val, rank, world):
     if args.final_checkpoint:
         rfsdp.checkpoint.save(os.path.join(args.final_checkpoint, name), model, opt)
     note = ""
-    if base == "muon":  # how the roots balance Newton–Schulz, and what a step moves
+    if base in MUON_LIKE:  # how the roots balance Newton–Schulz, and what a step moves
         moved = torch.tensor([float(opt._impl.gather_send_elems())], device=DEVICE)
         dist.all_reduce(moved, op=dist.ReduceOp.MAX)
         mats = opt._impl.matrices()

@@ -1,5 +1,6 @@
 #include "optimizers/adamw/adamw.h"
 
+#include <cmath>
 #include <iterator>
 #include <map>
 #include <set>
@@ -9,6 +10,7 @@
 #include <utility>
 
 #include "optimizers/common/adamw_step.h"
+#include "optimizers/common/hyperball.h"
 #include "quant/ops.h"
 
 namespace rfsdp {
@@ -29,6 +31,13 @@ void AdamW::check_options(const AdamWOptions& o) const {
   check_option(who, "betas[1]", o.beta2, o.beta2 >= 0 && o.beta2 < 1, "in [0, 1)");
   check_option(who, "eps", o.eps, o.eps > 0, "> 0");
   check_option(who, "weight_decay", o.weight_decay, o.weight_decay >= 0, ">= 0");
+  if (o.hyperball && o.weight_decay != 0.0) {
+    throw std::invalid_argument(who + ": a group with hyperball=True takes no weight decay (Hyperball "
+                                "keeps every matrix's norm at its radius instead): set its "
+                                "weight_decay to 0, got " + std::to_string(o.weight_decay));
+  }
+  check_option(who, "hyperball_radius", o.hyperball_radius, o.hyperball_radius >= 0,
+               ">= 0 (0 or None: the parameter's norm when it first steps)");
 }
 
 AdamW::AdamW(std::vector<ParamShard> params, AdamWOptions options, std::shared_ptr<Comm> comm)
@@ -44,6 +53,7 @@ AdamW::AdamW(std::vector<ParamShard> params, AdamWOptions options, std::shared_p
     const bool fp32 = fp32_state.empty() || fp32_state[i];
     m_.push_back(fp32 ? at::zeros(params_[i].param.sizes(), state_options(i)) : at::Tensor());
     v_.push_back(fp32 ? at::zeros(params_[i].param.sizes(), state_options(i)) : at::Tensor());
+    radius_.push_back(at::zeros({1}, state_options(i)));
   }
 }
 
@@ -59,7 +69,108 @@ void AdamW::run_step(StepGate& gate, const std::vector<size_t>& stepping) {
   // Nothing but the gradients' check can fail before state changes: without it
   // (a caller that gates the step itself, as Python's Muon does) no collective.
   if (check_finite_) gate.agree();
-  update_params(stepping);
+  step_with_hyperball(stepping);
+}
+
+void AdamW::step_with_hyperball(const std::vector<size_t>& stepping) {
+  // (by the groups' options, the same on every rank: whether the all-reduce runs)
+  std::vector<size_t> ball_params;
+  for (size_t i = 0; i < params_.size(); ++i) {
+    if (hyperball_of(i)) ball_params.push_back(i);
+  }
+  hyperball_bytes_ = 0;
+  if (ball_params.empty()) {
+    step_params(stepping);
+    return;
+  }
+  Comm* group = comm_ && comm_->size() > 1 ? comm_.get() : nullptr;
+  if (group && !rank_rows_known_) {  // (collective, once: which parameters ranks cut)
+    gather_rank_rows(group, &params_, name());
+    rank_rows_known_ = true;
+  }
+  std::vector<char> in_ball(params_.size(), 0), steps(params_.size(), 0);
+  for (size_t i : ball_params) in_ball[i] = 1;
+  std::vector<size_t> rest, ball;
+  for (size_t i : stepping) {
+    steps[i] = 1;
+    (in_ball[i] ? ball : rest).push_back(i);
+  }
+  step_params(rest);
+  // The direction d into a scratch buffer in place of the parameter: lr 1, no
+  // decay (a Hyperball group has none), so the buffer ends as -d.
+  std::vector<at::Tensor> kept(params_.size()), minus_d(params_.size());
+  const std::vector<AdamWOptions> groups = groups_;
+  for (size_t i : ball) {
+    kept[i] = params_[i].param;
+    minus_d[i] = at::zeros(kept[i].sizes(), state_options(i));
+    params_[i].param = minus_d[i];
+    groups_[group_of_[i]].lr = 1.0;
+  }
+  try {
+    step_params(ball);
+  } catch (...) {
+    for (size_t i : ball) params_[i].param = kept[i];
+    groups_ = groups;
+    throw;
+  }
+  for (size_t i : ball) params_[i].param = kept[i];
+  groups_ = groups;
+  // Slots per Hyperball parameter: |W|^2, <W, -d>, |d|^2 (float64).
+  const size_t n = ball_params.size();
+  std::vector<double> sums(3 * n, 0.0);
+  std::vector<char> cut(3 * n, 0);
+  std::vector<at::Tensor> parts;
+  for (size_t q = 0; q < n; ++q) {
+    const size_t i = ball_params[q];
+    cut[3 * q] = cut[3 * q + 1] = cut[3 * q + 2] =
+        group != nullptr && steps[i] && cut_across_ranks(params_[i], false);
+    if (!steps[i]) continue;
+    const at::Tensor& w = params_[i].param;
+    parts.push_back(at::stack({sum_of_products(w, w), sum_of_products(w, minus_d[i]),
+                               sum_of_products(minus_d[i], minus_d[i])}));
+  }
+  if (!parts.empty()) {
+    const at::Tensor all = at::cat(parts).cpu();
+    const double* a = all.data_ptr<double>();
+    size_t j = 0;
+    for (size_t q = 0; q < n; ++q) {
+      if (!steps[ball_params[q]]) continue;
+      for (int c = 0; c < 3; ++c) sums[3 * q + c] = a[3 * j + c];
+      ++j;
+    }
+  }
+  // (a parameter a rank does not step here is stepped by none: fully_shard's
+  // ranks all have its gradient or none do)
+  hyperball_bytes_ = sum_cut_slots(group, &sums, cut);
+  for (size_t q = 0; q < n; ++q) {
+    const size_t i = ball_params[q];
+    if (!steps[i] || params_[i].rows() == 0) continue;
+    const AdamWOptions& h = options_of(i);
+    double radius = h.hyperball_radius;
+    if (radius == 0.0) {
+      radius = radius_[i].item<double>();
+      if (radius == 0.0) radius = std::sqrt(sums[3 * q]);  // the first step: its norm now
+    }
+    radius_[i].fill_(radius);
+    const HyperballScale b = hyperball_scale(h.lr, radius, sums[3 * q], -sums[3 * q + 1], sums[3 * q + 2]);
+    at::Tensor w = params_[i].param;
+    at::Tensor x = w.scalar_type() == at::kFloat ? w : w.to(at::kFloat);
+    x.add_(minus_d[i], b.a).mul_(b.s);  // s (W - a d)
+    if (!x.is_same(w)) w.copy_(x);
+  }
+}
+
+void AdamW::add_radius(size_t i, std::vector<std::pair<std::string, at::Tensor>>* out) const {
+  if (hyperball_of(i)) out->emplace_back("hyperball_radius", radius_.at(i));
+}
+
+void AdamW::add_radius_layout(size_t i, std::vector<StateLayout>* out) const {
+  if (!hyperball_of(i)) return;
+  // One value every holder keeps: the first rank holding rows writes it.
+  const ParamShard& p = params_.at(i);
+  const bool writer = !comm_ || comm_->size() == 1 || p.rank_rows.empty() ||
+                      comm_->rank() == first_holder(p);
+  out->push_back(StateLayout::sequence("hyperball_radius", 1, 0, writer ? 0 : 1));
 }
 
 void AdamW::update_params(const std::vector<size_t>& stepping) {
@@ -87,11 +198,15 @@ void AdamW::update(size_t i, int64_t) {
 }
 
 std::vector<std::pair<std::string, at::Tensor>> AdamW::state(size_t i) const {
-  return {{"exp_avg", m_.at(i)}, {"exp_avg_sq", v_.at(i)}};
+  std::vector<std::pair<std::string, at::Tensor>> out{{"exp_avg", m_.at(i)}, {"exp_avg_sq", v_.at(i)}};
+  add_radius(i, &out);
+  return out;
 }
 
-std::vector<StateLayout> AdamW::state_layout(size_t) const {
-  return {StateLayout::rows("exp_avg"), StateLayout::rows("exp_avg_sq")};
+std::vector<StateLayout> AdamW::state_layout(size_t i) const {
+  std::vector<StateLayout> out{StateLayout::rows("exp_avg"), StateLayout::rows("exp_avg_sq")};
+  add_radius_layout(i, &out);
+  return out;
 }
 
 AdamW8bit::AdamW8bit(std::vector<ParamShard> params, AdamWOptions options, AdamW8bitConfig config,
@@ -231,6 +346,10 @@ void AdamW8bit::update(size_t i, int64_t step) {
 
 void AdamW8bit::run_step(StepGate& gate, const std::vector<size_t>& stepping) {
   if (check_finite_) gate.agree();
+  step_with_hyperball(stepping);
+}
+
+void AdamW8bit::step_params(const std::vector<size_t>& stepping) {
   if (agreed_entries_ > 0) step_shared_blocks(stepping);
   update_params(stepping);
 }
@@ -336,13 +455,17 @@ at::Tensor AdamW8bit::exp_avg_sq(size_t i) const {
 
 std::vector<std::pair<std::string, at::Tensor>> AdamW8bit::state(size_t i) const {
   if (!eight_bit_.at(i)) return AdamW::state(i);
-  return {{"q1", q_[i].q1}, {"absmax1", q_[i].absmax1}, {"q2", q_[i].q2}, {"absmax2", q_[i].absmax2}};
+  std::vector<std::pair<std::string, at::Tensor>> out{
+      {"q1", q_[i].q1}, {"absmax1", q_[i].absmax1}, {"q2", q_[i].q2}, {"absmax2", q_[i].absmax2}};
+  add_radius(i, &out);
+  return out;
 }
 
 NamedState AdamW8bit::requantized_state(size_t i, const AdamW8bitConfig& saved_config,
                                         const NamedState& full) const {
   const ParamShard& p = params_.at(i);
   NamedState out;
+  if (hyperball_of(i)) out = saved_as_kept(i, full, {"hyperball_radius"});
   const struct { const char *codes, *scales, *moment; bool is_signed; } moments[] = {
       {"q1", "absmax1", "exp_avg", true}, {"q2", "absmax2", "exp_avg_sq", false}};
   for (const auto& m : moments) {
@@ -381,6 +504,7 @@ std::vector<StateLayout> AdamW8bit::state_layout(size_t i) const {
   for (const char* scales : {"absmax1", "absmax2"}) {
     out.push_back(StateLayout::sequence(scales, s.global_blocks, s.first, s.shared_head));
   }
+  add_radius_layout(i, &out);
   return out;
 }
 

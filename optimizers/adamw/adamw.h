@@ -22,6 +22,12 @@ namespace rfsdp {
 
 struct AdamWOptions {
   double lr = 1e-3, beta1 = 0.9, beta2 = 0.999, eps = 1e-8, weight_decay = 1e-2;
+  // Hyperball (AdamH; common/hyperball.h) for the group's parameters of 2 or
+  // more dims: d = m^ / (sqrt(v^) + eps) (the update before lr), u = d / |d|_F,
+  // W <- R (W - lr R u) / |W - lr R u|_F with R hyperball_radius (0: the
+  // parameter's norm when it first steps, kept in the state); no weight decay.
+  bool hyperball = false;
+  double hyperball_radius = 0.0;
   // Scan gradients for NaN/Inf before a step and throw (state untouched); with
   // a Comm every rank agrees (StepGate: one all-reduce), so all of them throw
   // together. The optimizer's, read at construction (not a group's).
@@ -59,8 +65,27 @@ class AdamW : public GroupedOptimizer<AdamWOptions> {
   virtual void update(size_t i, int64_t step);
   // The updates of the parameters in `stepping` (after the gate agreed).
   void update_params(const std::vector<size_t>& stepping);
+  // Every update of `stepping` after the gate (AdamW8bit: its shared blocks' too).
+  virtual void step_params(const std::vector<size_t>& stepping) { update_params(stepping); }
+  // The step after the gate: step_params, with Hyperball's parameters taking
+  // their direction into a scratch buffer first (lr 1, no decay) and then
+  // their projection (every cut one's sums in one all-reduce).
+  void step_with_hyperball(const std::vector<size_t>& stepping);
+  bool hyperball_of(size_t i) const {
+    return options_of(i).hyperball && params_.at(i).shape.size() >= 2;
+  }
+  // Hyperball's radius (when its group has hyperball) after `out`'s states.
+  void add_radius(size_t i, std::vector<std::pair<std::string, at::Tensor>>* out) const;
+  void add_radius_layout(size_t i, std::vector<StateLayout>* out) const;
+  std::vector<at::Tensor> radius_;  // [param] fp32 [1]: Hyperball's R (0: not yet set)
+  bool rank_rows_known_ = false;
   bool fused_on_cpu_ = false;
   std::vector<at::Tensor> m_, v_;  // fp32 moments (for AdamW8bit: the small tensors only)
+  int64_t hyperball_bytes_ = 0;
+
+ public:
+  // Bytes this rank sent in the last step's all-reduce of Hyperball's sums.
+  int64_t hyperball_bytes() const { return hyperball_bytes_; }
 };
 
 // AdamW8bit's settings that shape its state.
@@ -126,6 +151,7 @@ class AdamW8bit : public AdamW {
     BlockSpan span;
   };
   void run_step(StepGate& gate, const std::vector<size_t>& stepping) override;
+  void step_params(const std::vector<size_t>& stepping) override;
   void update(size_t i, int64_t step) override;
   // Parameter i's first (m) or second (v) moment, fp32, from its codes.
   at::Tensor dequantized(size_t i, bool second) const;

@@ -8,6 +8,7 @@
 
 #include "optimizers/common/adamw_step.h"
 #include "optimizers/common/finite.h"
+#include "optimizers/common/hyperball.h"
 #include "optimizers/common/step_gate.h"
 #include "optimizers/muon/step.h"
 #include "quant/ops.h"
@@ -132,6 +133,8 @@ Muon::Muon(std::vector<ParamShard> params, MuonOptions options, MuonConfig confi
   for (size_t k = 0; k < muon_.size(); ++k) in_muon_[muon_[k]] = static_cast<int64_t>(k);
   momenta_.resize(P);
   absmax_.resize(P);
+  normuon_v_.resize(P);
+  radius_.resize(P);
   exp_avg_.resize(P);
   exp_avg_sq_.resize(P);
   for (size_t i = 0; i < P; ++i) {
@@ -140,6 +143,12 @@ Muon::Muon(std::vector<ParamShard> params, MuonOptions options, MuonConfig confi
       exp_avg_[i] = at::zeros(p.param.sizes(), state_options(i));
       exp_avg_sq_[i] = at::zeros(p.param.sizes(), state_options(i));
       continue;
+    }
+    // (every Muon parameter: whether it is Hyperball's is its group's option, which a
+    // scheduler may change)
+    radius_[i] = at::zeros({1}, state_options(i));
+    if (config_.normuon) {
+      normuon_v_[i] = at::zeros({p.rows() * p.row_len / matrix_cols(i) * v_per_row(i)}, state_options(i));
     }
     if (!eight_bit()) {
       momenta_[i] = at::zeros(p.param.sizes(), p.param.options().dtype(config_.momentum_dtype));
@@ -153,7 +162,25 @@ Muon::Muon(std::vector<ParamShard> params, MuonOptions options, MuonConfig confi
   }
 }
 
+int64_t Muon::matrix_cols(size_t i) const {
+  for (const MuonMatrix& m : layout_.matrices()) {
+    if (muon_[m.param] == i) return m.cols;
+  }
+  throw std::logic_error("Muon: parameter '" + params_.at(i).name + "' has no matrix");
+}
+
+int64_t Muon::v_per_row(size_t i) const {
+  for (const MuonMatrix& m : layout_.matrices()) {
+    if (muon_[m.param] == i) return std::max<int64_t>(1, static_cast<int64_t>(m.col_blocks.size()));
+  }
+  throw std::logic_error("Muon: parameter '" + params_.at(i).name + "' has no matrix");
+}
+
 void Muon::clear_state(size_t i) {
+  if (uses_muon(i)) {
+    radius_[i].zero_();
+    if (normuon_v_[i].defined()) normuon_v_[i].zero_();
+  }
   if (!uses_muon(i)) {
     exp_avg_[i].zero_();
     exp_avg_sq_[i].zero_();
@@ -184,15 +211,31 @@ at::Tensor Muon::momentum(size_t i) const {
 
 std::vector<std::pair<std::string, at::Tensor>> Muon::state(size_t i) const {
   if (!uses_muon(i)) return {{"exp_avg", exp_avg_[i]}, {"exp_avg_sq", exp_avg_sq_[i]}};
-  if (!eight_bit()) return {{"momentum_buffer", momenta_.at(i)}};
-  return {{"momentum_codes", momenta_.at(i)}, {"momentum_absmax", absmax_.at(i)}};
+  std::vector<std::pair<std::string, at::Tensor>> out;
+  if (!eight_bit()) {
+    out.emplace_back("momentum_buffer", momenta_.at(i));
+  } else {
+    out.emplace_back("momentum_codes", momenta_.at(i));
+    out.emplace_back("momentum_absmax", absmax_.at(i));
+  }
+  if (config_.normuon) out.emplace_back("normuon_v", normuon_v_.at(i));
+  if (hyperball_of(i)) out.emplace_back("hyperball_radius", radius_.at(i));
+  return out;
+}
+
+std::vector<std::string> Muon::extra_state_names(size_t i) const {
+  std::vector<std::string> out;
+  if (config_.normuon) out.push_back("normuon_v");
+  if (hyperball_of(i)) out.push_back("hyperball_radius");
+  return out;
 }
 
 NamedState Muon::requantized_state(size_t i, const MuonConfig& saved_config,
                                    const NamedState& full) const {
   if (!uses_muon(i)) return saved_as_kept(i, full, {"exp_avg", "exp_avg_sq"});
   const ParamShard& p = params_.at(i);
-  NamedState out;
+  // (NorMuon's v and Hyperball's radius are fp32 whatever the momentum's storage)
+  NamedState out = saved_as_kept(i, full, extra_state_names(i));
   at::Tensor whole;  // the flattened global tensor's momentum, fp32
   if (full.count("momentum_codes")) {
     whole = quant::dequantize_blockwise(
@@ -219,19 +262,45 @@ NamedState Muon::requantized_state(size_t i, const MuonConfig& saved_config,
 
 std::vector<StateLayout> Muon::state_layout(size_t i) const {
   if (!uses_muon(i)) return {StateLayout::rows("exp_avg"), StateLayout::rows("exp_avg_sq")};
-  if (!eight_bit()) return {StateLayout::rows("momentum_buffer")};
-  // Blocks of the flattened global tensor; the shard starts on a block edge (checked).
   const ParamShard& p = params_.at(i);
-  const int64_t block = config_.momentum_block;
-  return {StateLayout::rows("momentum_codes"),
-          StateLayout::sequence("momentum_absmax", (p.full_numel() + block - 1) / block,
-                                p.row_begin * p.row_len / block)};
+  std::vector<StateLayout> out;
+  if (!eight_bit()) {
+    out.push_back(StateLayout::rows("momentum_buffer"));
+  } else {
+    // Blocks of the flattened global tensor; the shard starts on a block edge (checked).
+    const int64_t block = config_.momentum_block;
+    out.push_back(StateLayout::rows("momentum_codes"));
+    out.push_back(StateLayout::sequence("momentum_absmax", (p.full_numel() + block - 1) / block,
+                                        p.row_begin * p.row_len / block));
+  }
+  if (config_.normuon) {  // per row of each block: rows are never cut between ranks
+    const int64_t per_elem_row = v_per_row(i), cols = matrix_cols(i);
+    out.push_back(StateLayout::sequence("normuon_v", p.full_numel() / cols * per_elem_row,
+                                        p.row_begin * p.row_len / cols * per_elem_row));
+  }
+  if (hyperball_of(i)) {
+    // One value every rank keeps (the same where it holds rows): the first holder writes it.
+    const size_t k = static_cast<size_t>(in_muon_.at(i));
+    const bool writer = layout_.world() == 1 || layout_.rank() == first_holder(layout_.shards()[k]);
+    out.push_back(StateLayout::sequence("hyperball_radius", 1, 0, writer ? 0 : 1));
+  }
+  return out;
 }
 
 void Muon::check_options(const MuonOptions& o) const {
   check_option("Muon", "lr", o.lr, o.lr >= 0, ">= 0");
   check_option("Muon", "momentum", o.momentum, o.momentum >= 0 && o.momentum < 1, "in [0, 1)");
   check_option("Muon", "weight_decay", o.weight_decay, o.weight_decay >= 0, ">= 0");
+  if (o.hyperball && o.weight_decay != 0.0) {
+    throw std::invalid_argument("Muon: a group with hyperball=True takes no weight decay (Hyperball "
+                                "keeps every matrix's norm at its radius instead): set its "
+                                "weight_decay to 0, got " + std::to_string(o.weight_decay));
+  }
+  check_option("Muon", "hyperball_radius", o.hyperball_radius, o.hyperball_radius >= 0,
+               ">= 0 (0 or None: the parameter's norm when it first steps)");
+  check_option("NorMuon", "beta2", o.normuon_beta2, o.normuon_beta2 >= 0 && o.normuon_beta2 < 1,
+               "in [0, 1)");
+  check_option("NorMuon", "eps", o.normuon_eps, o.normuon_eps > 0, "> 0");
   const std::string adam = "Muon: the AdamW part (use_muon=False groups)";
   check_option(adam, "betas[0]", o.adam_beta1, o.adam_beta1 >= 0 && o.adam_beta1 < 1, "in [0, 1)");
   check_option(adam, "betas[1]", o.adam_beta2, o.adam_beta2 >= 0 && o.adam_beta2 < 1, "in [0, 1)");
@@ -339,6 +408,13 @@ void Muon::run_step(StepGate& gate, const std::vector<size_t>& stepping) {
                                "(its update holds NaN or Inf though its gradient is finite)");
     }
   };
+  // NorMuon and Hyperball take the update's rows after Newton–Schulz (normalised.cpp).
+  bool normalise = config_.normuon;
+  for (size_t k = 0; k < M; ++k) normalise = normalise || options[k].hyperball;
+  const std::function<void(std::vector<MuonPiece>&)> finish = [&](std::vector<MuonPiece>& pieces) {
+    apply_normalised(pieces, options, grad_ranks);
+  };
+  normalise_bytes_ = 0;
   // (A momentum that overflowed makes u, and so Newton–Schulz's result, non-finite:
   // that failure is agreed with the gradients' in the step below, in one all-reduce.)
   muon_step_from_updates(comm_.get(), layout_, ns, options, ps, u, make_update, gate, [&] {
@@ -352,7 +428,7 @@ void Muon::run_step(StepGate& gate, const std::vector<size_t>& stepping) {
       momenta_[i].view(-1).copy_(pending[k].view(-1));
       if (eight_bit()) absmax_[i].copy_(pending_absmax[k]);
     }
-  }, &grad_ranks);
+  }, &grad_ranks, normalise ? &finish : nullptr);
   // The AdamW part: the parameters outside Muon that have a gradient.
   std::vector<AdamWStep> adam;
   for (size_t i : stepping) {

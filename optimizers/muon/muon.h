@@ -43,6 +43,15 @@ struct MuonOptions {
   bool nesterov = true;
   MuonAdjustLr adjust_lr = MuonAdjustLr::Original;
   double adam_beta1 = 0.9, adam_beta2 = 0.95, adam_eps = 1e-10;
+  // Hyperball (MuonH; common/hyperball.h): every Muon parameter keeps its
+  // Frobenius norm R (hyperball_radius; 0: its norm when the optimizer first
+  // steps it, kept in the state) and takes u = d / |d|_F (d: the update before
+  // lr, adjust_lr's scale in it; split blocks and experts share their
+  // parameter's R and norms), W <- R (W - lr R u) / |W - lr R u|_F; no weight decay.
+  bool hyperball = false;
+  double hyperball_radius = 0.0;
+  // NorMuon (MuonConfig::normuon): the per-row second moment's beta2 and eps.
+  double normuon_beta2 = 0.95, normuon_eps = 1e-8;
 };
 
 // Settings that shape the state and the step: one per optimizer.
@@ -65,6 +74,13 @@ struct MuonConfig {
   at::ScalarType momentum_dtype = at::kFloat;
   int64_t momentum_block = 256;
   std::string momentum_map = "dynamic";
+  // NorMuon (arXiv 2510.05491): after Newton–Schulz, O (adjust_lr's scale in it)
+  // is normalised per row of each block (row blocks, each column block's rows):
+  // v <- lerp(v, mean(O^2 over the block's columns), 1 - normuon_beta2),
+  // N = O / (sqrt(v) + normuon_eps), N <- N |O|_F / max(|N|_F, 1e-8) per block;
+  // then W <- W (1 - lr wd) - lr N. v: one fp32 value per row and block
+  // (normuon_v), whatever momentum_dtype is.
+  bool normuon = false;
   // The settings (as Python names them) requantized_state moves between.
   static std::vector<std::string> requantizable() {
     return {"momentum_dtype", "momentum_block", "momentum_map"};
@@ -75,6 +91,8 @@ struct MuonConfig {
 // c is usable (ns_steps, ns_dtype, momentum_dtype, momentum_block, momentum_map;
 // the hyperparameters are the groups': check_options).
 void check_config(const MuonConfig& c);
+
+struct MuonPiece;  // (step.h)
 
 // The C++ optimizer: Muon over the parameter shards in use_muon (ParamShard.shape
 // must be the full shape), AdamW (fp32 moments) over the others, one step and
@@ -102,7 +120,9 @@ class Muon : public GroupedOptimizer<MuonOptions> {
   // The tensors the step updates for parameter i, by name: momentum_buffer
   // (float32 / bfloat16), or momentum_codes (uint8, the shard's shape) and
   // momentum_absmax (one per block of this shard, in order); outside Muon,
-  // AdamW's exp_avg and exp_avg_sq.
+  // AdamW's exp_avg and exp_avg_sq. NorMuon: normuon_v (fp32, this rank's rows
+  // of each block, in order). Hyperball groups: hyperball_radius (fp32 [1]; 0
+  // until the first step sets it).
   std::vector<std::pair<std::string, at::Tensor>> state(size_t i) const override;
   std::vector<StateLayout> state_layout(size_t i) const override;
   // Parameter i's state as this optimizer keeps it, from a checkpoint's whole
@@ -134,6 +154,18 @@ class Muon : public GroupedOptimizer<MuonOptions> {
   void check_replicated_grads(const std::vector<at::Tensor>& grads) const;
   bool eight_bit() const { return config_.momentum_dtype == at::kByte; }
   quant::BlockLayout block_layout(size_t i) const;
+  bool hyperball_of(size_t i) const { return uses_muon(i) && options_of(i).hyperball; }
+  // NorMuon's v entries per row of parameter i's matrices (its column blocks, or 1),
+  // the row length of its matrices, and this rank's first entry in the global sequence.
+  int64_t v_per_row(size_t i) const;
+  int64_t matrix_cols(size_t i) const;
+  // After Newton–Schulz, the Muon parameters' pieces here (normalised.cpp):
+  // NorMuon's rows, then Hyperball or the plain update, every cut parameter's
+  // sums in one all-reduce.
+  void apply_normalised(std::vector<MuonPiece>& pieces, const std::vector<MuonOptions>& options,
+                        const std::vector<int64_t>& grad_ranks);
+  // NorMuon's and Hyperball's state names of parameter i (a Muon one).
+  std::vector<std::string> extra_state_names(size_t i) const;
 
   MuonConfig config_;
   std::vector<size_t> muon_;    // the Muon parameters, in layout order
@@ -143,6 +175,14 @@ class Muon : public GroupedOptimizer<MuonOptions> {
   std::vector<at::Tensor> absmax_;         // [param] 8-bit: per block
   std::vector<at::Tensor> exp_avg_, exp_avg_sq_;  // [param] outside Muon: AdamW's moments
   quant::Codec code_;  // 8-bit: the code map
+  std::vector<at::Tensor> normuon_v_;  // [param] NorMuon: per row and block
+  std::vector<at::Tensor> radius_;     // [param] Muon parameters: Hyperball's R (0: not yet set)
+  int64_t normalise_bytes_ = 0;        // the last step's Hyperball / NorMuon all-reduce
+
+ public:
+  // Bytes this rank sent in the last step's all-reduce of Hyperball's and
+  // NorMuon's sums (0: no parameter was cut, or neither applies).
+  int64_t normalise_bytes() const { return normalise_bytes_; }
 };
 
 }  // namespace rfsdp

@@ -4,6 +4,7 @@
 
 #include <algorithm>
 #include <map>
+#include <stdexcept>
 #include <string>
 #include <tuple>
 #include <utility>
@@ -86,7 +87,8 @@ void muon_step_from_updates(Comm* comm, const MuonLayout& layout, const NsRun& n
                             const std::vector<at::Tensor>& params, std::vector<at::Tensor>& u,
                             const std::function<void(size_t)>& make_update, StepGate& gate,
                             const std::function<void()>& commit,
-                            const std::vector<int64_t>* grad_ranks) {
+                            const std::vector<int64_t>* grad_ranks,
+                            const std::function<void(std::vector<MuonPiece>&)>* finish) {
   at::NoGradGuard no_grad;
   const size_t P = layout.shards().size();
   const auto& mats = layout.matrices();
@@ -181,6 +183,14 @@ void muon_step_from_updates(Comm* comm, const MuonLayout& layout, const NsRun& n
     return grad_ranks != nullptr && (*grad_ranks)[m.param] == 0;
   };
   std::vector<at::Tensor> results(mats.size()), o(P);
+  std::vector<MuonPiece> pieces;  // (finish: every matrix's rows here, scaled)
+  // o_mat's rows [r0, r0 + n) of matrix k with adjust_lr's scale in it, fp32.
+  const auto piece = [&](size_t k, at::Tensor o_rows, int64_t r0, at::Tensor w_rows) {
+    const MuonMatrix& m = mats[k];
+    at::Tensor x = o_rows.to(at::kFloat);
+    if (m.col_blocks.empty()) x = x.mul(muon_update_scale(m.rows, m.cols, options[m.param].adjust_lr));
+    pieces.push_back({k, r0, x.contiguous(), w_rows});
+  };
   for (auto& [k, o_mat] : own) {
     const MuonMatrix& mat = mats[k];
     if (!direct(k)) {
@@ -188,6 +198,10 @@ void muon_step_from_updates(Comm* comm, const MuonLayout& layout, const NsRun& n
       continue;
     }
     if (skipped(mat)) continue;
+    if (finish) {
+      piece(k, scaled(mat, o_mat), 0, region(mat, params[mat.param]).view({mat.rows, mat.cols}));
+      continue;
+    }
     decayed(mat, region(mat, params[mat.param])).view({mat.rows, mat.cols})
         .add_(scaled(mat, o_mat), alpha(mat));
   }
@@ -201,11 +215,20 @@ void muon_step_from_updates(Comm* comm, const MuonLayout& layout, const NsRun& n
     const TensorShard& s = layout.shards()[mat.param];
     const int64_t e0 = s.row_begin * s.row_len, e1 = s.row_end * s.row_len;
     const int64_t b = std::max(mat.offset, e0), e = std::min(mat.offset + mat.rows * mat.cols, e1);
-    if (e > b) {
+    if (e > b && finish) {
+      if ((b - mat.offset) % mat.cols != 0 || (e - b) % mat.cols != 0) {  // (rows of cols elements)
+        throw std::logic_error("Muon: a shard of '" + s.name + "' cuts a row of its matrices, "
+                               "which NorMuon and Hyperball take whole");
+      }
+      const int64_t n = (e - b) / mat.cols;
+      piece(k, o[mat.param].narrow(0, b - e0, e - b).view({n, mat.cols}), (b - mat.offset) / mat.cols,
+            params[mat.param].view(-1).narrow(0, b - e0, e - b).view({n, mat.cols}));
+    } else if (e > b) {
       decayed(mat, params[mat.param].view(-1).narrow(0, b - e0, e - b))
           .add_(o[mat.param].narrow(0, b - e0, e - b), alpha(mat));
     }
   }
+  if (finish) (*finish)(pieces);
 }
 
 }  // namespace rfsdp

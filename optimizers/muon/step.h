@@ -25,6 +25,14 @@ struct NsRun {
   bool batch_same_shape = false;
 };
 
+// A Muon matrix's rows here after Newton–Schulz: o, fp32 [rows here, cols],
+// adjust_lr's scale in it (each column block's); w, the parameter's same rows (a view).
+struct MuonPiece {
+  size_t matrix = 0;
+  int64_t row0 = 0;  // o's first row in the matrix
+  at::Tensor o, w;
+};
+
 // One Muon step over the layout's parameters from the updates to orthogonalise
 // (u[i]: this rank's shard of parameter i, contiguous fp32, set by make_update(i)
 // when the step needs it; options: one per layout parameter): a parameter whose
@@ -43,6 +51,9 @@ void muon_step_from_updates(Comm* comm, const MuonLayout& layout, const NsRun& n
                             const std::vector<at::Tensor>& params, std::vector<at::Tensor>& u,
                             const std::function<void(size_t)>& make_update, StepGate& gate,
                             const std::function<void()>& commit,
-                            const std::vector<int64_t>* grad_ranks);
+                            const std::vector<int64_t>* grad_ranks,
+                            const std::function<void(std::vector<MuonPiece>&)>* finish = nullptr);
+// (finish, where set, applies the update in place of step 4's p (1 - lr wd) - lr o:
+// it is given every matrix's rows here, of the parameters that step.)
 
 }  // namespace rfsdp

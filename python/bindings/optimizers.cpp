@@ -160,31 +160,50 @@ void bind_optimizers(py::module_& m) {
   // groups name them (betas: a pair); the optimizer checks them when they are set.
   using Betas = std::pair<double, double>;
   py::class_<rfsdp::AdamWOptions>(m, "AdamWOptions")
-      .def(py::init([](double lr, Betas betas, double eps, double weight_decay) {
+      .def(py::init([](double lr, Betas betas, double eps, double weight_decay, bool hyperball,
+                       const py::object& hyperball_radius) {
              rfsdp::AdamWOptions o;
              o.lr = lr, o.beta1 = betas.first, o.beta2 = betas.second, o.eps = eps;
              o.weight_decay = weight_decay;
+             o.hyperball = hyperball;
+             // (None: the parameter's norm when it first steps)
+             o.hyperball_radius = hyperball_radius.is_none() ? 0.0 : hyperball_radius.cast<double>();
              return o;
            }),
-           py::kw_only(), py::arg("lr"), py::arg("betas"), py::arg("eps"), py::arg("weight_decay"))
+           py::kw_only(), py::arg("lr"), py::arg("betas"), py::arg("eps"), py::arg("weight_decay"),
+           py::arg("hyperball") = false, py::arg("hyperball_radius") = py::none())
       .def("__eq__", [](const rfsdp::AdamWOptions& a, const rfsdp::AdamWOptions& b) {
-             return std::tie(a.lr, a.beta1, a.beta2, a.eps, a.weight_decay) ==
-                    std::tie(b.lr, b.beta1, b.beta2, b.eps, b.weight_decay);
+             return std::tie(a.lr, a.beta1, a.beta2, a.eps, a.weight_decay, a.hyperball,
+                             a.hyperball_radius) ==
+                    std::tie(b.lr, b.beta1, b.beta2, b.eps, b.weight_decay, b.hyperball,
+                             b.hyperball_radius);
            }, py::is_operator());
   py::class_<rfsdp::MuonOptions>(m, "MuonOptions")
       .def(py::init([](double lr, double momentum, double weight_decay, bool nesterov,
-                       const std::string& adjust_lr, Betas betas, double eps) {
-             return rfsdp::MuonOptions{lr, momentum, weight_decay, nesterov,
-                                       rfsdp::parse_muon_adjust_lr(adjust_lr), betas.first,
-                                       betas.second, eps};
+                       const std::string& adjust_lr, Betas betas, double eps, bool hyperball,
+                       const py::object& hyperball_radius, double normuon_beta2,
+                       double normuon_eps) {
+             rfsdp::MuonOptions o{lr, momentum, weight_decay, nesterov,
+                                  rfsdp::parse_muon_adjust_lr(adjust_lr), betas.first,
+                                  betas.second, eps};
+             o.hyperball = hyperball;
+             // (None: the parameter's norm when it first steps)
+             o.hyperball_radius = hyperball_radius.is_none() ? 0.0 : hyperball_radius.cast<double>();
+             o.normuon_beta2 = normuon_beta2;
+             o.normuon_eps = normuon_eps;
+             return o;
            }),
            py::kw_only(), py::arg("lr"), py::arg("momentum"), py::arg("weight_decay"),
-           py::arg("nesterov"), py::arg("adjust_lr"), py::arg("betas"), py::arg("eps"))
+           py::arg("nesterov"), py::arg("adjust_lr"), py::arg("betas"), py::arg("eps"),
+           py::arg("hyperball") = false, py::arg("hyperball_radius") = py::none(),
+           py::arg("normuon_beta2") = 0.95, py::arg("normuon_eps") = 1e-8)
       .def("__eq__", [](const rfsdp::MuonOptions& a, const rfsdp::MuonOptions& b) {
              return std::tie(a.lr, a.momentum, a.weight_decay, a.nesterov, a.adjust_lr, a.adam_beta1,
-                             a.adam_beta2, a.adam_eps) ==
+                             a.adam_beta2, a.adam_eps, a.hyperball, a.hyperball_radius,
+                             a.normuon_beta2, a.normuon_eps) ==
                     std::tie(b.lr, b.momentum, b.weight_decay, b.nesterov, b.adjust_lr, b.adam_beta1,
-                             b.adam_beta2, b.adam_eps);
+                             b.adam_beta2, b.adam_eps, b.hyperball, b.hyperball_radius,
+                             b.normuon_beta2, b.normuon_eps);
            }, py::is_operator());
   py::class_<rfsdp::ShampooOptions>(m, "ShampooOptions")
       .def(py::init([](double lr, Betas betas, double epsilon, double grafting_beta2,
@@ -264,7 +283,8 @@ void bind_optimizers(py::module_& m) {
              x.check_finite = now.check_finite;
              x.fused_on_cpu = now.fused_on_cpu;
              o.set_group_options(g, x);
-           });
+           })
+      .def("hyperball_bytes", &rfsdp::AdamW::hyperball_bytes);
   // The typed configs: the settings that shape an optimizer's state, built from
   // Python's arguments (checked here, by the library), settings() as a
   // checkpoint keeps them (a saved one builds the config again), requantizable:
@@ -332,8 +352,9 @@ void bind_optimizers(py::module_& m) {
   py::class_<rfsdp::MuonConfig>(m, "MuonConfig")
       .def(py::init([](const py::object& ns_dtype, const py::object& momentum_dtype,
                        const py::object& momentum_block, const std::string& momentum_map,
-                       const py::object& ns_coefficients) {
+                       const py::object& ns_coefficients, bool normuon) {
              rfsdp::MuonConfig o;
+             o.normuon = normuon;
              o.ns_coefficients = ns_coefficients_arg(ns_coefficients);
              o.ns_dtype = dtype_arg(ns_dtype, "Muon", "ns_dtype", "torch.float32 or torch.bfloat16");
              o.momentum_dtype = dtype_arg(momentum_dtype, "Muon", "momentum_dtype",
@@ -346,13 +367,14 @@ void bind_optimizers(py::module_& m) {
            }),
            py::kw_only(), py::arg("ns_dtype") = py::none(), py::arg("momentum_dtype") = py::none(),
            py::arg("momentum_block") = 256, py::arg("momentum_map") = "dynamic",
-           py::arg("ns_coefficients") = py::none())
+           py::arg("ns_coefficients") = py::none(), py::arg("normuon") = false)
       .def("settings", [](const rfsdp::MuonConfig& o) {
              py::dict d(py::arg("ns_dtype") = dtype_name(o.ns_dtype),
                         py::arg("momentum_dtype") = dtype_name(o.momentum_dtype),
                         py::arg("momentum_block") = o.momentum_block,
                         py::arg("momentum_map") = o.momentum_map);
              put_ns_coefficients(d, o.ns_coefficients);
+             if (o.normuon) d["normuon"] = true;  // (absent: Muon, as checkpoints before NorMuon)
              return d;
            })
       .def_property_readonly_static("requantizable", [](const py::object&) {
@@ -391,7 +413,8 @@ void bind_optimizers(py::module_& m) {
              return out;
            })
       .def("flop_imbalance", [](const rfsdp::Muon& o) { return o.layout().flop_imbalance(); })
-      .def("gather_send_elems", [](const rfsdp::Muon& o) { return o.layout().gather_send_elems(); });
+      .def("gather_send_elems", [](const rfsdp::Muon& o) { return o.layout().gather_send_elems(); })
+      .def("normalise_bytes", &rfsdp::Muon::normalise_bytes);
 
   const rfsdp::ShampooConfig shampoo;  // (the defaults)
   py::class_<rfsdp::ShampooConfig>(m, "ShampooConfig")

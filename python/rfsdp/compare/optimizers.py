@@ -5,11 +5,19 @@ import torch
 
 from .. import optim, policy as _policy
 
-OPTIMIZERS = ["adamw", "adamw8bit", "muon", "shampoo", "soap"]
+OPTIMIZERS = ["adamw", "adamw8bit", "muon", "normuon", "shampoo", "soap"]
+# Muon's family: Muon's groups (matrices Muon, the rest its AdamW part) and policy.
+MUON_LIKE = ("muon", "normuon")
 # Low-bit state variants, named optimizer:variant (muon:int8): the optimizer's own
 # settings with these changed.
+# Hyperball (MuonH, AdamH: the matrices keep their norms) is a variant too:
+# hyperball=True, no weight decay on the matrices.
+HYPERBALL = dict(hyperball=True, weight_decay=0.0)
 VARIANTS = {
-    "muon": {"bf16": dict(momentum_dtype=torch.bfloat16), "int8": dict(momentum_dtype="int8"),
+    "adamw": {"hyperball": HYPERBALL},
+    "adamw8bit": {"hyperball": HYPERBALL},
+    "normuon": {"hyperball": HYPERBALL},
+    "muon": {"hyperball": HYPERBALL,"bf16": dict(momentum_dtype=torch.bfloat16), "int8": dict(momentum_dtype="int8"),
              "int8-linear": dict(momentum_dtype="int8", momentum_map="linear"),
              "heads": {}},  # per-head Q, K and V (split_sizes; the plan keeps heads whole)
     "shampoo": {"bf16": dict(factor_dtype=torch.bfloat16), "int8-bases": dict(basis_dtype="int8"),
@@ -32,6 +40,8 @@ DEFAULTS = {
     "adamw8bit": dict(weight_decay=0.1),
     "muon": dict(momentum=0.95, weight_decay=0.015, adam_lr=3e-3, adam_betas=(0.9, 0.999),
                  adam_eps=1e-8, adam_weight_decay=0.1),
+    "normuon": dict(momentum=0.95, weight_decay=0.015, adam_lr=3e-3, adam_betas=(0.9, 0.999),
+                    adam_eps=1e-8, adam_weight_decay=0.1),
     "shampoo": dict(betas=(0.9, 0.999), epsilon=1e-10, weight_decay=0.1,
                     max_preconditioner_dim=256, precondition_frequency=10),
     "soap": dict(betas=(0.9, 0.99), weight_decay=0.1, max_preconditioner_dim=256,
@@ -97,7 +107,7 @@ def policy_for(name, model=None, **given):
         return _policy.adamw()
     if base == "adamw8bit":
         return _policy.blockwise_8bit(kw.get("block", 256))
-    if base == "muon":
+    if base in MUON_LIKE:
         parts = [_policy.muon()]
         if kw.get("momentum_dtype") == "int8":
             parts.append(_policy.blockwise_8bit(kw.get("momentum_block", 256)))
@@ -133,10 +143,12 @@ def allowed_keywords(name):
     import inspect
     base, _, _ = parse_name(name)
     cls = {"adamw": optim.AdamW, "adamw8bit": optim.AdamW8bit, "muon": optim.Muon,
-           "shampoo": optim.Shampoo, "soap": optim.SOAP}[base]
-    skip = {"self", "params", "param_groups", "process_group"}
+           "normuon": optim.NorMuon, "shampoo": optim.Shampoo, "soap": optim.SOAP}[base]
+    skip = {"self", "params", "param_groups", "process_group", "kw"}
     out = [k for k in inspect.signature(cls.__init__).parameters if k not in skip]
-    return out + list(MUON_AUX) if base == "muon" else out
+    if base == "normuon":  # (its other keywords are Muon's)
+        out += [k for k in allowed_keywords("muon") if k not in out and k not in MUON_AUX]
+    return out + list(MUON_AUX) if base in MUON_LIKE else out
 
 
 def make_optimizer(name, model, lr, **given):
@@ -146,18 +158,19 @@ def make_optimizer(name, model, lr, **given):
     adam_weight_decay its AdamW group's (embeddings, head, norms, biases)."""
     base, variant, _ = parse_name(name)
     kw = settings(name, **given)
-    if base == "muon":
+    if base in MUON_LIKE:
         per_head = head_split(model) if variant == "heads" else None
         matrices = muon_matrices(model)
         qkv = [b.qkv.weight for b in model.blocks] if per_head else []
         ids = {id(p) for p in matrices}
         rest = [p for p in model.parameters() if id(p) not in ids]
+        # (Hyperball is the matrices': the AdamW group keeps its weight decay)
         aux = dict(params=rest, use_muon=False, lr=kw.pop("adam_lr"), betas=kw.pop("adam_betas"),
                    eps=kw.pop("adam_eps"), weight_decay=kw.pop("adam_weight_decay"))
         split = [dict(params=qkv, use_muon=True, split_sizes=per_head)] if per_head else []
         groups = split + [dict(params=[p for p in matrices if all(p is not q for q in qkv)],
                                use_muon=True), aux]
-        return optim.Muon(groups, lr=lr, **kw)
+        return (optim.NorMuon if base == "normuon" else optim.Muon)(groups, lr=lr, **kw)
     cls = {"adamw": optim.AdamW, "adamw8bit": optim.AdamW8bit, "shampoo": optim.Shampoo,
            "soap": optim.SOAP}[base]
     return cls(model.parameters(), lr=lr, **kw)

@@ -59,6 +59,19 @@ class Muon(_OverCpp):
     blocks (plan with rfsdp.policy.combine(rfsdp.policy.muon(...),
     rfsdp.policy.blockwise_8bit(momentum_block))) and runs on the CPU.
 
+    hyperball (a group option; MuonH, "Fantastic Pretraining Optimizers II"): every
+    Muon parameter keeps its Frobenius norm R, hyperball_radius (None: its norm
+    when the optimizer first steps it, kept in the state as "hyperball_radius",
+    saved and resharded by state_dict and rfsdp.checkpoint). With d the update
+    before lr (Newton–Schulz's output with adjust_lr's scale; its split_sizes
+    blocks and experts together: norms are per parameter), u = d / (|d|_F + 1e-8),
+    W <- W - lr R u, W <- R W / (|W|_F + 1e-8). weight_decay must be 0 in such a
+    group (an error otherwise); use_muon=False groups take no Hyperball (their
+    weight decay stays; hyperball=True there is an error). A parameter ranks cut (rows on several ranks)
+    needs |W|^2, <W, d> and |d|^2 summed across them: one float64 all-reduce a
+    step for every such parameter (normalise_bytes() says how many bytes this
+    rank sent); one held whole needs none.
+
     Coming from torch.optim.Muon: the defaults differ (torch: lr=1e-3,
     weight_decay=0.1, bfloat16 Newton–Schulz; here lr=0.02, weight_decay=0.0,
     float32 on a CPU), so a swap changes the run unless they are given; with the
@@ -79,7 +92,8 @@ class Muon(_OverCpp):
                  weight_decay=0.0, adjust_lr="original", process_group=None,
                  ns_dtype=None, timeout_seconds=300.0, momentum_dtype=torch.float32,
                  momentum_block=256, momentum_map="dynamic", rounding="nearest",
-                 ns_coefficients=None, adjust_lr_fn=None):
+                 ns_coefficients=None, adjust_lr_fn=None, hyperball=False,
+                 hyperball_radius=None):
         self.rounding = rounding  # (checked in C++ when bound)
         if adjust_lr_fn is not None:  # torch.optim.Muon's name for adjust_lr
             if adjust_lr not in ("original", adjust_lr_fn):
@@ -94,11 +108,17 @@ class Muon(_OverCpp):
             if g.get("use_muon") is not None and not g["use_muon"]:
                 for k, v in self.AUX_DEFAULTS.items():
                     g.setdefault(k, v)
+                if g.get("hyperball"):
+                    raise ValueError("%s: hyperball applies to Muon's matrices; a use_muon=False "
+                                     "group takes AdamW (rfsdp.optim.AdamW(hyperball=True) is "
+                                     "AdamH)" % type(self).__name__)
+                g["hyperball"] = False  # (the optimizer's hyperball=True is its matrices')
         # use_muon None (a group that does not say): matrices Muon, the rest AdamW
         super().__init__(groups, dict(lr=lr, momentum=momentum, nesterov=nesterov,
                                       ns_steps=ns_steps, weight_decay=weight_decay,
                                       adjust_lr=adjust_lr, use_muon=None, split_sizes=None,
-                                      split_dim=0))
+                                      split_dim=0, hyperball=hyperball,
+                                      hyperball_radius=hyperball_radius, **self._extra_defaults))
         auto = sum(1 for g in self.param_groups if g["use_muon"] is None
                    for p in g["params"] if not _takes_muon(g, p))
         if auto:
@@ -112,17 +132,27 @@ class Muon(_OverCpp):
             ns_dtype = torch.bfloat16 if on_gpu else torch.float32
         self.config = _C.MuonConfig(ns_dtype=ns_dtype, momentum_dtype=momentum_dtype,
                                     momentum_block=momentum_block, momentum_map=momentum_map,
-                                    ns_coefficients=ns_coefficients)
+                                    ns_coefficients=ns_coefficients, **self._config_extra)
         self._set_groups(process_group, timeout_seconds)
         self._bind()
 
     _options_class = _C.MuonOptions
+    _extra_defaults = {}  # (NorMuon's beta2 and eps)
+    _config_extra = {}
 
     def _group_options(self, g):
         return dict(lr=g["lr"], momentum=g["momentum"], weight_decay=g["weight_decay"],
                     nesterov=bool(g["nesterov"]), adjust_lr=g["adjust_lr"],
                     betas=g.get("betas", self.AUX_DEFAULTS["betas"]),
-                    eps=g.get("eps", self.AUX_DEFAULTS["eps"]))
+                    eps=g.get("eps", self.AUX_DEFAULTS["eps"]),
+                    hyperball=bool(g.get("hyperball", False)),
+                    hyperball_radius=g.get("hyperball_radius"))
+
+    def normalise_bytes(self):
+        """Bytes this rank sent in the last step's all-reduce of Hyperball's and
+        NorMuon's norms (the parameters ranks cut; 0: none)."""
+        self._bind()
+        return self._impl.normalise_bytes()
 
     def _make_impl(self, params):
         group_of = self._group_of()
@@ -164,3 +194,32 @@ def _takes_muon(group, p):
     """use_muon True: Muon; False: AdamW; None (not said): Muon for matrices."""
     u = group["use_muon"]
     return is_matrix(None, p) if u is None else bool(u)
+
+
+class NorMuon(Muon):
+    """NorMuon (Li et al., arXiv 2510.05491; dion's NorMuon): Muon (every argument
+    and the AdamW part as Muon's) whose Newton–Schulz output O (adjust_lr's
+    scale in it) is normalised per row: v <- lerp(v, mean(O^2 over the
+    columns), 1 - beta2), N = O / (sqrt(v) + eps), N <- N |O|_F / max(|N|_F,
+    1e-8), then W <- W (1 - lr wd) - lr N. Per split_sizes block where a group
+    gives them (the Frobenius rescale per block; column blocks, split_dim=1:
+    the rows of each block). v is one float32 per row (per row and column
+    block), "normuon_v" in the state, saved and resharded as the momentum; it
+    stays float32 whatever momentum_dtype is (one value per row is a small
+    part of the state). beta2 and eps are group options; NorMuon's eps is the
+    group's "eps", so a group without use_muon gives its 0-D and 1-D
+    parameters' AdamW the same eps (use_muon=False groups keep the AdamW
+    part's own, default 1e-10). hyperball=True (Muon's) takes N as the direction.
+
+    A matrix ranks cut has |O|^2 and |N|^2 of each block summed across them:
+    one float64 all-reduce a step, with Hyperball's sums where both apply."""
+
+    def __init__(self, param_groups, lr=0.02, momentum=0.95, beta2=0.95, eps=1e-8, **kw):
+        self._extra_defaults = dict(beta2=beta2, eps=eps)
+        self._config_extra = dict(normuon=True)
+        super().__init__(param_groups, lr=lr, momentum=momentum, **kw)
+
+    def _group_options(self, g):
+        out = super()._group_options(g)
+        out.update(normuon_beta2=g["beta2"], normuon_eps=g["eps"])
+        return out
