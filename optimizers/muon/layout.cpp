@@ -144,9 +144,16 @@ bool is_replicated(const TensorShard& p, const Ranges& rs, int world) {
 // blocks span every row, so their matrix is the unit, split on its root.
 void append_matrices(size_t param, const TensorShard& p, const std::vector<int64_t>& split, int dim,
                      int steps, bool replicated, std::vector<MuonMatrix>* out) {
+  if (p.col_parts > 1 && !split.empty()) {
+    throw std::invalid_argument("Muon: parameter '" + p.name + "' is held in " +
+                                std::to_string(p.col_parts) + " column parts (tensor "
+                                "parallelism's Shard(1)): split_sizes are not supported for it "
+                                "yet; give it whole");
+  }
   for (const MatrixView& m : matrices_of(p.shape)) {
     if (m.rows * m.cols == 0) continue;
     MuonMatrix mat;
+    mat.col_parts = p.col_parts;
     mat.param = param;
     mat.cols = m.cols;
     mat.replicated = replicated;

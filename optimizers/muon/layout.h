@@ -26,6 +26,9 @@ struct MuonMatrix {
   int root = 0;         // the rank that runs Newton–Schulz on it
   double flops = 0;     // Newton–Schulz flops
   bool replicated = false;  // every rank holds it whole: the root gathers nothing
+  // Its parameter's column parts (TensorShard::col_parts): the exchange moves its
+  // elements part after part, the root puts them side by side (1: as stored).
+  int col_parts = 1;
 };
 
 // Where every matrix lives and which rank orthogonalises it (its owner in the

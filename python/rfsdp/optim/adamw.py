@@ -7,7 +7,11 @@ class AdamW(_OverCpp):
     """torch.optim.AdamW's update over shards (or plain tensors). Collective: the
     NaN/Inf check agrees across process_group's ranks (default: the shard group of
     fully_shard's parameters, else torch.distributed's default group, else none),
-    so every rank builds it and steps together."""
+    so every rank builds it and steps together. Over a (dp, tp) mesh (torch's
+    tensor parallelism, then FSDP2 over dp) it steps every rank's piece and agrees
+    over all the mesh's ranks."""
+
+    _takes_boxes = True  # (element-wise: any piece)
 
     def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=1e-2,
                  process_group=None, timeout_seconds=300.0, rounding="nearest"):
@@ -38,6 +42,7 @@ class AdamW8bit(AdamW):
     all-reduce. On a GPU, shards must hold whole blocks."""
 
     _config_class = _C.AdamW8bitConfig
+    _takes_boxes = False  # (blocks of the global tensor's rows)
 
     def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=1e-2,
                  block=None, min_8bit_size=None, process_group=None, timeout_seconds=300.0,
