@@ -788,5 +788,88 @@ TEST(Muon, WithItsAdamWPartOneStepIsTwoAllToAllsAndOneAgreement) {
   });
 }
 
+TEST(MuonColumnParts, PiecesOfColumnBlocksMatchSingleDeviceReference) {
+  // Tensor parallelism's Shard(1) (RowwiseParallel) under FSDP's row chunks: a
+  // 7 x 12 matrix in 2 column parts of 6, each cut into rows 4 + 3, on 4 ranks
+  // (rank r: part r % 2, chunk r / 2), and a 5 x 9 one in 3 parts held whole
+  // by ranks 0-2 (rank 3 none); each matrix whole on its root, as one device.
+  const uint64_t seed = fresh_seed();
+  SCOPED_TRACE("seed " + std::to_string(seed));
+  constexpr int kSteps = 4;
+  const MuonOptions h;
+  struct M {
+    std::vector<int64_t> shape;
+    int parts;
+    std::vector<int> part;                            // per rank: its column part
+    std::vector<std::pair<int64_t, int64_t>> chunk;  // and its rows of it
+  };
+  const std::vector<M> mats = {
+      {{7, 12}, 2, {0, 1, 0, 1}, {{0, 4}, {0, 4}, {4, 7}, {4, 7}}},
+      {{5, 9}, 3, {0, 1, 2, 0}, {{0, 5}, {0, 5}, {0, 5}, {0, 0}}}};
+  std::vector<at::Tensor> w, m;
+  for (size_t t = 0; t < mats.size(); ++t) {
+    w.push_back(seeded_randn(mats[t].shape, seed, t, at::kDouble));
+    m.push_back(at::zeros_like(w.back()));
+  }
+  const std::vector<at::Tensor> init = {w[0].clone(), w[1].clone()};
+  auto grad_at = [&](int step, size_t t) {
+    return seeded_randn(mats[t].shape, seed, 1000 + step * 100 + t, at::kDouble);
+  };
+  for (int step = 0; step < kSteps; ++step) {
+    for (size_t t = 0; t < mats.size(); ++t) ref_step(w[t], m[t], grad_at(step, t), h);
+  }
+  // rank r's piece of a full matrix of mats[t]
+  auto piece = [&](const at::Tensor& full, size_t t, int r) {
+    const M& x = mats[t];
+    const int64_t cb = x.shape[1] / x.parts;
+    return full.narrow(1, x.part[r] * cb, cb)
+        .narrow(0, x.chunk[r].first, x.chunk[r].second - x.chunk[r].first);
+  };
+  std::mutex mu;
+  std::map<int, std::string> failures;
+  run_local_ranks(4, [&](Comm& comm) {
+    const int r = comm.rank();
+    std::vector<ParamShard> shards;
+    for (size_t t = 0; t < mats.size(); ++t) {
+      const M& x = mats[t];
+      std::vector<std::pair<int64_t, int64_t>> every;
+      for (int q = 0; q < 4; ++q) {
+        every.emplace_back(x.part[q] * x.shape[0] + x.chunk[q].first,
+                           x.part[q] * x.shape[0] + x.chunk[q].second);
+      }
+      ParamShard p(TensorShard::column_parts("w" + std::to_string(t), x.shape, x.parts,
+                                             every[r].first, every[r].second, every),
+                   piece(init[t], t, r).to(at::kFloat).contiguous());
+      p.grad = at::zeros_like(p.param);
+      shards.push_back(p);
+    }
+    Muon muon(shards, h, {}, std::shared_ptr<Comm>(&comm, [](Comm*) {}));
+    for (int step = 0; step < kSteps; ++step) {
+      for (size_t t = 0; t < mats.size(); ++t) shards[t].grad.copy_(piece(grad_at(step, t), t, r));
+      muon.step();
+    }
+    for (size_t t = 0; t < mats.size(); ++t) {
+      const at::Tensor want = piece(w[t], t, r);
+      if (want.numel() == 0) continue;
+      const double err = (shards[t].param.to(at::kDouble) - want).abs().max().item<double>();
+      if (!(err <= 2e-5 * (1 + want.abs().max().item<double>()))) {
+        std::lock_guard<std::mutex> lock(mu);
+        failures[r] += "w" + std::to_string(t) + ": max error " + std::to_string(err) + "; ";
+      }
+    }
+  });
+  for (const auto& [r, msg] : failures) ADD_FAILURE() << "rank " << r << ": " << msg;
+}
+
+TEST(MuonColumnParts, SplitSizesOnColumnPartsAreRefusedNamingThem) {
+  try {
+    MuonLayout(nullptr, {TensorShard::column_parts("proj", {4, 8}, 2, 0, 8)}, {5}, {{2, 2}});
+    FAIL() << "split_sizes on column parts were taken";
+  } catch (const std::invalid_argument& e) {
+    EXPECT_NE(std::string(e.what()).find("'proj' is held in 2 column parts"), std::string::npos)
+        << e.what();
+  }
+}
+
 }  // namespace
 }  // namespace rfsdp
