@@ -38,10 +38,26 @@ def _muon_groups(model):
             dict(params=[p for n, p in named if n not in tm.MATRICES], use_muon=False, lr=3e-4)]
 
 
-def worker(rank, world, seed, folder):
+def _resumed_through_dcp(model, opt, xs, ys, dp, path):
+    """opt's state saved by DCP (torch's optimizer path), every state tensor zeroed,
+    loaded again; then the last step: the parameters after it."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import (get_optimizer_state_dict,
                                                          set_optimizer_state_dict)
+    dcp.save({"optim": get_optimizer_state_dict(model, opt)}, checkpoint_id=path)
+    with torch.no_grad():
+        for st in opt.state.values():  # (what the load must bring back)
+            for name, t in st.items():
+                if name != "step":
+                    t.zero_()
+    state = {"optim": get_optimizer_state_dict(model, opt)}
+    dcp.load(state, checkpoint_id=path)
+    set_optimizer_state_dict(model, opt, state["optim"])
+    tm.train(model, opt, xs[2:], ys[2:], dp, 2)
+    return tm.full_of(model)
+
+
+def worker(rank, world, seed, folder):
     from torch.distributed.tensor import DTensor
     mesh = tm.mesh_2d()
     dp = _dp_rank(mesh)
@@ -56,7 +72,7 @@ def worker(rank, world, seed, folder):
         out[name] = tm.full_of(model)
 
     # AdamW's state dict: DTensors with the parameters' placements; through DCP
-    # (saved after 2 steps, loaded into a fresh optimizer) the run goes on as before.
+    # (saved after 2 steps, the states zeroed, loaded) the run goes on as before.
     model = _model(mesh, seed)
     opt = rfsdp.optim.AdamW(model.parameters(), **ADAMW)
     tm.train(model, opt, xs[:2], ys[:2], dp, 2)
@@ -67,16 +83,7 @@ def worker(rank, world, seed, folder):
          and isinstance(sd["state"][i][k], DTensor)
          and tuple(sd["state"][i][k].shape) == tuple(p.shape))
         for i, p in enumerate(params) for k in ("exp_avg", "exp_avg_sq")]
-    path = os.path.join(folder, "ck")
-    dcp.save({"optim": get_optimizer_state_dict(model, opt)}, checkpoint_id=path)
-    for t in opt.state.values():  # (what the load must bring back)
-        t["exp_avg"].zero_()
-        t["exp_avg_sq"].zero_()
-    state = {"optim": get_optimizer_state_dict(model, opt)}
-    dcp.load(state, checkpoint_id=path)
-    set_optimizer_state_dict(model, opt, state["optim"])
-    tm.train(model, opt, xs[2:], ys[2:], dp, 2)
-    out["adamw_resumed"] = tm.full_of(model)
+    out["adamw_resumed"] = _resumed_through_dcp(model, opt, xs, ys, dp, folder + "/adamw")
 
     # A NaN in one rank's gradient: every rank refuses the step, nothing changes.
     model = _model(mesh, seed)
@@ -95,6 +102,10 @@ def worker(rank, world, seed, folder):
     opt = rfsdp.optim.Muon(_muon_groups(model), **MUON)
     out["muon_losses"] = tm.train(model, opt, xs, ys, dp, 2)
     out["muon"] = tm.full_of(model)
+    model = _model(mesh, seed)
+    opt = rfsdp.optim.Muon(_muon_groups(model), **MUON)
+    tm.train(model, opt, xs[:2], ys[:2], dp, 2)
+    out["muon_resumed"] = _resumed_through_dcp(model, opt, xs, ys, dp, folder + "/muon")
     out["8bit_rowwise"] = raised(rfsdp.optim.AdamW8bit, model.parameters(), min_8bit_size=1)
 
     # rfsdp.clip_grad_norm_ over the mesh's every dimension.
@@ -157,6 +168,11 @@ def test_adamw_states_are_dtensors_with_the_parameters_placements(got):
 def test_adamw_resumed_through_dcp_continues_as_uninterrupted(got):
     for r in range(4):
         _close(got[r]["adamw_resumed"], got[r]["adamw"], "resumed, rank %d" % r, tol=0)
+
+
+def test_muon_resumed_through_dcp_continues_as_uninterrupted(got):
+    for r in range(4):
+        _close(got[r]["muon_resumed"], got[r]["muon"], "Muon resumed, rank %d" % r, tol=0)
 
 
 def test_nonfinite_gradient_on_one_rank_is_refused_on_every_rank(got):
