@@ -166,6 +166,7 @@ void append_matrices(size_t param, const TensorShard& p, const std::vector<int64
       continue;
     }
     int64_t row0 = 0;
+    mat.row_block = !split.empty();
     for (int64_t rows : split.empty() ? std::vector<int64_t>{m.rows} : split) {
       mat.offset = m.offset + row0 * m.cols;
       mat.rows = rows;
@@ -177,7 +178,8 @@ void append_matrices(size_t param, const TensorShard& p, const std::vector<int64
 }
 
 // Roots (LPT): a matrix held by one rank stays there; the rest go costliest
-// first to the least-loaded rank, ties to the rank holding most of the matrix.
+// first to the least-loaded rank (a split_sizes row block: of those holding
+// part of it), ties to the rank holding most of the matrix.
 std::vector<int> lpt_roots(const std::vector<MuonMatrix>& mats, const std::vector<Ranges>& ranges,
                            int world) {
   std::vector<WorkItem> items(mats.size());
@@ -194,6 +196,7 @@ std::vector<int> lpt_roots(const std::vector<MuonMatrix>& mats, const std::vecto
       if (held > 0) ++holders, holder = r;
     }
     if (holders == 1) items[k].fixed_rank = holder;
+    items[k].holders_only = m.row_block && !m.replicated;
   }
   return assign_lpt(items, world);
 }

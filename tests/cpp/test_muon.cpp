@@ -325,6 +325,31 @@ TEST(MuonLayout, SplitBlocksAreMatricesOfTheirOwnRootedWhereTheyLie) {
   }
 }
 
+TEST(MuonLayout, SplitRowBlocksAreRootedOnARankHoldingThem) {
+  // A head-major fused QKV [24, 8] split in 4-row blocks as ColwiseParallel (tp 2)
+  // then FSDP2 (dp 2) leave it: ranks 0, 2 hold rows 0..12 (tp 0), ranks 1, 3
+  // rows 12..24; blocks 4..8 and 16..20 are cut by dp alone. Two big matrices
+  // held whole by ranks 0 and 2 load them, so the least-loaded rank for block
+  // 4..8 would be one of the other tp rank's: it must still be a holder.
+  run_local_ranks(4, [](Comm& comm) {
+    const std::vector<std::pair<int64_t, int64_t>> qkv = {{0, 6}, {12, 18}, {6, 12}, {18, 24}};
+    const std::vector<std::pair<int64_t, int64_t>> on0 = {{0, 64}, {64, 64}, {64, 64}, {64, 64}};
+    const std::vector<std::pair<int64_t, int64_t>> on2 = {{0, 0}, {0, 0}, {0, 64}, {64, 64}};
+    const int r = comm.rank();
+    std::vector<TensorShard> shards{
+        TensorShard::rows_of("qkv", {24, 8}, 1, qkv[r].first, qkv[r].second, qkv),
+        TensorShard::rows_of("big0", {64, 64}, 1, on0[r].first, on0[r].second, on0),
+        TensorShard::rows_of("big2", {64, 64}, 1, on2[r].first, on2[r].second, on2)};
+    MuonLayout layout(&comm, shards, {5, 5, 5}, {std::vector<int64_t>(6, 4), {}, {}});
+    for (size_t k = 0; k < layout.matrices().size(); ++k) {
+      const MuonMatrix& m = layout.matrices()[k];
+      const auto p = layout.piece(k, m.root);
+      EXPECT_GT(p.second, p.first) << "matrix " << k << " of '" << shards[m.param].name
+                                   << "' rooted on rank " << m.root << ", which holds none of it";
+    }
+  });
+}
+
 TEST(MuonLayout, BalancesEqualSharedMatricesAcrossRanks) {
   // Eight equal matrices each cut in half between ranks 0 and 1 of 4: LPT puts two on every rank.
   run_local_ranks(4, [](Comm& comm) {
