@@ -3,7 +3,8 @@ ColwiseParallel / RowwiseParallel over tp, then torch FSDP2 over dp: tests'
 tp_model.py), 4 process ranks (Gloo), mesh (dp=2, tp=2): torch AdamW beside
 rfsdp's AdamW and Muon (Muon on the four matrices, each whole on a root:
 ColwiseParallel's rows and RowwiseParallel's column parts; norms and biases
-AdamW). Bytes: what the optimizer's Comm sent per step, summed over the ranks
+AdamW; and with the fused QKV split per head, q, k, v, which ColwiseParallel
+keeps on one tp rank: those blocks cross dp only). Bytes: what the optimizer's Comm sent per step, summed over the ranks
 and the most of one rank (torch AdamW sends none: element-wise on the local
 pieces, no check across ranks).
 
@@ -26,7 +27,7 @@ from ranks import run_ranks  # noqa: E402
 def worker(rank, world, args):
     mesh = tm.mesh_2d()
     out = {}
-    for name in ("torch AdamW", "rfsdp AdamW", "rfsdp Muon + AdamW"):
+    for name in ("torch AdamW", "rfsdp AdamW", "rfsdp Muon + AdamW", "Muon, qkv per head"):
         torch.manual_seed(0)
         model = tm.tensor_parallel(tm.Block(args.dim, args.heads, args.ffn), mesh)
         if name == "torch AdamW":
@@ -35,9 +36,14 @@ def worker(rank, world, args):
             opt = rfsdp.optim.AdamW(model.parameters(), lr=1e-3)
         else:
             named = list(model.named_parameters())
-            mats = [p for n, p in named if n in tm.MATRICES]
+            heads = name.endswith("per head")  # (qkv's q, k, v of each head: blocks of its own)
+            mats = [p for n, p in named if n in tm.MATRICES and not (heads and n == "qkv.weight")]
             rest = [p for n, p in named if n not in tm.MATRICES]
-            opt = rfsdp.optim.Muon([dict(params=mats), dict(params=rest, use_muon=False)], lr=0.02)
+            groups = [dict(params=mats), dict(params=rest, use_muon=False)]
+            if heads:
+                groups.append(dict(params=[model.qkv.weight],
+                                   split_sizes=[args.dim // args.heads] * 3 * args.heads))
+            opt = rfsdp.optim.Muon(groups, lr=0.02)
         x = torch.randn(2, 16, args.dim)
         model(x).pow(2).mean().backward()
         opt.step()  # (warm-up: layouts, states)
