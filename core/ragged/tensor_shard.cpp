@@ -44,6 +44,21 @@ TensorShard TensorShard::rows_of(std::string name, std::vector<int64_t> shape, i
   return s;
 }
 
+TensorShard TensorShard::column_parts(std::string name, std::vector<int64_t> shape, int parts,
+                                      int64_t row_begin, int64_t row_end,
+                                      std::vector<std::pair<int64_t, int64_t>> rank_rows) {
+  if (shape.size() != 2 || parts < 1 || shape[1] % parts != 0) {
+    throw std::invalid_argument("tensor '" + name + "' of shape " + shape_to_string(shape) +
+                                ": " + std::to_string(parts) + " column parts need a 2-D tensor "
+                                "whose columns they divide");
+  }
+  TensorShard s = rows_of(name, {shape[0] * parts, shape[1] / parts}, 1, row_begin, row_end,
+                          std::move(rank_rows));
+  s.shape = std::move(shape);
+  s.col_parts = parts;
+  return s;
+}
+
 TensorShard TensorShard::whole(std::string name, std::vector<int64_t> shape, int row_dims) {
   TensorSpec t;
   t.shape = shape;

@@ -27,12 +27,25 @@ struct TensorShard {
   // them whole (TensorSpec::blocks; Muon's split); empty: none.
   std::vector<int64_t> blocks;
   int blocks_dim = 0;  // what the blocks split: 0 rows, 1 columns (TensorSpec::blocks_dim)
+  // Column parts (tensor parallelism's Shard(1), RowwiseParallel's weights): a
+  // 2-D tensor of `shape` cut into col_parts equal column blocks, each rank
+  // holding rows of one. Rows are then those of the blocks one after another,
+  // a [col_parts * shape[0], shape[1] / col_parts] tensor (row t * shape[0] + r
+  // is row r of block t), so each rank's piece is a row range of it, in the
+  // order the piece holds its elements. 1: none (rows are the tensor's own).
+  int col_parts = 1;
 
   // Rows [row_begin, row_end) of a tensor of `shape` seen with row_dims. Throws
   // std::invalid_argument, naming the tensor, when row_dims or the rows are out of range.
   static TensorShard rows_of(std::string name, std::vector<int64_t> shape, int row_dims,
                              int64_t row_begin, int64_t row_end,
                              std::vector<std::pair<int64_t, int64_t>> rank_rows = {});
+  // Rows [row_begin, row_end) of a 2-D tensor of `shape` held as `parts` column
+  // parts (see col_parts; rows count over the parts one after another). Throws
+  // std::invalid_argument, naming the tensor, unless parts divides its columns.
+  static TensorShard column_parts(std::string name, std::vector<int64_t> shape, int parts,
+                                  int64_t row_begin, int64_t row_end,
+                                  std::vector<std::pair<int64_t, int64_t>> rank_rows = {});
   // The whole tensor (one rank holds all of it).
   static TensorShard whole(std::string name, std::vector<int64_t> shape, int row_dims = 1);
   // Tensor i of a plan on `rank`, with every rank's rows.

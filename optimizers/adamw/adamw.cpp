@@ -217,9 +217,14 @@ AdamW8bit::AdamW8bit(std::vector<ParamShard> params, AdamWOptions options, AdamW
   block_.check();
   code1_ = quant::Codec::of(format_, /*is_signed=*/true);
   code2_ = quant::Codec::of(format_, /*is_signed=*/false);  // v keep_nonzero: see CodeLut
+  // Every rank's rows over comm's ranks where a shard knows them over fewer (a
+  // tensor-parallel model's norm, sharded over dp and alike over tp): the ranks
+  // that share a cut block agree its scale over comm (replicas add equal ones).
+  gather_rank_rows(comm_.get(), &params_, "AdamW8bit");
   for (size_t i = 0; i < params_.size(); ++i) {
     const ParamShard& p = params_[i];
     const bool eight = p.full_numel() >= config.min_8bit_size;
+    if (eight) require_own_rows("AdamW8bit", p, "8-bit blocks (of the global tensor's elements)");
     eight_bit_.push_back(eight);
     q_.push_back({});
     if (eight) {

@@ -31,9 +31,18 @@ std::vector<int> assign_lpt(const std::vector<WorkItem>& items, int world,
   for (size_t k : free) {
     const auto& aff = items[k].affinity;
     auto affinity = [&](int r) { return aff.empty() ? int64_t{0} : aff[r]; };
-    int best = 0;
-    for (int r = 1; r < world; ++r) {
-      if (load[r] < load[best] || (load[r] == load[best] && affinity(r) > affinity(best))) best = r;
+    const bool only = items[k].holders_only && !aff.empty();
+    int best = -1;
+    for (int r = 0; r < world; ++r) {
+      if (only && aff[r] <= 0) continue;
+      if (best < 0 || load[r] < load[best] ||
+          (load[r] == load[best] && affinity(r) > affinity(best))) {
+        best = r;
+      }
+    }
+    if (best < 0) {
+      throw std::invalid_argument("assign_lpt: item " + std::to_string(k) +
+                                  " may go only to its holders, and no rank holds it");
     }
     rank[k] = best;
     load[best] += items[k].cost;

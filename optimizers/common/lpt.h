@@ -12,6 +12,7 @@ struct WorkItem {
   double cost = 0.0;
   int fixed_rank = -1;            // >= 0: the item must run there (its cost still counts)
   std::vector<int64_t> affinity;  // optional, per rank: breaks load ties (higher wins)
+  bool holders_only = false;      // only ranks with affinity > 0 may take it (some must)
 };
 
 // The rank of every item. Fixed items stay; the others, costliest first (ties

@@ -39,6 +39,17 @@ ParamShard whole_param(const std::string& name, const at::Tensor& param, const a
   return ParamShard(TensorShard::whole(name, param.sizes().vec(), row_dims), param, grad);
 }
 
+void require_own_rows(const char* optimizer, const TensorShard& p, const char* what) {
+  if (p.col_parts > 1) {
+    throw std::invalid_argument(
+        std::string(optimizer) + ": parameter '" + p.name + "' is held in " +
+        std::to_string(p.col_parts) + " column parts (tensor parallelism's Shard(1), as "
+        "RowwiseParallel leaves it): its " + what + " are not supported there yet; give it to "
+        "rfsdp.optim.AdamW (an optimizer of its own) or rfsdp.optim.Muon, or shard it along dim 0 "
+        "(ColwiseParallel)");
+  }
+}
+
 void gather_rank_rows(Comm* comm, std::vector<ParamShard>* params, const char* who) {
   const int world = comm ? comm->size() : 1;
   const int rank = comm ? comm->rank() : 0;

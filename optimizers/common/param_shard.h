@@ -30,6 +30,11 @@ ParamShard whole_param(const std::string& name, const at::Tensor& param, const a
 // than one rank (build the optimizer from the same model on every rank). Throws
 // std::invalid_argument on every rank where the ranks hold different numbers of
 // parameters. Rows a shard knows are kept (its consumer agrees them).
+// Throws std::invalid_argument, naming the optimizer and the parameter, where p
+// is held in column parts (TensorShard::col_parts: tensor parallelism's Shard(1))
+// and `what` (blocks, tiles) needs the tensor's own rows.
+void require_own_rows(const char* optimizer, const TensorShard& p, const char* what);
+
 void gather_rank_rows(Comm* comm, std::vector<ParamShard>* params, const char* who);
 
 }  // namespace rfsdp

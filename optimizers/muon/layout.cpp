@@ -144,9 +144,16 @@ bool is_replicated(const TensorShard& p, const Ranges& rs, int world) {
 // blocks span every row, so their matrix is the unit, split on its root.
 void append_matrices(size_t param, const TensorShard& p, const std::vector<int64_t>& split, int dim,
                      int steps, bool replicated, std::vector<MuonMatrix>* out) {
+  if (p.col_parts > 1 && !split.empty()) {
+    throw std::invalid_argument("Muon: parameter '" + p.name + "' is held in " +
+                                std::to_string(p.col_parts) + " column parts (tensor "
+                                "parallelism's Shard(1)): split_sizes are not supported for it "
+                                "yet; give it whole");
+  }
   for (const MatrixView& m : matrices_of(p.shape)) {
     if (m.rows * m.cols == 0) continue;
     MuonMatrix mat;
+    mat.col_parts = p.col_parts;
     mat.param = param;
     mat.cols = m.cols;
     mat.replicated = replicated;
@@ -159,6 +166,7 @@ void append_matrices(size_t param, const TensorShard& p, const std::vector<int64
       continue;
     }
     int64_t row0 = 0;
+    mat.row_block = !split.empty();
     for (int64_t rows : split.empty() ? std::vector<int64_t>{m.rows} : split) {
       mat.offset = m.offset + row0 * m.cols;
       mat.rows = rows;
@@ -170,7 +178,8 @@ void append_matrices(size_t param, const TensorShard& p, const std::vector<int64
 }
 
 // Roots (LPT): a matrix held by one rank stays there; the rest go costliest
-// first to the least-loaded rank, ties to the rank holding most of the matrix.
+// first to the least-loaded rank (a split_sizes row block: of those holding
+// part of it), ties to the rank holding most of the matrix.
 std::vector<int> lpt_roots(const std::vector<MuonMatrix>& mats, const std::vector<Ranges>& ranges,
                            int world) {
   std::vector<WorkItem> items(mats.size());
@@ -187,6 +196,7 @@ std::vector<int> lpt_roots(const std::vector<MuonMatrix>& mats, const std::vecto
       if (held > 0) ++holders, holder = r;
     }
     if (holders == 1) items[k].fixed_rank = holder;
+    items[k].holders_only = m.row_block && !m.replicated;
   }
   return assign_lpt(items, world);
 }

@@ -26,6 +26,13 @@ struct MuonMatrix {
   int root = 0;         // the rank that runs Newton–Schulz on it
   double flops = 0;     // Newton–Schulz flops
   bool replicated = false;  // every rank holds it whole: the root gathers nothing
+  // Its parameter's column parts (TensorShard::col_parts): the exchange moves its
+  // elements part after part, the root puts them side by side (1: as stored).
+  int col_parts = 1;
+  // A logical block of split_sizes' rows (a head): rooted on a rank holding part
+  // of it, so a block that only some ranks cut (data parallelism inside one
+  // tensor-parallel rank's heads) never travels to the others.
+  bool row_block = false;
 };
 
 // Where every matrix lives and which rank orthogonalises it (its owner in the
@@ -37,7 +44,9 @@ struct MuonMatrix {
 //
 // Root selection: a matrix held by one rank is rooted there; the rest go
 // longest-processing-time first (most flops first) to the least-loaded rank,
-// ties to the rank holding most of the matrix, then the lowest rank. A
+// ties to the rank holding most of the matrix, then the lowest rank; a
+// split_sizes row block (a head) only to a rank holding part of it, so a head
+// that tensor parallelism keeps on one tp rank crosses only dp. A
 // parameter is replicated when every rank holds all of it (world > 1);
 // otherwise the ranks' rows must tile it.
 class MuonLayout {

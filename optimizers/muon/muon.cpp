@@ -154,6 +154,7 @@ Muon::Muon(std::vector<ParamShard> params, MuonOptions options, MuonConfig confi
       momenta_[i] = at::zeros(p.param.sizes(), p.param.options().dtype(config_.momentum_dtype));
       continue;
     }
+    require_own_rows("Muon", p, "int8 momentum blocks");
     quant::check_whole_blocks(quant::BlockShape::blocks(config_.momentum_block), p.name,
                               p.full_rows, p.row_len, p.row_begin, p.rows());
     // zero codes decode to the map's value nearest 0: store its code

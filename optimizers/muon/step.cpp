@@ -35,6 +35,19 @@ at::Tensor newton_schulz_by_columns(const at::Tensor& x, const MuonMatrix& m, in
   return at::cat(parts, 1);
 }
 
+// Matrix m as the exchange moves it (flat: its column parts one after another,
+// see MuonMatrix::col_parts) and back: the [rows, cols] matrix.
+at::Tensor matrix_of(const MuonMatrix& m, const at::Tensor& flat) {
+  if (m.col_parts == 1) return flat.view({m.rows, m.cols});
+  return flat.view({m.col_parts, m.rows, m.cols / m.col_parts}).permute({1, 0, 2})
+      .reshape({m.rows, m.cols});
+}
+at::Tensor flat_of(const MuonMatrix& m, const at::Tensor& matrix) {
+  if (m.col_parts == 1) return matrix.reshape(-1);
+  return matrix.reshape({m.rows, m.col_parts, m.cols / m.col_parts}).permute({1, 0, 2})
+      .reshape(-1);
+}
+
 // Newton–Schulz of the matrices rooted here, in place in `own` ((matrix, update)
 // pairs): one matrix at a time, or (batch_same_shape) one batched product chain
 // per group of equal shape and steps (expert stacks, layers). Each result must
@@ -94,7 +107,9 @@ void muon_step_from_updates(Comm* comm, const MuonLayout& layout, const NsRun& n
   const auto& mats = layout.matrices();
   const OwnerExchange& ex = layout.exchange();
   Comm* group = comm && layout.world() > 1 ? comm : nullptr;
-  const auto direct = [&](size_t k) { return ex.held_whole_here(k) && !mats[k].replicated; };
+  const auto direct = [&](size_t k) {
+    return ex.held_whole_here(k) && !mats[k].replicated && mats[k].col_parts == 1;
+  };
   // Matrix m's elements in `flat`, a flat tensor of its parameter's rows here (m held whole here).
   const auto region = [&](const MuonMatrix& m, const at::Tensor& flat) {
     const TensorShard& s = layout.shards()[m.param];
@@ -141,7 +156,7 @@ void muon_step_from_updates(Comm* comm, const MuonLayout& layout, const NsRun& n
   std::vector<std::pair<size_t, at::Tensor>> gathered;
   for (size_t k = 0; k < mats.size(); ++k) {
     if (ex.owns(k) && !ahead[mats[k].param]) {
-      gathered.emplace_back(k, whole[k][0].view({mats[k].rows, mats[k].cols}));
+      gathered.emplace_back(k, matrix_of(mats[k], whole[k][0]));
     }
   }
   // 3. Newton–Schulz (its failures, and a result that is not finite, agreed by
@@ -194,7 +209,7 @@ void muon_step_from_updates(Comm* comm, const MuonLayout& layout, const NsRun& n
   for (auto& [k, o_mat] : own) {
     const MuonMatrix& mat = mats[k];
     if (!direct(k)) {
-      results[k] = scaled(mat, o_mat).to(at::kFloat).reshape(-1);
+      results[k] = flat_of(mat, scaled(mat, o_mat).to(at::kFloat));
       continue;
     }
     if (skipped(mat)) continue;

@@ -88,6 +88,9 @@ void bind_core(py::module_& m) {
       .def(py::init(&rfsdp::TensorShard::rows_of), py::arg("name"), py::arg("shape"),
            py::arg("row_dims"), py::arg("row_begin"), py::arg("row_end"),
            py::arg("rank_rows") = std::vector<std::pair<int64_t, int64_t>>())
+      .def_static("column_parts", &rfsdp::TensorShard::column_parts, py::arg("name"),
+                  py::arg("shape"), py::arg("parts"), py::arg("row_begin"), py::arg("row_end"),
+                  py::arg("rank_rows") = std::vector<std::pair<int64_t, int64_t>>())
       .def_static("whole", &rfsdp::TensorShard::whole, py::arg("name"), py::arg("shape"),
                   py::arg("row_dims") = 1)
       .def_readonly("name", &rfsdp::TensorShard::name)
@@ -102,11 +105,12 @@ void bind_core(py::module_& m) {
       .def_readonly("rank_rows", &rfsdp::TensorShard::rank_rows)
       .def_readonly("blocks", &rfsdp::TensorShard::blocks)
       .def_readonly("blocks_dim", &rfsdp::TensorShard::blocks_dim)
+      .def_readonly("col_parts", &rfsdp::TensorShard::col_parts)
       .def("renamed", &rfsdp::TensorShard::renamed, py::arg("name"))
       .def(py::pickle(
           [](const rfsdp::TensorShard& t) {
             return py::make_tuple(t.name, t.shape, t.row_dims, t.row_begin, t.row_end, t.rank_rows,
-                                  t.blocks, t.blocks_dim);
+                                  t.blocks, t.blocks_dim, t.col_parts);
           },
           [](const py::tuple& s) {
             rfsdp::TensorShard t = rfsdp::TensorShard::rows_of(
@@ -115,6 +119,10 @@ void bind_core(py::module_& m) {
                 s[5].cast<std::vector<std::pair<int64_t, int64_t>>>());
             if (s.size() > 6) t.blocks = s[6].cast<std::vector<int64_t>>();
             if (s.size() > 7) t.blocks_dim = s[7].cast<int>();
+            if (s.size() > 8 && s[8].cast<int>() > 1) {  // (rows_of checked the virtual rows' shape)
+              t = rfsdp::TensorShard::column_parts(t.name, t.shape, s[8].cast<int>(), t.row_begin,
+                                                   t.row_end, t.rank_rows);
+            }
             return t;
           }));
   m.def("block_granule_rows", [](const std::string& name, const std::vector<int64_t>& shape,

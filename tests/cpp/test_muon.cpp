@@ -325,6 +325,31 @@ TEST(MuonLayout, SplitBlocksAreMatricesOfTheirOwnRootedWhereTheyLie) {
   }
 }
 
+TEST(MuonLayout, SplitRowBlocksAreRootedOnARankHoldingThem) {
+  // A head-major fused QKV [24, 8] split in 4-row blocks as ColwiseParallel (tp 2)
+  // then FSDP2 (dp 2) leave it: ranks 0, 2 hold rows 0..12 (tp 0), ranks 1, 3
+  // rows 12..24; blocks 4..8 and 16..20 are cut by dp alone. Two big matrices
+  // held whole by ranks 0 and 2 load them, so the least-loaded rank for block
+  // 4..8 would be one of the other tp rank's: it must still be a holder.
+  run_local_ranks(4, [](Comm& comm) {
+    const std::vector<std::pair<int64_t, int64_t>> qkv = {{0, 6}, {12, 18}, {6, 12}, {18, 24}};
+    const std::vector<std::pair<int64_t, int64_t>> on0 = {{0, 64}, {64, 64}, {64, 64}, {64, 64}};
+    const std::vector<std::pair<int64_t, int64_t>> on2 = {{0, 0}, {0, 0}, {0, 64}, {64, 64}};
+    const int r = comm.rank();
+    std::vector<TensorShard> shards{
+        TensorShard::rows_of("qkv", {24, 8}, 1, qkv[r].first, qkv[r].second, qkv),
+        TensorShard::rows_of("big0", {64, 64}, 1, on0[r].first, on0[r].second, on0),
+        TensorShard::rows_of("big2", {64, 64}, 1, on2[r].first, on2[r].second, on2)};
+    MuonLayout layout(&comm, shards, {5, 5, 5}, {std::vector<int64_t>(6, 4), {}, {}});
+    for (size_t k = 0; k < layout.matrices().size(); ++k) {
+      const MuonMatrix& m = layout.matrices()[k];
+      const auto p = layout.piece(k, m.root);
+      EXPECT_GT(p.second, p.first) << "matrix " << k << " of '" << shards[m.param].name
+                                   << "' rooted on rank " << m.root << ", which holds none of it";
+    }
+  });
+}
+
 TEST(MuonLayout, BalancesEqualSharedMatricesAcrossRanks) {
   // Eight equal matrices each cut in half between ranks 0 and 1 of 4: LPT puts two on every rank.
   run_local_ranks(4, [](Comm& comm) {
@@ -786,6 +811,89 @@ TEST(Muon, WithItsAdamWPartOneStepIsTwoAllToAllsAndOneAgreement) {
     EXPECT_TRUE(muon.state_has_step(2));
     EXPECT_FALSE(muon.state_has_step(0));
   });
+}
+
+TEST(MuonColumnParts, PiecesOfColumnBlocksMatchSingleDeviceReference) {
+  // Tensor parallelism's Shard(1) (RowwiseParallel) under FSDP's row chunks: a
+  // 7 x 12 matrix in 2 column parts of 6, each cut into rows 4 + 3, on 4 ranks
+  // (rank r: part r % 2, chunk r / 2), and a 5 x 9 one in 3 parts held whole
+  // by ranks 0-2 (rank 3 none); each matrix whole on its root, as one device.
+  const uint64_t seed = fresh_seed();
+  SCOPED_TRACE("seed " + std::to_string(seed));
+  constexpr int kSteps = 4;
+  const MuonOptions h;
+  struct M {
+    std::vector<int64_t> shape;
+    int parts;
+    std::vector<int> part;                            // per rank: its column part
+    std::vector<std::pair<int64_t, int64_t>> chunk;  // and its rows of it
+  };
+  const std::vector<M> mats = {
+      {{7, 12}, 2, {0, 1, 0, 1}, {{0, 4}, {0, 4}, {4, 7}, {4, 7}}},
+      {{5, 9}, 3, {0, 1, 2, 0}, {{0, 5}, {0, 5}, {0, 5}, {0, 0}}}};
+  std::vector<at::Tensor> w, m;
+  for (size_t t = 0; t < mats.size(); ++t) {
+    w.push_back(seeded_randn(mats[t].shape, seed, t, at::kDouble));
+    m.push_back(at::zeros_like(w.back()));
+  }
+  const std::vector<at::Tensor> init = {w[0].clone(), w[1].clone()};
+  auto grad_at = [&](int step, size_t t) {
+    return seeded_randn(mats[t].shape, seed, 1000 + step * 100 + t, at::kDouble);
+  };
+  for (int step = 0; step < kSteps; ++step) {
+    for (size_t t = 0; t < mats.size(); ++t) ref_step(w[t], m[t], grad_at(step, t), h);
+  }
+  // rank r's piece of a full matrix of mats[t]
+  auto piece = [&](const at::Tensor& full, size_t t, int r) {
+    const M& x = mats[t];
+    const int64_t cb = x.shape[1] / x.parts;
+    return full.narrow(1, x.part[r] * cb, cb)
+        .narrow(0, x.chunk[r].first, x.chunk[r].second - x.chunk[r].first);
+  };
+  std::mutex mu;
+  std::map<int, std::string> failures;
+  run_local_ranks(4, [&](Comm& comm) {
+    const int r = comm.rank();
+    std::vector<ParamShard> shards;
+    for (size_t t = 0; t < mats.size(); ++t) {
+      const M& x = mats[t];
+      std::vector<std::pair<int64_t, int64_t>> every;
+      for (int q = 0; q < 4; ++q) {
+        every.emplace_back(x.part[q] * x.shape[0] + x.chunk[q].first,
+                           x.part[q] * x.shape[0] + x.chunk[q].second);
+      }
+      ParamShard p(TensorShard::column_parts("w" + std::to_string(t), x.shape, x.parts,
+                                             every[r].first, every[r].second, every),
+                   piece(init[t], t, r).to(at::kFloat).contiguous());
+      p.grad = at::zeros_like(p.param);
+      shards.push_back(p);
+    }
+    Muon muon(shards, h, {}, std::shared_ptr<Comm>(&comm, [](Comm*) {}));
+    for (int step = 0; step < kSteps; ++step) {
+      for (size_t t = 0; t < mats.size(); ++t) shards[t].grad.copy_(piece(grad_at(step, t), t, r));
+      muon.step();
+    }
+    for (size_t t = 0; t < mats.size(); ++t) {
+      const at::Tensor want = piece(w[t], t, r);
+      if (want.numel() == 0) continue;
+      const double err = (shards[t].param.to(at::kDouble) - want).abs().max().item<double>();
+      if (!(err <= 2e-5 * (1 + want.abs().max().item<double>()))) {
+        std::lock_guard<std::mutex> lock(mu);
+        failures[r] += "w" + std::to_string(t) + ": max error " + std::to_string(err) + "; ";
+      }
+    }
+  });
+  for (const auto& [r, msg] : failures) ADD_FAILURE() << "rank " << r << ": " << msg;
+}
+
+TEST(MuonColumnParts, SplitSizesOnColumnPartsAreRefusedNamingThem) {
+  try {
+    MuonLayout(nullptr, {TensorShard::column_parts("proj", {4, 8}, 2, 0, 8)}, {5}, {{2, 2}});
+    FAIL() << "split_sizes on column parts were taken";
+  } catch (const std::invalid_argument& e) {
+    EXPECT_NE(std::string(e.what()).find("'proj' is held in 2 column parts"), std::string::npos)
+        << e.what();
+  }
 }
 
 }  // namespace

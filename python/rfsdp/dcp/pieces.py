@@ -38,7 +38,11 @@ def rectangles(global_shape, row_dims, row_begin, row_end):
 
 def row_pieces(t, info):
     """[(offsets, sizes, view of t)]: the rectangles of the rows info describes,
-    as views of t (a shard, or a state shaped like it)."""
+    as views of t (a shard, or a state shaped like it); a piece that is no rows
+    (info.box: a tensor-parallel column piece) is one rectangle."""
+    if info.box is not None:
+        _, offsets, sizes = info.box
+        return [(tuple(offsets), tuple(sizes), t.detach().view(sizes))] if t.numel() else []
     rows = t.detach().reshape(-1, info.row_len)
     return [(o, s, rows[first:first + n].view(s))
             for o, s, first, n in rectangles(info.global_shape, info.row_dims, info.row_begin,

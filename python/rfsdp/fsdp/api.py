@@ -23,6 +23,7 @@ from .._comm import make_comm
 from ..dcp.gather import full_rows
 from ..planning import PlannerOptions
 from . import state_dict as state_dict_mod
+from .dtensor import is_dtensor, is_sharded, local, root_mesh, whole_mesh_group
 from .schedule import Schedule
 from .unit import MixedPrecisionPolicy, TrainingState, Unit, shard_info
 
@@ -216,6 +217,14 @@ def _collect(module):
             if p is None or shard_info(p) is not None:  # an inner call's shard
                 continue
             fqn = (owner_name + "." if owner_name else "") + attr
+            if is_dtensor(p):  # (its data_ptr is the local piece's: checked before storage)
+                raise ValueError(
+                    "fully_shard: parameter '%s' is a DTensor with placements %s over a mesh %s "
+                    "(tensor parallelism): rfsdp.fully_shard does not shard tensor-parallel "
+                    "pieces yet. Shard the module with torch's FSDP2 "
+                    "(torch.distributed.fsdp.fully_shard(module, mesh=mesh['dp'])) and step it "
+                    "with rfsdp's optimizers, which take its parameters"
+                    % (fqn, tuple(p.placements), tuple(p.device_mesh.mesh_dim_names or ())))
             claimed = getattr(p, "_rfsdp_replaced", None)
             if claimed is not None:
                 raise ValueError(
@@ -471,9 +480,50 @@ def clip_grad_norm_(model: nn.Module, max_norm: float, error_if_nonfinite: bool 
     model.parameters(), gives the same: see grad_norm)."""
     us = units(model)
     if not us:
-        raise ValueError("clip_grad_norm_: the model has no fully_shard units")
+        params = [p for p in model.parameters() if p.grad is not None]
+        if params and all(is_dtensor(p) for p in params):
+            return _clip_dtensor_grads(params, float(max_norm), bool(error_if_nonfinite))
+        raise ValueError("clip_grad_norm_: the model has no fully_shard units (nor torch FSDP2 "
+                         "DTensor parameters with gradients)")
     norm = _C.clip_grad_norm([u.unit for u in us], float(max_norm), bool(error_if_nonfinite))
     return torch.tensor(norm, dtype=torch.float32, device=us[0].sharded[0].device)
+
+
+def _clip_dtensor_grads(params, max_norm, error_if_nonfinite):
+    """clip_grad_norm_ of DTensor parameters (torch FSDP2, with tensor parallelism:
+    norms over dp alone, matrices over (dp, tp)): the L2 norm over every rank of
+    their mesh in one all-reduce, each element counted once (a piece that k ranks
+    hold alike, a Replicate dimension or a parameter of a sub-mesh, adds 1/k of
+    its square on each), float64 sums; the local gradients scaled in place."""
+    roots = {id(root_mesh(p.device_mesh)): root_mesh(p.device_mesh) for p in params}
+    if len(roots) > 1:
+        raise ValueError("clip_grad_norm_: the parameters' DTensors lie on %d different device "
+                         "meshes; clip each mesh's parameters on their own" % len(roots))
+    root = next(iter(roots.values()))
+    total = torch.zeros((), dtype=torch.float64)
+    for p in params:
+        g = p.grad
+        if not is_dtensor(g) or any(not (is_sharded(x) or x.is_replicate()) for x in g.placements):
+            raise ValueError("clip_grad_norm_: the gradient of a parameter with placements %s is "
+                             "%s; it must be a DTensor of Shard or Replicate placements (reduced)"
+                             % (tuple(p.placements), tuple(g.placements) if is_dtensor(g)
+                                else "a plain tensor"))
+        sharded = 1
+        for d, x in enumerate(g.placements):
+            sharded *= g.device_mesh.size(d) if is_sharded(x) else 1
+        holders = root.size() // sharded  # ranks holding each element alike
+        total += local(g).detach().double().pow(2).sum().cpu() / holders
+    if root.size() > 1:
+        dist.all_reduce(total, group=whole_mesh_group(root))
+    norm = total.sqrt()
+    if error_if_nonfinite and not torch.isfinite(norm):
+        raise RuntimeError("clip_grad_norm_: the total norm of the gradients is %s (on every "
+                           "rank); pass error_if_nonfinite=False to clip anyway" % norm.item())
+    coef = min(1.0, max_norm / (norm.item() + 1e-6))
+    with torch.no_grad():
+        for p in params:
+            local(p.grad).mul_(coef)
+    return torch.tensor(norm.item(), dtype=torch.float32, device=local(params[0]).device)
 
 
 def global_numel(model: nn.Module) -> int:

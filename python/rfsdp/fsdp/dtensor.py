@@ -7,6 +7,7 @@ they take fully_shard's, and update the local tensors in place."""
 from typing import Optional
 
 import torch
+import torch.distributed as dist
 
 from .unit import ShardInfo, shard_info
 
@@ -37,9 +38,118 @@ def chunk_rows(n: int, world: int):
     return [(min(r * c, n), min((r + 1) * c, n)) for r in range(world)]
 
 
+def whole_mesh_group(mesh):
+    """The process group of every rank of `mesh` (cached on it): torch.distributed's
+    default group where the mesh is all of it, else the mesh flattened (collective
+    the first time, on every rank of the world: as building an optimizer is)."""
+    cached = getattr(mesh, "_rfsdp_whole_group", None)
+    if cached is not None:
+        return cached
+    if mesh.ndim == 1:
+        pg = mesh.get_group(0)
+    elif mesh.size() == dist.get_world_size() and \
+            mesh.mesh.flatten().tolist() == list(range(mesh.size())):
+        pg = dist.group.WORLD
+    else:
+        pg = mesh._flatten().get_group(0)
+    mesh._rfsdp_whole_group = pg
+    return pg
+
+
+def root_mesh(mesh):
+    """The mesh a sub-mesh was sliced from (FSDP2 over mesh["dp"] leaves plain
+    parameters, norms, on it), else mesh."""
+    get = getattr(mesh, "_get_root_mesh", None)
+    return get() if get is not None else mesh
+
+
+def is_sharded(x) -> bool:
+    """Whether placement x shards a dimension: Shard, or FSDP2's _StridedShard over a
+    tensor-parallel Shard (no Shard subclass in torch 2.11)."""
+    from torch.distributed.tensor.placement_types import _StridedShard
+    return x.is_shard() or isinstance(x, _StridedShard)
+
+
+def _mesh_pieces(p, pg, dims):
+    """Every rank of pg's piece of p, [(global offsets, local sizes)] in pg's rank
+    order, as torch's DTensor computes them (_StridedShard included); pg's ranks
+    are the mesh's ranks along `dims`, the other dims at this rank's coordinates."""
+    from torch.distributed.tensor._utils import _compute_local_shape_and_global_offset
+    mesh = p.device_mesh
+    grid = mesh.mesh
+    mine = mesh.get_coordinate()
+    out = []
+    for g in range(dist.get_world_size(pg)):
+        r = dist.get_global_rank(pg, g) if pg is not dist.group.WORLD else g
+        coord = [int(c) for c in (grid == r).nonzero()[0]]
+        if any(coord[d] != mine[d] for d in range(mesh.ndim) if d not in dims):
+            raise AssertionError("rank %d of the group is not in this rank's slice" % r)
+        shape, offset = _compute_local_shape_and_global_offset(p.shape, grid.shape, coord,
+                                                               p.placements)
+        out.append((tuple(offset), tuple(shape)))
+    return out
+
+
+def _mesh_shard(name, p, what):
+    """The ShardInfo of a DTensor over a mesh of two or more dimensions with
+    tensor parallelism (torch's parallelize_module, then FSDP2 over a dp
+    dimension): any mix of Shard / _StridedShard and Replicate placements. The
+    shard group is the ranks of its sharded dimensions (all of the mesh's: the
+    mesh flattened), the replicate group those of its one Replicate dimension.
+    A piece of whole rows of the global tensor (ColwiseParallel's Shard(0), a
+    norm's Replicate) is rows as FSDP's are, every rank's known; one cut along
+    another dim is a box (ShardInfo.of's): RowwiseParallel's Shard(1) of a matrix
+    whose columns tp divides is rows of its column parts (C++'s
+    TensorShard::col_parts: AdamW and Muon take it), any other only the
+    element-wise optimizers take, as rows of its column block."""
+    from torch.distributed.tensor import Replicate
+    mesh, placements = p.device_mesh, tuple(p.placements)
+    for x in placements:
+        if not (is_sharded(x) or isinstance(x, Replicate)):
+            raise ValueError("%s: placement %s is not supported (rfsdp's optimizers take Shard, "
+                             "_StridedShard and Replicate placements)" % (what, x))
+    shard_dims = [d for d, x in enumerate(placements) if is_sharded(x)]
+    rep_dims = [d for d, x in enumerate(placements) if isinstance(x, Replicate)]
+    if len(rep_dims) > 1 or (rep_dims and len(shard_dims) > 1):
+        raise ValueError("%s: rfsdp's optimizers take a mesh of two dimensions with tensor "
+                         "parallelism (dp, tp); replication along %d of %d dimensions is not "
+                         "supported" % (what, len(rep_dims), mesh.ndim))
+    shape = list(p.shape)
+    if not shape:
+        raise ValueError("%s is 0-D: nothing to shard" % what)
+    pg = whole_mesh_group(mesh) if len(shard_dims) == mesh.ndim else mesh.get_group(shard_dims[0])
+    rg = mesh.get_group(rep_dims[0]) if rep_dims else None
+    pieces = _mesh_pieces(p, pg, shard_dims)
+    offset, sizes = pieces[dist.get_rank(pg)]
+    loc = p._local_tensor
+    if tuple(loc.shape) != sizes or not loc.is_contiguous():
+        raise ValueError("%s: its local tensor is %s%s, not the piece %s at %s torch's DTensor "
+                         "gives this rank" % (what, tuple(loc.shape), "" if loc.is_contiguous()
+                                              else " (non-contiguous)", sizes, offset))
+    if all(tuple(s[1:]) == tuple(shape[1:]) for _, s in pieces):  # rows of the global tensor
+        rows = [(o[0], o[0] + s[0]) for o, s in pieces]
+        return ShardInfo(name, shape, 1, offset[0], offset[0] + sizes[0], pg, rg, rank_rows=rows)
+    from .. import _C
+    box = (tuple(shape), offset, sizes)
+    width = sizes[1] if len(shape) == 2 else 0
+    if width and all(s[1] == width and o[1] % width == 0 for o, s in pieces) \
+            and shape[1] % width == 0:
+        # Equal column blocks (torch's Shard(1) where tp divides the columns): rows of
+        # the blocks one after another, as C++ describes them (TensorShard::col_parts).
+        rows = [((o[1] // width) * shape[0] + o[0], (o[1] // width) * shape[0] + o[0] + s[0])
+                for o, s in pieces]
+        b, e = rows[dist.get_rank(pg)]
+        return ShardInfo.of(_C.TensorShard.column_parts(name, shape, shape[1] // width, b, e, rows),
+                            pg, rg, box=box)
+    # Any other piece: rows of its column block, for the element-wise optimizers alone.
+    block = _C.TensorShard(name, [shape[0]] + list(sizes[1:]), 1, offset[0], offset[0] + sizes[0], [])
+    return ShardInfo.of(block, pg, rg, box=box)
+
+
 def dtensor_shard(name: str, p) -> ShardInfo:
     """The ShardInfo of an FSDP2 parameter (cached on it): its global shape, this
-    rank's chunk rows and every rank's, the shard group and the replicate group."""
+    rank's chunk rows and every rank's, the shard group and the replicate group;
+    over a mesh with tensor parallelism, _mesh_shard's."""
     cached = getattr(p, "_rfsdp_dtensor_shard", None)
     if cached is not None:
         return cached
@@ -54,11 +164,15 @@ def dtensor_shard(name: str, p) -> ShardInfo:
     elif all(isinstance(x, Replicate) for x in placements):
         raise ValueError("%s is replicated, not sharded: shard it with Shard(0), or give it to "
                          "an optimizer of its own as a plain tensor" % what)
+    elif mesh.ndim == 2:
+        info = _mesh_shard(name, p, what)
+        p._rfsdp_dtensor_shard = info
+        return info
     else:
         raise ValueError(
-            "%s: rfsdp's optimizers take FSDP2's layouts, Shard(0) over a 1-D mesh or "
-            "(Replicate(), Shard(0)) over a 2-D mesh (HSDP); other placements (Shard(1), a "
-            "tensor-parallel mesh dimension) are not supported" % what)
+            "%s: rfsdp's optimizers take FSDP2's layouts, Shard(0) over a 1-D mesh, "
+            "(Replicate(), Shard(0)) over a 2-D mesh (HSDP), and tensor parallelism over a 2-D "
+            "(dp, tp) mesh; other placements are not supported" % what)
     shape = list(p.shape)
     if not shape:
         raise ValueError("%s is 0-D: nothing to shard" % what)

@@ -15,6 +15,7 @@ With gradient sync off (set_requires_gradient_sync(False)) a backward adds into
 the unit's full gradient buffer and reduces nothing; the next synced backward
 adds to it and reduce-scatters the sum once."""
 import enum
+import math
 import weakref
 from dataclasses import dataclass
 from typing import Optional
@@ -53,7 +54,7 @@ class ShardInfo:
     global_shape / global_numel are the parameter's; the shard's own shape and
     numel() are this rank's rows."""
 
-    __slots__ = ("shard", "process_group", "replicate_group")
+    __slots__ = ("shard", "process_group", "replicate_group", "box")
 
     def __init__(self, name, global_shape, row_dims, row_begin, row_end, process_group=None,
                  replicate_group=None, rank_rows=()):
@@ -61,38 +62,45 @@ class ShardInfo:
                                     list(rank_rows))
         self.process_group = process_group
         self.replicate_group = replicate_group
+        self.box = None
 
     @classmethod
-    def of(cls, shard, process_group=None, replicate_group=None):
+    def of(cls, shard, process_group=None, replicate_group=None, box=None):
+        """box: None, or (global shape, offsets, sizes) where the piece is not rows
+        of the global tensor (a tensor-parallel column piece: Shard(1) of
+        RowwiseParallel, see fsdp/dtensor.py); shard then describes it as rows of
+        its column block, for the optimizers that step pieces element-wise."""
         info = cls.__new__(cls)
         info.shard, info.process_group, info.replicate_group = shard, process_group, replicate_group
+        info.box = box
         return info
 
     name = property(lambda self: self.shard.name)
-    global_shape = property(lambda self: self.shard.shape)
+    global_shape = property(lambda self: self.shard.shape if self.box is None else list(self.box[0]))
     row_dims = property(lambda self: self.shard.row_dims)
     row_begin = property(lambda self: self.shard.row_begin)
     row_end = property(lambda self: self.shard.row_end)
     row_len = property(lambda self: self.shard.row_len)
     full_rows = property(lambda self: self.shard.full_rows)
     rank_rows = property(lambda self: self.shard.rank_rows)  # [] where unknown
-    global_numel = property(lambda self: self.shard.full_rows * self.shard.row_len)
+    global_numel = property(lambda self: self.shard.full_rows * self.shard.row_len
+                            if self.box is None else math.prod(self.box[0]))
 
     def _key(self):
         return (self.name, self.global_shape, self.row_dims, self.row_begin, self.row_end)
 
     def __eq__(self, other):
-        return isinstance(other, ShardInfo) and self._key() == other._key()
+        return isinstance(other, ShardInfo) and (self._key(), self.box) == (other._key(), other.box)
 
     def __hash__(self):
-        return hash(self._key())
+        return hash((self._key(), self.box))
 
     def __repr__(self):
         return "ShardInfo(name=%r, global_shape=%r, row_dims=%d, row_begin=%d, row_end=%d)" % \
             self._key()
 
     def __reduce__(self):  # groups live in one process: a pickled ShardInfo drops them
-        return (ShardInfo.of, (self.shard,))
+        return (ShardInfo.of, (self.shard, None, None, self.box))
 
 
 @dataclass

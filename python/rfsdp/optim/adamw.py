@@ -7,7 +7,9 @@ class AdamW(_OverCpp):
     """torch.optim.AdamW's update over shards (or plain tensors). Collective: the
     NaN/Inf check agrees across process_group's ranks (default: the shard group of
     fully_shard's parameters, else torch.distributed's default group, else none),
-    so every rank builds it and steps together.
+    so every rank builds it and steps together. Over a (dp, tp) mesh (torch's
+    tensor parallelism, then FSDP2 over dp) it steps every rank's piece and agrees
+    over all the mesh's ranks.
 
     hyperball (a group option; AdamH, "Fantastic Pretraining Optimizers II"): the
     group's parameters of 2 or more dims keep their Frobenius norm R,
@@ -19,6 +21,8 @@ class AdamW(_OverCpp):
     A parameter ranks cut needs |W|^2, <W, d> and |d|^2 summed across them: one
     float64 all-reduce a step for all of them (hyperball_bytes() says how many
     bytes this rank sent); one held whole needs none."""
+
+    _takes_boxes = True  # (element-wise: any piece)
 
     def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=1e-2,
                  process_group=None, timeout_seconds=300.0, rounding="nearest", hyperball=False,
@@ -64,6 +68,7 @@ class AdamW8bit(AdamW):
     (d from the 8-bit moments)."""
 
     _config_class = _C.AdamW8bitConfig
+    _takes_boxes = False  # (blocks of the global tensor's rows)
 
     def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=1e-2,
                  block=None, min_8bit_size=None, process_group=None, timeout_seconds=300.0,

@@ -13,7 +13,7 @@ from .._comm import make_comm
 from ..dcp import optim_state
 from ..dcp.layout import default_group
 from ..dcp.state_dict_type import state_dict_type
-from ..fsdp.dtensor import info_of, local
+from ..fsdp.dtensor import info_of, is_dtensor, local, root_mesh, whole_mesh_group
 from ..fsdp.unit import replacements
 
 
@@ -116,6 +116,14 @@ def _default_comm(process_group, timeout_seconds, param_groups):
             if info is not None and info.process_group is not None:
                 key = tuple(dist.get_process_group_ranks(info.process_group))
                 shard_groups.setdefault(key, (info.process_group, info.name))
+        meshes = {id(root_mesh(p.device_mesh)): root_mesh(p.device_mesh) for p in params
+                  if is_dtensor(p)}
+        if len(shard_groups) > 1 and len(meshes) == 1 and \
+                next(iter(meshes.values())).ndim > 1 and \
+                all(is_dtensor(p) for p in params):
+            # Tensor parallelism (parameters over (dp, tp), norms over dp alone): the
+            # pieces of a matrix lie on every rank of the mesh, which agree each step.
+            shard_groups = {"mesh": (whole_mesh_group(next(iter(meshes.values()))), None)}
         if len(shard_groups) > 1:
             (_, a), (_, b) = list(shard_groups.values())[:2]
             raise ValueError("optimizer: parameters '%s' and '%s' are sharded over different "
@@ -244,6 +252,9 @@ class _OverCpp(torch.optim.Optimizer):
     or full as rfsdp.set_state_dict_type(optimizer, kind) says."""
 
     rounding = "nearest"  # how steps write bfloat16 / float16 parameters back
+    # Whether it steps pieces that are no rows of the global tensor, nor of column
+    # parts C++ describes (ShardInfo.box): element-wise updates with fp32 state only.
+    _takes_boxes = False
     # Param-group keys that shape the C++ optimizer beyond its state: a state
     # dict or checkpoint saved with other values of them is refused.
     _fixed_group_keys = ()
@@ -292,7 +303,20 @@ class _OverCpp(torch.optim.Optimizer):
         """The C++ optimizer's (shard, tensor) of these parameters (the bound ones),
         each named as the model names it where known (_param_names)."""
         names = self._names if len(self._names) == len(params) else [None] * len(params)
-        return [_shard_spec(i, p, n) for i, (p, n) in enumerate(zip(params, names))]
+        specs = [_shard_spec(i, p, n) for i, (p, n) in enumerate(zip(params, names))]
+        if not self._takes_boxes:
+            for i, (p, n) in enumerate(zip(params, names)):
+                info = info_of(n or "param %d" % i, p)
+                if info is not None and info.box is not None and info.shard.col_parts == 1:
+                    raise ValueError(
+                        "%s: parameter '%s' is a DTensor with placements %s: its pieces are cut "
+                        "along dim %d by tensor parallelism (RowwiseParallel's Shard(1)), which "
+                        "%s does not take yet; give such parameters to rfsdp.optim.AdamW (an "
+                        "optimizer of their own), or shard them along dim 0 (ColwiseParallel)"
+                        % (type(self).__name__, specs[i][0].name, tuple(p.placements),
+                           next(d for d, (a, b) in enumerate(zip(info.box[2], info.box[0]))
+                                if a != b), type(self).__name__))
+        return specs
 
     def _bind(self, force=False):
         stepped = getattr(self, "_stepped", set())

@@ -1,0 +1,82 @@
+"""Optimizer step time and bytes sent per step on a tensor-parallel block (torch's
+ColwiseParallel / RowwiseParallel over tp, then torch FSDP2 over dp: tests'
+tp_model.py), 4 process ranks (Gloo), mesh (dp=2, tp=2): torch AdamW beside
+rfsdp's AdamW and Muon (Muon on the four matrices, each whole on a root:
+ColwiseParallel's rows and RowwiseParallel's column parts; norms and biases
+AdamW; and with the fused QKV split per head, q, k, v, which ColwiseParallel
+keeps on one tp rank: those blocks cross dp only). Bytes: what the optimizer's Comm sent per step, summed over the ranks
+and the most of one rank (torch AdamW sends none: element-wise on the local
+pieces, no check across ranks).
+
+    python bench/tp_optimizers.py [--dim 256 --heads 4 --ffn 1024 --steps 20]"""
+import argparse
+import os
+import statistics
+import sys
+import time
+
+import torch
+
+import rfsdp
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests", "python"))
+import tp_model as tm  # noqa: E402
+from ranks import run_ranks  # noqa: E402
+
+
+def worker(rank, world, args):
+    mesh = tm.mesh_2d()
+    out = {}
+    for name in ("torch AdamW", "rfsdp AdamW", "rfsdp Muon + AdamW", "Muon, qkv per head"):
+        torch.manual_seed(0)
+        model = tm.tensor_parallel(tm.Block(args.dim, args.heads, args.ffn), mesh)
+        if name == "torch AdamW":
+            opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        elif name == "rfsdp AdamW":
+            opt = rfsdp.optim.AdamW(model.parameters(), lr=1e-3)
+        else:
+            named = list(model.named_parameters())
+            heads = name.endswith("per head")  # (qkv's q, k, v of each head: blocks of its own)
+            mats = [p for n, p in named if n in tm.MATRICES and not (heads and n == "qkv.weight")]
+            rest = [p for n, p in named if n not in tm.MATRICES]
+            groups = [dict(params=mats), dict(params=rest, use_muon=False)]
+            if heads:
+                groups.append(dict(params=[model.qkv.weight],
+                                   split_sizes=[args.dim // args.heads] * 3 * args.heads))
+            opt = rfsdp.optim.Muon(groups, lr=0.02)
+        x = torch.randn(2, 16, args.dim)
+        model(x).pow(2).mean().backward()
+        opt.step()  # (warm-up: layouts, states)
+        comm = getattr(opt, "comm", None)
+        if comm is not None:
+            comm.reset_stats()
+        times = []
+        for _ in range(args.steps):
+            torch.distributed.barrier()
+            t0 = time.perf_counter()
+            opt.step()
+            times.append(time.perf_counter() - t0)
+        sent = comm.stats()["bytes_sent"] / args.steps if comm is not None else 0
+        out[name] = (statistics.median(times), sent)
+    return out
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--dim", type=int, default=256)
+    ap.add_argument("--heads", type=int, default=4)
+    ap.add_argument("--ffn", type=int, default=1024)
+    ap.add_argument("--steps", type=int, default=20)
+    args = ap.parse_args()
+    got = run_ranks(worker, 4, args)
+    print("block dim %d heads %d ffn %d, 4 ranks (dp=2, tp=2), Gloo, median of %d steps"
+          % (args.dim, args.heads, args.ffn, args.steps))
+    for name in got[0]:
+        t = max(g[name][0] for g in got)
+        sent = [g[name][1] for g in got]
+        print("%-20s step %8.2f ms (slowest rank)  sent %10.0f B/step (all ranks), %10.0f (most)"
+              % (name, t * 1e3, sum(sent), max(sent)))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,217 @@
+"""rfsdp's optimizers on a transformer block parallelised as torchtitan does
+(torch's ColwiseParallel / RowwiseParallel over mesh["tp"], then torch FSDP2 over
+mesh["dp"]): 4 process ranks (Gloo), mesh (dp=2, tp=2), 3 steps, against one
+process (tp_model.py). One run of the ranks computes every case (4 processes on
+a shared CPU are slow); each test checks one claim of it."""
+import os
+import sys
+import tempfile
+
+import pytest
+import torch
+
+import rfsdp
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import muon_reference  # noqa: E402
+import tp_model as tm  # noqa: E402
+from ranks import raised, run_ranks  # noqa: E402
+
+STEPS = 3
+ADAMW = dict(lr=1e-2, weight_decay=0.05)
+MUON = dict(lr=0.02, momentum=0.95, weight_decay=0.01)
+SEED = 1234
+
+
+def _dp_rank(mesh):
+    return mesh["dp"].get_local_rank()
+
+
+def _model(mesh, seed):
+    torch.manual_seed(seed)
+    return tm.tensor_parallel(tm.Block(), mesh)
+
+
+def _muon_groups(model):
+    named = list(model.named_parameters())
+    return [dict(params=[p for n, p in named if n in tm.MATRICES]),
+            dict(params=[p for n, p in named if n not in tm.MATRICES], use_muon=False, lr=3e-4)]
+
+
+def _resumed_through_dcp(model, opt, xs, ys, dp, path):
+    """opt's state saved by DCP (torch's optimizer path), every state tensor zeroed,
+    loaded again; then the last step: the parameters after it."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import (get_optimizer_state_dict,
+                                                         set_optimizer_state_dict)
+    dcp.save({"optim": get_optimizer_state_dict(model, opt)}, checkpoint_id=path)
+    with torch.no_grad():
+        for st in opt.state.values():  # (what the load must bring back)
+            for name, t in st.items():
+                if name != "step":
+                    t.zero_()
+    state = {"optim": get_optimizer_state_dict(model, opt)}
+    dcp.load(state, checkpoint_id=path)
+    set_optimizer_state_dict(model, opt, state["optim"])
+    tm.train(model, opt, xs[2:], ys[2:], dp, 2)
+    return tm.full_of(model)
+
+
+def worker(rank, world, seed, folder):
+    from torch.distributed.tensor import DTensor
+    mesh = tm.mesh_2d()
+    dp = _dp_rank(mesh)
+    xs, ys = tm.data(seed, STEPS)
+    out = {}
+
+    # torch's AdamW on the 2-D model (the issue's baseline) and rfsdp's.
+    for name, cls in (("torch_adamw", torch.optim.AdamW), ("adamw", rfsdp.optim.AdamW)):
+        model = _model(mesh, seed)
+        opt = cls(model.parameters(), **ADAMW)
+        out[name + "_losses"] = tm.train(model, opt, xs, ys, dp, 2)
+        out[name] = tm.full_of(model)
+
+    # AdamW's state dict: DTensors with the parameters' placements; through DCP
+    # (saved after 2 steps, the states zeroed, loaded) the run goes on as before.
+    model = _model(mesh, seed)
+    opt = rfsdp.optim.AdamW(model.parameters(), **ADAMW)
+    tm.train(model, opt, xs[:2], ys[:2], dp, 2)
+    sd = opt.state_dict()
+    params = list(model.parameters())
+    out["state_placements"] = [
+        (tuple(sd["state"][i][k].placements) == tuple(p.placements)
+         and isinstance(sd["state"][i][k], DTensor)
+         and tuple(sd["state"][i][k].shape) == tuple(p.shape))
+        for i, p in enumerate(params) for k in ("exp_avg", "exp_avg_sq")]
+    out["adamw_resumed"] = _resumed_through_dcp(model, opt, xs, ys, dp, folder + "/adamw")
+
+    # A NaN in one rank's gradient: every rank refuses the step, nothing changes.
+    model = _model(mesh, seed)
+    opt = rfsdp.optim.AdamW(model.parameters(), **ADAMW)
+    tm.train(model, opt, xs[:1], ys[:1], dp, 2)
+    before = tm.full_of(model)
+    model(xs[1][:2]).pow(2).mean().backward()
+    if rank == 3:
+        model.proj.weight.grad._local_tensor[0, 0] = float("nan")
+    out["nan"] = raised(opt.step)
+    out["nan_unchanged"] = all(torch.equal(before[n], t) for n, t in tm.full_of(model).items())
+
+    # Muon on every matrix: ColwiseParallel's rows and RowwiseParallel's column
+    # parts, each matrix whole on one root. AdamW8bit refuses the column parts.
+    model = _model(mesh, seed)
+    opt = rfsdp.optim.Muon(_muon_groups(model), **MUON)
+    out["muon_losses"] = tm.train(model, opt, xs, ys, dp, 2)
+    out["muon"] = tm.full_of(model)
+    model = _model(mesh, seed)
+    opt = rfsdp.optim.Muon(_muon_groups(model), **MUON)
+    tm.train(model, opt, xs[:2], ys[:2], dp, 2)
+    out["muon_resumed"] = _resumed_through_dcp(model, opt, xs, ys, dp, folder + "/muon")
+    out["8bit_rowwise"] = raised(rfsdp.optim.AdamW8bit, model.parameters(), min_8bit_size=1)
+
+    # rfsdp.clip_grad_norm_ over the mesh's every dimension.
+    model = _model(mesh, seed)
+    x, y = xs[0][dp * 2:dp * 2 + 2], ys[0][dp * 2:dp * 2 + 2]
+    torch.nn.functional.mse_loss(model(x), y).backward()
+    out["clip_norm"] = float(rfsdp.clip_grad_norm_(model, 0.1))
+    out["clipped"] = {n: p.grad.full_tensor() for n, p in model.named_parameters()}
+
+    # rfsdp.fully_shard over the tensor-parallel model: refused, naming the placement.
+    from torch.distributed.tensor.parallel import ColwiseParallel, parallelize_module
+    torch.manual_seed(seed)
+    block = tm.Block()
+    parallelize_module(block, mesh["tp"], {"qkv": ColwiseParallel()})
+    out["fully_shard"] = raised(rfsdp.fully_shard, block, mesh=mesh["dp"])
+    return out
+
+
+@pytest.fixture(scope="module")
+def got():
+    with tempfile.TemporaryDirectory() as d:
+        return run_ranks(worker, 4, SEED, d)
+
+
+def _one_process(opt_of, steps=STEPS):
+    xs, ys = tm.data(SEED, steps)
+    torch.manual_seed(SEED)
+    model = tm.Block()
+    losses = tm.train(model, opt_of(model), xs, ys)
+    return losses, {n: p.detach() for n, p in model.named_parameters()}
+
+
+def _close(got, want, what, tol=1e-6):
+    for n, w in want.items():
+        torch.testing.assert_close(got[n].double(), w.double(), rtol=tol, atol=tol,
+                                   msg=lambda m: "%s %s: %s" % (what, n, m))
+
+
+def test_torch_adamw_on_the_2d_model_matches_one_process(got):
+    _, want = _one_process(lambda m: torch.optim.AdamW(m.parameters(), **ADAMW))
+    for r in range(4):
+        _close(got[r]["torch_adamw"], want, "torch AdamW, rank %d" % r)
+
+
+def test_adamw_on_the_2d_model_matches_one_process(got):
+    losses, want = _one_process(lambda m: torch.optim.AdamW(m.parameters(), **ADAMW))
+    assert got[0]["adamw_losses"] == pytest.approx(losses, rel=1e-6)
+    for r in range(4):
+        _close(got[r]["adamw"], want, "rfsdp AdamW, rank %d" % r)
+
+
+def test_adamw_on_the_2d_model_matches_torch_adamw_on_it(got):
+    _close(got[0]["adamw"], got[0]["torch_adamw"], "rfsdp AdamW vs torch AdamW (2-D)")
+
+
+def test_adamw_states_are_dtensors_with_the_parameters_placements(got):
+    assert all(got[0]["state_placements"]) and all(got[3]["state_placements"])
+
+
+def test_adamw_resumed_through_dcp_continues_as_uninterrupted(got):
+    for r in range(4):
+        _close(got[r]["adamw_resumed"], got[r]["adamw"], "resumed, rank %d" % r, tol=0)
+
+
+def test_muon_resumed_through_dcp_continues_as_uninterrupted(got):
+    for r in range(4):
+        _close(got[r]["muon_resumed"], got[r]["muon"], "Muon resumed, rank %d" % r, tol=0)
+
+
+def test_nonfinite_gradient_on_one_rank_is_refused_on_every_rank(got):
+    for r in range(4):
+        cls, msg = got[r]["nan"]
+        assert "RuntimeError" in cls and "NaN or Inf (on rank 3)" in msg \
+            and "not taken on any rank" in msg, msg
+        assert got[r]["nan_unchanged"]
+
+
+def test_muon_on_the_2d_model_matches_float64_one_device(got):
+    xs, ys = tm.data(SEED, STEPS)
+    torch.manual_seed(SEED)
+    model = tm.Block()
+    losses, want = muon_reference.train(model, list(tm.MATRICES), xs, ys, aux_lr=3e-4, **MUON)
+    assert got[0]["muon_losses"] == pytest.approx(losses, rel=1e-5)
+    for r in range(4):
+        _close(got[r]["muon"], want, "Muon, rank %d" % r, tol=1e-5)
+
+
+def test_adamw8bit_refuses_column_parts_naming_the_placement(got):
+    cls, msg = got[0]["8bit_rowwise"]
+    assert "ValueError" in cls and "Shard(1)" in msg and "rfsdp.optim.AdamW" in msg, msg
+
+
+def test_clip_grad_norm_is_global_over_both_mesh_dimensions(got):
+    xs, ys = tm.data(SEED, STEPS)
+    torch.manual_seed(SEED)
+    model = tm.Block().double()
+    torch.nn.functional.mse_loss(model(xs[0].double()), ys[0].double()).backward()
+    norm = torch.nn.utils.clip_grad_norm_(model.parameters(), 0.1)
+    for r in range(4):
+        assert got[r]["clip_norm"] == pytest.approx(norm.item(), rel=1e-5)
+        _close(got[r]["clipped"], {n: p.grad for n, p in model.named_parameters()},
+               "clipped grad, rank %d" % r, tol=1e-6)
+
+
+def test_rfsdp_fully_shard_refuses_a_tensor_parallel_module_naming_the_placement(got):
+    for r in range(4):
+        cls, msg = got[r]["fully_shard"]
+        assert "ValueError" in cls and "qkv.weight" in msg and "Shard(dim=0)" in msg \
+            and "same memory" not in msg, msg
