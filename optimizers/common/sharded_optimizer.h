@@ -126,7 +126,7 @@ class ShardedOptimizer {
   // are host integers, the update's sums stay on the device until asked for.
   StepMetrics metrics(bool across_ranks) const;
   // Whether a step keeps the update's sums (a float32 copy of the stepping
-  // parameters before the step, this rank's shard: memory and one pass; on by default).
+  // parameters before the step, this rank's shard: memory and a pass; off by default).
   void set_track_update(bool on) { track_update_ = on; }
   bool tracks_update() const { return track_update_; }
 
@@ -172,7 +172,7 @@ class ShardedOptimizer {
   std::vector<StepMetrics::Group> work_;
 
  private:
-  bool track_update_ = true;
+  bool track_update_ = false;
   at::Tensor update_sq_;  // [groups] float64 on the parameters' device: the last step's
   std::vector<int64_t> update_numel_;
   int64_t metrics_step_ = 0, bytes_sent_ = 0;

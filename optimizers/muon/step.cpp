@@ -163,8 +163,7 @@ void muon_step_from_updates(Comm* comm, const MuonLayout& layout, const NsRun& n
       gate.fail("no Newton-Schulz ran for a " + std::to_string(m.rows) + " x " +
                 std::to_string(m.cols) + " matrix of Muon parameter '" +
                 layout.shards()[m.param].name + "', rooted on this rank: its update would be the "
-                "raw momentum (plain SGD with momentum, the silent failure of DeepSpeed #8441), so "
-                "the step is refused. Nothing was changed");
+                "raw momentum (plain SGD with momentum, the silent failure of DeepSpeed #8441)");
       break;
     }
   }

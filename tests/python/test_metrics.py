@@ -76,6 +76,7 @@ def run_muon(seed, shard, steps=2):
               dict(params=[named["experts"], named["plain"]]),
               dict(params=[named["bias"]], use_muon=False)]
     opt = rfsdp.optim.Muon(groups, lr=0.02, weight_decay=0.01)
+    opt.track_update(True)
     out = []
     for t in range(steps):
         before = full(model)
@@ -124,10 +125,9 @@ def test_muon_two_ranks_fully_shard_counts_rms_bytes():
         check_muon(results, bytes_positive=True)
 
 
-def test_track_update_off_gives_no_rms():
+def test_update_not_tracked_by_default_gives_no_rms():
     model = Params(1)
     opt = muon(model)
-    opt.track_update(False)
     model(grads_of(1, 0)).backward()
     opt.step()
     m = opt.metrics()
@@ -160,6 +160,7 @@ def test_tiled_counts_follow_the_schedule(name):
     else:
         opt = rfsdp.optim.SOAP([dict(params=[model.a, model.b]), dict(params=[model.c])],
                                lr=1e-2, max_preconditioner_dim=8, precondition_frequency=f)
+    opt.track_update(True)
     for t in range(1, 6):
         before = full(model)
         model().backward()

@@ -148,6 +148,7 @@ def train_run(cfg, run, train, val, rank, world, device):
         lr = hp.pop("lr")
         shard_model(model, policy_for(run["optimizer"], model, **hp))
         opt = make_optimizer(run["optimizer"], model, lr, **hp)
+        opt.track_update(True)  # (the update's RMS in the metrics: a copy per step, small here)
         sched = torch.optim.lr_scheduler.LambdaLR(
             opt, lambda s: C.lr_factor(cfg["schedule"], min(s, total - 1), total))
         gen = torch.Generator().manual_seed(run["seed"] * 1000 + rank)

@@ -323,7 +323,7 @@ class _OverCpp(torch.optim.Optimizer):
         self._impl = impl = self._make_impl(params)
         impl.set_groups([k for k, g in enumerate(self.param_groups) for _ in g["params"]])
         impl.set_rounding(self.rounding, 0)
-        impl.set_track_update(getattr(self, "_track_update", True))
+        impl.set_track_update(getattr(self, "_track_update", False))
         self._has_step = [impl.state_has_step(k) for k in range(len(params))]
         # The published "step" of each parameter: a 0-D view of this (torch's float32
         # step), so one read finds the counts a user wrote (opt.state[p]["step"].fill_(0)).
@@ -486,11 +486,11 @@ class _OverCpp(torch.optim.Optimizer):
         "update_rms": the RMS of the step's change of the group's parameters
         (p_after - p_before, learning rate and weight decay included, in float32,
         over the global elements; None where the group did not step or updates are
-        not tracked)}.
+        not tracked: track_update(True) first)}.
 
-        The step gathers them for free but the update's sums (a float32 copy of
-        this rank's stepping parameters before the step and one pass after: turn it
-        off with track_update(False)); across_ranks (the default) sums them over the
+        The step gathers them for free but the update's sums, which need a float32
+        copy of this rank's stepping parameters before the step and a pass after
+        (memory and time: off unless track_update(True) asks); across_ranks (the default) sums them over the
         optimizer's ranks in one all-reduce, here: then it is collective (every rank
         calls it); across_ranks=False gives this rank's part and costs nothing. A
         parameter every rank holds whole (DDP) counts once per rank in both the
@@ -511,7 +511,8 @@ class _OverCpp(torch.optim.Optimizer):
                 "groups": groups}
 
     def track_update(self, on=True):
-        """Whether each step keeps what metrics()' update_rms needs (on by default)."""
+        """Whether each step keeps what metrics()' update_rms needs (off by default:
+        a float32 copy of this rank's stepping parameters during the step)."""
         self._track_update = bool(on)
         if getattr(self, "_impl", None) is not None:
             self._impl.set_track_update(self._track_update)
