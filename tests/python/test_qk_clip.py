@@ -143,7 +143,9 @@ def ranks_worker(rank, world, seed, kind):
     rank's own logits: (the clipped weight whole, every rank's rows of it, the
     logits of every rank, what a bad threshold raised)."""
     model = Attn(seed)
-    if kind == "rfsdp":
+    if kind == "ddp":  # every rank holds the whole weight (a DDP replica)
+        rows = [(0, FUSED_ROWS)] * world
+    elif kind == "rfsdp":
         rfsdp.fully_shard(model)
         rows = rfsdp.shard_info(model.qkv).rank_rows
     else:
@@ -158,7 +160,9 @@ def ranks_worker(rank, world, seed, kind):
                          k_rows=FUSED_K)
     bad = raised(rfsdp.optim.qk_clip_, model.qkv, model.qkv, mine * float("nan"), TAU, HEAD,
                  q_per_kv=QPK, q_rows=FUSED_Q, k_rows=FUSED_K)
-    if kind == "rfsdp":
+    if kind == "ddp":
+        whole = model.qkv.detach().clone()
+    elif kind == "rfsdp":
         whole = rfsdp.full_parameters(model)["qkv"]
     else:
         whole = model.qkv.full_tensor()
@@ -173,8 +177,17 @@ def test_two_ranks_cut_head_matches_reference(kind):
     # A rank boundary falls inside a query or key head: the head is clipped in two pieces.
     cuts = [b for b, _ in rows[1:] if b < FUSED_K[1] and b % HEAD]
     assert cuts, rows
+    check_ranks(out)
+
+
+def check_ranks(out):
+    seed = 11
     m = out[0][2].amax(dim=0)
     want = reference(Attn(seed).qkv.detach(), m, FUSED_Q, FUSED_K, QPK)
     for whole, _, _, bad in out:
         check(whole, want)
         assert_raised(bad, ValueError, "hold NaN or Inf")
+
+
+def test_two_ranks_ddp_replicas_clip_alike_with_the_global_logits():
+    check_ranks(run_ranks(ranks_worker, 2, 11, "ddp"))
