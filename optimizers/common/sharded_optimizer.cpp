@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <chrono>
 #include <cstdio>
 #include <cstdlib>
 
@@ -219,15 +220,94 @@ void ShardedOptimizer::step() {
   // run_step sees the counts of the step it takes; a step stopped at the gate
   // (nothing changed anywhere) leaves them as they were.
   for (size_t i : stepping) ++param_steps_[i];
+  // The metrics' start: the clock, the Comm's bytes, and (tracked) the parameters
+  // as they are, in float32, to measure the update by what the step changed.
+  const auto t0 = std::chrono::steady_clock::now();
+  const int64_t bytes0 = comm_ ? comm_->stats().bytes_sent : 0;
+  std::vector<StepMetrics::Group> work(num_groups_);
+  work_.swap(work);
+  std::vector<at::Tensor> before;
+  if (track_update_) {
+    for (size_t i : stepping) before.push_back(params_[i].param.to(at::kFloat, false, /*copy=*/true));
+  }
   try {
     run_step_in_fp32(gate, stepping);
   } catch (...) {
+    work_.swap(work);  // (the last step's stay what metrics() shows)
     if (!gate.agreed()) {
       for (size_t i : stepping) --param_steps_[i];
     }
     throw;
   }
   ++steps_;
+  update_numel_.assign(num_groups_, 0);
+  update_sq_ = at::Tensor();
+  if (track_update_ && !stepping.empty()) {
+    update_sq_ = at::zeros({static_cast<int64_t>(num_groups_)},
+                           params_[stepping[0]].param.options().dtype(at::kDouble));
+    // (multi-tensor kernels: a constant number of launches, norms accumulated in float64)
+    std::vector<at::Tensor> now;
+    std::vector<int64_t> groups;
+    for (size_t i : stepping) {
+      now.push_back(params_[i].param.to(at::kFloat));
+      groups.push_back(static_cast<int64_t>(group_of_[i]));
+      update_numel_[group_of_[i]] += params_[i].param.numel();
+    }
+    const std::vector<at::Tensor> norms =
+        at::_foreach_norm(at::_foreach_sub(now, before), 2, at::kDouble);
+    std::vector<at::Tensor> on_device;
+    for (const at::Tensor& n : norms) on_device.push_back(n.to(update_sq_.device()));
+    update_sq_.index_add_(0, at::tensor(groups, at::kLong).to(update_sq_.device()),
+                          at::stack(on_device).square());
+  }
+  metrics_step_ = steps_;
+  bytes_sent_ = (comm_ ? comm_->stats().bytes_sent : 0) - bytes0;
+  seconds_ = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+}
+
+ShardedOptimizer::StepMetrics ShardedOptimizer::metrics(bool across_ranks) const {
+  StepMetrics m;
+  m.step = metrics_step_;
+  m.update_tracked = update_sq_.defined();
+  const size_t G = work_.size();
+  m.groups.assign(G, {});
+  // [matrices, tiles, roots, update_sq, update_numel] per group, the bytes, the time
+  std::vector<double> v(G * 5 + 2, 0.0);
+  const at::Tensor sq = update_sq_.defined() ? update_sq_.cpu() : at::Tensor();
+  for (size_t g = 0; g < G; ++g) {
+    v[g * 5 + 0] = static_cast<double>(work_[g].matrices);
+    v[g * 5 + 1] = static_cast<double>(work_[g].tiles);
+    v[g * 5 + 2] = static_cast<double>(work_[g].roots);
+    v[g * 5 + 3] = sq.defined() ? sq[static_cast<int64_t>(g)].item<double>() : 0.0;
+    v[g * 5 + 4] = g < update_numel_.size() ? static_cast<double>(update_numel_[g]) : 0.0;
+  }
+  v[G * 5] = static_cast<double>(bytes_sent_);
+  m.bytes_sent = bytes_sent_;
+  m.seconds = m.seconds_max = seconds_;
+  if (across_ranks && comm_ && comm_->size() > 1) {
+    // One all-reduce: the sums, and the slowest time as a sum of one rank's value
+    // (a second, max, reduce would cost a round): every rank adds its time to its own
+    // slot of a table, so each sees every rank's.
+    const int n = comm_->size();
+    std::vector<double> all(v.size() + n, 0.0);
+    std::copy(v.begin(), v.end(), all.begin());
+    all[v.size() + comm_->rank()] = seconds_;
+    at::Tensor t = at::tensor(all, at::TensorOptions().dtype(at::kDouble)).to(comm_->control_device());
+    comm_->all_reduce(t, ReduceOp::Sum).wait();
+    t = t.cpu();
+    const double* r = t.data_ptr<double>();
+    std::copy(r, r + v.size(), v.begin());
+    m.seconds_max = *std::max_element(r + v.size(), r + v.size() + n);
+  }
+  for (size_t g = 0; g < G; ++g) {
+    m.groups[g].matrices = static_cast<int64_t>(std::llround(v[g * 5 + 0]));
+    m.groups[g].tiles = static_cast<int64_t>(std::llround(v[g * 5 + 1]));
+    m.groups[g].roots = static_cast<int64_t>(std::llround(v[g * 5 + 2]));
+    m.groups[g].update_sq = v[g * 5 + 3];
+    m.groups[g].update_numel = static_cast<int64_t>(std::llround(v[g * 5 + 4]));
+  }
+  m.bytes_sent_total = static_cast<int64_t>(std::llround(v[G * 5]));
+  return m;
 }
 
 void ShardedOptimizer::step_refused(const std::string& message, bool invalid_argument) {

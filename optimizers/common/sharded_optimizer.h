@@ -99,6 +99,37 @@ class ShardedOptimizer {
   // them per step.
   int64_t fused_launches() const { return fused_launches_; }
 
+  // What the last step did (opt.metrics()). Per group: matrices orthogonalised
+  // (Muon's Newton–Schulz runs), tiles preconditioned and tiles whose roots or
+  // bases were refreshed (Shampoo, SOAP), counted where they ran (each once over
+  // the ranks); the update's sum of squares and elements (the parameters' change,
+  // p_after - p_before in float32, this rank's elements) where tracked. And the
+  // step's bytes sent by this rank (its Comm's count) and wall time on the host
+  // (on a GPU: until the step's last host wait, not its kernels' end).
+  struct StepMetrics {
+    struct Group {
+      int64_t matrices = 0, tiles = 0, roots = 0;
+      double update_sq = 0;
+      int64_t update_numel = 0;
+    };
+    std::vector<Group> groups;
+    int64_t step = 0;               // steps() when it was taken (0: no step yet)
+    int64_t bytes_sent = 0;         // this rank's
+    int64_t bytes_sent_total = 0;   // over the ranks (across_ranks; else this rank's)
+    double seconds = 0;             // this rank's
+    double seconds_max = 0;         // the slowest rank's (across_ranks; else this rank's)
+    bool update_tracked = false;
+  };
+  // across_ranks: the counts, sums and bytes summed over the Comm's ranks and the
+  // slowest time (one all-reduce of 6 numbers per group: collective, every rank
+  // calls it); else this rank's. Reading them costs the step nothing: the counts
+  // are host integers, the update's sums stay on the device until asked for.
+  StepMetrics metrics(bool across_ranks) const;
+  // Whether a step keeps the update's sums (a float32 copy of the stepping
+  // parameters before the step, this rank's shard: memory and a pass; off by default).
+  void set_track_update(bool on) { track_update_ = on; }
+  bool tracks_update() const { return track_update_; }
+
  protected:
   // The step itself, after this rank's gradient checks went into `gate`: it
   // records its own failures there and calls gate.agree() before it changes
@@ -137,8 +168,15 @@ class ShardedOptimizer {
   int64_t fused_launches_ = 0;
   Rounding rounding_ = Rounding::kNearest;
   uint64_t rounding_seed_ = 0;
+  // This step's work per group (run_step adds to it; reset when a step starts).
+  std::vector<StepMetrics::Group> work_;
 
  private:
+  bool track_update_ = false;
+  at::Tensor update_sq_;  // [groups] float64 on the parameters' device: the last step's
+  std::vector<int64_t> update_numel_;
+  int64_t metrics_step_ = 0, bytes_sent_ = 0;
+  double seconds_ = 0;
   // run_step over float32 working copies of the bfloat16 / float16 parameters
   // (and gradients) that step, written back rounded once it returned.
   void run_step_in_fp32(StepGate& gate, const std::vector<size_t>& stepping);

@@ -78,6 +78,12 @@ void TiledOptimizer::run_step(StepGate& gate, const std::vector<size_t>& steppin
   }
   if (!gate.failed()) gate.guard([&] { prepare(stepping); });
   gate.agree();  // every rank can take the step: from here on it changes state
+  for (size_t i : stepping) {  // (metrics: this rank's tiles, cut rows' at their owner)
+    StepMetrics::Group& w = work_.at(group_of_[i]);
+    const auto n = static_cast<int64_t>(param_tiles_[i].size());
+    if (tiles_step(i)) w.tiles += n;
+    if (amortises(i)) w.roots += n;
+  }
   // A parameter without cut rows finishes at once (its temporaries freed before
   // the next); one with cut rows after the cut rows' exchange.
   std::vector<bool> has_cut(params_.size(), false);

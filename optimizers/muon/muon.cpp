@@ -343,6 +343,12 @@ void Muon::check_replicated_grads(const std::vector<at::Tensor>& grads) const {
   }
 }
 
+void Muon::skip_newton_schulz_for_test(size_t i, bool skip) {
+  if (!uses_muon(i)) throw std::invalid_argument("Muon: " + who(i) + " is not a Muon parameter");
+  skip_ns_for_test_.resize(muon_.size(), 0);
+  skip_ns_for_test_[static_cast<size_t>(in_muon_[i])] = skip ? 1 : 0;
+}
+
 bool Muon::checks_own_gradient(size_t i) const {
   return uses_muon(i) && params_[i].grad.defined() && params_[i].grad.device().is_cpu();
 }
@@ -368,8 +374,12 @@ void Muon::run_step(StepGate& gate, const std::vector<size_t>& stepping) {
   // (collective: every rank checks, a failed one too, and all fail alike)
   gate.guard([&] { check_replicated_grads(gs); });
   const bool on_gpu = !ps.empty() && ps[0].is_cuda();
-  const NsRun ns{config_.ns_dtype, config_.ns_coefficients,
-                 config_.batch_newton_schulz.value_or(on_gpu)};
+  NsRun ns{config_.ns_dtype, config_.ns_coefficients,
+           config_.batch_newton_schulz.value_or(on_gpu)};
+  // (metrics and the check that every matrix ran Newton–Schulz: its runs here)
+  std::vector<int64_t> orthogonalised(layout_.matrices().size(), 0);
+  ns.orthogonalised = &orthogonalised;
+  if (!skip_ns_for_test_.empty()) ns.skip_for_test = &skip_ns_for_test_;
   // The new momentum and the update in fp32 (made when the step needs them); the
   // momentum stored on commit.
   std::vector<at::Tensor> u(M), pending(M), pending_absmax(M);
@@ -430,6 +440,9 @@ void Muon::run_step(StepGate& gate, const std::vector<size_t>& stepping) {
       if (eight_bit()) absmax_[i].copy_(pending_absmax[k]);
     }
   }, &grad_ranks, normalise ? &finish : nullptr);
+  for (size_t m = 0; m < orthogonalised.size(); ++m) {
+    work_.at(group_of_[muon_[layout_.matrices()[m].param]]).matrices += orthogonalised[m];
+  }
   // The AdamW part: the parameters outside Muon that have a gradient.
   std::vector<AdamWStep> adam;
   for (size_t i : stepping) {

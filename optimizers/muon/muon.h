@@ -133,6 +133,9 @@ class Muon : public GroupedOptimizer<MuonOptions> {
   // Muon's update does not depend on the step count (torch.optim.Muon keeps
   // none); AdamW's does.
   bool state_has_step(size_t i) const override { return !uses_muon(i); }
+  // Tests only (fault injection): parameter i's matrices skip Newton–Schulz, so the
+  // tests see the step refuse to apply an update no Newton–Schulz made.
+  void skip_newton_schulz_for_test(size_t i, bool skip);
 
  protected:
   void check_options(const MuonOptions& o) const override;
@@ -175,6 +178,7 @@ class Muon : public GroupedOptimizer<MuonOptions> {
   std::vector<at::Tensor> absmax_;         // [param] 8-bit: per block
   std::vector<at::Tensor> exp_avg_, exp_avg_sq_;  // [param] outside Muon: AdamW's moments
   quant::Codec code_;  // 8-bit: the code map
+  std::vector<char> skip_ns_for_test_;  // [layout parameter]: skip_newton_schulz_for_test
   std::vector<at::Tensor> normuon_v_;  // [param] NorMuon: per row and block
   std::vector<at::Tensor> radius_;     // [param] Muon parameters: Hyperball's R (0: not yet set)
   int64_t normalise_bytes_ = 0;        // the last step's Hyperball / NorMuon all-reduce

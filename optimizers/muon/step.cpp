@@ -56,9 +56,13 @@ void orthogonalise(const MuonLayout& layout, std::vector<std::pair<size_t, at::T
                    const NsRun& ns, StepGate* gate) {
   const auto& mats = layout.matrices();
   std::map<std::tuple<int64_t, int64_t, int>, std::vector<size_t>> batches;  // -> indices in own
+  const auto left_out = [&](const MuonMatrix& mat) {
+    return ns.skip_for_test != nullptr && (*ns.skip_for_test)[mat.param] != 0;
+  };
   for (size_t j = 0; j < own->size(); ++j) {
     const MuonMatrix& mat = mats[(*own)[j].first];
     const int steps = layout.ns_steps(mat.param);
+    if (left_out(mat)) continue;
     if (!mat.col_blocks.empty()) {
       (*own)[j].second = newton_schulz_by_columns((*own)[j].second, mat, steps, ns);
     } else if (ns.batch_same_shape) {
@@ -84,6 +88,8 @@ void orthogonalise(const MuonLayout& layout, std::vector<std::pair<size_t, at::T
   for (size_t k = 0; k < mats.size(); ++k) index[k] = seen[mats[k].param]++;
   for (const auto& [k, o] : *own) {
     const MuonMatrix& mat = mats[k];
+    if (left_out(mat)) continue;
+    if (ns.orthogonalised != nullptr) ++(*ns.orthogonalised)[k];
     gate->expect_finite(o, "the Newton-Schulz result of matrix " + std::to_string(index[k]) +
                                " of '" + layout.shards()[mat.param].name + "' (" + std::to_string(mat.rows) +
                                " x " + std::to_string(mat.cols) +
@@ -165,6 +171,19 @@ void muon_step_from_updates(Comm* comm, const MuonLayout& layout, const NsRun& n
     gate.guard([&] { orthogonalise(layout, &gathered, ns, &gate); });
   }
   own.insert(own.end(), gathered.begin(), gathered.end());
+  // Every matrix rooted here ran Newton–Schulz, or its update would be the raw momentum
+  // (plain SGD with momentum, without a word: DeepSpeed #8441): a failure every rank agrees.
+  if (ns.orthogonalised != nullptr && !gate.failed()) {
+    for (size_t k = 0; k < mats.size(); ++k) {
+      const MuonMatrix& m = mats[k];
+      if (!ex.owns(k) || skipped_here(m.param) || (*ns.orthogonalised)[k] > 0) continue;
+      gate.fail("no Newton-Schulz ran for a " + std::to_string(m.rows) + " x " +
+                std::to_string(m.cols) + " matrix of Muon parameter '" +
+                layout.shards()[m.param].name + "', rooted on this rank: its update would be the "
+                "raw momentum (plain SGD with momentum, the silent failure of DeepSpeed #8441)");
+      break;
+    }
+  }
   gate.agree();
   commit();
   // 4. p <- p (1 - lr wd) - (lr scale) o, every matrix by the same arithmetic

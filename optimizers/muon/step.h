@@ -23,6 +23,12 @@ struct NsRun {
   at::ScalarType dtype = at::kFloat;
   NsCoefficients coefficients;
   bool batch_same_shape = false;
+  // Matrices orthogonalised here this step, per layout matrix (added to; null: not counted,
+  // and the check below is off). Every matrix rooted here must be, or the step fails.
+  std::vector<int64_t>* orthogonalised = nullptr;
+  // Tests only (fault injection): layout parameters ([k] != 0) whose Newton–Schulz is left
+  // out, so that the tests see the step refuse it.
+  const std::vector<char>* skip_for_test = nullptr;
 };
 
 // A Muon matrix's rows here after Newton–Schulz: o, fp32 [rows here, cols],

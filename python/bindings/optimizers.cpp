@@ -266,7 +266,32 @@ void bind_optimizers(py::module_& m) {
              return d;
            })
       .def("state_bytes", &rfsdp::ShardedOptimizer::state_bytes)
-      .def("fused_launches", &rfsdp::ShardedOptimizer::fused_launches);
+      .def("fused_launches", &rfsdp::ShardedOptimizer::fused_launches)
+      // The last step's metrics: {"step", "bytes_sent", "bytes_sent_total", "seconds",
+      // "seconds_max", "update_tracked", "groups": [{"matrices", "tiles", "roots",
+      // "update_sq", "update_numel"}]} (across_ranks: collective)
+      .def("metrics", [](const rfsdp::ShardedOptimizer& o, bool across_ranks) {
+             rfsdp::ShardedOptimizer::StepMetrics m;
+             {
+               py::gil_scoped_release release;
+               m = o.metrics(across_ranks);
+             }
+             py::list groups;
+             for (const auto& g : m.groups) {
+               py::dict d;
+               d["matrices"] = g.matrices, d["tiles"] = g.tiles, d["roots"] = g.roots;
+               d["update_sq"] = g.update_sq, d["update_numel"] = g.update_numel;
+               groups.append(d);
+             }
+             py::dict d;
+             d["step"] = m.step, d["bytes_sent"] = m.bytes_sent;
+             d["bytes_sent_total"] = m.bytes_sent_total, d["seconds"] = m.seconds;
+             d["seconds_max"] = m.seconds_max, d["update_tracked"] = m.update_tracked;
+             d["groups"] = groups;
+             return d;
+           }, py::arg("across_ranks"))
+      .def("set_track_update", &rfsdp::ShardedOptimizer::set_track_update)
+      .def("tracks_update", &rfsdp::ShardedOptimizer::tracks_update);
 
   py::class_<rfsdp::AdamW, rfsdp::ShardedOptimizer, std::shared_ptr<rfsdp::AdamW>>(m, "AdamW")
       .def(py::init([](const std::vector<ShardOf>& params, std::shared_ptr<rfsdp::Comm> comm,
@@ -414,7 +439,9 @@ void bind_optimizers(py::module_& m) {
            })
       .def("flop_imbalance", [](const rfsdp::Muon& o) { return o.layout().flop_imbalance(); })
       .def("gather_send_elems", [](const rfsdp::Muon& o) { return o.layout().gather_send_elems(); })
-      .def("normalise_bytes", &rfsdp::Muon::normalise_bytes);
+      .def("normalise_bytes", &rfsdp::Muon::normalise_bytes)
+      // (tests only: fault injection, see Muon::skip_newton_schulz_for_test)
+      .def("_skip_newton_schulz_for_test", &rfsdp::Muon::skip_newton_schulz_for_test);
 
   const rfsdp::ShampooConfig shampoo;  // (the defaults)
   py::class_<rfsdp::ShampooConfig>(m, "ShampooConfig")

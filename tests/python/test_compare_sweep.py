@@ -65,6 +65,14 @@ def test_a_sweep_trains_resumes_and_reports(tmp_path):
     ok = [r for r in recs if r["point"]["lr"] != 1e3]
     assert all(not r["diverged"] and r["val_loss"] < r["first_loss"] for r in ok)
     assert all(r["state_bytes_per_rank"][0] > 0 and r["tokens_per_s"] > 0 for r in ok)
+    # The optimizer's metrics of the last step (2 ranks: bytes sent; Muon: its matrices)
+    for r in ok:
+        last = r["optimizer_metrics"]["last_step"]
+        assert last["step"] == r["steps_done"] and last["bytes_sent_total"] > 0
+        assert all(g["update_rms"] > 0 for g in last["groups"] if g["update_rms"] is not None)
+        assert (sum(g["matrices_orthogonalised"] for g in last["groups"]) > 0) == \
+            (r["optimizer"] == "muon"), r["optimizer"]
+    assert "update rms" in text and "kB sent" in text
     best = res["optimizers"]["adamw"]["best"]
     assert all(best[str(b)]["lr"] != 1e3 for b in (384, 768, 1536))
     # the law and the speedups; the same optimizer under another name: exactly 1

@@ -137,6 +137,7 @@ def train_run(cfg, run, train, val, rank, world, device):
                steps_done=0, tokens=0, error=None, diverged=False, diverged_step=None, diverged_reason=None,
                val_loss=None, train_loss=None, first_loss=None)
     curve, step_s = [], []
+    sums = {}
     model = opt = None
     t_start = time.time()
     phase = "build"
@@ -147,6 +148,7 @@ def train_run(cfg, run, train, val, rank, world, device):
         lr = hp.pop("lr")
         shard_model(model, policy_for(run["optimizer"], model, **hp))
         opt = make_optimizer(run["optimizer"], model, lr, **hp)
+        opt.track_update(True)  # (the update's RMS in the metrics: a copy per step, small here)
         sched = torch.optim.lr_scheduler.LambdaLR(
             opt, lambda s: C.lr_factor(cfg["schedule"], min(s, total - 1), total))
         gen = torch.Generator().manual_seed(run["seed"] * 1000 + rank)
@@ -177,7 +179,10 @@ def train_run(cfg, run, train, val, rank, world, device):
             sched.step()
             step_s.append(time.perf_counter() - t0)
             rec["steps_done"] = step
+            _add_metrics(sums, opt.metrics(across_ranks=False))  # (this rank's: no collective)
         rec["tokens"] = rec["steps_done"] * cfg["batch_tokens"]
+        if rec["steps_done"]:  # (every rank is here: a divergence is agreed)
+            rec["optimizer_metrics"] = _metrics_record(opt.metrics(), sums, rec["steps_done"])
         if not rec["diverged"]:
             rec["val_loss"] = validate(model, val, ctx, cfg["val_tokens"], rank, world, device)
             if not math.isfinite(rec["val_loss"]) or rec["val_loss"] > curve[0]:
@@ -219,6 +224,35 @@ def train_run(cfg, run, train, val, rank, world, device):
     del model, opt
     gc.collect()
     return rec
+
+
+def _add_metrics(sums, m):
+    """Adds one step's metrics (this rank's, opt.metrics(across_ranks=False)) to sums."""
+    sums["bytes_sent"] = sums.get("bytes_sent", 0) + m["bytes_sent"]
+    sums["seconds"] = sums.get("seconds", 0.0) + m["seconds"]
+    for k in ("matrices_orthogonalised", "tiles_preconditioned", "roots_refreshed"):
+        sums[k] = sums.get(k, 0) + sum(g[k] for g in m["groups"])
+
+
+def _metrics_record(last, sums, steps):
+    """The run's optimizer metrics: the last step's over the ranks (opt.metrics())
+    and this rank's per-step means over the run."""
+    return dict(last_step=last, per_step_mean_rank0={k: v / steps for k, v in sums.items()})
+
+
+def describe_metrics(m):
+    """One line of a run's optimizer metrics (its last step's), for the log."""
+    last = m["last_step"]
+    g = last["groups"]
+    rms = [x["update_rms"] for x in g if x["update_rms"] is not None]
+    parts = ["%d matrices" % sum(x["matrices_orthogonalised"] for x in g)]
+    tiles = sum(x["tiles_preconditioned"] for x in g)
+    if tiles:
+        parts.append("%d tiles (%d roots)" % (tiles, sum(x["roots_refreshed"] for x in g)))
+    parts.append("update rms %s" % "/".join("%.3g" % r for r in rms))
+    parts.append("%.1f kB sent" % (last["bytes_sent_total"] / 1e3))
+    parts.append("optimizer step %.1f ms" % (1e3 * last["seconds_max"]))
+    return "last step: " + ", ".join(parts)
 
 
 def _fmt_time(s):
@@ -291,6 +325,8 @@ def main():
             else:
                 what = "val %.4f, train %.4f, %.0f tokens/s" % (rec["val_loss"], rec["train_loss"],
                                                                  rec["tokens_per_s"])
+            if rec.get("optimizer_metrics"):
+                what += " | " + describe_metrics(rec["optimizer_metrics"])
             print("[compare] run %d of %d: %s: %s, %.1f s | elapsed %s, about %s left"
                   % (number, todo["total"], describe(run), what, rec["run_seconds"],
                      _fmt_time(elapsed), _fmt_time(left)), flush=True)

@@ -8,7 +8,9 @@ hyperparameters), LR schedulers, and state_dict / load_state_dict in torch's
 format, whose tensors are the C++ optimizer's own."""
 from .adamw import AdamW, AdamW8bit
 from .muon import Muon, NorMuon
+from .qk_clip import QKPair, qk_clip_, qk_clip_many_
 from .shampoo import Shampoo
 from .soap import SOAP
 
-__all__ = ["AdamW", "AdamW8bit", "Muon", "NorMuon", "Shampoo", "SOAP"]
+__all__ = ["AdamW", "AdamW8bit", "Muon", "NorMuon", "Shampoo", "SOAP", "QKPair", "qk_clip_",
+           "qk_clip_many_"]

@@ -4,6 +4,7 @@ the helpers every optimizer module shares. torch's state-dict format of the
 states is rfsdp.dcp's (optim_state)."""
 import collections
 import json
+import math
 
 import torch
 import torch.distributed as dist
@@ -346,6 +347,7 @@ class _OverCpp(torch.optim.Optimizer):
         self._impl = impl = self._make_impl(params)
         impl.set_groups([k for k, g in enumerate(self.param_groups) for _ in g["params"]])
         impl.set_rounding(self.rounding, 0)
+        impl.set_track_update(getattr(self, "_track_update", False))
         self._has_step = [impl.state_has_step(k) for k in range(len(params))]
         # The published "step" of each parameter: a 0-D view of this (torch's float32
         # step), so one read finds the counts a user wrote (opt.state[p]["step"].fill_(0)).
@@ -495,6 +497,49 @@ class _OverCpp(torch.optim.Optimizer):
         keeps (codes and scales where quantised)."""
         self._bind()
         return self._impl.state_bytes()
+
+    def metrics(self, across_ranks=True):
+        """What the last step did: {"step": the optimizer's step it describes (0: none
+        yet), "seconds": its wall time on this rank (on a GPU: until its last host
+        wait), "seconds_max": the slowest rank's, "bytes_sent": what this rank's
+        step collectives sent, "bytes_sent_total": over the ranks, "groups": one
+        dict per param group: "matrices_orthogonalised" (Muon: Newton-Schulz runs,
+        each matrix or split block once over the ranks), "tiles_preconditioned"
+        and "roots_refreshed" (Shampoo: tiles whose direction was preconditioned,
+        tiles whose inverse roots were recomputed; SOAP: its eigenbases), and
+        "update_rms": the RMS of the step's change of the group's parameters
+        (p_after - p_before, learning rate and weight decay included, in float32,
+        over the global elements; None where the group did not step or updates are
+        not tracked: track_update(True) first)}.
+
+        The step gathers them for free but the update's sums, which need a float32
+        copy of this rank's stepping parameters before the step and a pass after
+        (memory and time: off unless track_update(True) asks); across_ranks (the default) sums them over the
+        optimizer's ranks in one all-reduce, here: then it is collective (every rank
+        calls it); across_ranks=False gives this rank's part and costs nothing. A
+        parameter every rank holds whole (DDP) counts once per rank in both the
+        sum of squares and the elements (its RMS is right; a group mixing it with
+        sharded ones weighs it by the world size)."""
+        m = self._impl.metrics(bool(across_ranks) and self.comm is not None)
+        groups = []
+        for k in range(len(self.param_groups)):
+            g = m["groups"][k] if k < len(m["groups"]) else dict(
+                matrices=0, tiles=0, roots=0, update_sq=0.0, update_numel=0)
+            n = g["update_numel"]
+            groups.append({"matrices_orthogonalised": g["matrices"],
+                           "tiles_preconditioned": g["tiles"], "roots_refreshed": g["roots"],
+                           "update_rms": math.sqrt(g["update_sq"] / n)
+                           if m["update_tracked"] and n else None})
+        return {"step": m["step"], "seconds": m["seconds"], "seconds_max": m["seconds_max"],
+                "bytes_sent": m["bytes_sent"], "bytes_sent_total": m["bytes_sent_total"],
+                "groups": groups}
+
+    def track_update(self, on=True):
+        """Whether each step keeps what metrics()' update_rms needs (off by default:
+        a float32 copy of this rank's stepping parameters during the step)."""
+        self._track_update = bool(on)
+        if getattr(self, "_impl", None) is not None:
+            self._impl.set_track_update(self._track_update)
 
     def add_param_group(self, param_group):
         super().add_param_group(param_group)

@@ -178,6 +178,29 @@ class Muon(_OverCpp):
             self._bind(force=True)
         super()._follow_params()
 
+    def qk_clip(self, attentions, max_logits, threshold, *, alpha=0.5, logits_global=False,
+                process_group=None):
+        """QK-clip (Kimi K2's MuonClip) after a step, of this optimizer's attention
+        weights: attentions, a list of rfsdp.optim.QKPair(q, k, head_dim, q_per_kv=1,
+        q_rows=None, k_rows=None) (or tuples of those arguments) whose weights are
+        parameters of this optimizer; max_logits, one tensor of per-query-head max
+        logits each (this rank's batches unless logits_global: one MAX all-reduce
+        for all of them over process_group, default torch.distributed's default
+        group). Scales each clipped head's query and key rows where this rank holds
+        them (rfsdp.optim.qk_clip_). Returns each attention's eta per query head."""
+        from .qk_clip import QKPair, qk_clip_many_
+        self._bind()
+        pairs = [a if isinstance(a, QKPair) else QKPair(*a) for a in attentions]
+        mine = {id(p) for p in self._bound_params}
+        for j, a in enumerate(pairs):
+            for what, p in (("query", a.q), ("key", a.k)):
+                if id(p) not in mine:
+                    raise ValueError("Muon.qk_clip: the %s weight of attention %d is not a parameter "
+                                     "of this optimizer (after fully_shard, give the model's "
+                                     "parameters as they are now)" % (what, j))
+        return qk_clip_many_(pairs, max_logits, threshold, alpha=alpha,
+                             logits_global=logits_global, process_group=process_group)
+
     # Group keys a checkpoint may not change: they shape the layout, not the state.
     _fixed_group_keys = ("split_sizes", "split_dim")
 
