@@ -58,7 +58,13 @@ void gather_rank_rows(Comm* comm, std::vector<ParamShard>* params, const char* w
   });
   if (known) return;
   if (world == 1) {
-    for (ParamShard& p : *params) p.rank_rows = {{p.row_begin, p.row_end}};
+    // Alone, a shard's rows are every rank's only where it holds them all; a
+    // part described by hand keeps none (its consumer names what it lacks).
+    for (ParamShard& p : *params) {
+      if (p.rank_rows.empty() && p.row_begin == 0 && p.row_end == p.full_rows) {
+        p.rank_rows = {{p.row_begin, p.row_end}};
+      }
+    }
     return;
   }
   // A table where each rank fills its row (its count, then its rows of each
