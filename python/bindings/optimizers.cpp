@@ -138,7 +138,9 @@ py::class_<Optimizer, rfsdp::ShardedOptimizer, std::shared_ptr<Optimizer>> bind_
   return py::class_<Optimizer, rfsdp::ShardedOptimizer, std::shared_ptr<Optimizer>>(m, name)
       .def(py::init([](const std::vector<ShardOf>& params, const std::vector<bool>& precondition,
                        const Config& config, std::shared_ptr<rfsdp::Comm> comm) {
-             return std::make_shared<Optimizer>(shards_of(params), Options{}, config, std::move(comm),
+             auto shards = shards_of(params);
+             py::gil_scoped_release release;  // collective (cut tiles' rows)
+             return std::make_shared<Optimizer>(std::move(shards), Options{}, config, std::move(comm),
                                                 precondition);
            }),
            py::arg("params"), py::arg("precondition"), py::arg("config"), py::arg("comm"))
@@ -299,7 +301,9 @@ void bind_optimizers(py::module_& m) {
              rfsdp::AdamWOptions o;
              o.check_finite = check_finite;
              o.fused_on_cpu = fused_on_cpu;
-             return std::make_shared<rfsdp::AdamW>(shards_of(params), o, std::move(comm));
+             auto shards = shards_of(params);
+             py::gil_scoped_release release;  // (collective where rows are unknown or hyperball)
+             return std::make_shared<rfsdp::AdamW>(std::move(shards), o, std::move(comm));
            }),
            py::arg("params"), py::arg("comm"), py::arg("check_finite") = true,
            py::arg("fused_on_cpu") = false)
@@ -361,7 +365,11 @@ void bind_optimizers(py::module_& m) {
                        std::shared_ptr<rfsdp::Comm> comm, bool check_finite) {
              rfsdp::AdamWOptions o;
              o.check_finite = check_finite;
-             return std::make_shared<rfsdp::AdamW8bit>(shards_of(params), o, config, std::move(comm));
+             auto shards = shards_of(params);
+             // Collective (every rank's rows where unknown): a Gloo thread that frees an
+             // earlier collective's Python tensors needs the GIL while this waits.
+             py::gil_scoped_release release;
+             return std::make_shared<rfsdp::AdamW8bit>(std::move(shards), o, config, std::move(comm));
            }),
            py::arg("params"), py::arg("config"), py::arg("comm"), py::arg("check_finite") = true)
       .def("requantized_state", &rfsdp::AdamW8bit::requantized_state, py::arg("i"),

@@ -15,10 +15,13 @@ MUON_LIKE = ("muon", "normuon")
 HYPERBALL = dict(hyperball=True, weight_decay=0.0)
 VARIANTS = {
     "adamw": {"hyperball": HYPERBALL},
-    "adamw8bit": {"hyperball": HYPERBALL},
+    # fp8: float8_e4m3fn codes (decoded by arithmetic) in place of the dynamic map.
+    "adamw8bit": {"hyperball": HYPERBALL, "fp8": dict(state_format="float8_e4m3fn")},
     "normuon": {"hyperball": HYPERBALL},
-    "muon": {"hyperball": HYPERBALL,"bf16": dict(momentum_dtype=torch.bfloat16), "int8": dict(momentum_dtype="int8"),
+    "muon": {"hyperball": HYPERBALL, "bf16": dict(momentum_dtype=torch.bfloat16),
+             "int8": dict(momentum_dtype="int8"),
              "int8-linear": dict(momentum_dtype="int8", momentum_map="linear"),
+             "fp8": dict(momentum_dtype="int8", momentum_map="float8_e4m3fn"),
              "heads": {}},  # per-head Q, K and V (split_sizes; the plan keeps heads whole)
     "shampoo": {"bf16": dict(factor_dtype=torch.bfloat16), "int8-bases": dict(basis_dtype="int8"),
                 "int4-bases": dict(basis_dtype="int4")},
