@@ -44,7 +44,7 @@ def test_seven_kills_lose_nothing(tmp_path):
     out = r["output"][-6000:]
     assert r["returncode"] == 0, "seed %d:\n%s" % (seed, out)
     assert r["kills"] == r["planned"] == 7, "seed %d: %d of 7 kills fired\n%s" % (seed, r["kills"], out)
-    assert r["restarts"] == 7, out
+    assert r["restarts"] == 7, "seed %d: %d restarts for 7 kills\n%s" % (seed, r["restarts"], out)
     # every restart resumed from a checkpoint, but for those killed while loading
     assert r["resumed"] >= 7 - r["died_loading"], out
     assert r["compared"] > 20 and not r["differences"], (seed, r["differences"])
