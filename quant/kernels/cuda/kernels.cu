@@ -89,16 +89,63 @@ __device__ inline float block_max(float v, float* scratch) {
   return r;
 }
 
+// The two state formats as the kernels below see them: a kernel declares
+// `__shared__ typename C::Shared`, every thread calls C::load before the first
+// barrier, then per block prepares a scale from the block's absmax and decodes
+// or encodes each element with it.
+//  DynamicMap: the 256-value code in shared memory (loaded once per thread
+//    block, not once per 1 KiB quantisation block), value = code[q] * absmax,
+//    q = the nearest code to v / absmax (SharedCode).
+//  Fp8E4M3 (formats/fp8_e4m3.h): codes by arithmetic, nothing shared.
+// Products are __fmul_rn: never contracted into a neighbouring add, so codes
+// and moments equal the CPU kernels' bit for bit.
+struct DynamicMap {
+  struct Arg {
+    const float* code;
+    IndexArg rounding;
+  };
+  struct Shared {
+    float code[256];
+    SharedCode near;
+  };
+  __device__ static void load(Shared& s, const Arg& a) {
+    s.code[threadIdx.x] = a.code[threadIdx.x];  // kThreads == 256
+    s.near.load(a.code, a.rounding.ix, a.rounding.has, a.rounding.keep_nonzero);
+  }
+  __device__ static float decode_scale(float absmax) { return absmax; }
+  __device__ static float decode(const Shared& s, uint8_t q, float scale) {
+    return __fmul_rn(s.code[q], scale);
+  }
+  __device__ static float encode_scale(float amax) { return amax > 0.0f ? 1.0f / amax : 0.0f; }
+  __device__ static uint8_t encode(const Shared& s, const Arg&, float v, float scale) {
+    return s.near.nearest(__fmul_rn(v, scale));
+  }
+};
+
+struct Fp8E4M3 {
+  struct Arg {
+    bool keep_nonzero;
+  };
+  struct Shared {};
+  __device__ static void load(Shared&, const Arg&) {}
+  __device__ static float decode_scale(float absmax) { return fp8::decode_scale(absmax); }
+  __device__ static float decode(const Shared&, uint8_t q, float scale) {
+    return __fmul_rn(fp8::decode(q), scale);
+  }
+  __device__ static float encode_scale(float amax) { return fp8::encode_scale(amax); }
+  __device__ static uint8_t encode(const Shared&, const Arg& a, float v, float scale) {
+    return fp8::encode(__fmul_rn(v, scale), a.keep_nonzero);
+  }
+};
+
 // Every kernel walks the quantisation blocks grid-stride, a thread block taking
-// one block at a time: the code tables are loaded into shared memory once per
-// thread block, not once per 1 KiB quantisation block.
-template <int kItems>
-__global__ void quantize_kernel(const float* __restrict x, BlockLayout L,
-                                const float* __restrict code_g, IndexArg ia,
+// one block at a time.
+template <int kItems, class C>
+__global__ void quantize_kernel(const float* __restrict x, BlockLayout L, typename C::Arg a,
                                 uint8_t* __restrict q, float* __restrict absmax) {
-  __shared__ SharedCode code;
+  __shared__ typename C::Shared sh;
   __shared__ float scratch[32];
-  code.load(code_g, ia.ix, ia.has, ia.keep_nonzero);
+  C::load(sh, a);
   __syncthreads();
   for (int64_t blk = blockIdx.x; blk < L.num_blocks; blk += gridDim.x) {
     const BlockLayout::Block b = L.block(blk);
@@ -112,51 +159,55 @@ __global__ void quantize_kernel(const float* __restrict x, BlockLayout L,
       amax = fmaxf(amax, fabsf(v[i]));
     }
     amax = block_max(amax, scratch);
-    const float scale = amax > 0.0f ? 1.0f / amax : 0.0f;
+    const float s = C::encode_scale(amax);
 #pragma unroll
     for (int i = 0; i < kItems; ++i) {
       const int k = threadIdx.x + i * kThreads;
-      if (k < count) q[element(b, L.row_len, k)] = code.nearest(v[i] * scale);
+      if (k < count) q[element(b, L.row_len, k)] = C::encode(sh, a, v[i], s);
     }
     if (threadIdx.x == 0) absmax[blk] = amax;
   }
 }
 
+template <class C>
 __global__ void dequantize_kernel(const uint8_t* __restrict q, const float* __restrict absmax,
-                                  BlockLayout L, const float* __restrict code_g,
-                                  float* __restrict out) {
-  __shared__ float code[256];
-  code[threadIdx.x] = code_g[threadIdx.x];
+                                  BlockLayout L, typename C::Arg a, float* __restrict out) {
+  __shared__ typename C::Shared sh;
+  C::load(sh, a);
   __syncthreads();
   for (int64_t blk = blockIdx.x; blk < L.num_blocks; blk += gridDim.x) {
     const BlockLayout::Block b = L.block(blk);
     const int count = static_cast<int>(b.count);
-    const float a = absmax[blk];
+    const float s = C::decode_scale(absmax[blk]);
     for (int k = threadIdx.x; k < count; k += kThreads) {
       const int64_t e = element(b, L.row_len, k);
-      out[e] = code[q[e]] * a;
+      out[e] = C::decode(sh, q[e], s);
     }
   }
 }
 
-template <int kItems>
-__global__ void adamw8bit_kernel(float* __restrict p, const float* __restrict g,
-                                 uint8_t* __restrict q1, float* __restrict absmax1,
-                                 uint8_t* __restrict q2, float* __restrict absmax2, BlockLayout L,
-                                 const float* __restrict code1_g, IndexArg ia1,
-                                 const float* __restrict code2_g, IndexArg ia2, AdamWCoeffs c) {
-  __shared__ float code1[256], code2[256];
-  __shared__ SharedCode near1, near2;
-  __shared__ float scratch[32];
-  code1[threadIdx.x] = code1_g[threadIdx.x];
-  code2[threadIdx.x] = code2_g[threadIdx.x];
-  near1.load(code1_g, ia1.ix, ia1.has, ia1.keep_nonzero);
-  near2.load(code2_g, ia2.ix, ia2.has, ia2.keep_nonzero);
+// The fused AdamW step (scratch null: whole blocks), or, for blocks that ranks
+// share, its first half: the new moments into scratch (block b's m at 2 b w, its
+// v at (2 b + 1) w, w = L.max_block_elems(), as the CPU kernels keep them) and
+// this rank's max |.| per block into amax1_out, amax2_out, no code nor absmax
+// written; adamw_end_kernel is the second half, after the agreement.
+template <int kItems, class C>
+__global__ void adamw_kernel(float* __restrict p, const float* __restrict g,
+                             uint8_t* __restrict q1, float* __restrict absmax1,
+                             uint8_t* __restrict q2, float* __restrict absmax2, BlockLayout L,
+                             typename C::Arg a1, typename C::Arg a2, AdamWCoeffs c,
+                             float* __restrict scratch, float* __restrict amax1_out,
+                             float* __restrict amax2_out) {
+  __shared__ typename C::Shared sh1, sh2;
+  __shared__ float scratch_max[32];
+  C::load(sh1, a1);
+  C::load(sh2, a2);
   __syncthreads();
+  const int64_t w = L.max_block_elems();
   for (int64_t blk = blockIdx.x; blk < L.num_blocks; blk += gridDim.x) {
     const BlockLayout::Block b = L.block(blk);
     const int count = static_cast<int>(b.count);
-    const float a1 = absmax1[blk], a2 = absmax2[blk];
+    const float d1 = C::decode_scale(absmax1[blk]), d2 = C::decode_scale(absmax2[blk]);
     float m[kItems], v[kItems];
     float amax1 = 0.0f, amax2 = 0.0f;
 #pragma unroll
@@ -165,186 +216,8 @@ __global__ void adamw8bit_kernel(float* __restrict p, const float* __restrict g,
       m[i] = v[i] = 0.0f;
       if (k < count) {
         const int64_t e = element(b, L.row_len, k);
-        m[i] = code1[q1[e]] * a1;
-        v[i] = code2[q2[e]] * a2;
-        float pe = p[e];
-        adamw_update(pe, m[i], v[i], g[e], c);
-        p[e] = pe;
-        amax1 = fmaxf(amax1, fabsf(m[i]));
-        amax2 = fmaxf(amax2, v[i]);
-      }
-    }
-    // Every thread read this block's absmax above; block_max's barriers order
-    // those reads before thread 0 writes the new ones below.
-    amax1 = block_max(amax1, scratch);
-    amax2 = block_max(amax2, scratch);
-    const float s1 = amax1 > 0.0f ? 1.0f / amax1 : 0.0f;
-    const float s2 = amax2 > 0.0f ? 1.0f / amax2 : 0.0f;
-#pragma unroll
-    for (int i = 0; i < kItems; ++i) {
-      const int k = threadIdx.x + i * kThreads;
-      if (k < count) {
-        const int64_t e = element(b, L.row_len, k);
-        q1[e] = near1.nearest(m[i] * s1);
-        q2[e] = near2.nearest(v[i] * s2);
-      }
-    }
-    if (threadIdx.x == 0) {
-      absmax1[blk] = amax1;
-      absmax2[blk] = amax2;
-    }
-  }
-}
-
-// The step of blocks that ranks share, in two halves around the agreement of each
-// block's absmax (cpu/kernels.h adamw8bit_begin / _end): begin updates the
-// parameter, keeps the new moments in scratch (block b's m at 2 b w, its v at
-// (2 b + 1) w, w = L.max_block_elems(), as the CPU kernels keep them) and this
-// rank's max |.| per block in amax1, amax2; end writes the codes under the agreed
-// absmax and stores it.
-template <int kItems>
-__global__ void adamw8bit_begin_kernel(float* __restrict p, const float* __restrict g,
-                                       const uint8_t* __restrict q1, const float* __restrict absmax1,
-                                       const uint8_t* __restrict q2, const float* __restrict absmax2,
-                                       BlockLayout L, const float* __restrict code1_g,
-                                       const float* __restrict code2_g, AdamWCoeffs c,
-                                       float* __restrict scratch, float* __restrict amax1_out,
-                                       float* __restrict amax2_out) {
-  __shared__ float code1[256], code2[256];
-  __shared__ float scratch_max[32];
-  code1[threadIdx.x] = code1_g[threadIdx.x];
-  code2[threadIdx.x] = code2_g[threadIdx.x];
-  __syncthreads();
-  const int64_t w = L.max_block_elems();
-  for (int64_t blk = blockIdx.x; blk < L.num_blocks; blk += gridDim.x) {
-    const BlockLayout::Block b = L.block(blk);
-    const int count = static_cast<int>(b.count);
-    const float a1 = absmax1[blk], a2 = absmax2[blk];
-    float amax1 = 0.0f, amax2 = 0.0f;
-#pragma unroll
-    for (int i = 0; i < kItems; ++i) {
-      const int k = threadIdx.x + i * kThreads;
-      if (k < count) {
-        const int64_t e = element(b, L.row_len, k);
-        float m = code1[q1[e]] * a1, v = code2[q2[e]] * a2, pe = p[e];
-        adamw_update(pe, m, v, g[e], c);
-        p[e] = pe;
-        scratch[2 * blk * w + k] = m;
-        scratch[(2 * blk + 1) * w + k] = v;
-        amax1 = fmaxf(amax1, fabsf(m));
-        amax2 = fmaxf(amax2, v);
-      }
-    }
-    amax1 = block_max(amax1, scratch_max);
-    amax2 = block_max(amax2, scratch_max);
-    if (threadIdx.x == 0) {
-      amax1_out[blk] = amax1;
-      amax2_out[blk] = amax2;
-    }
-  }
-}
-
-template <int kItems>
-__global__ void adamw8bit_end_kernel(const float* __restrict scratch, BlockLayout L,
-                                     const float* __restrict code1_g, IndexArg ia1,
-                                     const float* __restrict code2_g, IndexArg ia2,
-                                     const float* __restrict agreed1, const float* __restrict agreed2,
-                                     uint8_t* __restrict q1, float* __restrict absmax1,
-                                     uint8_t* __restrict q2, float* __restrict absmax2) {
-  __shared__ SharedCode near1, near2;
-  near1.load(code1_g, ia1.ix, ia1.has, ia1.keep_nonzero);
-  near2.load(code2_g, ia2.ix, ia2.has, ia2.keep_nonzero);
-  __syncthreads();
-  const int64_t w = L.max_block_elems();
-  for (int64_t blk = blockIdx.x; blk < L.num_blocks; blk += gridDim.x) {
-    const BlockLayout::Block b = L.block(blk);
-    const int count = static_cast<int>(b.count);
-    const float a1 = agreed1[blk], a2 = agreed2[blk];
-    const float s1 = a1 > 0.0f ? 1.0f / a1 : 0.0f;
-    const float s2 = a2 > 0.0f ? 1.0f / a2 : 0.0f;
-#pragma unroll
-    for (int i = 0; i < kItems; ++i) {
-      const int k = threadIdx.x + i * kThreads;
-      if (k < count) {
-        const int64_t e = element(b, L.row_len, k);
-        q1[e] = near1.nearest(scratch[2 * blk * w + k] * s1);
-        q2[e] = near2.nearest(scratch[(2 * blk + 1) * w + k] * s2);
-      }
-    }
-    if (threadIdx.x == 0) {
-      absmax1[blk] = a1;
-      absmax2[blk] = a2;
-    }
-  }
-}
-
-// The float8_e4m3fn format (formats/fp8_e4m3.h): codes by arithmetic, no
-// shared table; otherwise as the kernels above (one quantisation block per
-// thread block, the same element order and block maxima).
-template <int kItems>
-__global__ void quantize_fp8_kernel(const float* __restrict x, BlockLayout L, bool keep_nonzero,
-                                    uint8_t* __restrict q, float* __restrict absmax) {
-  __shared__ float scratch[32];
-  for (int64_t blk = blockIdx.x; blk < L.num_blocks; blk += gridDim.x) {
-    const BlockLayout::Block b = L.block(blk);
-    const int count = static_cast<int>(b.count);
-    float v[kItems];
-    float amax = 0.0f;
-#pragma unroll
-    for (int i = 0; i < kItems; ++i) {
-      const int k = threadIdx.x + i * kThreads;
-      v[i] = k < count ? x[element(b, L.row_len, k)] : 0.0f;
-      amax = fmaxf(amax, fabsf(v[i]));
-    }
-    amax = block_max(amax, scratch);
-    const float r = fp8::encode_scale(amax);
-#pragma unroll
-    for (int i = 0; i < kItems; ++i) {
-      const int k = threadIdx.x + i * kThreads;
-      if (k < count) q[element(b, L.row_len, k)] = fp8::encode(__fmul_rn(v[i], r), keep_nonzero);
-    }
-    if (threadIdx.x == 0) absmax[blk] = amax;
-  }
-}
-
-__global__ void dequantize_fp8_kernel(const uint8_t* __restrict q, const float* __restrict absmax,
-                                      BlockLayout L, float* __restrict out) {
-  for (int64_t blk = blockIdx.x; blk < L.num_blocks; blk += gridDim.x) {
-    const BlockLayout::Block b = L.block(blk);
-    const int count = static_cast<int>(b.count);
-    const float s = fp8::decode_scale(absmax[blk]);
-    for (int k = threadIdx.x; k < count; k += kThreads) {
-      const int64_t e = element(b, L.row_len, k);
-      out[e] = __fmul_rn(fp8::decode(q[e]), s);
-    }
-  }
-}
-
-// The fused step (whole blocks: agreed null) or its first half (cut blocks:
-// the new moments into scratch, this rank's maxima into amax1_out, amax2_out);
-// adamw_fp8_end_kernel is the second half.
-template <int kItems>
-__global__ void adamw_fp8_kernel(float* __restrict p, const float* __restrict g,
-                                 uint8_t* __restrict q1, float* __restrict absmax1,
-                                 uint8_t* __restrict q2, float* __restrict absmax2, BlockLayout L,
-                                 AdamWCoeffs c, float* __restrict scratch,
-                                 float* __restrict amax1_out, float* __restrict amax2_out) {
-  __shared__ float scratch_max[32];
-  const int64_t w = L.max_block_elems();
-  for (int64_t blk = blockIdx.x; blk < L.num_blocks; blk += gridDim.x) {
-    const BlockLayout::Block b = L.block(blk);
-    const int count = static_cast<int>(b.count);
-    const float s1 = fp8::decode_scale(absmax1[blk]), s2 = fp8::decode_scale(absmax2[blk]);
-    float m[kItems], v[kItems];
-    float amax1 = 0.0f, amax2 = 0.0f;
-#pragma unroll
-    for (int i = 0; i < kItems; ++i) {
-      const int k = threadIdx.x + i * kThreads;
-      m[i] = v[i] = 0.0f;
-      if (k < count) {
-        const int64_t e = element(b, L.row_len, k);
-        m[i] = __fmul_rn(fp8::decode(q1[e]), s1);
-        v[i] = __fmul_rn(fp8::decode(q2[e]), s2);
+        m[i] = C::decode(sh1, q1[e], d1);
+        v[i] = C::decode(sh2, q2[e], d2);
         float pe = p[e];
         adamw_update(pe, m[i], v[i], g[e], c);
         p[e] = pe;
@@ -367,14 +240,14 @@ __global__ void adamw_fp8_kernel(float* __restrict p, const float* __restrict g,
       }
       continue;
     }
-    const float r1 = fp8::encode_scale(amax1), r2 = fp8::encode_scale(amax2);
+    const float s1 = C::encode_scale(amax1), s2 = C::encode_scale(amax2);
 #pragma unroll
     for (int i = 0; i < kItems; ++i) {
       const int k = threadIdx.x + i * kThreads;
       if (k < count) {
         const int64_t e = element(b, L.row_len, k);
-        q1[e] = fp8::encode(__fmul_rn(m[i], r1), false);
-        q2[e] = fp8::encode(__fmul_rn(v[i], r2), true);
+        q1[e] = C::encode(sh1, a1, m[i], s1);
+        q2[e] = C::encode(sh2, a2, v[i], s2);
       }
     }
     if (threadIdx.x == 0) {
@@ -384,25 +257,30 @@ __global__ void adamw_fp8_kernel(float* __restrict p, const float* __restrict g,
   }
 }
 
-__global__ void adamw_fp8_end_kernel(const float* __restrict scratch, BlockLayout L,
-                                     const float* __restrict agreed1,
-                                     const float* __restrict agreed2, uint8_t* __restrict q1,
-                                     float* __restrict absmax1, uint8_t* __restrict q2,
-                                     float* __restrict absmax2) {
+template <class C>
+__global__ void adamw_end_kernel(const float* __restrict scratch, BlockLayout L, typename C::Arg a1,
+                                 typename C::Arg a2, const float* __restrict agreed1,
+                                 const float* __restrict agreed2, uint8_t* __restrict q1,
+                                 float* __restrict absmax1, uint8_t* __restrict q2,
+                                 float* __restrict absmax2) {
+  __shared__ typename C::Shared sh1, sh2;
+  C::load(sh1, a1);
+  C::load(sh2, a2);
+  __syncthreads();
   const int64_t w = L.max_block_elems();
   for (int64_t blk = blockIdx.x; blk < L.num_blocks; blk += gridDim.x) {
     const BlockLayout::Block b = L.block(blk);
     const int count = static_cast<int>(b.count);
-    const float a1 = agreed1[blk], a2 = agreed2[blk];
-    const float r1 = fp8::encode_scale(a1), r2 = fp8::encode_scale(a2);
+    const float a1v = agreed1[blk], a2v = agreed2[blk];
+    const float s1 = C::encode_scale(a1v), s2 = C::encode_scale(a2v);
     for (int k = threadIdx.x; k < count; k += kThreads) {
       const int64_t e = element(b, L.row_len, k);
-      q1[e] = fp8::encode(__fmul_rn(scratch[2 * blk * w + k], r1), false);
-      q2[e] = fp8::encode(__fmul_rn(scratch[(2 * blk + 1) * w + k], r2), true);
+      q1[e] = C::encode(sh1, a1, scratch[2 * blk * w + k], s1);
+      q2[e] = C::encode(sh2, a2, scratch[(2 * blk + 1) * w + k], s2);
     }
     if (threadIdx.x == 0) {
-      absmax1[blk] = a1;
-      absmax2[blk] = a2;
+      absmax1[blk] = a1v;
+      absmax2[blk] = a2v;
     }
   }
 }
@@ -425,40 +303,79 @@ cudaError_t check_layout(const BlockLayout& L) {
   return cudaSuccess;
 }
 
-}  // namespace
-
-cudaError_t quantize(const float* x, const BlockLayout& L, const float* code,
-                     CodeRounding rounding, uint8_t* q, float* absmax, cudaStream_t stream) {
+// The launches, one per kernel and format.
+template <class C>
+cudaError_t launch_quantize(const float* x, const BlockLayout& L, typename C::Arg a, uint8_t* q,
+                            float* absmax, cudaStream_t stream) {
   if (cudaError_t e = check_layout(L); e != cudaSuccess) return e;
   if (L.num_blocks == 0) return cudaSuccess;
   with_items(L.max_block_elems(), [&](auto items) {
-    quantize_kernel<decltype(items)::value><<<grid_for(L), kThreads, 0, stream>>>(
-        x, L, code, index_arg(rounding), q, absmax);
+    quantize_kernel<decltype(items)::value, C><<<grid_for(L), kThreads, 0, stream>>>(x, L, a, q,
+                                                                                    absmax);
   });
   return cudaGetLastError();
 }
 
-cudaError_t dequantize(const uint8_t* q, const float* absmax, const BlockLayout& L,
-                       const float* code, float* out, cudaStream_t stream) {
+template <class C>
+cudaError_t launch_dequantize(const uint8_t* q, const float* absmax, const BlockLayout& L,
+                              typename C::Arg a, float* out, cudaStream_t stream) {
   if (cudaError_t e = check_layout(L); e != cudaSuccess) return e;
   if (L.num_blocks == 0) return cudaSuccess;
-  dequantize_kernel<<<grid_for(L), kThreads, 0, stream>>>(q, absmax, L, code, out);
+  dequantize_kernel<C><<<grid_for(L), kThreads, 0, stream>>>(q, absmax, L, a, out);
   return cudaGetLastError();
+}
+
+// scratch null: the fused step; else the first half (q1, absmax1, q2, absmax2 read only).
+template <class C>
+cudaError_t launch_adamw(float* param, const float* grad, const uint8_t* q1, const float* absmax1,
+                         const uint8_t* q2, const float* absmax2, const BlockLayout& L,
+                         typename C::Arg a1, typename C::Arg a2, const AdamWHyper& h,
+                         float* scratch, float* amax1, float* amax2, cudaStream_t stream) {
+  if (cudaError_t e = check_layout(L); e != cudaSuccess) return e;
+  if (L.num_blocks == 0) return cudaSuccess;
+  const AdamWCoeffs c = adamw_coeffs(h);
+  with_items(L.max_block_elems(), [&](auto items) {
+    adamw_kernel<decltype(items)::value, C><<<grid_for(L), kThreads, 0, stream>>>(
+        param, grad, const_cast<uint8_t*>(q1), const_cast<float*>(absmax1),
+        const_cast<uint8_t*>(q2), const_cast<float*>(absmax2), L, a1, a2, c, scratch, amax1,
+        amax2);
+  });
+  return cudaGetLastError();
+}
+
+template <class C>
+cudaError_t launch_adamw_end(const float* scratch, const BlockLayout& L, typename C::Arg a1,
+                             typename C::Arg a2, const float* agreed1, const float* agreed2,
+                             uint8_t* q1, float* absmax1, uint8_t* q2, float* absmax2,
+                             cudaStream_t stream) {
+  if (cudaError_t e = check_layout(L); e != cudaSuccess) return e;
+  if (L.num_blocks == 0) return cudaSuccess;
+  adamw_end_kernel<C><<<grid_for(L), kThreads, 0, stream>>>(scratch, L, a1, a2, agreed1, agreed2,
+                                                            q1, absmax1, q2, absmax2);
+  return cudaGetLastError();
+}
+
+DynamicMap::Arg map_arg(const float* code, CodeRounding r) { return {code, index_arg(r)}; }
+
+}  // namespace
+
+cudaError_t quantize(const float* x, const BlockLayout& L, const float* code,
+                     CodeRounding rounding, uint8_t* q, float* absmax, cudaStream_t stream) {
+  return launch_quantize<DynamicMap>(x, L, map_arg(code, rounding), q, absmax, stream);
+}
+
+cudaError_t dequantize(const uint8_t* q, const float* absmax, const BlockLayout& L,
+                       const float* code, float* out, cudaStream_t stream) {
+  return launch_dequantize<DynamicMap>(q, absmax, L, map_arg(code, {}), out, stream);
 }
 
 cudaError_t adamw8bit_step(float* param, const float* grad, uint8_t* q1, float* absmax1,
                            uint8_t* q2, float* absmax2, const BlockLayout& L, const float* code1,
                            CodeRounding rounding1, const float* code2, CodeRounding rounding2,
                            const AdamWHyper& h, cudaStream_t stream) {
-  if (cudaError_t e = check_layout(L); e != cudaSuccess) return e;
-  if (L.num_blocks == 0) return cudaSuccess;
-  const AdamWCoeffs c = adamw_coeffs(h);
-  with_items(L.max_block_elems(), [&](auto items) {
-    adamw8bit_kernel<decltype(items)::value><<<grid_for(L), kThreads, 0, stream>>>(
-        param, grad, q1, absmax1, q2, absmax2, L, code1, index_arg(rounding1), code2,
-        index_arg(rounding2), c);
-  });
-  return cudaGetLastError();
+  return launch_adamw<DynamicMap>(param, grad, q1, absmax1, q2, absmax2, L,
+                                  map_arg(code1, rounding1), map_arg(code2, rounding2), h, nullptr,
+                                  nullptr, nullptr, stream);
 }
 
 cudaError_t adamw8bit_begin(float* param, const float* grad, const uint8_t* q1,
@@ -466,86 +383,51 @@ cudaError_t adamw8bit_begin(float* param, const float* grad, const uint8_t* q1,
                             const BlockLayout& L, const float* code1, const float* code2,
                             const AdamWHyper& h, float* scratch, float* amax1, float* amax2,
                             cudaStream_t stream) {
-  if (cudaError_t e = check_layout(L); e != cudaSuccess) return e;
-  if (L.num_blocks == 0) return cudaSuccess;
-  const AdamWCoeffs c = adamw_coeffs(h);
-  with_items(L.max_block_elems(), [&](auto items) {
-    adamw8bit_begin_kernel<decltype(items)::value><<<grid_for(L), kThreads, 0, stream>>>(
-        param, grad, q1, absmax1, q2, absmax2, L, code1, code2, c, scratch, amax1, amax2);
-  });
-  return cudaGetLastError();
+  // (no code written: the rounding is the end's)
+  return launch_adamw<DynamicMap>(param, grad, q1, absmax1, q2, absmax2, L, map_arg(code1, {}),
+                                  map_arg(code2, {}), h, scratch, amax1, amax2, stream);
 }
 
 cudaError_t adamw8bit_end(const float* scratch, const BlockLayout& L, const float* code1,
                           CodeRounding rounding1, const float* code2, CodeRounding rounding2,
                           const float* agreed1, const float* agreed2, uint8_t* q1, float* absmax1,
                           uint8_t* q2, float* absmax2, cudaStream_t stream) {
-  if (cudaError_t e = check_layout(L); e != cudaSuccess) return e;
-  if (L.num_blocks == 0) return cudaSuccess;
-  with_items(L.max_block_elems(), [&](auto items) {
-    adamw8bit_end_kernel<decltype(items)::value><<<grid_for(L), kThreads, 0, stream>>>(
-        scratch, L, code1, index_arg(rounding1), code2, index_arg(rounding2), agreed1, agreed2,
-        q1, absmax1, q2, absmax2);
-  });
-  return cudaGetLastError();
+  return launch_adamw_end<DynamicMap>(scratch, L, map_arg(code1, rounding1),
+                                      map_arg(code2, rounding2), agreed1, agreed2, q1, absmax1, q2,
+                                      absmax2, stream);
 }
 
 cudaError_t quantize_fp8(const float* x, const BlockLayout& L, bool keep_nonzero, uint8_t* q,
                          float* absmax, cudaStream_t stream) {
-  if (cudaError_t e = check_layout(L); e != cudaSuccess) return e;
-  if (L.num_blocks == 0) return cudaSuccess;
-  with_items(L.max_block_elems(), [&](auto items) {
-    quantize_fp8_kernel<decltype(items)::value><<<grid_for(L), kThreads, 0, stream>>>(
-        x, L, keep_nonzero, q, absmax);
-  });
-  return cudaGetLastError();
+  return launch_quantize<Fp8E4M3>(x, L, {keep_nonzero}, q, absmax, stream);
 }
 
 cudaError_t dequantize_fp8(const uint8_t* q, const float* absmax, const BlockLayout& L,
                            float* out, cudaStream_t stream) {
-  if (cudaError_t e = check_layout(L); e != cudaSuccess) return e;
-  if (L.num_blocks == 0) return cudaSuccess;
-  dequantize_fp8_kernel<<<grid_for(L), kThreads, 0, stream>>>(q, absmax, L, out);
-  return cudaGetLastError();
+  return launch_dequantize<Fp8E4M3>(q, absmax, L, {false}, out, stream);
 }
 
+// AdamW's m signed, v keep_nonzero.
 cudaError_t adamw_fp8_step(float* param, const float* grad, uint8_t* q1, float* absmax1,
                            uint8_t* q2, float* absmax2, const BlockLayout& L, const AdamWHyper& h,
                            cudaStream_t stream) {
-  if (cudaError_t e = check_layout(L); e != cudaSuccess) return e;
-  if (L.num_blocks == 0) return cudaSuccess;
-  const AdamWCoeffs c = adamw_coeffs(h);
-  with_items(L.max_block_elems(), [&](auto items) {
-    adamw_fp8_kernel<decltype(items)::value><<<grid_for(L), kThreads, 0, stream>>>(
-        param, grad, q1, absmax1, q2, absmax2, L, c, nullptr, nullptr, nullptr);
-  });
-  return cudaGetLastError();
+  return launch_adamw<Fp8E4M3>(param, grad, q1, absmax1, q2, absmax2, L, {false}, {true}, h,
+                               nullptr, nullptr, nullptr, stream);
 }
 
 cudaError_t adamw_fp8_begin(float* param, const float* grad, const uint8_t* q1,
                             const float* absmax1, const uint8_t* q2, const float* absmax2,
                             const BlockLayout& L, const AdamWHyper& h, float* scratch,
                             float* amax1, float* amax2, cudaStream_t stream) {
-  if (cudaError_t e = check_layout(L); e != cudaSuccess) return e;
-  if (L.num_blocks == 0) return cudaSuccess;
-  const AdamWCoeffs c = adamw_coeffs(h);
-  // (the kernel writes no code nor absmax when given scratch)
-  with_items(L.max_block_elems(), [&](auto items) {
-    adamw_fp8_kernel<decltype(items)::value><<<grid_for(L), kThreads, 0, stream>>>(
-        param, grad, const_cast<uint8_t*>(q1), const_cast<float*>(absmax1),
-        const_cast<uint8_t*>(q2), const_cast<float*>(absmax2), L, c, scratch, amax1, amax2);
-  });
-  return cudaGetLastError();
+  return launch_adamw<Fp8E4M3>(param, grad, q1, absmax1, q2, absmax2, L, {false}, {true}, h,
+                               scratch, amax1, amax2, stream);
 }
 
 cudaError_t adamw_fp8_end(const float* scratch, const BlockLayout& L, const float* agreed1,
                           const float* agreed2, uint8_t* q1, float* absmax1, uint8_t* q2,
                           float* absmax2, cudaStream_t stream) {
-  if (cudaError_t e = check_layout(L); e != cudaSuccess) return e;
-  if (L.num_blocks == 0) return cudaSuccess;
-  adamw_fp8_end_kernel<<<grid_for(L), kThreads, 0, stream>>>(scratch, L, agreed1, agreed2, q1,
-                                                             absmax1, q2, absmax2);
-  return cudaGetLastError();
+  return launch_adamw_end<Fp8E4M3>(scratch, L, {false}, {true}, agreed1, agreed2, q1, absmax1, q2,
+                                   absmax2, stream);
 }
 
 }  // namespace rfsdp::quant::cuda

@@ -59,8 +59,7 @@ void launched(cudaError_t e, const char* what) {
 // tensor on its device, of its dtype and size.
 void check_step(const at::Tensor& p, const at::Tensor& g, const at::Tensor& q1,
                 const at::Tensor& a1, const at::Tensor& q2, const at::Tensor& a2,
-                const BlockLayout& L, const at::Tensor& code1, const at::Tensor& code2,
-                const std::string& op) {
+                const BlockLayout& L, const std::string& op) {
   check_gpu(p, (op + " param").c_str());
   const at::Device d = p.device();
   const int64_t n = L.numel;
@@ -70,8 +69,29 @@ void check_step(const at::Tensor& p, const at::Tensor& g, const at::Tensor& q1,
   check(q2, at::kByte, n, d, (op + " q2").c_str());
   check(a1, at::kFloat, L.num_blocks, d, (op + " absmax1").c_str());
   check(a2, at::kFloat, L.num_blocks, d, (op + " absmax2").c_str());
+}
+
+// The dynamic map's two code tensors.
+void check_codes(const at::Tensor& code1, const at::Tensor& code2, const at::Device& d,
+                 const std::string& op) {
   check(code1, at::kFloat, 256, d, (op + " code1").c_str());
   check(code2, at::kFloat, 256, d, (op + " code2").c_str());
+}
+
+// The first half's outputs: the moments of every block, this rank's maxima.
+void check_begin(const at::Tensor& scratch, const at::Tensor& amax1, const at::Tensor& amax2,
+                 const BlockLayout& L, const at::Device& d) {
+  check(scratch, at::kFloat, 2 * L.num_blocks * L.max_block_elems(), d, "adamw8bit_begin scratch");
+  check(amax1, at::kFloat, L.num_blocks, d, "adamw8bit_begin amax1");
+  check(amax2, at::kFloat, L.num_blocks, d, "adamw8bit_begin amax2");
+}
+
+// The second half's inputs and outputs; returns the device (scratch's).
+at::Device check_end(const at::Tensor& scratch, const at::Tensor& agreed1,
+                     const at::Tensor& agreed2, const at::Tensor& q1, const at::Tensor& a1,
+                     const at::Tensor& q2, const at::Tensor& a2, const BlockLayout& L) {
+  const at::Device d = check_end(scratch, agreed1, agreed2, q1, a1, q2, a2, L);
+  return d;
 }
 
 }  // namespace
@@ -112,8 +132,9 @@ void adamw8bit_step(const at::Tensor& p, const at::Tensor& g, const at::Tensor& 
                     const at::Tensor& a1, const at::Tensor& q2, const at::Tensor& a2,
                     const BlockLayout& L, const at::Tensor& code1, const cpu::CodeLut& lut1,
                     const at::Tensor& code2, const cpu::CodeLut& lut2, const AdamWHyper& h) {
-  check_step(p, g, q1, a1, q2, a2, L, code1, code2, "adamw8bit");
+  check_step(p, g, q1, a1, q2, a2, L, "adamw8bit");
   const at::Device d = p.device();
+  check_codes(code1, code2, d, "adamw8bit");
   if (L.numel == 0) return;
   c10::DeviceGuard guard(d);
   launched(cuda::adamw8bit_step(p.data_ptr<float>(), g.data_ptr<float>(), q1.data_ptr<uint8_t>(),
@@ -128,13 +149,11 @@ void adamw8bit_begin(const at::Tensor& p, const at::Tensor& g, const at::Tensor&
                      const BlockLayout& L, const at::Tensor& code1, const at::Tensor& code2,
                      const AdamWHyper& h, const at::Tensor& scratch, const at::Tensor& amax1,
                      const at::Tensor& amax2) {
-  check_step(p, g, q1, a1, q2, a2, L, code1, code2, "adamw8bit_begin");
+  check_step(p, g, q1, a1, q2, a2, L, "adamw8bit_begin");
   const at::Device d = p.device();
-  const int64_t n = L.numel;
-  check(scratch, at::kFloat, 2 * L.num_blocks * L.max_block_elems(), d, "adamw8bit_begin scratch");
-  check(amax1, at::kFloat, L.num_blocks, d, "adamw8bit_begin amax1");
-  check(amax2, at::kFloat, L.num_blocks, d, "adamw8bit_begin amax2");
-  if (n == 0) return;
+  check_codes(code1, code2, d, "adamw8bit_begin");
+  check_begin(scratch, amax1, amax2, L, d);
+  if (L.numel == 0) return;
   c10::DeviceGuard guard(d);
   launched(cuda::adamw8bit_begin(p.data_ptr<float>(), g.data_ptr<float>(), q1.data_ptr<uint8_t>(),
                                  a1.data_ptr<float>(), q2.data_ptr<uint8_t>(), a2.data_ptr<float>(),
@@ -148,19 +167,9 @@ void adamw8bit_end(const at::Tensor& scratch, const BlockLayout& L, const at::Te
                    const cpu::CodeLut& lut1, const at::Tensor& code2, const cpu::CodeLut& lut2,
                    const at::Tensor& agreed1, const at::Tensor& agreed2, const at::Tensor& q1,
                    const at::Tensor& a1, const at::Tensor& q2, const at::Tensor& a2) {
-  check_gpu(scratch, "adamw8bit_end scratch");
-  const at::Device d = scratch.device();
-  const int64_t n = L.rows * L.row_len;
-  check(scratch, at::kFloat, 2 * L.num_blocks * L.max_block_elems(), d, "adamw8bit_end scratch");
-  check(code1, at::kFloat, 256, d, "adamw8bit_end code1");
-  check(code2, at::kFloat, 256, d, "adamw8bit_end code2");
-  check(agreed1, at::kFloat, L.num_blocks, d, "adamw8bit_end agreed1");
-  check(agreed2, at::kFloat, L.num_blocks, d, "adamw8bit_end agreed2");
-  check(q1, at::kByte, n, d, "adamw8bit_end q1");
-  check(q2, at::kByte, n, d, "adamw8bit_end q2");
-  check(a1, at::kFloat, L.num_blocks, d, "adamw8bit_end absmax1");
-  check(a2, at::kFloat, L.num_blocks, d, "adamw8bit_end absmax2");
-  if (n == 0) return;
+  const at::Device d = check_end(scratch, agreed1, agreed2, q1, a1, q2, a2, L);
+  check_codes(code1, code2, d, "adamw8bit_end");
+  if (L.numel == 0) return;
   c10::DeviceGuard guard(d);
   launched(cuda::adamw8bit_end(scratch.data_ptr<float>(), L, code1.data_ptr<float>(),
                                rounding_of(lut1), code2.data_ptr<float>(), rounding_of(lut2),
@@ -199,25 +208,10 @@ void dequantize_fp8(const at::Tensor& q, const at::Tensor& absmax, const BlockLa
            "dequantize (float8_e4m3fn)");
 }
 
-namespace {
-void check_fp8_step(const at::Tensor& p, const at::Tensor& g, const at::Tensor& q1,
-                    const at::Tensor& a1, const at::Tensor& q2, const at::Tensor& a2,
-                    const BlockLayout& L, const std::string& op) {
-  check_gpu(p, (op + " param").c_str());
-  const at::Device d = p.device();
-  check(p, at::kFloat, L.numel, d, (op + " param").c_str());
-  check(g, at::kFloat, L.numel, d, (op + " grad").c_str());
-  check(q1, at::kByte, L.numel, d, (op + " q1").c_str());
-  check(q2, at::kByte, L.numel, d, (op + " q2").c_str());
-  check(a1, at::kFloat, L.num_blocks, d, (op + " absmax1").c_str());
-  check(a2, at::kFloat, L.num_blocks, d, (op + " absmax2").c_str());
-}
-}  // namespace
-
 void adamw_fp8_step(const at::Tensor& p, const at::Tensor& g, const at::Tensor& q1,
                     const at::Tensor& a1, const at::Tensor& q2, const at::Tensor& a2,
                     const BlockLayout& L, const AdamWHyper& h) {
-  check_fp8_step(p, g, q1, a1, q2, a2, L, "adamw8bit (float8_e4m3fn)");
+  check_step(p, g, q1, a1, q2, a2, L, "adamw8bit (float8_e4m3fn)");
   const at::Device d = p.device();
   if (L.numel == 0) return;
   c10::DeviceGuard guard(d);
@@ -231,11 +225,9 @@ void adamw_fp8_begin(const at::Tensor& p, const at::Tensor& g, const at::Tensor&
                      const at::Tensor& a1, const at::Tensor& q2, const at::Tensor& a2,
                      const BlockLayout& L, const AdamWHyper& h, const at::Tensor& scratch,
                      const at::Tensor& amax1, const at::Tensor& amax2) {
-  check_fp8_step(p, g, q1, a1, q2, a2, L, "adamw8bit_begin (float8_e4m3fn)");
+  check_step(p, g, q1, a1, q2, a2, L, "adamw8bit_begin (float8_e4m3fn)");
   const at::Device d = p.device();
-  check(scratch, at::kFloat, 2 * L.num_blocks * L.max_block_elems(), d, "adamw8bit_begin scratch");
-  check(amax1, at::kFloat, L.num_blocks, d, "adamw8bit_begin amax1");
-  check(amax2, at::kFloat, L.num_blocks, d, "adamw8bit_begin amax2");
+  check_begin(scratch, amax1, amax2, L, d);
   if (L.numel == 0) return;
   c10::DeviceGuard guard(d);
   launched(cuda::adamw_fp8_begin(p.data_ptr<float>(), g.data_ptr<float>(), q1.data_ptr<uint8_t>(),
@@ -248,15 +240,7 @@ void adamw_fp8_begin(const at::Tensor& p, const at::Tensor& g, const at::Tensor&
 void adamw_fp8_end(const at::Tensor& scratch, const BlockLayout& L, const at::Tensor& agreed1,
                    const at::Tensor& agreed2, const at::Tensor& q1, const at::Tensor& a1,
                    const at::Tensor& q2, const at::Tensor& a2) {
-  check_gpu(scratch, "adamw8bit_end scratch");
-  const at::Device d = scratch.device();
-  check(scratch, at::kFloat, 2 * L.num_blocks * L.max_block_elems(), d, "adamw8bit_end scratch");
-  check(agreed1, at::kFloat, L.num_blocks, d, "adamw8bit_end agreed1");
-  check(agreed2, at::kFloat, L.num_blocks, d, "adamw8bit_end agreed2");
-  check(q1, at::kByte, L.numel, d, "adamw8bit_end q1");
-  check(q2, at::kByte, L.numel, d, "adamw8bit_end q2");
-  check(a1, at::kFloat, L.num_blocks, d, "adamw8bit_end absmax1");
-  check(a2, at::kFloat, L.num_blocks, d, "adamw8bit_end absmax2");
+  const at::Device d = check_end(scratch, agreed1, agreed2, q1, a1, q2, a2, L);
   if (L.numel == 0) return;
   c10::DeviceGuard guard(d);
   launched(cuda::adamw_fp8_end(scratch.data_ptr<float>(), L, agreed1.data_ptr<float>(),
