@@ -46,10 +46,25 @@ def armed():
     return None, None
 
 
+def killed_in_this_attempt(k):
+    """Whether kill k-1 fired in this attempt: then this process is its survivor,
+    alive only until torchrun stops it, and must not fire kill k too (a gather or a
+    save it starts in that window would: two kills for one restart)."""
+    if k == 0:
+        return False
+    try:
+        with open(os.path.join(DIR, "done_%d" % (k - 1))) as f:
+            return json.load(f)["attempt"] >= ATTEMPT
+    except (OSError, ValueError, KeyError):
+        return False
+
+
 def event(name):
     counts[name] = counts.get(name, 0) + 1
     k, kill = armed()
     if kill is None or kill["event"] != name or kill["rank"] != RANK or counts[name] != kill["n"]:
+        return
+    if killed_in_this_attempt(k):
         return
     with open(os.path.join(DIR, "done_%d" % k), "w") as f:
         json.dump(dict(kill, attempt=ATTEMPT, steps=steps[0]), f)
