@@ -7,13 +7,13 @@ import sys
 
 import pytest
 import torch
-import torch.distributed as dist
 from torch import nn
 
 import rfsdp
 
 sys.path.insert(0, os.path.dirname(__file__))
 from ranks import run_ranks  # noqa: E402
+from test_fsdp2_params import check_cut_8bit, cut_8bit  # noqa: E402
 from test_quant_py import (SPARSE_HYPER, BLOCK, block_ids, largest_move_over_lr,  # noqa: E402
                            sparse_row_grads)
 
@@ -154,10 +154,12 @@ def test_fp8_on_sparse_rows_moves_no_element_further_than_twice_exact_adamw():
         seed, fp8, exact)
 
 
-def run_steps(seed, generic=False):
+def stepped(make, seed, generic=False):
+    """Four steps of the optimizer make(params) builds, on two matrices and seeded
+    gradients, through the device-generic path or the kernels: (params, opt)."""
     g = torch.Generator().manual_seed(seed)
     ps = [nn.Parameter(torch.randn(s, generator=g)) for s in [(64, 40), (33, 96)]]
-    opt = rfsdp.optim.AdamW8bit(ps, lr=1e-2, min_8bit_size=256, state_format=FP8)
+    opt = make(ps)
     rfsdp.quant.use_device_generic_path(generic)
     try:
         for _ in range(4):
@@ -166,6 +168,12 @@ def run_steps(seed, generic=False):
             opt.step()
     finally:
         rfsdp.quant.use_device_generic_path(False)
+    return ps, opt
+
+
+def run_steps(seed, generic=False):
+    ps, opt = stepped(lambda ps: rfsdp.optim.AdamW8bit(ps, lr=1e-2, min_8bit_size=256,
+                                                         state_format=FP8), seed, generic)
     return [p.detach().clone() for p in ps] + [
         t.clone() for p in ps for t in opt.state[p].values() if torch.is_tensor(t)]
 
@@ -180,60 +188,14 @@ def test_device_generic_path_equals_the_cpu_kernels_bit_for_bit():
 
 # --- 2 ranks whose FSDP2 chunks cut blocks: one process's codes, bit for bit ---------------
 
-CUT = {256: [(300, 40), (13, 64)], (32, 32): [(70, 45), (13, 64)]}
-STEPS = 3
-
-
-def cut_grads(seed, shapes):
-    g = torch.Generator().manual_seed(seed + 23)
-    return [[torch.randn(s, generator=g) for s in shapes] for _ in range(STEPS)]
-
-
 def cut_worker(rank, world, seed):
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.tensor import Shard, distribute_tensor
-    mesh = init_device_mesh("cpu", (world,))
-    out = {}
-    for block, shapes in CUT.items():
-        ps = [nn.Parameter(distribute_tensor(torch.zeros(s), mesh, [Shard(0)])) for s in shapes]
-        opt = rfsdp.optim.AdamW8bit(ps, lr=1e-2, block=block, min_8bit_size=256, state_format=FP8)
-        assert opt.shared_blocks() > 0
-        for gs in cut_grads(seed, shapes):
-            for p, g in zip(ps, gs):
-                p.grad = distribute_tensor(g, mesh, [Shard(0)])
-            opt.step()
-        mine = [({k: t.clone() for k, t in opt.sharded_state(p).items()}, opt.state_layout(p),
-                  rfsdp.fsdp.dtensor.info_of("p", p).row_begin) for p in ps]
-        every = [None] * world
-        dist.all_gather_object(every, mine)
-        out[block] = ([p.full_tensor() for p in ps], every)
-    return out
+    return cut_8bit(init_device_mesh("cpu", (world,)), seed, FP8)
 
 
 def test_two_ranks_cutting_blocks_equal_one_process_bit_for_bit():
     seed = int(torch.randint(0, 2 ** 30, ()).item())
-    got = run_ranks(cut_worker, 2, seed)[0]
-    for block, shapes in CUT.items():
-        ps = [nn.Parameter(torch.zeros(s)) for s in shapes]
-        opt = rfsdp.optim.AdamW8bit(ps, lr=1e-2, block=block, min_8bit_size=256, state_format=FP8)
-        for gs in cut_grads(seed, shapes):
-            for p, g in zip(ps, gs):
-                p.grad = g
-            opt.step()
-        params, every = got[block]
-        for i, p in enumerate(ps):
-            assert torch.equal(params[i], p.detach()), (block, shapes[i], seed)
-            whole = opt.sharded_state(p)
-            for rank, states in enumerate(every):
-                st, spans, row_begin = states[i]
-                k = row_begin * shapes[i][1]
-                for name in ("q1", "q2"):
-                    assert torch.equal(st[name], whole[name][k:k + st[name].numel()]), (
-                        block, shapes[i], rank, name, seed)
-                for name in ("absmax1", "absmax2"):
-                    first = spans[name][2]
-                    assert torch.equal(st[name], whole[name][first:first + st[name].numel()]), (
-                        block, shapes[i], rank, name, seed)
+    check_cut_8bit(run_ranks(cut_worker, 2, seed)[0], seed, FP8)
 
 
 # --- checkpoints: a dynamic-map checkpoint resumed with float8 codes, and back --------------
@@ -293,19 +255,9 @@ def test_bad_state_format_is_refused():
 # --- Muon's 8-bit momentum in float8_e4m3fn codes -------------------------------------------
 
 def muon_steps(seed, generic):
-    g = torch.Generator().manual_seed(seed)
-    ps = [nn.Parameter(torch.randn(s, generator=g)) for s in [(64, 40), (33, 96)]]
-    opt = rfsdp.optim.Muon(ps, lr=0.02, momentum_dtype="int8", momentum_block=64,
-                           momentum_map=FP8)
-    rfsdp.quant.use_device_generic_path(generic)
-    try:
-        for _ in range(4):
-            for p in ps:
-                p.grad = torch.randn(p.shape, generator=g)
-            opt.step()
-    finally:
-        rfsdp.quant.use_device_generic_path(False)
-    return ps, opt
+    return stepped(lambda ps: rfsdp.optim.Muon(ps, lr=0.02, momentum_dtype="int8",
+                                               momentum_block=64, momentum_map=FP8),
+                   seed, generic)
 
 
 def test_muon_fp8_momentum_is_the_cast_of_the_fp32_momentum_and_generic_equals_kernels():

@@ -145,15 +145,17 @@ def check_cut_tiled(got, seed):
                                        % (name, tuple(p.shape), seed, m))
 
 
-def cut_8bit(mesh, seed):
-    """AdamW8bit over FSDP2 parameters whose chunks cut its blocks, on given
-    gradients: every rank's full parameters, and every rank's states and spans."""
+def cut_8bit(mesh, seed, state_format="dynamic"):
+    """AdamW8bit (codes of state_format) over FSDP2 parameters whose chunks cut its
+    blocks, on given gradients: every rank's full parameters, and every rank's
+    states and spans."""
     from torch.distributed.tensor import Shard, distribute_tensor
     placements = [Shard(0)] if mesh.ndim == 1 else [Replicate(), Shard(0)]
     out = {}
     for block, shapes in CUT.items():
         ps = [nn.Parameter(distribute_tensor(torch.zeros(s), mesh, placements)) for s in shapes]
-        opt = rfsdp.optim.AdamW8bit(ps, lr=1e-2, block=block, min_8bit_size=256)
+        opt = rfsdp.optim.AdamW8bit(ps, lr=1e-2, block=block, min_8bit_size=256,
+                                    state_format=state_format)
         assert opt.shared_blocks() > 0
         for gs in cut_grads(seed, shapes):
             for p, g in zip(ps, gs):
@@ -167,12 +169,13 @@ def cut_8bit(mesh, seed):
     return out
 
 
-def check_cut_8bit(got, seed):
+def check_cut_8bit(got, seed, state_format="dynamic"):
     """Parameters, codes (each rank's rows) and scales (each rank's blocks, shared
     ones on every rank that holds part of them) equal one process's, bit for bit."""
     for block, shapes in CUT.items():
         ps = [nn.Parameter(torch.zeros(s)) for s in shapes]
-        opt = rfsdp.optim.AdamW8bit(ps, lr=1e-2, block=block, min_8bit_size=256)
+        opt = rfsdp.optim.AdamW8bit(ps, lr=1e-2, block=block, min_8bit_size=256,
+                                    state_format=state_format)
         for gs in cut_grads(seed, shapes):
             for p, g in zip(ps, gs):
                 p.grad = g
