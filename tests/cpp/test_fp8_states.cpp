@@ -20,13 +20,8 @@
 namespace rfsdp::quant {
 namespace {
 
+using testing::float_of;
 using testing::fresh_seed;
-
-float float_of(uint32_t b) {
-  float f;
-  std::memcpy(&f, &b, 4);
-  return f;
-}
 
 uint8_t torch_cast(float y) { return c10::Float8_e4m3fn(y).x; }
 

@@ -25,13 +25,8 @@
 namespace rfsdp::quant {
 namespace {
 
+using testing::float_of;
 using testing::fresh_seed;
-
-float float_of(uint32_t b) {
-  float f;
-  std::memcpy(&f, &b, 4);
-  return f;
-}
 
 std::vector<at::Tensor> shipped_maps() {
   return {dynamic_map(true), dynamic_map(false), linear_map(true), linear_map(false)};

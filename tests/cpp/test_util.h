@@ -10,6 +10,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstdlib>
+#include <cstring>
 #include <random>
 #include <string>
 #include <vector>
@@ -17,6 +18,13 @@
 #include "quant/ops.h"
 
 namespace rfsdp::testing {
+
+// The float whose bit pattern is b (the kernel tests walk floats by their bits).
+inline float float_of(uint32_t b) {
+  float f;
+  std::memcpy(&f, &b, 4);
+  return f;
+}
 
 // A new seed every run (tests use fresh random inputs); print it on failure.
 // RFSDP_TEST_SEED=<printed seed> replays a failure.
