@@ -17,6 +17,10 @@ namespace rfsdp {
 struct TiledConfig {
   // precondition_frequency's default is each optimizer's (Shampoo 20, SOAP 10).
   explicit TiledConfig(int default_frequency) : precondition_frequency(default_frequency) {}
+  // (polymorphic: requantized_own reads the derived optimizer's saved settings)
+  virtual ~TiledConfig() = default;
+  TiledConfig(const TiledConfig&) = default;
+  TiledConfig& operator=(const TiledConfig&) = default;
 
   int64_t max_preconditioner_dim = 1024;  // B: tiles of at most B x B
   int precondition_frequency;             // steps between two amortised computations

@@ -147,7 +147,7 @@ NamedState TiledOptimizer::requantized_state(size_t i, const TiledConfig& saved,
   if (!precondition_.at(i)) return saved_as_kept(i, full, {"exp_avg", "exp_avg_sq"});
   const TileRange r = tile_range(params_.at(i), tiled_config().max_preconditioner_dim);
   NamedState out = saved_as_kept(i, full, {"factor_left", "factor_right"});  // as saved
-  out.merge(requantized_own(i, saved.basis, full, r));
+  out.merge(requantized_own(i, saved, full, r));
   return out;
 }
 

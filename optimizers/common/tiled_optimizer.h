@@ -65,11 +65,12 @@ class TiledOptimizer : public ShardedOptimizer {
   // The state but the factors: the moments and the preconditioner (state()
   // puts the factors between them), their layouts (r: the tensor's tiles, empty
   // where it is not preconditioned), and requantized_state's part for a
-  // preconditioned parameter (saved: the basis format it was saved with).
+  // preconditioned parameter (saved: the settings it was saved with, of the
+  // derived optimizer's config type).
   virtual std::vector<std::pair<std::string, at::Tensor>> moments_state(size_t i) const = 0;
   virtual std::vector<std::pair<std::string, at::Tensor>> preconditioner_state(size_t i) const = 0;
   virtual void own_layout(size_t i, const TileRange& r, std::vector<StateLayout>* out) const = 0;
-  virtual NamedState requantized_own(size_t i, const quant::LowBitFormat& saved, const NamedState& full,
+  virtual NamedState requantized_own(size_t i, const TiledConfig& saved, const NamedState& full,
                                      const TileRange& r) const = 0;
 
   // The step's parts (see the top). amortises(i): parameter i's amortised

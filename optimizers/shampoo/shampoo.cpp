@@ -313,8 +313,9 @@ std::vector<std::pair<std::string, at::Tensor>> Shampoo::preconditioner_state(si
 }
 
 // Moments and failure counts as saved; the roots as this one keeps them.
-NamedState Shampoo::requantized_own(size_t i, const quant::LowBitFormat& saved_basis,
-                                    const NamedState& full, const TileRange& r) const {
+NamedState Shampoo::requantized_own(size_t i, const TiledConfig& saved_config, const NamedState& full,
+                                    const TileRange& r) const {
+  const quant::LowBitFormat& saved_basis = saved_config.basis;
   const ParamShard& p = params_.at(i);
   NamedState out = saved_as_kept(i, full, {"exp_avg", "exp_avg_sq", "root_failures"});
   for (bool left : {true, false}) {

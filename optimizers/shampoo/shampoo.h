@@ -124,7 +124,7 @@ class Shampoo : public GroupedOptimizer<ShampooOptions, TiledOptimizer> {
   std::vector<std::pair<std::string, at::Tensor>> moments_state(size_t i) const override;
   std::vector<std::pair<std::string, at::Tensor>> preconditioner_state(size_t i) const override;
   void own_layout(size_t i, const TileRange& r, std::vector<StateLayout>* out) const override;
-  NamedState requantized_own(size_t i, const quant::LowBitFormat& saved, const NamedState& full,
+  NamedState requantized_own(size_t i, const TiledConfig& saved, const NamedState& full,
                              const TileRange& r) const override;
 
   // The step: the roots are due at t % precondition_frequency == 0; prepare

@@ -37,6 +37,11 @@ void check_config(const SOAPConfig& c) {
   if (c.state_dtype != at::kFloat && c.state_dtype != at::kByte) {
     throw std::invalid_argument("SOAP: state_dtype must be torch.float32 or \"int8\" (8-bit codes)");
   }
+  if (c.state_format != quant::StateFormat::kDynamic && c.state_dtype != at::kByte) {
+    throw std::invalid_argument(std::string("SOAP: state_format=\"") +
+                                quant::state_format_name(c.state_format) +
+                                "\" codes 8-bit moments; set state_dtype=\"int8\" with it");
+  }
 }
 
 SOAP::SOAP(std::vector<ParamShard> params, SOAPOptions options, SOAPConfig config,
@@ -47,8 +52,8 @@ SOAP::SOAP(std::vector<ParamShard> params, SOAPOptions options, SOAPConfig confi
   for (const ParamShard& p : params_) require_own_rows("SOAP", p, "tiles");
   state_dtype_8bit_ = config_.state_dtype == at::kByte;
   if (state_dtype_8bit_) {
-    code_m_ = quant::Codec(quant::dynamic_map(true));
-    code_v_ = quant::Codec(quant::dynamic_map(false), /*keep_nonzero=*/true);  // v: see CodeLut
+    code_m_ = quant::Codec::of(config_.state_format, /*is_signed=*/true);
+    code_v_ = quant::Codec::of(config_.state_format, /*is_signed=*/false);  // v: keep_nonzero
   }
   check_options(options);
   state_.resize(params_.size());
@@ -460,55 +465,68 @@ std::vector<std::pair<std::string, at::Tensor>> SOAP::preconditioner_state(size_
   return {{"basis_left", s.q_left}, {"basis_right", s.q_right}};
 }
 
-// m and v decoded or encoded where the saved state_dtype differs; the bases as
-// this one keeps them.
-NamedState SOAP::requantized_own(size_t i, const quant::LowBitFormat& saved_basis,
-                                 const NamedState& full, const TileRange& r) const {
+// m and v decoded or encoded where the saved state_dtype or state_format
+// differs; the bases as this one keeps them.
+NamedState SOAP::requantized_own(size_t i, const TiledConfig& saved_tiled, const NamedState& full,
+                                 const TileRange& r) const {
+  const auto* saved_config = dynamic_cast<const SOAPConfig*>(&saved_tiled);
+  if (saved_config == nullptr) {
+    throw std::logic_error("SOAP::requantized_own: the saved settings are not a SOAPConfig");
+  }
   const ParamShard& p = params_.at(i);
   NamedState out;
   const bool saved_8bit = full.count("exp_avg_codes") > 0, live_8bit = eight_bit(i);
+  const bool same_codes = saved_config->state_format == config_.state_format;
   const int64_t e0 = p.row_begin * p.row_len;
   for (const bool second : {false, true}) {
     const std::string m = second ? "exp_avg_sq" : "exp_avg";
-    const at::Tensor code = quant::dynamic_map(/*is_signed=*/!second);
-    if (saved_8bit == live_8bit) {  // kept alike: as saved
+    if (saved_8bit == live_8bit && (!live_8bit || same_codes)) {  // kept alike: as saved
       out.merge(saved_as_kept(i, full, live_8bit ? std::vector<std::string>{m + "_codes", m + "_absmax"}
                                                  : std::vector<std::string>{m}));
-    } else if (saved_8bit) {  // decoded whole (one scale per tile row), this rank's rows
+      continue;
+    }
+    at::Tensor whole;  // the whole moment, fp32
+    if (saved_8bit) {  // decoded tile by tile (one scale per tile row)
+      const quant::Codec code = quant::Codec::of(saved_config->state_format, /*is_signed=*/!second);
       const at::Tensor codes = saved(full, m + "_codes", name(), p).reshape(-1).contiguous();
-      const at::Tensor absmax = saved(full, m + "_absmax", name(), p).reshape(-1);
-      at::Tensor whole = at::zeros({p.full_numel()}, at::kFloat);
+      const at::Tensor absmax = saved(full, m + "_absmax", name(), p).reshape(-1).to(at::kFloat);
+      whole = at::zeros({p.full_numel()}, at::kFloat);
       int64_t row = 0;
       for (const Tile& t : r.all) {
-        tile_view(whole, t).copy_(code.index({tile_view(codes, t).to(at::kLong)}) *
-                                  absmax.narrow(0, row, t.rows).unsqueeze(1));
+        tile_view(whole, t).copy_(quant::dequantize_blockwise(
+            {tile_view(codes, t).contiguous().view(-1), absmax.narrow(0, row, t.rows).contiguous()},
+            code, quant::BlockShape::blocks(t.cols), t.cols).view({t.rows, t.cols}));
         row += t.rows;
       }
-      out[m] = rows_here(p, whole).view(p.param.sizes());
-    } else {  // encoded one block per tile row: the codes of this rank's rows, the
-              // scales of its tiles (an owned cut row's whole)
-      const at::Tensor whole = saved(full, m, name(), p).reshape(-1).to(at::kFloat).contiguous();
-      const int64_t e1 = p.row_end * p.row_len;
-      at::Tensor codes = at::zeros({p.full_numel()}, at::kByte);
-      std::vector<at::Tensor> scales;
-      for (size_t k = 0; k < r.all.size(); ++k) {
-        const Tile& t = r.all[k];
-        const int64_t t1 = t.local_offset + (t.rows - 1) * t.stride + t.cols;
-        const bool mine = k >= r.first && k < r.end;
-        if (!mine && (t1 <= e0 || t.local_offset >= e1)) continue;  // no row of it here
-        const quant::Quantized q = quant::quantize_blockwise(
-            tile_view(whole, t).contiguous(), code, quant::BlockShape::blocks(t.cols), -1,
-            /*keep_nonzero=*/second);
-        tile_view(codes, t).copy_(q.codes.view({t.rows, t.cols}));
-        if (mine) scales.push_back(q.absmax.reshape(-1));
-      }
-      out[m + "_codes"] = codes.narrow(0, e0, e1 - e0).clone().view(p.param.sizes());
-      out[m + "_absmax"] = scales.empty() ? at::zeros({0}, at::kFloat) : at::cat(scales);
+    } else {
+      whole = saved(full, m, name(), p).reshape(-1).to(at::kFloat).contiguous();
     }
+    if (!live_8bit) {  // this rank's rows
+      out[m] = rows_here(p, whole).view(p.param.sizes());
+      continue;
+    }
+    // encoded one block per tile row: the codes of this rank's rows, the scales of
+    // its tiles (an owned cut row's whole)
+    const int64_t e1 = p.row_end * p.row_len;
+    at::Tensor codes = at::zeros({p.full_numel()}, at::kByte);
+    std::vector<at::Tensor> scales;
+    for (size_t k = 0; k < r.all.size(); ++k) {
+      const Tile& t = r.all[k];
+      const int64_t t1 = t.local_offset + (t.rows - 1) * t.stride + t.cols;
+      const bool mine = k >= r.first && k < r.end;
+      if (!mine && (t1 <= e0 || t.local_offset >= e1)) continue;  // no row of it here
+      const quant::Quantized q = quant::quantize_blockwise(tile_view(whole, t).contiguous(),
+                                                           second ? code_v_ : code_m_,
+                                                           quant::BlockShape::blocks(t.cols), t.cols);
+      tile_view(codes, t).copy_(q.codes.view({t.rows, t.cols}));
+      if (mine) scales.push_back(q.absmax.reshape(-1));
+    }
+    out[m + "_codes"] = codes.narrow(0, e0, e1 - e0).clone().view(p.param.sizes());
+    out[m + "_absmax"] = scales.empty() ? at::zeros({0}, at::kFloat) : at::cat(scales);
   }
   for (bool left : {true, false}) {
     const std::string side = left ? "basis_left" : "basis_right";
-    encode_squares(decode_squares(full, side, r, left, saved_basis, name(), p), side,
+    encode_squares(decode_squares(full, side, r, left, saved_config->basis, name(), p), side,
                    config_.basis, config_.basis_dtype, &out);
   }
   return out;

@@ -69,11 +69,15 @@ struct SOAPConfig : TiledConfig {
   // order) while each holder keeps its rows' codes; 1-D parameters and
   // use_soap=False groups keep fp32 moments.
   at::ScalarType state_dtype = at::kFloat;
+  // The 8-bit moments' codes: the dynamic maps, or float8_e4m3fn codes
+  // (formats/fp8_e4m3.h: the same blocks and absmax, decoded by arithmetic).
+  quant::StateFormat state_format = quant::StateFormat::kDynamic;
   // basis coded: Q_L, Q_R as block-wise codes (the refresh's power step uses
   // them decoded and rectified too).
   static std::vector<std::string> requantizable() {
     auto names = TiledConfig::requantizable();
     names.push_back("state_dtype");
+    names.push_back("state_format");
     return names;
   }
 };
@@ -128,7 +132,7 @@ class SOAP : public GroupedOptimizer<SOAPOptions, TiledOptimizer> {
   std::vector<std::pair<std::string, at::Tensor>> moments_state(size_t i) const override;
   std::vector<std::pair<std::string, at::Tensor>> preconditioner_state(size_t i) const override;
   void own_layout(size_t i, const TileRange& r, std::vector<StateLayout>* out) const override;
-  NamedState requantized_own(size_t i, const quant::LowBitFormat& saved, const NamedState& full,
+  NamedState requantized_own(size_t i, const TiledConfig& saved, const NamedState& full,
                              const TileRange& r) const override;
 
   // The step: bases are due at t = 1 (first) and t - 1 % precondition_frequency

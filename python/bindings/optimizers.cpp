@@ -109,6 +109,21 @@ void set_tiled(rfsdp::TiledConfig& c, const char* who, const py::object& max_dim
   c.factor_dtype = dtype_arg(factor_dtype, who, "factor_dtype", "torch.float32 or torch.bfloat16");
 }
 
+// An 8-bit state's code format from Python: "dynamic" or "float8_e4m3fn".
+rfsdp::quant::StateFormat state_format_arg(const py::object& x, const char* who) {
+  if (!py::isinstance<py::str>(x)) {
+    throw py::value_error(std::string(who) + ": state_format must be \"dynamic\" or "
+                          "\"float8_e4m3fn\", got " + py::repr(x).cast<std::string>());
+  }
+  return rfsdp::quant::state_format(x.cast<std::string>());
+}
+
+// settings()' state_format, only where not the default: checkpoints saved before
+// the setting existed (dynamic maps) keep loading as they are.
+void put_state_format(py::dict& d, rfsdp::quant::StateFormat f) {
+  if (f != rfsdp::quant::StateFormat::kDynamic) d["state_format"] = rfsdp::quant::state_format_name(f);
+}
+
 py::dict tiled_settings(const rfsdp::TiledConfig& c) {
   return py::dict(py::arg("max_preconditioner_dim") = c.max_preconditioner_dim,
                   py::arg("precondition_frequency") = c.precondition_frequency,
@@ -323,14 +338,7 @@ void bind_optimizers(py::module_& m) {
       .def(py::init([](const py::object& block, const py::object& min_8bit_size,
                        const py::object& state_format) {
              rfsdp::AdamW8bitConfig c;
-             if (!state_format.is_none()) {
-               if (!py::isinstance<py::str>(state_format)) {
-                 throw py::value_error("AdamW8bit: state_format must be \"dynamic\" or "
-                                       "\"float8_e4m3fn\", got " +
-                                       py::repr(state_format).cast<std::string>());
-               }
-               c.state_format = rfsdp::quant::state_format(state_format.cast<std::string>());
-             }
+             if (!state_format.is_none()) c.state_format = state_format_arg(state_format, "AdamW8bit");
              if (!block.is_none()) {
                c.block = block_shape(py::isinstance<py::list>(block) ? py::tuple(block) : block);
              }
@@ -350,11 +358,7 @@ void bind_optimizers(py::module_& m) {
                d["block"] = c.block.block;
              }
              d["min_8bit_size"] = c.min_8bit_size;
-             // Only where not the default: checkpoints saved before the setting
-             // existed (dynamic maps) keep loading as they are.
-             if (c.state_format != rfsdp::quant::StateFormat::kDynamic) {
-               d["state_format"] = rfsdp::quant::state_format_name(c.state_format);
-             }
+             put_state_format(d, c.state_format);
              return d;
            })
       .def_property_readonly_static("requantizable", [](const py::object&) {
@@ -514,7 +518,8 @@ void bind_optimizers(py::module_& m) {
       .def(py::init([](const py::object& max_dim, const py::object& frequency, bool correct_bias,
                        const py::object& factor_dtype, const py::object& basis_dtype,
                        const py::object& state_dtype, const py::object& basis_block,
-                       const std::string& basis_map, const py::object& bjorck_iterations) {
+                       const std::string& basis_map, const py::object& bjorck_iterations,
+                       const py::object& state_format) {
              const char* who = "SOAP";
              rfsdp::SOAPConfig c;
              set_tiled(c, who, max_dim, frequency, factor_dtype);
@@ -527,6 +532,7 @@ void bind_optimizers(py::module_& m) {
              c.state_dtype = dtype_arg(state_dtype, who, "state_dtype",
                                        "torch.float32 or \"int8\" (8-bit codes)");
              c.basis = basis_format(who, bits, basis_block, basis_map, bjorck_iterations);
+             if (!state_format.is_none()) c.state_format = state_format_arg(state_format, who);
              rfsdp::check_config(c);
              return c;
            }),
@@ -535,13 +541,15 @@ void bind_optimizers(py::module_& m) {
            py::arg("correct_bias") = soap.correct_bias, py::arg("factor_dtype") = py::none(),
            py::arg("basis_dtype") = py::none(), py::arg("state_dtype") = py::none(),
            py::arg("basis_block") = soap.basis.block, py::arg("basis_map") = soap.basis.map,
-           py::arg("bjorck_iterations") = soap.basis.bjorck_iterations)
+           py::arg("bjorck_iterations") = soap.basis.bjorck_iterations,
+           py::arg("state_format") = py::none())
       .def("settings", [](const rfsdp::SOAPConfig& c) {
              py::dict d = tiled_settings(c);
              d["correct_bias"] = c.correct_bias;
              d["basis_dtype"] = c.basis.coded() ? (c.basis.bits == 8 ? "int8" : "int4")
                                                 : dtype_name(c.basis_dtype);
              d["state_dtype"] = dtype_name(c.state_dtype);
+             put_state_format(d, c.state_format);
              put_basis(d, c.basis);
              return d;
            })

@@ -5,8 +5,10 @@
 // orthonormal, diagonalising the factor, descending) and follows the algorithm
 // from there in float64: moments, rotated updates, bias correction, weight
 // decay, factor updates, power-step refreshes with v's permutation.
+#include <c10/util/Float8_e4m3fn.h>
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <atomic>
 #include <cmath>
 #include <iostream>
@@ -399,17 +401,53 @@ void expect_basis_codes(const SOAP& opt, size_t i, size_t j, bool left, const at
 // (want: m or v, flat): one block per tile row, its absmax the row's max |.|,
 // each code the nearest to want / absmax, to rel of the row's max |.| (fp32's
 // rounding of the step).
+// The values (fractions of the absmax) a moment's codes take, sorted, and each
+// code byte's index among them (-1: a byte it never takes). The dynamic maps are
+// sorted tables; float8_e4m3fn's values are e4m3(byte) / 448, both zeros one
+// value (a negative value that rounds to 0 keeps its sign bit), NaNs none, and
+// for v (keep_nonzero, v > 0) only the positive ones: its smallest values take
+// code 1, the nearest of those.
+struct SortedCode {
+  std::vector<double> values;
+  at::Tensor index_of_byte;  // int64 [256]
+};
+SortedCode sorted_code(quant::StateFormat format, bool second) {
+  SortedCode out;
+  out.index_of_byte = at::full({256}, -1, at::kLong);
+  if (format == quant::StateFormat::kDynamic) {
+    const at::Tensor c = quant::dynamic_map(!second);
+    out.values.assign(c.data_ptr<float>(), c.data_ptr<float>() + 256);
+    out.index_of_byte = at::arange(256, at::kLong);
+    return out;
+  }
+  std::vector<std::pair<double, int>> by_value;
+  for (int b = 0; b < 256; ++b) {
+    if ((b & 0x7F) == 0x7F || b == 0x80 || (second && (b == 0 || b >= 0x80))) continue;
+    by_value.push_back({static_cast<double>(c10::Float8_e4m3fn(static_cast<uint8_t>(b),
+                                                                 c10::Float8_e4m3fn::from_bits())) /
+                            448.0,
+                        b});
+  }
+  std::sort(by_value.begin(), by_value.end());
+  for (size_t k = 0; k < by_value.size(); ++k) {
+    out.values.push_back(by_value[k].first);
+    out.index_of_byte[by_value[k].second] = static_cast<int64_t>(k);
+    if (by_value[k].second == 0) out.index_of_byte[0x80] = static_cast<int64_t>(k);
+  }
+  return out;
+}
+
 void expect_codes(const SOAP& opt, size_t i, bool second, const at::Tensor& want, double rel) {
   const auto st = opt.state(i);
   const std::string name = second ? "exp_avg_sq" : "exp_avg";
-  const at::Tensor codes = named(st, name + "_codes").reshape(-1), absmax = named(st, name + "_absmax");
-  const at::Tensor c = quant::dynamic_map(!second);
-  const std::vector<double> code(c.data_ptr<float>(), c.data_ptr<float>() + 256);
+  const SortedCode code = sorted_code(opt.config().state_format, second);
+  const at::Tensor codes = code.index_of_byte.index({named(st, name + "_codes").reshape(-1).to(at::kLong)});
+  const at::Tensor absmax = named(st, name + "_absmax");
   int64_t row = 0;
   for (const Tile& tl : opt.tiles()) {
     if (tl.param != i) continue;
     expect_block_codes(tile_view(codes, tl), absmax.narrow(0, row, tl.rows),
-                       tile_view(want, tl), tl.cols, code, rel,
+                       tile_view(want, tl), tl.cols, code.values, rel,
                        name + ", tile rows from " + std::to_string(tl.row0) + " cols from " +
                            std::to_string(tl.col0));
     row += tl.rows;
@@ -560,6 +598,13 @@ TEST_P(SOAPStoredRanks, EightBitMomentsEqualTheFloat64QuantisedAlgorithm) {
   SOAPConfig c = config();
   c.state_dtype = at::kByte;
   expect_stored_steps(GetParam(), c, "8-bit moments");
+}
+
+TEST_P(SOAPStoredRanks, Float8MomentsEqualTheFloat64QuantisedAlgorithm) {
+  SOAPConfig c = config();
+  c.state_dtype = at::kByte;
+  c.state_format = quant::StateFormat::kFloat8E4M3;
+  expect_stored_steps(GetParam(), c, "float8_e4m3fn moments");
 }
 
 TEST_P(SOAPStoredRanks, QuantisedBasesStepFromTheirRectifiedCodes) {

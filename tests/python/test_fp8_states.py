@@ -245,6 +245,46 @@ def test_checkpoint_moves_between_formats(saved_fmt, load_fmt, tmp_path):
     assert all(torch.isfinite(p).all() for p in model2.parameters())
 
 
+@pytest.mark.parametrize("saved_fmt,load_fmt", [(None, FP8), (FP8, None)])
+def test_soap_checkpoint_moves_its_8bit_moments_between_formats(saved_fmt, load_fmt, tmp_path):
+    # one tile (max_preconditioner_dim above both sides): a block per row of the weight
+    seed = int(torch.randint(0, 2 ** 30, ()).item())
+
+    def soap(model, fmt):
+        return rfsdp.optim.SOAP(model.parameters(), lr=1e-2, state_dtype="int8",
+                                max_preconditioner_dim=64, precondition_frequency=2,
+                                state_format=fmt)
+    model = nn.Linear(40, 24)
+    opt = soap(model, saved_fmt)
+    train(opt, list(model.parameters()), seed, 4)
+    path = str(tmp_path / "ckpt")
+    rfsdp.checkpoint.save(path, model, opt)
+    saved = {k: t.clone() for k, t in opt.sharded_state(model.weight).items()}
+    model2 = nn.Linear(40, 24)
+    opt2 = soap(model2, load_fmt)
+    with pytest.raises(rfsdp.checkpoint.CheckpointError, match="requantize=True"):
+        rfsdp.checkpoint.load(path, model2, opt2)
+    rfsdp.checkpoint.load(path, model2, opt2, requantize=True)
+    got = opt2.sharded_state(model2.weight)
+    for m, signed in (("exp_avg", True), ("exp_avg_sq", False)):
+        x = rfsdp.quant.dequantize_blockwise(saved[m + "_codes"], saved[m + "_absmax"], 40,
+                                             code=saved_fmt or "dynamic", signed=signed,
+                                             shape=(24, 40))
+        assert x.abs().max() > 0, m
+        q, a = rfsdp.quant.quantize_blockwise(x, 40, code=load_fmt or "dynamic", signed=signed,
+                                              keep_nonzero=not signed)
+        assert torch.equal(got[m + "_codes"].reshape(-1), q.reshape(-1)), (m, seed)
+        assert torch.equal(got[m + "_absmax"], a), (m, seed)
+    assert opt2.settings().get("state_format") == load_fmt
+    train(opt2, list(model2.parameters()), seed + 1, 2)  # (and it steps on)
+    assert all(torch.isfinite(p).all() for p in model2.parameters())
+
+
+def test_soap_state_format_without_8bit_moments_is_refused():
+    with pytest.raises(ValueError, match="state_dtype=\"int8\""):
+        rfsdp.optim.SOAP([nn.Parameter(torch.zeros(8, 8))], state_format=FP8)
+
+
 def test_bad_state_format_is_refused():
     with pytest.raises(ValueError, match="float8_e4m3fn"):
         rfsdp.optim.AdamW8bit([nn.Parameter(torch.zeros(8))], state_format="fp8")

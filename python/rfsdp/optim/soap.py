@@ -33,7 +33,9 @@ class SOAP(_Tiled):
     v's refresh permutation moves whole blocks with their scales; each step
     decodes, updates in fp32 and encodes (on any device: the CPU kernels, elsewhere the
     device-generic path, the same bits; a cut row of tiles is coded by its owner,
-    which keeps its scales; 1-D parameters and use_soap=False groups keep fp32 moments). basis_dtype="int8" or "int4" stores
+    which keeps its scales; 1-D parameters and use_soap=False groups keep fp32 moments);
+    state_format="float8_e4m3fn" codes them as e4m3 values of each block's absmax / 448
+    (decoded by arithmetic, as AdamW8bit's), None the dynamic maps. basis_dtype="int8" or "int4" stores
     Q_L, Q_R as block-wise codes (blocks of basis_block elements of a tile's
     basis, one fp32 absmax each, the map basis_map: "linear_square" as 4-bit
     Shampoo's, "linear", or "dynamic" at 8 bits; 4-bit codes two to a byte),
@@ -47,13 +49,14 @@ class SOAP(_Tiled):
                  correct_bias=True, factor_dtype=torch.float32, basis_dtype=torch.float32,
                  state_dtype=torch.float32, basis_block=64, basis_map="linear_square",
                  bjorck_iterations=1, process_group=None, timeout_seconds=300.0,
-                 rounding="nearest"):
+                 rounding="nearest", state_format=None):
         self.rounding = rounding  # (checked in C++ when bound)
         self.config = _C.SOAPConfig(
             max_preconditioner_dim=max_preconditioner_dim,
             precondition_frequency=precondition_frequency, correct_bias=bool(correct_bias),
             factor_dtype=factor_dtype, basis_dtype=basis_dtype, state_dtype=state_dtype,
-            basis_block=basis_block, basis_map=basis_map, bjorck_iterations=bjorck_iterations)
+            basis_block=basis_block, basis_map=basis_map, bjorck_iterations=bjorck_iterations,
+            state_format=state_format)
         super().__init__(params, dict(lr=lr, betas=tuple(betas), shampoo_beta=shampoo_beta,
                                       eps=eps, weight_decay=weight_decay, use_soap=True))
         self._set_groups(process_group, timeout_seconds)
