@@ -26,7 +26,9 @@ VARIANTS = {
     "shampoo": {"bf16": dict(factor_dtype=torch.bfloat16), "int8-bases": dict(basis_dtype="int8"),
                 "int4-bases": dict(basis_dtype="int4")},
     "soap": {"bf16": dict(factor_dtype=torch.bfloat16, basis_dtype=torch.bfloat16),
-             "int8": dict(state_dtype="int8"), "int8-bases": dict(basis_dtype="int8"),
+             "int8": dict(state_dtype="int8"),
+             "fp8": dict(state_dtype="int8", state_format="float8_e4m3fn"),
+             "int8-bases": dict(basis_dtype="int8"),
              "int4-bases": dict(basis_dtype="int4")},
 }
 # Each optimizer's settings where a caller gives none: the main job's.
