@@ -155,9 +155,10 @@ def load_worker(rank, world, folder, shape):
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
-    """{"saved": rank 0's results on (2, 2), target: rank 0's results there}."""
+    """{"saved": rank 0's results on (2, 2), target: rank 0's results there,
+    "folder": the checkpoints}."""
     folder = str(tmp_path_factory.mktemp("mesh_reshard"))
-    got = {"saved": run_ranks(save_worker, 4, folder)[0]}
+    got = {"saved": run_ranks(save_worker, 4, folder)[0], "folder": folder}
     for target, shape in TARGETS.items():
         if shape is None:
             got[target] = load_worker(0, 1, folder, None)
@@ -195,3 +196,37 @@ def test_the_run_continued_on_another_mesh_equals_the_uninterrupted(runs, target
     for n, w in want.items():
         torch.testing.assert_close(got[n].double(), w.double(), rtol=TOL[name], atol=TOL[name],
                                    msg=lambda m: "%s, %s, on %s: %s %s" % (name, how, target, n, m))
+
+
+def _load_8bit_in_one_process(runs, block):
+    torch.manual_seed(SEED + 1)
+    model = tm.Block()
+    opt = rfsdp.optim.AdamW8bit(model.parameters(), block=block, min_8bit_size=1, **ADAMW)
+    rfsdp.checkpoint.load(runs["folder"] + "/adamw8bit_rfsdp", model, opt, requantize=True)
+    return model, opt
+
+
+def test_8bit_states_are_requantised_where_the_block_changed(runs):
+    """Saved with 64-element blocks on (2, 2), loaded in one process with 32 and
+    requantize=True: every 8-bit state is the saved one decoded (block 64) and
+    encoded again with block 32, code for code and scale for scale."""
+    model, opt = _load_8bit_in_one_process(runs, 32)
+    saved = runs["saved"]["adamw8bit", "saved"]["state"]
+    for n, p in model.named_parameters():
+        for codes, scale, signed in (("q1", "absmax1", True), ("q2", "absmax2", False)):
+            full = rfsdp.quant.dequantize_blockwise(saved[n][codes].reshape(-1),
+                                                    saved[n][scale].reshape(-1), block=64,
+                                                    signed=signed)
+            q, a = rfsdp.quant.quantize_blockwise(full, block=32, signed=signed,
+                                                  keep_nonzero=not signed)
+            assert torch.equal(opt.state[p][codes].reshape(-1), q.reshape(-1)), (n, codes)
+            assert torch.equal(opt.state[p][scale].reshape(-1), a.reshape(-1)), (n, scale)
+
+
+def test_8bit_states_are_not_requantised_where_the_settings_are_the_same(runs):
+    """requantize=True with the saved settings: the codes and scales as saved."""
+    model, opt = _load_8bit_in_one_process(runs, 64)
+    saved = runs["saved"]["adamw8bit", "saved"]["state"]
+    for n, p in model.named_parameters():
+        for k in ("q1", "absmax1", "q2", "absmax2"):
+            assert torch.equal(opt.state[p][k].reshape(-1), saved[n][k].reshape(-1)), (n, k)
