@@ -27,7 +27,7 @@ import rfsdp
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import tp_model as tm  # noqa: E402
-from ranks import run_ranks  # noqa: E402
+from ranks import raised, run_ranks  # noqa: E402
 
 K = 2
 SEED = 4321
@@ -49,12 +49,6 @@ def _optimizer(name, model):
         [dict(params=[p for n, p in named if n in tm.MATRICES]),
          dict(params=[p for n, p in named if n not in tm.MATRICES], use_muon=False, lr=3e-4)],
         **MUON)
-
-
-# One mesh per shape in a process: a second mesh of the same shape may give its
-# slices (mesh["dp"]) the first one as their root, and the optimizer would see
-# two meshes (test_tensor_parallel.py builds its mesh once too).
-_MESHES = {}
 
 
 def _colwise_only(model, mesh):
@@ -85,7 +79,7 @@ def _model(shape, seed, name):
         mesh = init_device_mesh("cpu", (dp,), mesh_dim_names=("dp",))
         fully_shard(model, mesh=mesh)
         return model, mesh.get_local_rank(), dp
-    mesh = _MESHES.get(shape) or _MESHES.setdefault(shape, tm.mesh_2d(dp, tp))
+    mesh = tm.mesh_2d(dp, tp)  # (a new mesh each time: torch then mixes in the first one's slices)
     (_colwise_only if name == "adamw8bit" else tm.tensor_parallel)(model, mesh)
     return model, mesh["dp"].get_local_rank(), dp
 
@@ -127,6 +121,9 @@ def save_worker(rank, world, folder):
         out[name, "saved"] = _whole(model, opt)
         tm.train(model, opt, xs[K:], ys[K:], dpr, dp)
         out[name] = tm.full_of(model)
+    # A model on a mesh built after others of its shape (each _model's): torch gives
+    # it some of the first mesh's slices; the optimizer takes it as one mesh.
+    out["later_mesh"] = raised(_optimizer, "adamw8bit", _model((2, 2), SEED, "adamw8bit")[0])
     return out
 
 
@@ -230,3 +227,7 @@ def test_8bit_states_are_not_requantised_where_the_settings_are_the_same(runs):
     for n, p in model.named_parameters():
         for k in ("q1", "absmax1", "q2", "absmax2"):
             assert torch.equal(opt.state[p][k].reshape(-1), saved[n][k].reshape(-1)), (n, k)
+
+
+def test_an_optimizer_takes_a_model_on_a_later_mesh_of_the_same_shape(runs):
+    assert runs["saved"]["later_mesh"] is None, runs["saved"]["later_mesh"]
