@@ -56,6 +56,7 @@
 #include <dirent.h>
 #include <fstream>
 #include <map>
+#include <optional>
 #include <tuple>
 #include <sstream>
 #include <stdexcept>
@@ -534,10 +535,16 @@ int shampoo_tiles(const std::string& zoo, const std::string& only, const std::ve
 
 // ---- --tp: Muon's traffic on a (dp, tp) mesh ----------------------------------
 
-bool colwise(const std::string& name) {  // torchtitan's plan for a Llama block
-  return contains(name, "q_proj") || contains(name, "k_proj") || contains(name, "v_proj") ||
-         contains(name, "gate_proj") || contains(name, "up_proj") || contains(name, "w1") ||
-         contains(name, "w3");
+// torchtitan's plan for a Llama block: q/k/v/gate/up ColwiseParallel (true),
+// o/down RowwiseParallel (false); another matrix has no plan here (an error).
+bool colwise(const std::string& name) {
+  for (const char* n : {"q_proj", "k_proj", "v_proj", "gate_proj", "up_proj"}) {
+    if (contains(name, n)) return true;
+  }
+  for (const char* n : {"o_proj", "down_proj"}) {
+    if (contains(name, n)) return false;
+  }
+  throw std::runtime_error("no tensor-parallel plan here for " + name + " (Llama's projections only)");
 }
 
 // The block's matrices over dp * tp ranks in one of --tp's layouts: each one's
@@ -632,8 +639,15 @@ int muon_tp(const std::string& zoo, const std::string& only, int64_t dp, int64_t
           split.push_back(h > 0 && s.shape[0] % h == 0 ? std::vector<int64_t>(s.shape[0] / h, h)
                                                        : std::vector<int64_t>{});
         }
-        const rfsdp::MuonLayout ml = rfsdp::MuonLayout::planned(
-            static_cast<int>(world), shards, std::vector<int>(shards.size(), 5), split);
+        std::optional<rfsdp::MuonLayout> planned;
+        try {
+          planned.emplace(rfsdp::MuonLayout::planned(static_cast<int>(world), shards,
+                                                     std::vector<int>(shards.size(), 5), split));
+        } catch (const std::exception& e) {
+          std::printf("%-22s %-9s %-6s: %s\n", unit_name.c_str(), layout, heads ? "heads" : "whole", e.what());
+          continue;
+        }
+        const rfsdp::MuonLayout& ml = *planned;
         const rfsdp::OwnerExchange& x = ml.exchange();
         std::vector<double> sent(world, 0.0);
         double total = 0, across = 0;
