@@ -27,6 +27,27 @@
 // (the tile granule), the ragged plan (granule 1: cut tile rows to their owners)
 // and FSDP2's chunk rows; busiest rank over the mean, and the cut rows' elements
 // a rank sends and receives (max).
+// --tp DPxTP: Muon's owner-exchange traffic per step for each zoo block on a
+// (dp, tp) mesh (flat rank d * tp + t, as torch's DeviceMesh numbers it), on paper
+// from the layout rank 0 computes (MuonLayout::planned), for three layouts of the
+// block's matrices:
+//   fsdp      - no tensor parallelism: the block planned over dp * tp ranks
+//               (the ragged plan, granule 1), so matrices and heads are cut
+//               wherever the plan cuts them, across tp ranks too;
+//   tp+fsdp2  - torch's ColwiseParallel (rows) of q/k/v/gate/up and
+//               RowwiseParallel (column parts) of o/down over tp, each tp piece
+//               cut over dp by FSDP2's Shard(0) chunks: every tp rank holds whole
+//               heads, dp cuts them;
+//   tp+ragged - the same tp pieces planned over dp by rfsdp's planner, a head's
+//               rows the granule of q/k/v (1 for the rest).
+// and two Muon groupings: each matrix one block ("whole"), or q/k/v split per
+// head (split_sizes; "heads"). Formula: a block u of N_u elements with root o(u)
+// and n(u, r) of its elements on rank r; the gather sends every n(u, r), r != o(u),
+// to the root, the scatter sends them back, 4 bytes each way (the fp32 update):
+//   sent by rank r = 4 * (sum over u with o(u) != r of n(u, r)
+//                         + sum over u with o(u) == r of (N_u - n(u, r))),
+//   total = sum over r = 8 * sum over u of (N_u - n(u, o(u))),
+// and the part of it between ranks of different tp index (r mod tp != o(u) mod tp).
 #include <algorithm>
 #include <chrono>
 #include <cmath>
@@ -35,6 +56,7 @@
 #include <dirent.h>
 #include <fstream>
 #include <map>
+#include <optional>
 #include <tuple>
 #include <sstream>
 #include <stdexcept>
@@ -511,6 +533,151 @@ int shampoo_tiles(const std::string& zoo, const std::string& only, const std::ve
   return 0;
 }
 
+// ---- --tp: Muon's traffic on a (dp, tp) mesh ----------------------------------
+
+// torchtitan's plan for a Llama block: q/k/v/gate/up ColwiseParallel (true),
+// o/down RowwiseParallel (false); another matrix has no plan here (an error).
+bool colwise(const std::string& name) {
+  for (const char* n : {"q_proj", "k_proj", "v_proj", "gate_proj", "up_proj"}) {
+    if (contains(name, n)) return true;
+  }
+  for (const char* n : {"o_proj", "down_proj"}) {
+    if (contains(name, n)) return false;
+  }
+  throw std::runtime_error("no tensor-parallel plan here for " + name + " (Llama's projections only)");
+}
+
+// The block's matrices over dp * tp ranks in one of --tp's layouts: each one's
+// TensorShard (rank 0's, with every rank's rows).
+std::vector<rfsdp::TensorShard> tp_layout(const std::string& unit, const std::vector<TensorSpec>& mats,
+                                          const std::string& layout, int64_t dp, int64_t tp) {
+  const int64_t world = dp * tp;
+  std::vector<rfsdp::TensorShard> out;
+  if (layout == "fsdp") {
+    const rfsdp::Plan plan = rfsdp::plan_unit(mats, world, 16);
+    for (size_t i = 0; i < plan.tensors.size(); ++i) out.push_back(rfsdp::TensorShard::of_plan(plan, i, 0));
+    return out;
+  }
+  // Each tp rank's piece: rows [t R / tp, (t + 1) R / tp) (Colwise), or column part t (Rowwise).
+  std::vector<TensorSpec> local = mats;
+  for (auto& t : local) {
+    const size_t dim = colwise(t.name) ? 0 : 1;
+    if (t.shape.size() != 2 || t.shape[dim] % tp != 0) {
+      throw std::runtime_error("--tp: " + t.name + " is not a matrix whose " +
+                               (dim ? "columns" : "rows") + " tp divides");
+    }
+    t.shape[dim] /= tp;
+    t.granule_rows = 1;
+    if (layout == "tp+ragged" && dim == 0) {
+      const int64_t h = head_rows(unit, t.name);
+      if (h > 0 && t.shape[0] % h == 0) t.granule_rows = h < t.shape[0] ? h : rfsdp::kWholeTensor;
+    }
+  }
+  // Each dp rank's rows of a tp piece (the same on every tp rank).
+  std::vector<std::vector<std::pair<int64_t, int64_t>>> dp_rows(local.size());
+  if (layout == "tp+fsdp2") {
+    for (size_t i = 0; i < local.size(); ++i) {
+      const int64_t n = local[i].shape[0], c = rfsdp::ceil_div(n, dp);
+      for (int64_t d = 0; d < dp; ++d) dp_rows[i].emplace_back(std::min(d * c, n), std::min((d + 1) * c, n));
+    }
+  } else if (layout == "tp+ragged") {
+    const rfsdp::Plan plan = rfsdp::plan_unit(local, dp, 16);
+    for (size_t i = 0; i < local.size(); ++i) dp_rows[i] = rfsdp::TensorShard::of_plan(plan, i, 0).rank_rows;
+  } else {
+    throw std::runtime_error("--tp: no layout " + layout);
+  }
+  for (size_t i = 0; i < mats.size(); ++i) {
+    const bool col = colwise(mats[i].name);
+    const int64_t R = mats[i].shape[0];
+    std::vector<std::pair<int64_t, int64_t>> rows(world);
+    for (int64_t d = 0; d < dp; ++d) {
+      for (int64_t t = 0; t < tp; ++t) {
+        // Colwise: part t's rows start at t R / tp; Rowwise: column part t's rows
+        // count after the t parts before it (TensorShard::col_parts).
+        const int64_t base = col ? t * (R / tp) : t * R;
+        rows[d * tp + t] = {base + dp_rows[i][d].first, base + dp_rows[i][d].second};
+      }
+    }
+    out.push_back(col ? rfsdp::TensorShard::rows_of(mats[i].name, mats[i].shape, 1, rows[0].first,
+                                                    rows[0].second, rows)
+                      : rfsdp::TensorShard::column_parts(mats[i].name, mats[i].shape, static_cast<int>(tp),
+                                                         rows[0].first, rows[0].second, rows));
+  }
+  return out;
+}
+
+int muon_tp(const std::string& zoo, const std::string& only, int64_t dp, int64_t tp) {
+  std::printf("Muon's owner exchange per step on a (dp=%lld, tp=%lld) mesh, %lld ranks, on paper from "
+              "the layout (MuonLayout::planned); fp32, 4 bytes an element each way. blocks: Newton-Schulz "
+              "blocks (whole matrices, or q/k/v per head); whole: blocks one rank holds (nothing moves); "
+              "GiB total: every rank's sends; across tp: between ranks of different tp index; MiB/rank: "
+              "sent by one rank, max and mean. Layouts: see the file's header.\n\n",
+              static_cast<long long>(dp), static_cast<long long>(tp), static_cast<long long>(dp * tp));
+  std::printf("%-22s %-9s %-6s | %6s %6s | %10s %10s | %10s %10s | %8s\n", "unit", "layout", "blocks",
+              "blocks", "whole", "GiB total", "across tp", "MiB/rk max", "MiB/rk mean", "flops m/m");
+  const int64_t world = dp * tp;
+  for (const auto& file : zoo_files(zoo)) {
+    const std::string unit_name = file.substr(0, file.size() - 5);
+    if (unit_name.find("block") == std::string::npos) continue;
+    if (!only.empty() && unit_name.find(only) == std::string::npos) continue;
+    std::vector<TensorSpec> mats;
+    for (auto t : rfsdp::unit_from_json(read_file(zoo + "/" + file))) {
+      if (t.shape.size() >= 2) t.granule_rows = 1, mats.push_back(t);
+    }
+    for (const char* layout : {"fsdp", "tp+fsdp2", "tp+ragged"}) {
+      std::vector<rfsdp::TensorShard> shards;
+      try {
+        shards = tp_layout(unit_name, mats, layout, dp, tp);
+      } catch (const std::exception& e) {
+        std::printf("%-22s %-9s: %s\n", unit_name.c_str(), layout, e.what());
+        continue;
+      }
+      for (bool heads : {false, true}) {
+        std::vector<std::vector<int64_t>> split;
+        for (const auto& s : shards) {
+          const int64_t h = heads ? head_rows(unit_name, s.name) : 0;
+          split.push_back(h > 0 && s.shape[0] % h == 0 ? std::vector<int64_t>(s.shape[0] / h, h)
+                                                       : std::vector<int64_t>{});
+        }
+        std::optional<rfsdp::MuonLayout> planned;
+        try {
+          planned.emplace(rfsdp::MuonLayout::planned(static_cast<int>(world), shards,
+                                                     std::vector<int>(shards.size(), 5), split));
+        } catch (const std::exception& e) {
+          std::printf("%-22s %-9s %-6s: %s\n", unit_name.c_str(), layout, heads ? "heads" : "whole", e.what());
+          continue;
+        }
+        const rfsdp::MuonLayout& ml = *planned;
+        const rfsdp::OwnerExchange& x = ml.exchange();
+        std::vector<double> sent(world, 0.0);
+        double total = 0, across = 0;
+        int64_t whole = 0;
+        for (size_t u = 0; u < x.size(); ++u) {
+          const int o = x.units()[u].owner;
+          for (int r = 0; r < world; ++r) {
+            const auto [b, e] = x.piece(u, r);
+            const double n = static_cast<double>(e - b);
+            if (e - b == x.units()[u].numel()) ++whole;
+            if (r == o || n == 0) continue;
+            sent[r] += 4 * n;  // its piece to the root
+            sent[o] += 4 * n;  // and back
+            total += 8 * n;
+            if (r % tp != o % tp) across += 8 * n;
+          }
+        }
+        double mean = 0;
+        for (double v : sent) mean += v / world;
+        const double gib = 1.0 / (1 << 30), mib = 1.0 / (1 << 20);
+        std::printf("%-22s %-9s %-6s | %6zu %6lld | %10.3f %10.3f | %10.2f %10.2f | %8.3f\n",
+                    unit_name.c_str(), layout, heads ? "heads" : "whole", x.size(),
+                    static_cast<long long>(whole), total * gib, across * gib,
+                    *std::max_element(sent.begin(), sent.end()) * mib, mean * mib, ml.flop_imbalance());
+      }
+    }
+  }
+  return 0;
+}
+
 std::vector<int64_t> parse_list(const char* text) {
   std::vector<int64_t> v;
   std::stringstream s(text);
@@ -525,6 +692,7 @@ int main(int argc, char** argv) {
   std::string zoo = RFSDP_ZOO_DIR, only;
   std::vector<int64_t> world_sizes = {8, 64, 1024, 16384};
   bool blocks = false, roots = false, tiles = false;
+  int64_t tp_dp = 0, tp_tp = 0;
   for (int i = 1; i < argc; ++i) {
     if (!std::strcmp(argv[i], "--zoo") && i + 1 < argc) {
       zoo = argv[++i];
@@ -538,18 +706,28 @@ int main(int argc, char** argv) {
     } else if (!std::strcmp(argv[i], "--roots")) {
       roots = true;
       world_sizes = {8, 64, 1024};
+    } else if (!std::strcmp(argv[i], "--tp") && i + 1 < argc) {
+      const std::string v = argv[++i];
+      const size_t x = v.find('x');
+      tp_dp = x == std::string::npos ? 0 : std::stoll(v.substr(0, x));
+      tp_tp = x == std::string::npos ? 0 : std::stoll(v.substr(x + 1));
+      if (tp_dp < 1 || tp_tp < 1) {
+        std::fprintf(stderr, "bench_planner: --tp takes DPxTP (128x8), not %s\n", v.c_str());
+        return 2;
+      }
     } else if (!std::strcmp(argv[i], "--blocks")) {
       blocks = true;
       world_sizes = {8, 64, 1024, 8192};
     } else {
       std::fprintf(stderr, "usage: bench_planner [--zoo DIR] [--only SUBSTRING] [--world-sizes "
-                           "8,64,...] [--blocks] [--roots] [--tiles]\n");
+                           "8,64,...] [--blocks] [--roots] [--tiles] [--tp DPxTP]\n");
       return 2;
     }
   }
   if (blocks) return pad_to_block(zoo, only, world_sizes);
   if (roots) return muon_roots(zoo, only, world_sizes);
   if (tiles) return shampoo_tiles(zoo, only, world_sizes);
+  if (tp_tp) return muon_tp(zoo, only, tp_dp, tp_tp);
   const std::vector<Mode> modes = {{"1", 1}, {"16", 16}, {"32", 32}, {"128", 128}, {"whole", 0}};
   const int64_t align_bytes = 16;
   std::printf("Granule: rows per granule for every tensor; 'whole' = each Muon matrix whole "

@@ -104,6 +104,10 @@ def _tensor_keys(params):
     return [(t.data_ptr(), t.dtype, t.device) for t in map(local, params)]
 
 
+def _mesh_key(mesh):
+    return mesh.device_type, tuple(mesh.mesh.shape), tuple(mesh.mesh.flatten().tolist())
+
+
 def _default_comm(process_group, timeout_seconds, param_groups):
     """The Comm an optimizer's cross-rank checks (and Muon's gathers) run over:
     the given group, else the shard group of the parameters fully_shard (or FSDP2) made (one
@@ -117,7 +121,9 @@ def _default_comm(process_group, timeout_seconds, param_groups):
             if info is not None and info.process_group is not None:
                 key = tuple(dist.get_process_group_ranks(info.process_group))
                 shard_groups.setdefault(key, (info.process_group, info.name))
-        meshes = {id(root_mesh(p.device_mesh)): root_mesh(p.device_mesh) for p in params
+        # (a mesh by its ranks, not its object: torch's slicing may give a second mesh
+        # of the same shape the first one's sub-meshes, and FSDP2 then places on both)
+        meshes = {_mesh_key(root_mesh(p.device_mesh)): root_mesh(p.device_mesh) for p in params
                   if is_dtensor(p)}
         if len(shard_groups) > 1 and len(meshes) == 1 and \
                 next(iter(meshes.values())).ndim > 1 and \
