@@ -151,16 +151,26 @@ def worker(rank, world, seed, folder):
         out[key] = tm.full_of(model)
         rfsdp.set_state_dict_type(opt, "full", rank0_only=False)
         out[key + "_state"] = opt.state_dict()["state"]
-    # AdamW8bit through DCP: its codes and scales (runs of the global sequences on
-    # the column parts) saved, zeroed, loaded; the run goes on as before.
-    model = _model(mesh, seed)
-    opt = rfsdp.optim.AdamW8bit(model.parameters(), **EIGHT_BIT)
-    tm.train(model, opt, xs, ys, dp, 2)
-    out["8bit_trained"] = tm.full_of(model)
-    model = _model(mesh, seed)
-    opt = rfsdp.optim.AdamW8bit(model.parameters(), **EIGHT_BIT)
-    tm.train(model, opt, xs[:2], ys[:2], dp, 2)
-    out["8bit_resumed"] = _resumed_through_dcp(model, opt, xs, ys, dp, folder + "/8bit")
+    # Their states (codes, scales, per-tile sequences: runs of the global sequences
+    # on the column parts) through rfsdp.checkpoint into a fresh model and
+    # optimizer after 2 steps, and AdamW8bit's through DCP (saved, zeroed,
+    # loaded): the run goes on as the uninterrupted one.
+    for key, cls, kw in TILED:
+        model = _model(mesh, seed)
+        opt = getattr(rfsdp.optim, cls)(model.parameters(), **kw)
+        tm.train(model, opt, xs, ys, dp, 2)
+        out[key + "_trained"] = tm.full_of(model)
+        model = _model(mesh, seed)
+        opt = getattr(rfsdp.optim, cls)(model.parameters(), **kw)
+        tm.train(model, opt, xs[:2], ys[:2], dp, 2)
+        rfsdp.checkpoint.save(folder + "/ck_" + key, model, opt)
+        if key == "8bit":
+            out["8bit_resumed"] = _resumed_through_dcp(model, opt, xs, ys, dp, folder + "/8bit")
+        model = _model(mesh, seed)
+        opt = getattr(rfsdp.optim, cls)(model.parameters(), **kw)
+        rfsdp.checkpoint.load(folder + "/ck_" + key, model, opt)
+        tm.train(model, opt, xs[2:], ys[2:], dp, 2)
+        out[key + "_loaded"] = tm.full_of(model)
     # Blocks and tiles that the column parts would cut: refused.
     model = _model(mesh, seed)
     out["8bit_cut"] = raised(rfsdp.optim.AdamW8bit, model.named_parameters(), min_8bit_size=1)
@@ -295,6 +305,13 @@ def test_column_parts_states_gathered_whole_equal_one_process_entry_for_entry(go
                 assert g.shape == w.reshape(-1).shape or g.shape == w.shape, (cls, i, name)
                 assert _same(g.reshape(-1), w.reshape(-1), key == "8bit"), \
                     (cls, r, i, name, (g.reshape(-1).double() - w.reshape(-1).double()).abs().max())
+
+
+@pytest.mark.parametrize("key", [t[0] for t in TILED])
+def test_column_parts_states_through_rfsdp_checkpoint_continue_as_uninterrupted(got, key):
+    for r in range(4):
+        _close(got[r][key + "_loaded"], got[r][key + "_trained"], "%s loaded, rank %d" % (key, r),
+               tol=0)
 
 
 def test_adamw8bit_resumed_through_dcp_continues_as_uninterrupted(got):
