@@ -16,6 +16,7 @@
 #include "core/ragged/planner.h"
 #include "fsdp/fsdp_unit.h"
 #include "optimizers/adamw/adamw.h"
+#include "optimizers/common/requantize.h"
 #include "quant/ops.h"
 #include "tests/cpp/quant_isas.h"
 #include "tests/cpp/test_util.h"
@@ -768,6 +769,46 @@ TEST(AdamW8bit, ColumnPartsWhoseWidthCutsBlocksAreAClearError) {
     for (const char* want : {"'proj'", "2 column parts of 6 columns", "Shard(1)", "1-D blocks of 4",
                              "a block size that divides 6", "rfsdp.optim.AdamW"}) {
       EXPECT_NE(msg.find(want), std::string::npos) << want << " not in: " << msg;
+    }
+  }
+}
+
+
+TEST(AdamW8bit, ColumnPartsRequantiseASavedGlobalStateAsOneDevice) {
+  // A checkpoint keeps codes and scales in the global order (the one device's);
+  // loaded with other blocks into column parts (here one rank holding both parts
+  // of a 6 x 16 matrix, 1-D blocks of 8 saved, 4 and 2 x 4 tiles loaded), each
+  // state is the one device's requantised state at its layout's runs.
+  const uint64_t seed = fresh_seed();
+  SCOPED_TRACE("seed " + std::to_string(seed));
+  const std::vector<int64_t> shape = {6, 16};
+  AdamWOptions o;
+  o.lr = 1e-2;
+  at::Tensor wp = seeded_randn(shape, seed, 0), wg = at::zeros(shape);
+  AdamW8bit saved_opt({whole_param("w", wp, wg)}, o, blocks8(quant::BlockShape::blocks(8), 1));
+  for (int step = 0; step < 2; ++step) {
+    wg.copy_(seeded_randn(shape, seed, 10 + step));
+    saved_opt.step();
+  }
+  NamedState full;
+  for (const auto& kv : saved_opt.state(0)) full[kv.first] = kv.second.clone();
+  const AdamW8bitConfig saved = blocks8(quant::BlockShape::blocks(8), 1);
+  for (const quant::BlockShape& now : {quant::BlockShape::blocks(4), quant::BlockShape::tiles(2, 4)}) {
+    SCOPED_TRACE(now.str());
+    at::Tensor one = seeded_randn(shape, seed, 0);
+    const AdamW8bit whole({whole_param("w", one, at::zeros(shape))}, o, blocks8(now, 1));
+    const NamedState want = whole.requantized_state(0, saved, full);
+    const at::Tensor parts_param = one.view({6, 2, 8}).permute({1, 0, 2}).reshape({12, 8}).contiguous();
+    const AdamW8bit parts({ParamShard(TensorShard::column_parts("w", shape, 2, 0, 12, {{0, 12}}),
+                                      parts_param, at::zeros_like(parts_param))},
+                          o, blocks8(now, 1));
+    const NamedState got = parts.requantized_state(0, saved, full);
+    for (const StateLayout& l : parts.state_layout(0)) {
+      ASSERT_TRUE(got.count(l.name)) << l.name;
+      EXPECT_FALSE(l.runs.empty()) << l.name << ": its pieces were not put in the global order";
+      EXPECT_TRUE(at::equal(got.at(l.name).reshape(-1),
+                            piece_here(want.at(l.name), l, got.at(l.name).numel())))
+          << l.name;
     }
   }
 }
