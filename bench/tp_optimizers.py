@@ -4,7 +4,9 @@ tp_model.py), 4 process ranks (Gloo), mesh (dp=2, tp=2): torch AdamW beside
 rfsdp's AdamW and Muon (Muon on the four matrices, each whole on a root:
 ColwiseParallel's rows and RowwiseParallel's column parts; norms and biases
 AdamW; and with the fused QKV split per head, q, k, v, which ColwiseParallel
-keeps on one tp rank: those blocks cross dp only). Bytes: what the optimizer's Comm sent per step, summed over the ranks
+keeps on one tp rank: those blocks cross dp only), and rfsdp's AdamW8bit, Shampoo
+and SOAP on every parameter (RowwiseParallel's column parts as global blocks and
+tiles: blocks of 64, max_preconditioner_dim 128, dividing the part widths). Bytes: what the optimizer's Comm sent per step, summed over the ranks
 and the most of one rank (torch AdamW sends none: element-wise on the local
 pieces, no check across ranks).
 
@@ -27,13 +29,22 @@ from ranks import run_ranks  # noqa: E402
 def worker(rank, world, args):
     mesh = tm.mesh_2d()
     out = {}
-    for name in ("torch AdamW", "rfsdp AdamW", "rfsdp Muon + AdamW", "Muon, qkv per head"):
+    for name in ("torch AdamW", "rfsdp AdamW", "rfsdp Muon + AdamW", "Muon, qkv per head",
+                 "rfsdp AdamW8bit", "rfsdp Shampoo", "rfsdp SOAP"):
         torch.manual_seed(0)
         model = tm.tensor_parallel(tm.Block(args.dim, args.heads, args.ffn), mesh)
         if name == "torch AdamW":
             opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
         elif name == "rfsdp AdamW":
             opt = rfsdp.optim.AdamW(model.parameters(), lr=1e-3)
+        elif name == "rfsdp AdamW8bit":
+            opt = rfsdp.optim.AdamW8bit(model.parameters(), lr=1e-3, block=64)
+        elif name == "rfsdp Shampoo":
+            opt = rfsdp.optim.Shampoo(model.parameters(), lr=1e-3, max_preconditioner_dim=128,
+                                      precondition_frequency=10, start_preconditioning_step=10)
+        elif name == "rfsdp SOAP":
+            opt = rfsdp.optim.SOAP(model.parameters(), lr=1e-3, max_preconditioner_dim=128,
+                                   precondition_frequency=10)
         else:
             named = list(model.named_parameters())
             heads = name.endswith("per head")  # (qkv's q, k, v of each head: blocks of its own)

@@ -58,6 +58,31 @@ AdamW::AdamW(std::vector<ParamShard> params, AdamWOptions options, std::shared_p
 }
 
 namespace {
+
+// A parameter held in column parts (TensorShard::col_parts: RowwiseParallel's
+// Shard(1)) is stepped in its shard's rows, the parts' rows one after another.
+// Its 8-bit blocks are the global tensor's there only where each lies whole in one
+// part's row segment and the shard's blocking restarts with each part: 1-D blocks
+// that divide the part's width, tiles whose columns divide it and whose rows
+// divide the tensor's rows. Blocks the parts' column boundaries would cut are
+// refused (their scales would need agreeing across parts every step).
+void check_column_blocks(const ParamShard& p, const quant::BlockShape& b) {
+  if (p.col_parts == 1) return;
+  const int64_t rows = p.shape[0], cols = p.shape[1], width = p.row_len;
+  const bool whole = b.is_tile() ? width % b.tile_cols == 0 && rows % b.tile_rows == 0
+                                 : width % b.block == 0;
+  if (whole) return;
+  throw std::invalid_argument(
+      "AdamW8bit: parameter '" + p.name + "' (" + std::to_string(rows) + " x " +
+      std::to_string(cols) + ") is held in " + std::to_string(p.col_parts) + " column parts of " +
+      std::to_string(width) + " columns (tensor parallelism's Shard(1), as RowwiseParallel leaves "
+      "it): its " + b.str() + " of the global tensor would be cut by the parts' column "
+      "boundaries; use " + (b.is_tile() ? "tiles whose columns divide " + std::to_string(width) +
+                                              " and whose rows divide " + std::to_string(rows)
+                                        : "a block size that divides " + std::to_string(width)) +
+      " (the column part width), or give it to rfsdp.optim.AdamW (an optimizer of its own)");
+}
+
 std::vector<bool> small_tensors(const std::vector<ParamShard>& params, int64_t min_8bit_size) {
   std::vector<bool> small;
   for (const auto& p : params) small.push_back(p.full_rows * p.row_len < min_8bit_size);
@@ -224,7 +249,7 @@ AdamW8bit::AdamW8bit(std::vector<ParamShard> params, AdamWOptions options, AdamW
   for (size_t i = 0; i < params_.size(); ++i) {
     const ParamShard& p = params_[i];
     const bool eight = p.full_numel() >= config.min_8bit_size;
-    if (eight) require_own_rows("AdamW8bit", p, "8-bit blocks (of the global tensor's elements)");
+    if (eight) check_column_blocks(p, block_);
     eight_bit_.push_back(eight);
     q_.push_back({});
     if (eight) {
@@ -474,24 +499,29 @@ NamedState AdamW8bit::requantized_state(size_t i, const AdamW8bitConfig& saved_c
   const struct { const char *codes, *scales, *moment; bool is_signed; } moments[] = {
       {"q1", "absmax1", "exp_avg", true}, {"q2", "absmax2", "exp_avg_sq", false}};
   for (const auto& m : moments) {
-    // The whole tensor, rows as the optimizer sees them (they decide the blocks).
+    // The whole tensor (the global order: its blocks are the global tensor's), then
+    // in the shard's rows as the optimizer sees them (they decide the blocks).
     at::Tensor whole;
     if (full.count(m.codes)) {
+      const int64_t row_len = p.col_parts > 1 ? p.shape[1] : p.row_len;  // the global tensor's
       whole = quant::dequantize_blockwise({saved(full, m.codes, name(), p).reshape(-1),
                                            saved(full, m.scales, name(), p).reshape(-1)},
                                           quant::Codec::of(saved_config.state_format, m.is_signed),
-                                          saved_config.block, p.row_len);
+                                          saved_config.block, row_len);
     } else {
       whole = saved(full, m.moment, name(), p).to(at::kFloat);
     }
-    whole = whole.reshape({p.full_rows, p.row_len}).contiguous();
+    whole = in_shard_rows(p, whole).contiguous();
+    const auto here = [&](const at::Tensor& t) {
+      return t.reshape({p.full_rows, p.row_len}).narrow(0, p.row_begin, p.rows()).reshape(-1).clone();
+    };
     if (!eight_bit_.at(i)) {
-      out[m.moment] = rows_here(p, whole).view(p.param.sizes());
+      out[m.moment] = here(whole).view(p.param.sizes());
       continue;
     }
     const quant::Quantized q = quant::quantize_blockwise(
         whole, m.is_signed ? code1_ : code2_, block_, p.row_len);
-    out[m.codes] = rows_here(p, q.codes);
+    out[m.codes] = here(q.codes);
     out[m.scales] = q.absmax.reshape(-1).narrow(0, q_[i].span.first, q_[i].absmax1.numel()).clone();
   }
   return out;
@@ -503,14 +533,47 @@ std::vector<StateLayout> AdamW8bit::state_layout(size_t i) const {
   const ParamShard& p = params_[i];
   const BlockSpan& s = q_[i].span;
   std::vector<StateLayout> out;
-  for (const char* codes : {"q1", "q2"}) {
-    out.push_back(StateLayout::sequence(codes, p.full_numel(), p.row_begin * p.row_len));
-  }
-  for (const char* scales : {"absmax1", "absmax2"}) {
-    out.push_back(StateLayout::sequence(scales, s.global_blocks, s.first, s.shared_head));
+  if (p.col_parts > 1) {
+    column_parts_layout(i, &out);
+  } else {
+    for (const char* codes : {"q1", "q2"}) {
+      out.push_back(StateLayout::sequence(codes, p.full_numel(), p.row_begin * p.row_len));
+    }
+    for (const char* scales : {"absmax1", "absmax2"}) {
+      out.push_back(StateLayout::sequence(scales, s.global_blocks, s.first, s.shared_head));
+    }
   }
   add_radius_layout(i, &out);
   return out;
+}
+
+void AdamW8bit::column_parts_layout(size_t i, std::vector<StateLayout>* out) const {
+  // The shard's rows are row r of part j at j * rows + r (TensorShard::col_parts);
+  // its blocks lie whole in those rows' segments (check_column_blocks), each a
+  // block of the global tensor: codes are a run per row, scales a run per row of
+  // blocks (1-D blocks: width / block; tiles: a row of tiles, width / tile_cols).
+  const ParamShard& p = params_[i];
+  const BlockSpan& s = q_[i].span;
+  const int64_t rows = p.shape[0], cols = p.shape[1], width = p.row_len;
+  std::vector<std::pair<int64_t, int64_t>> codes, scales;
+  for (int64_t v = p.row_begin; v < p.row_end; ++v) {
+    codes.emplace_back((v % rows) * cols + (v / rows) * width, width);
+  }
+  const bool tiles = block_.is_tile();
+  const int64_t per_row = tiles ? width / block_.tile_cols : width / block_.block;  // per unit
+  const int64_t unit_rows = tiles ? block_.tile_rows : 1;  // rows of one unit (a row of blocks)
+  const int64_t global_per_row = tiles ? cols / block_.tile_cols : cols / block_.block;
+  const int64_t n = q_[i].absmax1.numel();
+  for (int64_t u = s.first / per_row; u * per_row < s.first + n; ++u) {
+    const int64_t v = u * unit_rows;  // the unit's first row in the shard's rows
+    scales.emplace_back((v % rows) / unit_rows * global_per_row + (v / rows) * per_row, per_row);
+  }
+  for (const char* name : {"q1", "q2"}) {
+    out->push_back(StateLayout::sequence_runs(name, p.full_numel(), codes));
+  }
+  for (const char* name : {"absmax1", "absmax2"}) {
+    out->push_back(StateLayout::sequence_runs(name, s.global_blocks, scales, s.shared_head));
+  }
 }
 
 }  // namespace rfsdp

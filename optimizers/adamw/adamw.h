@@ -158,6 +158,9 @@ class AdamW8bit : public AdamW {
   // The regions of parameter i's shard, and (cut_offset on) the agreed entries
   // of its cut blocks; returns how many it has globally.
   int64_t lay_out(size_t i, int64_t cut_offset);
+  // Codes' and scales' layouts of parameter i held in column parts: runs of the
+  // global sequences (its rows' segments are not contiguous there).
+  void column_parts_layout(size_t i, std::vector<StateLayout>* out) const;
   // The shared blocks' step (collective over comm_ when any exist anywhere).
   void step_shared_blocks(const std::vector<size_t>& stepping);
   int64_t agreed_entries_ = 0;        // shared blocks over all ranks and parameters

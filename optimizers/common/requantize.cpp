@@ -15,12 +15,24 @@ const at::Tensor& saved(const NamedState& full, const std::string& name, const c
   return it->second;
 }
 
+at::Tensor in_shard_rows(const TensorShard& shard, const at::Tensor& whole) {
+  if (shard.col_parts == 1) return whole.reshape({shard.full_rows, shard.row_len});
+  const int64_t parts = shard.col_parts;
+  return whole.reshape({shard.full_rows / parts, parts, shard.row_len})
+      .permute({1, 0, 2})
+      .reshape({shard.full_rows, shard.row_len});
+}
+
 at::Tensor rows_here(const TensorShard& shard, const at::Tensor& whole) {
-  return whole.reshape(-1).narrow(0, shard.row_begin * shard.row_len, shard.numel()).clone();
+  return in_shard_rows(shard, whole).narrow(0, shard.row_begin, shard.rows()).reshape(-1).clone();
 }
 
 at::Tensor piece_here(const at::Tensor& whole, const StateLayout& layout, int64_t numel) {
-  return whole.reshape(-1).narrow(0, layout.offset, numel).clone();
+  const at::Tensor flat = whole.reshape(-1);
+  if (layout.runs.empty()) return flat.narrow(0, layout.offset, numel).clone();
+  std::vector<at::Tensor> runs;
+  for (const auto& [o, n] : layout.runs) runs.push_back(flat.narrow(0, o, n));
+  return at::cat(runs);
 }
 
 std::vector<at::Tensor> decode_squares(const NamedState& full, const std::string& name,

@@ -24,11 +24,16 @@ using NamedState = std::map<std::string, at::Tensor>;
 const at::Tensor& saved(const NamedState& full, const std::string& name, const char* who,
                         const TensorShard& shard);
 
+// A whole tensor saved shaped like the parameter (the global order) as
+// [full_rows, row_len] in the shard's rows: held in column parts
+// (TensorShard::col_parts), the parts' rows one after another.
+at::Tensor in_shard_rows(const TensorShard& shard, const at::Tensor& whole);
+
 // This rank's rows of a whole tensor saved shaped like the parameter (flat, a copy).
 at::Tensor rows_here(const TensorShard& shard, const at::Tensor& whole);
 
 // This rank's piece of a saved global sequence laid out as `layout` (numel: the
-// piece's elements; a copy).
+// piece's elements; its runs one after another where it has them; a copy).
 at::Tensor piece_here(const at::Tensor& whole, const StateLayout& layout, int64_t numel);
 
 // The n x n matrices of tiles [r.first, r.end) on one side (left: rows x rows)

@@ -6,6 +6,7 @@
 
 #include <cstdint>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "core/ragged/tensor_shard.h"
@@ -27,12 +28,22 @@ struct StateLayout {
   // kSequence: leading elements an earlier rank also holds (an 8-bit block that a
   // shard boundary cuts: its scale is that rank's to write).
   int64_t shared = 0;
+  // kSequence: where not empty, the piece lies in these runs (offset, numel) of the
+  // sequence, one after another, not from `offset` on (a parameter held in column
+  // parts: its row segments and their blocks are a run each in the global order).
+  std::vector<std::pair<int64_t, int64_t>> runs;
 
-  static StateLayout rows(std::string name) { return {std::move(name), Kind::kRows, 0, 0, 0}; }
+  static StateLayout rows(std::string name) { return {std::move(name), Kind::kRows, 0, 0, 0, {}}; }
   static StateLayout sequence(std::string name, int64_t total, int64_t offset, int64_t shared = 0) {
-    return {std::move(name), Kind::kSequence, total, offset, shared};
+    return {std::move(name), Kind::kSequence, total, offset, shared, {}};
   }
+  // Runs (offset, numel) of a sequence of `total`, merged where one continues the
+  // last; `shared` as sequence's (leading elements of the first run).
+  static StateLayout sequence_runs(std::string name, int64_t total,
+                                   const std::vector<std::pair<int64_t, int64_t>>& runs,
+                                   int64_t shared = 0);
 };
+
 
 // The tiles of the whole tensor `shard` describes, in tile order, and those this
 // rank keeps state for, [first, end): the tiles whose first element lies in its
@@ -40,6 +51,10 @@ struct StateLayout {
 struct TileRange {
   std::vector<Tile> all;  // local_offset: the tile's first element in the whole tensor
   size_t first = 0, end = 0;
+  // Held in column parts (TensorShard::col_parts; `all` in the shard's order, the
+  // parts' tiles one after another): each tile's index in the global matrix's tile
+  // order, which the sequences keep. Empty: the same order.
+  std::vector<size_t> global;
 };
 TileRange tile_range(const TensorShard& shard, int64_t max_dim);
 
@@ -47,6 +62,14 @@ TileRange tile_range(const TensorShard& shard, int64_t max_dim);
 // the tensor's global sequence.
 template <class Elements>
 StateLayout tile_sequence(std::string name, const TileRange& r, Elements elements) {
+  if (!r.global.empty()) {  // runs of the global order
+    std::vector<int64_t> start(r.all.size() + 1, 0);  // by global index: where its state starts
+    for (size_t k = 0; k < r.all.size(); ++k) start[r.global[k] + 1] = elements(r.all[k]);
+    for (size_t g = 0; g < r.all.size(); ++g) start[g + 1] += start[g];
+    std::vector<std::pair<int64_t, int64_t>> runs;
+    for (size_t k = r.first; k < r.end; ++k) runs.emplace_back(start[r.global[k]], elements(r.all[k]));
+    return StateLayout::sequence_runs(std::move(name), start.back(), runs);
+  }
   int64_t total = 0, offset = 0;
   for (size_t k = 0; k < r.all.size(); ++k) {
     if (k == r.first) offset = total;

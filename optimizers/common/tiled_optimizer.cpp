@@ -145,6 +145,14 @@ NamedState TiledOptimizer::requantized_state(size_t i, const TiledConfig& saved,
                                              const NamedState& full) const {
   // (a parameter that is not preconditioned keeps fp32 moments: Adam alone)
   if (!precondition_.at(i)) return saved_as_kept(i, full, {"exp_avg", "exp_avg_sq"});
+  const ParamShard& p = params_.at(i);
+  if (p.col_parts > 1) {  // (its tiles' saved sequences are in the global order, not the parts')
+    throw std::invalid_argument(
+        std::string(name()) + ": parameter '" + p.name + "' is held in " +
+        std::to_string(p.col_parts) + " column parts (tensor parallelism's Shard(1)): moving its "
+        "saved state to other storage settings is not supported there; load it with the "
+        "settings it was saved with");
+  }
   const TileRange r = tile_range(params_.at(i), tiled_config().max_preconditioner_dim);
   NamedState out = saved_as_kept(i, full, {"factor_left", "factor_right"});  // as saved
   out.merge(requantized_own(i, saved, full, r));

@@ -47,6 +47,22 @@ int64_t whole_tile_dim(const TensorShard& p, int64_t max_dim) {
 
 }  // namespace
 
+std::vector<int64_t> tiling_shape(const char* who, const TensorShard& p, int64_t max_dim) {
+  if (p.col_parts == 1) return p.shape;
+  const int64_t rows = p.shape[0], width = p.row_len;
+  if (width % max_dim != 0) {
+    throw std::invalid_argument(
+        std::string(who) + ": parameter '" + p.name + "' (" + std::to_string(rows) + " x " +
+        std::to_string(p.shape[1]) + ") is held in " + std::to_string(p.col_parts) +
+        " column parts of " + std::to_string(width) + " columns (tensor parallelism's Shard(1), "
+        "as RowwiseParallel leaves it): its tiles of max_preconditioner_dim=" +
+        std::to_string(max_dim) + " columns of the global matrix would be cut by the parts' "
+        "column boundaries; use a max_preconditioner_dim that divides " + std::to_string(width) +
+        " (the column part width), or give it to rfsdp.optim.AdamW or rfsdp.optim.Muon");
+  }
+  return {p.col_parts, rows, width};
+}
+
 std::vector<Tile> matrix_tiles(const char* who, const TensorShard& p, size_t param,
                                int64_t max_dim, int rank, std::vector<CutTileRow>* cut) {
   std::vector<Tile> out;
@@ -61,7 +77,7 @@ std::vector<Tile> matrix_tiles(const char* who, const TensorShard& p, size_t par
       right += packed_size(cols);
     }
   };
-  const auto mats = matrices_of(p.shape);
+  const auto mats = matrices_of(tiling_shape(who, p, max_dim));
   for (size_t k = 0; k < mats.size(); ++k) {
     const MatrixView& m = mats[k];
     if (m.cols == 0) continue;

@@ -62,6 +62,14 @@ std::string tile_name(const std::string& param_name, const Tile& t);
 // whole (an rfsdp plan, or for FSDP2's chunk rows a max_preconditioner_dim that
 // divides them), when the shard cuts a tile and cut is null or the other ranks'
 // rows are unknown.
+// The shape whose matrices (matrices.h) the shard's tiles cut: the tensor's own,
+// or for one held in column parts (TensorShard::col_parts) its parts as a stack
+// [parts, rows, width], whose rows the shard's are; their tiles are the global
+// matrix's (part j's tile at column c is the global one at j * width + c) where
+// max_dim divides the width. Throws, naming `who`, the parameter, the widths and
+// what to do, where it does not.
+std::vector<int64_t> tiling_shape(const char* who, const TensorShard& shard, int64_t max_dim);
+
 std::vector<Tile> matrix_tiles(const char* who, const TensorShard& shard, size_t param,
                                int64_t max_dim, int rank = -1,
                                std::vector<CutTileRow>* cut = nullptr);

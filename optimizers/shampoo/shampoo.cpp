@@ -51,7 +51,6 @@ Shampoo::Shampoo(std::vector<ParamShard> params, ShampooOptions options, Shampoo
       config_(config) {
   check_config(config_);
   check_options(options);
-  for (const ParamShard& p : params_) require_own_rows("Shampoo", p, "tiles");
   state_.resize(params_.size());
   set_up_tiles(precondition);
 }

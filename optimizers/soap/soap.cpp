@@ -49,7 +49,6 @@ SOAP::SOAP(std::vector<ParamShard> params, SOAPOptions options, SOAPConfig confi
     : GroupedOptimizer("SOAP", std::move(params), std::move(comm), config.check_finite, options),
       config_(config) {
   check_config(config_);
-  for (const ParamShard& p : params_) require_own_rows("SOAP", p, "tiles");
   state_dtype_8bit_ = config_.state_dtype == at::kByte;
   if (state_dtype_8bit_) {
     code_m_ = quant::Codec::of(config_.state_format, /*is_signed=*/true);

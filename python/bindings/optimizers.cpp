@@ -272,13 +272,16 @@ void bind_optimizers(py::module_& m) {
       .def("reset_state", &rfsdp::ShardedOptimizer::reset_state)
       .def("state_has_step", &rfsdp::ShardedOptimizer::state_has_step)
       .def("state", [](const rfsdp::ShardedOptimizer& o, size_t i) { return named(o.state(i)); })
-      // {name: ("rows", 0, 0, 0) or ("sequence", total, offset, shared)}
+      // {name: ("rows", 0, 0, 0, ()) or ("sequence", total, offset, shared, runs)}
+      // (runs: ((offset, numel), ...) where the piece is not one run from offset)
       .def("state_layout", [](const rfsdp::ShardedOptimizer& o, size_t i) {
              py::dict d;
              for (const auto& l : o.state_layout(i)) {
                const bool rows = l.kind == rfsdp::StateLayout::Kind::kRows;
+               py::list runs;
+               for (const auto& [at, n] : l.runs) runs.append(py::make_tuple(at, n));
                d[py::str(l.name)] = py::make_tuple(rows ? "rows" : "sequence", l.total, l.offset,
-                                                   l.shared);
+                                                   l.shared, py::tuple(runs));
              }
              return d;
            })

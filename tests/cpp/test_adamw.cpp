@@ -8,12 +8,15 @@
 #include <atomic>
 #include <cmath>
 #include <iostream>
+#include <map>
+#include <mutex>
 #include <random>
 
 #include "tests/support/local_ranks.h"
 #include "core/ragged/planner.h"
 #include "fsdp/fsdp_unit.h"
 #include "optimizers/adamw/adamw.h"
+#include "optimizers/common/requantize.h"
 #include "quant/ops.h"
 #include "tests/cpp/quant_isas.h"
 #include "tests/cpp/test_util.h"
@@ -633,6 +636,180 @@ TEST(AdamW, ParametersAndGradientsOnOtherDevicesAreClearErrors) {
   } catch (const std::invalid_argument& e) {
     EXPECT_NE(std::string(e.what()).find("on the CPU or a CUDA device"), std::string::npos)
         << e.what();
+  }
+}
+
+
+TEST(AdamW8bit, ColumnPartsHoldGlobalBlocksAndEqualOneDeviceCodeForCode) {
+  // Tensor parallelism's Shard(1) (RowwiseParallel) under FSDP's row chunks, 4
+  // ranks: rank r holds part r % parts (of equal column blocks) and its rows
+  // chunk[r]. Blocks that divide the part width lie whole in a part's row
+  // segments, so each rank steps whole global blocks: its parameter equals the one
+  // device's piece, and its codes and scales put in the global sequences by its
+  // state_layout's runs (every rank's, the shared heads once) equal the one
+  // device's state entry for entry. Tiles: rows [0, 3) + [3, 8) cut a row of 2 x 3
+  // tiles, whose scale the two ranks agree.
+  const uint64_t seed = fresh_seed();
+  SCOPED_TRACE("seed " + std::to_string(seed));
+  struct M {
+    std::string name;
+    std::vector<int64_t> shape;
+    int parts;
+    std::vector<std::pair<int64_t, int64_t>> chunk;  // per rank: its rows of its part
+  };
+  const std::vector<std::pair<quant::BlockShape, std::vector<M>>> configs = {
+      {quant::BlockShape::blocks(4),
+       {{"proj", {6, 16}, 2, {{0, 3}, {0, 3}, {3, 6}, {3, 6}}},
+        {"fc2", {5, 24}, 3, {{0, 5}, {0, 5}, {0, 5}, {0, 0}}}}},
+      {quant::BlockShape::tiles(2, 3),
+       {{"proj", {8, 12}, 2, {{0, 3}, {0, 3}, {3, 8}, {3, 8}}}}}};
+  constexpr int kWorld = 4, kSteps = 3;
+  AdamWOptions o;
+  o.lr = 1e-2;
+  for (const auto& [block, ms] : configs) {
+    SCOPED_TRACE(block.str());
+    std::vector<at::Tensor> wp, wg;
+    std::vector<ParamShard> whole_shards;
+    for (size_t i = 0; i < ms.size(); ++i) {
+      wp.push_back(seeded_randn(ms[i].shape, seed, i));
+      wg.push_back(at::zeros(ms[i].shape));
+      whole_shards.push_back(whole_param(ms[i].name, wp.back(), wg.back()));
+    }
+    AdamW8bit whole(whole_shards, o, blocks8(block, 1));
+    auto grad_of = [&](size_t i, int step) { return seeded_randn(ms[i].shape, seed, 100 + 10 * step + i); };
+    auto part_of = [&](size_t i, int r) { return r % ms[i].parts; };
+    auto piece = [&](const at::Tensor& full, size_t i, int r) {
+      const M& m = ms[i];
+      const int64_t width = m.shape[1] / m.parts;
+      return full.narrow(1, part_of(i, r) * width, width)
+          .narrow(0, m.chunk[r].first, m.chunk[r].second - m.chunk[r].first)
+          .contiguous();
+    };
+    // [step][tensor][state k]: the global state put together from every rank's pieces.
+    std::vector<std::vector<std::vector<at::Tensor>>> built(kSteps);
+    for (int step = 0; step < kSteps; ++step) {
+      for (size_t i = 0; i < ms.size(); ++i) {
+        built[step].emplace_back();
+        for (const auto& kv : whole.state(i)) {  // (-1: not written; codes and scales are >= 0)
+          built[step][i].push_back(at::full({kv.second.numel()}, -1.0, at::kDouble));
+        }
+      }
+    }
+    std::mutex mu;
+    std::map<int, std::string> failures;
+    run_local_ranks(kWorld, [&](Comm& c) {
+      const int r = c.rank();
+      std::vector<ParamShard> shards;
+      for (size_t i = 0; i < ms.size(); ++i) {
+        const M& m = ms[i];
+        std::vector<std::pair<int64_t, int64_t>> every;
+        for (int q = 0; q < kWorld; ++q) {
+          every.emplace_back(part_of(i, q) * m.shape[0] + m.chunk[q].first,
+                             part_of(i, q) * m.shape[0] + m.chunk[q].second);
+        }
+        ParamShard p(TensorShard::column_parts(m.name, m.shape, m.parts, every[r].first,
+                                               every[r].second, every),
+                     piece(seeded_randn(m.shape, seed, i), i, r));
+        p.grad = at::zeros_like(p.param);
+        shards.push_back(p);
+      }
+      AdamW8bit opt(shards, o, blocks8(block, 1), std::shared_ptr<Comm>(&c, [](Comm*) {}));
+      for (int step = 0; step < kSteps; ++step) {
+        for (size_t i = 0; i < ms.size(); ++i) shards[i].grad.copy_(piece(grad_of(i, step), i, r));
+        opt.step();
+        for (size_t i = 0; i < ms.size(); ++i) {
+          const auto st = opt.state(i);
+          const auto layout = opt.state_layout(i);
+          std::lock_guard<std::mutex> lock(mu);
+          for (int k = 0; k < 4; ++k) {
+            const StateLayout& l = *std::find_if(layout.begin(), layout.end(), [&](const StateLayout& x) {
+              return x.name == st[k].first;
+            });
+            const at::Tensor mine = st[k].second.to(at::kDouble);
+            auto runs = l.runs;
+            if (runs.empty() && mine.numel()) runs = {{l.offset, mine.numel()}};
+            int64_t pos = 0;
+            for (const auto& [off, n] : runs) {
+              for (int64_t e = 0; e < n; ++e, ++pos) {
+                if (pos < l.shared) continue;  // an earlier rank writes it
+                at::Tensor dst = built[step][i][k].narrow(0, off + e, 1);
+                if (dst.item<double>() != -1.0) failures[r] += st[k].first + " written twice; ";
+                dst.copy_(mine.narrow(0, pos, 1));
+              }
+            }
+            if (pos != mine.numel()) failures[r] += st[k].first + ": runs miss elements; ";
+            if (l.total != built[step][i][k].numel()) failures[r] += st[k].first + ": total; ";
+          }
+        }
+      }
+    });
+    for (const auto& [r, msg] : failures) ADD_FAILURE() << "rank " << r << ": " << msg;
+    for (int step = 0; step < kSteps; ++step) {
+      for (size_t i = 0; i < ms.size(); ++i) wg[i].copy_(grad_of(i, step));
+      whole.step();
+      for (size_t i = 0; i < ms.size(); ++i) {
+        const auto st = whole.state(i);
+        for (int k = 0; k < 4; ++k) {
+          EXPECT_TRUE(at::equal(built[step][i][k], st[k].second.to(at::kDouble)))
+              << ms[i].name << " " << st[k].first << " step " << step;
+        }
+      }
+    }
+  }
+}
+
+TEST(AdamW8bit, ColumnPartsWhoseWidthCutsBlocksAreAClearError) {
+  at::Tensor p = at::zeros({4, 6}), g = at::zeros({4, 6});
+  ParamShard s(TensorShard::column_parts("proj", {4, 12}, 2, 0, 4), p, g);
+  try {
+    AdamW8bit opt({s}, {}, blocks8(quant::BlockShape::blocks(4), 1));
+    FAIL() << "no error";
+  } catch (const std::invalid_argument& e) {
+    const std::string msg = e.what();
+    for (const char* want : {"'proj'", "2 column parts of 6 columns", "Shard(1)", "1-D blocks of 4",
+                             "a block size that divides 6", "rfsdp.optim.AdamW"}) {
+      EXPECT_NE(msg.find(want), std::string::npos) << want << " not in: " << msg;
+    }
+  }
+}
+
+
+TEST(AdamW8bit, ColumnPartsRequantiseASavedGlobalStateAsOneDevice) {
+  // A checkpoint keeps codes and scales in the global order (the one device's);
+  // loaded with other blocks into column parts (here one rank holding both parts
+  // of a 6 x 16 matrix, 1-D blocks of 8 saved, 4 and 2 x 4 tiles loaded), each
+  // state is the one device's requantised state at its layout's runs.
+  const uint64_t seed = fresh_seed();
+  SCOPED_TRACE("seed " + std::to_string(seed));
+  const std::vector<int64_t> shape = {6, 16};
+  AdamWOptions o;
+  o.lr = 1e-2;
+  at::Tensor wp = seeded_randn(shape, seed, 0), wg = at::zeros(shape);
+  AdamW8bit saved_opt({whole_param("w", wp, wg)}, o, blocks8(quant::BlockShape::blocks(8), 1));
+  for (int step = 0; step < 2; ++step) {
+    wg.copy_(seeded_randn(shape, seed, 10 + step));
+    saved_opt.step();
+  }
+  NamedState full;
+  for (const auto& kv : saved_opt.state(0)) full[kv.first] = kv.second.clone();
+  const AdamW8bitConfig saved = blocks8(quant::BlockShape::blocks(8), 1);
+  for (const quant::BlockShape& now : {quant::BlockShape::blocks(4), quant::BlockShape::tiles(2, 4)}) {
+    SCOPED_TRACE(now.str());
+    at::Tensor one = seeded_randn(shape, seed, 0);
+    const AdamW8bit whole({whole_param("w", one, at::zeros(shape))}, o, blocks8(now, 1));
+    const NamedState want = whole.requantized_state(0, saved, full);
+    const at::Tensor parts_param = one.view({6, 2, 8}).permute({1, 0, 2}).reshape({12, 8}).contiguous();
+    const AdamW8bit parts({ParamShard(TensorShard::column_parts("w", shape, 2, 0, 12, {{0, 12}}),
+                                      parts_param, at::zeros_like(parts_param))},
+                          o, blocks8(now, 1));
+    const NamedState got = parts.requantized_state(0, saved, full);
+    for (const StateLayout& l : parts.state_layout(0)) {
+      ASSERT_TRUE(got.count(l.name)) << l.name;
+      EXPECT_FALSE(l.runs.empty()) << l.name << ": its pieces were not put in the global order";
+      EXPECT_TRUE(at::equal(got.at(l.name).reshape(-1),
+                            piece_here(want.at(l.name), l, got.at(l.name).numel())))
+          << l.name;
+    }
   }
 }
 

@@ -3,6 +3,7 @@
 // float64 eigh, the fp64 retry and the three-failures error.
 #include <gtest/gtest.h>
 
+#include <atomic>
 #include <chrono>
 #include <cmath>
 #include <functional>
@@ -79,11 +80,11 @@ struct RefShampoo {
 
   RefShampoo(const std::vector<at::Tensor>& init, ShampooOptions o_, ShampooConfig c_)
       : o(o_), c(c_) {
-    for (size_t i = 0; i < kCases.size(); ++i) {
+    for (size_t i = 0; i < init.size(); ++i) {  // (kCases', or any matrices)
       x.push_back(init[i].to(at::kDouble).reshape(-1).clone());
       m.push_back(at::zeros_like(x.back()));
       v.push_back(at::zeros_like(x.back()));
-      std::vector<RefTile> ts = ref_tiles(kCases[i].shape, c.max_preconditioner_dim);
+      std::vector<RefTile> ts = ref_tiles(init[i].sizes().vec(), c.max_preconditioner_dim);
       tiles.push_back(ts);
     }
   }
@@ -1033,6 +1034,98 @@ TEST(Shampoo, BadSettingsAndNanGradientsAreClearErrors) {
   EXPECT_THROW(opt.step(), std::runtime_error);
   EXPECT_TRUE(at::equal(w, before));
   EXPECT_EQ(opt.step_count(0), 0);
+}
+
+
+TEST(ShampooColumnParts, PiecesOfColumnBlocksEqualTheFloat64SingleDeviceShampoo) {
+  // Tensor parallelism's Shard(1) (RowwiseParallel) under FSDP's row chunks, 4
+  // ranks (rank r: part r % parts, rows chunk[r] of it): a 10 x 16 matrix in 2
+  // parts of 8, rows 5 + 5 (cutting a row of tiles: owned and exchanged), and a
+  // 6 x 12 one in 3 parts of 4 held whole by ranks 0-2 (rank 3 none). B = 4
+  // divides the widths, so every tile of the global matrix lies in one part.
+  const uint64_t seed = fresh_seed();
+  SCOPED_TRACE("seed " + std::to_string(seed));
+  struct M {
+    std::vector<int64_t> shape;
+    int parts;
+    std::vector<std::pair<int64_t, int64_t>> chunk;
+  };
+  const std::vector<M> mats = {{{10, 16}, 2, {{0, 5}, {0, 5}, {5, 10}, {5, 10}}},
+                               {{6, 12}, 3, {{0, 6}, {0, 6}, {0, 6}, {0, 0}}}};
+  const ShampooOptions o = rank_test_options();
+  ShampooConfig c = rank_test_config();
+  c.max_preconditioner_dim = 4;
+  auto full = [&](int step) {
+    std::vector<at::Tensor> out;
+    for (size_t t = 0; t < mats.size(); ++t) out.push_back(seeded_randn(mats[t].shape, seed, 10 * step + t));
+    return out;
+  };
+  RefShampoo ref(full(0), o, c);
+  for (int s = 0; s < kSteps; ++s) ref.step(full(s + 1));
+  auto piece = [&](const at::Tensor& x, size_t t, int r) {
+    const M& m = mats[t];
+    const int64_t width = m.shape[1] / m.parts;
+    return x.narrow(1, (r % m.parts) * width, width)
+        .narrow(0, m.chunk[r].first, m.chunk[r].second - m.chunk[r].first)
+        .contiguous();
+  };
+  std::vector<at::Tensor> got = {at::zeros(mats[0].shape), at::zeros(mats[1].shape)};
+  std::atomic<int64_t> cut{0};
+  std::mutex mu;
+  run_local_ranks(4, [&](Comm& comm) {
+    const int r = comm.rank();
+    const std::vector<at::Tensor> init = full(0);
+    std::vector<ParamShard> shards;
+    for (size_t t = 0; t < mats.size(); ++t) {
+      const M& m = mats[t];
+      std::vector<std::pair<int64_t, int64_t>> every;
+      for (int q = 0; q < 4; ++q) {
+        every.emplace_back((q % m.parts) * m.shape[0] + m.chunk[q].first,
+                           (q % m.parts) * m.shape[0] + m.chunk[q].second);
+      }
+      shards.emplace_back(TensorShard::column_parts("w" + std::to_string(t), m.shape, m.parts,
+                                                    every[r].first, every[r].second, every),
+                          piece(init[t], t, r));
+    }
+    Shampoo opt(shards, o, c, std::shared_ptr<Comm>(&comm, [](Comm*) {}));
+    if (r == 0) cut = static_cast<int64_t>(opt.cut_rows().size());
+    for (int s = 0; s < kSteps; ++s) {
+      const auto g = full(s + 1);
+      for (size_t t = 0; t < mats.size(); ++t) opt.set_grad(t, piece(g[t], t, r));
+      opt.step();
+    }
+    std::lock_guard<std::mutex> lock(mu);
+    for (size_t t = 0; t < mats.size(); ++t) {
+      const M& m = mats[t];
+      const int64_t width = m.shape[1] / m.parts;
+      got[t].narrow(1, (r % m.parts) * width, width)
+          .narrow(0, m.chunk[r].first, m.chunk[r].second - m.chunk[r].first)
+          .copy_(shards[t].param.view({-1, width}));
+    }
+  });
+  EXPECT_GT(cut.load(), 0) << "no row of tiles was cut: the exchange is not tested";
+  for (size_t t = 0; t < mats.size(); ++t) {
+    const at::Tensor w = ref.x[t].reshape(-1);
+    const at::Tensor diff = (got[t].to(at::kDouble).reshape(-1) - w).abs();
+    EXPECT_TRUE((diff <= 2e-4 * (1 + w.abs())).all().item<bool>())
+        << "matrix " << t << ": max error " << diff.max().item<double>();
+  }
+}
+
+TEST(ShampooColumnParts, TilesThePartsWouldCutAreAClearError) {
+  ParamShard s(TensorShard::column_parts("proj", {8, 12}, 2, 0, 8), at::zeros({8, 6}));
+  ShampooConfig c;
+  c.max_preconditioner_dim = 4;
+  try {
+    Shampoo opt({s}, {}, c);
+    FAIL() << "no error";
+  } catch (const std::invalid_argument& e) {
+    const std::string msg = e.what();
+    for (const char* want : {"Shampoo: parameter 'proj'", "2 column parts of 6 columns", "Shard(1)",
+                             "max_preconditioner_dim=4", "divides 6"}) {
+      EXPECT_NE(msg.find(want), std::string::npos) << want << " not in: " << msg;
+    }
+  }
 }
 
 }  // namespace

@@ -189,11 +189,12 @@ def check_cut_8bit(got, seed, state_format="dynamic"):
                 row_len = shapes[i][1]
                 for name in ("q1", "q2"):
                     n = st[name].numel()
-                    assert spans[name] == ("sequence", whole[name].numel(), row_begin * row_len, 0)
+                    assert spans[name] == ("sequence", whole[name].numel(), row_begin * row_len, 0, ())
                     want = whole[name][row_begin * row_len:row_begin * row_len + n]
                     assert torch.equal(st[name], want), (block, shapes[i], rank, name, seed)
                 for name in ("absmax1", "absmax2"):
-                    _, total, first, shared = spans[name]
+                    _, total, first, shared, runs = spans[name]
+                    assert runs == ()
                     assert total == whole[name].numel()
                     want = whole[name][first:first + st[name].numel()]
                     assert torch.equal(st[name], want), (block, shapes[i], rank, name, seed)

@@ -7,7 +7,9 @@ a state tensor of a parameter is one of
 - "rows": this rank's rows of a tensor of the parameter's global shape (moments,
   momentum, 8-bit codes by element);
 - "sequence": elements [offset, offset + numel) of a 1-D global sequence (block
-  scales, Shampoo's and SOAP's per-tile factors, roots and bases);
+  scales, Shampoo's and SOAP's per-tile factors, roots and bases), or where it
+  gives runs ((offset, numel), ...), those one after another (a parameter held
+  in column parts: a run per row);
 - 0-D (a step count): the same on every rank.
 A rank reads all of its pieces; it writes them less what another rank writes:
 an HSDP replica other than the first writes nothing, and the leading elements
@@ -45,7 +47,7 @@ def param_entry(key, p):
 
 def state_entries(prefix, p, state, layout):
     """Entries of one parameter's optimizer state: layout, {name: (kind, total,
-    offset, shared)}, is the optimizer's (see the module's text)."""
+    offset, shared, runs)}, is the optimizer's (see the module's text)."""
     info = info_of(prefix, p)
     out = []
     for name, t in sorted(state.items()):
@@ -62,10 +64,15 @@ def state_entries(prefix, p, state, layout):
             e = rows_entry(key, t, info)
             e.dtensor_of = p if is_dtensor(p) else None
         else:
-            _, total, offset, shared = where
-            e = Entry(key, (total,), t.dtype,
-                      [((offset,), (t.numel(),), t.reshape(-1))] if t.numel() else [],
-                      device=t.device)
+            _, total, offset, shared, runs = where
+            flat, pieces, at = t.reshape(-1), [], 0
+            for o, n in runs or ((offset, t.numel()),):
+                pieces.append(((o,), (n,), flat[at:at + n]))
+                at += n
+            if at != t.numel():
+                raise LayoutError("optimizer state '%s': its runs hold %d elements, the tensor %d"
+                                  % (key, at, t.numel()))
+            e = Entry(key, (total,), t.dtype, pieces if t.numel() else [], device=t.device)
             e.shared = shared
         e.replica = _replica_index(info)
         out.append(e)

@@ -100,7 +100,8 @@ def _mesh_shard(name, p, what):
     norm's Replicate) is rows as FSDP's are, every rank's known; one cut along
     another dim is a box (ShardInfo.of's): RowwiseParallel's Shard(1) of a matrix
     whose columns tp divides is rows of its column parts (C++'s
-    TensorShard::col_parts: AdamW and Muon take it), any other only the
+    TensorShard::col_parts: AdamW and Muon take it, AdamW8bit, Shampoo and SOAP
+    where their blocks or tiles divide the part width), any other only the
     element-wise optimizers take, as rows of its column block."""
     from torch.distributed.tensor import Replicate
     mesh, placements = p.device_mesh, tuple(p.placements)

@@ -690,8 +690,8 @@ class _OverCpp(torch.optim.Optimizer):
 
     def state_layout(self, p):
         """Where each of p's state tensors lies in the global tensor a checkpoint
-        keeps, as its C++ optimizer describes it: {name: ("rows", 0, 0, 0) or
-        ("sequence", global size, offset, shared)} (rfsdp.dcp.layout)."""
+        keeps, as its C++ optimizer describes it: {name: ("rows", 0, 0, 0, ()) or
+        ("sequence", global size, offset, shared, runs)} (rfsdp.dcp.layout)."""
         self._bind_for(p)
         return self._layout_of(p)
 
