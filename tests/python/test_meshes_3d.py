@@ -5,7 +5,10 @@
   process ranks;
 - expert parallelism: tp_model's MoE block, its expert stacks [E, H, I]
   Shard(0) over mesh["ep"] and FSDP2 over mesh["dp"] inside each ep group, the
-  rest FSDP2 over every rank, mesh (dp=2, ep=2), 4 process ranks.
+  rest FSDP2 over every rank, mesh (dp=2, ep=2), 4 process ranks;
+- expert and tensor parallelism (torchtitan's ExpertTensorParallel): the same
+  with each expert's hidden columns cut over tp, mesh (dp=2, ep=2, tp=2), 8
+  process ranks.
 One run of the ranks per mesh computes every case (processes on a shared CPU are
 slow); each test checks one claim of it."""
 import os
@@ -269,3 +272,48 @@ def test_ep_muon_refuses_experts_sharded_along_dim_1_naming_the_placement(gotep)
         cls, msg = gotep[r]["muon_dim1"]
         assert "ValueError" in cls and "expert stack (4, 8, 6)" in msg \
             and "Shard(dim=1)" in msg and "along dim 1" in msg and "rfsdp.optim.AdamW" in msg, msg
+
+
+# ------------------------------------ expert and tensor parallelism (dp, ep, tp)
+
+def worker_ep_tp(rank, world, seed):
+    mesh = tm.mesh_ep(tp=2)
+    dp, ndp = tm.dp_of(mesh, ("dp", "ep"))
+    xs, ys = tm.data(seed, STEPS)
+    out = {}
+    for name, cls in (("torch_adamw", torch.optim.AdamW), ("adamw", rfsdp.optim.AdamW)):
+        torch.manual_seed(seed)
+        m = tm.expert_parallel(tm.MoE(), mesh)
+        opt = cls(m.parameters(), **ADAMW)
+        out[name + "_losses"] = tm.train(m, opt, xs, ys, dp, ndp)
+        out[name] = tm.full_of(m)
+    out["placements"] = str(tuple(m.experts.w1.placements))
+    # Each expert's columns cut over tp: Muon refuses, naming the placement.
+    out["muon"] = raised(rfsdp.optim.Muon, _muon_groups(m, tm.EXPERT_STACKS), **MUON)
+    return out
+
+
+@pytest.fixture(scope="module")
+def gotet():
+    return run_ranks(worker_ep_tp, 8, SEED)
+
+
+def test_ep_tp_torch_adamw_matches_one_process(gotet):
+    _, want = _one_process(tm.MoE, _adamw)
+    for r in range(8):
+        _close(gotet[r]["torch_adamw"], want, "torch AdamW (EP x TP), rank %d" % r)
+
+
+def test_ep_tp_adamw_matches_one_process(gotet):
+    losses, want = _one_process(tm.MoE, _adamw)
+    assert gotet[0]["adamw_losses"] == pytest.approx(losses, rel=1e-6)
+    for r in range(8):
+        _close(gotet[r]["adamw"], want, "rfsdp AdamW (EP x TP), rank %d" % r)
+
+
+def test_ep_tp_muon_refuses_experts_cut_by_tp_naming_the_placement(gotet):
+    assert "Shard(dim=2)" in gotet[0]["placements"], gotet[0]["placements"]
+    for r in range(8):
+        cls, msg = gotet[r]["muon"]
+        assert "ValueError" in cls and "expert stack (4, 8, 6)" in msg \
+            and "Shard(dim=2)" in msg and "along dim 2" in msg and "rfsdp.optim.AdamW" in msg, msg

@@ -111,7 +111,8 @@ def full_of(model):
 # A mixture-of-experts block with expert parallelism as torchtitan builds it: ep
 # borrows from the data-parallel ranks (mesh (dp, ep): every rank its own tokens),
 # the expert stacks distribute_tensor'd Shard(0) over mesh["ep"] then torch FSDP2
-# over mesh["dp"] inside each ep group, everything else FSDP2 over all ranks.
+# over mesh["dp"] inside each ep group, everything else FSDP2 over the (dp, ep)
+# ranks; a "tp" dim cuts each expert's hidden columns too (ExpertTensorParallel).
 # Dense gating keeps it small: each ep rank runs its experts on its ep group's
 # tokens (all-gathered), the partial outputs reduce-scattered back (the all-to-all
 # a routed MoE does, for every token).
@@ -146,19 +147,22 @@ class Experts(nn.Module):
             y = torch.einsum("bti,eif->btef", h, w1)
             y = torch.einsum("btef,efo->bteo", nn.functional.gelu(y), w2)
             return (gates.unsqueeze(-1) * y).sum(-2)
-        mesh = w1.device_mesh  # (mesh["ep"], FSDP2 having gathered dp)
-        first = mesh.get_local_rank() * w1.to_local().shape[0]
-        hs = DTensor.from_local(h, mesh, [Shard(0)]).redistribute(mesh, [Replicate()])
-        gs = DTensor.from_local(gates, mesh, [Shard(0)]).redistribute(mesh, [Replicate()])
-        hs, gs = hs.to_local(grad_placements=[Partial()]), gs.to_local(grad_placements=[Partial()])
+        # mesh["ep"], or mesh["ep", "tp"] (each expert's hidden columns cut over tp:
+        # partial sums there), FSDP2 having gathered dp.
+        mesh = w1.device_mesh
+        n = mesh.ndim
+        first = mesh.get_local_rank(0) * w1.to_local().shape[0]
+        rows, rep, part = [Shard(0)] + [Replicate()] * (n - 1), [Replicate()] * n, [Partial()] * n
+        hs, gs = (DTensor.from_local(t, mesh, rows).redistribute(mesh, rep)
+                  .to_local(grad_placements=part) for t in (h, gates))
         # Each expert's gradient sums its ep group's tokens, and FSDP2 averages it over
         # dp alone: 1/ep makes it the mean over every rank (torchtitan's gradient
         # divide factor, whose PREMUL_SUM Gloo lacks).
-        w1l, w2l = (_GradScaled.apply(w.to_local(), 1.0 / mesh.size()) for w in (w1, w2))
+        w1l, w2l = (_GradScaled.apply(w.to_local(), 1.0 / mesh.size(0)) for w in (w1, w2))
         y = torch.einsum("bti,eif->btef", hs, w1l)
         y = torch.einsum("btef,efo->bteo", nn.functional.gelu(y), w2l)
         out = (gs[..., first:first + w1l.shape[0]].unsqueeze(-1) * y).sum(-2)
-        return DTensor.from_local(out, mesh, [Partial()]).redistribute(mesh, [Shard(0)]).to_local()
+        return DTensor.from_local(out, mesh, part).redistribute(mesh, rows).to_local()
 
 
 class MoE(nn.Module):
@@ -175,20 +179,27 @@ class MoE(nn.Module):
 
 def expert_parallel(model, mesh, expert_dim=0):
     """model (an MoE) with its expert stacks Shard(0) over mesh["ep"] (torchtitan's
-    ExpertParallel), then torch FSDP2: the experts over mesh["dp"] (their dim
-    expert_dim: torchtitan shards dim 1 where dp x ep exceeds the experts), the
-    rest over every rank (mesh flattened)."""
+    ExpertParallel; where mesh has a "tp" dim, ExpertTensorParallel: each expert's
+    hidden columns Shard over it too, w1's dim 2 and w2's dim 1), then torch FSDP2:
+    the experts over mesh["dp"] (their dim expert_dim: torchtitan shards dim 1
+    where dp x ep exceeds the experts), the rest over the (dp, ep) ranks flattened."""
     from torch.distributed.fsdp import fully_shard
     from torch.distributed.tensor import Shard, distribute_tensor
-    for name in ("w1", "w2"):
+    tp = "tp" in mesh.mesh_dim_names
+    sub = mesh["ep", "tp"] if tp else mesh["ep"]
+    for name, cut in (("w1", 2), ("w2", 1)):
         w = getattr(model.experts, name)
-        setattr(model.experts, name, nn.Parameter(distribute_tensor(w.data, mesh["ep"], [Shard(0)])))
+        placements = [Shard(0), Shard(cut)] if tp else [Shard(0)]
+        setattr(model.experts, name, nn.Parameter(distribute_tensor(w.data, sub, placements)))
     fully_shard(model.experts, mesh=mesh["dp"],
                 shard_placement_fn=lambda p: Shard(expert_dim))
     fully_shard(model, mesh=mesh["dp", "ep"]._flatten())
     return model
 
 
-def mesh_ep(dp=2, ep=2):
+def mesh_ep(dp=2, ep=2, tp=0):
+    """(dp, ep), or (dp, ep, tp) where tp is given."""
     from torch.distributed.device_mesh import init_device_mesh
+    if tp:
+        return init_device_mesh("cpu", (dp, ep, tp), mesh_dim_names=("dp", "ep", "tp"))
     return init_device_mesh("cpu", (dp, ep), mesh_dim_names=("dp", "ep"))
