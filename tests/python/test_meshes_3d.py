@@ -99,6 +99,19 @@ def worker_3d(rank, world, seed, folder):
     out["nan"] = raised(opt.step)
     out["nan_unchanged"] = all(torch.equal(before[n], t) for n, t in tm.full_of(m).items())
 
+    # fc1 and fc2 left out of the tp plan: copies on both tp ranks, which Muon beside
+    # the tensor-parallel qkv and proj refuses, naming them; a Muon of their own
+    # (their (dp_shard) group) steps them.
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor.parallel import (ColwiseParallel, RowwiseParallel,
+                                                   parallelize_module)
+    torch.manual_seed(seed)
+    m = tm.Block()
+    parallelize_module(m, mesh["tp"], {"qkv": ColwiseParallel(), "proj": RowwiseParallel()})
+    fully_shard(m, mesh=mesh[tm.DP_3D])
+    out["muon_copies"] = raised(rfsdp.optim.Muon, [m.qkv.weight, m.fc1.weight], **MUON)
+    out["muon_own"] = raised(rfsdp.optim.Muon, [m.fc1.weight, m.fc2.weight], **MUON)
+
     # rfsdp.clip_grad_norm_ over the mesh's every dimension.
     m = model()
     torch.nn.functional.mse_loss(m(xs[0][dp:dp + 1]), ys[0][dp:dp + 1]).backward()
@@ -165,6 +178,14 @@ def test_3d_muon_roots_each_matrix_once_per_replica_over_its_shard_and_tp_ranks(
     for r in range(8):
         assert got3d[r]["muon_comm_size"] == 4
         assert got3d[r]["muon_orthogonalised"] == len(tm.MATRICES)
+
+
+def test_3d_muon_refuses_a_matrix_copied_over_tp_beside_tensor_parallel_ones(got3d):
+    for r in range(8):
+        cls, msg = got3d[r]["muon_copies"]
+        assert "ValueError" in cls and "param 1" in msg and "Shard(dim=0)" in msg \
+            and "sharded over 2 of the 4 ranks" in msg and "a Muon of their own" in msg, msg
+        assert got3d[r]["muon_own"] is None, got3d[r]["muon_own"]
 
 
 def test_3d_nonfinite_gradient_is_refused_on_every_rank(got3d):
