@@ -86,6 +86,10 @@ def worker_3d(rank, world, seed, folder):
     out["muon"] = tm.full_of(m)
     out["muon_comm_size"] = opt.comm.size()
     out["muon_orthogonalised"] = opt.metrics()["groups"][0]["matrices_orthogonalised"]
+    m = model()
+    opt = rfsdp.optim.Muon(_muon_groups(m, tm.MATRICES), **MUON)
+    tm.train(m, opt, xs[:2], ys[:2], dp, ndp)
+    out["muon_resumed"] = _resumed_through_dcp(m, opt, xs, ys, dp, ndp, folder + "/muon")
 
     # A NaN in one rank's batch reaches every replica's gradients (FSDP2 reduces
     # across them): every rank refuses the step, nothing changes.
@@ -171,6 +175,11 @@ def test_3d_muon_matches_float64_one_device(got3d):
     assert got3d[0]["muon_losses"] == pytest.approx(losses, rel=1e-5)
     for r in range(8):
         _close(got3d[r]["muon"], want, "Muon, rank %d" % r, tol=1e-5)
+
+
+def test_3d_muon_resumed_through_dcp_continues_as_uninterrupted(got3d):
+    for r in range(8):
+        _close(got3d[r]["muon_resumed"], got3d[r]["muon"], "Muon resumed, rank %d" % r, tol=0)
 
 
 def test_3d_muon_roots_each_matrix_once_per_replica_over_its_shard_and_tp_ranks(got3d):
