@@ -9,8 +9,10 @@ and SOAP on every parameter (RowwiseParallel's column parts as global blocks and
 tiles: blocks of 64, max_preconditioner_dim 128, dividing the part widths). Bytes: what the optimizer's Comm sent per step, summed over the ranks
 and the most of one rank (torch AdamW sends none: element-wise on the local
 pieces, no check across ranks).
+--mesh 3d: the same block over HSDP x TP, mesh (dp_replicate=2, dp_shard=2, tp=2),
+8 process ranks (torch FSDP2 over (dp_replicate, dp_shard)).
 
-    python bench/tp_optimizers.py [--dim 256 --heads 4 --ffn 1024 --steps 20]"""
+    python bench/tp_optimizers.py [--dim 256 --heads 4 --ffn 1024 --steps 20] [--mesh 2d|3d]"""
 import argparse
 import os
 import statistics
@@ -26,13 +28,16 @@ import tp_model as tm  # noqa: E402
 from ranks import run_ranks  # noqa: E402
 
 
+MESHES = {"2d": (4, "dp=2, tp=2"), "3d": (8, "dp_replicate=2, dp_shard=2, tp=2")}
+
+
 def worker(rank, world, args):
-    mesh = tm.mesh_2d()
+    mesh, dp = (tm.mesh_2d(), "dp") if args.mesh == "2d" else (tm.mesh_3d(), tm.DP_3D)
     out = {}
     for name in ("torch AdamW", "rfsdp AdamW", "rfsdp Muon + AdamW", "Muon, qkv per head",
                  "rfsdp AdamW8bit", "rfsdp Shampoo", "rfsdp SOAP"):
         torch.manual_seed(0)
-        model = tm.tensor_parallel(tm.Block(args.dim, args.heads, args.ffn), mesh)
+        model = tm.tensor_parallel(tm.Block(args.dim, args.heads, args.ffn), mesh, dp=dp)
         if name == "torch AdamW":
             opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
         elif name == "rfsdp AdamW":
@@ -78,10 +83,12 @@ def main():
     ap.add_argument("--heads", type=int, default=4)
     ap.add_argument("--ffn", type=int, default=1024)
     ap.add_argument("--steps", type=int, default=20)
+    ap.add_argument("--mesh", choices=sorted(MESHES), default="2d")
     args = ap.parse_args()
-    got = run_ranks(worker, 4, args)
-    print("block dim %d heads %d ffn %d, 4 ranks (dp=2, tp=2), Gloo, median of %d steps"
-          % (args.dim, args.heads, args.ffn, args.steps))
+    world, shape = MESHES[args.mesh]
+    got = run_ranks(worker, world, args)
+    print("block dim %d heads %d ffn %d, %d ranks (%s), Gloo, median of %d steps"
+          % (args.dim, args.heads, args.ffn, world, shape, args.steps))
     for name in got[0]:
         t = max(g[name][0] for g in got)
         sent = [g[name][1] for g in got]

@@ -241,7 +241,8 @@ def worker(rank, world, seed, mesh_shape=(WORLD,)):
     out["cut_tiled"] = cut_tiled(mesh, seed)
 
     # Placements rfsdp's optimizers do not take: refused, naming both.
-    w = nn.Parameter(distribute_tensor(torch.randn(6, 6), mesh, [Shard(1)]))
+    # (7 columns: unequal column pieces; equal ones are column parts, which Muon takes)
+    w = nn.Parameter(distribute_tensor(torch.randn(6, 7), mesh, [Shard(1)]))
     with pytest.raises(ValueError, match=r"param 0.*Shard\(dim=1\)"):
         rfsdp.optim.Muon([w])
     r = nn.Parameter(distribute_tensor(torch.randn(6, 6), mesh, [Replicate()]))

@@ -48,15 +48,35 @@ def mesh_2d(dp=2, tp=2):
     return init_device_mesh("cpu", (dp, tp), mesh_dim_names=("dp", "tp"))
 
 
-def tensor_parallel(model, mesh):
+def mesh_3d(replicate=2, shard=2, tp=2):
+    """HSDP x TP, as torchtitan builds it: (dp_replicate, dp_shard, tp)."""
+    from torch.distributed.device_mesh import init_device_mesh
+    return init_device_mesh("cpu", (replicate, shard, tp),
+                            mesh_dim_names=("dp_replicate", "dp_shard", "tp"))
+
+
+DP_3D = ("dp_replicate", "dp_shard")  # the 3-D mesh's data-parallel dims (FSDP2's HSDP mesh)
+
+
+def dp_of(mesh, dims="dp"):
+    """(this rank's data-parallel rank, the data-parallel ranks) over mesh[dims]."""
+    sub = mesh[dims]
+    if sub.ndim == 1:
+        return sub.get_local_rank(), sub.size()
+    c = sub.get_coordinate()
+    return c[0] * sub.size(1) + c[1], sub.size()
+
+
+def tensor_parallel(model, mesh, dp="dp"):
     """model with torch's tensor parallelism over mesh["tp"] (the block's columns
-    and rows as torchtitan splits a layer's), then torch FSDP2 over mesh["dp"]."""
+    and rows as torchtitan splits a layer's), then torch FSDP2 over mesh[dp] (a
+    name, or DP_3D: HSDP over (dp_replicate, dp_shard))."""
     from torch.distributed.fsdp import fully_shard
     from torch.distributed.tensor.parallel import (ColwiseParallel, RowwiseParallel,
                                                    parallelize_module)
     parallelize_module(model, mesh["tp"], {"qkv": ColwiseParallel(), "proj": RowwiseParallel(),
                                            "fc1": ColwiseParallel(), "fc2": RowwiseParallel()})
-    fully_shard(model, mesh=mesh["dp"])
+    fully_shard(model, mesh=mesh[dp])
     return model
 
 
@@ -86,3 +106,100 @@ def full_of(model):
     from torch.distributed.tensor import DTensor
     return {n: (p.full_tensor() if isinstance(p, DTensor) else p).detach().clone()
             for n, p in model.named_parameters()}
+
+
+# A mixture-of-experts block with expert parallelism as torchtitan builds it: ep
+# borrows from the data-parallel ranks (mesh (dp, ep): every rank its own tokens),
+# the expert stacks distribute_tensor'd Shard(0) over mesh["ep"] then torch FSDP2
+# over mesh["dp"] inside each ep group, everything else FSDP2 over the (dp, ep)
+# ranks; a "tp" dim cuts each expert's hidden columns too (ExpertTensorParallel).
+# Dense gating keeps it small: each ep rank runs its experts on its ep group's
+# tokens (all-gathered), the partial outputs reduce-scattered back (the all-to-all
+# a routed MoE does, for every token).
+EXPERTS, EXPERT_FFN = 4, 6
+EXPERT_STACKS = ("experts.w1", "experts.w2")
+
+
+class _GradScaled(torch.autograd.Function):
+    """x, whose gradient is scaled by s (exactly: forward is the identity)."""
+    @staticmethod
+    def forward(ctx, x, s):
+        ctx.s = s
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, g):
+        return g * ctx.s, None
+
+
+class Experts(nn.Module):
+    def __init__(self, experts=EXPERTS, dim=DIM, ffn=EXPERT_FFN):
+        super().__init__()
+        self.w1 = nn.Parameter(torch.randn(experts, dim, ffn) * dim ** -0.5)  # [E, H, I]
+        self.w2 = nn.Parameter(torch.randn(experts, ffn, dim) * ffn ** -0.5)  # [E, I, H]
+
+    def forward(self, h, gates):
+        """sum over experts e of gates[..., e] * gelu(h w1[e]) w2[e]; under expert
+        parallelism this ep rank's experts on its ep group's tokens."""
+        from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
+        w1, w2 = self.w1, self.w2
+        if not isinstance(w1, DTensor):
+            y = torch.einsum("bti,eif->btef", h, w1)
+            y = torch.einsum("btef,efo->bteo", nn.functional.gelu(y), w2)
+            return (gates.unsqueeze(-1) * y).sum(-2)
+        # mesh["ep"], or mesh["ep", "tp"] (each expert's hidden columns cut over tp:
+        # partial sums there), FSDP2 having gathered dp.
+        mesh = w1.device_mesh
+        n = mesh.ndim
+        first = mesh.get_local_rank(0) * w1.to_local().shape[0]
+        rows, rep, part = [Shard(0)] + [Replicate()] * (n - 1), [Replicate()] * n, [Partial()] * n
+        hs, gs = (DTensor.from_local(t, mesh, rows).redistribute(mesh, rep)
+                  .to_local(grad_placements=part) for t in (h, gates))
+        # Each expert's gradient sums its ep group's tokens, and FSDP2 averages it over
+        # dp alone: 1/ep makes it the mean over every rank (torchtitan's gradient
+        # divide factor, whose PREMUL_SUM Gloo lacks).
+        w1l, w2l = (_GradScaled.apply(w.to_local(), 1.0 / mesh.size(0)) for w in (w1, w2))
+        y = torch.einsum("bti,eif->btef", hs, w1l)
+        y = torch.einsum("btef,efo->bteo", nn.functional.gelu(y), w2l)
+        out = (gs[..., first:first + w1l.shape[0]].unsqueeze(-1) * y).sum(-2)
+        return DTensor.from_local(out, mesh, part).redistribute(mesh, rows).to_local()
+
+
+class MoE(nn.Module):
+    def __init__(self, dim=DIM, experts=EXPERTS, ffn=EXPERT_FFN):
+        super().__init__()
+        self.norm = nn.LayerNorm(dim)
+        self.router = nn.Linear(dim, experts, bias=False)
+        self.experts = Experts(experts, dim, ffn)
+
+    def forward(self, x):
+        h = self.norm(x)
+        return x + self.experts(h, nn.functional.softmax(self.router(h), dim=-1))
+
+
+def expert_parallel(model, mesh, expert_dim=0):
+    """model (an MoE) with its expert stacks Shard(0) over mesh["ep"] (torchtitan's
+    ExpertParallel; where mesh has a "tp" dim, ExpertTensorParallel: each expert's
+    hidden columns Shard over it too, w1's dim 2 and w2's dim 1), then torch FSDP2:
+    the experts over mesh["dp"] (their dim expert_dim: torchtitan shards dim 1
+    where dp x ep exceeds the experts), the rest over the (dp, ep) ranks flattened."""
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor import Shard, distribute_tensor
+    tp = "tp" in mesh.mesh_dim_names
+    sub = mesh["ep", "tp"] if tp else mesh["ep"]
+    for name, cut in (("w1", 2), ("w2", 1)):
+        w = getattr(model.experts, name)
+        placements = [Shard(0), Shard(cut)] if tp else [Shard(0)]
+        setattr(model.experts, name, nn.Parameter(distribute_tensor(w.data, sub, placements)))
+    fully_shard(model.experts, mesh=mesh["dp"],
+                shard_placement_fn=lambda p: Shard(expert_dim))
+    fully_shard(model, mesh=mesh["dp", "ep"]._flatten())
+    return model
+
+
+def mesh_ep(dp=2, ep=2, tp=0):
+    """(dp, ep), or (dp, ep, tp) where tp is given."""
+    from torch.distributed.device_mesh import init_device_mesh
+    if tp:
+        return init_device_mesh("cpu", (dp, ep, tp), mesh_dim_names=("dp", "ep", "tp"))
+    return init_device_mesh("cpu", (dp, ep), mesh_dim_names=("dp", "ep"))

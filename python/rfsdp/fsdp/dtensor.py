@@ -3,7 +3,10 @@
 rank the rows torch.chunk gives it: rows [r*c, min((r+1)*c, n)) with
 c = ceil(n / m), possibly none. That is a ragged shard with every rank's rows
 known, so rfsdp's optimizers take FSDP2's parameters (and DTensor gradients) as
-they take fully_shard's, and update the local tensors in place."""
+they take fully_shard's, and update the local tensors in place. Over meshes of
+more dims (tensor parallelism, expert parallelism, HSDP x TP) a parameter's
+piece is the one torch's DTensor gives it; its shard group holds the ranks along
+every sharded dim, its replicate group those along every Replicate dim."""
 from typing import Optional
 
 import torch
@@ -56,11 +59,48 @@ def whole_mesh_group(mesh):
     return pg
 
 
+def mesh_group(mesh, dims):
+    """The process group of the ranks along `dims` of mesh (indices; this rank's
+    slice: the other dims at its coordinates), in the mesh's row-major order: one
+    dim's own group, the whole mesh's, else those dims sliced and flattened, cached
+    on the root mesh by their names, so that every mesh sliced from one root (a
+    parameter's, the optimizer's) gets the same group. Creating one is collective
+    on every rank of the world, in the same order: as building an optimizer is."""
+    dims = tuple(sorted(dims))
+    if len(dims) == 1:
+        return mesh.get_group(dims[0])
+    if len(dims) == mesh.ndim:
+        return whole_mesh_group(mesh)
+    names = mesh.mesh_dim_names
+    if names is None:
+        raise ValueError("a mesh without dimension names: rfsdp groups dims %s of it by name; "
+                         "give the mesh mesh_dim_names" % (dims,))
+    key = tuple(names[d] for d in dims)
+    root = root_mesh(mesh)
+    cache = root.__dict__.setdefault("_rfsdp_groups", {})
+    if key not in cache:
+        cache[key] = mesh[key]._flatten().get_group(0)
+    return cache[key]
+
+
 def root_mesh(mesh):
     """The mesh a sub-mesh was sliced from (FSDP2 over mesh["dp"] leaves plain
     parameters, norms, on it), else mesh."""
     get = getattr(mesh, "_get_root_mesh", None)
     return get() if get is not None else mesh
+
+
+def root_dims_sharded(params, root):
+    """The dims of `root` (indices) along which any of these DTensor parameters
+    (each over root or a mesh sliced from it) is sharded, matched by name; every
+    dim where a mesh has no names."""
+    out = set()
+    for p in params:
+        names, rnames = p.device_mesh.mesh_dim_names, root.mesh_dim_names
+        if names is None or rnames is None or any(n not in rnames for n in names):
+            return tuple(range(root.ndim))
+        out.update(rnames.index(names[d]) for d, x in enumerate(p.placements) if is_sharded(x))
+    return tuple(sorted(out))
 
 
 def is_sharded(x) -> bool:
@@ -91,19 +131,19 @@ def _mesh_pieces(p, pg, dims):
 
 
 def _mesh_shard(name, p, what):
-    """The ShardInfo of a DTensor over a mesh of two or more dimensions with
-    tensor parallelism (torch's parallelize_module, then FSDP2 over a dp
-    dimension): any mix of Shard / _StridedShard and Replicate placements. The
-    shard group is the ranks of its sharded dimensions (all of the mesh's: the
-    mesh flattened), the replicate group those of its one Replicate dimension.
-    A piece of whole rows of the global tensor (ColwiseParallel's Shard(0), a
-    norm's Replicate) is rows as FSDP's are, every rank's known; one cut along
-    another dim is a box (ShardInfo.of's): RowwiseParallel's Shard(1) of a matrix
-    whose columns tp divides is rows of its column parts (C++'s
+    """The ShardInfo of a DTensor over a mesh of any number of dimensions: any mix
+    of Shard / _StridedShard and Replicate placements (FSDP2 over a dp or (replicate,
+    shard) mesh, with tensor parallelism or expert parallelism on further dims).
+    The shard group is the ranks along its sharded dims, the replicate group those
+    along its Replicate dims (mesh_group: one dim's group, else flattened). A piece
+    of whole rows of the global tensor (FSDP's chunk, ColwiseParallel's Shard(0),
+    an expert stack's Shard(0)) is rows as FSDP's are, every rank's known; one cut
+    along another dim is a box (ShardInfo.of's): RowwiseParallel's Shard(1) of a
+    matrix whose columns tp divides is rows of its column parts (C++'s
     TensorShard::col_parts: AdamW and Muon take it, AdamW8bit, Shampoo and SOAP
     where their blocks or tiles divide the part width), any other only the
     element-wise optimizers take, as rows of its column block."""
-    from torch.distributed.tensor import Replicate
+    from torch.distributed.tensor import Replicate, Shard
     mesh, placements = p.device_mesh, tuple(p.placements)
     for x in placements:
         if not (is_sharded(x) or isinstance(x, Replicate)):
@@ -111,18 +151,25 @@ def _mesh_shard(name, p, what):
                              "_StridedShard and Replicate placements)" % (what, x))
     shard_dims = [d for d, x in enumerate(placements) if is_sharded(x)]
     rep_dims = [d for d, x in enumerate(placements) if isinstance(x, Replicate)]
-    if len(rep_dims) > 1 or (rep_dims and len(shard_dims) > 1):
-        raise ValueError("%s: rfsdp's optimizers take a mesh of two dimensions with tensor "
-                         "parallelism (dp, tp); replication along %d of %d dimensions is not "
-                         "supported" % (what, len(rep_dims), mesh.ndim))
+    if not shard_dims:
+        raise ValueError("%s is replicated, not sharded: shard it with Shard(0), or give it to "
+                         "an optimizer of its own as a plain tensor" % what)
     shape = list(p.shape)
     if not shape:
         raise ValueError("%s is 0-D: nothing to shard" % what)
-    pg = whole_mesh_group(mesh) if len(shard_dims) == mesh.ndim else mesh.get_group(shard_dims[0])
-    rg = mesh.get_group(rep_dims[0]) if rep_dims else None
-    pieces = _mesh_pieces(p, pg, shard_dims)
-    offset, sizes = pieces[dist.get_rank(pg)]
+    pg = mesh_group(mesh, shard_dims)
+    rg = mesh_group(mesh, rep_dims) if rep_dims else None
     loc = p._local_tensor
+    if len(shard_dims) == 1 and placements[shard_dims[0]] == Shard(0):
+        # FSDP2's one split (FSDP, HSDP): torch.chunk's rows, known without the mesh's
+        # coordinates of every rank.
+        rows = chunk_rows(shape[0], mesh.size(shard_dims[0]))
+        b, e = rows[mesh.get_local_rank(shard_dims[0])]
+        pieces = [((r0,) + (0,) * (len(shape) - 1), (r1 - r0,) + tuple(shape[1:]))
+                  for r0, r1 in rows]
+    else:
+        pieces = _mesh_pieces(p, pg, shard_dims)
+    offset, sizes = pieces[dist.get_rank(pg)]
     if tuple(loc.shape) != sizes or not loc.is_contiguous():
         raise ValueError("%s: its local tensor is %s%s, not the piece %s at %s torch's DTensor "
                          "gives this rank" % (what, tuple(loc.shape), "" if loc.is_contiguous()
@@ -148,45 +195,16 @@ def _mesh_shard(name, p, what):
 
 
 def dtensor_shard(name: str, p) -> ShardInfo:
-    """The ShardInfo of an FSDP2 parameter (cached on it): its global shape, this
-    rank's chunk rows and every rank's, the shard group and the replicate group;
-    over a mesh with tensor parallelism, _mesh_shard's."""
+    """The ShardInfo of a DTensor parameter (cached on it): its global shape, this
+    rank's piece and every rank's, the shard group and the replicate group
+    (_mesh_shard's, for every mesh: FSDP2's 1-D Shard(0), HSDP's (Replicate(),
+    Shard(0)), and tensor or expert parallelism on further dims)."""
     cached = getattr(p, "_rfsdp_dtensor_shard", None)
     if cached is not None:
         return cached
-    from torch.distributed.tensor import Replicate, Shard
-    mesh, placements = p.device_mesh, tuple(p.placements)
     what = "%s: parameter '%s' (a DTensor with placements %s over a %d-D mesh)" % (
-        "optimizer", name, placements, mesh.ndim)
-    if mesh.ndim == 1 and placements == (Shard(0),):
-        pg, rg, dim = mesh.get_group(0), None, 0
-    elif mesh.ndim == 2 and placements == (Replicate(), Shard(0)):
-        pg, rg, dim = mesh.get_group(1), mesh.get_group(0), 1
-    elif all(isinstance(x, Replicate) for x in placements):
-        raise ValueError("%s is replicated, not sharded: shard it with Shard(0), or give it to "
-                         "an optimizer of its own as a plain tensor" % what)
-    elif mesh.ndim == 2:
-        info = _mesh_shard(name, p, what)
-        p._rfsdp_dtensor_shard = info
-        return info
-    else:
-        raise ValueError(
-            "%s: rfsdp's optimizers take FSDP2's layouts, Shard(0) over a 1-D mesh, "
-            "(Replicate(), Shard(0)) over a 2-D mesh (HSDP), and tensor parallelism over a 2-D "
-            "(dp, tp) mesh; other placements are not supported" % what)
-    shape = list(p.shape)
-    if not shape:
-        raise ValueError("%s is 0-D: nothing to shard" % what)
-    world, rank = mesh.size(dim), mesh.get_local_rank(dim)
-    rows = chunk_rows(shape[0], world)
-    b, e = rows[rank]
-    loc = p._local_tensor
-    if list(loc.shape) != [e - b] + shape[1:] or not loc.is_contiguous():
-        raise ValueError("%s: its local tensor is %s%s, not the rows [%d, %d) torch.chunk "
-                         "gives this rank" % (what, tuple(loc.shape),
-                                              "" if loc.is_contiguous() else " (non-contiguous)",
-                                              b, e))
-    info = ShardInfo(name, shape, 1, b, e, pg, rg, rank_rows=rows)
+        "optimizer", name, tuple(p.placements), p.device_mesh.ndim)
+    info = _mesh_shard(name, p, what)
     p._rfsdp_dtensor_shard = info
     return info
 

@@ -14,7 +14,8 @@ from .._comm import make_comm
 from ..dcp import optim_state
 from ..dcp.layout import default_group
 from ..dcp.state_dict_type import state_dict_type
-from ..fsdp.dtensor import info_of, is_dtensor, local, root_mesh, whole_mesh_group
+from ..fsdp.dtensor import (info_of, is_dtensor, local, mesh_group, root_dims_sharded,
+                             root_mesh)
 from ..fsdp.unit import replacements
 
 
@@ -128,9 +129,12 @@ def _default_comm(process_group, timeout_seconds, param_groups):
         if len(shard_groups) > 1 and len(meshes) == 1 and \
                 next(iter(meshes.values())).ndim > 1 and \
                 all(is_dtensor(p) for p in params):
-            # Tensor parallelism (parameters over (dp, tp), norms over dp alone): the
-            # pieces of a matrix lie on every rank of the mesh, which agree each step.
-            shard_groups = {"mesh": (whole_mesh_group(next(iter(meshes.values()))), None)}
+            # Tensor or expert parallelism (parameters over (dp, tp), norms over dp
+            # alone): the pieces of a matrix lie on the ranks along every dim some
+            # parameter is sharded on, which agree each step: the whole (dp, tp) mesh;
+            # under HSDP x TP one replica's (shard, tp) ranks (replicas step alike).
+            root = next(iter(meshes.values()))
+            shard_groups = {"mesh": (mesh_group(root, root_dims_sharded(params, root)), None)}
         if len(shard_groups) > 1:
             (_, a), (_, b) = list(shard_groups.values())[:2]
             raise ValueError("optimizer: parameters '%s' and '%s' are sharded over different "
@@ -315,6 +319,16 @@ class _OverCpp(torch.optim.Optimizer):
             for i, (p, n) in enumerate(zip(params, names)):
                 info = info_of(n or "param %d" % i, p)
                 if info is not None and info.box is not None and info.shard.col_parts == 1:
+                    if len(info.box[0]) == 3:  # an expert stack [E, H, I]
+                        cut = next(d for d in (1, 2) if info.box[2][d] != info.box[0][d])
+                        raise ValueError(
+                            "%s: parameter '%s' is an expert stack %s, a DTensor with placements "
+                            "%s: its pieces cut each expert along dim %d, which %s does not take "
+                            "yet; shard the stack along dim 0 only (FSDP2's default Shard(0) "
+                            "where the data-parallel ranks divide each ep rank's experts), or "
+                            "give it to rfsdp.optim.AdamW (an optimizer of its own)"
+                            % (type(self).__name__, specs[i][0].name, tuple(info.box[0]),
+                               tuple(p.placements), cut, type(self).__name__))
                     raise ValueError(
                         "%s: parameter '%s' is a DTensor with placements %s: its pieces are cut "
                         "along dim %d by tensor parallelism (RowwiseParallel's Shard(1)), which "

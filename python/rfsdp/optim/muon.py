@@ -160,12 +160,41 @@ class Muon(_OverCpp):
         # One C++ optimizer over both parts: one step, one agreement all-reduce
         # (NaN/Inf gradients and Newton-Schulz failures), so neither changes alone.
         self._splits = self._group_splits()
-        return _C.Muon(self._specs(params), [group_of[id(p)]["ns_steps"] for p in params],
+        specs = self._specs(params)
+        self._check_copies(params, specs, use)
+        return _C.Muon(specs, [group_of[id(p)]["ns_steps"] for p in params],
                        self.config, self.comm, use_muon=use,
                        split_sizes=[list(group_of[id(p)]["split_sizes"] or ()) if u else []
                                     for p, u in zip(params, use)],
                        split_dims=[_split_dim(group_of[id(p)]) if u else 0
                                    for p, u in zip(params, use)])
+
+    def _check_copies(self, params, specs, use):
+        """A Muon matrix that is a DTensor sharded over fewer ranks than this
+        optimizer agrees over (one not tensor-parallel beside tensor-parallel ones:
+        an MoE router, a layer left out of the tp plan) has copies of its pieces on
+        the other ranks, which Newton-Schulz's owner exchange cannot take (each
+        element on one rank): refused, naming it, before C++ says "do not tile"."""
+        if self.comm is None or self._given_group is not None:
+            return
+        import torch.distributed as dist
+
+        from ..fsdp.dtensor import info_of, is_dtensor
+        for p, (shard, _), u in zip(params, specs, use):
+            if not (u and is_dtensor(p)):
+                continue
+            info = info_of(shard.name, p)
+            n = dist.get_world_size(info.process_group) if info.process_group is not None else 1
+            if n < self.comm.size():
+                raise ValueError(
+                    "Muon: parameter '%s' (a DTensor with placements %s over mesh dims %s) is "
+                    "sharded over %d of the %d ranks this optimizer agrees over (every mesh dim "
+                    "some of its parameters is sharded on): the others hold copies of its "
+                    "pieces, which Muon's owner exchange does not take; give such parameters a "
+                    "Muon of their own (its group is then theirs), or parallelise them over "
+                    "the other dims too (ColwiseParallel / RowwiseParallel)"
+                    % (shard.name, tuple(p.placements), p.device_mesh.mesh_dim_names, n,
+                       self.comm.size()))
 
     def _group_splits(self):
         return [(None if g.get("split_sizes") is None else tuple(g["split_sizes"]),
