@@ -24,6 +24,8 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import muon_reference  # noqa: E402
 import tp_model as tm  # noqa: E402
 from ranks import raised, run_ranks  # noqa: E402
+from test_tensor_parallel import (TILED, _gradients, _one_process_fixed, _same,  # noqa: E402
+                                  _step_with)
 
 STEPS = 3
 ADAMW = dict(lr=1e-2, weight_decay=0.05)
@@ -116,6 +118,14 @@ def worker_3d(rank, world, seed, folder):
     out["muon_copies"] = raised(rfsdp.optim.Muon, [m.qkv.weight, m.fc1.weight], **MUON)
     out["muon_own"] = raised(rfsdp.optim.Muon, [m.fc1.weight, m.fc2.weight], **MUON)
 
+    # AdamW8bit, Shampoo and SOAP (blocks and tiles the column parts hold whole),
+    # given fixed gradients: as one process.
+    grads = _gradients(seed, STEPS)
+    for key, cls, kw in TILED:
+        m = model()
+        _step_with(m, getattr(rfsdp.optim, cls)(m.parameters(), **kw), grads)
+        out["tiled_" + key] = tm.full_of(m)
+
     # rfsdp.clip_grad_norm_ over the mesh's every dimension.
     m = model()
     torch.nn.functional.mse_loss(m(xs[0][dp:dp + 1]), ys[0][dp:dp + 1]).backward()
@@ -128,6 +138,16 @@ def worker_3d(rank, world, seed, folder):
 def got3d():
     with tempfile.TemporaryDirectory() as d:
         return run_ranks(worker_3d, 8, SEED, d)
+
+
+@pytest.mark.parametrize("key,cls,kw", TILED, ids=[t[0] for t in TILED])
+def test_3d_blockwise_and_tiled_optimizers_step_as_one_process(got3d, key, cls, kw):
+    # (AdamW8bit bit for bit: element-wise on blocks of the global tensor)
+    want, _ = _one_process_fixed(cls, kw)
+    for r in range(8):
+        for n, w in want.items():
+            assert _same(got3d[r]["tiled_" + key][n], w, key == "8bit"), \
+                (cls, r, n, (got3d[r]["tiled_" + key][n] - w).abs().max())
 
 
 def _one_process(model, opt_of, steps=STEPS):
