@@ -45,7 +45,8 @@ void require_own_rows(const char* optimizer, const TensorShard& p, const char* w
         std::string(optimizer) + ": parameter '" + p.name + "' is held in " +
         std::to_string(p.col_parts) + " column parts (tensor parallelism's Shard(1), as "
         "RowwiseParallel leaves it): its " + what + " are not supported there yet; give it to "
-        "rfsdp.optim.AdamW (an optimizer of its own) or rfsdp.optim.Muon, or shard it along dim 0 "
+        "an optimizer of its own that takes column parts (rfsdp.optim.AdamW, AdamW8bit, or Muon "
+        "with momentum_dtype torch.float32 or torch.bfloat16), or shard it along dim 0 "
         "(ColwiseParallel)");
   }
 }
