@@ -886,6 +886,22 @@ TEST(MuonColumnParts, PiecesOfColumnBlocksMatchSingleDeviceReference) {
   for (const auto& [r, msg] : failures) ADD_FAILURE() << "rank " << r << ": " << msg;
 }
 
+TEST(MuonColumnParts, Int8MomentumOnColumnPartsIsRefusedNamingWhatTakesThem) {
+  MuonConfig c;
+  c.momentum_dtype = at::kByte;
+  c.momentum_block = 4;
+  try {  // (the two column parts' rows, 4 wide, one after another)
+    Muon({ParamShard(TensorShard::column_parts("proj", {4, 8}, 2, 0, 8), at::zeros({8, 4}),
+                     at::zeros({8, 4}))},
+         MuonOptions{}, c);
+    FAIL() << "int8 momentum on column parts was taken";
+  } catch (const std::invalid_argument& e) {
+    const std::string what = e.what();
+    EXPECT_NE(what.find("'proj' is held in 2 column parts"), std::string::npos) << what;
+    EXPECT_NE(what.find("Muon with momentum_dtype torch.float32"), std::string::npos) << what;
+  }
+}
+
 TEST(MuonColumnParts, SplitSizesOnColumnPartsAreRefusedNamingThem) {
   try {
     MuonLayout(nullptr, {TensorShard::column_parts("proj", {4, 8}, 2, 0, 8)}, {5}, {{2, 2}});
