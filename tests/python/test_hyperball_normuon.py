@@ -279,6 +279,37 @@ def test_state_dict_round_trip_continues_exactly(kind):
         assert torch.equal(a, b), (kind, n, seed)
 
 
+@pytest.mark.parametrize("kind", ["muonh", "adamh"])
+def test_hyperball_turned_on_mid_run_is_saved_and_resumes_exactly(kind):
+    # Built without Hyperball (weight decay 0), turned on after STEPS steps (as a
+    # schedule may): the radius it then keeps is in opt.state and state_dict, and a
+    # resume from that state_dict continues as the uninterrupted run.
+    seed = int(torch.randint(0, 2 ** 30, ()).item())
+    grads = gradients(seed, 3 * STEPS)
+    model = Grads(seed)
+    opt = optimizer(kind, dict(model.named_parameters()))
+    for g in opt.param_groups:
+        g["hyperball"] = False
+    train(model, opt, grads[:STEPS])
+    for g in opt.param_groups:
+        g["hyperball"] = g.get("use_muon") is not False
+    train(model, opt, grads[STEPS:2 * STEPS])
+    assert "hyperball_radius" in opt.state[model.w]
+    saved_params = {n: p.detach().clone() for n, p in model.named_parameters()}
+    saved = copy.deepcopy(opt.state_dict())
+    assert "hyperball_radius" in saved["state"][0], sorted(saved["state"][0])
+    train(model, opt, grads[2 * STEPS:])
+    again = Grads(seed)
+    with torch.no_grad():
+        for n, p in again.named_parameters():
+            p.copy_(saved_params[n])
+    opt2 = optimizer(kind, dict(again.named_parameters()))
+    opt2.load_state_dict(saved)
+    train(again, opt2, grads[2 * STEPS:])
+    for (n, a), b in zip(model.named_parameters(), again.parameters()):
+        assert torch.equal(a, b), (kind, n, seed)
+
+
 def int8_worker(rank, world, seed):
     """NorMuonH with 8-bit momentum (blocks of 64, whole on every shard)."""
     model = Grads(seed)

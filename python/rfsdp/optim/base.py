@@ -511,6 +511,20 @@ class _OverCpp(torch.optim.Optimizer):
             if self._sent.get(k) != values:
                 self._impl.set_group_options(k, self._options_class(**values))
                 self._sent[k] = values
+                self._unpublish_renamed(g)
+
+    def _unpublish_renamed(self, group):
+        """The group's parameters whose C++ state now has other names (an option that
+        shapes the state changed: Hyperball turned on keeps a radius) are published
+        again at the next publish, so self.state and state_dict() carry every tensor
+        the step uses (a stale entry would leave the radius out of checkpoints)."""
+        for p in group["params"]:
+            published = getattr(self, "_published", {}).get(id(p))
+            k = getattr(self, "_index", {}).get(id(p))
+            if published is None or k is None:
+                continue
+            if set(self._impl.state(k)) != set(published[1]) - {"step"}:
+                self._published.pop(id(p), None)
 
     def state_bytes(self):
         """Bytes of this rank's optimizer state: every tensor its C++ optimizer
