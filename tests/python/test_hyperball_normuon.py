@@ -310,6 +310,30 @@ def test_hyperball_turned_on_mid_run_is_saved_and_resumes_exactly(kind):
         assert torch.equal(a, b), (kind, n, seed)
 
 
+def test_a_state_saved_without_hyperball_loads_as_saved_then_hyperball_turns_on():
+    # The load restores the saved groups' options (torch's rule): an optimizer built
+    # with Hyperball refuses the radius-less state naming the way; built as saved,
+    # it loads, and Hyperball turned on after the load keeps |W| from then on.
+    seed = int(torch.randint(0, 2 ** 30, ()).item())
+    grads = gradients(seed, 2 * STEPS)
+    model = Grads(seed)
+    opt = optimizer("muonh", dict(model.named_parameters()))
+    for g in opt.param_groups:
+        g["hyperball"] = False
+    train(model, opt, grads[:STEPS])
+    saved = copy.deepcopy(opt.state_dict())
+    with pytest.raises(ValueError, match="lacks 'hyperball_radius'.*change them after the load"):
+        optimizer("muonh", dict(model.named_parameters())).load_state_dict(saved)
+    opt2 = optimizer("muon", dict(model.named_parameters()))  # (weight decay: the saved 0)
+    opt2.load_state_dict(saved)
+    for g in opt2.param_groups:
+        g["hyperball"] = g.get("use_muon") is not False
+    norm = model.w.detach().norm().item()
+    train(model, opt2, grads[STEPS:])
+    assert model.w.detach().norm().item() == pytest.approx(norm, rel=1e-5), seed
+    assert opt2.state[model.w]["hyperball_radius"].item() == pytest.approx(norm, rel=1e-6)
+
+
 def int8_worker(rank, world, seed):
     """NorMuonH with 8-bit momentum (blocks of 64, whole on every shard)."""
     model = Grads(seed)

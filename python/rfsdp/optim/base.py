@@ -597,7 +597,10 @@ class _OverCpp(torch.optim.Optimizer):
         for name, t in self._impl.state(k).items():
             if name not in st:
                 raise ValueError("%s.load_state_dict: the state of a parameter of shape %s lacks "
-                                 "'%s' (saved by another optimizer or with other settings?)"
+                                 "'%s' (saved by another optimizer or with other settings? The "
+                                 "load restores the saved groups' options: build the optimizer "
+                                 "with the options it was saved with, e.g. hyperball off, and "
+                                 "change them after the load)"
                                  % (type(self).__name__, tuple(p.shape), name))
             src = st[name]
             if tuple(src.shape) != tuple(t.shape):
