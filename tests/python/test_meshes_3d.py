@@ -33,31 +33,6 @@ MUON = dict(lr=0.02, momentum=0.95, weight_decay=0.01)
 SEED = 1234
 
 
-def _muon_groups(model, names):
-    named = list(model.named_parameters())
-    return [dict(params=[p for n, p in named if n in names]),
-            dict(params=[p for n, p in named if n not in names], use_muon=False, lr=3e-4)]
-
-
-def _resumed_through_dcp(model, opt, xs, ys, dp, world, path):
-    """opt's state saved by DCP (torch's optimizer path), every state tensor zeroed,
-    loaded again; then the last step: the parameters after it."""
-    import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.state_dict import (get_optimizer_state_dict,
-                                                         set_optimizer_state_dict)
-    dcp.save({"optim": get_optimizer_state_dict(model, opt)}, checkpoint_id=path)
-    with torch.no_grad():
-        for st in opt.state.values():  # (what the load must bring back)
-            for name, t in st.items():
-                if name != "step":
-                    t.zero_()
-    state = {"optim": get_optimizer_state_dict(model, opt)}
-    dcp.load(state, checkpoint_id=path)
-    set_optimizer_state_dict(model, opt, state["optim"])
-    tm.train(model, opt, xs[2:], ys[2:], dp, world)
-    return tm.full_of(model)
-
-
 # ---------------------------------------------------------------- HSDP x TP
 
 def worker_3d(rank, world, seed, folder):
@@ -79,19 +54,19 @@ def worker_3d(rank, world, seed, folder):
     m = model()
     opt = rfsdp.optim.AdamW(m.parameters(), **ADAMW)
     tm.train(m, opt, xs[:2], ys[:2], dp, ndp)
-    out["adamw_resumed"] = _resumed_through_dcp(m, opt, xs, ys, dp, ndp, folder + "/adamw")
+    out["adamw_resumed"] = tm.resumed_through_dcp(m, opt, xs, ys, dp, ndp, folder + "/adamw")
 
     # Muon: every matrix whole on one root of its replica's (dp_shard, tp) ranks.
     m = model()
-    opt = rfsdp.optim.Muon(_muon_groups(m, tm.MATRICES), **MUON)
+    opt = rfsdp.optim.Muon(tm.muon_groups(m, tm.MATRICES), **MUON)
     out["muon_losses"] = tm.train(m, opt, xs, ys, dp, ndp)
     out["muon"] = tm.full_of(m)
     out["muon_comm_size"] = opt.comm.size()
     out["muon_orthogonalised"] = opt.metrics()["groups"][0]["matrices_orthogonalised"]
     m = model()
-    opt = rfsdp.optim.Muon(_muon_groups(m, tm.MATRICES), **MUON)
+    opt = rfsdp.optim.Muon(tm.muon_groups(m, tm.MATRICES), **MUON)
     tm.train(m, opt, xs[:2], ys[:2], dp, ndp)
-    out["muon_resumed"] = _resumed_through_dcp(m, opt, xs, ys, dp, ndp, folder + "/muon")
+    out["muon_resumed"] = tm.resumed_through_dcp(m, opt, xs, ys, dp, ndp, folder + "/muon")
 
     # A NaN in one rank's batch reaches every replica's gradients (FSDP2 reduces
     # across them): every rank refuses the step, nothing changes.
@@ -255,12 +230,12 @@ def worker_ep(rank, world, seed):
 
     # Muon on the expert stacks and the router: each expert whole on one rank.
     m = model()
-    opt = rfsdp.optim.Muon(_muon_groups(m, tm.EXPERT_STACKS + ("router.weight",)), **MUON)
+    opt = rfsdp.optim.Muon(tm.muon_groups(m, tm.EXPERT_STACKS + ("router.weight",)), **MUON)
     out["muon_losses"] = tm.train(m, opt, xs, ys, rank, world)
     out["muon"] = tm.full_of(m)
     # The experts alone: orthogonalised where they lie, nothing gathered.
     m = model()
-    opt = rfsdp.optim.Muon(_muon_groups(m, tm.EXPERT_STACKS), **MUON)
+    opt = rfsdp.optim.Muon(tm.muon_groups(m, tm.EXPERT_STACKS), **MUON)
     tm.train(m, opt, xs[:1], ys[:1], rank, world)
     out["experts_sent"] = opt._impl.gather_send_elems()
     out["experts_orthogonalised"] = opt.metrics()["groups"][0]["matrices_orthogonalised"]
@@ -272,7 +247,7 @@ def worker_ep(rank, world, seed):
     opt = rfsdp.optim.AdamW(m.parameters(), **ADAMW)
     tm.train(m, opt, xs, ys, rank, world)
     out["adamw_dim1"] = tm.full_of(m)
-    out["muon_dim1"] = raised(rfsdp.optim.Muon, _muon_groups(m, tm.EXPERT_STACKS), **MUON)
+    out["muon_dim1"] = raised(rfsdp.optim.Muon, tm.muon_groups(m, tm.EXPERT_STACKS), **MUON)
     return out
 
 
@@ -339,7 +314,7 @@ def worker_ep_tp(rank, world, seed):
         out[name] = tm.full_of(m)
     out["placements"] = str(tuple(m.experts.w1.placements))
     # Each expert's columns cut over tp: Muon refuses, naming the placement.
-    out["muon"] = raised(rfsdp.optim.Muon, _muon_groups(m, tm.EXPERT_STACKS), **MUON)
+    out["muon"] = raised(rfsdp.optim.Muon, tm.muon_groups(m, tm.EXPERT_STACKS), **MUON)
     return out
 
 

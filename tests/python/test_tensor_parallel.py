@@ -33,31 +33,6 @@ def _model(mesh, seed):
     return tm.tensor_parallel(tm.Block(), mesh)
 
 
-def _muon_groups(model):
-    named = list(model.named_parameters())
-    return [dict(params=[p for n, p in named if n in tm.MATRICES]),
-            dict(params=[p for n, p in named if n not in tm.MATRICES], use_muon=False, lr=3e-4)]
-
-
-def _resumed_through_dcp(model, opt, xs, ys, dp, path):
-    """opt's state saved by DCP (torch's optimizer path), every state tensor zeroed,
-    loaded again; then the last step: the parameters after it."""
-    import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.state_dict import (get_optimizer_state_dict,
-                                                         set_optimizer_state_dict)
-    dcp.save({"optim": get_optimizer_state_dict(model, opt)}, checkpoint_id=path)
-    with torch.no_grad():
-        for st in opt.state.values():  # (what the load must bring back)
-            for name, t in st.items():
-                if name != "step":
-                    t.zero_()
-    state = {"optim": get_optimizer_state_dict(model, opt)}
-    dcp.load(state, checkpoint_id=path)
-    set_optimizer_state_dict(model, opt, state["optim"])
-    tm.train(model, opt, xs[2:], ys[2:], dp, 2)
-    return tm.full_of(model)
-
-
 # The optimizers whose state is blocks or tiles of the global tensor, with blocks
 # and tiles that RowwiseParallel's column parts (proj: 4 columns, fc2: 8) hold
 # whole; each given the same gradients on the mesh and on one process.
@@ -117,7 +92,7 @@ def worker(rank, world, seed, folder):
          and isinstance(sd["state"][i][k], DTensor)
          and tuple(sd["state"][i][k].shape) == tuple(p.shape))
         for i, p in enumerate(params) for k in ("exp_avg", "exp_avg_sq")]
-    out["adamw_resumed"] = _resumed_through_dcp(model, opt, xs, ys, dp, folder + "/adamw")
+    out["adamw_resumed"] = tm.resumed_through_dcp(model, opt, xs, ys, dp, 2, folder + "/adamw")
 
     # A NaN in one rank's gradient: every rank refuses the step, nothing changes.
     model = _model(mesh, seed)
@@ -133,13 +108,13 @@ def worker(rank, world, seed, folder):
     # Muon on every matrix: ColwiseParallel's rows and RowwiseParallel's column
     # parts, each matrix whole on one root.
     model = _model(mesh, seed)
-    opt = rfsdp.optim.Muon(_muon_groups(model), **MUON)
+    opt = rfsdp.optim.Muon(tm.muon_groups(model), **MUON)
     out["muon_losses"] = tm.train(model, opt, xs, ys, dp, 2)
     out["muon"] = tm.full_of(model)
     model = _model(mesh, seed)
-    opt = rfsdp.optim.Muon(_muon_groups(model), **MUON)
+    opt = rfsdp.optim.Muon(tm.muon_groups(model), **MUON)
     tm.train(model, opt, xs[:2], ys[:2], dp, 2)
-    out["muon_resumed"] = _resumed_through_dcp(model, opt, xs, ys, dp, folder + "/muon")
+    out["muon_resumed"] = tm.resumed_through_dcp(model, opt, xs, ys, dp, 2, folder + "/muon")
 
     # AdamW8bit, Shampoo and SOAP on every parameter (column parts included), given
     # fixed gradients: parameters and (gathered whole) states as one process's.
@@ -165,7 +140,8 @@ def worker(rank, world, seed, folder):
         tm.train(model, opt, xs[:2], ys[:2], dp, 2)
         rfsdp.checkpoint.save(folder + "/ck_" + key, model, opt)
         if key == "8bit":
-            out["8bit_resumed"] = _resumed_through_dcp(model, opt, xs, ys, dp, folder + "/8bit")
+            out["8bit_resumed"] = tm.resumed_through_dcp(model, opt, xs, ys, dp, 2,
+                                                         folder + "/8bit")
         model = _model(mesh, seed)
         opt = getattr(rfsdp.optim, cls)(model.parameters(), **kw)
         rfsdp.checkpoint.load(folder + "/ck_" + key, model, opt)

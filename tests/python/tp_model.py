@@ -203,3 +203,29 @@ def mesh_ep(dp=2, ep=2, tp=0):
     if tp:
         return init_device_mesh("cpu", (dp, ep, tp), mesh_dim_names=("dp", "ep", "tp"))
     return init_device_mesh("cpu", (dp, ep), mesh_dim_names=("dp", "ep"))
+
+
+def muon_groups(model, names=MATRICES):
+    """Muon's groups: the parameters named (its matrices), the rest AdamW's part."""
+    named = list(model.named_parameters())
+    return [dict(params=[p for n, p in named if n in names]),
+            dict(params=[p for n, p in named if n not in names], use_muon=False, lr=3e-4)]
+
+
+def resumed_through_dcp(model, opt, xs, ys, dp, ndp, path):
+    """opt's state saved by DCP (torch's optimizer path), every state tensor zeroed,
+    loaded again; then the steps from the third: the parameters after them."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import (get_optimizer_state_dict,
+                                                         set_optimizer_state_dict)
+    dcp.save({"optim": get_optimizer_state_dict(model, opt)}, checkpoint_id=path)
+    with torch.no_grad():
+        for st in opt.state.values():  # (what the load must bring back)
+            for name, t in st.items():
+                if name != "step":
+                    t.zero_()
+    state = {"optim": get_optimizer_state_dict(model, opt)}
+    dcp.load(state, checkpoint_id=path)
+    set_optimizer_state_dict(model, opt, state["optim"])
+    train(model, opt, xs[2:], ys[2:], dp, ndp)
+    return full_of(model)
