@@ -19,11 +19,13 @@
 #include "optimizers/common/requantize.h"
 #include "quant/ops.h"
 #include "tests/cpp/quant_isas.h"
+#include "tests/cpp/column_parts_test_util.h"
 #include "tests/cpp/test_util.h"
 
 namespace rfsdp {
 namespace {
 
+using testing::ColumnPartsMatrix;
 using testing::fresh_seed;
 using testing::nearest_code;
 using testing::seeded_randn;
@@ -651,13 +653,7 @@ TEST(AdamW8bit, ColumnPartsHoldGlobalBlocksAndEqualOneDeviceCodeForCode) {
   // tiles, whose scale the two ranks agree.
   const uint64_t seed = fresh_seed();
   SCOPED_TRACE("seed " + std::to_string(seed));
-  struct M {
-    std::string name;
-    std::vector<int64_t> shape;
-    int parts;
-    std::vector<std::pair<int64_t, int64_t>> chunk;  // per rank: its rows of its part
-  };
-  const std::vector<std::pair<quant::BlockShape, std::vector<M>>> configs = {
+  const std::vector<std::pair<quant::BlockShape, std::vector<ColumnPartsMatrix>>> configs = {
       {quant::BlockShape::blocks(4),
        {{"proj", {6, 16}, 2, {{0, 3}, {0, 3}, {3, 6}, {3, 6}}},
         {"fc2", {5, 24}, 3, {{0, 5}, {0, 5}, {0, 5}, {0, 0}}}}},
@@ -677,14 +673,7 @@ TEST(AdamW8bit, ColumnPartsHoldGlobalBlocksAndEqualOneDeviceCodeForCode) {
     }
     AdamW8bit whole(whole_shards, o, blocks8(block, 1));
     auto grad_of = [&](size_t i, int step) { return seeded_randn(ms[i].shape, seed, 100 + 10 * step + i); };
-    auto part_of = [&](size_t i, int r) { return r % ms[i].parts; };
-    auto piece = [&](const at::Tensor& full, size_t i, int r) {
-      const M& m = ms[i];
-      const int64_t width = m.shape[1] / m.parts;
-      return full.narrow(1, part_of(i, r) * width, width)
-          .narrow(0, m.chunk[r].first, m.chunk[r].second - m.chunk[r].first)
-          .contiguous();
-    };
+    auto piece = [&](const at::Tensor& full, size_t i, int r) { return ms[i].piece(full, r).contiguous(); };
     // [step][tensor][state k]: the global state put together from every rank's pieces.
     std::vector<std::vector<std::vector<at::Tensor>>> built(kSteps);
     for (int step = 0; step < kSteps; ++step) {
@@ -701,15 +690,7 @@ TEST(AdamW8bit, ColumnPartsHoldGlobalBlocksAndEqualOneDeviceCodeForCode) {
       const int r = c.rank();
       std::vector<ParamShard> shards;
       for (size_t i = 0; i < ms.size(); ++i) {
-        const M& m = ms[i];
-        std::vector<std::pair<int64_t, int64_t>> every;
-        for (int q = 0; q < kWorld; ++q) {
-          every.emplace_back(part_of(i, q) * m.shape[0] + m.chunk[q].first,
-                             part_of(i, q) * m.shape[0] + m.chunk[q].second);
-        }
-        ParamShard p(TensorShard::column_parts(m.name, m.shape, m.parts, every[r].first,
-                                               every[r].second, every),
-                     piece(seeded_randn(m.shape, seed, i), i, r));
+        ParamShard p(ms[i].shard(r), piece(seeded_randn(ms[i].shape, seed, i), i, r));
         p.grad = at::zeros_like(p.param);
         shards.push_back(p);
       }

@@ -13,6 +13,7 @@
 
 #include "tests/support/local_ranks.h"
 #include "optimizers/muon/muon.h"
+#include "tests/cpp/column_parts_test_util.h"
 #include "tests/cpp/test_util.h"
 #include "quant/ops.h"
 #include "optimizers/common/param_shard.h"
@@ -22,6 +23,7 @@ namespace {
 
 using testing::CodeCheck;
 using testing::expect_block_codes;
+using testing::ColumnPartsMatrix;
 using testing::fresh_seed;
 using testing::seeded_randn;
 
@@ -822,15 +824,9 @@ TEST(MuonColumnParts, PiecesOfColumnBlocksMatchSingleDeviceReference) {
   SCOPED_TRACE("seed " + std::to_string(seed));
   constexpr int kSteps = 4;
   const MuonOptions h;
-  struct M {
-    std::vector<int64_t> shape;
-    int parts;
-    std::vector<int> part;                            // per rank: its column part
-    std::vector<std::pair<int64_t, int64_t>> chunk;  // and its rows of it
-  };
-  const std::vector<M> mats = {
-      {{7, 12}, 2, {0, 1, 0, 1}, {{0, 4}, {0, 4}, {4, 7}, {4, 7}}},
-      {{5, 9}, 3, {0, 1, 2, 0}, {{0, 5}, {0, 5}, {0, 5}, {0, 0}}}};
+  const std::vector<ColumnPartsMatrix> mats = {
+      {"w0", {7, 12}, 2, {{0, 4}, {0, 4}, {4, 7}, {4, 7}}},
+      {"w1", {5, 9}, 3, {{0, 5}, {0, 5}, {0, 5}, {0, 0}}}};
   std::vector<at::Tensor> w, m;
   for (size_t t = 0; t < mats.size(); ++t) {
     w.push_back(seeded_randn(mats[t].shape, seed, t, at::kDouble));
@@ -843,28 +839,14 @@ TEST(MuonColumnParts, PiecesOfColumnBlocksMatchSingleDeviceReference) {
   for (int step = 0; step < kSteps; ++step) {
     for (size_t t = 0; t < mats.size(); ++t) ref_step(w[t], m[t], grad_at(step, t), h);
   }
-  // rank r's piece of a full matrix of mats[t]
-  auto piece = [&](const at::Tensor& full, size_t t, int r) {
-    const M& x = mats[t];
-    const int64_t cb = x.shape[1] / x.parts;
-    return full.narrow(1, x.part[r] * cb, cb)
-        .narrow(0, x.chunk[r].first, x.chunk[r].second - x.chunk[r].first);
-  };
+  auto piece = [&](const at::Tensor& full, size_t t, int r) { return mats[t].piece(full, r); };
   std::mutex mu;
   std::map<int, std::string> failures;
   run_local_ranks(4, [&](Comm& comm) {
     const int r = comm.rank();
     std::vector<ParamShard> shards;
     for (size_t t = 0; t < mats.size(); ++t) {
-      const M& x = mats[t];
-      std::vector<std::pair<int64_t, int64_t>> every;
-      for (int q = 0; q < 4; ++q) {
-        every.emplace_back(x.part[q] * x.shape[0] + x.chunk[q].first,
-                           x.part[q] * x.shape[0] + x.chunk[q].second);
-      }
-      ParamShard p(TensorShard::column_parts("w" + std::to_string(t), x.shape, x.parts,
-                                             every[r].first, every[r].second, every),
-                   piece(init[t], t, r).to(at::kFloat).contiguous());
+      ParamShard p(mats[t].shard(r), piece(init[t], t, r).to(at::kFloat).contiguous());
       p.grad = at::zeros_like(p.param);
       shards.push_back(p);
     }

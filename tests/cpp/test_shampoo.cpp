@@ -16,6 +16,7 @@
 #include "core/ragged/planner.h"
 #include "optimizers/shampoo/shampoo.h"
 #include "quant/ops.h"
+#include "tests/cpp/column_parts_test_util.h"
 #include "tests/cpp/test_util.h"
 #include "tests/cpp/tiled_test_util.h"
 
@@ -24,6 +25,7 @@ namespace {
 
 using testing::CodeCheck;
 using testing::expect_block_codes;
+using testing::ColumnPartsMatrix;
 using testing::fresh_seed;
 using testing::LowbitSquare;
 using testing::lowbit_square;
@@ -1045,13 +1047,8 @@ TEST(ShampooColumnParts, PiecesOfColumnBlocksEqualTheFloat64SingleDeviceShampoo)
   // divides the widths, so every tile of the global matrix lies in one part.
   const uint64_t seed = fresh_seed();
   SCOPED_TRACE("seed " + std::to_string(seed));
-  struct M {
-    std::vector<int64_t> shape;
-    int parts;
-    std::vector<std::pair<int64_t, int64_t>> chunk;
-  };
-  const std::vector<M> mats = {{{10, 16}, 2, {{0, 5}, {0, 5}, {5, 10}, {5, 10}}},
-                               {{6, 12}, 3, {{0, 6}, {0, 6}, {0, 6}, {0, 0}}}};
+  const std::vector<ColumnPartsMatrix> mats = {{"w0", {10, 16}, 2, {{0, 5}, {0, 5}, {5, 10}, {5, 10}}},
+                                               {"w1", {6, 12}, 3, {{0, 6}, {0, 6}, {0, 6}, {0, 0}}}};
   const ShampooOptions o = rank_test_options();
   ShampooConfig c = rank_test_config();
   c.max_preconditioner_dim = 4;
@@ -1062,13 +1059,7 @@ TEST(ShampooColumnParts, PiecesOfColumnBlocksEqualTheFloat64SingleDeviceShampoo)
   };
   RefShampoo ref(full(0), o, c);
   for (int s = 0; s < kSteps; ++s) ref.step(full(s + 1));
-  auto piece = [&](const at::Tensor& x, size_t t, int r) {
-    const M& m = mats[t];
-    const int64_t width = m.shape[1] / m.parts;
-    return x.narrow(1, (r % m.parts) * width, width)
-        .narrow(0, m.chunk[r].first, m.chunk[r].second - m.chunk[r].first)
-        .contiguous();
-  };
+  auto piece = [&](const at::Tensor& x, size_t t, int r) { return mats[t].piece(x, r).contiguous(); };
   std::vector<at::Tensor> got = {at::zeros(mats[0].shape), at::zeros(mats[1].shape)};
   std::atomic<int64_t> cut{0};
   std::mutex mu;
@@ -1076,17 +1067,7 @@ TEST(ShampooColumnParts, PiecesOfColumnBlocksEqualTheFloat64SingleDeviceShampoo)
     const int r = comm.rank();
     const std::vector<at::Tensor> init = full(0);
     std::vector<ParamShard> shards;
-    for (size_t t = 0; t < mats.size(); ++t) {
-      const M& m = mats[t];
-      std::vector<std::pair<int64_t, int64_t>> every;
-      for (int q = 0; q < 4; ++q) {
-        every.emplace_back((q % m.parts) * m.shape[0] + m.chunk[q].first,
-                           (q % m.parts) * m.shape[0] + m.chunk[q].second);
-      }
-      shards.emplace_back(TensorShard::column_parts("w" + std::to_string(t), m.shape, m.parts,
-                                                    every[r].first, every[r].second, every),
-                          piece(init[t], t, r));
-    }
+    for (size_t t = 0; t < mats.size(); ++t) shards.emplace_back(mats[t].shard(r), piece(init[t], t, r));
     Shampoo opt(shards, o, c, std::shared_ptr<Comm>(&comm, [](Comm*) {}));
     if (r == 0) cut = static_cast<int64_t>(opt.cut_rows().size());
     for (int s = 0; s < kSteps; ++s) {
@@ -1096,11 +1077,7 @@ TEST(ShampooColumnParts, PiecesOfColumnBlocksEqualTheFloat64SingleDeviceShampoo)
     }
     std::lock_guard<std::mutex> lock(mu);
     for (size_t t = 0; t < mats.size(); ++t) {
-      const M& m = mats[t];
-      const int64_t width = m.shape[1] / m.parts;
-      got[t].narrow(1, (r % m.parts) * width, width)
-          .narrow(0, m.chunk[r].first, m.chunk[r].second - m.chunk[r].first)
-          .copy_(shards[t].param.view({-1, width}));
+      mats[t].piece(got[t], r).copy_(shards[t].param.view({-1, mats[t].width()}));
     }
   });
   EXPECT_GT(cut.load(), 0) << "no row of tiles was cut: the exchange is not tested";

@@ -19,6 +19,7 @@
 #include "core/ragged/planner.h"
 #include "optimizers/soap/soap.h"
 #include "quant/ops.h"
+#include "tests/cpp/column_parts_test_util.h"
 #include "tests/cpp/test_util.h"
 #include "tests/cpp/tiled_test_util.h"
 #include "tests/support/local_ranks.h"
@@ -27,6 +28,7 @@ namespace rfsdp {
 namespace {
 
 using testing::expect_block_codes;
+using testing::ColumnPartsMatrix;
 using testing::fresh_seed;
 using testing::seeded_randn;
 using testing::Case;
@@ -949,13 +951,8 @@ TEST(SOAPColumnParts, PiecesOfColumnBlocksStepAsOneDevice) {
   // float64 reference) up to fp32 rounding.
   const uint64_t seed = fresh_seed();
   SCOPED_TRACE("seed " + std::to_string(seed));
-  struct M {
-    std::vector<int64_t> shape;
-    int parts;
-    std::vector<std::pair<int64_t, int64_t>> chunk;
-  };
-  const std::vector<M> mats = {{{10, 16}, 2, {{0, 5}, {0, 5}, {5, 10}, {5, 10}}},
-                               {{6, 12}, 3, {{0, 6}, {0, 6}, {0, 6}, {0, 0}}}};
+  const std::vector<ColumnPartsMatrix> mats = {{"w0", {10, 16}, 2, {{0, 5}, {0, 5}, {5, 10}, {5, 10}}},
+                                               {"w1", {6, 12}, 3, {{0, 6}, {0, 6}, {0, 6}, {0, 0}}}};
   SOAPConfig c = config();
   c.max_preconditioner_dim = 4;
   auto full = [&](int step) {
@@ -976,30 +973,14 @@ TEST(SOAPColumnParts, PiecesOfColumnBlocksStepAsOneDevice) {
       opt.step();
     }
   }
-  auto piece = [&](const at::Tensor& x, size_t t, int r) {
-    const M& m = mats[t];
-    const int64_t width = m.shape[1] / m.parts;
-    return x.narrow(1, (r % m.parts) * width, width)
-        .narrow(0, m.chunk[r].first, m.chunk[r].second - m.chunk[r].first)
-        .contiguous();
-  };
+  auto piece = [&](const at::Tensor& x, size_t t, int r) { return mats[t].piece(x, r).contiguous(); };
   std::atomic<int64_t> cut{0};
   std::mutex mu;
   std::map<int, std::string> failures;
   run_local_ranks(4, [&](Comm& comm) {
     const int r = comm.rank();
     std::vector<ParamShard> shards;
-    for (size_t t = 0; t < mats.size(); ++t) {
-      const M& m = mats[t];
-      std::vector<std::pair<int64_t, int64_t>> every;
-      for (int q = 0; q < 4; ++q) {
-        every.emplace_back((q % m.parts) * m.shape[0] + m.chunk[q].first,
-                           (q % m.parts) * m.shape[0] + m.chunk[q].second);
-      }
-      shards.emplace_back(TensorShard::column_parts("w" + std::to_string(t), m.shape, m.parts,
-                                                    every[r].first, every[r].second, every),
-                          piece(init[t], t, r));
-    }
+    for (size_t t = 0; t < mats.size(); ++t) shards.emplace_back(mats[t].shard(r), piece(init[t], t, r));
     SOAP opt(shards, options(), c, std::shared_ptr<Comm>(&comm, [](Comm*) {}));
     if (r == 0) cut = static_cast<int64_t>(opt.cut_rows().size());
     for (int s = 0; s < kSteps; ++s) {
