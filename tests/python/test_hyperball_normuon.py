@@ -256,6 +256,21 @@ def test_a_given_radius_is_the_norm_from_the_first_step():
         assert abs(model.w.detach().double().norm().item() - 3.0) < 1e-5
 
 
+def expect_resumed_exactly(kind, seed, model, opt, saved_params, saved, rest):
+    """model and opt trained on through `rest` equal a fresh model and kind's
+    optimizer given saved_params and the state_dict `saved`, trained on the same."""
+    train(model, opt, rest)
+    again = Grads(seed)
+    with torch.no_grad():
+        for n, p in again.named_parameters():
+            p.copy_(saved_params[n])
+    opt2 = optimizer(kind, dict(again.named_parameters()))
+    opt2.load_state_dict(saved)
+    train(again, opt2, rest)
+    for (n, a), b in zip(model.named_parameters(), again.parameters()):
+        assert torch.equal(a, b), (kind, n, seed)
+
+
 @pytest.mark.parametrize("kind", ["normuonh", "adamh"])
 def test_state_dict_round_trip_continues_exactly(kind):
     seed = int(torch.randint(0, 2 ** 30, ()).item())
@@ -267,16 +282,7 @@ def test_state_dict_round_trip_continues_exactly(kind):
     saved = copy.deepcopy(opt.state_dict())  # (its tensors are the optimizer's own)
     names = set(saved["state"][0])
     assert "hyperball_radius" in names and (kind != "normuonh" or "normuon_v" in set(saved["state"][1]))
-    train(model, opt, grads[STEPS:])
-    again = Grads(seed)
-    with torch.no_grad():
-        for n, p in again.named_parameters():
-            p.copy_(saved_params[n])
-    opt2 = optimizer(kind, dict(again.named_parameters()))
-    opt2.load_state_dict(saved)
-    train(again, opt2, grads[STEPS:])
-    for (n, a), b in zip(model.named_parameters(), again.parameters()):
-        assert torch.equal(a, b), (kind, n, seed)
+    expect_resumed_exactly(kind, seed, model, opt, saved_params, saved, grads[STEPS:])
 
 
 @pytest.mark.parametrize("kind", ["muonh", "adamh"])
@@ -298,16 +304,7 @@ def test_hyperball_turned_on_mid_run_is_saved_and_resumes_exactly(kind):
     saved_params = {n: p.detach().clone() for n, p in model.named_parameters()}
     saved = copy.deepcopy(opt.state_dict())
     assert "hyperball_radius" in saved["state"][0], sorted(saved["state"][0])
-    train(model, opt, grads[2 * STEPS:])
-    again = Grads(seed)
-    with torch.no_grad():
-        for n, p in again.named_parameters():
-            p.copy_(saved_params[n])
-    opt2 = optimizer(kind, dict(again.named_parameters()))
-    opt2.load_state_dict(saved)
-    train(again, opt2, grads[2 * STEPS:])
-    for (n, a), b in zip(model.named_parameters(), again.parameters()):
-        assert torch.equal(a, b), (kind, n, seed)
+    expect_resumed_exactly(kind, seed, model, opt, saved_params, saved, grads[2 * STEPS:])
 
 
 def test_a_state_saved_without_hyperball_loads_as_saved_then_hyperball_turns_on():
