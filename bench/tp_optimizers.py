@@ -11,8 +11,12 @@ and the most of one rank (torch AdamW sends none: element-wise on the local
 pieces, no check across ranks).
 --mesh 3d: the same block over HSDP x TP, mesh (dp_replicate=2, dp_shard=2, tp=2),
 8 process ranks (torch FSDP2 over (dp_replicate, dp_shard)).
+--shard rfsdp: rfsdp.fully_shard over the data-parallel dims in place of FSDP2 (its
+plan of each tp piece; the per-head case by the plan's policy, rfsdp.policy.muon's
+split, which keeps each head's q, k, v whole on one dp rank: nothing to send).
 
-    python bench/tp_optimizers.py [--dim 256 --heads 4 --ffn 1024 --steps 20] [--mesh 2d|3d]"""
+    python bench/tp_optimizers.py [--dim 256 --heads 4 --ffn 1024 --steps 20] [--mesh 2d|3d]
+                                  [--shard fsdp2|rfsdp]"""
 import argparse
 import os
 import statistics
@@ -37,7 +41,14 @@ def worker(rank, world, args):
     for name in ("torch AdamW", "rfsdp AdamW", "rfsdp Muon + AdamW", "Muon, qkv per head",
                  "rfsdp AdamW8bit", "rfsdp Shampoo", "rfsdp SOAP"):
         torch.manual_seed(0)
-        model = tm.tensor_parallel(tm.Block(args.dim, args.heads, args.ffn), mesh, dp=dp)
+        heads = name.endswith("per head")  # (qkv's q, k, v of each head: blocks of its own)
+        head_blocks = [args.dim // args.heads] * 3 * args.heads
+        if args.shard == "fsdp2":
+            model = tm.tensor_parallel(tm.Block(args.dim, args.heads, args.ffn), mesh, dp=dp)
+        else:
+            model = tm.tensor_parallel(tm.Block(args.dim, args.heads, args.ffn), mesh, dp=None)
+            policy = rfsdp.policy.muon(split={"qkv.weight": head_blocks}) if heads else None
+            rfsdp.fully_shard(model, mesh=mesh[dp], policy=policy)
         if name == "torch AdamW":
             opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
         elif name == "rfsdp AdamW":
@@ -52,13 +63,13 @@ def worker(rank, world, args):
                                    precondition_frequency=10)
         else:
             named = list(model.named_parameters())
-            heads = name.endswith("per head")  # (qkv's q, k, v of each head: blocks of its own)
             mats = [p for n, p in named if n in tm.MATRICES and not (heads and n == "qkv.weight")]
             rest = [p for n, p in named if n not in tm.MATRICES]
             groups = [dict(params=mats), dict(params=rest, use_muon=False)]
             if heads:
-                groups.append(dict(params=[model.qkv.weight],
-                                   split_sizes=[args.dim // args.heads] * 3 * args.heads))
+                # (rfsdp.fully_shard's shard carries the plan's blocks: Muon takes them)
+                groups.append(dict(params=[model.qkv.weight], split_sizes=head_blocks
+                                   if args.shard == "fsdp2" else None))
             opt = rfsdp.optim.Muon(groups, lr=0.02)
         x = torch.randn(2, 16, args.dim)
         model(x).pow(2).mean().backward()
@@ -84,11 +95,13 @@ def main():
     ap.add_argument("--ffn", type=int, default=1024)
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--mesh", choices=sorted(MESHES), default="2d")
+    ap.add_argument("--shard", choices=("fsdp2", "rfsdp"), default="fsdp2")
     args = ap.parse_args()
     world, shape = MESHES[args.mesh]
     got = run_ranks(worker, world, args)
-    print("block dim %d heads %d ffn %d, %d ranks (%s), Gloo, median of %d steps"
-          % (args.dim, args.heads, args.ffn, world, shape, args.steps))
+    print("block dim %d heads %d ffn %d, %d ranks (%s), %s over dp, Gloo, median of %d steps"
+          % (args.dim, args.heads, args.ffn, world, shape,
+             "torch FSDP2" if args.shard == "fsdp2" else "rfsdp.fully_shard", args.steps))
     for name in got[0]:
         t = max(g[name][0] for g in got)
         sent = [g[name][1] for g in got]

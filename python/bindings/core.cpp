@@ -107,6 +107,12 @@ void bind_core(py::module_& m) {
       .def_readonly("blocks_dim", &rfsdp::TensorShard::blocks_dim)
       .def_readonly("col_parts", &rfsdp::TensorShard::col_parts)
       .def("renamed", &rfsdp::TensorShard::renamed, py::arg("name"))
+      // (a tensor-parallel piece's shard of the global tensor: the plan's blocks of it)
+      .def("with_blocks", [](rfsdp::TensorShard t, std::vector<int64_t> blocks, int dim) {
+             t.blocks = std::move(blocks);
+             t.blocks_dim = dim;
+             return t;
+           }, py::arg("blocks"), py::arg("blocks_dim"))
       .def(py::pickle(
           [](const rfsdp::TensorShard& t) {
             return py::make_tuple(t.name, t.shape, t.row_dims, t.row_begin, t.row_end, t.rank_rows,

@@ -159,13 +159,6 @@ def worker(rank, world, seed, folder):
     torch.nn.functional.mse_loss(model(x), y).backward()
     out["clip_norm"] = float(rfsdp.clip_grad_norm_(model, 0.1))
     out["clipped"] = {n: p.grad.full_tensor() for n, p in model.named_parameters()}
-
-    # rfsdp.fully_shard over the tensor-parallel model: refused, naming the placement.
-    from torch.distributed.tensor.parallel import ColwiseParallel, parallelize_module
-    torch.manual_seed(seed)
-    block = tm.Block()
-    parallelize_module(block, mesh["tp"], {"qkv": ColwiseParallel()})
-    out["fully_shard"] = raised(rfsdp.fully_shard, block, mesh=mesh["dp"])
     return out
 
 
@@ -322,10 +315,3 @@ def test_clip_grad_norm_is_global_over_both_mesh_dimensions(got):
         assert got[r]["clip_norm"] == pytest.approx(norm.item(), rel=1e-5)
         _close(got[r]["clipped"], {n: p.grad for n, p in model.named_parameters()},
                "clipped grad, rank %d" % r, tol=1e-6)
-
-
-def test_rfsdp_fully_shard_refuses_a_tensor_parallel_module_naming_the_placement(got):
-    for r in range(4):
-        cls, msg = got[r]["fully_shard"]
-        assert "ValueError" in cls and "qkv.weight" in msg and "Shard(dim=0)" in msg \
-            and "same memory" not in msg, msg

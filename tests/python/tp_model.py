@@ -70,13 +70,14 @@ def dp_of(mesh, dims="dp"):
 def tensor_parallel(model, mesh, dp="dp"):
     """model with torch's tensor parallelism over mesh["tp"] (the block's columns
     and rows as torchtitan splits a layer's), then torch FSDP2 over mesh[dp] (a
-    name, or DP_3D: HSDP over (dp_replicate, dp_shard))."""
+    name, or DP_3D: HSDP over (dp_replicate, dp_shard); None: none)."""
     from torch.distributed.fsdp import fully_shard
     from torch.distributed.tensor.parallel import (ColwiseParallel, RowwiseParallel,
                                                    parallelize_module)
     parallelize_module(model, mesh["tp"], {"qkv": ColwiseParallel(), "proj": RowwiseParallel(),
                                            "fc1": ColwiseParallel(), "fc2": RowwiseParallel()})
-    fully_shard(model, mesh=mesh[dp])
+    if dp is not None:  # (None: tensor parallelism alone, for another data-parallel wrapper)
+        fully_shard(model, mesh=mesh[dp])
     return model
 
 
@@ -102,8 +103,12 @@ def train(model, opt, xs, ys, dp_rank=0, dp=1, before_step=None):
 
 
 def full_of(model):
-    """{name: the whole tensor} of every parameter (DTensors gathered: collective)."""
+    """{name: the whole tensor} of every parameter (DTensors and rfsdp.fully_shard's
+    shards gathered: collective)."""
+    import rfsdp
     from torch.distributed.tensor import DTensor
+    if any(rfsdp.shard_info(p) is not None for p in model.parameters()):
+        return rfsdp.full_parameters(model)
     return {n: (p.full_tensor() if isinstance(p, DTensor) else p).detach().clone()
             for n, p in model.named_parameters()}
 

@@ -25,6 +25,7 @@ from ..planning import PlannerOptions
 from . import state_dict as state_dict_mod
 from .dtensor import is_dtensor, is_sharded, local, root_mesh, whole_mesh_group
 from .schedule import Schedule
+from .tp_pieces import MeshDims, TPPiece
 from .unit import MixedPrecisionPolicy, TrainingState, Unit, shard_info
 
 
@@ -207,23 +208,24 @@ def _as_fsdp_module(module):
     module.__class__ = new
 
 
-def _collect(module):
+def _collect(module, dims):
     """The parameters of module that no inner fully_shard call claimed, each with
-    every place it stands (a parameter tied to several modules is one entry), and
-    their devices. Storage shared in ways a shard cannot keep is refused."""
-    entries, index, devices, storages = [], {}, set(), []
+    every place it stands (a parameter tied to several modules is one entry), the
+    TPPiece of each (None where not tensor-parallel; dims: the MeshDims of
+    fully_shard's mesh, None without one) and their devices. Storage shared in
+    ways a shard cannot keep is refused."""
+    entries, pieces, index, devices, storages = [], [], {}, set(), []
     for owner_name, owner in module.named_modules():
         for attr, p in owner._parameters.items():
             if p is None or shard_info(p) is not None:  # an inner call's shard
                 continue
             fqn = (owner_name + "." if owner_name else "") + attr
-            if is_dtensor(p):  # (its data_ptr is the local piece's: checked before storage)
+            if is_dtensor(p) and dims is None and id(p) not in index:
                 raise ValueError(
-                    "fully_shard: parameter '%s' is a DTensor with placements %s over a mesh %s "
-                    "(tensor parallelism): rfsdp.fully_shard does not shard tensor-parallel "
-                    "pieces yet. Shard the module with torch's FSDP2 "
-                    "(torch.distributed.fsdp.fully_shard(module, mesh=mesh['dp'])) and step it "
-                    "with rfsdp's optimizers, which take its parameters"
+                    "fully_shard: parameter '%s' is a DTensor with placements %s over mesh dims "
+                    "%s (tensor parallelism): give fully_shard the data-parallel dims of the "
+                    "mesh its tp mesh was sliced from, with names (mesh=mesh['dp'], or "
+                    "mesh=mesh['dp_replicate', 'dp_shard'] for HSDP), not a process group"
                     % (fqn, tuple(p.placements), tuple(p.device_mesh.mesh_dim_names or ())))
             claimed = getattr(p, "_rfsdp_replaced", None)
             if claimed is not None:
@@ -235,9 +237,11 @@ def _collect(module):
             if id(p) in index:  # tied: another use of a parameter met already
                 entries[index[id(p)]].append((owner, attr, fqn))
                 continue
-            if p.numel() > 0 and p.device.type != "meta":  # meta tensors have no memory
-                lo = p.data_ptr()
-                hi = lo + p.numel() * p.element_size()
+            piece = TPPiece(fqn, p, dims) if is_dtensor(p) else None
+            t = local(p)  # (a tp piece is planned and sharded as its local tensor)
+            if t.numel() > 0 and t.device.type != "meta":  # meta tensors have no memory
+                lo = t.data_ptr()
+                hi = lo + t.numel() * t.element_size()
                 for other_lo, other_hi, other in storages:
                     if lo < other_hi and other_lo < hi:
                         raise ValueError(
@@ -248,8 +252,9 @@ def _collect(module):
                 storages.append((lo, hi, fqn))
             index[id(p)] = len(entries)
             entries.append([(owner, attr, fqn)])
-            devices.add(p.device)
-    return entries, devices
+            pieces.append(piece)
+            devices.add(t.device)
+    return entries, pieces, devices
 
 
 def _groups(mesh, process_group, replicate_group):
@@ -295,9 +300,11 @@ def _describe(module, call, entries, pol, mp, reshard_after_forward, planner):
                 pol.granule(fqn, p), pol.row_dims(fqn, p) if p.dim() > 0 else 1)
         except Exception as e:  # noqa: BLE001 (an error is part of what must agree)
             layout = "policy error: %s" % e
-        lines.append("parameter '%s': shape %s, %s on %s, requires_grad %s, %s, %d uses"
+        lines.append("parameter '%s': shape %s, %s on %s, requires_grad %s, %s, %d uses%s"
                      % (fqn, list(p.shape), p.dtype, p.device.type, p.requires_grad, layout,
-                        len(uses)))
+                        len(uses), ", placements %s over %s" % (
+                            tuple(p.placements), p.device_mesh.mesh_dim_names)
+                        if is_dtensor(p) else ""))
     lines.append("mixed precision %s, reshard_after_forward %s, planner %s"
                  % (mp, reshard_after_forward, planner))
     for name, m in module.named_modules():
@@ -393,7 +400,8 @@ def fully_shard(module: nn.Module, *, mesh=None, process_group=None, replicate_g
     if comm_policy is not None and comm_policy.quantised_weights():
         # each rank encodes whole blocks of its own rows: the plan keeps them whole
         pol = policy_mod.combine(pol, policy_mod.blockwise_8bit(comm_policy.weight_block))
-    entries, devices = _collect(module)
+    dims = MeshDims(mesh) if mesh is not None and mesh.mesh_dim_names else None
+    entries, pieces, devices = _collect(module, dims)
     planner = planner if planner is not None else PlannerOptions()
     if not isinstance(planner, PlannerOptions):
         raise ValueError("fully_shard: planner must be an rfsdp.PlannerOptions, got %r" % (planner,))
@@ -436,7 +444,7 @@ def fully_shard(module: nn.Module, *, mesh=None, process_group=None, replicate_g
         mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16) if device.type == "cuda" \
             else MixedPrecisionPolicy()
     unit = Unit(entries, comm, replicate_comm, pg, rg, pol, mp, reshard_after_forward, planner,
-                device, comm_policy) if entries else None
+                device, comm_policy, pieces, dims) if entries else None
     module._rfsdp_unit = unit if unit is not None else False
     # This call's schedule takes over the units of the calls below it (their
     # schedules are emptied). Its pre-hook runs before the unit's, its post-hook after.
@@ -485,22 +493,20 @@ def clip_grad_norm_(model: nn.Module, max_norm: float, error_if_nonfinite: bool 
             return _clip_dtensor_grads(params, float(max_norm), bool(error_if_nonfinite))
         raise ValueError("clip_grad_norm_: the model has no fully_shard units (nor torch FSDP2 "
                          "DTensor parameters with gradients)")
+    if any(piece is not None for u in us for piece in u.pieces):
+        return _clip_tp_units(us, float(max_norm), bool(error_if_nonfinite))
     norm = _C.clip_grad_norm([u.unit for u in us], float(max_norm), bool(error_if_nonfinite))
     return torch.tensor(norm, dtype=torch.float32, device=us[0].sharded[0].device)
 
 
 def _clip_dtensor_grads(params, max_norm, error_if_nonfinite):
     """clip_grad_norm_ of DTensor parameters (torch FSDP2, with tensor parallelism:
-    norms over dp alone, matrices over (dp, tp)): the L2 norm over every rank of
-    their mesh in one all-reduce, each element counted once (a piece that k ranks
-    hold alike, a Replicate dimension or a parameter of a sub-mesh, adds 1/k of
-    its square on each), float64 sums; the local gradients scaled in place."""
+    norms over dp alone, matrices over (dp, tp))."""
     roots = {id(root_mesh(p.device_mesh)): root_mesh(p.device_mesh) for p in params}
     if len(roots) > 1:
         raise ValueError("clip_grad_norm_: the parameters' DTensors lie on %d different device "
                          "meshes; clip each mesh's parameters on their own" % len(roots))
-    root = next(iter(roots.values()))
-    total = torch.zeros((), dtype=torch.float64)
+    grads = []
     for p in params:
         g = p.grad
         if not is_dtensor(g) or any(not (is_sharded(x) or x.is_replicate()) for x in g.placements):
@@ -511,8 +517,33 @@ def _clip_dtensor_grads(params, max_norm, error_if_nonfinite):
         sharded = 1
         for d, x in enumerate(g.placements):
             sharded *= g.device_mesh.size(d) if is_sharded(x) else 1
+        grads.append((local(g), sharded))
+    return _clip_over_mesh(next(iter(roots.values())), grads, max_norm, error_if_nonfinite)
+
+
+def _clip_tp_units(us, max_norm, error_if_nonfinite):
+    """clip_grad_norm_ of fully_shard units over tensor-parallel modules: each
+    shard's gradient rows, sharded over its ShardInfo's group (dp, or dp and tp)."""
+    roots = {id(u.mesh_dims.root): u.mesh_dims.root for u in us if u.mesh_dims is not None}
+    if len(roots) != 1 or any(u.mesh_dims is None for u in us):
+        raise ValueError("clip_grad_norm_: the model's fully_shard units lie on %d different "
+                         "device meshes (or none); clip each mesh's units on their own"
+                         % len(roots))
+    grads = [(sp.grad, sp._rfsdp_shard.process_group.size()) for u in us for sp in u.sharded
+             if sp.grad is not None]
+    return _clip_over_mesh(next(iter(roots.values())), grads, max_norm, error_if_nonfinite)
+
+
+def _clip_over_mesh(root, grads, max_norm, error_if_nonfinite):
+    """The L2 norm of gradients [(local tensor, number of ranks its tensor is sharded
+    over)] over every rank of the mesh `root` in one all-reduce, each element
+    counted once (a piece that k ranks hold alike, along a Replicate dimension or
+    outside a parameter's sub-mesh, adds 1/k of its square on each), float64 sums;
+    the local gradients scaled in place."""
+    total = torch.zeros((), dtype=torch.float64)
+    for g, sharded in grads:
         holders = root.size() // sharded  # ranks holding each element alike
-        total += local(g).detach().double().pow(2).sum().cpu() / holders
+        total += g.detach().double().pow(2).sum().cpu() / holders
     if root.size() > 1:
         dist.all_reduce(total, group=whole_mesh_group(root))
     norm = total.sqrt()
@@ -521,9 +552,10 @@ def _clip_dtensor_grads(params, max_norm, error_if_nonfinite):
                            "rank); pass error_if_nonfinite=False to clip anyway" % norm.item())
     coef = min(1.0, max_norm / (norm.item() + 1e-6))
     with torch.no_grad():
-        for p in params:
-            local(p.grad).mul_(coef)
-    return torch.tensor(norm.item(), dtype=torch.float32, device=local(params[0]).device)
+        for g, _ in grads:
+            g.mul_(coef)
+    device = grads[0][0].device if grads else torch.device("cpu")
+    return torch.tensor(norm.item(), dtype=torch.float32, device=device)
 
 
 def global_numel(model: nn.Module) -> int:

@@ -90,16 +90,27 @@ def root_mesh(mesh):
     return get() if get is not None else mesh
 
 
-def root_dims_sharded(params, root):
-    """The dims of `root` (indices) along which any of these DTensor parameters
-    (each over root or a mesh sliced from it) is sharded, matched by name; every
-    dim where a mesh has no names."""
+def mesh_dims_of(p, info):
+    """(root mesh, names of the root's dims p is sharded along; None where its mesh
+    has no names) of a DTensor parameter or of a shard fully_shard made over a
+    mesh (info.mesh_dims), else None."""
+    if is_dtensor(p):
+        names = p.device_mesh.mesh_dim_names
+        return root_mesh(p.device_mesh), None if names is None else \
+            tuple(names[d] for d, x in enumerate(p.placements) if is_sharded(x))
+    return None if info is None else info.mesh_dims
+
+
+def root_dims_sharded(placed, root):
+    """The dims of `root` (indices) along which any of these parameters (their
+    mesh_dims_of: each over root or a mesh sliced from it) is sharded, matched by
+    name; every dim where a mesh has no names."""
     out = set()
-    for p in params:
-        names, rnames = p.device_mesh.mesh_dim_names, root.mesh_dim_names
+    rnames = root.mesh_dim_names
+    for _, names in placed:
         if names is None or rnames is None or any(n not in rnames for n in names):
             return tuple(range(root.ndim))
-        out.update(rnames.index(names[d]) for d, x in enumerate(p.placements) if is_sharded(x))
+        out.update(rnames.index(n) for n in names)
     return tuple(sorted(out))
 
 
@@ -210,8 +221,27 @@ def dtensor_shard(name: str, p) -> ShardInfo:
 
 
 def info_of(name: str, p) -> Optional[ShardInfo]:
-    """fully_shard's ShardInfo, an FSDP2 parameter's, or None (a plain tensor)."""
+    """fully_shard's ShardInfo, an FSDP2 parameter's, or None: a plain tensor, or a
+    DTensor replicated along every dim (a tensor-parallel bias: the whole tensor on
+    each rank, stepped alike, as DDP's; an optimizer built before fully_shard
+    meets it so, and follows it to its shard)."""
     info = shard_info(p)
-    if info is None and is_dtensor(p):
+    if info is None and is_dtensor(p) and not is_replicated(p):
         info = dtensor_shard(name, p)
     return info
+
+
+def is_replicated(p) -> bool:
+    """A DTensor whose every placement is Replicate()."""
+    return all(x.is_replicate() for x in p.placements)
+
+
+def local_grad(p) -> Optional[torch.Tensor]:
+    """p's gradient as this rank's tensor: a DTensor gradient's local piece, once in
+    p's placements (a replicated parameter's Partial gradient is summed first)."""
+    g = p.grad
+    if g is None or not is_dtensor(g):
+        return g
+    if is_dtensor(p) and tuple(g.placements) != tuple(p.placements):
+        g = g.redistribute(p.device_mesh, p.placements)
+    return g._local_tensor

@@ -63,7 +63,7 @@ def _post_state_dict(module, state_dict, prefix, local_metadata):
     unit = module._rfsdp_unit
     _check_in(unit, settings, "model.state_dict() (full)")
     with torch.no_grad():
-        full = full_rows([(sp, shard_info(sp)) for _, sp in items], unit.process_group)
+        full = _full(items)
     keep = not settings.rank0_only or not dist.is_initialized() or dist.get_rank() == 0
     for (keys, _), t in zip(items, full):
         for k in keys:
@@ -71,6 +71,23 @@ def _post_state_dict(module, state_dict, prefix, local_metadata):
                 state_dict[k] = t.cpu() if settings.cpu_offload else t
             else:
                 state_dict.pop(k, None)
+
+
+def _full(items):
+    """The global tensors of [(keys, shard)], gathered over each one's shard group
+    (the unit's, or, for a tensor-parallel piece, the ranks along dp and tp):
+    one all-gather per group, in the order the groups first appear (every rank
+    alike: the unit's parameters are in one order everywhere)."""
+    by_group = {}
+    for k, (_, sp) in enumerate(items):
+        info = shard_info(sp)
+        by_group.setdefault(id(info.process_group), (info.process_group, []))[1].append(
+            (k, sp, info))
+    out = [None] * len(items)
+    for pg, group in by_group.values():
+        for (k, _, _), t in zip(group, full_rows([(sp, info) for _, sp, info in group], pg)):
+            out[k] = t
+    return out
 
 
 def _pre_load_state_dict(module, state_dict, prefix, local_metadata, strict, missing_keys,
@@ -109,6 +126,9 @@ def _rows_for(key, v, info, sp) -> torch.Tensor:
             "holds rows [%d, %d), shape %s): give full tensors of the global shapes or a "
             "sharded state dict" % (key, tuple(v.shape), tuple(info.global_shape), info.row_begin,
                                     info.row_end, tuple(sp.shape)))
+    if info.box is not None:  # a tensor-parallel column piece: its rectangle
+        _, offsets, sizes = info.box
+        return v.detach()[tuple(slice(o, o + n) for o, n in zip(offsets, sizes))].reshape(sp.shape)
     return v.detach().reshape(-1, info.row_len)[info.row_begin:info.row_end].reshape(sp.shape)
 
 

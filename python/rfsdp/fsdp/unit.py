@@ -52,9 +52,12 @@ class ShardInfo:
     process_group shards it (the ranks whose rows together make the tensor);
     replicate_group (HSDP; None for plain FSDP) holds the ranks with equal rows.
     global_shape / global_numel are the parameter's; the shard's own shape and
-    numel() are this rank's rows."""
+    numel() are this rank's rows. mesh_dims: None, or (root DeviceMesh, names of
+    the root dims it is sharded along) where fully_shard was given a mesh: an
+    optimizer over shards of several such groups (tensor parallelism) agrees over
+    all those dims."""
 
-    __slots__ = ("shard", "process_group", "replicate_group", "box")
+    __slots__ = ("shard", "process_group", "replicate_group", "box", "mesh_dims")
 
     def __init__(self, name, global_shape, row_dims, row_begin, row_end, process_group=None,
                  replicate_group=None, rank_rows=()):
@@ -63,9 +66,10 @@ class ShardInfo:
         self.process_group = process_group
         self.replicate_group = replicate_group
         self.box = None
+        self.mesh_dims = None
 
     @classmethod
-    def of(cls, shard, process_group=None, replicate_group=None, box=None):
+    def of(cls, shard, process_group=None, replicate_group=None, box=None, mesh_dims=None):
         """box: None, or (global shape, offsets, sizes) where the piece is not rows
         of the global tensor (a tensor-parallel column piece: Shard(1) of
         RowwiseParallel, see fsdp/dtensor.py); shard then describes it as rows of
@@ -73,6 +77,7 @@ class ShardInfo:
         info = cls.__new__(cls)
         info.shard, info.process_group, info.replicate_group = shard, process_group, replicate_group
         info.box = box
+        info.mesh_dims = mesh_dims
         return info
 
     name = property(lambda self: self.shard.name)
@@ -171,19 +176,26 @@ class UnitParam:
     backward asks the C++ unit nothing per parameter. The full parameter's
     requires_grad follows the shard's (Unit.follow_requires_grad)."""
 
-    def __init__(self, unit, i, requires_grad, pg, rg):
+    def __init__(self, unit, i, requires_grad, pg, rg, piece=None, mesh_dims=None, blocks=None):
+        # piece: the TPPiece of a tensor-parallel parameter (its shard lies in the
+        # global tensor over dp and tp; forward sees its full piece as a DTensor).
+        self.piece = piece
         self.sharded = nn.Parameter(unit.local_param(i), requires_grad=requires_grad)
-        self.sharded._rfsdp_shard = ShardInfo.of(unit.tensor_shard(i), pg, rg)
-        self.full = nn.Parameter(unit.full_param(i).data, requires_grad=requires_grad)
+        info = ShardInfo.of(unit.tensor_shard(i), pg, rg, mesh_dims=mesh_dims) if piece is None \
+            else piece.shard_info(unit.tensor_shard(i), blocks)
+        self.sharded._rfsdp_shard = info
+        full = unit.full_param(i).data
+        self.full = nn.Parameter(full if piece is None else piece.wrap(full),
+                                 requires_grad=requires_grad)
         self.full_grad = unit.full_grad(i).data
         self.local_grad = unit.local_grad(i)
-        self.grad = ShardGrad.of(self.local_grad, pg)  # the shard's .grad once reduced
+        self.grad = ShardGrad.of(self.local_grad, info.process_group)  # the shard's .grad once reduced
         self.hooked = False  # the full parameter's post-accumulate-grad hook is registered
 
 
 class Unit:
     def __init__(self, entries, comm, replicate_comm, pg, rg, pol, mp, reshard_after_forward,
-                 planner, device, comm_policy=None):
+                 planner, device, comm_policy=None, pieces=None, mesh_dims=None):
         # entries[i]: every place parameter i stands, [(owner module, attr name, fqn)];
         # a tied parameter stands in several and is sharded once, under the first name.
         self.entries = entries
@@ -201,6 +213,10 @@ class Unit:
         self.comm_policy = comm_policy
         self.comm = comm  # kept: rfsdp closes it at exit (see _comm)
         self.replicate_comm = replicate_comm
+        # pieces[i]: parameter i's TPPiece (tensor parallelism), or None; mesh_dims: the
+        # MeshDims of the mesh fully_shard was given (None: process groups).
+        self.pieces = pieces if pieces is not None else [None] * len(entries)
+        self.mesh_dims = mesh_dims
         # Each parameter's name in the module this call shards (fixed), and the
         # names the policy was asked under (an outer call's may replace them: replan).
         self.local_names = [uses[0][2] for uses in entries]
@@ -208,14 +224,18 @@ class Unit:
         # Every rank starts from the values of the shard group's rank 0: one all-reduce
         # of its values and zeros elsewhere (exact; one collective for the whole unit);
         # under HSDP, replica 0's then go to the other replicas (one broadcast).
-        flat = torch.cat([p.detach().to(torch.float32).reshape(-1) for p in params])
+        # (a tensor-parallel parameter: its local piece, over dp alone)
+        local_params = [p if piece is None else p._local_tensor
+                        for p, piece in zip(params, self.pieces)]
+        flat = torch.cat([p.detach().to(torch.float32).reshape(-1) for p in local_params])
         if pg.size() > 1:
             if pg.rank() != 0:
                 flat.zero_()
             dist.all_reduce(flat, group=pg)
         if self.replicate_comm is not None:
             dist.broadcast(flat, src=dist.get_global_rank(rg, 0), group=rg)
-        full = [t.view(p.shape) for t, p in zip(flat.split([p.numel() for p in params]), params)]
+        full = [t.view(p.shape) for t, p in zip(flat.split([p.numel() for p in local_params]),
+                                                local_params)]
         self._lay_out(full, [p.requires_grad for p in params], list(self.local_names), params,
                       asked=params)
         self.state = TrainingState.IDLE
@@ -235,15 +255,20 @@ class Unit:
         values `full` (every rank's alike) into it and puts the shards into the
         modules; `replaced`: the parameters they replace (marked for optimizers built
         before)."""
+        from .tp_pieces import local_blocks
         pg, rg = self.process_group, self.replicate_group
         dtype_bytes = torch.empty((), dtype=self.mp.param_dtype).element_size()
         specs, self.planned_blocks = [], []
         pol = self.policy
-        for name, t in zip(names, full if asked is None else asked):
+        for name, t, here, piece in zip(names, full if asked is None else asked, full,
+                                        self.pieces):
             g = pol.granule(name, t)
             blocks = pol.blocks(name, t)
             self.planned_blocks.append(None if blocks is None else (tuple(blocks), pol.blocks_dim))
-            specs.append((name, list(t.shape), 0 if g == policy_mod.WHOLE else g,
+            if piece is not None:  # a tp piece is planned as itself: its blocks and granule
+                blocks = local_blocks(blocks, pol.blocks_dim, piece)
+                g = piece.granule(g, policy_mod.WHOLE)
+            specs.append((name, list(here.shape), 0 if g == policy_mod.WHOLE else g,
                           pol.row_dims(name, t) if t.dim() > 0 else 1, dtype_bytes,
                           blocks or [], pol.blocks_dim if blocks else 0))
         self.policy_names = list(names)
@@ -256,7 +281,8 @@ class Unit:
         self.params = []
         for i, (uses, old) in enumerate(zip(self.entries, replaced)):
             up = UnitParam(self.unit, i, requires_grad[i], pg,
-                           rg if self.replicate_comm is not None else None)
+                           rg if self.replicate_comm is not None else None, self.pieces[i],
+                           self._mesh_names(), self.planned_blocks[i])
             up.sharded._rfsdp_policy = pol  # (the optimizers check its names were all matched)
             _replace(old, up.sharded, uses[0][2])
             self.params.append(up)
@@ -266,6 +292,11 @@ class Unit:
         self._requires_grad = None
         self.follow_requires_grad()
         self._use(self.sharded)
+
+    def _mesh_names(self):
+        """(root mesh, the dims this unit shards along) for its ShardInfos, or None."""
+        d = self.mesh_dims
+        return None if d is None else (d.root, (d.shard_dim,))
 
     def rename(self, names):
         """The shards' names become `names` (an outer fully_shard call's: what its
@@ -283,10 +314,15 @@ class Unit:
         from ..dcp.gather import full_rows
         if self.state is not TrainingState.IDLE or self.unit.unsharded() or self.pending is not None:
             raise RuntimeError("fully_shard: a unit can be planned again only between steps")
-        full = full_rows([(up.sharded, up.sharded._rfsdp_shard) for up in self.params],
-                           self.process_group)
-        self._lay_out([t.detach().clone() for t in full],
-                      [up.sharded.requires_grad for up in self.params], names, self.sharded)
+        # (each parameter's rows of the tensor it was planned as: a tp piece's, over dp)
+        full = full_rows([(up.sharded, ShardInfo.of(self.unit.tensor_shard(i)))
+                          for i, up in enumerate(self.params)], self.process_group)
+        full = [t.detach().clone() for t in full]
+        # (the policy is asked about the global tensors, as _inner_units asked it)
+        asked = [t if piece is None else torch.empty(piece.shape, device="meta")
+                 for t, piece in zip(full, self.pieces)]
+        self._lay_out(full, [up.sharded.requires_grad for up in self.params], names,
+                      self.sharded, asked=asked)
 
     def follow_requires_grad(self):
         """requires_grad set on the shards after sharding (freezing or unfreezing
@@ -447,7 +483,11 @@ class Unit:
             for up in self.params:
                 # Backward adds into the gradient view in place; with another reduce
                 # dtype it lands in a fresh .grad that _grads_to_buffer adds over.
-                up.full.grad = up.full_grad if up.full.dtype == up.full_grad.dtype else None
+                # (a tensor-parallel one's: the DTensor over the gradient view)
+                if up.full.dtype != up.full_grad.dtype:
+                    up.full.grad = None
+                else:
+                    up.full.grad = up.full_grad if up.piece is None else up.piece.wrap(up.full_grad)
             self.grads_waiting = self.grads_expected
             self.grads_done = False
             torch.autograd.Variable._execution_engine.queue_callback(self._post_backward)
@@ -463,8 +503,11 @@ class Unit:
         """Every full gradient into the full gradient buffer (in the reduce dtype)."""
         for up in self.params:
             fp = up.full
-            if fp.grad is not None and fp.grad.data_ptr() != up.full_grad.data_ptr():
-                up.full_grad.add_(fp.grad)  # mixed precision: gradient dtype != reduce dtype
+            g = fp.grad
+            if g is not None and up.piece is not None:
+                g = up.piece.local_grad(g)  # a tensor-parallel piece's gradient: its local piece
+            if g is not None and g.data_ptr() != up.full_grad.data_ptr():
+                up.full_grad.add_(g)  # mixed precision: gradient dtype != reduce dtype
             fp.grad = None
 
     def _grads_done(self):

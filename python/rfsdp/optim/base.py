@@ -14,7 +14,8 @@ from .._comm import make_comm
 from ..dcp import optim_state
 from ..dcp.layout import default_group
 from ..dcp.state_dict_type import state_dict_type
-from ..fsdp.dtensor import (info_of, is_dtensor, local, mesh_group, root_dims_sharded,
+from ..fsdp.dtensor import (info_of, is_dtensor, local, local_grad, mesh_dims_of, mesh_group,
+                             root_dims_sharded,
                              root_mesh)
 from ..fsdp.unit import replacements
 
@@ -79,8 +80,8 @@ def _shard_spec(i, p, name=None):
     (what errors call it) where known, else 'param i'."""
     name = name or "param %d" % i
     info = info_of(name, p)
-    if info is None:
-        return (_C.TensorShard.whole(name, list(p.shape)), p.data)
+    if info is None:  # (a replicated DTensor: its local tensor is the whole)
+        return (_C.TensorShard.whole(name, list(p.shape)), local(p.data))
     shard = info.shard if info.name == name else info.shard.renamed(name)
     return (shard, local(p.data))
 
@@ -124,17 +125,17 @@ def _default_comm(process_group, timeout_seconds, param_groups):
                 shard_groups.setdefault(key, (info.process_group, info.name))
         # (a mesh by its ranks, not its object: torch's slicing may give a second mesh
         # of the same shape the first one's sub-meshes, and FSDP2 then places on both)
-        meshes = {_mesh_key(root_mesh(p.device_mesh)): root_mesh(p.device_mesh) for p in params
-                  if is_dtensor(p)}
+        placed = [mesh_dims_of(p, info_of("param %d" % i, p)) for i, p in enumerate(params)]
+        meshes = {_mesh_key(m[0]): m[0] for m in placed if m is not None}
         if len(shard_groups) > 1 and len(meshes) == 1 and \
-                next(iter(meshes.values())).ndim > 1 and \
-                all(is_dtensor(p) for p in params):
+                next(iter(meshes.values())).ndim > 1 and all(m is not None for m in placed):
             # Tensor or expert parallelism (parameters over (dp, tp), norms over dp
-            # alone): the pieces of a matrix lie on the ranks along every dim some
-            # parameter is sharded on, which agree each step: the whole (dp, tp) mesh;
-            # under HSDP x TP one replica's (shard, tp) ranks (replicas step alike).
+            # alone; FSDP2's DTensors or fully_shard's tp pieces): the pieces of a
+            # matrix lie on the ranks along every dim some parameter is sharded on,
+            # which agree each step: the whole (dp, tp) mesh; under HSDP x TP one
+            # replica's (shard, tp) ranks (replicas step alike).
             root = next(iter(meshes.values()))
-            shard_groups = {"mesh": (mesh_group(root, root_dims_sharded(params, root)), None)}
+            shard_groups = {"mesh": (mesh_group(root, root_dims_sharded(placed, root)), None)}
         if len(shard_groups) > 1:
             (_, a), (_, b) = list(shard_groups.values())[:2]
             raise ValueError("optimizer: parameters '%s' and '%s' are sharded over different "
@@ -678,8 +679,7 @@ class _OverCpp(torch.optim.Optimizer):
         def prepare():
             self._follow_state()
             self._send_options()
-            self._impl.set_grads([None if p.grad is None else local(p.grad)
-                                  for p in self._bound_params])
+            self._impl.set_grads([local_grad(p) for p in self._bound_params])
         _agreed(self._impl, prepare)
         self._impl.step()
         self._stepped.update(id(p) for p in self._bound_params if p.grad is not None)

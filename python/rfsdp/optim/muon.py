@@ -179,22 +179,24 @@ class Muon(_OverCpp):
             return
         import torch.distributed as dist
 
-        from ..fsdp.dtensor import info_of, is_dtensor
+        from ..fsdp.dtensor import info_of, is_dtensor, mesh_dims_of
         for p, (shard, _), u in zip(params, specs, use):
-            if not (u and is_dtensor(p)):
+            info = info_of(shard.name, p) if u else None
+            if info is None or mesh_dims_of(p, info) is None:
                 continue
-            info = info_of(shard.name, p)
             n = dist.get_world_size(info.process_group) if info.process_group is not None else 1
             if n < self.comm.size():
+                what = "a DTensor with placements %s over mesh dims %s" % (
+                    tuple(p.placements), p.device_mesh.mesh_dim_names) if is_dtensor(p) else \
+                    "a fully_shard shard over mesh dims %s" % (mesh_dims_of(p, info)[1],)
                 raise ValueError(
-                    "Muon: parameter '%s' (a DTensor with placements %s over mesh dims %s) is "
+                    "Muon: parameter '%s' (%s) is "
                     "sharded over %d of the %d ranks this optimizer agrees over (every mesh dim "
                     "some of its parameters is sharded on): the others hold copies of its "
                     "pieces, which Muon's owner exchange does not take; give such parameters a "
                     "Muon of their own (its group is then theirs), or parallelise them over "
                     "the other dims too (ColwiseParallel / RowwiseParallel)"
-                    % (shard.name, tuple(p.placements), p.device_mesh.mesh_dim_names, n,
-                       self.comm.size()))
+                    % (shard.name, what, n, self.comm.size()))
 
     def _group_splits(self):
         return [(None if g.get("split_sizes") is None else tuple(g["split_sizes"]),

@@ -1,0 +1,358 @@
+"""rfsdp.fully_shard over tensor-parallel modules (torch's ColwiseParallel /
+RowwiseParallel over mesh["tp"] first, as torchtitan does, then
+rfsdp.fully_shard(module, mesh=mesh["dp"])): the planner plans each rank's tp
+pieces, the collectives run over dp, and the shards present their place in the
+global tensor, so every optimizer steps them. 4 process ranks (Gloo), mesh
+(dp=2, tp=2), against one process (tp_model.py's block: a fused head-major QKV),
+one run of the ranks for every case; each test checks one claim of it. HSDP x
+TP (dp_replicate=2, dp_shard=2, tp=2) on 8 ranks: its own run."""
+import os
+import sys
+import tempfile
+
+import pytest
+import torch
+
+import rfsdp
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import muon_reference  # noqa: E402
+import tp_model as tm  # noqa: E402
+from ranks import raised, run_ranks  # noqa: E402
+
+STEPS = 3
+SEED = 4321
+ADAMW = dict(lr=1e-2, weight_decay=0.05)
+MUON = dict(lr=0.02, momentum=0.95, weight_decay=0.01)
+# Blocks and tiles RowwiseParallel's column parts (proj: 4 columns, fc2: 8) hold whole.
+TILED = (("8bit", "AdamW8bit", dict(lr=1e-2, weight_decay=0.05, block=4, min_8bit_size=1)),
+         ("shampoo", "Shampoo", dict(lr=1e-2, max_preconditioner_dim=4, precondition_frequency=1,
+                                     start_preconditioning_step=1)),
+         ("soap", "SOAP", dict(lr=1e-2, max_preconditioner_dim=4, precondition_frequency=1)))
+CLIP = 0.1
+
+
+def _model(mesh, seed, dp="dp", policy=None):
+    """The block, tensor-parallel, then two rfsdp units over mesh[dp]: the fused
+    QKV's own (an inner call) and the rest's."""
+    torch.manual_seed(seed)
+    model = tm.tensor_parallel(tm.Block(), mesh, dp=None)
+    rfsdp.fully_shard(model.qkv, mesh=mesh[dp], policy=policy)
+    rfsdp.fully_shard(model, mesh=mesh[dp], policy=policy)
+    return model
+
+
+# Muon per head of the fused QKV ([head][q, k, v][head_dim] rows: 6 blocks), by the
+# plan's policy (the outer call finds the blocks under the model's name and plans
+# the inner unit again).
+HEAD_BLOCKS = {"qkv.weight": [tm.DIM // tm.HEADS] * (3 * tm.HEADS)}
+
+
+def _gradients(seed, steps):
+    """Each step's full gradient of every parameter (seeded: the same on every rank)."""
+    torch.manual_seed(seed)
+    shapes = {n: p.shape for n, p in tm.Block().named_parameters()}
+    g = torch.Generator().manual_seed(seed + 1)
+    return [{n: torch.randn(s, generator=g) for n, s in shapes.items()} for _ in range(steps)]
+
+
+def _piece(full, info):
+    """This rank's part of a global tensor, from its ShardInfo's definition: the
+    rectangle of a column piece, else rows [row_begin, row_end) of the tensor
+    seen as rows of row_len elements."""
+    if info.box is not None:
+        _, offsets, sizes = info.box
+        return full[tuple(slice(o, o + n) for o, n in zip(offsets, sizes))].reshape(-1)
+    return full.reshape(-1, info.row_len)[info.row_begin:info.row_end].reshape(-1)
+
+
+def _step_with(model, opt, grads):
+    for g in grads:
+        for n, p in model.named_parameters():
+            p.grad = _piece(g[n], rfsdp.shard_info(p)).view(p.shape).clone()
+        opt.step()
+
+
+def worker(rank, world, seed, folder):
+    mesh = tm.mesh_2d()
+    dp = mesh["dp"].get_local_rank()
+    xs, ys = tm.data(seed, STEPS)
+    out = {}
+
+    model = _model(mesh, seed)
+    out["placements"] = {n: (type(p).__name__, tuple(p.shape), rfsdp.shard_info(p).global_shape,
+                             rfsdp.shard_info(p).process_group.size())
+                         for n, p in model.named_parameters()}
+    opt = rfsdp.optim.AdamW(model.parameters(), **ADAMW)
+    out["adamw_losses"] = tm.train(model, opt, xs, ys, dp, 2)
+    out["adamw"] = tm.full_of(model)
+    rfsdp.set_state_dict_type(model, "full", rank0_only=False)
+    out["full_state_dict"] = {k: v.clone() for k, v in model.state_dict().items()}
+    # A full state dict loaded into a fresh model: each rank keeps its part.
+    fresh = _model(mesh, seed + 1)
+    fresh.load_state_dict(out["full_state_dict"])
+    out["loaded_full"] = tm.full_of(fresh)
+
+    # An optimizer built on the tensor-parallel parameters before fully_shard (the
+    # order accelerate and the Trainer use) follows them to their shards.
+    torch.manual_seed(seed)
+    model = tm.tensor_parallel(tm.Block(), mesh, dp=None)
+    opt = rfsdp.optim.AdamW(model.parameters(), **ADAMW)
+    rfsdp.fully_shard(model.qkv, mesh=mesh["dp"])
+    rfsdp.fully_shard(model, mesh=mesh["dp"])
+    tm.train(model, opt, xs, ys, dp, 2)
+    out["adamw_built_before"] = tm.full_of(model)
+    # Its sharded state dict through DCP into a fresh model (another seed).
+    import torch.distributed.checkpoint as dcp
+    dcp.save(model.state_dict(), checkpoint_id=folder + "/model")
+    fresh = _model(mesh, seed + 2)
+    sd = fresh.state_dict()
+    dcp.load(sd, checkpoint_id=folder + "/model")
+    fresh.load_state_dict(sd)
+    out["dcp_model"] = tm.full_of(fresh)
+
+    # Gradients: clipped over dp and tp, then an SGD step of lr 1 (the parameters
+    # move by exactly the clipped gradients).
+    model = _model(mesh, seed)
+    per = xs.shape[1] // 2
+    x, y = xs[0][dp * per:(dp + 1) * per], ys[0][dp * per:(dp + 1) * per]
+    torch.nn.functional.mse_loss(model(x), y).backward()
+    out["clip_norm"] = float(rfsdp.clip_grad_norm_(model, CLIP))
+    torch.optim.SGD(model.parameters(), lr=1.0).step()
+    out["clipped_step"] = tm.full_of(model)
+
+    # Muon on every matrix (ColwiseParallel's rows, RowwiseParallel's column parts).
+    model = _model(mesh, seed)
+    opt = rfsdp.optim.Muon(tm.muon_groups(model), **MUON)
+    out["muon_losses"] = tm.train(model, opt, xs, ys, dp, 2)
+    out["muon"] = tm.full_of(model)
+    # The same saved after 2 steps through DCP (torch's optimizer path), zeroed, loaded.
+    model = _model(mesh, seed)
+    opt = rfsdp.optim.Muon(tm.muon_groups(model), **MUON)
+    tm.train(model, opt, xs[:2], ys[:2], dp, 2)
+    out["muon_resumed"] = tm.resumed_through_dcp(model, opt, xs, ys, dp, 2, folder + "/muon")
+
+    # Muon per head: ColwiseParallel keeps whole heads on each tp rank, the plan
+    # each block whole on one dp rank, so the step sends nothing for them.
+    model = _model(mesh, seed, policy=rfsdp.policy.muon(split=HEAD_BLOCKS))
+    opt = rfsdp.optim.Muon(tm.muon_groups(model, names=("qkv.weight",)), **MUON)
+    out["heads_losses"] = tm.train(model, opt, xs, ys, dp, 2)
+    out["heads"] = tm.full_of(model)
+    out["heads_sent"] = opt._impl.gather_send_elems()
+
+    # AdamW8bit, Shampoo, SOAP given fixed gradients.
+    grads = _gradients(seed, STEPS)
+    for key, cls, kw in TILED:
+        model = _model(mesh, seed)
+        opt = getattr(rfsdp.optim, cls)(model.parameters(), **kw)
+        _step_with(model, opt, grads)
+        out[key] = tm.full_of(model)
+
+    # rfsdp.checkpoint: AdamW saved on the mesh after 2 steps, loaded into one
+    # process (after the ranks are done) to go on from there.
+    model = _model(mesh, seed)
+    opt = rfsdp.optim.AdamW(model.parameters(), **ADAMW)
+    tm.train(model, opt, xs[:2], ys[:2], dp, 2)
+    rfsdp.checkpoint.save(folder + "/ck", model, opt)
+
+    # What rfsdp.fully_shard refuses: a tp piece it cannot cut equally, and a
+    # process group where the tp mesh's dims are needed.
+    from torch.distributed.tensor.parallel import RowwiseParallel, parallelize_module
+    odd = parallelize_module(torch.nn.Linear(3, 4), mesh["tp"], RowwiseParallel())
+    out["uneven"] = raised(rfsdp.fully_shard, odd, mesh=mesh["dp"])
+    block = tm.tensor_parallel(tm.Block(), mesh, dp=None)
+    out["no_mesh"] = raised(rfsdp.fully_shard, block, process_group=mesh["dp"].get_group())
+    return out
+
+
+@pytest.fixture(scope="module")
+def got():
+    with tempfile.TemporaryDirectory() as d:
+        yield run_ranks(worker, 4, SEED, d), d + "/ck"
+
+
+def worker_3d(rank, world, seed):
+    """HSDP x TP: mesh (dp_replicate=2, dp_shard=2, tp=2), rfsdp.fully_shard over
+    the (dp_replicate, dp_shard) dims: AdamW, Muon, the clipping norm."""
+    mesh = tm.mesh_3d()
+    dp, ndp = tm.dp_of(mesh, tm.DP_3D)
+    xs, ys = tm.data(seed, STEPS)
+    out = {}
+    model = _model(mesh, seed, dp=tm.DP_3D)
+    opt = rfsdp.optim.AdamW(model.parameters(), **ADAMW)
+    out["adamw_losses"] = tm.train(model, opt, xs, ys, dp, ndp)
+    out["adamw"] = tm.full_of(model)
+    model = _model(mesh, seed, dp=tm.DP_3D)
+    opt = rfsdp.optim.Muon(tm.muon_groups(model), **MUON)
+    tm.train(model, opt, xs, ys, dp, ndp)
+    out["muon"] = tm.full_of(model)
+    model = _model(mesh, seed, dp=tm.DP_3D)
+    per = xs.shape[1] // ndp
+    torch.nn.functional.mse_loss(model(xs[0][dp * per:(dp + 1) * per]),
+                                 ys[0][dp * per:(dp + 1) * per]).backward()
+    out["clip_norm"] = float(rfsdp.clip_grad_norm_(model, CLIP))
+    return out
+
+
+@pytest.fixture(scope="module")
+def got_3d():
+    return run_ranks(worker_3d, 8, SEED)
+
+
+def _one_process(opt_of, steps=STEPS):
+    xs, ys = tm.data(SEED, steps)
+    torch.manual_seed(SEED)
+    model = tm.Block()
+    losses = tm.train(model, opt_of(model), xs, ys)
+    return losses, {n: p.detach() for n, p in model.named_parameters()}
+
+
+def _close(got, want, what, tol=1e-6):
+    for n, w in want.items():
+        torch.testing.assert_close(got[n].double(), w.double(), rtol=tol, atol=tol,
+                                   msg=lambda m: "%s %s: %s" % (what, n, m))
+
+
+def test_shards_present_the_global_shape_over_dp_and_tp(got):
+    ranks, _ = got
+    shapes = {n: tuple(p.shape) for n, p in tm.Block().named_parameters()}
+    tp_sharded = {"qkv.weight", "proj.weight", "fc1.weight", "fc1.bias", "fc2.weight"}
+    for r in range(4):
+        for n, (kind, _, global_shape, group) in ranks[r]["placements"].items():
+            assert kind == "Parameter" and tuple(global_shape) == shapes[n], (r, n)
+            assert group == (4 if n in tp_sharded else 2), (r, n, group)
+
+
+def test_adamw_matches_one_process(got):
+    ranks, _ = got
+    losses, want = _one_process(lambda m: torch.optim.AdamW(m.parameters(), **ADAMW))
+    assert ranks[0]["adamw_losses"] == pytest.approx(losses, rel=1e-6)
+    for r in range(4):
+        _close(ranks[r]["adamw"], want, "AdamW, rank %d" % r)
+
+
+def test_optimizer_built_before_sharding_follows_the_tp_shards(got):
+    ranks, _ = got
+    _, want = _one_process(lambda m: torch.optim.AdamW(m.parameters(), **ADAMW))
+    for r in range(4):
+        _close(ranks[r]["adamw_built_before"], want, "AdamW built before, rank %d" % r)
+
+
+def test_sharded_state_dict_through_dcp_loads_every_piece(got):
+    ranks, _ = got
+    for r in range(4):
+        _close(ranks[r]["dcp_model"], ranks[r]["adamw_built_before"], "DCP, rank %d" % r, tol=0)
+
+
+def test_full_state_dict_is_the_global_parameters_and_loads_back(got):
+    ranks, _ = got
+    for r in range(4):
+        sd = ranks[r]["full_state_dict"]
+        assert set(sd) == set(ranks[r]["adamw"])
+        _close(sd, ranks[r]["adamw"], "full state dict, rank %d" % r, tol=0)
+        _close(ranks[r]["loaded_full"], ranks[r]["adamw"], "loaded, rank %d" % r, tol=0)
+
+
+def test_clip_grad_norm_over_dp_and_tp_matches_one_process(got):
+    ranks, _ = got
+    xs, ys = tm.data(SEED, STEPS)
+    torch.manual_seed(SEED)
+    model = tm.Block()
+    torch.nn.functional.mse_loss(model(xs[0]), ys[0]).backward()
+    norm = torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP)
+    torch.optim.SGD(model.parameters(), lr=1.0).step()
+    want = {n: p.detach() for n, p in model.named_parameters()}
+    for r in range(4):
+        assert ranks[r]["clip_norm"] == pytest.approx(float(norm), rel=1e-5)
+        _close(ranks[r]["clipped_step"], want, "clipped step, rank %d" % r)
+
+
+def test_muon_matches_float64_one_device(got):
+    ranks, _ = got
+    xs, ys = tm.data(SEED, STEPS)
+    torch.manual_seed(SEED)
+    model = tm.Block()
+    losses, want = muon_reference.train(model, list(tm.MATRICES), xs, ys, aux_lr=3e-4, **MUON)
+    assert ranks[0]["muon_losses"] == pytest.approx(losses, rel=1e-5)
+    for r in range(4):
+        _close(ranks[r]["muon"], want, "Muon, rank %d" % r, tol=1e-5)
+
+
+def test_muon_per_head_sends_nothing_and_matches_float64_one_device(got):
+    ranks, _ = got
+    xs, ys = tm.data(SEED, STEPS)
+    torch.manual_seed(SEED)
+    model = tm.Block()
+    losses, want = muon_reference.train(model, ["qkv.weight"], xs, ys, aux_lr=3e-4,
+                                        splits=HEAD_BLOCKS, **MUON)
+    assert ranks[0]["heads_losses"] == pytest.approx(losses, rel=1e-5)
+    for r in range(4):
+        assert ranks[r]["heads_sent"] == 0, (r, ranks[r]["heads_sent"])
+        _close(ranks[r]["heads"], want, "Muon per head, rank %d" % r, tol=1e-5)
+
+
+def test_muon_resumed_through_dcp_continues_as_uninterrupted(got):
+    ranks, _ = got
+    for r in range(4):
+        _close(ranks[r]["muon_resumed"], ranks[r]["muon"], "Muon resumed, rank %d" % r, tol=0)
+
+
+@pytest.mark.parametrize("key,cls,kw", TILED, ids=[k for k, _, _ in TILED])
+def test_tiled_optimizers_match_one_process(got, key, cls, kw):
+    ranks, _ = got
+    torch.manual_seed(SEED)
+    model = tm.Block()
+    opt = getattr(rfsdp.optim, cls)(model.parameters(), **kw)
+    for g in _gradients(SEED, STEPS):
+        for n, p in model.named_parameters():
+            p.grad = g[n].clone()
+        opt.step()
+    for r in range(4):
+        _close(ranks[r][key], {n: p.detach() for n, p in model.named_parameters()},
+               "%s, rank %d" % (cls, r), tol=1e-5)
+
+
+def test_checkpoint_from_the_mesh_goes_on_in_one_process(got):
+    ranks, path = got
+    xs, ys = tm.data(SEED, STEPS)
+    torch.manual_seed(SEED)
+    model = tm.Block()
+    opt = rfsdp.optim.AdamW(model.parameters(), **ADAMW)
+    rfsdp.checkpoint.load(path, model, opt)
+    tm.train(model, opt, xs[2:], ys[2:])
+    _close({n: p.detach() for n, p in model.named_parameters()}, ranks[0]["adamw"],
+           "resumed in one process")
+
+
+def test_refusals_name_the_placement_and_the_way(got):
+    ranks, _ = got
+    for r in range(4):
+        cls, msg = ranks[r]["uneven"]
+        assert "ValueError" in cls and "Shard(dim=1)" in msg and "divide" in msg, msg
+        cls, msg = ranks[r]["no_mesh"]
+        assert "ValueError" in cls and "mesh=mesh['dp']" in msg and "qkv.weight" in msg, msg
+
+
+def test_hsdp_x_tp_adamw_matches_one_process(got_3d):
+    losses, want = _one_process(lambda m: torch.optim.AdamW(m.parameters(), **ADAMW))
+    assert got_3d[0]["adamw_losses"] == pytest.approx(losses, rel=1e-6)
+    for r in range(8):
+        _close(got_3d[r]["adamw"], want, "HSDP x TP AdamW, rank %d" % r)
+
+
+def test_hsdp_x_tp_muon_matches_float64_one_device(got_3d):
+    xs, ys = tm.data(SEED, STEPS)
+    torch.manual_seed(SEED)
+    _, want = muon_reference.train(tm.Block(), list(tm.MATRICES), xs, ys, aux_lr=3e-4, **MUON)
+    for r in range(8):
+        _close(got_3d[r]["muon"], want, "HSDP x TP Muon, rank %d" % r, tol=1e-5)
+
+
+def test_hsdp_x_tp_clip_norm_matches_one_process(got_3d):
+    xs, ys = tm.data(SEED, STEPS)
+    torch.manual_seed(SEED)
+    model = tm.Block()
+    torch.nn.functional.mse_loss(model(xs[0]), ys[0]).backward()
+    norm = torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP)
+    for r in range(8):
+        assert got_3d[r]["clip_norm"] == pytest.approx(float(norm), rel=1e-5)
