@@ -12,8 +12,9 @@ pieces, no check across ranks).
 --mesh 3d: the same block over HSDP x TP, mesh (dp_replicate=2, dp_shard=2, tp=2),
 8 process ranks (torch FSDP2 over (dp_replicate, dp_shard)).
 --shard rfsdp: rfsdp.fully_shard over the data-parallel dims in place of FSDP2 (its
-plan of each tp piece; the per-head case by the plan's policy, rfsdp.policy.muon's
-split, which keeps each head's q, k, v whole on one dp rank: nothing to send).
+plan of each tp piece, by the policy each optimizer asks for: the per-head case
+rfsdp.policy.muon's split, which keeps each head's q, k, v whole on one dp rank,
+nothing to send; Shampoo and SOAP whole tiles, AdamW8bit whole blocks).
 
     python bench/tp_optimizers.py [--dim 256 --heads 4 --ffn 1024 --steps 20] [--mesh 2d|3d]
                                   [--shard fsdp2|rfsdp]"""
@@ -47,7 +48,9 @@ def worker(rank, world, args):
             model = tm.tensor_parallel(tm.Block(args.dim, args.heads, args.ffn), mesh, dp=dp)
         else:
             model = tm.tensor_parallel(tm.Block(args.dim, args.heads, args.ffn), mesh, dp=None)
-            policy = rfsdp.policy.muon(split={"qkv.weight": head_blocks}) if heads else None
+            policy = rfsdp.policy.muon(split={"qkv.weight": head_blocks}) if heads else \
+                rfsdp.policy.blockwise_8bit(64) if name.endswith("AdamW8bit") else \
+                rfsdp.policy.shampoo(128) if name.endswith(("Shampoo", "SOAP")) else None
             rfsdp.fully_shard(model, mesh=mesh[dp], policy=policy)
         if name == "torch AdamW":
             opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
