@@ -5,7 +5,8 @@ pieces, the collectives run over dp, and the shards present their place in the
 global tensor, so every optimizer steps them. 4 process ranks (Gloo), mesh
 (dp=2, tp=2), against one process (tp_model.py's block: a fused head-major QKV),
 one run of the ranks for every case; each test checks one claim of it. HSDP x
-TP (dp_replicate=2, dp_shard=2, tp=2) on 8 ranks: its own run."""
+TP (dp_replicate=2, dp_shard=2, tp=2) on 8 ranks, and expert parallelism (an MoE
+block's expert stacks Shard(0) over ep, mesh (dp=2, ep=2)): a run each."""
 import os
 import sys
 import tempfile
@@ -30,6 +31,7 @@ TILED = (("8bit", "AdamW8bit", dict(lr=1e-2, weight_decay=0.05, block=4, min_8bi
                                      start_preconditioning_step=1)),
          ("soap", "SOAP", dict(lr=1e-2, max_preconditioner_dim=4, precondition_frequency=1)))
 CLIP = 0.1
+EP_8BIT = dict(lr=1e-2, weight_decay=0.05, block=16, min_8bit_size=1)
 
 
 def _model(mesh, seed, dp="dp", policy=None):
@@ -48,10 +50,10 @@ def _model(mesh, seed, dp="dp", policy=None):
 HEAD_BLOCKS = {"qkv.weight": [tm.DIM // tm.HEADS] * (3 * tm.HEADS)}
 
 
-def _gradients(seed, steps):
+def _gradients(seed, steps, module=tm.Block):
     """Each step's full gradient of every parameter (seeded: the same on every rank)."""
     torch.manual_seed(seed)
-    shapes = {n: p.shape for n, p in tm.Block().named_parameters()}
+    shapes = {n: p.shape for n, p in module().named_parameters()}
     g = torch.Generator().manual_seed(seed + 1)
     return [{n: torch.randn(s, generator=g) for n, s in shapes.items()} for _ in range(steps)]
 
@@ -197,6 +199,57 @@ def worker_3d(rank, world, seed):
 @pytest.fixture(scope="module")
 def got_3d():
     return run_ranks(worker_3d, 8, SEED)
+
+
+def _expert_parallel(mesh, seed, policy=None):
+    """The MoE block with its expert stacks Shard(0) over mesh["ep"] (torchtitan's
+    ExpertParallel), then rfsdp.fully_shard: the experts over mesh["dp"] (each ep
+    rank's experts planned over its dp ranks), the rest over the (dp, ep) ranks."""
+    from torch.distributed.tensor import Shard, distribute_tensor
+    torch.manual_seed(seed)
+    model = tm.MoE()
+    for name in ("w1", "w2"):
+        w = getattr(model.experts, name)
+        setattr(model.experts, name,
+                torch.nn.Parameter(distribute_tensor(w.data, mesh["ep"], [Shard(0)])))
+    rfsdp.fully_shard(model.experts, mesh=mesh["dp"], policy=policy)
+    rfsdp.fully_shard(model, mesh=mesh["dp", "ep"]._flatten(), policy=policy)
+    return model
+
+
+def worker_ep(rank, world, seed, folder):
+    """Expert parallelism, mesh (dp=2, ep=2): AdamW; Muon with whole experts
+    (policy.muon(whole=True): each dp rank one of its ep rank's two experts);
+    AdamW saved on the mesh by rfsdp.checkpoint (loaded in one process: ep 1);
+    AdamW8bit on fixed gradients."""
+    mesh = tm.mesh_ep()
+    xs, ys = tm.data(seed, STEPS)
+    out = {}
+    model = _expert_parallel(mesh, seed)
+    opt = rfsdp.optim.AdamW(model.parameters(), **ADAMW)
+    out["adamw_losses"] = tm.train(model, opt, xs, ys, rank, world)
+    out["adamw"] = tm.full_of(model)
+    model = _expert_parallel(mesh, seed, policy=rfsdp.policy.muon(whole=True))
+    opt = rfsdp.optim.Muon(tm.muon_groups(model, tm.EXPERT_STACKS), **MUON)
+    out["muon_losses"] = tm.train(model, opt, xs, ys, rank, world)
+    out["muon"] = tm.full_of(model)
+    out["experts_sent"] = opt._impl.gather_send_elems()
+    model = _expert_parallel(mesh, seed)
+    opt = rfsdp.optim.AdamW(model.parameters(), **ADAMW)
+    tm.train(model, opt, xs[:2], ys[:2], rank, world)
+    rfsdp.checkpoint.save(folder + "/ep", model, opt)
+    # AdamW8bit given fixed gradients: blocks of 16 of each expert (48 elements).
+    model = _expert_parallel(mesh, seed, policy=rfsdp.policy.blockwise_8bit(16))
+    opt = rfsdp.optim.AdamW8bit(model.parameters(), **EP_8BIT)
+    _step_with(model, opt, _gradients(seed, STEPS, tm.MoE))
+    out["8bit"] = tm.full_of(model)
+    return out
+
+
+@pytest.fixture(scope="module")
+def got_ep():
+    with tempfile.TemporaryDirectory() as d:
+        yield run_ranks(worker_ep, 4, SEED, d), d + "/ep"
 
 
 def _one_process(opt_of, steps=STEPS):
@@ -356,3 +409,57 @@ def test_hsdp_x_tp_clip_norm_matches_one_process(got_3d):
     norm = torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP)
     for r in range(8):
         assert got_3d[r]["clip_norm"] == pytest.approx(float(norm), rel=1e-5)
+
+
+def _moe_adamw():
+    xs, ys = tm.data(SEED, STEPS)
+    torch.manual_seed(SEED)
+    model = tm.MoE()
+    losses = tm.train(model, torch.optim.AdamW(model.parameters(), **ADAMW), xs, ys)
+    return losses, {n: p.detach() for n, p in model.named_parameters()}
+
+
+def test_ep_adamw_matches_one_process(got_ep):
+    ranks, _ = got_ep
+    losses, want = _moe_adamw()
+    assert ranks[0]["adamw_losses"] == pytest.approx(losses, rel=1e-6)
+    for r in range(4):
+        _close(ranks[r]["adamw"], want, "EP AdamW, rank %d" % r)
+
+
+def test_ep_muon_whole_experts_send_nothing_and_match_float64_one_device(got_ep):
+    ranks, _ = got_ep
+    xs, ys = tm.data(SEED, STEPS)
+    torch.manual_seed(SEED)
+    losses, want = muon_reference.train(tm.MoE(), list(tm.EXPERT_STACKS), xs, ys, aux_lr=3e-4,
+                                        **MUON)
+    assert ranks[0]["muon_losses"] == pytest.approx(losses, rel=1e-5)
+    for r in range(4):
+        assert ranks[r]["experts_sent"] == 0, (r, ranks[r]["experts_sent"])
+        _close(ranks[r]["muon"], want, "EP Muon, rank %d" % r, tol=1e-5)
+
+
+def test_ep_adamw8bit_blocks_per_expert_match_one_process(got_ep):
+    ranks, _ = got_ep
+    torch.manual_seed(SEED)
+    model = tm.MoE()
+    opt = rfsdp.optim.AdamW8bit(model.parameters(), **EP_8BIT)
+    for g in _gradients(SEED, STEPS, tm.MoE):
+        for n, p in model.named_parameters():
+            p.grad = g[n].clone()
+        opt.step()
+    for r in range(4):
+        _close(ranks[r]["8bit"], {n: p.detach() for n, p in model.named_parameters()},
+               "EP AdamW8bit, rank %d" % r)
+
+
+def test_ep_checkpoint_goes_on_in_one_process(got_ep):
+    ranks, path = got_ep
+    xs, ys = tm.data(SEED, STEPS)
+    torch.manual_seed(SEED)
+    model = tm.MoE()
+    opt = rfsdp.optim.AdamW(model.parameters(), **ADAMW)
+    rfsdp.checkpoint.load(path, model, opt)
+    tm.train(model, opt, xs[2:], ys[2:])
+    _close({n: p.detach() for n, p in model.named_parameters()}, ranks[0]["adamw"],
+           "EP resumed in one process")
