@@ -113,6 +113,34 @@ def worker(rank, world, seed, folder):
     fresh.load_state_dict(sd)
     out["dcp_model"] = tm.full_of(fresh)
 
+    # bfloat16 compute (float32 reduce and masters), torch AdamW on both: rfsdp's
+    # units beside torch FSDP2's on the same tensor-parallel model (the anchor).
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+    for key in ("bf16_fsdp2", "bf16_rfsdp"):
+        torch.manual_seed(seed)
+        model = tm.tensor_parallel(tm.Block(), mesh, dp=None)
+        if key == "bf16_fsdp2":
+            fully_shard(model, mesh=mesh["dp"], mp_policy=MixedPrecisionPolicy(
+                param_dtype=torch.bfloat16, reduce_dtype=torch.float32))
+        else:
+            rfsdp.fully_shard(model, mesh=mesh["dp"], mp_policy=rfsdp.MixedPrecisionPolicy(
+                param_dtype=torch.bfloat16))
+        opt = torch.optim.AdamW(model.parameters(), **ADAMW)
+        out[key + "_losses"] = tm.train(model, opt, xs, ys, dp, 2, output=torch.float32)
+        out[key] = tm.full_of(model)
+
+    # Gradient accumulation: half the batch with gradient sync off, half with it on,
+    # then an SGD step of lr 1: the one-process gradient of the whole batch.
+    model = _model(mesh, seed)
+    per = xs.shape[1] // 2
+    x, y = xs[0][dp * per:(dp + 1) * per], ys[0][dp * per:(dp + 1) * per]
+    model.set_requires_gradient_sync(False)
+    (torch.nn.functional.mse_loss(model(x[:per // 2]), y[:per // 2]) / 2).backward()
+    model.set_requires_gradient_sync(True)
+    (torch.nn.functional.mse_loss(model(x[per // 2:]), y[per // 2:]) / 2).backward()
+    torch.optim.SGD(model.parameters(), lr=1.0).step()
+    out["accumulated_step"] = tm.full_of(model)
+
     # Gradients: clipped over dp and tp, then an SGD step of lr 1 (the parameters
     # move by exactly the clipped gradients).
     model = _model(mesh, seed)
@@ -318,6 +346,25 @@ def test_clip_grad_norm_over_dp_and_tp_matches_one_process(got):
     for r in range(4):
         assert ranks[r]["clip_norm"] == pytest.approx(float(norm), rel=1e-5)
         _close(ranks[r]["clipped_step"], want, "clipped step, rank %d" % r)
+
+
+def test_bfloat16_compute_equals_torch_fsdp2_on_the_same_model(got):
+    ranks, _ = got
+    for r in range(4):
+        assert ranks[r]["bf16_rfsdp_losses"] == ranks[r]["bf16_fsdp2_losses"]
+        _close(ranks[r]["bf16_rfsdp"], ranks[r]["bf16_fsdp2"], "bf16 vs FSDP2, rank %d" % r)
+
+
+def test_gradient_accumulation_without_sync_equals_the_whole_batch(got):
+    ranks, _ = got
+    xs, ys = tm.data(SEED, STEPS)
+    torch.manual_seed(SEED)
+    model = tm.Block()
+    torch.nn.functional.mse_loss(model(xs[0]), ys[0]).backward()
+    torch.optim.SGD(model.parameters(), lr=1.0).step()
+    for r in range(4):
+        _close(ranks[r]["accumulated_step"], {n: p.detach() for n, p in model.named_parameters()},
+               "accumulated, rank %d" % r)
 
 
 def test_muon_matches_float64_one_device(got):

@@ -81,14 +81,16 @@ def tensor_parallel(model, mesh, dp="dp"):
     return model
 
 
-def train(model, opt, xs, ys, dp_rank=0, dp=1, before_step=None):
+def train(model, opt, xs, ys, dp_rank=0, dp=1, before_step=None, output=None):
     """Each step: this dp rank's slice of the batch (tp ranks share it), mse_loss,
-    backward, before_step(), opt.step(). Returns each step's loss of the whole batch."""
+    backward, before_step(), opt.step(). Returns each step's loss of the whole batch.
+    output: the dtype the model's output is cast to first (bfloat16 compute)."""
     per = xs.shape[1] // dp
     losses = []
     for x, y in zip(xs, ys):
         sl = slice(dp_rank * per, (dp_rank + 1) * per)
-        loss = nn.functional.mse_loss(model(x[sl]), y[sl])
+        out = model(x[sl])
+        loss = nn.functional.mse_loss(out if output is None else out.to(output), y[sl])
         opt.zero_grad()
         loss.backward()
         if before_step:
