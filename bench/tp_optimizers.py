@@ -17,7 +17,7 @@ rfsdp.policy.muon's split, which keeps each head's q, k, v whole on one dp rank,
 nothing to send; Shampoo and SOAP whole tiles, AdamW8bit whole blocks).
 
     python bench/tp_optimizers.py [--dim 256 --heads 4 --ffn 1024 --steps 20] [--mesh 2d|3d]
-                                  [--shard fsdp2|rfsdp]"""
+                                  [--shard fsdp2|rfsdp] [--whole-step]"""
 import argparse
 import os
 import statistics
@@ -84,6 +84,9 @@ def worker(rank, world, args):
         for _ in range(args.steps):
             torch.distributed.barrier()
             t0 = time.perf_counter()
+            if args.whole_step:  # (forward, backward and the sharding's collectives too)
+                opt.zero_grad()
+                model(x).pow(2).mean().backward()
             opt.step()
             times.append(time.perf_counter() - t0)
         sent = comm.stats()["bytes_sent"] / args.steps if comm is not None else 0
@@ -99,12 +102,15 @@ def main():
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--mesh", choices=sorted(MESHES), default="2d")
     ap.add_argument("--shard", choices=("fsdp2", "rfsdp"), default="fsdp2")
+    ap.add_argument("--whole-step", action="store_true",
+                    help="time forward + backward + step (bytes: the optimizer's alone)")
     args = ap.parse_args()
     world, shape = MESHES[args.mesh]
     got = run_ranks(worker, world, args)
-    print("block dim %d heads %d ffn %d, %d ranks (%s), %s over dp, Gloo, median of %d steps"
+    print("block dim %d heads %d ffn %d, %d ranks (%s), %s over dp, Gloo, median of %d %s"
           % (args.dim, args.heads, args.ffn, world, shape,
-             "torch FSDP2" if args.shard == "fsdp2" else "rfsdp.fully_shard", args.steps))
+             "torch FSDP2" if args.shard == "fsdp2" else "rfsdp.fully_shard", args.steps,
+             "forward + backward + steps" if args.whole_step else "optimizer steps"))
     for name in got[0]:
         t = max(g[name][0] for g in got)
         sent = [g[name][1] for g in got]
