@@ -162,6 +162,16 @@ def _check_betas(optimizer_name, group):
         raise ValueError("%s: betas must be a pair (beta1, beta2), got %r" % (optimizer_name, betas))
 
 
+def switch(optimizer_name, group, key, default=False):
+    """A group's on/off option, True or False (numpy's bools too); anything else
+    (None, 0, "yes") a ValueError naming it: pybind11 would read None as False."""
+    v = group.get(key, default)
+    if isinstance(v, bool) or type(v).__name__ == "bool_":
+        return bool(v)
+    raise ValueError("%s: group option '%s' must be True or False, got %r"
+                     % (optimizer_name, key, v))
+
+
 def _run_closure(closure):
     """torch.optim's contract: step(closure) re-evaluates the loss with grad enabled."""
     if closure is None:
