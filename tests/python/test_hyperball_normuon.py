@@ -1,6 +1,6 @@
 """Hyperball (MuonH, AdamH: a group's hyperball=True) and NorMuon against a
 float64 single-device reference written from their definitions (below), in one
-process, on 2 and 3 ranks of rfsdp.fully_shard with matrices and blocks cut
+process, on 2 and 3 ranks of rfsdp.fully_shard (and HSDP, 2 x 2) with matrices and blocks cut
 across ranks (their norms summed in one all-reduce), on torch's FSDP2 (Shard(0)
 chunks) and with replicated (DDP) parameters; bf16 parameters; Hyperball keeping
 every matrix's norm over many steps; the radius and NorMuon's v through
@@ -172,15 +172,18 @@ def test_one_process_equals_the_float64_reference(kind):
 
 def sharded_worker(rank, world, seed):
     """Every kind on fully_shard with a plan that cuts matrices and blocks
-    (granule 1), on FSDP2's chunks (2 ranks), and replicated (DDP: plain
-    parameters on every rank)."""
+    (granule 1; on 4 ranks HSDP, 2 replicas of 2), on FSDP2's chunks (2 ranks),
+    and replicated (DDP: plain parameters on every rank)."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
     out = {}
     grads = gradients(seed, STEPS)
     for kind in KINDS:
         model = Grads(seed)
-        rfsdp.fully_shard(model, policy=rfsdp.policy.muon())
+        # (4 ranks: HSDP, 2 replicas of 2 shards: the norms' sums over each replica's
+        # shard group; the replicas step alike)
+        rfsdp.fully_shard(model, policy=rfsdp.policy.muon(),
+                          mesh=init_device_mesh("cpu", (2, 2)) if world == 4 else None)
         opt = optimizer(kind, dict(model.named_parameters()))
         train(model, opt, grads)
         out[("cut", kind)] = (rfsdp.full_parameters(model), sent(opt))
@@ -198,7 +201,7 @@ def sharded_worker(rank, world, seed):
     return out
 
 
-@pytest.mark.parametrize("world", [2, 3])
+@pytest.mark.parametrize("world", [2, 3, 4])
 def test_cut_matrices_on_ranks_equal_the_float64_reference(world):
     seed = int(torch.randint(0, 2 ** 30, ()).item())
     got = run_ranks(sharded_worker, world, seed)
