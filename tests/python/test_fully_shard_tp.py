@@ -50,14 +50,6 @@ def _model(mesh, seed, dp="dp", policy=None):
 HEAD_BLOCKS = {"qkv.weight": [tm.DIM // tm.HEADS] * (3 * tm.HEADS)}
 
 
-def _gradients(seed, steps, module=tm.Block):
-    """Each step's full gradient of every parameter (seeded: the same on every rank)."""
-    torch.manual_seed(seed)
-    shapes = {n: p.shape for n, p in module().named_parameters()}
-    g = torch.Generator().manual_seed(seed + 1)
-    return [{n: torch.randn(s, generator=g) for n, s in shapes.items()} for _ in range(steps)]
-
-
 def _piece(full, info):
     """This rank's part of a global tensor, from its ShardInfo's definition: the
     rectangle of a column piece, else rows [row_begin, row_end) of the tensor
@@ -171,7 +163,7 @@ def worker(rank, world, seed, folder):
     out["heads_sent"] = opt._impl.gather_send_elems()
 
     # AdamW8bit, Shampoo, SOAP given fixed gradients.
-    grads = _gradients(seed, STEPS)
+    grads = tm.gradients(seed, STEPS)
     for key, cls, kw in TILED:
         model = _model(mesh, seed)
         opt = getattr(rfsdp.optim, cls)(model.parameters(), **kw)
@@ -269,7 +261,7 @@ def worker_ep(rank, world, seed, folder):
     # AdamW8bit given fixed gradients: blocks of 16 of each expert (48 elements).
     model = _expert_parallel(mesh, seed, policy=rfsdp.policy.blockwise_8bit(16))
     opt = rfsdp.optim.AdamW8bit(model.parameters(), **EP_8BIT)
-    _step_with(model, opt, _gradients(seed, STEPS, tm.MoE))
+    _step_with(model, opt, tm.gradients(seed, STEPS, tm.MoE))
     out["8bit"] = tm.full_of(model)
     return out
 
@@ -403,7 +395,7 @@ def test_tiled_optimizers_match_one_process(got, key, cls, kw):
     torch.manual_seed(SEED)
     model = tm.Block()
     opt = getattr(rfsdp.optim, cls)(model.parameters(), **kw)
-    for g in _gradients(SEED, STEPS):
+    for g in tm.gradients(SEED, STEPS):
         for n, p in model.named_parameters():
             p.grad = g[n].clone()
         opt.step()
@@ -491,7 +483,7 @@ def test_ep_adamw8bit_blocks_per_expert_match_one_process(got_ep):
     torch.manual_seed(SEED)
     model = tm.MoE()
     opt = rfsdp.optim.AdamW8bit(model.parameters(), **EP_8BIT)
-    for g in _gradients(SEED, STEPS, tm.MoE):
+    for g in tm.gradients(SEED, STEPS, tm.MoE):
         for n, p in model.named_parameters():
             p.grad = g[n].clone()
         opt.step()

@@ -24,8 +24,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import muon_reference  # noqa: E402
 import tp_model as tm  # noqa: E402
 from ranks import raised, run_ranks  # noqa: E402
-from test_tensor_parallel import (TILED, _gradients, _one_process_fixed, _same,  # noqa: E402
-                                  _step_with)
+from test_tensor_parallel import TILED, _one_process_fixed, _same, _step_with  # noqa: E402
 
 STEPS = 3
 ADAMW = dict(lr=1e-2, weight_decay=0.05)
@@ -95,7 +94,7 @@ def worker_3d(rank, world, seed, folder):
 
     # AdamW8bit, Shampoo and SOAP (blocks and tiles the column parts hold whole),
     # given fixed gradients: as one process.
-    grads = _gradients(seed, STEPS)
+    grads = tm.gradients(seed, STEPS)
     for key, cls, kw in TILED:
         m = model()
         _step_with(m, getattr(rfsdp.optim, cls)(m.parameters(), **kw), grads)
@@ -213,7 +212,10 @@ def test_3d_clip_grad_norm_is_global_over_every_mesh_dimension(got3d):
 
 # ------------------------------------------------------- expert parallelism
 
-def worker_ep(rank, world, seed):
+EP_8BIT = dict(lr=1e-2, weight_decay=0.05, block=16, min_8bit_size=1)  # (3 blocks an expert)
+
+
+def worker_ep(rank, world, seed, folder):
     mesh = tm.mesh_ep()
     xs, ys = tm.data(seed, STEPS)
     out = {}
@@ -240,6 +242,17 @@ def worker_ep(rank, world, seed):
     out["experts_sent"] = opt._impl.gather_send_elems()
     out["experts_orthogonalised"] = opt.metrics()["groups"][0]["matrices_orthogonalised"]
 
+    # AdamW8bit given fixed gradients: blocks of the global stacks (per expert).
+    m = model()
+    opt = rfsdp.optim.AdamW8bit(m.parameters(), **EP_8BIT)
+    _step_with(m, opt, tm.gradients(seed, STEPS, tm.MoE))
+    out["8bit"] = tm.full_of(m)
+    # AdamW saved on (dp=2, ep=2) after 2 steps by rfsdp.checkpoint, for one process.
+    m = model()
+    opt = rfsdp.optim.AdamW(m.parameters(), **ADAMW)
+    tm.train(m, opt, xs[:2], ys[:2], rank, world)
+    rfsdp.checkpoint.save(folder + "/ep", m, opt)
+
     # Experts FSDP2-sharded along dim 1 (torchtitan's choice where dp x ep exceeds
     # the experts): AdamW steps the pieces; Muon refuses them, naming the placement.
     m = model(expert_dim=1)
@@ -252,8 +265,39 @@ def worker_ep(rank, world, seed):
 
 
 @pytest.fixture(scope="module")
-def gotep():
-    return run_ranks(worker_ep, 4, SEED)
+def gotep_and_folder():
+    with tempfile.TemporaryDirectory() as d:
+        yield run_ranks(worker_ep, 4, SEED, d), d
+
+
+@pytest.fixture(scope="module")
+def gotep(gotep_and_folder):
+    return gotep_and_folder[0]
+
+
+def test_ep_adamw8bit_blocks_per_expert_match_one_process(gotep):
+    torch.manual_seed(SEED)
+    model = tm.MoE()
+    opt = rfsdp.optim.AdamW8bit(model.parameters(), **EP_8BIT)
+    for g in tm.gradients(SEED, STEPS, tm.MoE):
+        for n, p in model.named_parameters():
+            p.grad = g[n].clone()
+        opt.step()
+    for r in range(4):
+        for n, p in model.named_parameters():
+            assert torch.equal(gotep[r]["8bit"][n], p.detach()), (r, n)
+
+
+def test_ep_checkpoint_loads_into_one_process_and_goes_on(gotep_and_folder):
+    got, folder = gotep_and_folder
+    _, want = _one_process(tm.MoE, _adamw)
+    xs, ys = tm.data(SEED, STEPS)
+    torch.manual_seed(SEED)
+    model = tm.MoE()
+    opt = rfsdp.optim.AdamW(model.parameters(), **ADAMW)
+    rfsdp.checkpoint.load(folder + "/ep", model, opt)
+    tm.train(model, opt, xs[2:], ys[2:])
+    _close({n: p.detach() for n, p in model.named_parameters()}, want, "EP resumed")
 
 
 def test_ep_torch_adamw_matches_one_process(gotep):

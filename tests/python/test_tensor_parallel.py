@@ -44,14 +44,6 @@ TILED = (("8bit", "AdamW8bit", EIGHT_BIT), ("shampoo", "Shampoo", SHAMPOO),
          ("soap", "SOAP", SOAP))
 
 
-def _gradients(seed, steps):
-    """Each step's full gradient of every parameter (seeded: the same on every rank)."""
-    torch.manual_seed(seed)
-    shapes = {n: p.shape for n, p in tm.Block().named_parameters()}
-    g = torch.Generator().manual_seed(seed + 1)
-    return [{n: torch.randn(s, generator=g) for n, s in shapes.items()} for _ in range(steps)]
-
-
 def _step_with(model, opt, grads):
     """opt's steps with these full gradients, each rank given its piece of them."""
     from torch.distributed.tensor import DTensor
@@ -118,7 +110,7 @@ def worker(rank, world, seed, folder):
 
     # AdamW8bit, Shampoo and SOAP on every parameter (column parts included), given
     # fixed gradients: parameters and (gathered whole) states as one process's.
-    grads = _gradients(seed, STEPS)
+    grads = tm.gradients(seed, STEPS)
     for key, cls, kw in TILED:
         model = _model(mesh, seed)
         opt = getattr(rfsdp.optim, cls)(model.parameters(), **kw)
@@ -236,7 +228,7 @@ def _one_process_fixed(cls, kw):
     torch.manual_seed(SEED)
     model = tm.Block()
     opt = getattr(rfsdp.optim, cls)(model.parameters(), **kw)
-    for g in _gradients(SEED, STEPS):
+    for g in tm.gradients(SEED, STEPS):
         for n, p in model.named_parameters():
             p.grad = g[n].clone()
         opt.step()

@@ -104,6 +104,15 @@ def train(model, opt, xs, ys, dp_rank=0, dp=1, before_step=None, output=None):
     return losses
 
 
+def gradients(seed, steps, module=Block):
+    """Each step's full gradient of every parameter of module() (seeded: the same
+    on every rank)."""
+    torch.manual_seed(seed)
+    shapes = {n: p.shape for n, p in module().named_parameters()}
+    g = torch.Generator().manual_seed(seed + 1)
+    return [{n: torch.randn(s, generator=g) for n, s in shapes.items()} for _ in range(steps)]
+
+
 def full_of(model):
     """{name: the whole tensor} of every parameter (DTensors and rfsdp.fully_shard's
     shards gathered: collective)."""
