@@ -212,7 +212,9 @@ def test_3d_clip_grad_norm_is_global_over_every_mesh_dimension(got3d):
 
 # ------------------------------------------------------- expert parallelism
 
-EP_8BIT = dict(lr=1e-2, weight_decay=0.05, block=16, min_8bit_size=1)  # (3 blocks an expert)
+EP_TILED = (("8bit", "AdamW8bit", dict(lr=1e-2, weight_decay=0.05, block=16,
+                                        min_8bit_size=1)),  # (3 blocks an expert)
+            ) + TILED[1:]  # (Shampoo and SOAP: tiles of 4)
 
 
 def worker_ep(rank, world, seed, folder):
@@ -242,11 +244,13 @@ def worker_ep(rank, world, seed, folder):
     out["experts_sent"] = opt._impl.gather_send_elems()
     out["experts_orthogonalised"] = opt.metrics()["groups"][0]["matrices_orthogonalised"]
 
-    # AdamW8bit given fixed gradients: blocks of the global stacks (per expert).
-    m = model()
-    opt = rfsdp.optim.AdamW8bit(m.parameters(), **EP_8BIT)
-    _step_with(m, opt, tm.gradients(seed, STEPS, tm.MoE))
-    out["8bit"] = tm.full_of(m)
+    # AdamW8bit, Shampoo and SOAP given fixed gradients: blocks and tiles of the
+    # global stacks (each expert whole on a rank here).
+    for key, cls, kw in EP_TILED:
+        m = model()
+        opt = getattr(rfsdp.optim, cls)(m.parameters(), **kw)
+        _step_with(m, opt, tm.gradients(seed, STEPS, tm.MoE))
+        out[key] = tm.full_of(m)
     # AdamW saved on (dp=2, ep=2) after 2 steps by rfsdp.checkpoint, for one process.
     m = model()
     opt = rfsdp.optim.AdamW(m.parameters(), **ADAMW)
@@ -275,17 +279,18 @@ def gotep(gotep_and_folder):
     return gotep_and_folder[0]
 
 
-def test_ep_adamw8bit_blocks_per_expert_match_one_process(gotep):
+@pytest.mark.parametrize("key,cls,kw", EP_TILED, ids=[t[0] for t in EP_TILED])
+def test_ep_blocks_and_tiles_per_expert_match_one_process(gotep, key, cls, kw):
     torch.manual_seed(SEED)
     model = tm.MoE()
-    opt = rfsdp.optim.AdamW8bit(model.parameters(), **EP_8BIT)
+    opt = getattr(rfsdp.optim, cls)(model.parameters(), **kw)
     for g in tm.gradients(SEED, STEPS, tm.MoE):
         for n, p in model.named_parameters():
             p.grad = g[n].clone()
         opt.step()
     for r in range(4):
         for n, p in model.named_parameters():
-            assert torch.equal(gotep[r]["8bit"][n], p.detach()), (r, n)
+            assert _same(gotep[r][key][n], p.detach(), key == "8bit"), (key, r, n)
 
 
 def test_ep_checkpoint_loads_into_one_process_and_goes_on(gotep_and_folder):
