@@ -1,6 +1,7 @@
 #include "optimizers/adamw/adamw.h"
 
 #include <cmath>
+#include <cstdint>
 #include <iterator>
 #include <map>
 #include <set>
@@ -115,31 +116,45 @@ void AdamW::step_with_hyperball(const std::vector<size_t>& stepping) {
   }
   std::vector<char> in_ball(params_.size(), 0), steps(params_.size(), 0);
   for (size_t i : ball_params) in_ball[i] = 1;
-  std::vector<size_t> rest, ball;
+  std::vector<size_t> ball;
   for (size_t i : stepping) {
     steps[i] = 1;
-    (in_ball[i] ? ball : rest).push_back(i);
+    if (in_ball[i]) ball.push_back(i);
   }
-  step_params(rest);
-  // The direction d into a scratch buffer in place of the parameter: lr 1, no
-  // decay (a Hyperball group has none), so the buffer ends as -d.
+  // The direction d of a Hyperball parameter into a scratch buffer in place of the
+  // parameter: lr 1, no decay (a Hyperball group has none), so the buffer ends as
+  // -d; its group's other parameters (1-D ones) keep the group's lr: the Hyperball
+  // ones step under a copy of their group's options with lr 1, added for the call.
+  // Every parameter in one step_params call: AdamW8bit agrees its shared blocks in
+  // one all-reduce.
   std::vector<at::Tensor> kept(params_.size()), minus_d(params_.size());
   const std::vector<AdamWOptions> groups = groups_;
+  const std::vector<size_t> group_of = group_of_;
+  std::vector<size_t> lr_one(groups_.size(), SIZE_MAX);  // group -> its lr-1 copy
   for (size_t i : ball) {
     kept[i] = params_[i].param;
     minus_d[i] = at::zeros(kept[i].sizes(), state_options(i));
     params_[i].param = minus_d[i];
-    groups_[group_of_[i]].lr = 1.0;
+    const size_t g = group_of[i];
+    if (lr_one[g] == SIZE_MAX) {
+      lr_one[g] = groups_.size();
+      groups_.push_back(groups[g]);
+      groups_.back().lr = 1.0;
+    }
+    group_of_[i] = lr_one[g];
   }
-  try {
-    step_params(ball);
-  } catch (...) {
+  auto restore = [&] {
     for (size_t i : ball) params_[i].param = kept[i];
     groups_ = groups;
+    group_of_ = group_of;
+  };
+  try {
+    step_params(stepping);
+  } catch (...) {
+    restore();
     throw;
   }
-  for (size_t i : ball) params_[i].param = kept[i];
-  groups_ = groups;
+  restore();
   // Slots per Hyperball parameter: |W|^2, <W, -d>, |d|^2 (float64).
   const size_t n = ball_params.size();
   std::vector<double> sums(3 * n, 0.0);

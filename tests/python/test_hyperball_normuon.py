@@ -402,6 +402,36 @@ def test_checkpoint_reshards_two_ranks_to_one_and_continues():
         assert_matches(resumed[kind], reference(seed, kind, 2 * STEPS), kind)
 
 
+def collectives_worker(rank, world, seed):
+    """AdamW8bit on FSDP2's chunks (2 ranks) with blocks of 100, which every
+    matrix's chunk boundary cuts (shared blocks, agreed by an all-reduce), two
+    groups (w and qkv; the rest), Hyperball on the first or on none: the
+    collectives of one step."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    out = {}
+    grads = gradients(seed, 2)
+    for ball in (False, True):
+        model = Grads(seed)
+        fully_shard(model, mesh=init_device_mesh("cpu", (world,)))
+        named = dict(model.named_parameters())
+        opt = rfsdp.optim.AdamW8bit(
+            [dict(params=[named["w"], named["qkv"]], hyperball=ball),
+             dict(params=[p for n, p in named.items() if n not in ("w", "qkv")])],
+            weight_decay=0.0, block=100, min_8bit_size=64, **ADAM)
+        train(model, opt, grads[:1])
+        before = opt.comm.stats()["collectives"]
+        train(model, opt, grads[1:])
+        out[ball] = opt.comm.stats()["collectives"] - before
+    return out
+
+
+def test_adamh8_adds_one_collective_a_step_beside_shared_blocks():
+    got = run_ranks(collectives_worker, 2, 5)
+    for r in got:
+        assert r[True] == r[False] + 1, r
+
+
 @pytest.mark.parametrize("kind", ["muonh", "normuonh", "adamh", "adamh8"])
 def test_weight_decay_with_hyperball_is_refused(kind):
     model = Grads(0)
