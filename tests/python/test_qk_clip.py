@@ -191,3 +191,56 @@ def check_ranks(out):
 
 def test_two_ranks_ddp_replicas_clip_alike_with_the_global_logits():
     check_ranks(run_ranks(ranks_worker, 2, 11, "ddp"))
+
+
+# Tensor parallelism: separate q and k weights (torchtitan's wq, wk), ColwiseParallel
+# over tp (each tp rank its query heads and their key head), then rfsdp.fully_shard
+# or torch FSDP2 over dp; mesh (dp=2, tp=2). Each rank has the logits of its own
+# heads only (-inf for the others'); the MAX all-reduce over every rank merges them.
+TP_Q, TP_KV = 4, 2  # query heads, key heads (2 query heads a key head: whole groups per tp rank)
+
+
+class QK(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.wq = nn.Linear(D, TP_Q * HEAD, bias=False)
+        self.wk = nn.Linear(D, TP_KV * HEAD, bias=False)
+
+
+def tp_worker(rank, world, seed, kind):
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor.parallel import ColwiseParallel, parallelize_module
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+    torch.manual_seed(seed)
+    model = parallelize_module(QK(), mesh["tp"], {"wq": ColwiseParallel(), "wk": ColwiseParallel()})
+    if kind == "rfsdp":
+        rfsdp.fully_shard(model, mesh=mesh["dp"])
+    else:
+        from torch.distributed.fsdp import fully_shard
+        fully_shard(model, mesh=mesh["dp"])
+    per = TP_Q // 2
+    t = mesh["tp"].get_local_rank()
+    mine = torch.full((TP_Q,), float("-inf"))
+    mine[t * per:(t + 1) * per] = (torch.rand(TP_Q, generator=torch.Generator().manual_seed(
+        100 + rank)) * 3 * TAU)[t * per:(t + 1) * per]
+    rfsdp.optim.qk_clip_(model.wq.weight, model.wk.weight, mine, TAU, HEAD, q_per_kv=TP_Q // TP_KV)
+    if kind == "rfsdp":
+        whole = rfsdp.full_parameters(model)
+    else:
+        whole = {n: p.full_tensor() for n, p in model.named_parameters()}
+    return whole, mine
+
+
+@pytest.mark.parametrize("kind", ["rfsdp", "fsdp2"])
+def test_tensor_parallel_heads_match_reference(kind):
+    out = run_ranks(tp_worker, 4, 3, kind)
+    torch.manual_seed(3)
+    start = QK()
+    w = torch.cat([start.wq.weight.detach(), start.wk.weight.detach()])
+    m = torch.stack([mine for _, mine in out]).amax(dim=0)
+    assert bool(torch.isfinite(m).all())
+    want = reference(w, m, (0, TP_Q * HEAD), (TP_Q * HEAD, (TP_Q + TP_KV) * HEAD),
+                     TP_Q // TP_KV)
+    for whole, _ in out:
+        check(torch.cat([whole["wq.weight"], whole["wk.weight"]]), want)
+    assert not torch.equal(want.float(), w)  # (some head was clipped: the test can fail)

@@ -17,7 +17,9 @@ Works wherever the ranks hold the rows: a plain tensor (one process, or a
 DDP replica: every rank scales all of it alike), rfsdp.fully_shard's shards and
 FSDP2's Shard(0) DTensors (each rank scales the rows it holds, a head that a
 shard boundary cuts on each piece: the rows' global places come from the
-parameter's shard descriptor, the one the optimizers use). No parameter moves;
+parameter's shard descriptor, the one the optimizers use), tensor parallelism's
+ColwiseParallel query and key weights (each tp rank its heads; its logits of
+the others' heads -inf, so the all-reduce merges them). No parameter moves;
 the only collective is one MAX all-reduce of the logits of every attention
 clipped in the call, over the data-parallel group, unless they are already
 global (logits_global=True)."""
