@@ -32,8 +32,8 @@ def _same_root(a, b):
 class MeshDims:
     """Where a unit's shards lie in the root mesh its dp mesh was sliced from: the
     root, the dp mesh's shard dim and (HSDP) replicate dim, by name; every shard's
-    ShardInfo carries the names of the root dims it is sharded along (`dims`), so
-    an optimizer over several of them agrees over all those dims."""
+    ShardInfo carries the names of the root dims it is sharded along (mesh_dims),
+    so an optimizer over several of them agrees over all those dims."""
 
     def __init__(self, dp_mesh):
         self.root = root_mesh(dp_mesh)
@@ -86,8 +86,9 @@ class TPPiece:
         if self.dim is not None:
             want[self.dim] //= n
         if list(loc.shape) != want or not loc.is_contiguous():
-            raise ValueError("%s: its local tensor is %s%s, not the contiguous piece %s of "
-                             "equal pieces" % (what, tuple(loc.shape), "", tuple(want)))
+            raise ValueError("%s: its local tensor is %s%s, not this rank's piece %s of equal "
+                             "contiguous pieces" % (what, tuple(loc.shape), "" if loc.is_contiguous()
+                                                    else " (non-contiguous)", tuple(want)))
         self.mesh, self.placements, self.shape, self.stride = mesh, placements, shape, p.stride()
         self.parts, self.part = n, mesh.get_local_rank()
         self.dims = dims
