@@ -18,7 +18,8 @@ is noise here (two seeds of the real runs differ by 0.02): read the errors.
 Formats: fp32 (no coding), dyn (the dynamic map: signed for m, unsigned with
 keep_nonzero for v), fp8 (e4m3 of x * 448 / absmax; v keep_nonzero), fp8sqrt
 (v only: e4m3 of sqrt(v) * 448 / absmax of sqrt(v), decoded and squared), e4m4
-(v only, emulated: e4m3's unused sign bit as a 4th mantissa bit)."""
+(v only, emulated: e4m3's unused sign bit as a 4th mantissa bit), fp8sr (v
+only, emulated: e4m3 codes rounded stochastically, torch's generator)."""
 import argparse
 import json
 import math
@@ -60,6 +61,23 @@ def code(x, fmt, is_v):
         yq = torch.round(torch.ldexp(y, 5 - ex)) * torch.pow(2.0, (ex - 5).double())
         yq = torch.where((yq == 0) & (y > 0), torch.full_like(yq, 2.0 ** -10), yq)
         return (yq.float() * torch.where(amax > 0, amax / 448.0, amax)).view_as(x)
+    if fmt == "fp8sr" and is_v:
+        # e4m3 codes of v * 448 / absmax rounded stochastically (up with probability
+        # the distance from the code below over the gap; torch's global generator):
+        # unbiased, so an increment smaller than half the grid's step survives on average
+        vb = flat.reshape(-1, BLOCK)
+        amax = vb.amax(1, keepdim=True)
+        y = vb * torch.where(amax > 0, 448.0 / amax, torch.zeros_like(amax))
+        c = y.to(torch.float8_e4m3fn).view(torch.uint8).int()
+        near = c.to(torch.uint8).view(torch.float8_e4m3fn).float()
+        lo_c = torch.where(near > y, c - 1, c).clamp(min=0)
+        hi_c = (lo_c + 1).clamp(max=126)
+        lo = lo_c.to(torch.uint8).view(torch.float8_e4m3fn).float()
+        hi = hi_c.to(torch.uint8).view(torch.float8_e4m3fn).float()
+        up = torch.rand_like(y) * (hi - lo) < (y - lo)
+        yq = torch.where(up, hi, lo)
+        yq = torch.where((yq == 0) & (y > 0), torch.full_like(yq, 2.0 ** -9), yq)
+        return (yq * torch.where(amax > 0, amax / 448.0, amax)).view_as(x)
     raise ValueError("format %r for %s" % (fmt, "v" if is_v else "m"))
 
 
@@ -161,7 +179,7 @@ def run(args, seed):
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--m", default="dyn", choices=["fp32", "dyn", "fp8"])
-    ap.add_argument("--v", default="dyn", choices=["fp32", "dyn", "fp8", "fp8sqrt", "e4m4"])
+    ap.add_argument("--v", default="dyn", choices=["fp32", "dyn", "fp8", "fp8sqrt", "e4m4", "fp8sr"])
     ap.add_argument("--seeds", type=int, nargs="+", default=[0])
     ap.add_argument("--lr", type=float, default=0.008)
     ap.add_argument("--budget", type=int, default=524288)
