@@ -245,9 +245,15 @@ def worker(rank, world, seed, mesh_shape=(WORLD,)):
     w = nn.Parameter(distribute_tensor(torch.randn(6, 7), mesh, [Shard(1)]))
     with pytest.raises(ValueError, match=r"param 0.*Shard\(dim=1\)"):
         rfsdp.optim.Muon([w])
-    r = nn.Parameter(distribute_tensor(torch.randn(6, 6), mesh, [Replicate()]))
-    with pytest.raises(ValueError, match="replicated"):
-        rfsdp.optim.AdamW([r])
+    # A DTensor replicated along every dim (a tensor-parallel bias) is a whole tensor
+    # on each rank, stepped alike, as torch's AdamW steps it (every rank's piece).
+    gen = torch.Generator().manual_seed(seed)
+    r = nn.Parameter(distribute_tensor(torch.randn(6, 6, generator=gen), mesh, [Replicate()]))
+    opt = rfsdp.optim.AdamW([r], lr=1e-2, weight_decay=0.05)
+    for _ in range(2):
+        r.grad = distribute_tensor(torch.randn(6, 6, generator=gen), mesh, [Replicate()])
+        opt.step()
+    out["replicated"] = r.to_local().detach().clone()
     return out if rank == 0 else None
 
 
@@ -291,6 +297,13 @@ def test_rfsdp_optimizers_on_fsdp2_parameters_match_one_device():
         for got_t, want_t in zip(got[name], (w, b)):
             torch.testing.assert_close(got_t, want_t.detach(), rtol=1e-6, atol=1e-7,
                                        msg=lambda m: "%s (seed %d): %s" % (name, seed, m))
+    gen = torch.Generator().manual_seed(seed)
+    r = nn.Parameter(torch.randn(6, 6, generator=gen))
+    opt = torch.optim.AdamW([r], lr=1e-2, weight_decay=0.05)
+    for _ in range(2):
+        r.grad = torch.randn(6, 6, generator=gen)
+        opt.step()
+    torch.testing.assert_close(got["replicated"], r.detach(), rtol=1e-6, atol=1e-7)
     torch.manual_seed(seed)
     model = Odd()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.05)
