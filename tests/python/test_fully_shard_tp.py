@@ -133,6 +133,27 @@ def worker(rank, world, seed, folder):
     torch.optim.SGD(model.parameters(), lr=1.0).step()
     out["accumulated_step"] = tm.full_of(model)
 
+    # The block under activation checkpointing (non-reentrant: its forward runs
+    # again in backward, gathering its tp pieces again), its unit kept gathered
+    # after forward (reshard_after_forward=False).
+    from torch.utils.checkpoint import checkpoint
+
+    class Checkpointed(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.block = tm.Block()
+
+        def forward(self, x):
+            return checkpoint(self.block, x, use_reentrant=False)
+    torch.manual_seed(seed)
+    model = Checkpointed()
+    tm.tensor_parallel(model.block, mesh, dp=None)
+    rfsdp.fully_shard(model.block, mesh=mesh["dp"], reshard_after_forward=False)
+    rfsdp.fully_shard(model, mesh=mesh["dp"])
+    opt = rfsdp.optim.AdamW(model.parameters(), **ADAMW)
+    tm.train(model, opt, xs, ys, dp, 2)
+    out["checkpointed"] = {n[len("block."):]: t for n, t in tm.full_of(model).items()}
+
     # Gradients: clipped over dp and tp, then an SGD step of lr 1 (the parameters
     # move by exactly the clipped gradients).
     model = _model(mesh, seed)
@@ -315,6 +336,13 @@ def test_sharded_state_dict_through_dcp_loads_every_piece(got):
     ranks, _ = got
     for r in range(4):
         _close(ranks[r]["dcp_model"], ranks[r]["adamw_built_before"], "DCP, rank %d" % r, tol=0)
+
+
+def test_activation_checkpointing_and_kept_gathered_unit_match_one_process(got):
+    ranks, _ = got
+    _, want = _one_process(lambda m: torch.optim.AdamW(m.parameters(), **ADAMW))
+    for r in range(4):
+        _close(ranks[r]["checkpointed"], want, "checkpointed, rank %d" % r)
 
 
 def test_full_state_dict_is_the_global_parameters_and_loads_back(got):
