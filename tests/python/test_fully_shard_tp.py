@@ -31,6 +31,7 @@ TILED = (("8bit", "AdamW8bit", dict(lr=1e-2, weight_decay=0.05, block=4, min_8bi
                                      start_preconditioning_step=1)),
          ("soap", "SOAP", dict(lr=1e-2, max_preconditioner_dim=4, precondition_frequency=1)))
 CLIP = 0.1
+EXPERT_BLOCKS = {"experts.w1": [4, 4], "experts.w2": [3, 3]}  # (rows of each [8, 6] / [6, 8] expert)
 EP_8BIT = dict(lr=1e-2, weight_decay=0.05, block=16, min_8bit_size=1)
 
 
@@ -275,6 +276,12 @@ def worker_ep(rank, world, seed, folder):
     out["muon_losses"] = tm.train(model, opt, xs, ys, rank, world)
     out["muon"] = tm.full_of(model)
     out["experts_sent"] = opt._impl.gather_send_elems()
+    # Muon per block of each expert's rows (policy.muon's split of the stacks: the
+    # blocks are each expert's, which ep's Shard(0) of the experts never cuts).
+    model = _expert_parallel(mesh, seed, policy=rfsdp.policy.muon(split=EXPERT_BLOCKS))
+    opt = rfsdp.optim.Muon(tm.muon_groups(model, tm.EXPERT_STACKS), **MUON)
+    tm.train(model, opt, xs, ys, rank, world)
+    out["muon_blocks"] = tm.full_of(model)
     model = _expert_parallel(mesh, seed)
     opt = rfsdp.optim.AdamW(model.parameters(), **ADAMW)
     tm.train(model, opt, xs[:2], ys[:2], rank, world)
@@ -504,6 +511,16 @@ def test_ep_muon_whole_experts_send_nothing_and_match_float64_one_device(got_ep)
     for r in range(4):
         assert ranks[r]["experts_sent"] == 0, (r, ranks[r]["experts_sent"])
         _close(ranks[r]["muon"], want, "EP Muon, rank %d" % r, tol=1e-5)
+
+
+def test_ep_muon_per_block_of_each_expert_matches_float64_one_device(got_ep):
+    ranks, _ = got_ep
+    xs, ys = tm.data(SEED, STEPS)
+    torch.manual_seed(SEED)
+    _, want = muon_reference.train(tm.MoE(), list(tm.EXPERT_STACKS), xs, ys, aux_lr=3e-4,
+                                   splits=EXPERT_BLOCKS, **MUON)
+    for r in range(4):
+        _close(ranks[r]["muon_blocks"], want, "EP Muon per block, rank %d" % r, tol=1e-5)
 
 
 def test_ep_adamw8bit_blocks_per_expert_match_one_process(got_ep):

@@ -224,8 +224,9 @@ def _collect(module, dims):
                 raise ValueError(
                     "fully_shard: parameter '%s' is a DTensor with placements %s over mesh dims "
                     "%s (tensor parallelism): give fully_shard the data-parallel dims of the "
-                    "mesh its tp mesh was sliced from, with names (mesh=mesh['dp'], or "
-                    "mesh=mesh['dp_replicate', 'dp_shard'] for HSDP), not a process group"
+                    "mesh its tp mesh was sliced from, a mesh with dim names (mesh=mesh['dp'], "
+                    "or mesh=mesh['dp_replicate', 'dp_shard'] for HSDP), not a process group "
+                    "or a mesh without names"
                     % (fqn, tuple(p.placements), tuple(p.device_mesh.mesh_dim_names or ())))
             claimed = getattr(p, "_rfsdp_replaced", None)
             if claimed is not None:
@@ -400,7 +401,7 @@ def fully_shard(module: nn.Module, *, mesh=None, process_group=None, replicate_g
     if comm_policy is not None and comm_policy.quantised_weights():
         # each rank encodes whole blocks of its own rows: the plan keeps them whole
         pol = policy_mod.combine(pol, policy_mod.blockwise_8bit(comm_policy.weight_block))
-    dims = MeshDims(mesh) if mesh is not None and mesh.mesh_dim_names else None
+    dims = MeshDims(mesh, pg, rg) if mesh is not None and mesh.mesh_dim_names else None
     entries, pieces, devices = _collect(module, dims)
     planner = planner if planner is not None else PlannerOptions()
     if not isinstance(planner, PlannerOptions):
@@ -524,11 +525,14 @@ def _clip_dtensor_grads(params, max_norm, error_if_nonfinite):
 def _clip_tp_units(us, max_norm, error_if_nonfinite):
     """clip_grad_norm_ of fully_shard units over tensor-parallel modules: each
     shard's gradient rows, sharded over its ShardInfo's group (dp, or dp and tp)."""
-    roots = {id(u.mesh_dims.root): u.mesh_dims.root for u in us if u.mesh_dims is not None}
-    if len(roots) != 1 or any(u.mesh_dims is None for u in us):
+    if any(u.mesh_dims is None for u in us):
+        raise ValueError("clip_grad_norm_: some of the model's fully_shard units were given a "
+                         "process group, not a mesh, beside tensor-parallel ones; give every "
+                         "fully_shard call its mesh (mesh=mesh['dp'])")
+    roots = {id(u.mesh_dims.root): u.mesh_dims.root for u in us}
+    if len(roots) != 1:
         raise ValueError("clip_grad_norm_: the model's fully_shard units lie on %d different "
-                         "device meshes (or none); clip each mesh's units on their own"
-                         % len(roots))
+                         "device meshes; clip each mesh's units on their own" % len(roots))
     grads = [(sp.grad, sp._rfsdp_shard.process_group.size()) for u in us for sp in u.sharded
              if sp.grad is not None]
     return _clip_over_mesh(next(iter(roots.values())), grads, max_norm, error_if_nonfinite)
@@ -540,10 +544,12 @@ def _clip_over_mesh(root, grads, max_norm, error_if_nonfinite):
     counted once (a piece that k ranks hold alike, along a Replicate dimension or
     outside a parameter's sub-mesh, adds 1/k of its square on each), float64 sums;
     the local gradients scaled in place."""
-    total = torch.zeros((), dtype=torch.float64)
+    # (on the gradients' device: NCCL reduces GPU tensors; one sync, at .item())
+    device = grads[0][0].device if grads else torch.device("cpu")
+    total = torch.zeros((), dtype=torch.float64, device=device)
     for g, sharded in grads:
         holders = root.size() // sharded  # ranks holding each element alike
-        total += g.detach().double().pow(2).sum().cpu() / holders
+        total += g.detach().double().pow(2).sum() / holders
     if root.size() > 1:
         dist.all_reduce(total, group=whole_mesh_group(root))
     norm = total.sqrt()
@@ -554,7 +560,6 @@ def _clip_over_mesh(root, grads, max_norm, error_if_nonfinite):
     with torch.no_grad():
         for g, _ in grads:
             g.mul_(coef)
-    device = grads[0][0].device if grads else torch.device("cpu")
     return torch.tensor(norm.item(), dtype=torch.float32, device=device)
 
 

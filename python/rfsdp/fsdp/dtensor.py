@@ -236,9 +236,10 @@ def is_replicated(p) -> bool:
     return all(x.is_replicate() for x in p.placements)
 
 
-def local_grad(p) -> Optional[torch.Tensor]:
+def local_grad_of(p) -> Optional[torch.Tensor]:
     """p's gradient as this rank's tensor: a DTensor gradient's local piece, once in
-    p's placements (a replicated parameter's Partial gradient is summed first)."""
+    p's placements (a replicated parameter's Partial gradient is summed first: a
+    collective over its mesh, so run before the step's agreement, on every rank)."""
     g = p.grad
     if g is None or not is_dtensor(g):
         return g

@@ -30,16 +30,48 @@ def _same_root(a, b):
 
 
 class MeshDims:
-    """Where a unit's shards lie in the root mesh its dp mesh was sliced from: the
-    root, the dp mesh's shard dim and (HSDP) replicate dim, by name; every shard's
-    ShardInfo carries the names of the root dims it is sharded along (mesh_dims),
-    so an optimizer over several of them agrees over all those dims."""
+    """Where a unit's shards lie in the root mesh its dp mesh was sliced (or
+    flattened) from: the root, and the names of the root dims along which the
+    unit's shard group and (HSDP) replicate group run, found from the groups'
+    ranks (so a flattened dim, mesh["dp", "ep"]._flatten(), is its root dims).
+    Every shard's ShardInfo carries the names of the root dims it is sharded along
+    (mesh_dims), so an optimizer over several of them agrees over all those dims."""
 
-    def __init__(self, dp_mesh):
+    def __init__(self, dp_mesh, pg, rg):
         self.root = root_mesh(dp_mesh)
-        names = _names(dp_mesh)
-        self.shard_dim = names[-1]
-        self.replicate_dim = names[0] if len(names) == 2 else None
+        self.pg = pg
+        self.shard_dims = self._dims_of(pg)
+        self.replicate_dims = self._dims_of(rg) if rg is not None else ()
+
+    def _dims_of(self, group):
+        """The root's dims (names) along which the ranks of group differ."""
+        grid = self.root.mesh
+        coords = []
+        for r in dist.get_process_group_ranks(group):
+            at = (grid == r).nonzero()
+            if at.shape[0] != 1:
+                raise ValueError("fully_shard: rank %d of the mesh's group is not in its root mesh "
+                                 "%s" % (r, _names(self.root)))
+            coords.append([int(x) for x in at[0]])
+        names = _names(self.root)
+        return tuple(names[d] for d in range(self.root.ndim)
+                     if len({c[d] for c in coords}) > 1)
+
+    def dp_index(self, rank):
+        """A global rank's place along the unit's shard dims (its rows of the plan):
+        its coordinates along them, row-major in the root's order, as a mesh's
+        groups order their ranks (checked against this rank's place in the group)."""
+        names = _names(self.root)
+        at = [int(x) for x in (self.root.mesh == rank).nonzero()[0]]
+        k = 0
+        for n in self.shard_dims:
+            d = names.index(n)
+            k = k * self.root.mesh.shape[d] + at[d]
+        if rank == dist.get_rank() and k != dist.get_rank(self.pg):
+            raise ValueError("fully_shard: the mesh's shard group orders its ranks unlike the "
+                             "root mesh's dims %s; build the mesh with init_device_mesh"
+                             % (self.shard_dims,))
+        return k
 
 
 class TPPiece:
@@ -60,9 +92,9 @@ class TPPiece:
                              "(%s) is: slice mesh['tp'] and mesh['dp'] from one DeviceMesh"
                              % (what, _names(dims.root)))
         self.tp_dim = _names(mesh)[0]
-        if self.tp_dim in (dims.shard_dim, dims.replicate_dim):
-            raise ValueError("%s is already distributed over '%s', the dim fully_shard shards "
-                             "over: give fully_shard the data-parallel dims alone" % (what, self.tp_dim))
+        if self.tp_dim in dims.shard_dims + dims.replicate_dims:
+            raise ValueError("%s is already distributed over '%s', a dim fully_shard's mesh spans: "
+                             "give fully_shard the data-parallel dims alone" % (what, self.tp_dim))
         x = placements[0]
         shape = tuple(p.shape)
         n = mesh.size()
@@ -100,7 +132,7 @@ class TPPiece:
         return DTensor.from_local(piece, self.mesh, self.placements, run_check=False,
                                   shape=torch.Size(self.shape), stride=self.stride)
 
-    def local_grad(self, g):
+    def grad_piece(self, g):
         """A gradient of the DTensor parameter as this rank's piece (redistributed to
         the parameter's placements first: a Partial one is summed over tp)."""
         from torch.distributed.tensor import DTensor
@@ -110,14 +142,18 @@ class TPPiece:
             g = g.redistribute(placements=self.placements)
         return g._local_tensor
 
-    def granule(self, g, whole):
+    def granule(self, g, row_dims, whole):
         """The plan's granule for this piece, from the policy's granule g for the
-        global tensor (rows, or `whole`): kept where the piece's rows take it (a
-        Shard(0) piece whose rows it divides; Shard(1) and Replicate pieces have the
-        tensor's rows), else the piece whole (unequal blocks a tp cut splits)."""
+        global tensor (rows over its first row_dims dims, or `whole`): kept where
+        the piece's rows take it (a Shard(0) piece whose rows it divides; Shard(1)
+        and Replicate pieces have the tensor's rows), else the piece whole
+        (unequal blocks a tp cut splits)."""
         if g == whole or self.dim != 0:
             return g
-        return g if (self.shape[0] // self.parts) % g == 0 else whole
+        rows = self.shape[0] // self.parts
+        for n in self.shape[1:row_dims]:
+            rows *= n
+        return g if rows % g == 0 else whole
 
     def shard_info(self, piece_shard, blocks=None) -> ShardInfo:
         """The ShardInfo of a shard whose rows of this piece piece_shard (the
@@ -136,25 +172,22 @@ class TPPiece:
         d = self.dims
         root = d.root
         rnames = _names(root)
-        shard_names = (d.shard_dim,) + ((self.tp_dim,) if self.dim is not None else ())
-        rep_names = ((d.replicate_dim,) if d.replicate_dim else ()) + \
-            ((self.tp_dim,) if self.dim is None else ())
+        shard_names = d.shard_dims + ((self.tp_dim,) if self.dim is not None else ())
+        rep_names = d.replicate_dims + ((self.tp_dim,) if self.dim is None else ())
         name = piece_shard.name
-        if self.dim is None:
-            pg = mesh_group(root, [rnames.index(x) for x in shard_names])
+        if self.dim is None:  # (the unit's own shard group; replicated over tp too)
             rg = mesh_group(root, [rnames.index(x) for x in rep_names])
-            return ShardInfo.of(piece_shard, pg, rg, mesh_dims=(root, shard_names))
+            return ShardInfo.of(piece_shard, d.pg, rg, mesh_dims=(root, shard_names))
         pg = mesh_group(root, [rnames.index(x) for x in shard_names])
         rg = mesh_group(root, [rnames.index(x) for x in rep_names]) if rep_names else None
-        # Every rank of pg: its dp coordinate (its rows of the piece) and tp part.
-        dp_at, tp_at = rnames.index(d.shard_dim), rnames.index(self.tp_dim)
+        # Every rank of pg: its place in the unit's shard group (its rows of the
+        # piece) and its tp part.
+        tp_at = rnames.index(self.tp_dim)
         grid = root.mesh
         piece_rows = piece_shard.rank_rows
         coords = []
-        for g in range(dist.get_world_size(pg)):
-            r = dist.get_global_rank(pg, g) if pg is not dist.group.WORLD else g
-            c = [int(x) for x in (grid == r).nonzero()[0]]
-            coords.append((c[dp_at], c[tp_at]))
+        for r in dist.get_process_group_ranks(pg):
+            coords.append((d.dp_index(r), int((grid == r).nonzero()[0][tp_at])))
         mine = coords[dist.get_rank(pg)]
         if self.dim == 0:
             per = piece_shard.full_rows
@@ -173,12 +206,17 @@ class TPPiece:
 
 
 def local_blocks(blocks, blocks_dim, piece: TPPiece):
-    """A parameter's logical blocks (sizes along blocks_dim of the global tensor)
-    as blocks of this rank's piece: cut at the piece's edges where tp splits that
-    dim (whole blocks where the parts hold them), unchanged where it does not."""
-    if blocks is None or piece is None or piece.dim != blocks_dim:
+    """A parameter's logical blocks (sizes along each matrix's rows, blocks_dim 0,
+    or columns, 1: of a 3-D stack's experts, tensor dims 1 and 2) as blocks of
+    this rank's piece: cut at the piece's edges where tp splits that dim (whole
+    blocks where the parts hold them), unchanged where it does not (a stack's
+    Shard(0) splits experts, never their blocks)."""
+    if blocks is None or piece is None:
         return blocks
-    size = piece.shape[blocks_dim] // piece.parts
+    dim = blocks_dim + (1 if len(piece.shape) == 3 else 0)
+    if piece.dim != dim:
+        return blocks
+    size = piece.shape[dim] // piece.parts
     lo, hi = piece.part * size, (piece.part + 1) * size
     out, at = [], 0
     for n in blocks:

@@ -267,7 +267,8 @@ class Unit:
             self.planned_blocks.append(None if blocks is None else (tuple(blocks), pol.blocks_dim))
             if piece is not None:  # a tp piece is planned as itself: its blocks and granule
                 blocks = local_blocks(blocks, pol.blocks_dim, piece)
-                g = piece.granule(g, policy_mod.WHOLE)
+                g = piece.granule(g, pol.row_dims(name, t) if t.dim() > 0 else 1,
+                                  policy_mod.WHOLE)
             specs.append((name, list(here.shape), 0 if g == policy_mod.WHOLE else g,
                           pol.row_dims(name, t) if t.dim() > 0 else 1, dtype_bytes,
                           blocks or [], pol.blocks_dim if blocks else 0))
@@ -282,7 +283,7 @@ class Unit:
         for i, (uses, old) in enumerate(zip(self.entries, replaced)):
             up = UnitParam(self.unit, i, requires_grad[i], pg,
                            rg if self.replicate_comm is not None else None, self.pieces[i],
-                           self._mesh_names(), self.planned_blocks[i])
+                           self._mesh_dims(), self.planned_blocks[i])
             up.sharded._rfsdp_policy = pol  # (the optimizers check its names were all matched)
             _replace(old, up.sharded, uses[0][2])
             self.params.append(up)
@@ -293,10 +294,10 @@ class Unit:
         self.follow_requires_grad()
         self._use(self.sharded)
 
-    def _mesh_names(self):
+    def _mesh_dims(self):
         """(root mesh, the dims this unit shards along) for its ShardInfos, or None."""
         d = self.mesh_dims
-        return None if d is None else (d.root, (d.shard_dim,))
+        return None if d is None else (d.root, d.shard_dims)
 
     def rename(self, names):
         """The shards' names become `names` (an outer fully_shard call's: what its
@@ -505,7 +506,7 @@ class Unit:
             fp = up.full
             g = fp.grad
             if g is not None and up.piece is not None:
-                g = up.piece.local_grad(g)  # a tensor-parallel piece's gradient: its local piece
+                g = up.piece.grad_piece(g)  # a tensor-parallel piece's gradient: its local piece
             if g is not None and g.data_ptr() != up.full_grad.data_ptr():
                 up.full_grad.add_(g)  # mixed precision: gradient dtype != reduce dtype
             fp.grad = None

@@ -1,6 +1,6 @@
 """AdamW and AdamW8bit over the C++ optimizers (optimizers/adamw)."""
 from .. import _C
-from .base import _OverCpp, switch
+from .base import _OverCpp, bool_option
 
 
 class AdamW(_OverCpp):
@@ -37,7 +37,7 @@ class AdamW(_OverCpp):
 
     def _group_options(self, g):
         return dict(lr=g["lr"], betas=g["betas"], eps=g["eps"], weight_decay=g["weight_decay"],
-                    hyperball=switch(type(self).__name__, g, "hyperball"),
+                    hyperball=bool_option(type(self).__name__, g, "hyperball"),
                     hyperball_radius=g.get("hyperball_radius"))
 
     def hyperball_bytes(self):

@@ -14,7 +14,7 @@ from .._comm import make_comm
 from ..dcp import optim_state
 from ..dcp.layout import default_group
 from ..dcp.state_dict_type import state_dict_type
-from ..fsdp.dtensor import (info_of, is_dtensor, local, local_grad, mesh_dims_of, mesh_group,
+from ..fsdp.dtensor import (info_of, is_dtensor, local, local_grad_of, mesh_dims_of, mesh_group,
                              root_dims_sharded,
                              root_mesh)
 from ..fsdp.unit import replacements
@@ -162,7 +162,7 @@ def _check_betas(optimizer_name, group):
         raise ValueError("%s: betas must be a pair (beta1, beta2), got %r" % (optimizer_name, betas))
 
 
-def switch(optimizer_name, group, key, default=False):
+def bool_option(optimizer_name, group, key, default=False):
     """A group's on/off option, True or False (numpy's bools too); anything else
     (None, 0, "yes") a ValueError naming it: pybind11 would read None as False."""
     v = group.get(key, default)
@@ -685,11 +685,14 @@ class _OverCpp(torch.optim.Optimizer):
         with zeros), then the step (NaN/Inf, any error: every rank raises before
         anything changes)."""
         self._follow_params()
+        # (before the agreement: a replicated DTensor's Partial gradient is summed by
+        # a collective, which every rank must reach before any can refuse)
+        grads = [local_grad_of(p) for p in self._bound_params]
 
         def prepare():
             self._follow_state()
             self._send_options()
-            self._impl.set_grads([local_grad(p) for p in self._bound_params])
+            self._impl.set_grads(grads)
         _agreed(self._impl, prepare)
         self._impl.step()
         self._stepped.update(id(p) for p in self._bound_params if p.grad is not None)

@@ -5,7 +5,7 @@ import torch
 
 from .. import _C
 from ..policy import is_matrix
-from .base import _OverCpp, switch
+from .base import _OverCpp, bool_option
 
 
 class Muon(_OverCpp):
@@ -142,10 +142,10 @@ class Muon(_OverCpp):
 
     def _group_options(self, g):
         return dict(lr=g["lr"], momentum=g["momentum"], weight_decay=g["weight_decay"],
-                    nesterov=switch(type(self).__name__, g, "nesterov"), adjust_lr=g["adjust_lr"],
+                    nesterov=bool_option(type(self).__name__, g, "nesterov", self.defaults.get("nesterov", True)), adjust_lr=g["adjust_lr"],
                     betas=g.get("betas", self.AUX_DEFAULTS["betas"]),
                     eps=g.get("eps", self.AUX_DEFAULTS["eps"]),
-                    hyperball=switch(type(self).__name__, g, "hyperball"),
+                    hyperball=bool_option(type(self).__name__, g, "hyperball"),
                     hyperball_radius=g.get("hyperball_radius"))
 
     def normalise_bytes(self):
