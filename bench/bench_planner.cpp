@@ -61,6 +61,7 @@
 #include <sstream>
 #include <stdexcept>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "core/ragged/int_math.h"
@@ -171,6 +172,24 @@ std::vector<std::string> zoo_files(const std::string& dir) {
   closedir(d);
   std::sort(names.begin(), names.end());
   return names;
+}
+
+// The zoo's transformer-block units (names holding "block", and `only` where
+// given) with their matrices (the tensors of 2 or more dims), in file order.
+std::vector<std::pair<std::string, std::vector<TensorSpec>>> zoo_block_matrices(const std::string& zoo,
+                                                                                const std::string& only) {
+  std::vector<std::pair<std::string, std::vector<TensorSpec>>> out;
+  for (const auto& file : zoo_files(zoo)) {
+    const std::string unit_name = file.substr(0, file.size() - 5);
+    if (unit_name.find("block") == std::string::npos) continue;
+    if (!only.empty() && unit_name.find(only) == std::string::npos) continue;
+    std::vector<TensorSpec> mats;
+    for (auto t : rfsdp::unit_from_json(read_file(zoo + "/" + file))) {
+      if (t.shape.size() >= 2) mats.push_back(t);
+    }
+    out.emplace_back(unit_name, std::move(mats));
+  }
+  return out;
 }
 
 // ---- --blocks: the pad-to-block comparison ----------------------------------
@@ -465,14 +484,7 @@ int shampoo_tiles(const std::string& zoo, const std::string& only, const std::ve
               static_cast<long long>(kDim), static_cast<long long>(kDim));
   std::printf("%-26s %-6s %6s | %7s %10s %8s | %8s %10s | %8s\n", "unit", "layout", "m", "tiles",
               "cost max/mean", "idle", "cut rows", "MiB max", "ms");
-  for (const auto& file : zoo_files(zoo)) {
-    const std::string unit_name = file.substr(0, file.size() - 5);
-    if (unit_name.find("block") == std::string::npos) continue;
-    if (!only.empty() && unit_name.find(only) == std::string::npos) continue;
-    std::vector<TensorSpec> mats;
-    for (auto t : rfsdp::unit_from_json(read_file(zoo + "/" + file))) {
-      if (t.shape.size() >= 2) mats.push_back(t);
-    }
+  for (const auto& [unit_name, mats] : zoo_block_matrices(zoo, only)) {
     for (const char* layout : {"whole", "ragged", "fsdp2"}) {
       for (int64_t m : ms) {
         const auto t0 = std::chrono::steady_clock::now();
@@ -616,14 +628,8 @@ int muon_tp(const std::string& zoo, const std::string& only, int64_t dp, int64_t
   std::printf("%-22s %-9s %-6s | %6s %6s | %10s %10s | %10s %10s | %8s\n", "unit", "layout", "blocks",
               "blocks", "whole", "GiB total", "across tp", "MiB/rk max", "MiB/rk mean", "flops m/m");
   const int64_t world = dp * tp;
-  for (const auto& file : zoo_files(zoo)) {
-    const std::string unit_name = file.substr(0, file.size() - 5);
-    if (unit_name.find("block") == std::string::npos) continue;
-    if (!only.empty() && unit_name.find(only) == std::string::npos) continue;
-    std::vector<TensorSpec> mats;
-    for (auto t : rfsdp::unit_from_json(read_file(zoo + "/" + file))) {
-      if (t.shape.size() >= 2) t.granule_rows = 1, mats.push_back(t);
-    }
+  for (auto& [unit_name, mats] : zoo_block_matrices(zoo, only)) {
+    for (auto& t : mats) t.granule_rows = 1;
     for (const char* layout : {"fsdp", "tp+fsdp2", "tp+ragged"}) {
       std::vector<rfsdp::TensorShard> shards;
       try {
