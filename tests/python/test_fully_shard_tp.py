@@ -300,18 +300,18 @@ def got_ep():
         yield run_ranks(worker_ep, 4, SEED, d), d + "/ep"
 
 
-def _one_process(opt_of, steps=STEPS):
-    xs, ys = tm.data(SEED, steps)
-    torch.manual_seed(SEED)
-    model = tm.Block()
-    losses = tm.train(model, opt_of(model), xs, ys)
-    return losses, {n: p.detach() for n, p in model.named_parameters()}
+def _one_process(opt_of, module=tm.Block):
+    return tm.one_process(module, opt_of, SEED, STEPS)
 
 
-def _close(got, want, what, tol=1e-6):
-    for n, w in want.items():
-        torch.testing.assert_close(got[n].double(), w.double(), rtol=tol, atol=tol,
-                                   msg=lambda m: "%s %s: %s" % (what, n, m))
+def _one_process_fixed(module, cls, kw):
+    """{name: parameter} of cls on one process given tm.gradients."""
+    model, _ = tm.one_process_fixed(
+        module, lambda m: getattr(rfsdp.optim, cls)(m.parameters(), **kw), SEED, STEPS)
+    return {n: p.detach() for n, p in model.named_parameters()}
+
+
+_close = tm.assert_close_all
 
 
 def test_shards_present_the_global_shape_over_dp_and_tp(got):
@@ -427,16 +427,9 @@ def test_muon_resumed_through_dcp_continues_as_uninterrupted(got):
 @pytest.mark.parametrize("key,cls,kw", TILED, ids=[k for k, _, _ in TILED])
 def test_tiled_optimizers_match_one_process(got, key, cls, kw):
     ranks, _ = got
-    torch.manual_seed(SEED)
-    model = tm.Block()
-    opt = getattr(rfsdp.optim, cls)(model.parameters(), **kw)
-    for g in tm.gradients(SEED, STEPS):
-        for n, p in model.named_parameters():
-            p.grad = g[n].clone()
-        opt.step()
+    want = _one_process_fixed(tm.Block, cls, kw)
     for r in range(4):
-        _close(ranks[r][key], {n: p.detach() for n, p in model.named_parameters()},
-               "%s, rank %d" % (cls, r), tol=1e-5)
+        _close(ranks[r][key], want, "%s, rank %d" % (cls, r), tol=1e-5)
 
 
 def test_checkpoint_from_the_mesh_goes_on_in_one_process(got):
@@ -485,17 +478,9 @@ def test_hsdp_x_tp_clip_norm_matches_one_process(got_3d):
         assert got_3d[r]["clip_norm"] == pytest.approx(float(norm), rel=1e-5)
 
 
-def _moe_adamw():
-    xs, ys = tm.data(SEED, STEPS)
-    torch.manual_seed(SEED)
-    model = tm.MoE()
-    losses = tm.train(model, torch.optim.AdamW(model.parameters(), **ADAMW), xs, ys)
-    return losses, {n: p.detach() for n, p in model.named_parameters()}
-
-
 def test_ep_adamw_matches_one_process(got_ep):
     ranks, _ = got_ep
-    losses, want = _moe_adamw()
+    losses, want = _one_process(lambda m: torch.optim.AdamW(m.parameters(), **ADAMW), tm.MoE)
     assert ranks[0]["adamw_losses"] == pytest.approx(losses, rel=1e-6)
     for r in range(4):
         _close(ranks[r]["adamw"], want, "EP AdamW, rank %d" % r)
@@ -525,16 +510,9 @@ def test_ep_muon_per_block_of_each_expert_matches_float64_one_device(got_ep):
 
 def test_ep_adamw8bit_blocks_per_expert_match_one_process(got_ep):
     ranks, _ = got_ep
-    torch.manual_seed(SEED)
-    model = tm.MoE()
-    opt = rfsdp.optim.AdamW8bit(model.parameters(), **EP_8BIT)
-    for g in tm.gradients(SEED, STEPS, tm.MoE):
-        for n, p in model.named_parameters():
-            p.grad = g[n].clone()
-        opt.step()
+    want = _one_process_fixed(tm.MoE, "AdamW8bit", EP_8BIT)
     for r in range(4):
-        _close(ranks[r]["8bit"], {n: p.detach() for n, p in model.named_parameters()},
-               "EP AdamW8bit, rank %d" % r)
+        _close(ranks[r]["8bit"], want, "EP AdamW8bit, rank %d" % r)
 
 
 def test_ep_checkpoint_goes_on_in_one_process(got_ep):

@@ -124,19 +124,13 @@ def test_3d_blockwise_and_tiled_optimizers_step_as_one_process(got3d, key, cls, 
                 (cls, r, n, (got3d[r]["tiled_" + key][n] - w).abs().max())
 
 
-def _one_process(model, opt_of, steps=STEPS):
-    xs, ys = tm.data(SEED, steps)
-    torch.manual_seed(SEED)
-    model = model()
-    losses = tm.train(model, opt_of(model), xs, ys)
-    return losses, {n: p.detach() for n, p in model.named_parameters()}
+def _one_process(module, opt_of):
+    return tm.one_process(module, opt_of, SEED, STEPS)
 
 
 def _close(got, want, what, tol=1e-6):
     assert sorted(got) == sorted(want), what
-    for n, w in want.items():
-        torch.testing.assert_close(got[n].double(), w.double(), rtol=tol, atol=tol,
-                                   msg=lambda m: "%s %s: %s" % (what, n, m))
+    tm.assert_close_all(got, want, what, tol)
 
 
 def _adamw(m):
@@ -281,13 +275,8 @@ def gotep(gotep_and_folder):
 
 @pytest.mark.parametrize("key,cls,kw", EP_TILED, ids=[t[0] for t in EP_TILED])
 def test_ep_blocks_and_tiles_per_expert_match_one_process(gotep, key, cls, kw):
-    torch.manual_seed(SEED)
-    model = tm.MoE()
-    opt = getattr(rfsdp.optim, cls)(model.parameters(), **kw)
-    for g in tm.gradients(SEED, STEPS, tm.MoE):
-        for n, p in model.named_parameters():
-            p.grad = g[n].clone()
-        opt.step()
+    model, _ = tm.one_process_fixed(
+        tm.MoE, lambda m: getattr(rfsdp.optim, cls)(m.parameters(), **kw), SEED, STEPS)
     for r in range(4):
         for n, p in model.named_parameters():
             assert _same(gotep[r][key][n], p.detach(), key == "8bit"), (key, r, n)

@@ -160,18 +160,11 @@ def got():
         return run_ranks(worker, 4, SEED, d)
 
 
-def _one_process(opt_of, steps=STEPS):
-    xs, ys = tm.data(SEED, steps)
-    torch.manual_seed(SEED)
-    model = tm.Block()
-    losses = tm.train(model, opt_of(model), xs, ys)
-    return losses, {n: p.detach() for n, p in model.named_parameters()}
+def _one_process(opt_of):
+    return tm.one_process(tm.Block, opt_of, SEED, STEPS)
 
 
-def _close(got, want, what, tol=1e-6):
-    for n, w in want.items():
-        torch.testing.assert_close(got[n].double(), w.double(), rtol=tol, atol=tol,
-                                   msg=lambda m: "%s %s: %s" % (what, n, m))
+_close = tm.assert_close_all
 
 
 def test_torch_adamw_on_the_2d_model_matches_one_process(got):
@@ -224,14 +217,9 @@ def test_muon_on_the_2d_model_matches_float64_one_device(got):
 
 
 def _one_process_fixed(cls, kw):
-    """cls on one process given _gradients: its parameters and state dict's states."""
-    torch.manual_seed(SEED)
-    model = tm.Block()
-    opt = getattr(rfsdp.optim, cls)(model.parameters(), **kw)
-    for g in tm.gradients(SEED, STEPS):
-        for n, p in model.named_parameters():
-            p.grad = g[n].clone()
-        opt.step()
+    """cls on one process given tm.gradients: its parameters and state dict's states."""
+    model, opt = tm.one_process_fixed(
+        tm.Block, lambda m: getattr(rfsdp.optim, cls)(m.parameters(), **kw), SEED, STEPS)
     return {n: p.detach() for n, p in model.named_parameters()}, opt.state_dict()["state"]
 
 

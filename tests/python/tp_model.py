@@ -113,6 +113,38 @@ def gradients(seed, steps, module=Block):
     return [{n: torch.randn(s, generator=g) for n, s in shapes.items()} for _ in range(steps)]
 
 
+def one_process(module, opt_of, seed, steps):
+    """The one-process run the meshes are held to: module() seeded with seed,
+    opt_of(model), train on data(seed, steps). Returns (each step's loss,
+    {name: parameter})."""
+    xs, ys = data(seed, steps)
+    torch.manual_seed(seed)
+    model = module()
+    losses = train(model, opt_of(model), xs, ys)
+    return losses, {n: p.detach() for n, p in model.named_parameters()}
+
+
+def one_process_fixed(module, opt_of, seed, steps):
+    """module() seeded with seed, stepped by opt_of(model) on gradients(seed,
+    steps, module) in one process: (the model, the optimizer)."""
+    torch.manual_seed(seed)
+    model = module()
+    opt = opt_of(model)
+    for g in gradients(seed, steps, module):
+        for n, p in model.named_parameters():
+            p.grad = g[n].clone()
+        opt.step()
+    return model, opt
+
+
+def assert_close_all(got, want, what, tol=1e-6):
+    """Every element of every tensor in want ({name: tensor}) equals got[name]'s
+    within tol (absolute and relative), in float64."""
+    for n, w in want.items():
+        torch.testing.assert_close(got[n].double(), w.double(), rtol=tol, atol=tol,
+                                   msg=lambda m: "%s %s: %s" % (what, n, m))
+
+
 def full_of(model):
     """{name: the whole tensor} of every parameter (DTensors and rfsdp.fully_shard's
     shards gathered: collective)."""
