@@ -83,6 +83,12 @@ def mesh_group(mesh, dims):
     return cache[key]
 
 
+def mesh_key(mesh):
+    """A mesh by its device type and ranks, not its object: torch's slicing may give
+    a second mesh of the same shape, whose sub-meshes FSDP2 then places on."""
+    return mesh.device_type, tuple(mesh.mesh.shape), tuple(mesh.mesh.flatten().tolist())
+
+
 def root_mesh(mesh):
     """The mesh a sub-mesh was sliced from (FSDP2 over mesh["dp"] leaves plain
     parameters, norms, on it), else mesh."""

@@ -12,7 +12,7 @@ import torch
 import torch.distributed as dist
 
 from .. import _C
-from .dtensor import mesh_group, root_mesh
+from .dtensor import mesh_group, mesh_key, root_mesh
 from .unit import ShardInfo
 
 
@@ -25,8 +25,7 @@ def _names(mesh):
 
 
 def _same_root(a, b):
-    return a is b or (a.device_type == b.device_type and _names(a) == _names(b)
-                      and a.mesh.tolist() == b.mesh.tolist())
+    return a is b or (mesh_key(a) == mesh_key(b) and _names(a) == _names(b))
 
 
 class MeshDims:

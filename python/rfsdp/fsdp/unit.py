@@ -263,15 +263,14 @@ class Unit:
         for name, t, here, piece in zip(names, full if asked is None else asked, full,
                                         self.pieces):
             g = pol.granule(name, t)
+            row_dims = pol.row_dims(name, t) if t.dim() > 0 else 1
             blocks = pol.blocks(name, t)
             self.planned_blocks.append(None if blocks is None else (tuple(blocks), pol.blocks_dim))
             if piece is not None:  # a tp piece is planned as itself: its blocks and granule
                 blocks = local_blocks(blocks, pol.blocks_dim, piece)
-                g = piece.granule(g, pol.row_dims(name, t) if t.dim() > 0 else 1,
-                                  policy_mod.WHOLE)
-            specs.append((name, list(here.shape), 0 if g == policy_mod.WHOLE else g,
-                          pol.row_dims(name, t) if t.dim() > 0 else 1, dtype_bytes,
-                          blocks or [], pol.blocks_dim if blocks else 0))
+                g = piece.granule(g, row_dims, policy_mod.WHOLE)
+            specs.append((name, list(here.shape), 0 if g == policy_mod.WHOLE else g, row_dims,
+                          dtype_bytes, blocks or [], pol.blocks_dim if blocks else 0))
         self.policy_names = list(names)
         self.plan = _C.plan_specs(specs, pg.size(), options=self.planner)
         # agree=False: fully_shard agreed on all of this (and more) already.

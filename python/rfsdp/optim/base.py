@@ -14,9 +14,8 @@ from .._comm import make_comm
 from ..dcp import optim_state
 from ..dcp.layout import default_group
 from ..dcp.state_dict_type import state_dict_type
-from ..fsdp.dtensor import (info_of, is_dtensor, local, local_grad_of, mesh_dims_of, mesh_group,
-                             root_dims_sharded,
-                             root_mesh)
+from ..fsdp.dtensor import (info_of, local, local_grad_of, mesh_dims_of, mesh_group, mesh_key,
+                             root_dims_sharded)
 from ..fsdp.unit import replacements
 
 
@@ -106,10 +105,6 @@ def _tensor_keys(params):
     return [(t.data_ptr(), t.dtype, t.device) for t in map(local, params)]
 
 
-def _mesh_key(mesh):
-    return mesh.device_type, tuple(mesh.mesh.shape), tuple(mesh.mesh.flatten().tolist())
-
-
 def _default_comm(process_group, timeout_seconds, param_groups):
     """The Comm an optimizer's cross-rank checks (and Muon's gathers) run over:
     the given group, else the shard group of the parameters fully_shard (or FSDP2) made (one
@@ -123,10 +118,9 @@ def _default_comm(process_group, timeout_seconds, param_groups):
             if info is not None and info.process_group is not None:
                 key = tuple(dist.get_process_group_ranks(info.process_group))
                 shard_groups.setdefault(key, (info.process_group, info.name))
-        # (a mesh by its ranks, not its object: torch's slicing may give a second mesh
-        # of the same shape the first one's sub-meshes, and FSDP2 then places on both)
+        # (meshes compared by mesh_key: their ranks, not their objects)
         placed = [mesh_dims_of(p, info_of("param %d" % i, p)) for i, p in enumerate(params)]
-        meshes = {_mesh_key(m[0]): m[0] for m in placed if m is not None}
+        meshes = {mesh_key(m[0]): m[0] for m in placed if m is not None}
         if len(shard_groups) > 1 and len(meshes) == 1 and \
                 next(iter(meshes.values())).ndim > 1 and all(m is not None for m in placed):
             # Tensor or expert parallelism (parameters over (dp, tp), norms over dp
