@@ -5,6 +5,7 @@
 // for bit, the two-half step of cut blocks against the fused one.
 #include <gtest/gtest.h>
 
+#include <ATen/Context.h>
 #include <c10/util/Float8_e4m3fn.h>
 
 #include <cstdlib>
@@ -113,6 +114,42 @@ TEST(Fp8Format, EveryKernelSetAndTheGenericPathCodeAsTorchsCast) {
     const at::Tensor out = at::empty_like(x);
     dequantize(q, a, L, Codec::float8_e4m3(false), out);
     EXPECT_TRUE(out.view(at::kInt).equal(back.view(at::kInt)));
+  };
+  testing::for_each_quant_isa([&](cpu::Isa) { check("cpu kernels"); });
+  use_device_generic_path(true);
+  check("device-generic path");
+  use_device_generic_path(false);
+}
+
+// The vector sets decode through the CPU's fp16 conversion (cpu/fp8_blocks.inc),
+// which must ignore MXCSR's denormals-are-zero (torch.set_flush_denormal(True)
+// sets it): every code at scale 1 (absmax 448) decodes to torch's value in that
+// mode too, the subnormal codes (e4m3's 2^-9 .. 7 * 2^-9) above all.
+TEST(Fp8Format, EveryKernelSetDecodesEveryCodeWithDenormalsFlushed) {
+  std::vector<uint8_t> codes;  // each code four times, in four orders (every vector lane)
+  for (int rep = 0; rep < 4; ++rep) {
+    for (int k = 0; k < 256; ++k) {
+      const int c = (k + 37 * rep) & 0xFF;
+      if ((c & 0x7F) != 0x7F) codes.push_back(static_cast<uint8_t>(c));  // not NaN
+    }
+  }
+  const int64_t n = static_cast<int64_t>(codes.size());
+  const at::Tensor q = at::from_blob(codes.data(), {n}, at::kByte).clone();
+  const at::Tensor want = q.view(at::kFloat8_e4m3fn).to(at::kFloat);
+  const BlockLayout L(BlockShape::blocks(256), 1, n);
+  const at::Tensor a = at::full({L.num_blocks}, 448.0f);
+  struct FlushDenormals {
+    FlushDenormals() { EXPECT_TRUE(at::globalContext().setFlushDenormal(true)); }
+    ~FlushDenormals() { at::globalContext().setFlushDenormal(false); }
+  };
+  auto check = [&](const char* what) {
+    SCOPED_TRACE(what);
+    const at::Tensor out = at::empty({n});
+    {
+      FlushDenormals flushed;
+      dequantize(q, a, L, Codec::float8_e4m3(false), out);
+    }
+    EXPECT_TRUE(out.view(at::kInt).equal(want.view(at::kInt)));
   };
   testing::for_each_quant_isa([&](cpu::Isa) { check("cpu kernels"); });
   use_device_generic_path(true);

@@ -339,9 +339,12 @@ inline float torch_lerp(float a, float b, float w) {
 
 }  // namespace
 
+// F16C too: the float8 kernels of this set decode by its conversion (fp8_avx2.cpp);
+// every CPU with AVX2 has it.
 bool supported() {
   __builtin_cpu_init();
-  return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+  return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
+         __builtin_cpu_supports("f16c");
 }
 
 void quantize_blocks(const float* x, const BlockLayout& L, const CodeLut& lut, uint8_t* q,

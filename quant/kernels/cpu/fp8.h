@@ -21,7 +21,8 @@ struct Fp8Kernels {
                    float* absmax, int64_t b0, int64_t b1, bool* bad);
   void (*dequantize)(const uint8_t* q, const float* absmax, const BlockLayout& L, float* out,
                      int64_t b0, int64_t b1);
-  // mbuf, vbuf: L.max_block_elems() floats of scratch each.
+  // mbuf, vbuf: 2 * L.max_block_elems() floats of scratch each (the vector sets
+  // keep two blocks in flight: cpu/fp8_blocks.inc).
   void (*adamw)(float* p, const float* g, uint8_t* q1, float* absmax1, uint8_t* q2,
                 float* absmax2, const BlockLayout& L, const AdamWCoeffs& c, int64_t b0,
                 int64_t b1, float* mbuf, float* vbuf);
@@ -32,7 +33,7 @@ struct Fp8Kernels {
   void (*adamw_end)(const float* scratch, const BlockLayout& L, const float* agreed1,
                     const float* agreed2, uint8_t* q1, float* absmax1, uint8_t* q2,
                     float* absmax2, int64_t b0, int64_t b1);
-  // Muon's momentum (cpu/kernels.h momentum8bit_step); mbuf: L.max_block_elems() floats.
+  // Muon's momentum (cpu/kernels.h momentum8bit_step); mbuf: 2 * L.max_block_elems() floats.
   void (*momentum)(const float* g, const uint8_t* q, const float* absmax, const BlockLayout& L,
                    float beta, bool nesterov, uint8_t* q_out, float* absmax_out, float* u,
                    int64_t b0, int64_t b1, float* mbuf, bool* bad);

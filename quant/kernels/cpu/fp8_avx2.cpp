@@ -1,5 +1,5 @@
 // The avx2 kernels of the float8_e4m3fn format (cpu/fp8.h): cpu/fp8_blocks.inc
-// with 8 floats a vector, compiled for avx2,fma.
+// with 8 floats a vector, compiled for avx2,fma,f16c.
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -15,7 +15,7 @@
 // Only the code below is compiled for avx2; the headers above keep the
 // baseline target, so no inline function they define is emitted with it.
 #pragma GCC push_options
-#pragma GCC target("avx2,fma")
+#pragma GCC target("avx2,fma,f16c")
 
 namespace rfsdp::quant::cpu::avx2 {
 
@@ -24,8 +24,12 @@ constexpr int kW = 8;
 typedef float VF __attribute__((vector_size(4 * kW)));
 typedef uint32_t VU __attribute__((vector_size(4 * kW)));
 inline VF vsqrt(VF x) { return _mm256_sqrt_ps(x); }
-inline VU load_codes(const uint8_t* q) {
-  return (VU)_mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(q)));
+// fp8_blocks.inc's decoding: 8 codes sign-extended to 16 bits, moved up 7 (sign to
+// bit 15, e4m3's bit 14 of ones cleared), converted as fp16 (F16C).
+inline VF values_over_256(const uint8_t* q) {
+  const __m128i w = _mm_cvtepi8_epi16(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(q)));
+  const __m128i h = _mm_and_si128(_mm_slli_epi16(w, 7), _mm_set1_epi16(static_cast<short>(0xBF80)));
+  return (VF)_mm256_cvtph_ps(h);
 }
 // Each 128-bit lane's four low bytes to its bottom (vpshufb), the two lanes' words side by side.
 inline void store_codes(uint8_t* q, VU c) {

@@ -1,5 +1,6 @@
 // The avx512 kernels of the float8_e4m3fn format (cpu/fp8.h): cpu/fp8_blocks.inc
-// with 16 floats a vector, compiled for avx512f,avx512bw,avx512dq,avx512vl.
+// with 16 floats a vector, compiled for avx512f,avx512bw,avx512dq,avx512vl (F16C's
+// conversion is AVX512F's at this width).
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -24,8 +25,12 @@ constexpr int kW = 16;
 typedef float VF __attribute__((vector_size(4 * kW)));
 typedef uint32_t VU __attribute__((vector_size(4 * kW)));
 inline VF vsqrt(VF x) { return _mm512_sqrt_ps(x); }
-inline VU load_codes(const uint8_t* q) {
-  return (VU)_mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(q)));
+// fp8_blocks.inc's decoding: 16 codes sign-extended to 16 bits, moved up 7 (sign to
+// bit 15, e4m3's bit 14 of ones cleared), converted as fp16.
+inline VF values_over_256(const uint8_t* q) {
+  const __m256i w = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(q)));
+  const __m256i h = _mm256_and_si256(_mm256_slli_epi16(w, 7), _mm256_set1_epi16(static_cast<short>(0xBF80)));
+  return (VF)_mm512_cvtph_ps(h);
 }
 inline void store_codes(uint8_t* q, VU c) {
   _mm_storeu_si128(reinterpret_cast<__m128i*>(q), _mm512_cvtepi32_epi8((__m512i)c));

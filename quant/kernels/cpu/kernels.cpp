@@ -154,7 +154,7 @@ bool momentum8bit_step(const float* grad, const uint8_t* q, const float* absmax,
   std::atomic<bool> bad{false};
   const Isa isa = isa_for(lut);
   at::parallel_for(0, L.num_blocks, grain(L), [&](int64_t b0, int64_t b1) {
-    std::vector<float> buf(L.max_block_elems());  // this task's block of m
+    std::vector<float> buf(2 * L.max_block_elems());  // this task's two blocks of m
     bool task_bad = false;
     switch (isa) {
       case Isa::kAvx512:
@@ -208,9 +208,9 @@ void adamw_fp8_step(float* param, const float* grad, uint8_t* q1, float* absmax1
   const AdamWCoeffs c = adamw_coeffs(h);
   const Fp8Kernels& k = fp8_set();
   at::parallel_for(0, L.num_blocks, grain(L), [&](int64_t b0, int64_t b1) {
-    std::vector<float> buf(2 * L.max_block_elems());  // this task's block of m and of v
+    std::vector<float> buf(4 * L.max_block_elems());  // this task's two blocks of m and of v
     k.adamw(param, grad, q1, absmax1, q2, absmax2, L, c, b0, b1, buf.data(),
-            buf.data() + L.max_block_elems());
+            buf.data() + 2 * L.max_block_elems());
   });
 }
 
@@ -233,7 +233,7 @@ bool momentum_fp8_step(const float* grad, const uint8_t* q, const float* absmax,
   std::atomic<bool> bad{false};
   const Fp8Kernels& k = fp8_set();
   at::parallel_for(0, L.num_blocks, grain(L), [&](int64_t b0, int64_t b1) {
-    std::vector<float> buf(L.max_block_elems());  // this task's block of m
+    std::vector<float> buf(2 * L.max_block_elems());  // this task's two blocks of m
     bool task_bad = false;
     k.momentum(grad, q, absmax, L, beta, nesterov, q_out, absmax_out, u, b0, b1, buf.data(),
                &task_bad);
