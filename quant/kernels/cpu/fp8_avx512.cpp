@@ -35,6 +35,15 @@ inline VF values_over_256(const uint8_t* q) {
 inline void store_codes(uint8_t* q, VU c) {
   _mm_storeu_si128(reinterpret_cast<__m128i*>(q), _mm512_cvtepi32_epi8((__m512i)c));
 }
+// Packs leave 128-bit lane l's dwords as a, b, c, d's lane l: one permute puts
+// each vector's four back together (dword 4k + l from 4l + k).
+inline void store_codes4(uint8_t* q, VU a, VU b, VU c, VU d) {
+  const __m512i ab = _mm512_packus_epi32((__m512i)a, (__m512i)b);
+  const __m512i cd = _mm512_packus_epi32((__m512i)c, (__m512i)d);
+  const __m512i bytes = _mm512_packus_epi16(ab, cd);
+  const __m512i order = _mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15);
+  _mm512_storeu_si512(q, _mm512_permutexvar_epi32(order, bytes));
+}
 #include "quant/kernels/cpu/fp8_blocks.inc"
 }  // namespace
 
