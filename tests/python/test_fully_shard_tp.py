@@ -68,6 +68,18 @@ def _step_with(model, opt, grads):
         opt.step()
 
 
+def _freeze(model):
+    model.fc1.weight.requires_grad_(False)
+    model.proj.weight.requires_grad_(False)
+
+
+def _train_freezing(model, opt, xs, ys, dp=0, ndp=1):
+    """tm.train's steps, _freeze(model) after the first."""
+    losses = tm.train(model, opt, xs[:1], ys[:1], dp, ndp)
+    _freeze(model)
+    return losses + tm.train(model, opt, xs[1:], ys[1:], dp, ndp)
+
+
 def worker(rank, world, seed, folder):
     mesh = tm.mesh_2d()
     dp = mesh["dp"].get_local_rank()
@@ -154,6 +166,13 @@ def worker(rank, world, seed, folder):
     opt = rfsdp.optim.AdamW(model.parameters(), **ADAMW)
     tm.train(model, opt, xs, ys, dp, 2)
     out["checkpointed"] = {n[len("block."):]: t for n, t in tm.full_of(model).items()}
+
+    # requires_grad changed after sharding: fc1.weight (ColwiseParallel rows) and
+    # proj.weight (RowwiseParallel column parts) frozen after the first step.
+    model = _model(mesh, seed)
+    opt = rfsdp.optim.AdamW(model.parameters(), **ADAMW)
+    out["frozen_losses"] = _train_freezing(model, opt, xs, ys, dp, 2)
+    out["frozen"] = tm.full_of(model)
 
     # Gradients: clipped over dp and tp, then an SGD step of lr 1 (the parameters
     # move by exactly the clipped gradients).
@@ -337,6 +356,23 @@ def test_optimizer_built_before_sharding_follows_the_tp_shards(got):
     _, want = _one_process(lambda m: torch.optim.AdamW(m.parameters(), **ADAMW))
     for r in range(4):
         _close(ranks[r]["adamw_built_before"], want, "AdamW built before, rank %d" % r)
+
+
+def test_requires_grad_changed_after_sharding_is_followed_as_one_process(got):
+    ranks, _ = got
+    xs, ys = tm.data(SEED, STEPS)
+    torch.manual_seed(SEED)
+    model = tm.Block()
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    losses = _train_freezing(model, torch.optim.AdamW(model.parameters(), **ADAMW), xs, ys)
+    want = {n: p.detach() for n, p in model.named_parameters()}
+    assert ranks[0]["frozen_losses"] == pytest.approx(losses, rel=1e-6)
+    for r in range(4):
+        _close(ranks[r]["frozen"], want, "frozen after one step, rank %d" % r)
+    # (the freeze held: AdamW's decay alone would move a frozen weight that still stepped)
+    _, unfrozen = _one_process(lambda m: torch.optim.AdamW(m.parameters(), **ADAMW))
+    assert not torch.allclose(want["fc1.weight"], unfrozen["fc1.weight"])
+    assert not torch.equal(want["fc1.weight"], before["fc1.weight"])
 
 
 def test_sharded_state_dict_through_dcp_loads_every_piece(got):
