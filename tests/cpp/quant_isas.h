@@ -6,6 +6,7 @@
 
 #include <vector>
 
+#include "quant/kernels/cpu/gathers.h"
 #include "quant/kernels/cpu/kernels.h"
 
 namespace rfsdp::testing {
@@ -18,15 +19,24 @@ inline std::vector<quant::cpu::Isa> quant_isas() {
   return v;
 }
 
+// AVX-512 twice: encoding with the code table's gathers and without (cpu/gathers.h),
+// whichever this CPU's default.
 template <class F>
 void for_each_quant_isa(F&& body) {
   const quant::cpu::Isa before = quant::cpu::active_isa();
+  const bool gathers_before = quant::cpu::gathers_used();
   for (quant::cpu::Isa isa : quant_isas()) {
-    SCOPED_TRACE(std::string("kernels: ") + quant::cpu::isa_name(isa));
-    quant::cpu::use_isa(isa);
-    body(isa);
-    quant::cpu::use_isa(before);
-    if (::testing::Test::HasFatalFailure()) return;
+    for (bool gathers : {true, false}) {
+      if (!gathers && isa != quant::cpu::Isa::kAvx512) continue;
+      SCOPED_TRACE(std::string("kernels: ") + quant::cpu::isa_name(isa) +
+                   (isa == quant::cpu::Isa::kAvx512 ? (gathers ? " (gathers)" : " (shuffles only)") : ""));
+      quant::cpu::use_isa(isa);
+      quant::cpu::use_gathers(gathers);
+      body(isa);
+      quant::cpu::use_isa(before);
+      quant::cpu::use_gathers(gathers_before);
+      if (::testing::Test::HasFatalFailure()) return;
+    }
   }
 }
 

@@ -5,6 +5,7 @@
 #include <type_traits>
 
 #include "quant/formats/absmax_bits.h"
+#include "quant/kernels/cpu/gathers.h"
 
 // GCC only: the AVX-512 region below uses #pragma GCC target (clang takes the stubs).
 #if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
@@ -79,11 +80,12 @@ inline void decode64(__m512i q, const Table256& code, __m512 out[4]) {
 }
 
 // The arithmetic index of a code in registers (CodeIndex, lane-wise), and where
-// the code's table is exact its entries by top 16 bits (encode64_table's).
+// the code's table is exact and gathers are in use (cpu/gathers.h) its entries by
+// top 16 bits (encode64_table's).
 struct IndexRegs {
   __m512 lo, key_a, key_b, a, b;
   Table256 mid;
-  const int32_t* entry;  // null where the table is not exact
+  const int32_t* entry;  // null where the table is not exact or gathers are off
   const float* code_mid;
   explicit IndexRegs(const CodeLut& lut)
       : lo(_mm512_set1_ps(lut.index()->lo)),
@@ -92,7 +94,7 @@ struct IndexRegs {
         a(_mm512_loadu_ps(lut.index()->a)),
         b(_mm512_loadu_ps(lut.index()->b)),
         mid(lut.index_mid_planes()),
-        entry(lut.table_exact() ? lut.entry_by_top16() : nullptr),
+        entry(lut.table_exact() && gathers_used() ? lut.entry_by_top16() : nullptr),
         code_mid(lut.mid()) {}
 };
 
