@@ -8,6 +8,7 @@
 #include <ATen/Context.h>
 #include <c10/util/Float8_e4m3fn.h>
 
+#include <cmath>
 #include <cstdlib>
 #include <cstring>
 #include <random>
@@ -114,6 +115,39 @@ TEST(Fp8Format, EveryKernelSetAndTheGenericPathCodeAsTorchsCast) {
     const at::Tensor out = at::empty_like(x);
     dequantize(q, a, L, Codec::float8_e4m3(false), out);
     EXPECT_TRUE(out.view(at::kInt).equal(back.view(at::kInt)));
+  };
+  testing::for_each_quant_isa([&](cpu::Isa) { check("cpu kernels"); });
+  use_device_generic_path(true);
+  check("device-generic path");
+  use_device_generic_path(false);
+}
+
+// keep_nonzero (v's codes) on values of both signs, ties and subnormals included:
+// every kernel set codes as the scalar rule (fp8::encode), which the vector sets
+// write another way (cpu/fp8_blocks.inc's codes_of).
+TEST(Fp8Format, KeepNonzeroCodesEqualTheScalarRuleOnEveryKernelSet) {
+  const uint64_t seed = fresh_seed();
+  SCOPED_TRACE("seed " + std::to_string(seed));
+  std::vector<float> vals;
+  std::vector<uint8_t> want;
+  for (float y : tie_rich_floats(seed)) {
+    if (std::fabs(y) > 448.0f) continue;
+    if (vals.size() % 256 == 0) {
+      vals.push_back(448.0f);
+      want.push_back(fp8::encode(448.0f, true));
+    }
+    vals.push_back(y);
+    want.push_back(fp8::encode(y, true));
+  }
+  const int64_t n = static_cast<int64_t>(vals.size());
+  const at::Tensor x = at::from_blob(vals.data(), {n}, at::kFloat).clone();
+  const at::Tensor expect = at::from_blob(want.data(), {n}, at::kByte).clone();
+  const BlockLayout L(BlockShape::blocks(256), 1, n);
+  auto check = [&](const char* what) {
+    SCOPED_TRACE(what);
+    const at::Tensor q = at::empty({n}, at::kByte), a = at::empty({L.num_blocks});
+    ASSERT_TRUE(quantize(x, L, Codec::float8_e4m3(true), q, a));
+    EXPECT_EQ(q.ne(expect).sum().item<int64_t>(), 0);
   };
   testing::for_each_quant_isa([&](cpu::Isa) { check("cpu kernels"); });
   use_device_generic_path(true);
