@@ -547,7 +547,15 @@ CommHandle Comm::barrier() {
   check_in("barrier", 0, at::kByte);
   c10d::BarrierOptions opts;
   opts.timeout = timeout_;
+  // torch's ProcessGroup::barrier assigns a function-static tensor before it enqueues
+  // the collective: ranks as threads of one process that call it at once race on that
+  // tensor's reference count and corrupt the heap (HsdpMesh (16, 8): "malloc():
+  // unaligned tcache chunk" in 2 runs of 12). The call only enqueues (the wait is the
+  // handle's), so the lock is held briefly; across processes it is never contended.
+  static std::mutex barrier_call;
+  std::unique_lock<std::mutex> lock(barrier_call);
   auto work = group().barrier(opts);
+  lock.unlock();
   ++collectives_;
   return make_handle({work}, nullptr, "barrier", at::Tensor());
 }
