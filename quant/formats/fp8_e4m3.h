@@ -5,7 +5,8 @@
 // by integer and float arithmetic, no table, so a vector kernel spends a few
 // ALU operations where the dynamic map spends shuffles. Plain C++, host and
 // device: the scalar form every kernel set (cpu portable and the vector tails,
-// CUDA) computes; the vector sets (cpu/fp8_blocks.inc) write the same steps.
+// CUDA) computes; the vector sets (cpu/fp8_blocks.inc) give the same bits, with
+// a few steps written another way (decoding by the CPU's fp16 conversion).
 //
 // Per block (absmax a):
 //   encode  code = e4m3(x * (448 / a)), rounded to nearest even exactly as

@@ -28,8 +28,9 @@ void for_each_quant_isa(F&& body) {
   for (quant::cpu::Isa isa : quant_isas()) {
     for (bool gathers : {true, false}) {
       if (!gathers && isa != quant::cpu::Isa::kAvx512) continue;
+      const bool avx512 = isa == quant::cpu::Isa::kAvx512;
       SCOPED_TRACE(std::string("kernels: ") + quant::cpu::isa_name(isa) +
-                   (isa == quant::cpu::Isa::kAvx512 ? (gathers ? " (gathers)" : " (shuffles only)") : ""));
+                   (avx512 ? (gathers ? " (gathers)" : " (shuffles only)") : ""));
       quant::cpu::use_isa(isa);
       quant::cpu::use_gathers(gathers);
       body(isa);

@@ -155,12 +155,37 @@ TEST(Fp8Format, KeepNonzeroCodesEqualTheScalarRuleOnEveryKernelSet) {
   use_device_generic_path(false);
 }
 
+// A block holding NaN or Inf (quantize reports it; Muon's momentum step stores such
+// codes all the same): every kernel set writes the portable set's bytes, the NaN
+// lanes' codes too (a NaN's code is above 255: the scalar cast keeps its low byte).
+TEST(Fp8Format, BlocksWithNaNOrInfCodeAlikeOnEveryKernelSet) {
+  const uint64_t seed = fresh_seed();
+  SCOPED_TRACE("seed " + std::to_string(seed));
+  auto gen = at::make_generator<at::CPUGeneratorImpl>(seed);
+  const int64_t n = 1000;  // blocks of 256: whole vectors, fours of them, and a tail
+  at::Tensor x = at::randn({n}, gen);
+  for (int64_t at : {3, 70, 200, 255, 300, 513, 999}) x[at] = NAN;
+  for (int64_t at : {5, 600}) x[at] = INFINITY;
+  x[777] = -INFINITY;
+  const BlockLayout L(BlockShape::blocks(256), 1, n);
+  auto run = [&](bool keep_nonzero) {
+    const at::Tensor q = at::empty({n}, at::kByte), a = at::empty({L.num_blocks});
+    EXPECT_FALSE(quantize(x, L, Codec::float8_e4m3(keep_nonzero), q, a));
+    return q;
+  };
+  for (bool keep_nonzero : {false, true}) {
+    cpu::use_isa(cpu::Isa::kPortable);
+    const at::Tensor want = run(keep_nonzero);
+    testing::for_each_quant_isa([&](cpu::Isa) { EXPECT_TRUE(run(keep_nonzero).equal(want)); });
+  }
+}
+
 // The vector sets decode through the CPU's fp16 conversion (cpu/fp8_blocks.inc),
 // which must ignore MXCSR's denormals-are-zero (torch.set_flush_denormal(True)
 // sets it): every code at scale 1 (absmax 448) decodes to torch's value in that
 // mode too, the subnormal codes (e4m3's 2^-9 .. 7 * 2^-9) above all.
 TEST(Fp8Format, EveryKernelSetDecodesEveryCodeWithDenormalsFlushed) {
-  std::vector<uint8_t> codes;  // each code four times, in four orders (every vector lane)
+  std::vector<uint8_t> codes;  // each code four times, in four orders
   for (int rep = 0; rep < 4; ++rep) {
     for (int k = 0; k < 256; ++k) {
       const int c = (k + 37 * rep) & 0xFF;
@@ -172,8 +197,13 @@ TEST(Fp8Format, EveryKernelSetDecodesEveryCodeWithDenormalsFlushed) {
   const at::Tensor want = q.view(at::kFloat8_e4m3fn).to(at::kFloat);
   const BlockLayout L(BlockShape::blocks(256), 1, n);
   const at::Tensor a = at::full({L.num_blocks}, 448.0f);
+  // (4 blocks, below one task's grain: the kernels run on this thread, whose MXCSR
+  // the mode sets)
+  ASSERT_LT(L.num_blocks, 16);
+  if (!at::globalContext().setFlushDenormal(true)) GTEST_SKIP() << "no flush-denormal mode here";
+  at::globalContext().setFlushDenormal(false);
   struct FlushDenormals {
-    FlushDenormals() { EXPECT_TRUE(at::globalContext().setFlushDenormal(true)); }
+    FlushDenormals() { at::globalContext().setFlushDenormal(true); }
     ~FlushDenormals() { at::globalContext().setFlushDenormal(false); }
   };
   auto check = [&](const char* what) {

@@ -380,7 +380,8 @@ float block_absmax(const float* x, const BlockLayout::Block& blk, int64_t row_le
 }
 
 // Codes of a block: x (at the chunks' off, or at their buf when from_buf) times scale.
-// Where the code's table is exact, every other chunk by the table's gathers: they
+// Where the code's table is exact and gathers are in use (cpu/gathers.h: Intel by
+// default), every other chunk by the table's gathers: they
 // load where the index shuffles, so consecutive chunks overlap (quantise and the
 // 8-bit momentum step 3-4 % faster at 4 Mi). next: how far on a later block's
 // elements lie, to prefetch while this one encodes (0: none; quantize_blocks_by
@@ -583,8 +584,9 @@ inline void update_chunk(const StepRegs& R, float* p, const float* g, const uint
 
 // One chunk of the second half, for the dynamic maps (m folded, v non-negative):
 // the codes of mbuf, vbuf (at the chunk's buf) times sc1, sc2. m by the index's
-// shuffles, v by the table's gathers, so the two overlap (measured against both
-// by either: the same or slower).
+// shuffles, v by the table's gathers where they are in use, so the two overlap (on
+// a Xeon, against both by either: the same or slower; cpu/gathers.h), else both by
+// the index.
 template <class C>
 inline void encode_chunk(const StepRegs& R, const float* mbuf, const float* vbuf, const C& ch,
                          __m512 sc1, __m512 sc2, uint8_t* q1, uint8_t* q2) {

@@ -41,13 +41,16 @@ inline void store_codes(uint8_t* q, VU c) {
   std::memcpy(q, &v, 8);
 }
 // Packs leave each 128-bit lane's dwords as a, b, c, d (lane 0's, then lane 1's): one
-// permute puts each vector's two back together.
+// permute puts each vector's two back together. A code lane is below 2^16 (a NaN's
+// up to 0x4BC): the first pack keeps it, the mask keeps its low byte as the scalar
+// cast does (the second pack would saturate it).
 inline void store_codes4(uint8_t* q, VU a, VU b, VU c, VU d) {
-  const __m256i ab = _mm256_packus_epi32((__m256i)a, (__m256i)b);
-  const __m256i cd = _mm256_packus_epi32((__m256i)c, (__m256i)d);
+  const __m256i low = _mm256_set1_epi16(0xFF);
+  const __m256i ab = _mm256_and_si256(_mm256_packus_epi32((__m256i)a, (__m256i)b), low);
+  const __m256i cd = _mm256_and_si256(_mm256_packus_epi32((__m256i)c, (__m256i)d), low);
   const __m256i bytes = _mm256_packus_epi16(ab, cd);
-  _mm256_storeu_si256(reinterpret_cast<__m256i*>(q),
-                      _mm256_permutevar8x32_epi32(bytes, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7)));
+  const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(q), _mm256_permutevar8x32_epi32(bytes, order));
 }
 #include "quant/kernels/cpu/fp8_blocks.inc"
 }  // namespace

@@ -29,17 +29,20 @@ inline VF vsqrt(VF x) { return _mm512_sqrt_ps(x); }
 // bit 15, e4m3's bit 14 of ones cleared), converted as fp16.
 inline VF values_over_256(const uint8_t* q) {
   const __m256i w = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(q)));
-  const __m256i h = _mm256_and_si256(_mm256_slli_epi16(w, 7), _mm256_set1_epi16(static_cast<short>(0xBF80)));
+  const __m256i mask = _mm256_set1_epi16(static_cast<short>(0xBF80));
+  const __m256i h = _mm256_and_si256(_mm256_slli_epi16(w, 7), mask);
   return (VF)_mm512_cvtph_ps(h);
 }
 inline void store_codes(uint8_t* q, VU c) {
   _mm_storeu_si128(reinterpret_cast<__m128i*>(q), _mm512_cvtepi32_epi8((__m512i)c));
 }
 // Packs leave 128-bit lane l's dwords as a, b, c, d's lane l: one permute puts
-// each vector's four back together (dword 4k + l from 4l + k).
+// each vector's four back together (dword 4k + l from 4l + k). The mask keeps a
+// code's low byte as fp8_avx2.cpp's does (a NaN's code is above 255).
 inline void store_codes4(uint8_t* q, VU a, VU b, VU c, VU d) {
-  const __m512i ab = _mm512_packus_epi32((__m512i)a, (__m512i)b);
-  const __m512i cd = _mm512_packus_epi32((__m512i)c, (__m512i)d);
+  const __m512i low = _mm512_set1_epi16(0xFF);
+  const __m512i ab = _mm512_and_si512(_mm512_packus_epi32((__m512i)a, (__m512i)b), low);
+  const __m512i cd = _mm512_and_si512(_mm512_packus_epi32((__m512i)c, (__m512i)d), low);
   const __m512i bytes = _mm512_packus_epi16(ab, cd);
   const __m512i order = _mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15);
   _mm512_storeu_si512(q, _mm512_permutexvar_epi32(order, bytes));

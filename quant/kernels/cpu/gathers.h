@@ -4,10 +4,12 @@
 // (the table is used only where it is exact, CodeLut::table_exact); only the speed
 // differs, and it differs by CPU: on the Intel Xeon measured, the gathers
 // overlapped the shuffles (as fast or faster); on AMD Zen 5 a 16-lane gather costs
-// so much that the index alone runs the AdamW8bit step 1.5x faster
-// (bench/bench_quant.cpp; issue 57). Default: gathers on Intel CPUs only;
-// RFSDP_QUANT_GATHERS=1 or =0 sets it either way, use_gathers switches it (the
-// tests run both on every CPU).
+// so much that the index alone runs the AdamW8bit step 1.6x faster (1 Mi elements:
+// 1.05-1.12 -> 0.63-0.72 ms, bench/bench_quant.cpp; issue 57). Default: gathers on
+// Intel CPUs only; RFSDP_QUANT_GATHERS=1 or =0 sets it either way (other values are
+// ignored, as RFSDP_QUANT_ISA's), use_gathers switches it (the tests run both on
+// every CPU). Here, not in kernels.h, so cpu/avx512.cpp reads it without depending
+// on the dispatch above it.
 #pragma once
 
 #include <atomic>
@@ -17,7 +19,9 @@
 namespace rfsdp::quant::cpu {
 
 inline bool gathers_by_default() {
-  if (const char* env = std::getenv("RFSDP_QUANT_GATHERS")) return std::strcmp(env, "0") != 0;
+  const char* env = std::getenv("RFSDP_QUANT_GATHERS");
+  if (env && std::strcmp(env, "1") == 0) return true;
+  if (env && std::strcmp(env, "0") == 0) return false;
 #if defined(__x86_64__) && defined(__GNUC__)
   __builtin_cpu_init();
   return __builtin_cpu_is("intel");

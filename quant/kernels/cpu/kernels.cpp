@@ -154,7 +154,7 @@ bool momentum8bit_step(const float* grad, const uint8_t* q, const float* absmax,
   std::atomic<bool> bad{false};
   const Isa isa = isa_for(lut);
   at::parallel_for(0, L.num_blocks, grain(L), [&](int64_t b0, int64_t b1) {
-    std::vector<float> buf(2 * L.max_block_elems());  // this task's two blocks of m
+    std::vector<float> buf(L.max_block_elems());  // this task's block of m
     bool task_bad = false;
     switch (isa) {
       case Isa::kAvx512:
