@@ -45,6 +45,27 @@ std::vector<float> tie_rich_floats(uint64_t seed) {
   return out;
 }
 
+// tie_rich_floats of magnitude up to 448 in blocks of 256 that start with 448, so
+// the block's scale 448 / 448 is 1 and a value's code is its own cast.
+std::vector<float> tie_rich_blocks(uint64_t seed) {
+  std::vector<float> vals;
+  for (float y : tie_rich_floats(seed)) {
+    if (std::fabs(y) > 448.0f) continue;
+    if (vals.size() % 256 == 0) vals.push_back(448.0f);
+    vals.push_back(y);
+  }
+  return vals;
+}
+
+// check(what) on every CPU kernel set, then on the device-generic path.
+template <class F>
+void on_every_path(F&& check) {
+  testing::for_each_quant_isa([&](cpu::Isa) { check("cpu kernels"); });
+  use_device_generic_path(true);
+  check("device-generic path");
+  use_device_generic_path(false);
+}
+
 TEST(Fp8Format, EncodeEqualsTorchsCastOnEveryFloatBelow464) {
   // RFSDP_EXHAUSTIVE=1: every float of magnitude below 464 (1.1e9, seconds), else
   // a fresh 1/97 of them and all the tie-rich patterns.
@@ -91,17 +112,11 @@ TEST(Fp8Format, KeepNonzeroGivesEveryValueAbove0ACode) {
   EXPECT_EQ(fp8::encode(0.5f, true), torch_cast(0.5f));
 }
 
-// Blocks of 256 that start with 448, so the block's scale 448 / 448 is 1 and a
-// value's code is its own cast: the kernels' codes against torch's, and back.
+// tie_rich_blocks: the kernels' codes against torch's, and back.
 TEST(Fp8Format, EveryKernelSetAndTheGenericPathCodeAsTorchsCast) {
   const uint64_t seed = fresh_seed();
   SCOPED_TRACE("seed " + std::to_string(seed));
-  std::vector<float> vals;
-  for (float y : tie_rich_floats(seed)) {
-    if (std::fabs(y) > 448.0f) continue;
-    if (vals.size() % 256 == 0) vals.push_back(448.0f);
-    vals.push_back(y);
-  }
+  std::vector<float> vals = tie_rich_blocks(seed);
   const at::Tensor x = at::from_blob(vals.data(), {static_cast<int64_t>(vals.size())}, at::kFloat).clone();
   const at::Tensor want = x.to(at::kFloat8_e4m3fn).view(at::kByte);
   const at::Tensor back = want.view(at::kFloat8_e4m3fn).to(at::kFloat);
@@ -116,10 +131,7 @@ TEST(Fp8Format, EveryKernelSetAndTheGenericPathCodeAsTorchsCast) {
     dequantize(q, a, L, Codec::float8_e4m3(false), out);
     EXPECT_TRUE(out.view(at::kInt).equal(back.view(at::kInt)));
   };
-  testing::for_each_quant_isa([&](cpu::Isa) { check("cpu kernels"); });
-  use_device_generic_path(true);
-  check("device-generic path");
-  use_device_generic_path(false);
+  on_every_path(check);
 }
 
 // keep_nonzero (v's codes) on values of both signs, ties and subnormals included:
@@ -128,17 +140,9 @@ TEST(Fp8Format, EveryKernelSetAndTheGenericPathCodeAsTorchsCast) {
 TEST(Fp8Format, KeepNonzeroCodesEqualTheScalarRuleOnEveryKernelSet) {
   const uint64_t seed = fresh_seed();
   SCOPED_TRACE("seed " + std::to_string(seed));
-  std::vector<float> vals;
+  std::vector<float> vals = tie_rich_blocks(seed);
   std::vector<uint8_t> want;
-  for (float y : tie_rich_floats(seed)) {
-    if (std::fabs(y) > 448.0f) continue;
-    if (vals.size() % 256 == 0) {
-      vals.push_back(448.0f);
-      want.push_back(fp8::encode(448.0f, true));
-    }
-    vals.push_back(y);
-    want.push_back(fp8::encode(y, true));
-  }
+  for (float y : vals) want.push_back(fp8::encode(y, true));
   const int64_t n = static_cast<int64_t>(vals.size());
   const at::Tensor x = at::from_blob(vals.data(), {n}, at::kFloat).clone();
   const at::Tensor expect = at::from_blob(want.data(), {n}, at::kByte).clone();
@@ -149,10 +153,7 @@ TEST(Fp8Format, KeepNonzeroCodesEqualTheScalarRuleOnEveryKernelSet) {
     ASSERT_TRUE(quantize(x, L, Codec::float8_e4m3(true), q, a));
     EXPECT_EQ(q.ne(expect).sum().item<int64_t>(), 0);
   };
-  testing::for_each_quant_isa([&](cpu::Isa) { check("cpu kernels"); });
-  use_device_generic_path(true);
-  check("device-generic path");
-  use_device_generic_path(false);
+  on_every_path(check);
 }
 
 // A block holding NaN or Inf (quantize reports it; Muon's momentum step stores such
@@ -215,10 +216,7 @@ TEST(Fp8Format, EveryKernelSetDecodesEveryCodeWithDenormalsFlushed) {
     }
     EXPECT_TRUE(out.view(at::kInt).equal(want.view(at::kInt)));
   };
-  testing::for_each_quant_isa([&](cpu::Isa) { check("cpu kernels"); });
-  use_device_generic_path(true);
-  check("device-generic path");
-  use_device_generic_path(false);
+  on_every_path(check);
 }
 
 // Random state and gradients over layouts with partial blocks and tiles.
