@@ -17,7 +17,6 @@ import torch
 import rfsdp
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import muon_reference  # noqa: E402
 import tp_model as tm  # noqa: E402
 from ranks import raised, run_ranks  # noqa: E402
 
@@ -432,10 +431,7 @@ def test_gradient_accumulation_without_sync_equals_the_whole_batch(got):
 
 def test_muon_matches_float64_one_device(got):
     ranks, _ = got
-    xs, ys = tm.data(SEED, STEPS)
-    torch.manual_seed(SEED)
-    model = tm.Block()
-    losses, want = muon_reference.train(model, list(tm.MATRICES), xs, ys, aux_lr=3e-4, **MUON)
+    losses, want = tm.muon_float64(tm.Block, tm.MATRICES, SEED, STEPS, **MUON)
     assert ranks[0]["muon_losses"] == pytest.approx(losses, rel=1e-5)
     for r in range(4):
         _close(ranks[r]["muon"], want, "Muon, rank %d" % r, tol=1e-5)
@@ -443,11 +439,8 @@ def test_muon_matches_float64_one_device(got):
 
 def test_muon_per_head_sends_nothing_and_matches_float64_one_device(got):
     ranks, _ = got
-    xs, ys = tm.data(SEED, STEPS)
-    torch.manual_seed(SEED)
-    model = tm.Block()
-    losses, want = muon_reference.train(model, ["qkv.weight"], xs, ys, aux_lr=3e-4,
-                                        splits=HEAD_BLOCKS, **MUON)
+    losses, want = tm.muon_float64(tm.Block, ["qkv.weight"], SEED, STEPS, splits=HEAD_BLOCKS,
+                                   **MUON)
     assert ranks[0]["heads_losses"] == pytest.approx(losses, rel=1e-5)
     for r in range(4):
         assert ranks[r]["heads_sent"] == 0, (r, ranks[r]["heads_sent"])
@@ -470,14 +463,9 @@ def test_tiled_optimizers_match_one_process(got, key, cls, kw):
 
 def test_checkpoint_from_the_mesh_goes_on_in_one_process(got):
     ranks, path = got
-    xs, ys = tm.data(SEED, STEPS)
-    torch.manual_seed(SEED)
-    model = tm.Block()
-    opt = rfsdp.optim.AdamW(model.parameters(), **ADAMW)
-    rfsdp.checkpoint.load(path, model, opt)
-    tm.train(model, opt, xs[2:], ys[2:])
-    _close({n: p.detach() for n, p in model.named_parameters()}, ranks[0]["adamw"],
-           "resumed in one process")
+    got_on = tm.resumed_in_one_process(
+        tm.Block, lambda m: rfsdp.optim.AdamW(m.parameters(), **ADAMW), path, SEED, STEPS)
+    _close(got_on, ranks[0]["adamw"], "resumed in one process")
 
 
 def test_refusals_name_the_placement_and_the_way(got):
@@ -497,9 +485,7 @@ def test_hsdp_x_tp_adamw_matches_one_process(got_3d):
 
 
 def test_hsdp_x_tp_muon_matches_float64_one_device(got_3d):
-    xs, ys = tm.data(SEED, STEPS)
-    torch.manual_seed(SEED)
-    _, want = muon_reference.train(tm.Block(), list(tm.MATRICES), xs, ys, aux_lr=3e-4, **MUON)
+    _, want = tm.muon_float64(tm.Block, tm.MATRICES, SEED, STEPS, **MUON)
     for r in range(8):
         _close(got_3d[r]["muon"], want, "HSDP x TP Muon, rank %d" % r, tol=1e-5)
 
@@ -524,10 +510,7 @@ def test_ep_adamw_matches_one_process(got_ep):
 
 def test_ep_muon_whole_experts_send_nothing_and_match_float64_one_device(got_ep):
     ranks, _ = got_ep
-    xs, ys = tm.data(SEED, STEPS)
-    torch.manual_seed(SEED)
-    losses, want = muon_reference.train(tm.MoE(), list(tm.EXPERT_STACKS), xs, ys, aux_lr=3e-4,
-                                        **MUON)
+    losses, want = tm.muon_float64(tm.MoE, tm.EXPERT_STACKS, SEED, STEPS, **MUON)
     assert ranks[0]["muon_losses"] == pytest.approx(losses, rel=1e-5)
     for r in range(4):
         assert ranks[r]["experts_sent"] == 0, (r, ranks[r]["experts_sent"])
@@ -536,10 +519,8 @@ def test_ep_muon_whole_experts_send_nothing_and_match_float64_one_device(got_ep)
 
 def test_ep_muon_per_block_of_each_expert_matches_float64_one_device(got_ep):
     ranks, _ = got_ep
-    xs, ys = tm.data(SEED, STEPS)
-    torch.manual_seed(SEED)
-    _, want = muon_reference.train(tm.MoE(), list(tm.EXPERT_STACKS), xs, ys, aux_lr=3e-4,
-                                   splits=EXPERT_BLOCKS, **MUON)
+    _, want = tm.muon_float64(tm.MoE, tm.EXPERT_STACKS, SEED, STEPS, splits=EXPERT_BLOCKS,
+                              **MUON)
     for r in range(4):
         _close(ranks[r]["muon_blocks"], want, "EP Muon per block, rank %d" % r, tol=1e-5)
 
@@ -553,11 +534,6 @@ def test_ep_adamw8bit_blocks_per_expert_match_one_process(got_ep):
 
 def test_ep_checkpoint_goes_on_in_one_process(got_ep):
     ranks, path = got_ep
-    xs, ys = tm.data(SEED, STEPS)
-    torch.manual_seed(SEED)
-    model = tm.MoE()
-    opt = rfsdp.optim.AdamW(model.parameters(), **ADAMW)
-    rfsdp.checkpoint.load(path, model, opt)
-    tm.train(model, opt, xs[2:], ys[2:])
-    _close({n: p.detach() for n, p in model.named_parameters()}, ranks[0]["adamw"],
-           "EP resumed in one process")
+    got_on = tm.resumed_in_one_process(
+        tm.MoE, lambda m: rfsdp.optim.AdamW(m.parameters(), **ADAMW), path, SEED, STEPS)
+    _close(got_on, ranks[0]["adamw"], "EP resumed in one process")

@@ -21,7 +21,6 @@ import torch
 import rfsdp
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import muon_reference  # noqa: E402
 import tp_model as tm  # noqa: E402
 from ranks import raised, run_ranks  # noqa: E402
 from test_tensor_parallel import TILED, _one_process_fixed, _same, _step_with  # noqa: E402
@@ -156,10 +155,7 @@ def test_3d_adamw_resumed_through_dcp_continues_as_uninterrupted(got3d):
 
 
 def test_3d_muon_matches_float64_one_device(got3d):
-    xs, ys = tm.data(SEED, STEPS)
-    torch.manual_seed(SEED)
-    losses, want = muon_reference.train(tm.Block(), list(tm.MATRICES), xs, ys, aux_lr=3e-4,
-                                        **MUON)
+    losses, want = tm.muon_float64(tm.Block, tm.MATRICES, SEED, STEPS, **MUON)
     assert got3d[0]["muon_losses"] == pytest.approx(losses, rel=1e-5)
     for r in range(8):
         _close(got3d[r]["muon"], want, "Muon, rank %d" % r, tol=1e-5)
@@ -285,13 +281,9 @@ def test_ep_blocks_and_tiles_per_expert_match_one_process(gotep, key, cls, kw):
 def test_ep_checkpoint_loads_into_one_process_and_goes_on(gotep_and_folder):
     got, folder = gotep_and_folder
     _, want = _one_process(tm.MoE, _adamw)
-    xs, ys = tm.data(SEED, STEPS)
-    torch.manual_seed(SEED)
-    model = tm.MoE()
-    opt = rfsdp.optim.AdamW(model.parameters(), **ADAMW)
-    rfsdp.checkpoint.load(folder + "/ep", model, opt)
-    tm.train(model, opt, xs[2:], ys[2:])
-    _close({n: p.detach() for n, p in model.named_parameters()}, want, "EP resumed")
+    got_on = tm.resumed_in_one_process(
+        tm.MoE, lambda m: rfsdp.optim.AdamW(m.parameters(), **ADAMW), folder + "/ep", SEED, STEPS)
+    _close(got_on, want, "EP resumed")
 
 
 def test_ep_torch_adamw_matches_one_process(gotep):
@@ -308,10 +300,8 @@ def test_ep_adamw_matches_one_process(gotep):
 
 
 def test_ep_muon_per_expert_matches_float64_one_device(gotep):
-    xs, ys = tm.data(SEED, STEPS)
-    torch.manual_seed(SEED)
-    losses, want = muon_reference.train(tm.MoE(), list(tm.EXPERT_STACKS) + ["router.weight"],
-                                        xs, ys, aux_lr=3e-4, **MUON)
+    losses, want = tm.muon_float64(tm.MoE, list(tm.EXPERT_STACKS) + ["router.weight"], SEED,
+                                   STEPS, **MUON)
     assert gotep[0]["muon_losses"] == pytest.approx(losses, rel=1e-5)
     for r in range(4):
         _close(gotep[r]["muon"], want, "Muon (EP), rank %d" % r, tol=1e-5)

@@ -14,7 +14,6 @@ import torch
 import rfsdp
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import muon_reference  # noqa: E402
 import tp_model as tm  # noqa: E402
 from ranks import raised, run_ranks  # noqa: E402
 
@@ -207,10 +206,7 @@ def test_nonfinite_gradient_on_one_rank_is_refused_on_every_rank(got):
 
 
 def test_muon_on_the_2d_model_matches_float64_one_device(got):
-    xs, ys = tm.data(SEED, STEPS)
-    torch.manual_seed(SEED)
-    model = tm.Block()
-    losses, want = muon_reference.train(model, list(tm.MATRICES), xs, ys, aux_lr=3e-4, **MUON)
+    losses, want = tm.muon_float64(tm.Block, tm.MATRICES, SEED, STEPS, **MUON)
     assert got[0]["muon_losses"] == pytest.approx(losses, rel=1e-5)
     for r in range(4):
         _close(got[r]["muon"], want, "Muon, rank %d" % r, tol=1e-5)

@@ -124,6 +124,30 @@ def one_process(module, opt_of, seed, steps):
     return losses, {n: p.detach() for n, p in model.named_parameters()}
 
 
+def muon_float64(module, muon_names, seed, steps, **hyper):
+    """The float64 one-device Muon the meshes' Muon is held to: module() seeded with
+    seed, muon_reference.train on data(seed, steps), Muon on muon_names and its
+    AdamW (lr 3e-4) on the rest. Returns (each step's loss, {name: float64 tensor})."""
+    import muon_reference
+    xs, ys = data(seed, steps)
+    torch.manual_seed(seed)
+    return muon_reference.train(module(), list(muon_names), xs, ys, aux_lr=3e-4, **hyper)
+
+
+def resumed_in_one_process(module, opt_of, path, seed, steps):
+    """module() seeded with seed and opt_of(model) loaded from an rfsdp.checkpoint
+    saved after 2 steps, then the steps from the third of data(seed, steps):
+    {name: parameter}."""
+    import rfsdp
+    xs, ys = data(seed, steps)
+    torch.manual_seed(seed)
+    model = module()
+    opt = opt_of(model)
+    rfsdp.checkpoint.load(path, model, opt)
+    train(model, opt, xs[2:], ys[2:])
+    return {n: p.detach() for n, p in model.named_parameters()}
+
+
 def one_process_fixed(module, opt_of, seed, steps):
     """module() seeded with seed, stepped by opt_of(model) on gradients(seed,
     steps, module) in one process: (the model, the optimizer)."""
