@@ -12,12 +12,14 @@
 #include <limits>
 #include <random>
 #include <stdexcept>
+#include <string>
 #include <vector>
 
 #include "quant/formats/code_index.h"
 #include "quant/formats/code_maps.h"
 #include "quant/kernels/cpu/avx2.h"
 #include "quant/kernels/cpu/avx512.h"
+#include "quant/kernels/cpu/gathers.h"
 #include "quant/kernels/cpu/kernels.h"
 #include "tests/cpp/quant_isas.h"
 #include "tests/cpp/test_util.h"
@@ -130,6 +132,30 @@ TEST(CodeIndex, RefusedWhereTheStructureDoesNotFit) {
 
 // Quantised by every kernel set, each block holding a +-1 so its scale is exactly
 // 1: the codes must be the binary search's for the very values given.
+// RFSDP_QUANT_GATHERS (cpu/gathers.h): 1 and 0 set the AVX-512 encode path, unset
+// leaves the CPU's default, and any other value is an error that names it.
+TEST(Kernels, GathersSettingReadsOneOrZeroAndRefusesOtherValues) {
+  const char* before = std::getenv("RFSDP_QUANT_GATHERS");
+  const std::string saved = before ? before : "";
+  setenv("RFSDP_QUANT_GATHERS", "1", 1);
+  EXPECT_TRUE(cpu::gathers_by_default());
+  setenv("RFSDP_QUANT_GATHERS", "0", 1);
+  EXPECT_FALSE(cpu::gathers_by_default());
+  for (const char* bad : {"yes", "", "true", "2"}) {
+    setenv("RFSDP_QUANT_GATHERS", bad, 1);
+    try {
+      cpu::gathers_by_default();
+      ADD_FAILURE() << "'" << bad << "' accepted";
+    } catch (const std::invalid_argument& e) {
+      EXPECT_NE(std::string(e.what()).find("RFSDP_QUANT_GATHERS is '" + std::string(bad) + "'"),
+                std::string::npos) << e.what();
+    }
+  }
+  unsetenv("RFSDP_QUANT_GATHERS");
+  EXPECT_NO_THROW(cpu::gathers_by_default());
+  if (before) setenv("RFSDP_QUANT_GATHERS", saved.c_str(), 1);
+}
+
 TEST(Kernels, QuantiseGivesTheSearchsCodeForEveryValue) {
   const uint64_t seed = fresh_seed();
   SCOPED_TRACE("seed " + std::to_string(seed));

@@ -94,7 +94,7 @@ struct IndexRegs {
         a(_mm512_loadu_ps(lut.index()->a)),
         b(_mm512_loadu_ps(lut.index()->b)),
         mid(lut.index_mid_planes()),
-        entry(lut.table_exact() && gathers_used() ? lut.entry_by_top16() : nullptr),
+        entry(gathers_used() && lut.table_exact() ? lut.entry_by_top16() : nullptr),
         code_mid(lut.mid()) {}
 };
 

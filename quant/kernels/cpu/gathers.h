@@ -6,22 +6,28 @@
 // overlapped the shuffles (as fast or faster); on AMD Zen 5 a 16-lane gather costs
 // so much that the index alone runs the AdamW8bit step 1.6x faster (1 Mi elements:
 // 1.05-1.12 -> 0.63-0.72 ms, bench/bench_quant.cpp; issue 57). Default: gathers on
-// Intel CPUs only; RFSDP_QUANT_GATHERS=1 or =0 sets it either way (other values are
-// ignored, as RFSDP_QUANT_ISA's), use_gathers switches it (the tests run both on
-// every CPU). Here, not in kernels.h, so cpu/avx512.cpp reads it without depending
+// Intel CPUs only; RFSDP_QUANT_GATHERS=1 or =0 sets it either way (another value is
+// an error at the first kernel that reads it), use_gathers switches it (the tests
+// run both on every CPU). Here, not in kernels.h, so cpu/avx512.cpp reads it without depending
 // on the dispatch above it.
 #pragma once
 
 #include <atomic>
 #include <cstdlib>
 #include <cstring>
+#include <stdexcept>
+#include <string>
 
 namespace rfsdp::quant::cpu {
 
 inline bool gathers_by_default() {
-  const char* env = std::getenv("RFSDP_QUANT_GATHERS");
-  if (env && std::strcmp(env, "1") == 0) return true;
-  if (env && std::strcmp(env, "0") == 0) return false;
+  if (const char* env = std::getenv("RFSDP_QUANT_GATHERS")) {
+    if (std::strcmp(env, "1") == 0) return true;
+    if (std::strcmp(env, "0") == 0) return false;
+    throw std::invalid_argument(std::string("RFSDP_QUANT_GATHERS is '") + env +
+                                "': set it to 1 (the code table's gathers) or 0 (shuffles "
+                                "only), or unset it (gathers on Intel CPUs)");
+  }
 #if defined(__x86_64__) && defined(__GNUC__)
   __builtin_cpu_init();
   return __builtin_cpu_is("intel");
