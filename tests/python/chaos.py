@@ -79,6 +79,17 @@ def read_json(path):
         return None
 
 
+def write_json(path, value):
+    """value as JSON at path, whole or not at all (a hidden temporary file renamed over
+    it, which the driver's count of done_ files does not see): the driver and the
+    ranks read each other's files while they are written, and a done file seen empty
+    once let a rank fire the next kill in the same attempt (two kills, one restart)."""
+    tmp = os.path.join(os.path.dirname(path), "." + os.path.basename(path) + ".tmp")
+    with open(tmp, "w") as f:
+        json.dump(value, f)
+    os.replace(tmp, path)
+
+
 def drive(proc, chaos_dir, plan, timeout, log):
     """Runs the external kills of the plan while the job runs; returns its output
     (the file `log` start_torchrun wrote it to)."""
@@ -96,8 +107,8 @@ def drive(proc, chaos_dir, plan, timeout, log):
             # both ranks of this attempt (one restart per kill so far) are training
             if all(x and x["attempt"] == done and x["steps"] >= 2 for x in p):
                 time.sleep(plan[k]["delay"])
-                with open(os.path.join(chaos_dir, "done_%d" % k), "w") as f:
-                    json.dump(dict(plan[k], attempt=done, steps=p[plan[k]["rank"]]["steps"]), f)
+                write_json(os.path.join(chaos_dir, "done_%d" % k),
+                           dict(plan[k], attempt=done, steps=p[plan[k]["rank"]]["steps"]))
                 try:
                     os.kill(p[plan[k]["rank"]]["pid"], signal.SIGKILL)
                 except ProcessLookupError:

@@ -26,6 +26,7 @@ import rfsdp
 import rfsdp.checkpoint as ckpt
 import rfsdp.fsdp.unit as unit_mod
 import rfsdp.optim.base as optim_mod  # (the home of _agreed, which every step calls)
+from chaos import write_json  # (torchrun runs this file from its folder)
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 JOB = os.path.join(HERE, "..", "..", "examples", "train_gpt.py")
@@ -66,15 +67,13 @@ def event(name):
         return
     if killed_in_this_attempt(k):
         return
-    with open(os.path.join(DIR, "done_%d" % k), "w") as f:
-        json.dump(dict(kill, attempt=ATTEMPT, steps=steps[0]), f)
+    write_json(os.path.join(DIR, "done_%d" % k), dict(kill, attempt=ATTEMPT, steps=steps[0]))
     os.kill(os.getpid(), signal.SIGKILL)
 
 
 def progress():
-    with open(os.path.join(DIR, "progress_%d.tmp" % RANK), "w") as f:
-        json.dump({"pid": os.getpid(), "attempt": ATTEMPT, "steps": steps[0]}, f)
-    os.replace(os.path.join(DIR, "progress_%d.tmp" % RANK), os.path.join(DIR, "progress_%d" % RANK))
+    write_json(os.path.join(DIR, "progress_%d" % RANK),
+               {"pid": os.getpid(), "attempt": ATTEMPT, "steps": steps[0]})
 
 
 def wrap(owner, attr, before):
